@@ -1,0 +1,241 @@
+"""Paged KV cache with per-page key bounds, shared by many sequences of different lengths."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from questkv import ops
+
+
+class CacheFullError(RuntimeError):
+    """The page pool (or a sequence's page-table row, or the sequence slots) has no room left."""
+
+
+class LayerPages(NamedTuple):
+    """One layer's view of the pool.
+
+    k_pages, v_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``;
+    kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, the dtype of ``k_pages``.
+    """
+
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+
+
+class PagedKVCache:
+    """A pool of KV pages for ``num_layers`` layers, with a page table per sequence.
+
+    A physical page holds ``page_size`` consecutive tokens of one sequence in every layer, so one
+    page table serves all layers. Storage (per layer ``l``, see :meth:`layer`):
+
+    * ``k_pages[l]``, ``v_pages[l]``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (``dtype``);
+    * ``kmin[l]``, ``kmax[l]``: ``[num_pages, num_kv_heads, head_dim]``, element-wise min / max of
+      the page's written keys, kept in ``dtype`` (exact: min and max pick one of their inputs);
+    * ``block_table``: ``[max_seqs, max_pages_per_seq]`` int32 and ``lengths``: ``[max_seqs]``
+      int32, on ``device``, indexed by sequence id (padded, fixed shape: usable under CUDA graphs).
+
+    Appending is two steps so that a model can write layer by layer: :meth:`reserve` allocates
+    pages and advances the lengths once per forward pass, :meth:`write` stores one layer's K/V.
+    :meth:`append` does both for all layers at once.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int = 16,
+        max_seqs: int = 64,
+        max_pages_per_seq: Optional[int] = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("max_seqs", max_seqs),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedKVCache {name} must be a positive int, got {value!r}")
+        if page_size & (page_size - 1):
+            raise ValueError(f"PagedKVCache page_size must be a power of two, got {page_size}")
+        if max_pages_per_seq is None:
+            max_pages_per_seq = num_pages
+        if not 1 <= max_pages_per_seq <= num_pages:
+            raise ValueError(f"max_pages_per_seq must be in [1, num_pages={num_pages}], got {max_pages_per_seq}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"PagedKVCache dtype must be a float dtype, got {dtype}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_seqs = max_seqs
+        self.max_pages_per_seq = max_pages_per_seq
+        self.backend = backend
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
+        bounds_shape = (num_layers, num_pages, num_kv_heads, head_dim)
+        self.kmin = torch.full(bounds_shape, float("inf"), dtype=dtype, device=device)
+        self.kmax = torch.full(bounds_shape, float("-inf"), dtype=dtype, device=device)
+        self.block_table = torch.zeros((max_seqs, max_pages_per_seq), dtype=torch.int32, device=device)
+        self.lengths = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self._free_seqs: list[int] = list(range(max_seqs - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_pages.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_pages.shape[4]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_pages.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_pages.device
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def sequences(self) -> list[int]:
+        """Ids of the live sequences, in allocation order."""
+        return list(self._pages)
+
+    def layer(self, layer_idx: int) -> LayerPages:
+        """Views of one layer's pages and bounds (no copy)."""
+        return LayerPages(self.k_pages[layer_idx], self.v_pages[layer_idx], self.kmin[layer_idx], self.kmax[layer_idx])
+
+    def seq_len(self, seq_id: int) -> int:
+        self._check_seq(seq_id)
+        return self._lens[seq_id]
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        """Physical pages of ``seq_id`` in logical order (a copy)."""
+        self._check_seq(seq_id)
+        return list(self._pages[seq_id])
+
+    def add_sequence(self) -> int:
+        """Start an empty sequence and return its id (a row of ``block_table``)."""
+        if not self._free_seqs:
+            raise CacheFullError(f"all {self.max_seqs} sequence slots are in use; free one or raise max_seqs")
+        seq_id = self._free_seqs.pop()
+        self._pages[seq_id] = []
+        self._lens[seq_id] = 0
+        self.lengths[seq_id] = 0
+        return seq_id
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Return a sequence's pages and id to the pool."""
+        self._check_seq(seq_id)
+        self._free_pages.extend(reversed(self._pages.pop(seq_id)))
+        del self._lens[seq_id]
+        self.lengths[seq_id] = 0
+        self._free_seqs.append(seq_id)
+
+    def reserve(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> torch.Tensor:
+        """Make room for ``num_tokens[i]`` new tokens at the end of sequence ``seq_ids[i]``.
+
+        Allocates pages and advances the lengths (all layers share them). Either every sequence
+        grows or, on error, nothing changes.
+
+        Returns:
+            ``[sum(num_tokens)]`` int64 slots (``page * page_size + offset``) on the cache's device,
+            sequence after sequence, in token order: the ``slots`` argument of :meth:`write`.
+        """
+        seq_ids, num_tokens = list(seq_ids), list(num_tokens)
+        if len(seq_ids) != len(num_tokens):
+            raise ValueError(f"reserve got {len(seq_ids)} seq_ids but {len(num_tokens)} token counts")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"reserve got a repeated sequence id in {seq_ids}")
+        new_pages = []
+        for seq_id, count in zip(seq_ids, num_tokens):
+            self._check_seq(seq_id)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"token count for sequence {seq_id} must be an int >= 0, got {count!r}")
+            have = len(self._pages[seq_id])
+            need = -(-(self._lens[seq_id] + count) // self.page_size)
+            if need > self.max_pages_per_seq:
+                raise CacheFullError(
+                    f"sequence {seq_id} would need {need} pages, more than max_pages_per_seq={self.max_pages_per_seq}"
+                )
+            new_pages.append(need - have)
+        if sum(new_pages) > len(self._free_pages):
+            raise CacheFullError(
+                f"page pool exhausted: {sum(new_pages)} pages needed, {len(self._free_pages)} free of {self.num_pages}"
+            )
+        slots = []
+        for seq_id, count, extra in zip(seq_ids, num_tokens, new_pages):
+            pages = self._pages[seq_id]
+            first_new = len(pages)
+            pages.extend(self._free_pages.pop() for _ in range(extra))
+            if extra:
+                self.block_table[seq_id, first_new : first_new + extra] = torch.tensor(
+                    pages[first_new:], dtype=torch.int32
+                )
+            start = self._lens[seq_id]
+            positions = torch.arange(start, start + count)
+            page_ids = torch.tensor(pages, dtype=torch.long)[positions // self.page_size] if count else positions
+            slots.append(page_ids * self.page_size + positions % self.page_size)
+            self._lens[seq_id] = start + count
+            self.lengths[seq_id] = start + count
+        return torch.cat(slots).to(self.device) if slots else torch.empty(0, dtype=torch.long, device=self.device)
+
+    def write(self, layer_idx: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one layer's keys and values ``[len(slots), num_kv_heads, head_dim]`` at ``slots``
+        (from :meth:`reserve`) and update that layer's page bounds."""
+        expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
+        for name, tensor in (("keys", keys), ("values", values)):
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"write: {name} must have shape {expected}, got {tuple(tensor.shape)}")
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"write: layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
+        ops.append_kv(*self.layer(layer_idx), slots, keys, values, backend=self.backend)
+
+    def append(
+        self, seq_ids: Sequence[int], num_tokens: Sequence[int], keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Reserve and write all layers: ``keys``/``values`` are ``[num_layers, sum(num_tokens),
+        num_kv_heads, head_dim]``, sequence after sequence. Returns the slots."""
+        expected = (self.num_layers, sum(num_tokens), self.num_kv_heads, self.head_dim)
+        for name, tensor in (("keys", keys), ("values", values)):
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"append: {name} must have shape {expected}, got {tuple(tensor.shape)}")
+        slots = self.reserve(seq_ids, num_tokens)
+        for layer_idx in range(self.num_layers):
+            self.write(layer_idx, slots, keys[layer_idx], values[layer_idx])
+        return slots
+
+    def batch(self, seq_ids: Sequence[int], max_pages: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page table ``[len(seq_ids), max_pages]`` int32 and lengths ``[len(seq_ids)]`` int32 on the
+        cache's device. ``max_pages`` defaults to the longest sequence's page count; a fixed value
+        (e.g. ``max_pages_per_seq``) gives a shape that does not change from step to step."""
+        for seq_id in seq_ids:
+            self._check_seq(seq_id)
+        if max_pages is None:
+            max_pages = max((len(self._pages[s]) for s in seq_ids), default=0)
+        rows = torch.tensor(list(seq_ids), dtype=torch.long, device=self.device)
+        return self.block_table[rows, :max_pages], self.lengths[rows]
+
+    def _check_seq(self, seq_id: int) -> None:
+        if seq_id not in self._pages:
+            raise KeyError(f"unknown sequence id {seq_id!r}; live sequences: {sorted(self._pages)}")

@@ -1,0 +1,68 @@
+"""Quest ops behind one dispatch point.
+
+Every op has a torch reference (:mod:`questkv.ops.reference`) and, for CUDA tensors, a Triton
+kernel with the same signature. ``backend="auto"`` picks the kernel for CUDA tensors and the
+reference otherwise; ``"torch"`` and ``"triton"`` force one. Layouts are documented in
+:mod:`questkv.ops.reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import torch
+
+from questkv.config import BACKENDS
+from questkv.ops import reference
+
+__all__ = ["append_kv", "page_scores", "select_pages", "paged_decode_attention", "resolve_backend"]
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_module() -> ModuleType:
+    try:
+        return importlib.import_module("questkv.ops.triton")
+    except ImportError as error:
+        raise RuntimeError(f"backend='triton' needs the triton package: {error}") from error
+
+
+def resolve_backend(tensor: torch.Tensor, backend: str = "auto") -> ModuleType:
+    """The module (reference or Triton) that runs an op on ``tensor`` under ``backend``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and not tensor.is_cuda):
+        return reference
+    if backend == "auto":
+        try:
+            return _triton_module()
+        except RuntimeError:
+            return reference
+    return _triton_module()
+
+
+def append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values, backend: str = "auto") -> None:
+    """See :func:`questkv.ops.reference.append_kv`."""
+    resolve_backend(k_pages, backend).append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values)
+
+
+def page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection="kv_head", group_reduction="sum", backend="auto"):
+    """See :func:`questkv.ops.reference.page_scores`."""
+    return resolve_backend(q, backend).page_scores(
+        q, kmin, kmax, page_table, seq_lens, page_size, selection, group_reduction
+    )
+
+
+def select_pages(scores, seq_lens, page_size, budget_pages, sink_pages=0, recent_pages=0, backend="auto"):
+    """See :func:`questkv.ops.reference.select_pages`."""
+    return resolve_backend(scores, backend).select_pages(
+        scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages
+    )
+
+
+def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected=None, sm_scale=None, backend="auto"):
+    """See :func:`questkv.ops.reference.paged_decode_attention`."""
+    return resolve_backend(q, backend).paged_decode_attention(
+        q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale
+    )

@@ -1,0 +1,210 @@
+"""Torch reference of every Quest op: clear, device-agnostic, the oracle for the kernels.
+
+Layouts shared by all ops (FlashInfer's "NHD" page layout):
+
+* ``k_pages``, ``v_pages``: ``[num_pages, page_size, num_kv_heads, head_dim]``, any float dtype.
+* ``kmin``, ``kmax``: ``[num_pages, num_kv_heads, head_dim]``, same dtype as ``k_pages``: the
+  element-wise min / max over the written keys of each page. Min and max select one of their
+  inputs, so storing them in the keys' dtype is exact and the bound property is never lost.
+* ``page_table``: ``[batch, max_pages]`` int32, row ``b`` lists the physical pages of sequence
+  ``b`` in order; entries at or past ``ceil(seq_lens[b] / page_size)`` are padding and never read.
+* ``seq_lens``: ``[batch]`` int32, tokens in each sequence (>= 1 for attention ops), the current
+  decode token included.
+* ``q``: ``[batch, num_q_heads, head_dim]``, one decode query per sequence; ``num_q_heads`` is a
+  multiple of ``num_kv_heads`` and query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+* Page selections are *logical* page indices (positions in a page-table row), ``[batch,
+  num_sel_heads, k]`` int32 sorted ascending with ``-1`` padding at the end; ``num_sel_heads`` is
+  ``num_kv_heads`` (one set per KV head, shared by its query group) or ``num_q_heads``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+def append_kv(
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    slots: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Write tokens into the page pool and update the touched pages' key bounds, in place.
+
+    Args:
+        k_pages, v_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``.
+        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, dtype of ``k_pages``.
+        slots: ``[num_tokens]`` integer, ``page * page_size + offset`` of every new token; slots are
+            distinct, and a page's slots are written in order (offset 0 starts a page).
+        keys, values: ``[num_tokens, num_kv_heads, head_dim]``; cast to the pool's dtype.
+
+    A token written at offset 0 starts its page: that page's bounds restart from the new keys, so a
+    reused page never keeps bounds of its previous owner. Other tokens widen the existing bounds.
+    """
+    page_size = k_pages.shape[1]
+    slots = slots.long()
+    pages = slots // page_size
+    offsets = slots % page_size
+    keys = keys.to(k_pages.dtype)
+    k_pages[pages, offsets] = keys
+    v_pages[pages, offsets] = values.to(v_pages.dtype)
+    fresh = pages[offsets == 0]
+    kmin[fresh] = float("inf")
+    kmax[fresh] = float("-inf")
+    index = pages[:, None, None].expand_as(keys)
+    kmin.scatter_reduce_(0, index, keys, reduce="amin", include_self=True)
+    kmax.scatter_reduce_(0, index, keys, reduce="amax", include_self=True)
+
+
+def page_scores(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    selection: str = "kv_head",
+    group_reduction: str = "sum",
+) -> torch.Tensor:
+    """Quest criticality of every page: ``sum_i max(q_i * kmin_i, q_i * kmax_i)``.
+
+    For every query head the score is an upper bound of ``q . k`` over the keys of the page.
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``.
+        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``.
+        page_table: ``[batch, max_pages]`` int32. seq_lens: ``[batch]`` int32.
+        selection: ``"q_head"`` scores per query head; ``"kv_head"`` combines each KV head's
+            query group with ``group_reduction`` (``"sum"`` or ``"max"``).
+
+    Returns:
+        ``[batch, num_sel_heads, max_pages]`` float32; pages past a sequence's length are ``-inf``.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = kmin.shape[1]
+    group = num_q_heads // num_kv_heads
+    table = page_table.long()
+    lo = kmin[table].float()  # [B, P, Hkv, D]
+    hi = kmax[table].float()
+    qg = q.float().view(batch, 1, num_kv_heads, group, head_dim)
+    per_q = torch.maximum(qg * lo[:, :, :, None], qg * hi[:, :, :, None]).sum(-1)  # [B, P, Hkv, G]
+    if selection == "q_head":
+        scores = per_q.reshape(batch, -1, num_q_heads).transpose(1, 2)
+    elif group_reduction == "sum":
+        scores = per_q.sum(-1).transpose(1, 2)
+    else:
+        scores = per_q.amax(-1).transpose(1, 2)
+    valid = _valid_pages(seq_lens, page_size, page_table.shape[1])
+    return scores.masked_fill(~valid[:, None, :], float("-inf")).contiguous()
+
+
+def select_pages(
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    budget_pages: int,
+    sink_pages: int = 0,
+    recent_pages: int = 0,
+) -> torch.Tensor:
+    """Top-``budget_pages`` pages per (sequence, head), with always-kept pages forced in.
+
+    Forced pages: the first ``sink_pages``, the ``recent_pages`` full pages before the current one,
+    and the current (last) page. The rest of the budget goes to the highest-scoring pages; ties go
+    to the lower page index. A sequence with at most ``budget_pages`` pages gets all of them.
+
+    Args:
+        scores: ``[batch, num_sel_heads, max_pages]`` float32 from :func:`page_scores`.
+        seq_lens: ``[batch]`` int32.
+
+    Returns:
+        ``[batch, num_sel_heads, budget_pages]`` int32 logical page indices, ascending, ``-1``-padded.
+    """
+    batch, heads, max_pages = scores.shape
+    num_pages = _num_pages(seq_lens, page_size)[:, None]
+    index = torch.arange(max_pages, device=scores.device)[None, :]
+    valid = index < num_pages
+    forced = valid & ((index < sink_pages) | (index >= num_pages - 1 - recent_pages))
+    key = scores.masked_fill(forced[:, None, :], float("inf"))
+    # Invalid pages sort after every valid one, even a valid page scored -inf.
+    rank = torch.stack([valid[:, None, :].expand_as(key).float(), key], dim=-1)
+    order = _lexsort_desc(rank)[..., :budget_pages]
+    chosen_valid = valid[:, None, :].expand(batch, heads, max_pages).gather(-1, order)
+    chosen = torch.where(chosen_valid, order, max_pages)
+    chosen = chosen.sort(dim=-1).values
+    chosen = torch.where(chosen == max_pages, -1, chosen)
+    if chosen.shape[-1] < budget_pages:
+        pad = chosen.new_full((batch, heads, budget_pages - chosen.shape[-1]), -1)
+        chosen = torch.cat([chosen, pad], dim=-1)
+    return chosen.to(torch.int32)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    selected: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Decode attention of one query per sequence over a set of its pages.
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``.
+        k_pages, v_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``.
+        page_table: ``[batch, max_pages]`` int32. seq_lens: ``[batch]`` int32, each >= 1.
+        selected: ``[batch, num_kv_heads or num_q_heads, k]`` int32 logical pages (``-1`` = none),
+            or ``None`` for every page of the sequence (dense paged decode).
+        sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype. Softmax and accumulation run in
+        float32. Slots past ``seq_lens`` and pages not selected are never read into the result
+        (NaN there does not propagate).
+    """
+    batch, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    if selected is None:
+        pages = torch.arange(page_table.shape[1], device=q.device, dtype=torch.long)
+        selected = pages.expand(batch, num_kv_heads, -1)
+    selected = selected.long()
+    sel_heads = selected.shape[1]
+    group = num_q_heads // sel_heads  # query heads sharing one page set
+    kv_head = torch.arange(sel_heads, device=q.device) // (sel_heads // num_kv_heads)
+    physical = page_table.long().gather(1, selected.clamp(min=0).flatten(1)).view_as(selected)
+    offsets = torch.arange(page_size, device=q.device)
+    k = k_pages[physical[..., None], offsets, kv_head[None, :, None, None]]  # [B, Hs, K, ps, D]
+    v = v_pages[physical[..., None], offsets, kv_head[None, :, None, None]]
+    position = selected[..., None] * page_size + offsets  # [B, Hs, K, ps]
+    valid = (selected[..., None] >= 0) & (position < seq_lens.long()[:, None, None, None])
+    k = torch.where(valid[..., None], k.float(), 0.0).flatten(2, 3)  # [B, Hs, K*ps, D]
+    v = torch.where(valid[..., None], v.float(), 0.0).flatten(2, 3)
+    qg = q.float().view(batch, sel_heads, group, head_dim)
+    logits = torch.einsum("bhgd,bhtd->bhgt", qg, k) * sm_scale
+    logits = logits.masked_fill(~valid.flatten(2)[:, :, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhgt,bhtd->bhgd", probs, v)
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def _num_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (seq_lens.long() + page_size - 1) // page_size
+
+
+def _valid_pages(seq_lens: torch.Tensor, page_size: int, max_pages: int) -> torch.Tensor:
+    index = torch.arange(max_pages, device=seq_lens.device)[None, :]
+    return index < _num_pages(seq_lens, page_size)[:, None]
+
+
+def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:
+    """Indices sorting the last-but-one dim by ``rank[..., 0]`` then ``rank[..., 1]``, descending, stable."""
+    order = rank[..., 1].argsort(dim=-1, descending=True, stable=True)
+    primary = rank[..., 0].gather(-1, order)
+    return order.gather(-1, primary.argsort(dim=-1, descending=True, stable=True))
