@@ -194,8 +194,9 @@ class PagedKVCache:
                 )
             start = self._lens[seq_id]
             positions = torch.arange(start, start + count)
-            page_ids = torch.tensor(pages, dtype=torch.long)[positions // self.page_size] if count else positions
-            slots.append(page_ids * self.page_size + positions % self.page_size)
+            if count:
+                page_ids = torch.tensor(pages, dtype=torch.long)[positions // self.page_size]
+                slots.append(page_ids * self.page_size + positions % self.page_size)
             self._lens[seq_id] = start + count
             self.lengths[seq_id] = start + count
         return torch.cat(slots).to(self.device) if slots else torch.empty(0, dtype=torch.long, device=self.device)
@@ -233,6 +234,8 @@ class PagedKVCache:
             self._check_seq(seq_id)
         if max_pages is None:
             max_pages = max((len(self._pages[s]) for s in seq_ids), default=0)
+        elif not 0 <= max_pages <= self.max_pages_per_seq:
+            raise ValueError(f"batch: max_pages must be in [0, max_pages_per_seq={self.max_pages_per_seq}], got {max_pages}")
         rows = torch.tensor(list(seq_ids), dtype=torch.long, device=self.device)
         return self.block_table[rows, :max_pages], self.lengths[rows]
 

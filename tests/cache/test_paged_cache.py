@@ -1,0 +1,202 @@
+"""PagedKVCache: bounds, ownership and atomic failures, incl. a hypothesis state machine."""
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from questkv import CacheFullError, PagedKVCache
+
+LAYERS, HEADS, DIM, PAGE, POOL = 2, 2, 4, 4, 12
+
+
+def random_kv(layers, tokens, dtype=torch.float32):
+    """Mixed-sign keys with per-dimension offsets, so bounds are not all centred at zero."""
+    keys = torch.randn(layers, tokens, HEADS, DIM) * 3 + torch.randn(DIM)
+    return keys.to(dtype), torch.randn(layers, tokens, HEADS, DIM).to(dtype)
+
+
+def snapshot(cache):
+    return (
+        cache.k_pages.clone(), cache.v_pages.clone(), cache.kmin.clone(), cache.kmax.clone(),
+        cache.block_table.clone(), cache.lengths.clone(), cache.num_free_pages,
+        {s: (cache.pages_of(s), cache.seq_len(s)) for s in cache.sequences},
+    )
+
+
+def assert_same(a, b):
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)
+        else:
+            assert x == y
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random add / append (prefill chunks and one-token decode steps) / free; a shadow list of
+    every sequence's keys and values is the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PagedKVCache(LAYERS, HEADS, DIM, POOL, PAGE, max_seqs=4)
+        self.shadow = {}
+
+    @precondition(lambda self: len(self.shadow) < 4)
+    @rule()
+    def add(self):
+        self.shadow[self.cache.add_sequence()] = ([], [])
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data())
+    def append(self, data):
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.shadow)), min_size=1, max_size=4, unique=True))
+        decode = data.draw(st.booleans())
+        counts = [1] * len(ids) if decode else data.draw(
+            st.lists(st.integers(0, 9), min_size=len(ids), max_size=len(ids)))
+        keys, values = random_kv(LAYERS, sum(counts))
+        before = snapshot(self.cache)
+        try:
+            self.cache.append(ids, counts, keys, values)
+        except CacheFullError:
+            assert_same(snapshot(self.cache), before)
+            return
+        start = 0
+        for seq_id, count in zip(ids, counts):
+            self.shadow[seq_id][0].append(keys[:, start : start + count])
+            self.shadow[seq_id][1].append(values[:, start : start + count])
+            start += count
+
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.shadow)))
+        self.cache.free_sequence(seq_id)
+        del self.shadow[seq_id]
+
+    @invariant()
+    def pages_owned_once_and_none_leaked(self):
+        owned = [p for s in self.cache.sequences for p in self.cache.pages_of(s)]
+        assert len(owned) == len(set(owned))
+        assert len(owned) + self.cache.num_free_pages == POOL
+        if not self.shadow:
+            assert self.cache.num_free_pages == POOL
+
+    @invariant()
+    def contents_and_bounds_match_the_stored_keys(self):
+        for seq_id, (key_chunks, value_chunks) in self.shadow.items():
+            keys = torch.cat(key_chunks, dim=1) if key_chunks else torch.empty(LAYERS, 0, HEADS, DIM)
+            values = torch.cat(value_chunks, dim=1) if value_chunks else torch.empty(LAYERS, 0, HEADS, DIM)
+            length = keys.shape[1]
+            pages = self.cache.pages_of(seq_id)
+            assert self.cache.seq_len(seq_id) == length == int(self.cache.lengths[seq_id])
+            assert len(pages) == -(-length // PAGE)
+            assert self.cache.block_table[seq_id, : len(pages)].tolist() == pages
+            for logical, page in enumerate(pages):
+                chunk = slice(logical * PAGE, min(length, (logical + 1) * PAGE))
+                written = chunk.stop - chunk.start
+                stored = self.cache.k_pages[:, page, :written]
+                assert torch.equal(stored, keys[:, chunk])
+                assert torch.equal(self.cache.v_pages[:, page, :written], values[:, chunk])
+                assert torch.equal(self.cache.kmin[:, page], stored.amin(dim=1))
+                assert torch.equal(self.cache.kmax[:, page], stored.amax(dim=1))
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_bounds_are_exact_in_the_cache_dtype(dtype):
+    cache = PagedKVCache(1, HEADS, DIM, 4, PAGE, dtype=dtype)
+    seq = cache.add_sequence()
+    keys, values = random_kv(1, 7, dtype)
+    cache.append([seq], [7], keys, values)
+    for token in range(7):
+        page = cache.pages_of(seq)[token // PAGE]
+        assert (cache.kmin[0, page] <= keys[0, token]).all() and (cache.kmax[0, page] >= keys[0, token]).all()
+    assert cache.kmin.dtype == dtype
+
+
+def test_reused_page_does_not_keep_the_previous_owners_bounds():
+    cache = PagedKVCache(1, HEADS, DIM, 1, PAGE)
+    first = cache.add_sequence()
+    cache.append([first], [PAGE], torch.full((1, PAGE, HEADS, DIM), -50.0) + torch.randn(1, PAGE, HEADS, DIM),
+                 torch.randn(1, PAGE, HEADS, DIM))
+    cache.free_sequence(first)
+    second = cache.add_sequence()
+    keys, values = random_kv(1, 1)
+    cache.append([second], [1], keys, values)
+    assert torch.equal(cache.kmin[0, 0], keys[0, 0]) and torch.equal(cache.kmax[0, 0], keys[0, 0])
+
+
+def test_pool_exhaustion_raises_and_changes_nothing():
+    cache = PagedKVCache(LAYERS, HEADS, DIM, 3, PAGE)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    keys, values = random_kv(LAYERS, 5)
+    cache.append([a], [5], keys, values)
+    before = snapshot(cache)
+    keys, values = random_kv(LAYERS, 6)
+    with pytest.raises(CacheFullError, match="page pool exhausted: 2 pages needed, 1 free of 3"):
+        cache.append([a, b], [1, 5], keys, values)
+    assert_same(snapshot(cache), before)
+
+
+def test_per_sequence_page_limit_and_sequence_slots():
+    cache = PagedKVCache(1, HEADS, DIM, 8, PAGE, max_seqs=1, max_pages_per_seq=2)
+    seq = cache.add_sequence()
+    with pytest.raises(CacheFullError, match="max_pages_per_seq=2"):
+        cache.reserve([seq], [2 * PAGE + 1])
+    assert cache.seq_len(seq) == 0 and cache.num_free_pages == 8
+    with pytest.raises(CacheFullError, match="sequence slots"):
+        cache.add_sequence()
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda c, s: c.reserve([s], [-1]), ValueError, "must be an int >= 0, got -1"),
+        (lambda c, s: c.reserve([s, s], [1, 1]), ValueError, "repeated sequence id"),
+        (lambda c, s: c.reserve([s], [1, 2]), ValueError, "1 seq_ids but 2 token counts"),
+        (lambda c, s: c.reserve([99], [1]), KeyError, "unknown sequence id 99"),
+        (lambda c, s: c.free_sequence(7), KeyError, "unknown sequence id 7"),
+        (lambda c, s: c.append([s], [2], *random_kv(1, 2)), ValueError, r"keys must have shape \(2, 2, 2, 4\)"),
+        (lambda c, s: c.write(5, torch.zeros(1, dtype=torch.long), *[t[0] for t in random_kv(1, 1)]),
+         ValueError, r"layer_idx must be in \[0, 2\), got 5"),
+    ],
+)
+def test_bad_input_raises_clearly_and_changes_nothing(call, error, message):
+    cache = PagedKVCache(LAYERS, HEADS, DIM, 4, PAGE)
+    seq = cache.add_sequence()
+    before = snapshot(cache)
+    with pytest.raises(error, match=message):
+        call(cache, seq)
+    assert_same(snapshot(cache), before)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"page_size": 6}, "page_size must be a power of two, got 6"),
+        ({"num_pages": 0}, "num_pages must be a positive int, got 0"),
+        ({"max_pages_per_seq": 9}, r"max_pages_per_seq must be in \[1, num_pages=8\], got 9"),
+        ({"dtype": torch.int32}, "dtype must be a float dtype"),
+    ],
+)
+def test_constructor_validation(kwargs, message):
+    args = dict(num_layers=1, num_kv_heads=HEADS, head_dim=DIM, num_pages=8, page_size=PAGE)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        PagedKVCache(**args)
+
+
+def test_batch_returns_padded_table_and_lengths():
+    cache = PagedKVCache(1, HEADS, DIM, 8, PAGE, max_pages_per_seq=4)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append([a, b], [9, 2], *random_kv(1, 11))
+    table, lens = cache.batch([b, a])
+    assert table.shape == (2, 3) and table.dtype == torch.int32
+    assert lens.tolist() == [2, 9]
+    assert table[0, :1].tolist() == cache.pages_of(b) and table[1].tolist() == cache.pages_of(a)
+    fixed, _ = cache.batch([a], max_pages=4)
+    assert fixed.shape == (1, 4)
