@@ -1,0 +1,1 @@
+"""Integrations of questkv with model libraries."""
