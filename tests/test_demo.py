@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from questkv.cli import main
 
 
@@ -14,8 +16,7 @@ def test_demo_finds_the_planted_pages_and_full_budget_is_exact(tmp_path, capsys)
 
 
 def test_bad_budget_is_rejected(capsys):
-    try:
+    with pytest.raises(SystemExit) as exit:
         main(["demo", "--budgets", "64,abc"])
-    except SystemExit as exit:
-        assert exit.code == 2
+    assert exit.value.code == 2
     assert "budget 'abc' is not a positive integer or 'full'" in capsys.readouterr().err
