@@ -40,3 +40,119 @@ def quest_decode(
         scores, seq_lens, config.page_size, config.budget_pages, config.sink_pages, config.recent_pages, backend
     )
     return ops.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected, sm_scale, backend)
+
+
+class QuestDecodeStep:
+    """A preallocated decode step for one layer shape: estimate -> select -> attend, no host sync.
+
+    Every buffer is allocated once for ``batch`` sequences and ``max_pages`` page-table columns, and
+    the Triton path launches a fixed set of kernels (estimate, select, split attention, merge) whose
+    grids depend on those shapes only, so a step is capturable in a CUDA graph: keep ``q``,
+    ``page_table`` (padded ``[batch, max_pages]``) and ``seq_lens`` in fixed tensors, update them in
+    place between replays. The torch backend runs the reference ops into the same buffers.
+
+    Args:
+        config: the Quest config (a dense config makes every call dense paged decode).
+        batch, num_q_heads, num_kv_heads, head_dim: the layer's decode shape.
+        max_pages: page-table width (``page_table.shape[1]``).
+        dtype, device: of ``q`` and the page pool.
+        num_splits: split count of the attention kernel (default: about 4 programs per SM).
+
+    Buffers (overwritten by every call): ``scores`` ``[batch, num_sel_heads, max_pages]`` float32,
+    ``selected`` ``[batch, num_sel_heads, budget_pages]`` int32, ``out`` ``[batch, num_q_heads,
+    head_dim]`` in ``dtype``, and float32 split partials.
+    """
+
+    def __init__(
+        self,
+        config: QuestConfig,
+        batch: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_pages: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_splits: Optional[int] = None,
+    ) -> None:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        device = torch.device(device)
+        self.config = config
+        self.kernels = ops.resolve_backend(torch.empty(0, device=device), config.backend)
+        self.use_triton = self.kernels is not ops.reference
+        sel_heads = num_q_heads if config.selection == "q_head" else num_kv_heads
+        self.scores = self.selected = None
+        if not config.is_dense:
+            self.scores = torch.empty((batch, sel_heads, max_pages), dtype=torch.float32, device=device)
+            self.selected = torch.empty((batch, sel_heads, config.budget_pages), dtype=torch.int32, device=device)
+        self.out = torch.empty((batch, num_q_heads, head_dim), dtype=dtype, device=device)
+        self._dense = self._sparse = None
+        if self.use_triton:
+            plan = self.kernels.plan_splits
+            self._dense = self._partials(plan(max_pages, batch * num_kv_heads, config.page_size, device, num_splits))
+            if not config.is_dense:
+                self._sparse = self._partials(
+                    plan(config.budget_pages, batch * sel_heads, config.page_size, device, num_splits)
+                )
+
+    def _partials(self, plan: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        num_splits, items_per_split = plan
+        batch, num_q_heads, head_dim = self.out.shape
+        part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=self.out.device)
+        part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=self.out.device)
+        return part_out, part_lse, items_per_split
+
+    def estimate(self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Page scores into ``self.scores``."""
+        cfg = self.config
+        if self.use_triton:
+            return self.kernels.page_scores_into(
+                self.scores, q, layer.kmin, layer.kmax, page_table, seq_lens, cfg.page_size, cfg.selection, cfg.group_reduction
+            )
+        scores = ops.reference.page_scores(
+            q, layer.kmin, layer.kmax, page_table, seq_lens, cfg.page_size, cfg.selection, cfg.group_reduction
+        )
+        return self.scores.copy_(scores)
+
+    def select(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Top-K pages of ``self.scores`` into ``self.selected``."""
+        cfg = self.config
+        args = (seq_lens, cfg.page_size, cfg.budget_pages, cfg.sink_pages, cfg.recent_pages)
+        if self.use_triton:
+            return self.kernels.select_pages_into(self.selected, self.scores, *args)
+        return self.selected.copy_(ops.reference.select_pages(self.scores, *args))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        layer: LayerPages,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        selected: Optional[torch.Tensor],
+        sm_scale: Optional[float] = None,
+    ) -> torch.Tensor:
+        """Attention over ``selected`` pages (``None``: all pages) into ``self.out``."""
+        if not self.use_triton:
+            out = ops.reference.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected, sm_scale)
+            return self.out.copy_(out)
+        part_out, part_lse, items_per_split = self._dense if selected is None else self._sparse
+        return self.kernels.paged_decode_attention_into(
+            self.out, part_out, part_lse, q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected, sm_scale,
+            items_per_split,
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        layer: LayerPages,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sm_scale: Optional[float] = None,
+    ) -> torch.Tensor:
+        """One layer's decode attention, as :func:`quest_decode`; returns ``self.out``."""
+        if self.config.is_dense:
+            return self.attend(q, layer, page_table, seq_lens, None, sm_scale)
+        self.estimate(q, layer, page_table, seq_lens)
+        self.select(seq_lens)
+        return self.attend(q, layer, page_table, seq_lens, self.selected, sm_scale)

@@ -1,0 +1,22 @@
+"""Triton kernels of the Quest ops, with the reference ops' signatures (see :mod:`questkv.ops`).
+
+Each public op allocates its output and launches; the ``*_into`` variants write into
+preallocated buffers with no host synchronisation, for :class:`questkv.ops.decode.QuestDecodeStep`
+and CUDA graphs. Layouts: :mod:`questkv.ops.reference`.
+"""
+
+from questkv.ops.triton.append import append_kv
+from questkv.ops.triton.attention import paged_decode_attention, paged_decode_attention_into, plan_splits
+from questkv.ops.triton.estimate import page_scores, page_scores_into
+from questkv.ops.triton.select import select_pages, select_pages_into
+
+__all__ = [
+    "append_kv",
+    "page_scores",
+    "page_scores_into",
+    "paged_decode_attention",
+    "paged_decode_attention_into",
+    "plan_splits",
+    "select_pages",
+    "select_pages_into",
+]

@@ -1,0 +1,47 @@
+"""Helpers shared by the Quest Triton kernels' launchers."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+# Every kernel upcasts its dot operands to float32 under the interpreter, whose bf16 ``tl.dot``
+# multiplies the raw 16-bit patterns (toolchain facts). On a GPU the operands stay in their dtype.
+_DEFAULT_SMS = 132  # an H100/H200; the split heuristic's choice on a CPU (interpreter) run
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(value: int) -> int:
+    return triton.next_power_of_2(max(int(value), 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132 for a CPU tensor: the split heuristic's target)."""
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def check_shape(name: str, tensor: torch.Tensor, shape: tuple) -> None:
+    """Raise ``ValueError`` unless ``tensor.shape == shape``."""
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    """Kernels index the innermost dimension with stride 1; raise ``ValueError`` otherwise."""
+    for name, tensor in tensors.items():
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tensor.stride()}")

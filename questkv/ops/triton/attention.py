@@ -1,0 +1,263 @@
+"""Split-KV (flash-decoding) paged decode attention over selected pages or over all pages."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from questkv.ops.triton._common import (
+    check_last_dim_contiguous,
+    check_shape,
+    interpreting,
+    next_pow2,
+    num_sms,
+)
+
+_LOG2E = 1.4426950408889634
+_TOKENS_PER_ITER = 64  # keys per inner iteration: PAGES_PER_ITER = 64 // page_size whole pages
+_PROGRAMS_PER_SM = 4  # split target: enough programs in flight to hide HBM latency
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, num_items, items_per_split,
+    stride_qb, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_tb,
+    stride_sb, stride_sh,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, SEL_PER_KV: tl.constexpr,
+    PAGES_PER_ITER: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One program per (split, selection head, sequence) attends a contiguous chunk of the page
+    list (the selection row, or every page when ``DENSE``) for the ``GROUP`` query heads that share
+    the selection head; each K/V page is loaded once for all of them. Writes the chunk's normalised
+    output ``[GROUP, HEAD_DIM]`` and base-2 log-sum-exp (``-inf`` for an empty chunk)."""
+    split = tl.program_id(0)
+    sel_head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    kv_head = sel_head // SEL_PER_KV
+    seq_len = tl.load(lens_ptr + seq)
+    if DENSE:
+        num_items = tl.cdiv(seq_len, PAGE_SIZE)
+    start = split * items_per_split
+    end = tl.minimum(start + items_per_split, num_items)
+
+    BLOCK_N: tl.constexpr = PAGES_PER_ITER * PAGE_SIZE
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    t = tl.arange(0, BLOCK_N)
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    q_rows = sel_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qb + q_rows[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for it in range(start, end, PAGES_PER_ITER):
+        item = it + t // PAGE_SIZE
+        offset = t % PAGE_SIZE
+        in_chunk = item < end
+        if DENSE:
+            logical = item
+        else:
+            logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + item, mask=in_chunk, other=-1)
+        position = logical * PAGE_SIZE + offset
+        live = in_chunk & (logical >= 0) & (position < seq_len)
+        physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0).to(tl.int64)
+        kv_mask = live[:, None] & dmask[None, :]
+        k = tl.load(k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt
+                    + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_pages_ptr + physical[:, None] * stride_vp + offset[:, None] * stride_vt
+                    + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N], log2 domain
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(part_out_ptr + seq * stride_pb + q_rows[:, None] * stride_ph + split * stride_ps + d[None, :],
+             out, mask=gmask[:, None] & dmask[None, :])
+    tl.store(part_lse_ptr + seq * stride_lb + q_rows * stride_lh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    num_splits,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (query head, sequence): combine the splits' partial outputs by their
+    log-sum-exp weights and write ``out`` in its dtype."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < num_splits
+    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    part = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+                   mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def pages_per_iter(page_size: int) -> int:
+    """Whole pages one inner iteration of the split kernel loads (``64 // page_size``, >= 1)."""
+    return max(1, _TOKENS_PER_ITER // page_size)
+
+
+def plan_splits(num_items: int, programs: int, page_size: int, device: torch.device,
+                num_splits: Optional[int] = None) -> tuple[int, int]:
+    """``(num_splits, items_per_split)`` for ``num_items`` pages per (sequence, selection head).
+
+    ``programs`` is ``batch * num_sel_heads``; without an explicit ``num_splits`` the split count
+    aims at ``4 x SMs`` programs, each with at least one inner iteration of pages. The result
+    depends on shapes only, so a CUDA graph captured once stays valid.
+    """
+    step = pages_per_iter(page_size)
+    if num_splits is None:
+        num_splits = triton.cdiv(_PROGRAMS_PER_SM * num_sms(device), max(programs, 1))
+    num_splits = max(1, min(num_splits, triton.cdiv(max(num_items, 1), step)))
+    items_per_split = triton.cdiv(triton.cdiv(max(num_items, 1), num_splits), step) * step
+    return triton.cdiv(max(num_items, 1), items_per_split), items_per_split
+
+
+def paged_decode_attention_into(
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    selected: Optional[torch.Tensor],
+    sm_scale: Optional[float],
+    items_per_split: int,
+) -> torch.Tensor:
+    """Split kernel + merge kernel into preallocated buffers (two launches, no host sync).
+
+    Args:
+        out: ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype.
+        part_out: ``[batch, num_q_heads, num_splits, head_dim]`` float32 scratch.
+        part_lse: ``[batch, num_q_heads, num_splits]`` float32 scratch.
+        items_per_split: pages per split, from :func:`plan_splits`; ``num_splits`` is
+            ``part_lse.shape[-1]`` and must cover ``selected.shape[-1]`` (or ``max_pages``).
+        Other arguments as in :func:`paged_decode_attention`.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    check_shape("v_pages", v_pages, k_pages.shape)
+    check_shape("k_pages", k_pages, (k_pages.shape[0], page_size, num_kv_heads, head_dim))
+    check_shape("seq_lens", seq_lens, (batch,))
+    check_shape("page_table", page_table, (batch, page_table.shape[1]))
+    if selected is None:
+        sel_heads, num_items = num_kv_heads, page_table.shape[1]
+    else:
+        sel_heads, num_items = selected.shape[1], selected.shape[2]
+        check_shape("selected", selected, (batch, sel_heads, num_items))
+        if sel_heads not in (num_kv_heads, num_q_heads):
+            raise ValueError(f"selected has {sel_heads} heads; expected {num_kv_heads} or {num_q_heads}")
+        check_last_dim_contiguous(selected=selected)
+    num_splits = part_lse.shape[-1]
+    if num_splits * items_per_split < num_items:
+        raise ValueError(f"{num_splits} splits of {items_per_split} pages do not cover {num_items} pages")
+    check_shape("out", out, q.shape)
+    check_shape("part_out", part_out, (batch, num_q_heads, num_splits, head_dim))
+    check_shape("part_lse", part_lse, (batch, num_q_heads, num_splits))
+    check_last_dim_contiguous(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, out=out, part_out=part_out)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    group = num_q_heads // sel_heads
+    block_d = next_pow2(head_dim)
+    dummy = selected if selected is not None else page_table
+    _decode_split_kernel[(num_splits, sel_heads, batch)](
+        q, k_pages, v_pages, page_table, seq_lens, dummy, part_out, part_lse,
+        sm_scale * _LOG2E, num_items, items_per_split,
+        q.stride(0), q.stride(1),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        page_table.stride(0),
+        dummy.stride(0), dummy.stride(1) if selected is not None else 0,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)), SEL_PER_KV=sel_heads // num_kv_heads,
+        PAGES_PER_ITER=pages_per_iter(page_size), DENSE=selected is None, UPCAST=interpreting(),
+        num_warps=4, num_stages=3,
+    )
+    _merge_splits_kernel[(num_q_heads, batch)](
+        part_out, part_lse, out,
+        num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),
+        num_warps=4,
+    )
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    selected: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Triton :func:`questkv.ops.reference.paged_decode_attention` (flash-decoding).
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``. k_pages, v_pages: ``[num_pages, page_size,
+            num_kv_heads, head_dim]``. page_table: ``[batch, max_pages]`` int32. seq_lens:
+            ``[batch]`` int32, each >= 1.
+        selected: ``[batch, num_kv_heads or num_q_heads, k]`` int32 logical pages (``-1`` = none),
+            or ``None`` for every page (dense paged decode, the same kernel).
+        sm_scale: default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype; softmax and accumulation in float32.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[2]
+    sel_heads = num_kv_heads if selected is None else selected.shape[1]
+    num_items = page_table.shape[1] if selected is None else selected.shape[2]
+    num_splits, items_per_split = plan_splits(num_items, batch * sel_heads, k_pages.shape[1], q.device)
+    part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    return paged_decode_attention_into(
+        out, part_out, part_lse, q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale, items_per_split
+    )

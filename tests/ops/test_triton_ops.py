@@ -1,0 +1,206 @@
+"""Every Quest Triton kernel against the torch reference, under the Triton interpreter (CPU).
+
+Shapes stay tiny (<= 16 pages, batch <= 2): the interpreter runs programs one after another.
+Every test draws fresh random inputs; pools are poisoned with NaN where nothing may be read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from questkv import ops  # noqa: E402
+from questkv.ops import reference  # noqa: E402
+from questkv.ops import triton as tk  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (num_q_heads, num_kv_heads, head_dim): GQA and MHA
+HEADS = [(8, 2, 32), (4, 4, 64)]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert not torch.isnan(out).any()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+
+
+def _pool(num_pages, page_size, num_kv_heads, head_dim, dtype, gen):
+    """Random K/V pages and consistent-looking bounds; every slot past a sequence is garbage."""
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_pages = torch.randn(shape, generator=gen).to(dtype)
+    v_pages = torch.randn(shape, generator=gen).to(dtype)
+    kmin = k_pages.amin(1)
+    kmax = k_pages.amax(1)
+    return k_pages, v_pages, kmin, kmax
+
+
+def _batch(lens, page_size, num_pages, max_pages, gen):
+    """Page table with distinct random pages per row and out-of-range padding past each length."""
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.full((len(lens), max_pages), 10**6, dtype=torch.int32)  # padding: never read
+    used = 0
+    for row, length in enumerate(lens):
+        n = -(-length // page_size)
+        table[row, :n] = perm[used : used + n].int()
+        used += n
+    return table, torch.tensor(lens, dtype=torch.int32)
+
+
+def _readable(table: torch.Tensor) -> torch.Tensor:
+    """The table with padding replaced by page 0: the reference gathers padding before masking it."""
+    return torch.where(table >= 10**6, 0, table)
+
+
+def _poison_unused(k_pages, v_pages, table, lens, page_size):
+    """NaN in every pool slot that holds no token of the batch: the kernels must never read it."""
+    keep = torch.zeros(k_pages.shape[:2], dtype=torch.bool)
+    for row, length in enumerate(lens.tolist()):
+        for pos in range(length):
+            keep[table[row, pos // page_size], pos % page_size] = True
+    k_pages[~keep] = float("nan")
+    v_pages[~keep] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_append_kv_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_pages, page_size, heads, head_dim = 6, 8, 2, 32
+    pools = _pool(num_pages, page_size, heads, head_dim, dtype, gen)
+    ref = [t.clone() for t in pools]
+    out = [t.clone() for t in pools]
+    # a prefill chunk that starts a page and ends mid-page, a decode token widening a half-full
+    # page, and a reused page restarted at offset 0 (its old bounds must be dropped)
+    slots = torch.cat([torch.arange(2 * 8, 2 * 8 + 13), torch.tensor([4 * 8 + 5]), torch.arange(0, 3)])
+    # float32 tokens cast to the pool's dtype in the kernel; bf16 pools get bf16 tokens, because
+    # the interpreter rounds float32 -> bf16 toward zero where the GPU rounds to nearest even
+    token_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    keys = torch.randn(slots.shape[0], heads, head_dim, generator=gen).to(token_dtype)
+    values = torch.randn(slots.shape[0], heads, head_dim, generator=gen).to(token_dtype)
+    reference.append_kv(*ref, slots, keys, values)
+    tk.append_kv(*out, slots.int(), keys, values)
+    for got, want in zip(out, ref):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("selection,reduction", [("kv_head", "sum"), ("kv_head", "max"), ("q_head", "sum")])
+def test_page_scores_matches_reference(dtype, heads, selection, reduction):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_q, num_kv, head_dim = heads
+    page_size, num_pages, max_pages = 16, 40, 16
+    _, _, kmin, kmax = _pool(num_pages, page_size, num_kv, head_dim, dtype, gen)
+    table, lens = _batch([250, 37], page_size, num_pages, max_pages, gen)
+    q = torch.randn(2, num_q, head_dim, generator=gen).to(dtype)
+    want = reference.page_scores(q, kmin, kmax, _readable(table), lens, page_size, selection, reduction)
+    got = tk.page_scores(q, kmin, kmax, table, lens, page_size, selection, reduction)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "lens,budget,sink,recent",
+    [([250, 37], 5, 1, 1), ([256, 100], 8, 0, 0), ([40, 17], 6, 2, 1), ([16, 1], 3, 0, 2), ([130, 33], 11, 1, 3)],
+)
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_pages_matches_reference(lens, budget, sink, recent, ties):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages, heads = 16, 16, 3
+    scores = torch.randn(2, heads, max_pages, generator=gen)
+    if ties:  # few distinct values, some valid pages at -inf: ties must go to the lower index
+        scores = scores.round()
+        scores[scores < -1] = float("-inf")
+    lens = torch.tensor(lens, dtype=torch.int32)
+    want = reference.select_pages(scores, lens, page_size, budget, sink, recent)
+    got = tk.select_pages(scores, lens, page_size, budget, sink, recent)
+    assert got.dtype == torch.int32
+    assert torch.equal(got, want)
+
+
+def _attention_case(dtype, heads, lens, max_pages, page_size, gen):
+    num_q, num_kv, head_dim = heads
+    num_pages = 2 * max_pages + 3
+    k_pages, v_pages, _, _ = _pool(num_pages, page_size, num_kv, head_dim, dtype, gen)
+    table, seq_lens = _batch(lens, page_size, num_pages, max_pages, gen)
+    _poison_unused(k_pages, v_pages, table, seq_lens, page_size)
+    q = torch.randn(len(lens), num_q, head_dim, generator=gen).to(dtype)
+    return q, k_pages, v_pages, table, seq_lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("selection", ["kv_head", "q_head", None])
+def test_paged_decode_attention_matches_reference(dtype, heads, selection):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages = 16, 8
+    q, k_pages, v_pages, table, lens = _attention_case(dtype, heads, [115, 21], max_pages, page_size, gen)
+    selected = None
+    if selection is not None:
+        sel_heads = heads[0] if selection == "q_head" else heads[1]
+        scores = torch.randn(2, sel_heads, max_pages, generator=gen)
+        selected = reference.select_pages(scores, lens, page_size, 4, 0, 0)  # row 1 has 2 pages: -1 padding
+    want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), lens, selected)
+    got = tk.paged_decode_attention(q, k_pages, v_pages, table, lens, selected)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert _rel_err(got, want) < _tol(dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_split_merge_and_scale(num_splits):
+    """Explicit split counts (a short sequence leaves whole splits empty) and a custom scale."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages = 16, 12
+    q, k_pages, v_pages, table, lens = _attention_case(torch.float32, (8, 2, 32), [150, 5], max_pages, page_size, gen)
+    splits, per_split = tk.plan_splits(max_pages, 2 * 2, page_size, q.device, num_splits)
+    assert splits == num_splits
+    out = torch.full_like(q, float("nan"))
+    part_out = torch.full((2, 8, splits, 32), float("nan"))
+    part_lse = torch.full((2, 8, splits), float("nan"))
+    tk.paged_decode_attention_into(out, part_out, part_lse, q, k_pages, v_pages, table, lens, None, 0.3, per_split)
+    want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), lens, None, 0.3)
+    assert _rel_err(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("selection", ["kv_head", "q_head"])
+def test_decode_step_matches_reference(selection):
+    """QuestDecodeStep on the Triton backend (CPU tensors, interpreter) against the torch backend."""
+    from questkv.cache.paged import LayerPages
+    from questkv.config import QuestConfig
+    from questkv.ops.decode import QuestDecodeStep, quest_decode
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages, heads = 16, 10, (8, 2, 32)
+    q, k_pages, v_pages, table, lens = _attention_case(torch.float16, heads, [150, 60], max_pages, page_size, gen)
+    # bounds of the live tokens only (poisoned slots are NaN)
+    live_min = torch.where(k_pages.isnan(), float("inf"), k_pages.float()).amin(1).to(k_pages.dtype)
+    live_max = torch.where(k_pages.isnan(), float("-inf"), k_pages.float()).amax(1).to(k_pages.dtype)
+    layer = LayerPages(k_pages, v_pages, live_min, live_max)
+    for cfg_kwargs in ({"token_budget": 64, "sink_pages": 1, "recent_pages": 1}, {"token_budget": None}):
+        outs, chosen = {}, {}
+        for backend in ("triton", "torch"):
+            config = QuestConfig(selection=selection, backend=backend, **cfg_kwargs)
+            step = QuestDecodeStep(config, 2, *heads, max_pages, q.dtype, q.device)
+            outs[backend] = step(q, layer, table if backend == "triton" else _readable(table), lens).clone()
+            chosen[backend] = None if config.is_dense else step.selected.clone()
+        if chosen["torch"] is not None:
+            assert torch.equal(chosen["triton"], chosen["torch"])
+        direct = quest_decode(q, layer, _readable(table), lens, QuestConfig(selection=selection, backend="torch", **cfg_kwargs))
+        assert _rel_err(outs["triton"], direct) < 2e-3
+        assert _rel_err(outs["torch"], direct) < 1e-6
+
+
+def test_dispatch_picks_reference_for_cpu_and_kernels_when_forced():
+    cpu = torch.empty(1)
+    assert ops.resolve_backend(cpu, "auto") is reference
+    assert ops.resolve_backend(cpu, "torch") is reference
+    assert ops.resolve_backend(cpu, "triton") is tk
+    with pytest.raises(ValueError):
+        ops.resolve_backend(cpu, "cuda")
