@@ -1,0 +1,205 @@
+"""Page-selection policies: full, quest, oracle, quest-topp against brute force."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from questkv.ops import reference
+from questkv.policies import make_policy, masked_decode_attention
+
+HEADS = [(4, 2), (2, 2), (4, 1)]  # (q heads, kv heads): GQA, MHA, MQA
+
+
+def true_page_mass(q, keys, page_size, num_kv_heads, selection, reduction, brute_probs):
+    """``[num_sel_heads, num_pages]`` true attention mass per page for one sequence (float64)."""
+    probs = brute_probs(q, keys)  # [Hq, len]
+    num_pages = math.ceil(probs.shape[1] / page_size)
+    padded = torch.nn.functional.pad(probs, (0, num_pages * page_size - probs.shape[1]))
+    mass = padded.view(probs.shape[0], num_pages, page_size).sum(-1)
+    if selection == "q_head":
+        return mass
+    grouped = mass.view(num_kv_heads, -1, num_pages)
+    return grouped.sum(1) if reduction == "sum" else grouped.amax(1)
+
+
+def captured_mass(pages, mass):
+    """Mass ``[H]`` captured by a selection ``[H, k]`` under per-page masses ``[H, P]``."""
+    return torch.stack([mass[h, [p for p in row.tolist() if p >= 0]].sum() for h, row in enumerate(pages)])
+
+
+def assert_selection_format(pages, seq_lens, page_size):
+    for b, n in enumerate(seq_lens.tolist()):
+        num_pages = math.ceil(n / page_size)
+        for row in pages[b].tolist():
+            chosen = [p for p in row if p >= 0]
+            assert row == chosen + [-1] * (len(row) - len(chosen))  # -1 padding at the end only
+            assert chosen == sorted(set(chosen)) and all(0 <= p < num_pages for p in chosen)
+            assert num_pages - 1 in chosen  # the current page is always attended
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEADS)
+def test_full_is_dense_attention(random_cache, brute_probs, num_q_heads, num_kv_heads):
+    cache = random_cache([21, 6, 13], num_kv_heads=num_kv_heads)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(3, num_q_heads, 8) * 2
+    result = make_policy("full", None, page_size=4).decode(q, layer, page_table, seq_lens)
+    for b, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        probs = brute_probs(q[b], k)
+        expected = torch.einsum("ht,thd->hd", probs, v.repeat_interleave(num_q_heads // num_kv_heads, 1).double())
+        torch.testing.assert_close(result.out[b].double(), expected, rtol=1e-5, atol=1e-5)
+        assert result.tokens_charged[b].tolist() == [4 * math.ceil(len(k) / 4)] * num_kv_heads
+    assert_selection_format(result.pages, seq_lens, 4)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEADS)
+@pytest.mark.parametrize("selection, reduction", [("q_head", "sum"), ("kv_head", "sum"), ("kv_head", "max")])
+def test_quest_is_the_reference_pipeline(random_cache, num_q_heads, num_kv_heads, selection, reduction):
+    cache = random_cache([37, 9], num_kv_heads=num_kv_heads)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(2, num_q_heads, 8) * 2 - 0.5
+    policy = make_policy("quest", 12, page_size=4, selection=selection, group_reduction=reduction, sink_pages=1)
+    result = policy.decode(q, layer, page_table, seq_lens)
+    scores = reference.page_scores(q, layer.kmin, layer.kmax, page_table, seq_lens, 4, selection, reduction)
+    pages = reference.select_pages(scores, seq_lens, 4, 3, sink_pages=1)
+    assert torch.equal(result.pages, pages)
+    expected = reference.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens, pages)
+    torch.testing.assert_close(result.out, expected)
+    heads = num_q_heads if selection == "q_head" else num_kv_heads
+    assert result.pages.shape == (2, heads, 3)
+    assert result.tokens_charged.tolist() == [[12] * heads, [12] * heads]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    heads=st.sampled_from(HEADS),
+    mode=st.sampled_from([("q_head", "sum"), ("kv_head", "sum"), ("kv_head", "max")]),
+    budget_pages=st.integers(1, 5),
+    sink=st.integers(0, 1),
+    recent=st.integers(0, 1),
+)
+def test_oracle_picks_the_true_top_pages(random_cache, brute_probs, seed, heads, mode, budget_pages, sink, recent):
+    torch.manual_seed(seed)
+    budget_pages = max(budget_pages, sink + recent + 1)
+    (num_q_heads, num_kv_heads), (selection, reduction) = heads, mode
+    lens = torch.randint(1, 40, (2,)).tolist()
+    cache = random_cache(lens, num_kv_heads=num_kv_heads)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(2, num_q_heads, 8) * 2
+    policy = make_policy("oracle", 4 * budget_pages, page_size=4, selection=selection, group_reduction=reduction,
+                         sink_pages=sink, recent_pages=recent)
+    selection_out = policy.select(q, layer, page_table, seq_lens)
+    assert_selection_format(selection_out.pages, seq_lens, 4)
+    for b, k in enumerate(cache.keys):
+        mass = true_page_mass(q[b], k, 4, num_kv_heads, selection, reduction, brute_probs)
+        num_pages = mass.shape[1]
+        forced = {p for p in range(num_pages) if p < sink or p >= num_pages - 1 - recent}
+        for h, row in enumerate(selection_out.pages[b].tolist()):
+            chosen = {p for p in row if p >= 0}
+            assert len(chosen) == min(budget_pages, num_pages) == selection_out.num_pages[b, h]
+            assert forced <= chosen
+            free = sorted(chosen - forced)
+            rest = [p for p in range(num_pages) if p not in chosen]
+            if free and rest:  # every freely chosen page outweighs every page left out
+                assert min(mass[h, free]) >= max(mass[h, rest]) - 1e-6
+
+
+def test_oracle_captures_at_least_the_mass_of_any_page_selector(random_cache, brute_probs):
+    torch.manual_seed(0)
+    cache = random_cache([64, 50], num_kv_heads=2)
+    layer, page_table, seq_lens = cache.step_inputs()
+    for _ in range(5):
+        q = torch.randn(2, 4, 8) * 3
+        results = {
+            name: make_policy(name, 16, page_size=4, selection="q_head").select(q, layer, page_table, seq_lens)
+            for name in ("oracle", "quest", "quest-topp")
+        }
+        for b, k in enumerate(cache.keys):
+            mass = true_page_mass(q[b], k, 4, 2, "q_head", "sum", brute_probs)
+            oracle = captured_mass(results["oracle"].pages[b], mass)
+            for name in ("quest", "quest-topp"):
+                assert torch.all(oracle >= captured_mass(results[name].pages[b], mass) - 1e-9), name
+
+
+def page_constant_cache(lens, page_size, num_kv_heads, head_dim, cache_of):
+    """Keys identical within each page (Quest's bound is then exact), values random."""
+    keys = [
+        (torch.randn(math.ceil(n / page_size), num_kv_heads, head_dim) * 2).repeat_interleave(page_size, 0)[:n]
+        for n in lens
+    ]
+    return cache_of(keys, [torch.randn(n, num_kv_heads, head_dim) for n in lens], page_size)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    top_p=st.floats(0.05, 1.0),
+    budget_pages=st.integers(1, 12),
+    heads=st.sampled_from(HEADS),
+)
+def test_topp_keeps_the_smallest_quest_ranked_prefix_reaching_p(cache_of, brute_probs, seed, top_p,
+                                                                 budget_pages, heads):
+    """With page-constant keys the estimate is the true page mass: brute-force the shortest prefix
+    of the ranking (current page first, then by mass) whose mass reaches p, capped at K."""
+    torch.manual_seed(seed)
+    num_q_heads, num_kv_heads = heads
+    page_size = 4
+    lens = torch.randint(1, 48, (2,)).tolist()
+    cache = page_constant_cache(lens, page_size, num_kv_heads, 8, cache_of)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(2, num_q_heads, 8)
+    policy = make_policy("quest-topp", page_size * budget_pages, page_size, selection="q_head", top_p=top_p)
+    result = policy.select(q, layer, page_table, seq_lens)
+    estimate = policy.estimated_mass(q, layer, page_table, seq_lens)
+    assert_selection_format(result.pages, seq_lens, page_size)
+    for b, k in enumerate(cache.keys):
+        mass = true_page_mass(q[b], k, page_size, num_kv_heads, "q_head", "sum", brute_probs)
+        num_pages = mass.shape[1]
+        torch.testing.assert_close(estimate[b, :, :num_pages].double(), mass, rtol=1e-4, atol=1e-6)
+        for h in range(num_q_heads):
+            current = num_pages - 1
+            ranking = [current] + sorted(range(current), key=lambda p: (-mass[h, p].item(), p))
+            cumulative = mass[h, ranking].cumsum(0)
+            reached = [i for i in range(num_pages) if cumulative[i] >= top_p - 1e-6]
+            count = min(reached[0] + 1 if reached else num_pages, budget_pages)
+            chosen = [p for p in result.pages[b, h].tolist() if p >= 0]
+            assert result.num_pages[b, h] == len(chosen)
+            # Float ties at the threshold may shift the count by one page; the mass rule must hold.
+            assert abs(len(chosen) - count) <= 1
+            got = mass[h, chosen].sum()
+            if len(chosen) < min(budget_pages, num_pages):
+                assert got >= top_p - 1e-4  # stopped only once p was reached
+            if len(chosen) > 1:  # ... and not a page later than needed
+                weakest = min((p for p in chosen if p != current), key=lambda p: mass[h, p])
+                assert got - mass[h, weakest] < top_p + 1e-4
+
+
+@pytest.mark.parametrize(
+    "top_p, budget_pages, expected",
+    [
+        # page masses: .0055 .1112 .0151 .8218 .0409 .0055; ranking 5 (current), 3, 1, 4, 2, 0
+        (0.5, 6, [3, 5]),  # .0055 + .8218 >= .5
+        (0.85, 6, [1, 3, 5]),  # .8273 < .85 <= .9385
+        (0.99, 6, [1, 2, 3, 4, 5]),  # .9794 < .99 <= .9945
+        (1.0, 6, [0, 1, 2, 3, 4, 5]),
+        (0.99, 3, [1, 3, 5]),  # capped at K = 3 pages
+    ],
+)
+def test_topp_hand_made_pattern_and_cap(cache_of, top_p, budget_pages, expected):
+    """One head, page-constant keys on one axis: page masses are softmax(logits) exactly."""
+    page_size, head_dim = 2, 4
+    logits = torch.tensor([0.0, 3.0, 1.0, 5.0, 2.0, 0.0])  # page 5 is the current page
+    keys = torch.randn(12, 1, head_dim)  # only dim 0 meets a nonzero query component
+    keys[:, 0, 0] = logits.repeat_interleave(page_size)
+    cache = cache_of([keys], [torch.randn(12, 1, head_dim)], page_size)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.zeros(1, 1, head_dim)
+    q[0, 0, 0] = head_dim**0.5  # scaled scores equal `logits`
+    policy = make_policy("quest-topp", page_size * budget_pages, page_size, top_p=top_p)
+    result = policy.select(q, layer, page_table, seq_lens)
+    torch.testing.assert_close(policy.estimated_mass(q, layer, page_table, seq_lens)[0, 0], torch.softmax(logits, 0))
+    assert [p for p in result.pages[0, 0].tolist() if p >= 0] == expected
+    assert result.num_pages.tolist() == [[len(expected)]]

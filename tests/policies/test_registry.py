@@ -1,0 +1,104 @@
+"""make_policy, the shared budget accounting, and the token-level masked attention."""
+
+import re
+
+import pytest
+import torch
+
+from questkv.policies import POLICIES, make_policy, masked_decode_attention
+
+SPARSE = ["quest", "oracle", "quest-topp", "streaming", "h2o", "tova"]
+
+
+def test_registry_names():
+    assert sorted(POLICIES) == sorted(["full", *SPARSE])
+
+
+@pytest.mark.parametrize(
+    "name, budget, options, message",
+    [
+        ("snapkv", 64, {}, "unknown policy 'snapkv'; known: full, quest"),
+        ("quest", 64, {"top_p": 0.9}, "policy 'quest' takes no option(s) top_p"),
+        ("tova", 64, {"sink_tokens": 4}, "policy 'tova' takes no option(s) sink_tokens; its options: none"),
+        ("quest", 40, {}, "policy 'quest': QuestConfig.token_budget must be a multiple of page_size=16"),
+        ("oracle", 16, {"sink_pages": 1}, "fewer than the 2 always-kept pages"),
+        ("quest", 64, {"selection": "head"}, "QuestConfig.selection must be one of"),
+        ("full", 64, {}, "policy 'full' attends every token; token_budget must be None"),
+        ("quest-topp", 64, {"top_p": 0.0}, "top_p must be a float in (0, 1]"),
+        ("quest-topp", 64, {"top_p": 1.5}, "top_p must be a float in (0, 1]"),
+        ("streaming", 4, {"sink_tokens": 4}, "sink_tokens=4 leaves no room for the current token"),
+        ("streaming", 8, {"sink_tokens": -1}, "sink_tokens must be an int >= 0"),
+        ("h2o", 8, {"recent_tokens": 9}, "recent_tokens=9 exceeds token_budget=8"),
+        ("h2o", 8, {"recent_tokens": 0}, "recent_tokens must be an int >= 1"),
+        ("tova", None, {}, "policy 'tova': token_budget must be an int >= 1, got None"),
+        ("h2o", 8.0, {}, "token_budget must be an int"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(name, budget, options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_policy(name, budget, **options)
+
+
+def test_policy_and_cache_page_sizes_must_agree(random_cache):
+    cache = random_cache([9])
+    with pytest.raises(ValueError, match="built for page_size=16, the cache has 4"):
+        make_policy("quest", 32).decode(torch.randn(1, 4, 8), *cache.step_inputs())
+
+
+@pytest.mark.parametrize("name", SPARSE)
+def test_budget_accounting_is_the_same_for_every_policy(random_cache, name):
+    """At token_budget=B no (sequence, head) is charged more than B tokens, and a long enough
+    sequence is charged exactly B (a fixed-budget policy uses all of it; top-p with p=1 too).
+    Page policies charge whole pages, so their actually attended tokens are <= the charge."""
+    budget, page_size, prefill, steps = 16, 4, [45, 30, 7], 5
+    options = {"top_p": 1.0} if name == "quest-topp" else {}
+    policy = make_policy(name, budget, page_size=page_size, **options)
+    cache = random_cache(prefill, extra_tokens=steps)
+    state = policy.init_state(torch.tensor(prefill, dtype=torch.int32), 2)
+    for _ in range(steps):
+        cache.append_token(torch.randn(3, 2, 8), torch.randn(3, 2, 8))
+        layer, page_table, seq_lens = cache.step_inputs()
+        result = policy.decode(torch.randn(3, 4, 8), layer, page_table, seq_lens, state)
+        assert result.tokens_charged.dtype == torch.int32
+        assert torch.all(result.tokens_charged <= budget)
+        for b, length in enumerate(seq_lens.tolist()):
+            expected = budget if length >= budget else -(-length // page_size) * page_size
+            if result.pages is None:  # eviction: the tokens themselves
+                expected = min(length, budget)
+            assert torch.all(result.tokens_charged[b] == expected), (b, length, result.tokens_charged[b])
+        if result.pages is not None:  # tokens really read: the partial current page counts less
+            start = result.pages.long() * page_size
+            real = (seq_lens.long()[:, None, None] - start).clamp(0, page_size) * (result.pages >= 0)
+            assert torch.all(real.sum(-1) <= result.tokens_charged)
+
+
+def test_masked_attention_matches_sdpa_and_returns_probabilities(random_cache):
+    torch.manual_seed(5)
+    cache = random_cache([23, 10], num_kv_heads=2, page_size=4)
+    layer, page_table, seq_lens = cache.step_inputs()
+    max_tokens = page_table.shape[1] * 4
+    keep = torch.rand(2, 2, max_tokens) < 0.6
+    keep[:, :, 0] = True
+    # Unattended slots may hold anything: NaN must not leak.
+    k_pages, v_pages = layer.k_pages.clone(), layer.v_pages.clone()
+    for t in (~keep[0, 0]).nonzero().flatten().tolist():
+        if t < 23:
+            page, slot = page_table[0, t // 4], t % 4
+            k_pages[page, slot, 0] = float("nan")
+            v_pages[page, slot, 0] = float("nan")
+    q = torch.randn(2, 4, 8) * 2
+    result = masked_decode_attention(q, k_pages, v_pages, page_table, seq_lens, keep, return_probs=True)
+    assert torch.isfinite(result.out).all()
+    for b, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        n = k.shape[0]
+        mask = keep[b, :, :n].repeat_interleave(2, dim=0)  # [Hq, n]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b][:, None].double(), k.repeat_interleave(2, 1).transpose(0, 1).double(),
+            v.repeat_interleave(2, 1).transpose(0, 1).double(), attn_mask=mask[:, None, :],
+        )[:, 0]
+        torch.testing.assert_close(result.out[b].double(), ref, rtol=1e-5, atol=1e-5)
+        probs = result.probs[b]
+        torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+        assert torch.all(probs[:, n:] == 0) and torch.all(probs[:, :n][~mask] == 0)
+    with pytest.raises(ValueError, match="keep must have shape"):
+        masked_decode_attention(q, k_pages, v_pages, page_table, seq_lens, keep[:, :1])
