@@ -26,6 +26,7 @@ not a memory saving), but no later step attends them.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Optional
 
@@ -104,10 +105,10 @@ class EvictionPolicy(DecodePolicy):
         keep = token_positions(seq_lens, max_tokens)[:, None, :].expand(-1, num_kv_heads, -1).clone()
         return EvictionState(keep, seq_lens.to(torch.int32).clone(), scores)
 
+    @abc.abstractmethod
     def _ranking(self, state: EvictionState, probs: Optional[torch.Tensor]) -> torch.Tensor:
         """``[batch, num_kv_heads, max_tokens]`` float, >= 0: higher is kept first. ``probs`` is the
         group-summed attention of the step's query (``None`` when ``needs_attention`` is False)."""
-        raise NotImplementedError
 
     def _observe(self, state: EvictionState, probs: torch.Tensor) -> None:
         """Record the attention of a decode step (after its eviction)."""

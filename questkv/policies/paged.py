@@ -10,6 +10,7 @@ All of them produce a selection in the format of :func:`questkv.ops.reference.se
 
 from __future__ import annotations
 
+import abc
 from typing import NamedTuple, Optional
 
 import torch
@@ -82,8 +83,9 @@ class PagePolicy(DecodePolicy):
         pages = self._select(q, layer, page_table, seq_lens, sm_scale)
         return PageSelection(pages, (pages >= 0).sum(-1, dtype=torch.int32))
 
+    @abc.abstractmethod
     def _select(self, q, layer, page_table, seq_lens, sm_scale) -> torch.Tensor:
-        raise NotImplementedError
+        """``PageSelection.pages`` of :meth:`select`."""
 
     def decode(self, q, layer, page_table, seq_lens, state=None, sm_scale=None) -> DecodeOutput:
         if state is not None:
@@ -173,8 +175,10 @@ class QuestTopPPolicy(PagePolicy):
 
         m_p = n_p exp(s u_p) / sum_j n_j exp(s u_j)        (a softmax over s u_j + log n_j)
 
-    It is exact when every page's keys coincide and, since the bounds are tight for the page holding
-    the top key, it concentrates where the attention does. Under ``kv_head`` selection the group's
+    It is exact when every page's keys coincide. Otherwise every page's term is over-estimated, the
+    most for pages with loose bounds (mixed keys), which moves estimated mass away from the pages that
+    really hold the attention: reaching ``top_p`` then takes more pages, not fewer, and the cap K
+    bounds that cost. Under ``kv_head`` selection the group's
     estimates are combined with ``group_reduction`` (``"sum"`` is applied as the mean, so the result
     stays a distribution; ``"max"`` takes the group maximum). Pages are ranked by the combined
     estimate (for one query head this is the Quest score order), the sink, recent and current pages

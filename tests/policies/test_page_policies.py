@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from questkv.ops import reference
-from questkv.policies import make_policy, masked_decode_attention
+from questkv.policies import make_policy
 
 HEADS = [(4, 2), (2, 2), (4, 1)]  # (q heads, kv heads): GQA, MHA, MQA
 
