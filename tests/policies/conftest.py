@@ -5,10 +5,6 @@ import torch
 
 from questkv import PagedKVCache
 
-# The tensors here are tiny: a second intra-op thread only adds contention (tens of ms per op on a
-# busy 2-core machine instead of microseconds).
-torch.set_num_threads(1)
-
 
 class Cache:
     """A one-layer paged cache of given per-sequence keys/values (lists of ``[len, Hkv, D]``),
