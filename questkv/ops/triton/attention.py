@@ -20,6 +20,7 @@ from questkv.ops.triton._common import (
 _LOG2E = 1.4426950408889634
 _TOKENS_PER_ITER = 64  # keys per inner iteration: PAGES_PER_ITER = 64 // page_size whole pages
 _PROGRAMS_PER_SM = 4  # split target: enough programs in flight to hide HBM latency
+_NUM_WARPS, _NUM_STAGES = 4, 3  # split kernel launch configuration
 
 
 @triton.jit
@@ -214,7 +215,7 @@ def paged_decode_attention_into(
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), SEL_PER_KV=sel_heads // num_kv_heads,
         PAGES_PER_ITER=pages_per_iter(page_size), DENSE=selected is None, UPCAST=interpreting(),
-        num_warps=4, num_stages=3,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     _merge_splits_kernel[(num_q_heads, batch)](
         part_out, part_lse, out,

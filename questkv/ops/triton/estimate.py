@@ -11,6 +11,7 @@ from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, n
 
 _MODE_Q_HEAD, _MODE_SUM, _MODE_MAX = 0, 1, 2
 _BLOCK_P = 32  # pages per program: 2 x 32 x 128 bound elements in flight per program
+_NUM_WARPS = 4
 
 
 @triton.jit
@@ -105,7 +106,7 @@ def page_scores_into(
         out.stride(0), out.stride(1),
         PAGE_SIZE=page_size, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_P=_BLOCK_P, BLOCK_D=next_pow2(head_dim), MODE=mode,
-        num_warps=4,
+        num_warps=_NUM_WARPS,
     )
     return out
 

@@ -1,0 +1,456 @@
+"""Quest decode-step kernels against dense baselines on one GPU, in one run.
+
+For each (model, batch, context) point, after checking every kernel against the torch reference on
+random data, this script times under CUDA graphs (medians of many graph replays after warm-up):
+
+* the questkv Quest step (estimate + select + attend) and each part alone, plus a ``torch.topk``
+  selection for comparison with the Triton top-K;
+* questkv dense paged decode (the same attention kernel over every page);
+* FlashInfer dense paged decode (``BatchDecodeWithPagedKVCacheWrapper``), with and without tensor
+  cores where both are asked for; the faster one is the baseline;
+* torch SDPA (``enable_gqa=True``) over contiguous K/V.
+
+Each graph runs the op once per *layer* over ``n_layers`` independent page pools (a model's decode
+step does the same), so a call never finds its data left in L2 by the previous one; times are per
+call. Achieved bandwidth is the bytes that must move divided by the time, against a measured
+device-to-device copy. Writes ``kernels-<tag>.json`` and ``kernels-<tag>.md`` and prints a table last.
+
+Usage (on the GPU machine)::
+
+    python benchmarks/kernels.py --out-dir benchmarks/results --tag h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from questkv.cache.paged import LayerPages  # noqa: E402
+from questkv.config import QuestConfig  # noqa: E402
+from questkv.ops import reference  # noqa: E402
+from questkv.ops import triton as kernels  # noqa: E402
+from questkv.ops.decode import QuestDecodeStep  # noqa: E402
+
+MODELS = {  # name: (num_q_heads, num_kv_heads, head_dim)
+    "llama3.1-8b": (32, 8, 128),
+    "llama2-7b": (32, 32, 128),
+}
+PAGE_SIZE = 16
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+ROTATE_BYTES = 512 * 2**20  # bytes touched per graph replay at least (about 8x the H200's L2)
+MAX_LAYERS = 32
+TARGETS = [  # (label, model, batch, context, budget, minimum speedup vs FlashInfer dense)
+    ("B=1, L=32k, budget 2048", "llama3.1-8b", 1, 32768, 2048, 5.0),
+    ("B=1, L=128k, budget 4096", "llama3.1-8b", 1, 131072, 4096, 8.0),
+    ("B=32, L=32k, budget 2048", "llama3.1-8b", 32, 32768, 2048, 6.5),
+]
+DENSE_TARGET = 1.15  # questkv dense time / FlashInfer dense time, at most
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+def time_graph(enqueue: Callable[[int], object], n_layers: int, reps: int, warmup: int) -> float:
+    """Median GPU time in microseconds of ``enqueue(layer)``, captured once per layer in a CUDA
+    graph and replayed ``reps`` times after ``warmup`` replays (per-call time = replay / n_layers)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for layer in range(n_layers):  # compile and autotune outside the capture
+            enqueue(layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(n_layers):
+            enqueue(layer)
+    for _ in range(warmup):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    del graph
+    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / n_layers
+
+
+def copy_bandwidth(reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
+    src = torch.randn(2**30 // 2, dtype=DTYPE, device=DEVICE)  # 1 GiB
+    dst = torch.empty_like(src)
+    micros = time_graph(lambda _: dst.copy_(src), 1, reps, 3)
+    return 2 * src.numel() * src.element_size() / (micros * 1e-6) / 1e12
+
+
+def count_launches(fn: Callable[[], object]) -> Optional[int]:
+    """Kernels one eager call of ``fn`` launches (torch profiler), or None if it cannot tell."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception:  # noqa: BLE001 - the profiler is optional here
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# correctness on the GPU
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def check_correctness() -> list[dict]:
+    """Every kernel against the torch reference (float32 math) on random bf16 data, ragged lengths."""
+    gen = torch.Generator(device=DEVICE).manual_seed(1234)
+    results = []
+
+    def record(name: str, err: float, tol: float) -> None:
+        results.append({"check": name, "rel_err": err, "tol": tol, "ok": bool(err <= tol)})
+
+    for model, (hq, hkv, d) in MODELS.items():
+        lens = torch.tensor([3001, 1777, 16, 2048], dtype=torch.int32, device=DEVICE)
+        batch, max_pages = lens.numel(), 200
+        num_pages = batch * max_pages
+        k_pages = torch.randn(num_pages, PAGE_SIZE, hkv, d, device=DEVICE, generator=gen).to(DTYPE)
+        v_pages = torch.randn_like(k_pages)
+        kmin, kmax = k_pages.amin(1), k_pages.amax(1)
+        table = torch.randperm(num_pages, device=DEVICE, generator=gen)[: batch * max_pages].view(batch, max_pages).int()
+        q = torch.randn(batch, hq, d, device=DEVICE, generator=gen).to(DTYPE)
+
+        # append: a prefill chunk ending mid-page, decode tokens, a restarted page
+        pools = (k_pages.clone(), v_pages.clone(), kmin.clone(), kmax.clone())
+        ref_pools = tuple(t.clone() for t in pools)
+        slots = torch.cat([torch.arange(160, 160 + 70), torch.tensor([16 * 40 + 9, 16 * 41]), torch.arange(0, 5)]).to(DEVICE)
+        keys = torch.randn(slots.numel(), hkv, d, device=DEVICE, generator=gen).to(DTYPE)
+        values = torch.randn_like(keys)
+        kernels.append_kv(*pools, slots, keys, values)
+        reference.append_kv(*ref_pools, slots, keys, values)
+        record(f"{model} append_kv (exact)", float(not all(torch.equal(a, b) for a, b in zip(pools, ref_pools))), 0.0)
+
+        for selection, reduction in (("kv_head", "sum"), ("kv_head", "max"), ("q_head", "sum")):
+            want = reference.page_scores(q, kmin, kmax, table, lens, PAGE_SIZE, selection, reduction)
+            got = kernels.page_scores(q, kmin, kmax, table, lens, PAGE_SIZE, selection, reduction)
+            finite = torch.isfinite(want)
+            same_mask = torch.equal(finite, torch.isfinite(got))
+            record(f"{model} page_scores {selection}/{reduction}", _rel_err(got[finite], want[finite]) if same_mask else 1.0, 1e-5)
+            for budget, sink, recent in ((64, 1, 2), (128, 0, 0)):
+                sel_ref = reference.select_pages(got, lens, PAGE_SIZE, budget, sink, recent)
+                sel = kernels.select_pages(got, lens, PAGE_SIZE, budget, sink, recent)
+                record(f"{model} select_pages {selection} budget {budget} (exact)", float(not torch.equal(sel, sel_ref)), 0.0)
+            out_ref = reference.paged_decode_attention(q, k_pages, v_pages, table, lens, sel)
+            out = kernels.paged_decode_attention(q, k_pages, v_pages, table, lens, sel)
+            record(f"{model} sparse attention {selection}", _rel_err(out, out_ref), 1e-2)
+        out_ref = reference.paged_decode_attention(q, k_pages, v_pages, table, lens)
+        out = kernels.paged_decode_attention(q, k_pages, v_pages, table, lens)
+        record(f"{model} dense attention", _rel_err(out, out_ref), 1e-2)
+        config = QuestConfig(token_budget=1024, sink_pages=1, recent_pages=1, backend="triton")
+        step = QuestDecodeStep(config, batch, hq, hkv, d, max_pages, DTYPE, DEVICE)
+        layer = LayerPages(k_pages, v_pages, kmin, kmax)
+        got = step(q, layer, table, lens)
+        want = reference.paged_decode_attention(
+            q, k_pages, v_pages, table, lens,
+            reference.select_pages(step.scores, lens, PAGE_SIZE, config.budget_pages, 1, 1),
+        )
+        record(f"{model} QuestDecodeStep budget 1024", _rel_err(got, want), 1e-2)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# baselines
+
+
+def torch_topk_select(scores: torch.Tensor, seq_lens: torch.Tensor, budget_pages: int) -> torch.Tensor:
+    """Selection through ``torch.topk`` (current page forced, ascending, -1-padded): the
+    alternative the Triton select kernel is measured against."""
+    max_pages = scores.shape[-1]
+    num_pages = (seq_lens.long() + PAGE_SIZE - 1) // PAGE_SIZE
+    index = torch.arange(max_pages, device=scores.device)
+    key = scores.masked_fill((index == (num_pages - 1)[:, None])[:, None, :], float("inf"))
+    top = key.topk(budget_pages, dim=-1, sorted=False)
+    chosen = torch.where(torch.isneginf(top.values), max_pages, top.indices).sort(dim=-1).values
+    return torch.where(chosen == max_pages, -1, chosen).int()
+
+
+def flashinfer_wrappers(batch, hq, hkv, d, table, tensor_core_modes):
+    """Planned CUDA-graph FlashInfer decode wrappers keyed by ``use_tensor_cores``."""
+    import flashinfer
+
+    max_pages = table.shape[1]
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * max_pages
+    indices = table.flatten().contiguous()
+    last = torch.full((batch,), PAGE_SIZE, dtype=torch.int32, device=DEVICE)
+    wrappers = {}
+    for tc in tensor_core_modes:
+        workspace = torch.zeros(128 * 2**20, dtype=torch.uint8, device=DEVICE)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+            paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=indices.clone(),
+            paged_kv_last_page_len_buffer=last.clone(),
+        )
+        wrapper.plan(indptr, indices, last, hq, hkv, d, PAGE_SIZE, q_data_type=DTYPE, kv_data_type=DTYPE)
+        wrappers[tc] = wrapper
+    return wrappers
+
+
+# ----------------------------------------------------------------------------------------------
+# one benchmark point
+
+
+def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
+    hq, hkv, d = MODELS[model]
+    npages = context // PAGE_SIZE
+    elt = torch.tensor([], dtype=DTYPE).element_size()
+    kv_bytes = batch * context * hkv * d * 2 * elt  # K + V of one layer
+    bound_bytes = batch * npages * hkv * d * 2 * elt
+    min_sparse = bound_bytes + batch * hkv * min(budgets) * d * 2 * elt
+    pool_bytes = kv_bytes + bound_bytes
+    n_layers = max(1, min(MAX_LAYERS, math.ceil(ROTATE_BYTES / min_sparse), int(args.max_gb * 2**30 // (2 * pool_bytes))))
+    with_sdpa = 2 * n_layers * pool_bytes <= args.max_gb * 2**30
+    point = {"model": model, "batch": batch, "context": context, "n_layers": n_layers, "kv_bytes": kv_bytes}
+
+    gen = torch.Generator(device=DEVICE).manual_seed(batch * 1000003 + context)
+    shape = (n_layers, batch * npages, PAGE_SIZE, hkv, d)
+    k_all = torch.randn(shape, device=DEVICE, dtype=DTYPE, generator=gen)
+    v_all = torch.randn(shape, device=DEVICE, dtype=DTYPE, generator=gen)
+    layers = [LayerPages(k_all[i], v_all[i], k_all[i].amin(1), k_all[i].amax(1)) for i in range(n_layers)]
+    table = torch.randperm(batch * npages, device=DEVICE, generator=gen).view(batch, npages).int()
+    lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, hq, d, device=DEVICE, dtype=DTYPE, generator=gen)
+    reps, warmup = args.reps, args.warmup
+
+    dense = QuestDecodeStep(QuestConfig(backend="triton"), batch, hq, hkv, d, npages, DTYPE, DEVICE)
+    point["questkv_dense_us"] = time_graph(lambda i: dense.attend(q, layers[i], table, lens, None), n_layers, reps, warmup)
+    dense_out = dense.attend(q, layers[0], table, lens, None).clone()
+
+    point["flashinfer"] = {}
+    if flashinfer_ok:
+        wrappers = flashinfer_wrappers(batch, hq, hkv, d, table, args.fi_tensor_cores[model])
+        fi_out = torch.empty_like(q)
+        for tc, wrapper in wrappers.items():
+            micros = time_graph(lambda i: wrapper.run(q, (layers[i].k_pages, layers[i].v_pages), out=fi_out), n_layers, reps, warmup)
+            wrapper.run(q, (layers[0].k_pages, layers[0].v_pages), out=fi_out)
+            point["flashinfer"]["tc" if tc else "no_tc"] = {"us": micros, "rel_err_vs_questkv": _rel_err(fi_out, dense_out)}
+        del wrappers
+        point["flashinfer_dense_us"] = min(v["us"] for v in point["flashinfer"].values())
+
+    if with_sdpa:
+        sdpa_k = torch.randn((n_layers, batch, hkv, context, d), device=DEVICE, dtype=DTYPE, generator=gen)
+        sdpa_v = torch.randn_like(sdpa_k)
+        q4 = q.unsqueeze(2)
+        point["sdpa_dense_us"] = time_graph(
+            lambda i: F.scaled_dot_product_attention(q4, sdpa_k[i], sdpa_v[i], enable_gqa=True), n_layers, reps, warmup
+        )
+        del sdpa_k, sdpa_v
+
+    point["sparse"] = []
+    for budget in budgets:
+        if budget >= context:
+            continue
+        config = QuestConfig(token_budget=budget, backend="triton")
+        step = QuestDecodeStep(config, batch, hq, hkv, d, npages, DTYPE, DEVICE)
+        step(q, layers[0], table, lens)  # a real selection for the attend-only timing
+        selected = step.selected.clone()
+        sparse_bytes = bound_bytes + batch * hkv * budget * d * 2 * elt
+        row = {
+            "budget": budget,
+            "ideal_speedup": context / (context / PAGE_SIZE + budget),
+            "step_us": time_graph(lambda i: step(q, layers[i], table, lens), n_layers, reps, warmup),
+            "estimate_us": time_graph(lambda i: step.estimate(q, layers[i], table, lens), n_layers, reps, warmup),
+            "select_us": time_graph(lambda i: step.select(lens), n_layers, reps, warmup),
+            "select_torch_topk_us": time_graph(
+                lambda i: torch_topk_select(step.scores, lens, config.budget_pages), n_layers, reps, warmup
+            ),
+            "attend_us": time_graph(lambda i: step.attend(q, layers[i], table, lens, selected), n_layers, reps, warmup),
+            "step_bytes": sparse_bytes,
+            "launches": count_launches(lambda: step(q, layers[0], table, lens)),
+        }
+        row["step_tbps"] = sparse_bytes / (row["step_us"] * 1e-6) / 1e12
+        row["estimate_tbps"] = bound_bytes / (row["estimate_us"] * 1e-6) / 1e12
+        row["attend_tbps"] = (sparse_bytes - bound_bytes) / (row["attend_us"] * 1e-6) / 1e12
+        if "flashinfer_dense_us" in point:
+            row["speedup_vs_flashinfer"] = point["flashinfer_dense_us"] / row["step_us"]
+        point["sparse"].append(row)
+    for key in ("questkv_dense_us", "flashinfer_dense_us", "sdpa_dense_us"):
+        if key in point:
+            point[key.replace("_us", "_tbps")] = kv_bytes / (point[key] * 1e-6) / 1e12
+    if "flashinfer_dense_us" in point:
+        point["dense_ratio_vs_flashinfer"] = point["questkv_dense_us"] / point["flashinfer_dense_us"]
+    del k_all, v_all, layers
+    torch.cuda.empty_cache()
+    return point
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+
+
+def _fmt(value, digits=1):
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table_lines(points: list[dict]) -> list[str]:
+    head = (
+        "| model | B | L | budget | Quest step µs | estimate | select | select torch.topk | attend | "
+        "questkv dense µs | FlashInfer dense µs | SDPA µs | speedup vs FI | ideal | step TB/s | dense/FI |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for p in points:
+        ctx = f"{p['context'] // 1024}k"
+        dense = [_fmt(p.get("questkv_dense_us")), _fmt(p.get("flashinfer_dense_us")), _fmt(p.get("sdpa_dense_us"))]
+        ratio = _fmt(p.get("dense_ratio_vs_flashinfer"), 2)
+        if not p["sparse"]:
+            lines.append(f"| {p['model']} | {p['batch']} | {ctx} | - | - | - | - | - | - | {' | '.join(dense)} | - | - | - | {ratio} |")
+        for r in p["sparse"]:
+            lines.append(
+                f"| {p['model']} | {p['batch']} | {ctx} | {r['budget']} | {_fmt(r['step_us'])} | {_fmt(r['estimate_us'])} | "
+                f"{_fmt(r['select_us'])} | {_fmt(r['select_torch_topk_us'])} | {_fmt(r['attend_us'])} | {' | '.join(dense)} | "
+                f"{_fmt(r.get('speedup_vs_flashinfer'), 2)} | {_fmt(r['ideal_speedup'], 2)} | {_fmt(r['step_tbps'], 2)} | {ratio} |"
+            )
+    return lines
+
+
+def target_lines(points: list[dict]) -> list[str]:
+    lines = ["| target | required | measured | met |", "|---|---|---|---|"]
+    for label, model, batch, context, budget, need in TARGETS:
+        got = next(
+            (r.get("speedup_vs_flashinfer") for p in points if (p["model"], p["batch"], p["context"]) == (model, batch, context)
+             for r in p["sparse"] if r["budget"] == budget),
+            None,
+        )
+        lines.append(f"| {label} ({model}) | ≥ {need}× | {_fmt(got, 2)}× | {'-' if got is None else ('yes' if got >= need else 'NO')} |")
+    ratios = [(p["dense_ratio_vs_flashinfer"], p) for p in points if "dense_ratio_vs_flashinfer" in p]
+    if ratios:
+        worst, p = max(ratios, key=lambda x: x[0])
+        where = f"worst {p['model']} B={p['batch']} L={p['context'] // 1024}k"
+        lines.append(f"| questkv dense / FlashInfer dense, all points | ≤ {DENSE_TARGET}× | {worst:.2f}× ({where}) | "
+                     f"{'yes' if worst <= DENSE_TARGET else 'NO'} |")
+    return lines
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("QUESTKV_COMMIT", "unknown")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--contexts", default="8192,32768,131072")
+    parser.add_argument("--budgets", default="1024,2048,4096")
+    parser.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--max-gb", type=float, default=100.0, help="GPU memory for pools (+ SDPA copies) per point")
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--tag", default="h200")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    # FlashInfer's own guidance: tensor cores for grouped queries; for MHA both are measured
+    args.fi_tensor_cores = {"llama3.1-8b": (True,), "llama2-7b": (True, False)}
+
+    info = {
+        "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+        "dtype": str(DTYPE),
+        "page_size": PAGE_SIZE,
+    }
+    try:
+        import flashinfer
+
+        info["flashinfer"] = flashinfer.__version__
+        flashinfer_ok = True
+    except Exception as error:  # noqa: BLE001 - the baseline is optional, its absence is recorded
+        info["flashinfer"] = f"unavailable: {error}"
+        flashinfer_ok = False
+    print(json.dumps(info), flush=True)
+
+    checks = check_correctness()
+    for c in checks:
+        print(f"check {c['check']}: rel_err {c['rel_err']:.2e} (tol {c['tol']:.0e}) {'ok' if c['ok'] else 'FAIL'}", flush=True)
+    info["copy_tbps"] = copy_bandwidth()
+    print(f"device-to-device copy: {info['copy_tbps']:.2f} TB/s", flush=True)
+
+    points = []
+    if all(c["ok"] for c in checks):
+        budgets = [int(b) for b in args.budgets.split(",")]
+        for model in args.models.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                for context in (int(c) for c in args.contexts.split(",")):
+                    hq, hkv, d = MODELS[model]
+                    if batch * context * hkv * d * 2 * 2 > args.max_gb * 2**30:
+                        print(f"skip {model} B={batch} L={context}: K/V over --max-gb", flush=True)
+                        continue
+                    point = run_point(model, batch, context, budgets, args, flashinfer_ok)
+                    points.append(point)
+                    steps = ", ".join(f"budget {r['budget']}: {r['step_us']:.1f}" for r in point["sparse"])
+                    print(f"{model} B={batch} L={context}: dense questkv {point['questkv_dense_us']:.1f} / "
+                          f"FlashInfer {point.get('flashinfer_dense_us', float('nan')):.1f} µs; Quest step {steps} µs", flush=True)
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"info": info, "checks": checks, "points": points}
+    (out_dir / f"kernels-{args.tag}.json").write_text(json.dumps(result, indent=1))
+    md = [
+        f"# questkv kernels on {info['gpu']}",
+        "",
+        f"- command: `{info['command']}`",
+        f"- commit: `{info['commit']}`, date: {info['date']}",
+        f"- torch {info['torch']}, triton {info['triton']}, flashinfer {info['flashinfer']}; {DTYPE}, page {PAGE_SIZE}",
+        f"- device-to-device copy: {info['copy_tbps']:.2f} TB/s (read + write)",
+        f"- correctness: {sum(c['ok'] for c in checks)}/{len(checks)} checks passed",
+        "- times: median GPU µs per call under CUDA graphs; speedup = FlashInfer dense / Quest step; "
+        "ideal = L / (L/16 + budget); step TB/s = (bounds + selected K/V bytes) / step time",
+        "",
+        "## Targets",
+        "",
+        *target_lines(points),
+        "",
+        "## All points",
+        "",
+        *table_lines(points),
+        "",
+    ]
+    (out_dir / f"kernels-{args.tag}.md").write_text("\n".join(md))
+    print("\n".join(["", *target_lines(points), "", *table_lines(points)]))
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
