@@ -92,11 +92,11 @@ def time_graph(enqueue: Callable[[int], object], n_layers: int, reps: int, warmu
     return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / n_layers
 
 
-def copy_bandwidth(reps: int = 20) -> float:
+def copy_bandwidth(reps: int = 50) -> float:
     """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
-    src = torch.randn(2**30 // 2, dtype=DTYPE, device=DEVICE)  # 1 GiB
+    src = torch.randn(2**31 // 2, dtype=DTYPE, device=DEVICE)  # 2 GiB
     dst = torch.empty_like(src)
-    micros = time_graph(lambda _: dst.copy_(src), 1, reps, 3)
+    micros = time_graph(lambda _: dst.copy_(src), 1, reps, 20)  # warm-up lets the clocks ramp
     return 2 * src.numel() * src.element_size() / (micros * 1e-6) / 1e12
 
 

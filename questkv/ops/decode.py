@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -56,7 +57,7 @@ class QuestDecodeStep:
         batch, num_q_heads, num_kv_heads, head_dim: the layer's decode shape.
         max_pages: page-table width (``page_table.shape[1]``).
         dtype, device: of ``q`` and the page pool.
-        num_splits: split count of the attention kernel (default: about 4 programs per SM).
+        num_splits: split count of the attention kernel (default: one wave of a few programs per SM).
 
     Buffers (overwritten by every call): ``scores`` ``[batch, num_sel_heads, max_pages]`` float32,
     ``selected`` ``[batch, num_sel_heads, budget_pages]`` int32, ``out`` ``[batch, num_q_heads,
@@ -89,19 +90,13 @@ class QuestDecodeStep:
         self.out = torch.empty((batch, num_q_heads, head_dim), dtype=dtype, device=device)
         self._dense = self._sparse = None
         if self.use_triton:
-            plan = self.kernels.plan_splits
-            self._dense = self._partials(plan(max_pages, batch * num_kv_heads, config.page_size, device, num_splits))
+            buffers = functools.partial(
+                self.kernels.attention_buffers, batch, num_q_heads, head_dim=head_dim, page_size=config.page_size,
+                device=device, num_splits=num_splits,
+            )
+            self._dense = buffers(num_sel_heads=num_kv_heads, num_items=max_pages, dense=True)
             if not config.is_dense:
-                self._sparse = self._partials(
-                    plan(config.budget_pages, batch * sel_heads, config.page_size, device, num_splits)
-                )
-
-    def _partials(self, plan: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        num_splits, items_per_split = plan
-        batch, num_q_heads, head_dim = self.out.shape
-        part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=self.out.device)
-        part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=self.out.device)
-        return part_out, part_lse, items_per_split
+                self._sparse = buffers(num_sel_heads=sel_heads, num_items=config.budget_pages, dense=False)
 
     def estimate(self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Page scores into ``self.scores``."""
@@ -136,10 +131,10 @@ class QuestDecodeStep:
         if not self.use_triton:
             out = ops.reference.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected, sm_scale)
             return self.out.copy_(out)
-        part_out, part_lse, items_per_split = self._dense if selected is None else self._sparse
+        part_out, part_lse, counters, items_per_split = self._dense if selected is None else self._sparse
         return self.kernels.paged_decode_attention_into(
-            self.out, part_out, part_lse, q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected, sm_scale,
-            items_per_split,
+            self.out, part_out, part_lse, counters, q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected,
+            sm_scale, items_per_split,
         )
 
     def __call__(

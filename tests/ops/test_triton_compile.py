@@ -46,10 +46,14 @@ _SCRIPT = textwrap.dedent(
         compile_kernel(
             attention._decode_split_kernel,
             {"q_ptr": dtype, "k_pages_ptr": dtype, "v_pages_ptr": dtype, "table_ptr": "i32",
-             "lens_ptr": "i32", "sel_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32"},
+             "lens_ptr": "i32", "sel_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
+             "counter_ptr": "i32", "out_ptr": dtype},
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": 16,
-             "SEL_PER_KV": sel_per_kv, "PAGES_PER_ITER": 4, "DENSE": dense, "UPCAST": False},
+             "BLOCK_GM": group, "SEL_PER_KV": sel_per_kv,
+             "PAGES_PER_ITER": attention.pages_per_iter(16, dense), "MERGE_CHUNK": attention._MERGE_CHUNK,
+             "DENSE": dense, "UPCAST": False},
             floats=("qk_scale",),
+            num_warps=attention._NUM_WARPS,
         )
 
 
@@ -65,16 +69,18 @@ _SCRIPT = textwrap.dedent(
             estimate._page_scores_kernel,
             {"q_ptr": "bf16", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
              "lens_ptr": "i32", "out_ptr": "fp32"},
-            {"PAGE_SIZE": 16, "GROUP": group, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
-             "BLOCK_D": 128, "MODE": mode},
+            {"PAGE_SIZE": 16, "GROUP": group, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
+             "BLOCK_D": 128, "MODE": mode, "DOT_FP32": False},
         )
     for dense, group, sel_per_kv in ((False, 4, 1), (True, 4, 1), (False, 1, 1), (False, 1, 4)):
         compile_attention("bf16", dense, group, sel_per_kv)
     compile_attention("fp16", False, 4, 1)
     compile_kernel(
-        attention._merge_splits_kernel,
-        {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": "bf16"},
-        {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 32},
+        estimate._page_scores_kernel,
+        {"q_ptr": "fp32", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
+         "lens_ptr": "i32", "out_ptr": "fp32"},
+        {"PAGE_SIZE": 16, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
+         "BLOCK_D": 128, "MODE": 1, "DOT_FP32": True},
     )
     for block_n, block_k in ((2048, 128), (8192, 256), (64, 64)):
         compile_kernel(

@@ -155,18 +155,21 @@ def test_paged_decode_attention_matches_reference(dtype, heads, selection):
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_attention_split_merge_and_scale(num_splits):
-    """Explicit split counts (a short sequence leaves whole splits empty) and a custom scale."""
+    """Explicit split counts (a short sequence leaves whole splits empty), a custom scale, and two
+    launches on the same buffers: the fused merge must leave its counters at zero."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     page_size, max_pages = 16, 12
     q, k_pages, v_pages, table, lens = _attention_case(torch.float32, (8, 2, 32), [150, 5], max_pages, page_size, gen)
-    splits, per_split = tk.plan_splits(max_pages, 2 * 2, page_size, q.device, num_splits)
-    assert splits == num_splits
-    out = torch.full_like(q, float("nan"))
-    part_out = torch.full((2, 8, splits, 32), float("nan"))
-    part_lse = torch.full((2, 8, splits), float("nan"))
-    tk.paged_decode_attention_into(out, part_out, part_lse, q, k_pages, v_pages, table, lens, None, 0.3, per_split)
+    part_out, part_lse, counters, per_split = tk.attention_buffers(2, 8, 2, 32, max_pages, page_size, True, q.device, num_splits)
+    assert part_lse.shape[-1] == num_splits
     want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), lens, None, 0.3)
-    assert _rel_err(out, want) < 1e-5
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        part_out.fill_(float("nan"))
+        part_lse.fill_(float("nan"))
+        tk.paged_decode_attention_into(out, part_out, part_lse, counters, q, k_pages, v_pages, table, lens, None, 0.3, per_split)
+        assert _rel_err(out, want) < 1e-5
+        assert not counters.any()
 
 
 @pytest.mark.parametrize("selection", ["kv_head", "q_head"])

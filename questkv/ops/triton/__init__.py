@@ -6,12 +6,18 @@ and CUDA graphs. Layouts: :mod:`questkv.ops.reference`.
 """
 
 from questkv.ops.triton.append import append_kv
-from questkv.ops.triton.attention import paged_decode_attention, paged_decode_attention_into, plan_splits
+from questkv.ops.triton.attention import (
+    attention_buffers,
+    paged_decode_attention,
+    paged_decode_attention_into,
+    plan_splits,
+)
 from questkv.ops.triton.estimate import page_scores, page_scores_into
 from questkv.ops.triton.select import select_pages, select_pages_into
 
 __all__ = [
     "append_kv",
+    "attention_buffers",
     "page_scores",
     "page_scores_into",
     "paged_decode_attention",

@@ -18,14 +18,20 @@ from questkv.ops.triton._common import (
 )
 
 _LOG2E = 1.4426950408889634
-_TOKENS_PER_ITER = 64  # keys per inner iteration: PAGES_PER_ITER = 64 // page_size whole pages
-_PROGRAMS_PER_SM = 4  # split target: enough programs in flight to hide HBM latency
-_NUM_WARPS, _NUM_STAGES = 4, 3  # split kernel launch configuration
+# Launch configuration, dense / sparse (measured on an H200, docs/gpu-kernels.md): keys per
+# inner iteration (whole pages), programs per SM the split count aims at (rounded down so the
+# grid fits one wave), and software-pipelining depth.
+_TOKENS_PER_ITER = {True: 64, False: 128}
+_PROGRAMS_PER_SM = {True: 4, False: 8}
+_NUM_STAGES = {True: 3, False: 2}
+_NUM_WARPS = 4
+_MERGE_CHUNK = 16  # splits combined per step of the merge
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
+    counter_ptr, out_ptr,
     qk_scale, num_items, items_per_split,
     stride_qb, stride_qh,
     stride_kp, stride_kt, stride_kh,
@@ -34,14 +40,18 @@ def _decode_split_kernel(
     stride_sb, stride_sh,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
+    stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, SEL_PER_KV: tl.constexpr,
-    PAGES_PER_ITER: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr, SEL_PER_KV: tl.constexpr,
+    PAGES_PER_ITER: tl.constexpr, MERGE_CHUNK: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program per (split, selection head, sequence) attends a contiguous chunk of the page
     list (the selection row, or every page when ``DENSE``) for the ``GROUP`` query heads that share
-    the selection head; each K/V page is loaded once for all of them. Writes the chunk's normalised
-    output ``[GROUP, HEAD_DIM]`` and base-2 log-sum-exp (``-inf`` for an empty chunk)."""
+    the selection head; each K/V page is loaded once for all of them. It writes the chunk's
+    normalised output ``[GROUP, HEAD_DIM]`` and base-2 log-sum-exp (``-inf`` for an empty chunk),
+    then takes a ticket; the program that takes the last ticket of its (sequence, selection head)
+    merges all splits into ``out`` and resets the counter for the next launch (one launch per step,
+    no separate merge kernel)."""
     split = tl.program_id(0)
     sel_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -103,58 +113,84 @@ def _decode_split_kernel(
              out, mask=gmask[:, None] & dmask[None, :])
     tl.store(part_lse_ptr + seq * stride_lb + q_rows * stride_lh + split, lse, mask=gmask)
 
-
-@triton.jit
-def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    num_splits,
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """One program per (query head, sequence): combine the splits' partial outputs by their
-    log-sum-exp weights and write ``out`` in its dtype."""
-    head = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    smask = s < num_splits
-    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    part = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-                   mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-
-
-def pages_per_iter(page_size: int) -> int:
-    """Whole pages one inner iteration of the split kernel loads (``64 // page_size``, >= 1)."""
-    return max(1, _TOKENS_PER_ITER // page_size)
+    num_splits = tl.num_programs(0)
+    counter = counter_ptr + seq * tl.num_programs(1) + sel_head
+    tl.debug_barrier()  # every thread's partial stores happen before the (releasing) ticket
+    if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+        rows = sel_head * GROUP + tl.arange(0, BLOCK_GM)
+        rmask = tl.arange(0, BLOCK_GM) < GROUP
+        m_run = tl.full([BLOCK_GM], float("-inf"), tl.float32)
+        l_run = tl.zeros([BLOCK_GM], tl.float32)
+        o_run = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
+        for s0 in range(0, num_splits, MERGE_CHUNK):
+            sp = s0 + tl.arange(0, MERGE_CHUNK)
+            smask = rmask[:, None] & (sp[None, :] < num_splits)
+            part_lse = tl.load(part_lse_ptr + seq * stride_lb + rows[:, None] * stride_lh + sp[None, :],
+                               mask=smask, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(part_out_ptr + seq * stride_pb + rows[:, None, None] * stride_ph
+                           + sp[None, :, None] * stride_ps + d[None, None, :],
+                           mask=smask[:, :, None] & dmask[None, None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_run, tl.max(part_lse, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w = tl.exp2(part_lse - m_safe[:, None])
+            alpha = tl.exp2(m_run - m_safe)
+            l_run = l_run * alpha + tl.sum(w, axis=1)
+            o_run = o_run * alpha[:, None] + tl.sum(part * w[:, :, None], axis=1)
+            m_run = m_new
+        merged = o_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
+        tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + d[None, :],
+                 merged.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+        tl.atomic_xchg(counter, 0)
 
 
-def plan_splits(num_items: int, programs: int, page_size: int, device: torch.device,
+def pages_per_iter(page_size: int, dense: bool) -> int:
+    """Whole pages one inner iteration of the split kernel loads (>= 1)."""
+    return max(1, _TOKENS_PER_ITER[dense] // page_size)
+
+
+def plan_splits(num_items: int, programs: int, page_size: int, device: torch.device, dense: bool,
                 num_splits: Optional[int] = None) -> tuple[int, int]:
     """``(num_splits, items_per_split)`` for ``num_items`` pages per (sequence, selection head).
 
-    ``programs`` is ``batch * num_sel_heads``; without an explicit ``num_splits`` the split count
-    aims at ``4 x SMs`` programs, each with at least one inner iteration of pages. The result
-    depends on shapes only, so a CUDA graph captured once stays valid.
+    ``programs`` is ``batch * num_sel_heads``. Without an explicit ``num_splits`` the grid aims at
+    ``_PROGRAMS_PER_SM x SMs`` programs, rounded down so that it runs in one wave; every split
+    holds whole inner iterations. The result depends on shapes only, so a CUDA graph captured once
+    stays valid.
     """
-    step = pages_per_iter(page_size)
+    step = pages_per_iter(page_size, dense)
+    num_items = max(num_items, 1)
     if num_splits is None:
-        num_splits = triton.cdiv(_PROGRAMS_PER_SM * num_sms(device), max(programs, 1))
-    num_splits = max(1, min(num_splits, triton.cdiv(max(num_items, 1), step)))
-    items_per_split = triton.cdiv(triton.cdiv(max(num_items, 1), num_splits), step) * step
-    return triton.cdiv(max(num_items, 1), items_per_split), items_per_split
+        num_splits = _PROGRAMS_PER_SM[dense] * num_sms(device) // max(programs, 1)
+    num_splits = max(1, min(num_splits, triton.cdiv(num_items, step)))
+    items_per_split = triton.cdiv(triton.cdiv(num_items, num_splits), step) * step
+    return triton.cdiv(num_items, items_per_split), items_per_split
+
+
+def attention_buffers(
+    batch: int,
+    num_q_heads: int,
+    num_sel_heads: int,
+    head_dim: int,
+    num_items: int,
+    page_size: int,
+    dense: bool,
+    device: torch.device,
+    num_splits: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Scratch for :func:`paged_decode_attention_into`: ``(part_out, part_lse, counters,
+    items_per_split)`` for ``num_items`` pages per (sequence, selection head)."""
+    num_splits, items_per_split = plan_splits(num_items, batch * num_sel_heads, page_size, device, dense, num_splits)
+    part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=device)
+    counters = torch.zeros((batch, num_sel_heads), dtype=torch.int32, device=device)
+    return part_out, part_lse, counters, items_per_split
 
 
 def paged_decode_attention_into(
     out: torch.Tensor,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
+    counters: torch.Tensor,
     q: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
@@ -164,14 +200,18 @@ def paged_decode_attention_into(
     sm_scale: Optional[float],
     items_per_split: int,
 ) -> torch.Tensor:
-    """Split kernel + merge kernel into preallocated buffers (two launches, no host sync).
+    """Split-KV attention with the merge fused in, into preallocated buffers (one launch, no host
+    synchronisation).
 
     Args:
         out: ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype.
         part_out: ``[batch, num_q_heads, num_splits, head_dim]`` float32 scratch.
         part_lse: ``[batch, num_q_heads, num_splits]`` float32 scratch.
-        items_per_split: pages per split, from :func:`plan_splits`; ``num_splits`` is
-            ``part_lse.shape[-1]`` and must cover ``selected.shape[-1]`` (or ``max_pages``).
+        counters: ``[batch, num_sel_heads]`` int32, zero before the first launch; every launch
+            leaves it zero again.
+        items_per_split: pages per split, from :func:`plan_splits` (``dense=selected is None``);
+            ``num_splits`` is ``part_lse.shape[-1]`` and must cover ``selected.shape[-1]`` (or
+            ``max_pages``).
         Other arguments as in :func:`paged_decode_attention`.
     """
     batch, num_q_heads, head_dim = q.shape
@@ -182,7 +222,8 @@ def paged_decode_attention_into(
     check_shape("k_pages", k_pages, (k_pages.shape[0], page_size, num_kv_heads, head_dim))
     check_shape("seq_lens", seq_lens, (batch,))
     check_shape("page_table", page_table, (batch, page_table.shape[1]))
-    if selected is None:
+    dense = selected is None
+    if dense:
         sel_heads, num_items = num_kv_heads, page_table.shape[1]
     else:
         sel_heads, num_items = selected.shape[1], selected.shape[2]
@@ -196,35 +237,29 @@ def paged_decode_attention_into(
     check_shape("out", out, q.shape)
     check_shape("part_out", part_out, (batch, num_q_heads, num_splits, head_dim))
     check_shape("part_lse", part_lse, (batch, num_q_heads, num_splits))
+    check_shape("counters", counters, (batch, sel_heads))
+    if counters.dtype != torch.int32 or not counters.is_contiguous():
+        raise ValueError(f"counters must be contiguous int32, got {counters.dtype}")
     check_last_dim_contiguous(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, out=out, part_out=part_out)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     group = num_q_heads // sel_heads
-    block_d = next_pow2(head_dim)
-    dummy = selected if selected is not None else page_table
+    sel = page_table if dense else selected  # not read when dense
     _decode_split_kernel[(num_splits, sel_heads, batch)](
-        q, k_pages, v_pages, page_table, seq_lens, dummy, part_out, part_lse,
+        q, k_pages, v_pages, page_table, seq_lens, sel, part_out, part_lse, counters, out,
         sm_scale * _LOG2E, num_items, items_per_split,
         q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         page_table.stride(0),
-        dummy.stride(0), dummy.stride(1) if selected is not None else 0,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)), SEL_PER_KV=sel_heads // num_kv_heads,
-        PAGES_PER_ITER=pages_per_iter(page_size), DENSE=selected is None, UPCAST=interpreting(),
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
-    )
-    _merge_splits_kernel[(num_q_heads, batch)](
-        part_out, part_lse, out,
-        num_splits,
+        sel.stride(0), 0 if dense else sel.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),
-        num_warps=4,
+        PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_GM=next_pow2(group), SEL_PER_KV=sel_heads // num_kv_heads,
+        PAGES_PER_ITER=pages_per_iter(page_size, dense), MERGE_CHUNK=_MERGE_CHUNK, DENSE=dense, UPCAST=interpreting(),
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES[dense],
     )
     return out
 
@@ -252,13 +287,10 @@ def paged_decode_attention(
         ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype; softmax and accumulation in float32.
     """
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[2]
-    sel_heads = num_kv_heads if selected is None else selected.shape[1]
-    num_items = page_table.shape[1] if selected is None else selected.shape[2]
-    num_splits, items_per_split = plan_splits(num_items, batch * sel_heads, k_pages.shape[1], q.device)
-    part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    dense = selected is None
+    sel_heads = k_pages.shape[2] if dense else selected.shape[1]
+    num_items = page_table.shape[1] if dense else selected.shape[2]
+    buffers = attention_buffers(batch, num_q_heads, sel_heads, head_dim, num_items, k_pages.shape[1], dense, q.device)
     return paged_decode_attention_into(
-        out, part_out, part_lse, q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale, items_per_split
+        torch.empty_like(q), *buffers[:3], q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale, buffers[3]
     )

@@ -7,10 +7,10 @@ import triton
 import triton.language as tl
 
 from questkv.config import GROUP_REDUCTIONS, SELECTIONS
-from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2
+from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2
 
 _MODE_Q_HEAD, _MODE_SUM, _MODE_MAX = 0, 1, 2
-_BLOCK_P = 32  # pages per program: 2 x 32 x 128 bound elements in flight per program
+_BLOCK_P = 64  # pages per program
 _NUM_WARPS = 4
 
 
@@ -22,11 +22,14 @@ def _page_scores_kernel(
     stride_bp, stride_bh,
     stride_tb,
     stride_ob, stride_oh,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """One program per (page block, KV head, sequence). The bounds of a block of pages are read
-    once and scored against every query head of the KV head's group."""
+    once for every query head of the KV head's group, and the scores come from two matrix
+    products on the tensor cores: ``max(q*lo, q*hi) = max(q, 0)*hi + min(q, 0)*lo`` element-wise,
+    so ``score = max(q, 0) @ kmax^T + min(q, 0) @ kmin^T``. Splitting ``q`` by sign is exact in
+    any float dtype and products accumulate in float32."""
     pid_p = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -36,25 +39,35 @@ def _page_scores_kernel(
     valid = in_row & (p < num_pages)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < GROUP
+    rows = head * GROUP + g
 
+    q = tl.load(q_ptr + seq * stride_qb + rows[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
     physical = tl.load(table_ptr + seq * stride_tb + p, mask=valid, other=0).to(tl.int64)
     bound = physical[:, None] * stride_bp + head * stride_bh + d[None, :]
     bmask = valid[:, None] & dmask[None, :]
-    lo = tl.load(kmin_ptr + bound, mask=bmask, other=0.0).to(tl.float32)
-    hi = tl.load(kmax_ptr + bound, mask=bmask, other=0.0).to(tl.float32)
+    lo = tl.load(kmin_ptr + bound, mask=bmask, other=0.0)
+    hi = tl.load(kmax_ptr + bound, mask=bmask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        lo = lo.to(tl.float32)
+        hi = hi.to(tl.float32)
+    zero = tl.zeros_like(q)
+    q_pos = tl.maximum(q, zero).to(hi.dtype)  # exact: Triton computes 16-bit maximum in float32
+    q_neg = tl.minimum(q, zero).to(lo.dtype)
+    score = tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
+    score += tl.dot(q_neg, tl.trans(lo), input_precision="ieee")  # [BLOCK_G, BLOCK_P]
 
-    combined = tl.zeros([BLOCK_P], tl.float32) if MODE == 1 else tl.full([BLOCK_P], float("-inf"), tl.float32)
-    for g in tl.static_range(GROUP):
-        qh = head * GROUP + g
-        qv = tl.load(q_ptr + seq * stride_qb + qh * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
-        score = tl.sum(tl.maximum(qv[None, :] * lo, qv[None, :] * hi), axis=1)
-        if MODE == 0:
-            tl.store(out_ptr + seq * stride_ob + qh * stride_oh + p, tl.where(valid, score, float("-inf")), mask=in_row)
-        elif MODE == 1:
-            combined += score
+    if MODE == 0:
+        tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + p[None, :],
+                 tl.where(valid[None, :], score, float("-inf")), mask=gmask[:, None] & in_row[None, :])
+    else:
+        if MODE == 1:
+            combined = tl.sum(tl.where(gmask[:, None], score, 0.0), axis=0)
         else:
-            combined = tl.maximum(combined, score)
-    if MODE != 0:
+            combined = tl.max(tl.where(gmask[:, None], score, float("-inf")), axis=0)
         tl.store(out_ptr + seq * stride_ob + head * stride_oh + p, tl.where(valid, combined, float("-inf")), mask=in_row)
 
 
@@ -96,6 +109,7 @@ def page_scores_into(
     if out.dtype != torch.float32 or kmin.stride() != kmax.stride():
         raise ValueError("out must be float32 and kmin/kmax must share strides")
     check_last_dim_contiguous(q=q, kmin=kmin, page_table=page_table, out=out)
+    group = num_q_heads // num_kv_heads
     grid = (triton.cdiv(max_pages, _BLOCK_P), num_kv_heads, batch)
     _page_scores_kernel[grid](
         q, kmin, kmax, page_table, seq_lens, out,
@@ -104,8 +118,11 @@ def page_scores_into(
         kmin.stride(0), kmin.stride(1),
         page_table.stride(0),
         out.stride(0), out.stride(1),
-        PAGE_SIZE=page_size, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_P=_BLOCK_P, BLOCK_D=next_pow2(head_dim), MODE=mode,
+        # float32 products when 16-bit operands would lose bits (or under the interpreter, whose
+        # bf16 dot is wrong); 16-bit operands are exact as they are
+        DOT_FP32=interpreting() or q.dtype == torch.float32 or q.dtype != kmin.dtype,
         num_warps=_NUM_WARPS,
     )
     return out

@@ -18,13 +18,13 @@ def _select_pages_kernel(
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One program per (head, sequence): a bitonic top-``BLOCK_K`` over packed 64-bit keys, then a
-    bitonic sort of the chosen page indices.
+    """One program per (head, sequence): radix select of the ``BUDGET``-th largest key, then an
+    order-preserving compaction (no sort).
 
-    Key of page ``i``: ``order(score) << 31 | (2**31 - 1 - i)``, where ``order`` maps float32 to a
-    monotone non-negative integer; forced pages score ``+inf``; pages past the sequence get key
-    ``-1``. One integer comparison then ranks valid before invalid, by score, ties to the lower
-    index: the reference's order exactly.
+    Each valid page gets a 32-bit key that orders like its score (forced pages score ``+inf``).
+    Four 8-bit histogram passes find the threshold key ``T`` and how many pages equal to ``T`` still
+    fit; pages above ``T`` and the first such ties (lowest index first) are kept, and an exclusive
+    prefix sum writes their indices in ascending order: the reference's choice exactly.
     """
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -35,14 +35,29 @@ def _select_pages_kernel(
     forced = valid & ((i < SINK) | (i >= num_pages - 1 - RECENT))
     score = tl.where(forced, float("inf"), tl.where(score == 0.0, 0.0, score))  # -0.0 ties +0.0
     bits = score.to(tl.int32, bitcast=True)
-    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648  # in [0, 2**32)
-    key = tl.where(valid, (order << 31) | (2147483647 - i).to(tl.int64), -1)
-    top = tl.topk(key, BLOCK_K)  # descending
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648  # monotone, [0, 2**32)
+
+    remaining = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), BUDGET)  # pages still to pick
+    threshold = tl.zeros([], tl.int64)
+    match = valid
+    bins = tl.arange(0, 256)
+    for p in tl.static_range(4):
+        digit = ((key >> (24 - 8 * p)) & 255).to(tl.int32)
+        hist = tl.histogram(digit, 256, mask=match)
+        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # matching keys with a larger digit
+        pick = tl.max(tl.where((above < remaining) & (above + hist >= remaining), bins, -1), axis=0)
+        remaining -= tl.sum(tl.where(bins == pick, above, 0), axis=0)
+        threshold = threshold | (pick.to(tl.int64) << (24 - 8 * p))
+        match = match & (digit == pick)
+
+    tie = (valid & (key == threshold)).to(tl.int32)
+    chosen = valid & ((key > threshold) | ((tie == 1) & (tl.cumsum(tie, axis=0) - tie < remaining)))
+    flag = chosen.to(tl.int32)
+    position = tl.cumsum(flag, axis=0) - flag
+    row = out_ptr + seq * stride_ob + head * stride_oh
+    tl.store(row + position, i, mask=chosen)
     j = tl.arange(0, BLOCK_K)
-    chosen = tl.where((j < BUDGET) & (top >= 0), 2147483647 - (top & 2147483647), 2147483647)
-    chosen = tl.sort(chosen)
-    chosen = tl.where(chosen == 2147483647, -1, chosen)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + j, chosen.to(tl.int32), mask=j < BUDGET)
+    tl.store(row + j, tl.full([BLOCK_K], -1, tl.int32), mask=(j >= tl.sum(flag, axis=0)) & (j < BUDGET))
 
 
 def select_pages_into(
@@ -64,15 +79,14 @@ def select_pages_into(
     if budget_pages < 1 or sink_pages < 0 or recent_pages < 0:
         raise ValueError(f"need budget_pages >= 1 and sink/recent >= 0, got {budget_pages}/{sink_pages}/{recent_pages}")
     check_last_dim_contiguous(scores=scores, out=out)
-    block_k = next_pow2(budget_pages)
-    block_n = max(next_pow2(max_pages), block_k)
+    block_n = next_pow2(max_pages)
     _select_pages_kernel[(heads, batch)](
         scores, seq_lens, out,
         max_pages,
         scores.stride(0), scores.stride(1),
         out.stride(0), out.stride(1),
         PAGE_SIZE=page_size, BUDGET=budget_pages, SINK=sink_pages, RECENT=recent_pages,
-        BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_N=block_n, BLOCK_K=next_pow2(budget_pages),
         num_warps=min(16, max(4, block_n // 512)),
     )
     return out
