@@ -50,10 +50,159 @@ def _run_demo(args) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    """Parse ``"2048,4096"`` into ``[2048, 4096]``."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() and int(item) > 0 for item in items):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers")
+    return [int(item) for item in items]
+
+
+def _selection_list(text: str) -> list[str]:
+    from questkv.config import SELECTIONS
+
+    items = [item.strip() for item in text.split(",")]
+    for item in items:
+        if item not in SELECTIONS:
+            raise argparse.ArgumentTypeError(f"selection {item!r} is not one of {', '.join(SELECTIONS)}")
+    return items
+
+
+def _add_model_args(parser) -> None:
+    from questkv.models import ALIASES, DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"alias ({', '.join(ALIASES)}), HF model folder or .gguf file (default: {DEFAULT_MODEL})")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="weights and KV-cache dtype (default: bfloat16)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page, a power of two (default: 16)")
+    parser.add_argument("--dense-layers", type=int, default=2, help="layers below this index decode densely (default: 2)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+
+
+def _add_passkey(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "passkey",
+        help="passkey retrieval accuracy by context length and token budget (Quest's protocol)",
+        description="Landmark-attention passkey retrieval: the context is prefilled densely, the question tail "
+        "(last 400 characters) is decoded one token at a time through Quest, then 10 tokens are generated greedily; "
+        "a trial is correct when the answer's first integer is the key. Key depths spread evenly over 0-100%%.",
+    )
+    _add_model_args(parser)
+    parser.add_argument("--lengths", type=_int_list, default=[1024, 2048], help="prompt lengths in tokens (default: 1024,2048)")
+    parser.add_argument("--budgets", type=_budget_list, default=[64, 256, None],
+                        help="comma-separated token budgets; 'full' is dense attention (default: 64,256,full)")
+    parser.add_argument("--selection", type=_selection_list, default=["kv_head"],
+                        help="comma-separated selection modes: kv_head, q_head (default: kv_head)")
+    parser.add_argument("--trials", type=int, default=2, help="trials per length and budget (default: 2)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH (rewritten after every trial)")
+    parser.add_argument("--resume", action="store_true", help="continue the run stored in --json PATH, skipping finished trials")
+    parser.set_defaults(func=_run_passkey)
+
+
+def _run_passkey(args) -> int:
+    from pathlib import Path
+
+    from questkv.eval import passkey
+    from questkv.models import load_model
+
+    if args.trials < 1:
+        raise ValueError(f"--trials must be >= 1, got {args.trials}")
+    if args.resume and not args.json:
+        raise ValueError("--resume needs --json PATH")
+    config = {
+        "lengths": args.lengths,
+        "budgets": args.budgets,
+        "selections": args.selection,
+        "trials": args.trials,
+        "page_size": args.page_size,
+        "dense_layers": args.dense_layers,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "tail_chars": passkey.TAIL_CHARS,
+        "answer_tokens": passkey.ANSWER_TOKENS,
+    }
+    path = Path(args.json) if args.json else None
+    done = passkey.load_report(path, args.model, config) if args.resume else []
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    records = list(done)
+
+    def save(record: dict) -> None:
+        records.append(record)
+        if path is not None:
+            passkey.save_report(path, passkey.report(args.model, config, records))
+
+    passkey.run_passkey(
+        model, tokenizer, args.lengths, args.budgets, args.selection, args.trials, args.page_size,
+        args.dense_layers, args.seed, done=done, on_record=save,
+    )
+    if path is not None:
+        passkey.save_report(path, passkey.report(args.model, config, records))
+    print(passkey.format_table(passkey.summarize(records)))
+    return 0
+
+
+def _add_generate(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text with Quest sparse decoding, streaming, with prefill/decode speed",
+        description="Prefill the prompt densely, decode with Quest selection, stream the text, "
+        "then print prefill and decode tokens per second.",
+    )
+    _add_model_args(parser)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", help="read the prompt from this file")
+    parser.add_argument("--budget", type=_budget_list, default=[None],
+                        help="token budget per decode step, or 'full' for dense attention (default: full)")
+    parser.add_argument("--selection", choices=["kv_head", "q_head"], default="kv_head", help="selection mode (default: kv_head)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    parser.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> int:
+    from questkv.generate import generate_text
+
+    if len(args.budget) != 1:
+        raise ValueError(f"--budget takes one value, got {len(args.budget)}")
+    if args.prompt_file:
+        with open(args.prompt_file) as handle:
+            prompt = handle.read()
+    else:
+        prompt = args.prompt
+    stats = generate_text(
+        prompt,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        budget=args.budget[0],
+        page_size=args.page_size,
+        dense_layers=args.dense_layers,
+        selection=args.selection,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        chat=args.chat,
+        seed=args.seed,
+    )
+    print(
+        f"\nprefill: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_s:.1f} tok/s | "
+        f"decode: {stats.new_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="questkv", description="Query-aware KV-cache page sparsity (Quest) for long-context decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_demo(subparsers)
+    _add_passkey(subparsers)
+    _add_generate(subparsers)
     return parser
 
 
@@ -62,7 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"questkv {args.command}: error: {error}\n")
 
 
