@@ -25,13 +25,14 @@ def _page_scores_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """One program per (page block, KV head, sequence). The bounds of a block of pages are read
+    """One program per (KV head, page block, sequence), heads fastest so that the programs reading
+    one page's bounds (``num_kv_heads`` adjacent rows) run together. The bounds of a block of pages are read
     once for every query head of the KV head's group, and the scores come from two matrix
     products on the tensor cores: ``max(q*lo, q*hi) = max(q, 0)*hi + min(q, 0)*lo`` element-wise,
     so ``score = max(q, 0) @ kmax^T + min(q, 0) @ kmin^T``. Splitting ``q`` by sign is exact in
     any float dtype and products accumulate in float32."""
-    pid_p = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    pid_p = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     num_pages = tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE)
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -110,7 +111,7 @@ def page_scores_into(
         raise ValueError("out must be float32 and kmin/kmax must share strides")
     check_last_dim_contiguous(q=q, kmin=kmin, page_table=page_table, out=out)
     group = num_q_heads // num_kv_heads
-    grid = (triton.cdiv(max_pages, _BLOCK_P), num_kv_heads, batch)
+    grid = (num_kv_heads, triton.cdiv(max_pages, _BLOCK_P), batch)
     _page_scores_kernel[grid](
         q, kmin, kmax, page_table, seq_lens, out,
         max_pages,

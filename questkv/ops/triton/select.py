@@ -8,6 +8,10 @@ import triton.language as tl
 
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2
 
+# Keys each thread holds: fewer warps make the kernel's block-wide reductions cheaper, more keys
+# per thread cost registers (measured on an H200, docs/gpu-kernels.md).
+_KEYS_PER_THREAD = 16
+
 
 @triton.jit
 def _select_pages_kernel(
@@ -35,10 +39,10 @@ def _select_pages_kernel(
     forced = valid & ((i < SINK) | (i >= num_pages - 1 - RECENT))
     score = tl.where(forced, float("inf"), tl.where(score == 0.0, 0.0, score))  # -0.0 ties +0.0
     bits = score.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648  # monotone, [0, 2**32)
+    key = (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)  # monotone
 
     remaining = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), BUDGET)  # pages still to pick
-    threshold = tl.zeros([], tl.int64)
+    threshold = tl.zeros([], tl.uint32)
     match = valid
     bins = tl.arange(0, 256)
     for p in tl.static_range(4):
@@ -47,7 +51,7 @@ def _select_pages_kernel(
         above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # matching keys with a larger digit
         pick = tl.max(tl.where((above < remaining) & (above + hist >= remaining), bins, -1), axis=0)
         remaining -= tl.sum(tl.where(bins == pick, above, 0), axis=0)
-        threshold = threshold | (pick.to(tl.int64) << (24 - 8 * p))
+        threshold = threshold | (pick.to(tl.uint32) << (24 - 8 * p))
         match = match & (digit == pick)
 
     tie = (valid & (key == threshold)).to(tl.int32)
@@ -80,6 +84,7 @@ def select_pages_into(
         raise ValueError(f"need budget_pages >= 1 and sink/recent >= 0, got {budget_pages}/{sink_pages}/{recent_pages}")
     check_last_dim_contiguous(scores=scores, out=out)
     block_n = next_pow2(max_pages)
+    num_warps = min(16, max(1, block_n // (32 * _KEYS_PER_THREAD)))
     _select_pages_kernel[(heads, batch)](
         scores, seq_lens, out,
         max_pages,
@@ -87,7 +92,7 @@ def select_pages_into(
         out.stride(0), out.stride(1),
         PAGE_SIZE=page_size, BUDGET=budget_pages, SINK=sink_pages, RECENT=recent_pages,
         BLOCK_N=block_n, BLOCK_K=next_pow2(budget_pages),
-        num_warps=min(16, max(4, block_n // 512)),
+        num_warps=num_warps,
     )
     return out
 
