@@ -186,11 +186,13 @@ def decode_answer(model, tokenizer, cache, tail_ids: Sequence[int], answer_token
 
 
 @torch.inference_mode()
-def prefill(model, context_ids: Sequence[int], page_size: int):
-    """Dense prefill of ``context_ids`` into a fresh :class:`~questkv.integrations.hf.QuestCache`."""
+def prefill(model, context_ids: Sequence[int], page_size: int, cache=None):
+    """Dense prefill of ``context_ids`` into ``cache``, an empty
+    :class:`~questkv.integrations.hf.QuestCache` (default: a new one); returns the cache."""
     from questkv.integrations.hf import QuestCache
 
-    cache = QuestCache(model.config, page_size)
+    if cache is None:
+        cache = QuestCache(model.config, page_size)
     model(input_ids=torch.tensor([list(context_ids)], device=model.device), logits_to_keep=1, **_cache_kwargs(model, cache))
     return cache
 

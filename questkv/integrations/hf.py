@@ -31,7 +31,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from questkv.cache.paged import PagedKVCache
+from questkv.cache.paged import LayerPages, PagedKVCache
 from questkv.config import QuestConfig
 from questkv.ops.decode import quest_decode
 
@@ -207,8 +207,14 @@ class QuestCache(Cache):
         config = self.config
         if not config.is_sparse_layer(layer_idx):
             config = dataclasses.replace(config, token_budget=None)
-        step = self._step
-        return quest_decode(query, self.paged.layer(layer_idx), step["page_table"], step["seq_lens"], config, scaling)
+        return quest_decode(query, *self.decode_view(layer_idx), config, scaling)
+
+    def decode_view(self, layer_idx: int) -> tuple[LayerPages, torch.Tensor, torch.Tensor]:
+        """What the current forward's attention reads for one layer: the layer's pages and bounds,
+        the page table ``[batch, max_pages]`` int32 and the lengths ``[batch]`` int32 (new tokens included)."""
+        if self._step is None:
+            raise RuntimeError("QuestCache.decode_view is only defined inside a forward")
+        return self.paged.layer(layer_idx), self._step["page_table"], self._step["seq_lens"]
 
     # -- storage ---------------------------------------------------------------------------------
 
