@@ -87,7 +87,7 @@ def _add_passkey(subparsers) -> None:
         help="passkey retrieval accuracy by context length and token budget (Quest's protocol)",
         description="Landmark-attention passkey retrieval: the context is prefilled densely, the question tail "
         "(last 400 characters) is decoded one token at a time through Quest, then 10 tokens are generated greedily; "
-        "a trial is correct when the answer's first integer is the key. Key depths spread evenly over 0-100%%.",
+        "a trial is correct when the answer's first integer is the key. Key depths spread evenly over 0-100%.",
     )
     _add_model_args(parser)
     parser.add_argument("--lengths", type=_int_list, default=[1024, 2048], help="prompt lengths in tokens (default: 1024,2048)")
@@ -123,6 +123,7 @@ def _run_passkey(args) -> int:
         "tail_chars": passkey.TAIL_CHARS,
         "answer_tokens": passkey.ANSWER_TOKENS,
     }
+    passkey.quest_configs(args.budgets, args.selection, args.page_size, args.dense_layers)  # fail before loading
     path = Path(args.json) if args.json else None
     done = passkey.load_report(path, args.model, config) if args.resume else []
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)

@@ -158,6 +158,16 @@ def settings(budgets: Sequence[Optional[int]], selections: Sequence[str]) -> lis
     return out
 
 
+def quest_configs(
+    budgets: Sequence[Optional[int]], selections: Sequence[str], page_size: int, dense_layers: int
+) -> dict[PasskeySetting, QuestConfig]:
+    """The :class:`QuestConfig` of every setting (raises ``ValueError`` for an invalid one)."""
+    return {
+        s: QuestConfig(token_budget=s.budget, page_size=page_size, dense_layers=dense_layers, selection=s.selection or "kv_head")
+        for s in settings(budgets, selections)
+    }
+
+
 def _cache_kwargs(model, cache) -> dict:
     from questkv.integrations.hf import cache_argument
 
@@ -229,11 +239,8 @@ def run_passkey(
 
     from questkv.integrations.hf import enable
 
-    grid = settings(budgets, selections)
-    configs = {
-        s: QuestConfig(token_budget=s.budget, page_size=page_size, dense_layers=dense_layers, selection=s.selection or "kv_head")
-        for s in grid
-    }
+    configs = quest_configs(budgets, selections, page_size, dense_layers)
+    grid = list(configs)
     records = list(done)
     finished = {(r["length"], r["budget"], r["selection"], r["trial"]) for r in records}
     depths = trial_depths(trials)
