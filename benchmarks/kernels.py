@@ -93,11 +93,20 @@ def time_graph(enqueue: Callable[[int], object], n_layers: int, reps: int, warmu
 
 
 def copy_bandwidth(reps: int = 50) -> float:
-    """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
+    """Device-to-device copy bandwidth in TB/s (eager ``copy_``, bytes read plus bytes written;
+    a graph-captured copy becomes a copy-engine node, which is slower)."""
     src = torch.randn(2**31 // 2, dtype=DTYPE, device=DEVICE)  # 2 GiB
     dst = torch.empty_like(src)
-    micros = time_graph(lambda _: dst.copy_(src), 1, reps, 20)  # warm-up lets the clocks ramp
-    return 2 * src.numel() * src.element_size() / (micros * 1e-6) / 1e12
+    for _ in range(10):  # warm-up lets the clocks ramp
+        dst.copy_(src)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        dst.copy_(src)
+        end.record()
+    torch.cuda.synchronize()
+    millis = statistics.median(s.elapsed_time(e) for s, e in events)
+    return 2 * src.numel() * src.element_size() / (millis * 1e-3) / 1e12
 
 
 def count_launches(fn: Callable[[], object]) -> Optional[int]:

@@ -70,7 +70,7 @@ _SCRIPT = textwrap.dedent(
             {"q_ptr": "bf16", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
              "lens_ptr": "i32", "out_ptr": "fp32"},
             {"PAGE_SIZE": 16, "GROUP": group, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
-             "BLOCK_D": 128, "MODE": mode, "DOT_FP32": False},
+             "BLOCK_D": 128, "MODE": mode, "DOT_FP32": False, "BLOCKS": 2, "NUM_STAGES": 2},
         )
     for dense, group, sel_per_kv in ((False, 4, 1), (True, 4, 1), (False, 1, 1), (False, 1, 4)):
         compile_attention("bf16", dense, group, sel_per_kv)
@@ -80,7 +80,7 @@ _SCRIPT = textwrap.dedent(
         {"q_ptr": "fp32", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
          "lens_ptr": "i32", "out_ptr": "fp32"},
         {"PAGE_SIZE": 16, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
-         "BLOCK_D": 128, "MODE": 1, "DOT_FP32": True},
+         "BLOCK_D": 128, "MODE": 1, "DOT_FP32": True, "BLOCKS": 1, "NUM_STAGES": 2},
     )
     for block_n, block_k in ((2048, 128), (8192, 256), (64, 64)):
         compile_kernel(

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from questkv import ops  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as tk  # noqa: E402
+from questkv.ops.triton import estimate  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (num_q_heads, num_kv_heads, head_dim): GQA and MHA
@@ -91,7 +92,10 @@ def test_append_kv_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("selection,reduction", [("kv_head", "sum"), ("kv_head", "max"), ("q_head", "sum")])
-def test_page_scores_matches_reference(dtype, heads, selection, reduction):
+@pytest.mark.parametrize("block_p,blocks", [(64, 1), (4, 2)])
+def test_page_scores_matches_reference(dtype, heads, selection, reduction, block_p, blocks, monkeypatch):
+    monkeypatch.setattr(estimate, "_BLOCK_P", block_p)  # (4, 2): several programs, each a 2-block loop
+    monkeypatch.setattr(estimate, "_BLOCKS_PER_PROGRAM", blocks)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     num_q, num_kv, head_dim = heads
     page_size, num_pages, max_pages = 16, 40, 16

@@ -10,7 +10,11 @@ from questkv.config import GROUP_REDUCTIONS, SELECTIONS
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2
 
 _MODE_Q_HEAD, _MODE_SUM, _MODE_MAX = 0, 1, 2
-_BLOCK_P = 64  # pages per program
+# Launch configuration (measured on an H200, docs/gpu-kernels.md): pages per block, blocks per
+# program (a pipelined loop), pipelining depth, warps.
+_BLOCK_P = 64
+_BLOCKS_PER_PROGRAM = 1
+_NUM_STAGES = 2
 _NUM_WARPS = 4
 
 
@@ -24,9 +28,11 @@ def _page_scores_kernel(
     stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """One program per (KV head, page block, sequence), heads fastest so that the programs reading
-    one page's bounds (``num_kv_heads`` adjacent rows) run together. The bounds of a block of pages are read
+    """One program per (KV head, ``BLOCKS`` page blocks, sequence), heads fastest so that the
+    programs reading one page's bounds (``num_kv_heads`` adjacent rows) run together; the loop over
+    blocks is software-pipelined. The bounds of a block of pages are read
     once for every query head of the KV head's group, and the scores come from two matrix
     products on the tensor cores: ``max(q*lo, q*hi) = max(q, 0)*hi + min(q, 0)*lo`` element-wise,
     so ``score = max(q, 0) @ kmax^T + min(q, 0) @ kmin^T``. Splitting ``q`` by sign is exact in
@@ -35,9 +41,6 @@ def _page_scores_kernel(
     pid_p = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     num_pages = tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE)
-    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    in_row = p < max_pages
-    valid = in_row & (p < num_pages)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     g = tl.arange(0, BLOCK_G)
@@ -46,30 +49,36 @@ def _page_scores_kernel(
 
     q = tl.load(q_ptr + seq * stride_qb + rows[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
-    physical = tl.load(table_ptr + seq * stride_tb + p, mask=valid, other=0).to(tl.int64)
-    bound = physical[:, None] * stride_bp + head * stride_bh + d[None, :]
-    bmask = valid[:, None] & dmask[None, :]
-    lo = tl.load(kmin_ptr + bound, mask=bmask, other=0.0)
-    hi = tl.load(kmax_ptr + bound, mask=bmask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-        lo = lo.to(tl.float32)
-        hi = hi.to(tl.float32)
     zero = tl.zeros_like(q)
-    q_pos = tl.maximum(q, zero).to(hi.dtype)  # exact: Triton computes 16-bit maximum in float32
-    q_neg = tl.minimum(q, zero).to(lo.dtype)
-    score = tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
-    score += tl.dot(q_neg, tl.trans(lo), input_precision="ieee")  # [BLOCK_G, BLOCK_P]
+    q_pos = tl.maximum(q, zero).to(q.dtype)  # exact; Triton computes a 16-bit maximum in float32
+    q_neg = tl.minimum(q, zero).to(q.dtype)
 
-    if MODE == 0:
-        tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + p[None, :],
-                 tl.where(valid[None, :], score, float("-inf")), mask=gmask[:, None] & in_row[None, :])
-    else:
-        if MODE == 1:
-            combined = tl.sum(tl.where(gmask[:, None], score, 0.0), axis=0)
+    for blk in tl.range(0, BLOCKS, num_stages=NUM_STAGES):
+        p = (pid_p * BLOCKS + blk) * BLOCK_P + tl.arange(0, BLOCK_P)
+        in_row = p < max_pages
+        valid = in_row & (p < num_pages)
+        physical = tl.load(table_ptr + seq * stride_tb + p, mask=valid, other=0).to(tl.int64)
+        bound = physical[:, None] * stride_bp + head * stride_bh + d[None, :]
+        bmask = valid[:, None] & dmask[None, :]
+        lo = tl.load(kmin_ptr + bound, mask=bmask, other=0.0)
+        hi = tl.load(kmax_ptr + bound, mask=bmask, other=0.0)
+        if DOT_FP32:
+            lo = lo.to(tl.float32)
+            hi = hi.to(tl.float32)
+        score = tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
+        score += tl.dot(q_neg, tl.trans(lo), input_precision="ieee")  # [BLOCK_G, BLOCK_P]
+        if MODE == 0:
+            tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + p[None, :],
+                     tl.where(valid[None, :], score, float("-inf")), mask=gmask[:, None] & in_row[None, :])
         else:
-            combined = tl.max(tl.where(gmask[:, None], score, float("-inf")), axis=0)
-        tl.store(out_ptr + seq * stride_ob + head * stride_oh + p, tl.where(valid, combined, float("-inf")), mask=in_row)
+            if MODE == 1:
+                combined = tl.sum(tl.where(gmask[:, None], score, 0.0), axis=0)
+            else:
+                combined = tl.max(tl.where(gmask[:, None], score, float("-inf")), axis=0)
+            tl.store(out_ptr + seq * stride_ob + head * stride_oh + p, tl.where(valid, combined, float("-inf")),
+                     mask=in_row)
 
 
 def _mode(selection: str, group_reduction: str) -> int:
@@ -111,7 +120,7 @@ def page_scores_into(
         raise ValueError("out must be float32 and kmin/kmax must share strides")
     check_last_dim_contiguous(q=q, kmin=kmin, page_table=page_table, out=out)
     group = num_q_heads // num_kv_heads
-    grid = (num_kv_heads, triton.cdiv(max_pages, _BLOCK_P), batch)
+    grid = (num_kv_heads, triton.cdiv(max_pages, _BLOCK_P * _BLOCKS_PER_PROGRAM), batch)
     _page_scores_kernel[grid](
         q, kmin, kmax, page_table, seq_lens, out,
         max_pages,
@@ -124,6 +133,7 @@ def page_scores_into(
         # float32 products when 16-bit operands would lose bits (or under the interpreter, whose
         # bf16 dot is wrong); 16-bit operands are exact as they are
         DOT_FP32=interpreting() or q.dtype == torch.float32 or q.dtype != kmin.dtype,
+        BLOCKS=_BLOCKS_PER_PROGRAM, NUM_STAGES=_NUM_STAGES,
         num_warps=_NUM_WARPS,
     )
     return out

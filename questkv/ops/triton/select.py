@@ -8,9 +8,10 @@ import triton.language as tl
 
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2
 
-# Keys each thread holds: fewer warps make the kernel's block-wide reductions cheaper, more keys
-# per thread cost registers (measured on an H200, docs/gpu-kernels.md).
-_KEYS_PER_THREAD = 16
+# Keys each thread holds, and the warp range: fewer warps make the block-wide reductions cheaper,
+# more keys per thread cost registers (measured on an H200, docs/gpu-kernels.md).
+_KEYS_PER_THREAD = 8
+_MIN_WARPS, _MAX_WARPS = 4, 16
 
 
 @triton.jit
@@ -84,7 +85,7 @@ def select_pages_into(
         raise ValueError(f"need budget_pages >= 1 and sink/recent >= 0, got {budget_pages}/{sink_pages}/{recent_pages}")
     check_last_dim_contiguous(scores=scores, out=out)
     block_n = next_pow2(max_pages)
-    num_warps = min(16, max(1, block_n // (32 * _KEYS_PER_THREAD)))
+    num_warps = min(_MAX_WARPS, max(_MIN_WARPS, block_n // (32 * _KEYS_PER_THREAD)))
     _select_pages_kernel[(heads, batch)](
         scores, seq_lens, out,
         max_pages,
