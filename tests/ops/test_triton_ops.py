@@ -96,6 +96,7 @@ def test_append_kv_matches_reference(dtype):
 def test_page_scores_matches_reference(dtype, heads, selection, reduction, block_p, blocks, monkeypatch):
     monkeypatch.setattr(estimate, "_BLOCK_P", block_p)  # (4, 2): several programs, each a 2-block loop
     monkeypatch.setattr(estimate, "_BLOCKS_PER_PROGRAM", blocks)
+    monkeypatch.setattr(estimate, "_MIN_PROGRAMS_PER_SM", 0)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     num_q, num_kv, head_dim = heads
     page_size, num_pages, max_pages = 16, 40, 16

@@ -7,13 +7,15 @@ import triton
 import triton.language as tl
 
 from questkv.config import GROUP_REDUCTIONS, SELECTIONS
-from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2
+from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2, num_sms
 
 _MODE_Q_HEAD, _MODE_SUM, _MODE_MAX = 0, 1, 2
-# Launch configuration (measured on an H200, docs/gpu-kernels.md): pages per block, blocks per
-# program (a pipelined loop), pipelining depth, warps.
+# Launch configuration (measured on an H200, docs/gpu-kernels.md): pages per block; blocks per
+# program (a pipelined loop) once one block per program gives at least _MIN_PROGRAMS_PER_SM
+# programs per SM, else 1; pipelining depth; warps.
 _BLOCK_P = 64
-_BLOCKS_PER_PROGRAM = 1
+_BLOCKS_PER_PROGRAM = 2
+_MIN_PROGRAMS_PER_SM = 4
 _NUM_STAGES = 2
 _NUM_WARPS = 4
 
@@ -120,7 +122,9 @@ def page_scores_into(
         raise ValueError("out must be float32 and kmin/kmax must share strides")
     check_last_dim_contiguous(q=q, kmin=kmin, page_table=page_table, out=out)
     group = num_q_heads // num_kv_heads
-    grid = (num_kv_heads, triton.cdiv(max_pages, _BLOCK_P * _BLOCKS_PER_PROGRAM), batch)
+    blocks = triton.cdiv(max_pages, _BLOCK_P)
+    per_program = _BLOCKS_PER_PROGRAM if num_kv_heads * blocks * batch >= _MIN_PROGRAMS_PER_SM * num_sms(q.device) else 1
+    grid = (num_kv_heads, triton.cdiv(blocks, per_program), batch)
     _page_scores_kernel[grid](
         q, kmin, kmax, page_table, seq_lens, out,
         max_pages,
@@ -133,7 +137,7 @@ def page_scores_into(
         # float32 products when 16-bit operands would lose bits (or under the interpreter, whose
         # bf16 dot is wrong); 16-bit operands are exact as they are
         DOT_FP32=interpreting() or q.dtype == torch.float32 or q.dtype != kmin.dtype,
-        BLOCKS=_BLOCKS_PER_PROGRAM, NUM_STAGES=_NUM_STAGES,
+        BLOCKS=per_program, NUM_STAGES=_NUM_STAGES,
         num_warps=_NUM_WARPS,
     )
     return out
