@@ -311,8 +311,6 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
             point[key.replace("_us", "_tbps")] = kv_bytes / (point[key] * 1e-6) / 1e12
     if "flashinfer_dense_us" in point:
         point["dense_ratio_vs_flashinfer"] = point["questkv_dense_us"] / point["flashinfer_dense_us"]
-    del k_all, v_all, layers
-    torch.cuda.empty_cache()
     return point
 
 
@@ -427,6 +425,7 @@ def main() -> int:
                         print(f"skip {model} B={batch} L={context}: K/V over --max-gb", flush=True)
                         continue
                     point = run_point(model, batch, context, budgets, args, flashinfer_ok)
+                    torch.cuda.empty_cache()  # the point's pools are gone: hand their memory back
                     points.append(point)
                     steps = ", ".join(f"budget {r['budget']}: {r['step_us']:.1f}" for r in point["sparse"])
                     print(f"{model} B={batch} L={context}: dense questkv {point['questkv_dense_us']:.1f} / "

@@ -8,13 +8,15 @@ import os
 import torch
 import triton
 
-# Every kernel upcasts its dot operands to float32 under the interpreter, whose bf16 ``tl.dot``
-# multiplies the raw 16-bit patterns (toolchain facts). On a GPU the operands stay in their dtype.
 _DEFAULT_SMS = 132  # an H100/H200; the split heuristic's choice on a CPU (interpreter) run
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    The kernels then upcast their ``tl.dot`` operands to float32: the interpreter's bf16 dot
+    multiplies the raw 16-bit patterns. On a GPU the operands stay in their dtype.
+    """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
