@@ -47,8 +47,8 @@ class QuestDecodeStep:
     """A preallocated decode step for one layer shape: estimate -> select -> attend, no host sync.
 
     Every buffer is allocated once for ``batch`` sequences and ``max_pages`` page-table columns, and
-    the Triton path launches a fixed set of kernels (estimate, select, split attention, merge) whose
-    grids depend on those shapes only, so a step is capturable in a CUDA graph: keep ``q``,
+    the Triton path launches three kernels (estimate, select, split attention with the merge fused
+    in) whose grids depend on those shapes only, so a step is capturable in a CUDA graph: keep ``q``,
     ``page_table`` (padded ``[batch, max_pages]``) and ``seq_lens`` in fixed tensors, update them in
     place between replays. The torch backend runs the reference ops into the same buffers.
 
@@ -61,7 +61,7 @@ class QuestDecodeStep:
 
     Buffers (overwritten by every call): ``scores`` ``[batch, num_sel_heads, max_pages]`` float32,
     ``selected`` ``[batch, num_sel_heads, budget_pages]`` int32, ``out`` ``[batch, num_q_heads,
-    head_dim]`` in ``dtype``, and float32 split partials.
+    head_dim]`` in ``dtype``, float32 split partials and int32 merge counters (zero between calls).
     """
 
     def __init__(
