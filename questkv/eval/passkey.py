@@ -182,16 +182,19 @@ def decode_answer(model, tokenizer, cache, tail_ids: Sequence[int], answer_token
     :func:`questkv.enable` each one runs Quest selection. Stops early at the EOS token.
     """
     device = model.device
+    kwargs = _cache_kwargs(model, cache)
+    no_logits = torch.empty(0, dtype=torch.long, device=device)  # only the cache matters until the last tail token
     logits = None
-    for token in tail_ids:
-        logits = model(input_ids=torch.tensor([[token]], device=device), **_cache_kwargs(model, cache)).logits
+    for index, token in enumerate(tail_ids):
+        keep = 1 if index == len(tail_ids) - 1 else no_logits
+        logits = model(input_ids=torch.tensor([[token]], device=device), logits_to_keep=keep, **kwargs).logits
     answer = []
     for _ in range(answer_tokens):
         token = int(logits[0, -1].argmax())
         if token == tokenizer.eos_token_id:
             break
         answer.append(token)
-        logits = model(input_ids=torch.tensor([[token]], device=device), **_cache_kwargs(model, cache)).logits
+        logits = model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits
     return tokenizer.decode(answer, skip_special_tokens=True)
 
 
