@@ -67,7 +67,7 @@ def correctness(context: int, new_tokens: int) -> list[dict]:
     ids = torch.randint(1, MODEL["vocab_size"], (1, context), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     checks = []
     ref = greedy(model, ids, new_tokens)
-    questkv.enable(model, questkv.QuestConfig(token_budget=2 * context, dense_layers=1))
+    questkv.enable(model, questkv.QuestConfig(token_budget=-(-(context + new_tokens) // 16) * 16, dense_layers=1))
     full = greedy(model, ids, new_tokens)
     checks.append(compare("budget covers context == unpatched", *ref, *full, atol))
     small = dict(token_budget=128, dense_layers=1)
