@@ -43,6 +43,7 @@ _SCRIPT = textwrap.dedent(
 
 
     def compile_attention(dtype, dense, group, sel_per_kv):
+        ieee = dtype == "fp32"
         compile_kernel(
             attention._decode_split_kernel,
             {"q_ptr": dtype, "k_pages_ptr": dtype, "v_pages_ptr": dtype, "table_ptr": "i32",
@@ -51,7 +52,7 @@ _SCRIPT = textwrap.dedent(
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": 16,
              "BLOCK_GM": group, "SEL_PER_KV": sel_per_kv,
              "PAGES_PER_ITER": attention.pages_per_iter(16, dense), "MERGE_CHUNK": attention._MERGE_CHUNK,
-             "DENSE": dense, "UPCAST": False},
+             "DENSE": dense, "UPCAST": False, "IEEE": ieee},
             floats=("qk_scale",),
             num_warps=attention._NUM_WARPS,
         )
@@ -75,6 +76,8 @@ _SCRIPT = textwrap.dedent(
     for dense, group, sel_per_kv in ((False, 4, 1), (True, 4, 1), (False, 1, 1), (False, 1, 4)):
         compile_attention("bf16", dense, group, sel_per_kv)
     compile_attention("fp16", False, 4, 1)
+    compile_attention("fp32", False, 4, 1)
+    compile_attention("fp32", True, 4, 1)
     compile_kernel(
         estimate._page_scores_kernel,
         {"q_ptr": "fp32", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",

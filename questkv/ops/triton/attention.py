@@ -44,6 +44,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr, SEL_PER_KV: tl.constexpr,
     PAGES_PER_ITER: tl.constexpr, MERGE_CHUNK: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """One program per (split, selection head, sequence) attends a contiguous chunk of the page
     list (the selection row, or every page when ``DENSE``) for the ``GROUP`` query heads that share
@@ -96,14 +97,21 @@ def _decode_split_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N], log2 domain
+        # float32 inputs keep float32 products (a TF32 dot would cost ~1e-3 relative error).
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N], log2 domain
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     has = l_i > 0
@@ -259,6 +267,7 @@ def paged_decode_attention_into(
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_GM=next_pow2(group), SEL_PER_KV=sel_heads // num_kv_heads,
         PAGES_PER_ITER=pages_per_iter(page_size, dense), MERGE_CHUNK=_MERGE_CHUNK, DENSE=dense, UPCAST=interpreting(),
+        IEEE=q.dtype == torch.float32,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES[dense],
     )
     return out
