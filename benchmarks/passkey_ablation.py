@@ -1,0 +1,149 @@
+"""Why does Quest miss the passkey on a small model? Page selectors and settings side by side.
+
+Same prompts, keys and protocol as ``questkv passkey`` (dense prefill, question tail decoded one
+token at a time, 10 greedy tokens), on the first ``--trials`` trials of its depth order, with
+variants of the sparse layers' attention:
+
+* ``quest``: Quest selection (``QuestConfig`` with the variant's page size / sink / recent pages);
+* ``oracle``: the top pages by the true attention mass (``questkv.policies`` ``oracle``), the
+  upper bound of any page selector at that budget.
+
+Writes ``passkey-ablation-<model>-<length>.json`` + ``.md`` and prints the table last.
+
+Usage::
+
+    python benchmarks/passkey_ablation.py --length 4096 --trials 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import questkv  # noqa: E402
+from questkv.eval import passkey  # noqa: E402
+from questkv.integrations.hf import QuestCache, enable  # noqa: E402
+from questkv.policies import make_policy  # noqa: E402
+
+# name: (selector, token_budget, QuestConfig options)
+VARIANTS = {
+    "quest 256": ("quest", 256, {}),
+    "quest 512": ("quest", 512, {}),
+    "quest 256, 1 sink + 1 recent page": ("quest", 256, {"sink_pages": 1, "recent_pages": 1}),
+    "quest 256, page 8": ("quest", 256, {"page_size": 8}),
+    "quest 256, page 4": ("quest", 256, {"page_size": 4}),
+    "oracle 256": ("oracle", 256, {}),
+    "oracle 512": ("oracle", 512, {}),
+}
+
+
+class OracleAttention:
+    """Swaps :meth:`QuestCache.attend` on sparse layers for the ``oracle`` policy while active."""
+
+    def __init__(self) -> None:
+        self.policy = None
+        self._quest_attend = QuestCache.attend
+
+    def __enter__(self):
+        oracle = self
+
+        def attend(cache, layer_idx, query, scaling):
+            if oracle.policy is None or not cache.config.is_sparse_layer(layer_idx):
+                return oracle._quest_attend(cache, layer_idx, query, scaling)
+            layer, page_table, seq_lens = cache.decode_view(layer_idx)
+            return oracle.policy.decode(query, layer, page_table, seq_lens, sm_scale=scaling).out
+
+        QuestCache.attend = attend
+        return self
+
+    def __exit__(self, *exc) -> None:
+        QuestCache.attend = self._quest_attend
+
+
+def run(model, tokenizer, length: int, trials: int, seed: int) -> dict:
+    depths = passkey.trial_depths(10)
+    hits: dict[str, list[bool]] = {name: [] for name in VARIANTS}
+    records = []
+    bar = tqdm(total=trials * len(VARIANTS), desc="ablation", unit="run")
+    with OracleAttention() as oracle:
+        for trial in passkey.spread_order(10)[:trials]:
+            key = passkey.trial_key(seed, length, trial)
+            context, tail = passkey.split_tail(tokenizer, passkey.build_prompt(tokenizer, length, depths[trial], key))
+            prefills: dict[int, QuestCache] = {}
+            for name, (selector, budget, options) in VARIANTS.items():
+                config = questkv.QuestConfig(token_budget=budget, **options)
+                enable(model, config)
+                if config.page_size not in prefills:
+                    prefills[config.page_size] = passkey.prefill(model, context, config.page_size)
+                oracle.policy = make_policy("oracle", budget, config.page_size) if selector == "oracle" else None
+                output = passkey.decode_answer(model, tokenizer, copy.deepcopy(prefills[config.page_size]), tail)
+                correct = passkey.is_correct(output, key)
+                hits[name].append(correct)
+                records.append({"variant": name, "trial": trial, "depth": depths[trial], "key": key,
+                                "output": output, "correct": correct})
+                bar.update(1)
+    bar.close()
+    results = [{"variant": name, "correct": sum(h), "trials": len(h)} for name, h in hits.items()]
+    return {"results": results, "trials": records}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model alias or path (default: smollm2-135m)")
+    parser.add_argument("--length", type=int, default=4096, help="prompt tokens (default: 4096)")
+    parser.add_argument("--trials", type=int, default=5, help="first trials of questkv passkey's 10 (default: 5)")
+    parser.add_argument("--seed", type=int, default=0, help="passkey seed, as in questkv passkey (default: 0)")
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    args = parser.parse_args()
+    model, tokenizer = questkv.load_model(args.model, device="cpu", dtype="bfloat16")
+    info = {
+        "command": "python " + " ".join(sys.argv),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"CPU ({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "model": args.model,
+        "length": args.length,
+        "dense_layers": 2,
+        "selection": "kv_head",
+    }
+    document = {**info, **run(model, tokenizer, args.length, args.trials, args.seed)}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"passkey-ablation-{args.model}-{args.length}"
+    (out / f"{stem}.json").write_text(json.dumps(document, indent=2))
+    lines = [
+        f"# Passkey ablation: {args.model}, {args.length} tokens",
+        "",
+        f"- command: `{info['command']}`",
+        f"- commit: `{info['commit']}`, date: {info['date']}, {info['machine']}",
+        "- page 16, dense_layers 2, kv_head selection (group sum) unless the variant says otherwise; bf16",
+        "",
+        "| variant | correct |",
+        "|---|---|",
+        *[f"| {r['variant']} | {r['correct']}/{r['trials']} |" for r in document["results"]],
+    ]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
