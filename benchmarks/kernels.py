@@ -26,10 +26,8 @@ import argparse
 import datetime
 import json
 import math
-import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -44,6 +42,7 @@ from questkv.config import QuestConfig  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as kernels  # noqa: E402
 from questkv.ops.decode import QuestDecodeStep  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 MODELS = {  # name: (num_q_heads, num_kv_heads, head_dim)
     "llama3.1-8b": (32, 8, 128),
@@ -359,13 +358,6 @@ def target_lines(points: list[dict]) -> list[str]:
         lines.append(f"| questkv dense / FlashInfer dense, all points | ≤ {DENSE_TARGET}× | {worst:.2f}× ({where}) | "
                      f"{'yes' if worst <= DENSE_TARGET else 'NO'} |")
     return lines
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("QUESTKV_COMMIT", "unknown")
 
 
 def main() -> int:

@@ -22,7 +22,6 @@ import copy
 import datetime
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import questkv  # noqa: E402
 from questkv.eval import passkey  # noqa: E402
 from questkv.integrations.hf import QuestCache, enable  # noqa: E402
 from questkv.policies import make_policy  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 # name: (selector, token_budget, QuestConfig options)
 VARIANTS = {
@@ -96,13 +96,6 @@ def run(model, tokenizer, length: int, trials: int, seed: int) -> dict:
     bar.close()
     results = [{"variant": name, "correct": sum(h), "trials": len(h)} for name, h in hits.items()]
     return {"results": results, "trials": records}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:
