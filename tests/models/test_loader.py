@@ -1,5 +1,4 @@
 import importlib.metadata
-from pathlib import Path
 
 import pytest
 import torch
