@@ -166,6 +166,9 @@ class QuestCache(Cache):
         self.token_mask = torch.cat([self.token_mask, mask], dim=1)
         self._step = {
             "mask": mask,
+            # Flat (batch * new_positions) rows of the real tokens: found once per forward, not per layer.
+            "rows": mask.flatten().nonzero().squeeze(1),
+            "stored_slots": None,  # every stored token's slot, built on the first dense read of this forward
             "slots": slots,
             "page_table": page_table,
             "seq_lens": seq_lens,
@@ -187,8 +190,9 @@ class QuestCache(Cache):
         if step is None or layer.seen_tokens != step["past"]:
             raise RuntimeError(f"QuestCache layer {layer_idx} updated out of order (layer 0 must start every forward)")
         mask = step["mask"]
-        keys = key_states.transpose(1, 2)[mask]  # [stored tokens, num_kv_heads, head_dim]
-        values = value_states.transpose(1, 2)[mask]
+        rows = step["rows"]
+        keys = key_states.transpose(1, 2).flatten(0, 1).index_select(0, rows)  # [stored tokens, num_kv_heads, head_dim]
+        values = value_states.transpose(1, 2).flatten(0, 1).index_select(0, rows)
         self.paged.write(layer_idx, step["slots"], keys, values)
         layer.seen_tokens += mask.shape[1]
         if step["past"] == 0 or step["decode"]:
@@ -265,7 +269,9 @@ class QuestCache(Cache):
     def _dense_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys/values in transformers' layout ``[batch, num_kv_heads, positions, head_dim]``
         (zeros at pad positions, which the attention mask hides)."""
-        slots = self._stored_slots(self.paged)
+        if self._step["stored_slots"] is None:
+            self._step["stored_slots"] = self._stored_slots(self.paged)
+        slots = self._step["stored_slots"]
         shape = (-1, self.num_kv_heads, self.head_dim)
         pages = self.paged.layer(layer_idx)
         batch, positions = self.token_mask.shape
