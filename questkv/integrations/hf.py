@@ -5,7 +5,9 @@ After :func:`enable`, every forward call of the model (``generate`` included) ru
 (transformers' own SDPA attention) and writes its keys/values into a questkv
 :class:`~questkv.cache.paged.PagedKVCache`; every decode step (one new token per sequence) reads
 that paged cache through :func:`questkv.ops.decode.quest_decode`: Quest page selection on layers
-``>= config.dense_layers``, dense paged attention below.
+``>= config.dense_layers``, dense paged attention below. ``enable(model, policy)`` runs any
+:mod:`questkv.policies` policy (an eviction baseline, the oracle, adaptive top-p) on those layers
+instead, through the torch reference ops: the evaluation path.
 
 Only transformers' extension points are used: a :class:`transformers.Cache` subclass, an
 attention function and a mask function registered under the name ``"questkv"``
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -34,6 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from questkv.cache.paged import LayerPages, PagedKVCache
 from questkv.config import QuestConfig
 from questkv.ops.decode import quest_decode
+from questkv.policies.base import DecodePolicy
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "QuestCache", "cache_argument", "disable", "enable", "is_enabled"]
 
@@ -43,6 +46,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _CACHE_KWARG = "questkv_cache"
 # Tokens of headroom per sequence when the page pool is first sized (it grows by doubling).
 _HEADROOM_TOKENS = 256
+# Prefill queries per chunk when the attention each prefilled token received is recorded (H2O).
+_PREFILL_QUERY_CHUNK = 256
 
 
 class QuestCacheLayer(CacheLayerMixin):
@@ -94,18 +99,27 @@ class QuestCache(Cache):
 
     ``copy.deepcopy(cache)`` snapshots it (e.g. reuse one prefill for several decode configs).
 
+    Under a :class:`~questkv.policies.DecodePolicy` the cache also holds each sparse layer's policy
+    state (an eviction policy's kept tokens), created at the layer's first decode step, and
+    :attr:`tokens_attended` sums the tokens every sparse decode step charged to the budget.
+
     Args:
         model_config: the model's ``PretrainedConfig`` (layer and head counts).
         page_size: tokens per page; must equal the ``page_size`` of the ``QuestConfig`` in use.
+        collect_prefill_attention: record, for every layer, the attention each prefilled token
+            receives from the prefill queries (summed over queries and each KV head's query group),
+            which seeds H2O's accumulated scores. Costs one extra attention pass per prefill.
     """
 
-    def __init__(self, model_config, page_size: int = 16) -> None:
+    def __init__(self, model_config, page_size: int = 16, collect_prefill_attention: bool = False) -> None:
         num_layers = model_config.num_hidden_layers
         super().__init__(layers=[QuestCacheLayer(self, i) for i in range(num_layers)])
         self.num_kv_heads = model_config.num_key_value_heads
         self.head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
         self.page_size = page_size
+        self.collect_prefill_attention = collect_prefill_attention
         self.config: Optional[QuestConfig] = None
+        self.policy: Optional[DecodePolicy] = None
         self.reset()
 
     def reset(self) -> None:
@@ -115,24 +129,55 @@ class QuestCache(Cache):
         self.token_mask = torch.zeros(0, 0, dtype=torch.bool)  # [batch, positions]: stored or pad
         self._pending: Optional[torch.Tensor] = None
         self._step: Optional[dict] = None
+        self.policy_states: dict[int, Any] = {}  # sparse layer -> its policy's state
+        self._policy_key: Optional[str] = None  # repr of the policy that owns policy_states
+        self.prefill_attention: dict[int, torch.Tensor] = {}  # layer -> [batch, num_kv_heads, positions] float32
+        self.tokens_attended = torch.zeros((), dtype=torch.float64)
+        self.sparse_steps = 0  # (layer, decode step) pairs that charged tokens_attended
         for layer in self.layers:
             layer.seen_tokens = 0
 
+    @property
+    def mean_tokens_attended(self) -> Optional[float]:
+        """Mean tokens attended per (sequence, selection head, sparse layer, decode step): the budget
+        actually used (``None`` before any sparse decode step). Reading it synchronises the device."""
+        return float(self.tokens_attended) / self.sparse_steps if self.sparse_steps else None
+
     # -- one forward pass ------------------------------------------------------------------------
 
-    def begin_forward(self, new_token_mask: torch.Tensor, config: QuestConfig) -> None:
+    def begin_forward(
+        self, new_token_mask: torch.Tensor, config: QuestConfig, policy: Optional[DecodePolicy] = None
+    ) -> None:
         """Announce a forward over ``new_token_mask.shape[1]`` new positions.
 
         Args:
             new_token_mask: ``[batch, new_positions]`` bool, True where the token is real (stored),
                 False for padding.
-            config: the Quest config of this forward's decode attention.
+            config: the Quest config of this forward's decode attention (``dense_layers``, and the
+                selection itself unless ``policy`` is given).
+            policy: decode layers ``>= config.dense_layers`` with this policy instead of Quest.
+
+        Raises:
+            ValueError: a page size other than the cache's; a multi-token forward after an eviction
+                policy started dropping tokens; another policy than the one whose state the cache holds.
         """
         if config.page_size != self.page_size:
             raise ValueError(
                 f"QuestConfig.page_size={config.page_size} differs from the cache's page_size={self.page_size}"
             )
+        if self.policy_states:
+            if policy is None or repr(policy) != self._policy_key:
+                raise ValueError(
+                    f"this QuestCache holds the decode state of {self._policy_key}; it cannot continue under "
+                    f"{policy!r} (snapshot the cache with copy.deepcopy before the first decode step instead)"
+                )
+            if new_token_mask.shape[1] != 1 and any(state is not None for state in self.policy_states.values()):
+                raise ValueError(
+                    f"{self._policy_key} has dropped tokens for good; a forward over {new_token_mask.shape[1]} new "
+                    "positions (dense attention over the whole cache) would bring them back. Decode one token at a time"
+                )
         self.config = config
+        self.policy = policy
         self._pending = new_token_mask.bool()
 
     @property
@@ -208,10 +253,81 @@ class QuestCache(Cache):
         Returns:
             ``[batch, num_q_heads, head_dim]``.
         """
-        config = self.config
+        config, policy = self.config, self.policy
+        layer, page_table, seq_lens = self.decode_view(layer_idx)
+        if policy is not None and layer_idx >= config.dense_layers:
+            return self._attend_policy(layer_idx, query, layer, page_table, seq_lens, scaling)
         if not config.is_sparse_layer(layer_idx):
-            config = dataclasses.replace(config, token_budget=None)
-        return quest_decode(query, *self.decode_view(layer_idx), config, scaling)
+            return quest_decode(query, layer, page_table, seq_lens, dataclasses.replace(config, token_budget=None), scaling)
+        num_pages = (seq_lens + config.page_size - 1) // config.page_size
+        self._charge(num_pages.clamp(max=config.budget_pages).double().mean() * config.page_size)
+        return quest_decode(query, layer, page_table, seq_lens, config, scaling)
+
+    def _attend_policy(self, layer_idx, query, layer, page_table, seq_lens, scaling) -> torch.Tensor:
+        policy = self.policy
+        if layer_idx not in self.policy_states:
+            kwargs = {}
+            if policy.uses_prefill_attention and layer_idx in self.prefill_attention:
+                kwargs["prefill_scores"] = self._stored_order(self.prefill_attention[layer_idx])
+            self.policy_states[layer_idx] = policy.init_state(seq_lens - 1, self.num_kv_heads, **kwargs)
+            self._policy_key = repr(policy)
+        result = policy.decode(query, layer, page_table, seq_lens, self.policy_states[layer_idx], scaling)
+        self._charge(result.tokens_charged.double().mean())
+        return result.out
+
+    def _charge(self, mean_tokens: torch.Tensor) -> None:
+        self.tokens_attended = self.tokens_attended.to(mean_tokens.device) + mean_tokens
+        self.sparse_steps += 1
+
+    @torch.no_grad()
+    def record_prefill_attention(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, attention_mask: Optional[torch.Tensor],
+        scaling: Optional[float],
+    ) -> None:
+        """Add the attention every key position receives from this forward's queries to
+        :attr:`prefill_attention` (see ``collect_prefill_attention``).
+
+        Args:
+            query: ``[batch, num_q_heads, new_positions, head_dim]``; key: ``[batch, num_kv_heads,
+                positions, head_dim]`` (every position so far, as attention reads them).
+            attention_mask: transformers' SDPA mask ``[batch, 1, new_positions, positions]`` bool
+                (True = attend), or ``None`` for plain causal attention.
+        """
+        batch, num_q_heads, new_positions, head_dim = query.shape
+        positions = key.shape[2]
+        scale = head_dim**-0.5 if scaling is None else scaling
+        group = num_q_heads // self.num_kv_heads
+        real_queries = self.token_mask[:, -new_positions:]  # pad queries add nothing
+        keys = key.float()[:, :, None]  # [B, Hkv, 1, T, D]
+        total = key.new_zeros(batch, self.num_kv_heads, positions, dtype=torch.float32)
+        for start in range(0, new_positions, _PREFILL_QUERY_CHUNK):
+            stop = min(start + _PREFILL_QUERY_CHUNK, new_positions)
+            q = query[:, :, start:stop].float().view(batch, self.num_kv_heads, group, stop - start, head_dim)
+            logits = (q @ keys.transpose(-1, -2)) * scale  # [B, Hkv, G, n, T]
+            if attention_mask is None:
+                row = torch.arange(start, stop, device=key.device)[:, None] + positions - new_positions
+                allowed = (torch.arange(positions, device=key.device)[None, :] <= row)[None]
+            else:
+                allowed = attention_mask[:, 0, start:stop].bool()
+            allowed = allowed & real_queries[:, start:stop, None]
+            logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
+            probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows of pad queries are all -inf
+            total += probs.sum(dim=(2, 3))
+        previous = self.prefill_attention.get(layer_idx)
+        if previous is not None:
+            total[..., : previous.shape[-1]] += previous
+        self.prefill_attention[layer_idx] = total
+
+    def _stored_order(self, per_position: torch.Tensor) -> torch.Tensor:
+        """``[batch, heads, positions]`` (pads included) -> ``[batch, heads, max stored tokens]``:
+        each sequence's real tokens in order, zero past its end."""
+        batch, heads, _ = per_position.shape
+        mask = self.token_mask[:, : per_position.shape[-1]]
+        counts = mask.sum(dim=1)
+        out = per_position.new_zeros(batch, heads, int(counts.max()))
+        for row in range(batch):
+            out[row, :, : int(counts[row])] = per_position[row][:, mask[row]]
+        return out
 
     def decode_view(self, layer_idx: int) -> tuple[LayerPages, torch.Tensor, torch.Tensor]:
         """What the current forward's attention reads for one layer: the layer's pages and bounds,
@@ -307,6 +423,8 @@ def questkv_attention(
     if questkv_cache is not None and questkv_cache.is_decode_step:
         out = questkv_cache.attend(module.layer_idx, query[:, :, 0], scaling)
         return out.unsqueeze(1), None
+    if questkv_cache is not None and questkv_cache.collect_prefill_attention:
+        questkv_cache.record_prefill_attention(module.layer_idx, query, key, attention_mask, scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
@@ -317,6 +435,7 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 @dataclasses.dataclass
 class _QuestState:
     config: QuestConfig
+    policy: Optional[DecodePolicy]
     original_attn_implementation: str
     hook: torch.utils.hooks.RemovableHandle
     positional: tuple[str, ...]  # forward's positional parameter names
@@ -351,15 +470,30 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-def _check_config(model: nn.Module, config: QuestConfig) -> None:
-    if not isinstance(config, QuestConfig):
-        raise ValueError(f"config must be a questkv.QuestConfig, got {type(config).__name__}")
+def _resolve_config(
+    model: nn.Module, config: Union[QuestConfig, DecodePolicy], dense_layers: Optional[int]
+) -> tuple[QuestConfig, Optional[DecodePolicy]]:
+    """``enable``'s arguments as (the QuestConfig of the forward, the policy of the sparse layers or None)."""
+    policy = None
+    if isinstance(config, DecodePolicy):
+        policy = config
+        try:
+            config = QuestConfig(token_budget=None, page_size=policy.page_size, **({} if dense_layers is None else {"dense_layers": dense_layers}))
+        except ValueError as error:
+            raise ValueError(f"enable(model, {policy!r}, dense_layers={dense_layers!r}): {error}") from error
+    elif not isinstance(config, QuestConfig):
+        raise ValueError(f"config must be a questkv.QuestConfig or a questkv.policies.DecodePolicy, got {type(config).__name__}")
+    elif dense_layers is not None:
+        raise ValueError(
+            f"dense_layers={dense_layers!r} is only for a policy; with a QuestConfig set QuestConfig.dense_layers"
+        )
     num_layers = model.config.num_hidden_layers
-    if not config.is_dense and config.dense_layers >= num_layers:
+    if (policy is not None or not config.is_dense) and config.dense_layers >= num_layers:
         raise ValueError(
             f"QuestConfig.dense_layers={config.dense_layers} leaves no sparse layer in a model of {num_layers} layers; "
             f"allowed: dense_layers < {num_layers}, or token_budget=None for dense decoding"
         )
+    return config, policy
 
 
 def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
@@ -376,7 +510,8 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     if cache is None and not use_cache:
         return (), kwargs  # no cache: a plain dense forward
     if cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0):
-        cache = QuestCache(model.config, state.config.page_size)
+        collect = state.policy is not None and state.policy.uses_prefill_attention
+        cache = QuestCache(model.config, state.config.page_size, collect_prefill_attention=collect)
     elif not isinstance(cache, QuestCache):
         raise ValueError(
             f"a questkv-enabled model got a non-empty {type(cache).__name__}; pass no cache or a questkv QuestCache"
@@ -392,26 +527,34 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
         new_mask = mask[:, -new_positions:].bool()
     else:
         raise ValueError(f"a questkv-enabled model needs a 2D attention_mask [batch, positions], got shape {tuple(mask.shape)}")
-    cache.begin_forward(new_mask, state.config)
+    cache.begin_forward(new_mask, state.config, state.policy)
     kwargs[state.cache_argument] = cache
     kwargs[_CACHE_KWARG] = cache
     return (), kwargs
 
 
-def enable(model: nn.Module, config: QuestConfig) -> nn.Module:
+def enable(
+    model: nn.Module, config: Union[QuestConfig, DecodePolicy], dense_layers: Optional[int] = None
+) -> nn.Module:
     """Run the model's decode steps through Quest (in place); calling it again swaps the config.
 
     Args:
         model: a transformers causal LM of a supported family (Llama, Mistral, Qwen2, Qwen3).
-        config: the Quest settings; ``token_budget=None`` decodes densely from the paged cache.
+        config: a :class:`QuestConfig` (``token_budget=None`` decodes densely from the paged
+            cache), or a :class:`questkv.policies.DecodePolicy` from
+            :func:`questkv.policies.make_policy` (``"h2o"``, ``"oracle"``, ...) that then decodes
+            every layer from ``dense_layers`` on through the torch reference ops.
+        dense_layers: with a policy only: layers below this index decode densely (default: 2, as
+            :class:`QuestConfig`).
 
     Returns:
         ``model``. Raises ``ValueError`` for an unsupported model or an invalid config.
     """
     _check_model(model)
-    _check_config(model, config)
+    config, policy = _resolve_config(model, config, dense_layers)
     if is_enabled(model):
         model._questkv.config = config
+        model._questkv.policy = policy
         return model
     original = model.config._attn_implementation
     positional = tuple(
@@ -421,7 +564,7 @@ def enable(model: nn.Module, config: QuestConfig) -> nn.Module:
     )
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     hook = model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    model._questkv = _QuestState(config, original, hook, positional, cache_argument(model))
+    model._questkv = _QuestState(config, policy, original, hook, positional, cache_argument(model))
     return model
 
 

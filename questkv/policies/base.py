@@ -51,10 +51,13 @@ class DecodePolicy(abc.ABC):
             ``None`` only for ``full``.
         page_size: tokens per KV page of the cache the policy reads.
         options: names of the keyword options the constructor takes beyond these two.
+        uses_prefill_attention: :meth:`init_state` takes ``prefill_scores``, the attention each
+            prefilled token received from the prefill queries (the HF integration records it).
     """
 
     name: ClassVar[str]
     options: ClassVar[tuple[str, ...]] = ()
+    uses_prefill_attention: ClassVar[bool] = False
 
     def __init__(self, token_budget: Optional[int], page_size: int) -> None:
         self.token_budget = token_budget

@@ -209,6 +209,7 @@ class H2OPolicy(EvictionPolicy):
 
     name = "h2o"
     options = ("recent_tokens",)
+    uses_prefill_attention = True
 
     def __init__(self, token_budget: int, page_size: int = 16, recent_tokens: Optional[int] = None) -> None:
         super().__init__(token_budget, page_size)
