@@ -1,0 +1,219 @@
+"""Reports of an evaluation sweep: a PNG plot and a markdown table of its cells.
+
+A sweep evaluates tasks × context lengths × KV-selection policies × token budgets; each result is
+one cell, a dict with at least these keys (extra keys are ignored):
+
+========================  ========================================================================
+key                       meaning
+========================  ========================================================================
+``task``                  task name, e.g. ``"niah_single"``, or ``"ppl"`` for perplexity
+``length``                context length in tokens
+``policy``                KV-selection policy, e.g. ``"quest"``; ``"full"`` is dense attention
+``budget``                token budget (``None`` for ``"full"``); the cap for ``"quest-topp"``
+``metric``                ``"accuracy"`` (a fraction in [0, 1]) or ``"ppl"`` (lower is better)
+``value``                 mean score over the samples, or the perplexity
+``mean_tokens_attended``  optional: mean tokens attended per decode step (``None`` for ``"full"``)
+========================  ========================================================================
+
+``"quest-topp"`` picks its budget per step, below its cap: the plot puts its points at the mean
+budget used and the table appends that mean in parentheses.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Sequence
+
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import NullLocator
+
+REQUIRED_KEYS = ("task", "length", "policy", "budget", "metric", "value")
+METRICS = ("accuracy", "ppl")
+FULL = "full"
+ADAPTIVE = "quest-topp"
+ADAPTIVE_LABEL = f"{ADAPTIVE} (at mean budget used)"
+POLICY_ORDER = (FULL, "quest", ADAPTIVE, "oracle")
+POLICY_COLORS = {
+    "quest": "tab:blue",
+    ADAPTIVE: "tab:cyan",
+    "oracle": "tab:green",
+    "streaming": "tab:orange",
+    "h2o": "tab:red",
+    "tova": "tab:purple",
+}
+OTHER_COLORS = ("tab:brown", "tab:pink", "tab:olive", "darkblue", "darkgoldenrod", "teal")
+FULL_COLOR = "tab:gray"
+PPL_LABEL = "perplexity (lower is better)"
+COLUMNS = 4
+PANEL_SIZE = (4.0, 3.2)
+DPI = 120
+
+
+def plot_sweep(cells: Sequence[dict], path: str | Path, title: str | None = None) -> Path:
+    """Plot score against token budget, one panel per (task, length), and save it as a PNG.
+
+    Each policy is one line (``"quest-topp"`` at its mean budget used); ``"full"`` is a dashed
+    horizontal line at its value. Panels are ordered by task (first seen) then length, 4 per row.
+
+    Args:
+        cells: sweep cells (see the module docstring).
+        path: the PNG file to write (always PNG, whatever the suffix); parent dirs are created.
+        title: optional figure title.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: if ``cells`` is empty or a cell is malformed.
+    """
+    figure = _build_figure(cells, title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=DPI)
+    return path
+
+
+def format_table(cells: Sequence[dict]) -> str:
+    """A markdown table of the sweep: one row per (task, length, policy), one column per budget.
+
+    Rows are ordered by task (first seen), length, then policy (full, quest, quest-topp, oracle,
+    the rest alphabetically). The ``"full"`` row fills only the ``full`` column; other rows fill
+    the budget columns (ascending). Accuracy reads as a whole percentage (``"90%"``), perplexity
+    with 2 decimals; ``"quest-topp"`` appends its mean budget used (``"90% (112)"``). Missing
+    cells are empty.
+
+    Args:
+        cells: sweep cells (see the module docstring).
+
+    Returns:
+        The table, one line per row, without a trailing newline.
+
+    Raises:
+        ValueError: if ``cells`` is empty or a cell is malformed.
+    """
+    _validate(cells)
+    budgets = sorted({cell["budget"] for cell in cells if cell["policy"] != FULL})
+    table: dict[tuple, dict] = {}
+    for cell in cells:
+        column = FULL if cell["policy"] == FULL else cell["budget"]
+        table.setdefault((cell["task"], cell["length"], cell["policy"]), {})[column] = _format_cell(cell)
+    tasks = _first_seen(cell["task"] for cell in cells)
+    rows = sorted(table, key=lambda row: (tasks.index(row[0]), row[1], _policy_key(row[2])))
+    header = ["task", "length", "policy", FULL, *map(str, budgets)]
+    lines = [_markdown_row(header), _markdown_row(["---"] * 3 + ["---:"] * (len(header) - 3))]
+    for row in rows:
+        values = table[row]
+        lines.append(_markdown_row([*map(str, row), *(values.get(column, "") for column in [FULL, *budgets])]))
+    return "\n".join(lines)
+
+
+def _build_figure(cells: Sequence[dict], title: str | None) -> Figure:
+    """The sweep figure (not saved); see :func:`plot_sweep`."""
+    _validate(cells)
+    panels: dict[tuple, list[dict]] = {}
+    for cell in cells:
+        panels.setdefault((cell["task"], cell["length"]), []).append(cell)
+    tasks = _first_seen(cell["task"] for cell in cells)
+    keys = sorted(panels, key=lambda key: (tasks.index(key[0]), key[1]))
+    columns = min(len(keys), COLUMNS)
+    rows = -(-len(keys) // columns)
+    figure = Figure(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), layout="constrained")
+    legend: dict[str, Line2D] = {}
+    for index, (task, length) in enumerate(keys):
+        axes = figure.add_subplot(rows, columns, index + 1)
+        legend.update(_draw_panel(axes, task, length, panels[(task, length)]))
+    labels = sorted(legend, key=lambda label: _policy_key(ADAPTIVE if label == ADAPTIVE_LABEL else label))
+    figure.legend([legend[label] for label in labels], labels, loc="outside right upper")
+    if title:
+        figure.suptitle(title)
+    return figure
+
+
+def _draw_panel(axes, task: str, length: int, cells: list[dict]) -> dict[str, Line2D]:
+    """Draw one (task, length) panel on ``axes``; returns its lines by legend label."""
+    lines: dict[str, Line2D] = {}
+    by_policy: dict[str, list[dict]] = {}
+    for cell in cells:
+        by_policy.setdefault(cell["policy"], []).append(cell)
+    for policy in sorted(by_policy, key=_policy_key):
+        if policy == FULL:
+            for cell in by_policy[policy]:
+                lines[FULL] = axes.axhline(cell["value"], color=FULL_COLOR, linestyle="--", label=FULL)
+            continue
+        points = sorted((_plot_x(cell), cell["value"]) for cell in by_policy[policy])
+        label = ADAPTIVE_LABEL if policy == ADAPTIVE else policy
+        (lines[label],) = axes.plot(*zip(*points), marker="o", color=_policy_color(policy), label=label)
+    budgets = sorted({cell["budget"] for cell in cells if cell["policy"] != FULL})
+    axes.set_xscale("log", base=2)
+    if budgets:
+        axes.set_xticks(budgets, labels=[str(int(budget)) for budget in budgets])
+    axes.xaxis.set_minor_locator(NullLocator())
+    axes.set_xlabel("token budget")
+    if cells[0]["metric"] == "ppl":
+        axes.set_ylabel(PPL_LABEL)
+    else:
+        axes.set_ylabel("accuracy")
+        axes.set_ylim(0, 1.05)
+    axes.set_title(f"{task} @ {_length_label(length)}")
+    axes.grid(alpha=0.3)
+    return lines
+
+
+def _validate(cells: Sequence[dict]) -> None:
+    """Raise ValueError if ``cells`` is empty or a cell lacks a key, has an unknown metric, or
+    (other than ``"full"``) has no budget."""
+    if not cells:
+        raise ValueError("no cells to report")
+    for index, cell in enumerate(cells):
+        missing = [key for key in REQUIRED_KEYS if key not in cell]
+        if missing:
+            raise ValueError(f"cell {index} lacks required key(s) {', '.join(map(repr, missing))}: {cell}")
+        if cell["metric"] not in METRICS:
+            raise ValueError(f"cell {index} has metric {cell['metric']!r}, expected one of {METRICS}")
+        if cell["policy"] != FULL and cell["budget"] is None:
+            raise ValueError(f"cell {index} of policy {cell['policy']!r} has no budget")
+
+
+def _format_cell(cell: dict) -> str:
+    """A cell's value as text: accuracy as ``"90%"``, perplexity as ``"12.34"``, plus the mean
+    budget used in parentheses for ``"quest-topp"``."""
+    text = f"{cell['value']:.0%}" if cell["metric"] == "accuracy" else f"{cell['value']:.2f}"
+    used = cell.get("mean_tokens_attended")
+    if cell["policy"] == ADAPTIVE and used is not None:
+        text += f" ({round(used)})"
+    return text
+
+
+def _plot_x(cell: dict) -> float:
+    """Where a cell sits on the budget axis: its budget, or for ``"quest-topp"`` its mean budget
+    used (its budget when that is unknown)."""
+    used = cell.get("mean_tokens_attended")
+    return used if cell["policy"] == ADAPTIVE and used is not None else cell["budget"]
+
+
+def _policy_key(policy: str) -> tuple:
+    """Sort key of a policy: full, quest, quest-topp, oracle, then the rest alphabetically."""
+    return (0, POLICY_ORDER.index(policy), "") if policy in POLICY_ORDER else (1, 0, policy)
+
+
+def _policy_color(policy: str) -> str:
+    """A fixed colour per policy name, the same in every panel and plot (unknown names are
+    hashed onto a spare palette)."""
+    return POLICY_COLORS.get(policy) or OTHER_COLORS[zlib.crc32(policy.encode()) % len(OTHER_COLORS)]
+
+
+def _length_label(length: int) -> str:
+    """``4096`` → ``"4k"``; a length not a multiple of 1024 stays as is."""
+    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
+
+
+def _first_seen(values) -> list:
+    """``values`` without repeats, in first-seen order."""
+    return list(dict.fromkeys(values))
+
+
+def _markdown_row(values: Sequence[str]) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(values) + " |"
