@@ -32,7 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import questkv  # noqa: E402
-from provenance import git_commit  # noqa: E402
+from questkv.eval.provenance import git_commit  # noqa: E402
 
 MODEL = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
              num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=65536)

@@ -42,7 +42,7 @@ from questkv.config import QuestConfig  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as kernels  # noqa: E402
 from questkv.ops.decode import QuestDecodeStep  # noqa: E402
-from provenance import git_commit  # noqa: E402
+from questkv.eval.provenance import git_commit  # noqa: E402
 
 MODELS = {  # name: (num_q_heads, num_kv_heads, head_dim)
     "llama3.1-8b": (32, 8, 128),

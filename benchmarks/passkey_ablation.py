@@ -34,7 +34,7 @@ import questkv  # noqa: E402
 from questkv.eval import passkey  # noqa: E402
 from questkv.integrations.hf import QuestCache, enable  # noqa: E402
 from questkv.policies import make_policy  # noqa: E402
-from provenance import git_commit  # noqa: E402
+from questkv.eval.provenance import git_commit  # noqa: E402
 
 # name: (selector, token_budget, QuestConfig options)
 VARIANTS = {

@@ -198,12 +198,162 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _name_list(kind: str, known: Sequence[str]):
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",")]
+        bad = [item for item in items if item not in known]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{kind} {', '.join(map(repr, bad))} not known; allowed: {', '.join(known)}")
+        return items
+
+    return parse
+
+
+def _add_eval(subparsers) -> None:
+    from questkv.eval.sweep import ALL_TASKS
+    from questkv.policies import POLICIES
+
+    parser = subparsers.add_parser(
+        "eval",
+        help="accuracy / perplexity of KV-selection policies by budget (RULER tasks, passkey, ppl) with plots",
+        description="Evaluate KV-selection policies under Quest's protocol: each context is prefilled densely once, "
+        "then every policy and budget decodes the question tail one token at a time and answers greedily (ppl: scores "
+        "the window's last tokens through decode steps). `questkv eval TASK` runs one task, `questkv eval sweep` "
+        "several; results are resumable JSON, a markdown table and a PNG plot.",
+    )
+    commands = parser.add_subparsers(dest="eval_command", required=True, metavar="{sweep,report," + ",".join(ALL_TASKS) + "}")
+    for name in ("sweep",) + ALL_TASKS:
+        sub = commands.add_parser(
+            name,
+            help="several tasks in one run" if name == "sweep" else f"the {name} task",
+            description="Run a grid of tasks x lengths x policies x budgets." if name == "sweep" else f"Run the {name} task.",
+        )
+        _add_model_args(sub)
+        if name == "sweep":
+            sub.add_argument("--tasks", type=_name_list("task", ALL_TASKS), required=True,
+                             help=f"comma-separated tasks: {', '.join(ALL_TASKS)}")
+        sub.add_argument("--lengths", type=_int_list, default=[4096], help="context lengths in tokens (default: 4096)")
+        sub.add_argument("--policies", type=_name_list("policy", tuple(POLICIES)), default=["full", "quest"],
+                         help=f"comma-separated policies: {', '.join(POLICIES)} (default: full,quest)")
+        sub.add_argument("--budgets", type=_int_list, default=[256, 512],
+                         help="token budgets of every policy but full (default: 256,512)")
+        sub.add_argument("--samples", type=int, default=10,
+                         help="prompts per task and length; ppl: text windows per length (default: 10)")
+        sub.add_argument("--selection", choices=["kv_head", "q_head"], default="kv_head",
+                         help="page selection of quest, oracle and quest-topp: one page set per KV head or per query head "
+                         "(default: kv_head)")
+        sub.add_argument("--top-p", type=float, default=0.9,
+                         help="quest-topp: estimated attention mass to reach; its budget is the cap (default: 0.9)")
+        sub.add_argument("--score-tokens", type=int, default=256,
+                         help="ppl: tokens scored at the end of every window, each through a decode step (default: 256)")
+        sub.add_argument("--text-file", default=None,
+                         help="ppl: UTF-8 text to score (default: the Python stdlib's pydoc_data.topics)")
+        sub.add_argument("--json", metavar="PATH",
+                         help="write the cells to PATH after every setting, plus PATH's .md table and .png plot; an "
+                         "existing PATH with the same settings is resumed (its finished cells are skipped)")
+        sub.add_argument("--fresh", action="store_true", help="ignore (overwrite) an existing --json PATH instead of resuming")
+        sub.add_argument("--plot", metavar="PNG", help="write the plot here (default: the --json PATH with .png)")
+        sub.add_argument("--no-plot", action="store_true",
+                         help="skip the PNG (e.g. where matplotlib is missing); `questkv eval report PATH` draws it later")
+        sub.set_defaults(func=_run_eval)
+    _add_eval_report(commands)
+
+
+def _run_eval(args) -> int:
+    from pathlib import Path
+
+    from questkv.eval import sweep
+    from questkv.eval.perplexity import load_text
+    from questkv.eval.provenance import provenance
+
+    spec = sweep.SweepSpec(
+        tasks=args.tasks if args.eval_command == "sweep" else [args.eval_command],
+        lengths=args.lengths,
+        policies=args.policies,
+        budgets=args.budgets if any(p != "full" for p in args.policies) else [],
+        samples=args.samples,
+        page_size=args.page_size,
+        dense_layers=args.dense_layers,
+        seed=args.seed,
+        top_p=args.top_p,
+        selection=args.selection,
+        score_tokens=args.score_tokens,
+        text_file=args.text_file,
+    )
+    path = Path(args.json) if args.json else None
+    previous = None if path is None or args.fresh else sweep.load_document(path, args.model, spec)
+    cells = list(previous["cells"]) if previous else []
+    runs = list(previous["runs"]) if previous else []
+    text = previous.get("text") if previous else None
+    if cells:
+        print(f"resuming: {len(cells)} cells found in {path}", file=sys.stderr)
+    if sweep.PPL in spec.tasks and text is None:
+        loaded = load_text(spec.text_file)
+        text = {"source": loaded.source, "sha256": loaded.sha256, "python": loaded.python, "characters": len(loaded.text)}
+    if sweep.pending_settings(spec, cells):
+        from questkv.models import load_model
+
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        run = len(runs)
+        runs.append(provenance(args.device, command="questkv " + " ".join(sys.argv[1:])))
+
+        def save(cell: dict) -> None:
+            cells.append({**cell, "run": run})
+            if path is not None:
+                sweep.save(path, sweep.document(args.model, spec, cells, runs, text))
+
+        sweep.run_sweep(model, tokenizer, spec, done=list(cells), on_cell=save)
+    _write_reports(sweep.document(args.model, spec, cells, runs, text), path, args.plot, args.no_plot)
+    return 0
+
+
+def _write_reports(document: dict, path, plot, no_plot: bool) -> None:
+    """Print the table; write the JSON, its .md beside it, and the PNG plot (unless ``no_plot``)."""
+    from pathlib import Path
+
+    from questkv.eval import report, sweep
+
+    plot = None if no_plot else (Path(plot) if plot else (path.with_suffix(".png") if path else None))
+    if plot is not None:
+        spec = document["spec"]
+        report.plot_sweep(document["cells"], plot, title=f"{document['model']}, page {spec['page_size']}, "
+                          f"{spec['samples']} samples per cell")
+    if path is not None:
+        sweep.save(path, document)
+        path.with_suffix(".md").write_text(report.markdown(document, None if plot is None else plot.name))
+    print(report.format_table(document["cells"]))
+
+
+def _add_eval_report(commands) -> None:
+    sub = commands.add_parser(
+        "report", help="redraw the table, .md and plot of an existing result JSON (no model needed)",
+        description="Read a `questkv eval` JSON and write its markdown table (PATH with .md) and PNG plot again.",
+    )
+    sub.add_argument("json", metavar="PATH", help="the result JSON of `questkv eval`")
+    sub.add_argument("--plot", metavar="PNG", help="write the plot here (default: PATH with .png)")
+    sub.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    sub.set_defaults(func=_run_eval_report)
+
+
+def _run_eval_report(args) -> int:
+    from pathlib import Path
+
+    path = Path(args.json)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is not a file")
+    with open(path) as handle:
+        document = json.load(handle)
+    _write_reports(document, path, args.plot, args.no_plot)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="questkv", description="Query-aware KV-cache page sparsity (Quest) for long-context decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_demo(subparsers)
     _add_passkey(subparsers)
     _add_generate(subparsers)
+    _add_eval(subparsers)
     return parser
 
 
@@ -213,7 +363,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:
-        parser.exit(2, f"questkv {args.command}: error: {error}\n")
+        command = args.command if args.command != "eval" else f"eval {args.eval_command}"
+        parser.exit(2, f"questkv {command}: error: {error}\n")
 
 
 if __name__ == "__main__":

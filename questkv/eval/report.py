@@ -21,13 +21,15 @@ budget used and the table appends that mean in parentheses.
 
 from __future__ import annotations
 
+import json
+
 import zlib
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.ticker import NullLocator
+if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn: tables need no plotting library
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
 REQUIRED_KEYS = ("task", "length", "policy", "budget", "metric", "value")
 METRICS = ("accuracy", "ppl")
@@ -119,6 +121,8 @@ def _build_figure(cells: Sequence[dict], title: str | None) -> Figure:
     keys = sorted(panels, key=lambda key: (tasks.index(key[0]), key[1]))
     columns = min(len(keys), COLUMNS)
     rows = -(-len(keys) // columns)
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), layout="constrained")
     legend: dict[str, Line2D] = {}
     for index, (task, length) in enumerate(keys):
@@ -149,6 +153,8 @@ def _draw_panel(axes, task: str, length: int, cells: list[dict]) -> dict[str, Li
     axes.set_xscale("log", base=2)
     if budgets:
         axes.set_xticks(budgets, labels=[str(int(budget)) for budget in budgets])
+    from matplotlib.ticker import NullLocator
+
     axes.xaxis.set_minor_locator(NullLocator())
     axes.set_xlabel("token budget")
     if cells[0]["metric"] == "ppl":
@@ -217,3 +223,20 @@ def _first_seen(values) -> list:
 def _markdown_row(values: Sequence[str]) -> str:
     """One markdown table row."""
     return "| " + " | ".join(values) + " |"
+
+
+def markdown(document: dict, plot_name: str | None = None) -> str:
+    """A sweep document (:func:`questkv.eval.sweep.document`) as markdown: the provenance of every
+    run that produced cells, the settings, the plot (if ``plot_name``) and :func:`format_table`."""
+    lines = [f"# questkv eval: {document['model']}", ""]
+    for index, run in enumerate(document["runs"]):
+        cells = sum(1 for cell in document["cells"] if cell.get("run") == index)
+        lines.append(f"Run {index} ({cells} cells):")
+        lines += [f"- {key}: `{value}`" for key, value in run.items()]
+        lines.append("")
+    lines += [f"Settings: `{json.dumps(document['spec'])}`", ""]
+    if document.get("text"):
+        lines += [f"Text (ppl): `{json.dumps(document['text'])}`", ""]
+    if plot_name:
+        lines += [f"![accuracy and perplexity by token budget]({plot_name})", ""]
+    return "\n".join(lines + [format_table(document["cells"]), ""])

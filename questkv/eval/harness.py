@@ -1,0 +1,186 @@
+"""Batched evaluation under Quest's protocol: one dense prefill, then every decode setting from a copy.
+
+:func:`prefill` runs the contexts of a batch densely into a :class:`~questkv.integrations.hf.QuestCache`
+(left-padded; pads are never stored). :func:`decode_greedy` then feeds every row its own token
+stream one token per step (its tail, then its greedy answer), so rows with tails and answers of
+different lengths share every forward without padding, and every decode step of every row goes
+through the setting under test. :func:`score_tokens` does the same with teacher forcing for
+perplexity. A :class:`Setting` names what decodes the sparse layers: ``full`` and ``quest`` run
+questkv's production path (:class:`~questkv.QuestConfig`, the Triton kernels on CUDA), every other
+policy its :mod:`questkv.policies` reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+from questkv.config import QuestConfig
+from questkv.policies import POLICIES, DecodePolicy, make_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One decode configuration of an evaluation.
+
+    Attributes:
+        policy: a name of :data:`questkv.policies.POLICIES`.
+        budget: tokens per decode step (``None`` for ``full`` only).
+        options: the policy's options as ``(name, value)`` pairs (e.g. ``(("top_p", 0.9),)``).
+    """
+
+    policy: str
+    budget: Optional[int]
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.budget is None else f"{self.policy}@{self.budget}"
+
+    def build(self, page_size: int, dense_layers: int) -> Union[QuestConfig, DecodePolicy]:
+        """What :func:`questkv.enable` takes for this setting (raises ``ValueError`` if invalid)."""
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        options = dict(self.options)
+        if self.policy in ("full", "quest"):
+            if (self.policy == "full") != (self.budget is None):
+                raise ValueError(f"policy {self.policy!r}: budget {self.budget!r} (full takes none, quest needs one)")
+            unknown = sorted(set(options) - {"selection", "group_reduction", "sink_pages", "recent_pages"})
+            if unknown:
+                raise ValueError(f"policy {self.policy!r} takes no option(s) {', '.join(unknown)}")
+            return QuestConfig(token_budget=self.budget, page_size=page_size, dense_layers=dense_layers, **options)
+        return make_policy(self.policy, self.budget, page_size, **options)
+
+
+def enable_setting(model, setting: Setting, page_size: int, dense_layers: int) -> None:
+    """:func:`questkv.enable` the model with ``setting``."""
+    from questkv.integrations.hf import enable
+
+    built = setting.build(page_size, dense_layers)
+    if isinstance(built, QuestConfig):
+        enable(model, built)
+    else:
+        enable(model, built, dense_layers=dense_layers)
+
+
+def _forward(model, cache, input_ids: torch.Tensor, **kwargs):
+    from questkv.integrations.hf import cache_argument
+
+    return model(input_ids=input_ids, use_cache=True, **{cache_argument(model): cache}, **kwargs)
+
+
+@torch.inference_mode()
+def prefill(model, contexts: Sequence[Sequence[int]], page_size: int, collect_prefill_attention: bool = False):
+    """Dense prefill of a batch of contexts (left-padded) into a new QuestCache.
+
+    The model must be :func:`questkv.enable`-d (any setting: prefill is dense under all of them).
+
+    Args:
+        contexts: token ids per row, each non-empty.
+        collect_prefill_attention: record the prefill attention (needed by ``h2o``).
+
+    Returns:
+        ``(cache, next_positions)``: the cache and ``[batch]`` int64, each row's token count (the
+        position of its next token).
+    """
+    from questkv.integrations.hf import QuestCache
+
+    if not contexts or any(len(ids) == 0 for ids in contexts):
+        raise ValueError("prefill needs at least one row, and no empty context")
+    device = model.device
+    width = max(len(ids) for ids in contexts)
+    input_ids = torch.zeros(len(contexts), width, dtype=torch.long)
+    mask = torch.zeros(len(contexts), width, dtype=torch.long)
+    for row, ids in enumerate(contexts):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        mask[row, width - len(ids):] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = QuestCache(model.config, page_size, collect_prefill_attention=collect_prefill_attention)
+    _forward(model, cache, input_ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+    return cache, mask.sum(-1)
+
+
+def _step(model, cache, tokens: torch.Tensor, positions: torch.Tensor, want_logits: bool) -> Optional[torch.Tensor]:
+    """One decode step: ``tokens`` ``[batch]`` at ``positions`` ``[batch]``; ``[batch, vocab]`` float32 logits or None."""
+    keep = 1 if want_logits else torch.empty(0, dtype=torch.long, device=tokens.device)
+    logits = _forward(model, cache, tokens[:, None], position_ids=positions[:, None], logits_to_keep=keep).logits
+    return logits[:, -1].float() if want_logits else None
+
+
+@torch.inference_mode()
+def decode_greedy(
+    model, cache, next_positions: torch.Tensor, tails: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+    eos_token_id: Optional[int],
+) -> list[list[int]]:
+    """Feed each row its tail one token per step, then decode greedily; every step is a decode step.
+
+    Row ``b`` consumes ``tails[b]`` (non-empty), then generates until EOS or ``max_new_tokens[b]``
+    tokens. Rows that finish early keep receiving their last token (never read again) until every
+    row is done.
+
+    Returns:
+        The generated token ids per row (EOS excluded).
+    """
+    batch = len(tails)
+    device = next_positions.device
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    feed = [tail[0] for tail in tails]
+    positions = next_positions.clone()
+    step = 0
+    while not all(done):
+        need_logits = any(not done[b] and step >= len(tails[b]) - 1 for b in range(batch))
+        logits = _step(model, cache, torch.tensor(feed, device=device), positions, need_logits)
+        positions += 1
+        step += 1
+        chosen = logits.argmax(-1).tolist() if need_logits else None
+        for b in range(batch):
+            if done[b]:
+                continue
+            if step < len(tails[b]):
+                feed[b] = tails[b][step]
+                continue
+            token = chosen[b]
+            if token == eos_token_id:
+                done[b] = True
+                continue
+            outputs[b].append(token)
+            feed[b] = token
+            done[b] = len(outputs[b]) >= max_new_tokens[b]
+    return outputs
+
+
+@torch.inference_mode()
+def score_tokens(model, cache, next_positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced negative log-likelihoods through decode steps.
+
+    Args:
+        targets: ``[batch, n + 1]`` token ids; ``targets[:, 0]`` is each row's next token after the
+            prefilled context. Step ``i`` feeds ``targets[:, i]`` and scores ``targets[:, i + 1]``.
+
+    Returns:
+        ``[batch, n]`` float64 negative log-likelihoods (nats).
+    """
+    positions = next_positions.clone()
+    nll = []
+    for i in range(targets.shape[1] - 1):
+        logits = _step(model, cache, targets[:, i], positions, True)
+        positions += 1
+        log_probs = torch.log_softmax(logits, dim=-1)
+        nll.append(-log_probs.gather(1, targets[:, i + 1 : i + 2]).squeeze(1).double())
+    return torch.stack(nll, dim=1)
+
+
+def snapshot(cache):
+    """An independent copy of a prefilled cache (each setting decodes from its own)."""
+    return copy.deepcopy(cache)
+
+
+def perplexity(nll: torch.Tensor) -> float:
+    """``exp(mean(nll))`` over every scored token."""
+    return math.exp(float(nll.mean()))

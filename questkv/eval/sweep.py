@@ -1,0 +1,273 @@
+"""Accuracy and perplexity over tasks x lengths x policies x budgets, resumable (``questkv eval``).
+
+A :class:`SweepSpec` is the grid plus the settings every cell shares. :func:`run_sweep` walks it one
+context length at a time: all accuracy tasks' samples of that length form one batch, prefilled
+densely once; every decode setting runs from its own copy of that prefill (so every setting sees
+exactly the same prompts), and yields one cell per task. ``ppl`` windows form a second batch per
+length. Finished cells (from an earlier, interrupted run) are skipped.
+
+A cell::
+
+    {"task", "length", "policy", "budget", "metric": "accuracy" | "ppl", "value", "samples",
+     "scores" (per sample; ppl: per window), "mean_tokens_attended" (None for full),
+     "seconds" (decode wall time of the whole batch), "outputs" (accuracy tasks)}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from questkv.eval import harness, perplexity, tasks
+from questkv.eval.harness import Setting
+from questkv.policies import POLICIES
+
+PPL = "ppl"
+ALL_TASKS: tuple[str, ...] = tasks.TASKS + (PPL,)
+# Settings shared by every cell: a resumed run must match them (the grid itself may grow).
+_SHARED = ("samples", "page_size", "dense_layers", "seed", "top_p", "selection", "score_tokens", "text_file")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+    """An evaluation grid.
+
+    Attributes:
+        tasks: names of :data:`ALL_TASKS`. lengths: prompt / window lengths in tokens.
+        policies: names of :data:`questkv.policies.POLICIES`; ``full`` runs once per (task, length).
+        budgets: token budgets of every policy but ``full``.
+        samples: prompts per (task, length), or ``ppl`` windows per length.
+        page_size, dense_layers: as in :class:`questkv.QuestConfig`.
+        seed: seed of the generated prompts.
+        top_p: ``quest-topp``'s mass target (its budget is the cap K).
+        selection: ``kv_head`` or ``q_head`` for the page policies (quest, oracle, quest-topp).
+        score_tokens: ``ppl``: tokens scored per window (the window's last ones).
+        text_file: ``ppl``: the text (``None``: the stdlib's ``pydoc_data.topics``).
+    """
+
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    policies: tuple[str, ...]
+    budgets: tuple[int, ...] = ()
+    samples: int = 10
+    page_size: int = 16
+    dense_layers: int = 2
+    seed: int = 0
+    top_p: float = 0.9
+    selection: str = "kv_head"
+    score_tokens: int = 256
+    text_file: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("tasks", "lengths", "policies", "budgets"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name, values, known in (("task", self.tasks, ALL_TASKS), ("policy", self.policies, tuple(POLICIES))):
+            unknown = [value for value in values if value not in known]
+            if unknown or not values:
+                raise ValueError(f"{name} {unknown or 'list is empty'}; allowed: {', '.join(known)}")
+        for name in ("lengths", "budgets"):
+            bad = [v for v in getattr(self, name) if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+            if bad:
+                raise ValueError(f"{name} must be positive ints, got {bad}")
+        if not self.lengths:
+            raise ValueError("lengths is empty")
+        if any(policy != "full" for policy in self.policies) and not self.budgets:
+            raise ValueError(f"policies {[p for p in self.policies if p != 'full']} need at least one budget")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(f"samples must be an int >= 1, got {self.samples!r}")
+        if PPL in self.tasks and not 1 <= self.score_tokens < min(self.lengths) - 1:
+            raise ValueError(
+                f"score_tokens={self.score_tokens} must be in [1, {min(self.lengths) - 2}] (below the shortest length)"
+            )
+        for setting in self.settings():
+            setting.build(self.page_size, self.dense_layers)  # raises ValueError on a bad combination
+
+    def settings(self) -> list[Setting]:
+        """Every decode setting: ``full`` once, every other policy at every budget."""
+        out = []
+        for policy in self.policies:
+            if policy == "full":
+                out.append(Setting("full", None))
+                continue
+            options = {}
+            if policy in ("quest", "oracle", "quest-topp"):
+                options["selection"] = self.selection
+            if policy == "quest-topp":
+                options["top_p"] = self.top_p
+            out.extend(Setting(policy, budget, tuple(sorted(options.items()))) for budget in self.budgets)
+        return out
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def cell_key(cell: dict) -> tuple:
+    return (cell["task"], cell["length"], cell["policy"], cell["budget"])
+
+
+def run_sweep(
+    model,
+    tokenizer,
+    spec: SweepSpec,
+    done: Iterable[dict] = (),
+    on_cell: Optional[Callable[[dict], None]] = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Run every cell of ``spec`` not in ``done``; returns all cells (``done`` ones first).
+
+    Args:
+        model: a causal LM that :func:`questkv.enable` supports (enabled here, left enabled).
+        done: cells of an earlier run with the same shared settings; not rerun.
+        on_cell: called with every new cell as soon as it exists (e.g. to save progress).
+    """
+    from tqdm.auto import tqdm
+
+    cells = list(done)
+    finished = {cell_key(cell) for cell in cells}
+    plan = []  # (length, task group, pending settings)
+    accuracy_tasks = [task for task in spec.tasks if task != PPL]
+    for length in spec.lengths:
+        for group in ([accuracy_tasks] if accuracy_tasks else []) + ([[PPL]] if PPL in spec.tasks else []):
+            pending = [s for s in spec.settings() if any((t, length, s.policy, s.budget) not in finished for t in group)]
+            if pending:
+                plan.append((length, group, pending))
+    bar = tqdm(total=sum(len(p) for _, _, p in plan), desc="eval", unit="setting", disable=not progress)
+    text = perplexity.load_text(spec.text_file) if any(group == [PPL] for _, group, _ in plan) else None
+    for length, group, pending in plan:
+        bar.set_postfix_str(f"length={length} tasks={','.join(group)}: prefill")
+        runner = _PplBatch(model, tokenizer, spec, length, text) if group == [PPL] else _TaskBatch(
+            model, tokenizer, spec, length, group
+        )
+        needs_attention = any(POLICIES[s.policy].uses_prefill_attention for s in pending)
+        harness.enable_setting(model, Setting("full", None), spec.page_size, spec.dense_layers)
+        prefilled, next_positions = harness.prefill(model, runner.contexts, spec.page_size, needs_attention)
+        for setting in pending:
+            bar.set_postfix_str(f"length={length} tasks={','.join(group)} {setting.label}")
+            harness.enable_setting(model, setting, spec.page_size, spec.dense_layers)
+            cache = harness.snapshot(prefilled)
+            start = time.perf_counter()
+            results = runner.run(cache, next_positions)
+            if torch.device(model.device).type == "cuda":
+                torch.cuda.synchronize()
+            seconds = round(time.perf_counter() - start, 3)
+            for task, result in results.items():
+                if (task, length, setting.policy, setting.budget) in finished:
+                    continue
+                cell = {
+                    "task": task,
+                    "length": length,
+                    "policy": setting.policy,
+                    "budget": setting.budget,
+                    **result,
+                    "mean_tokens_attended": None if setting.policy == "full" else cache.mean_tokens_attended,
+                    "seconds": seconds,
+                }
+                cells.append(cell)
+                finished.add(cell_key(cell))
+                if on_cell is not None:
+                    on_cell(cell)
+            del cache
+            bar.update(1)
+        del prefilled
+    bar.close()
+    return cells
+
+
+class _TaskBatch:
+    """Every accuracy task's samples of one length, as one batch."""
+
+    def __init__(self, model, tokenizer, spec: SweepSpec, length: int, task_names: list[str]) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.samples = [
+            sample for task in task_names for sample in tasks.make_samples(task, tokenizer, length, spec.samples, spec.seed)
+        ]
+        self.contexts = [list(sample.context_ids) for sample in self.samples]
+
+    def run(self, cache, next_positions) -> dict[str, dict]:
+        generated = harness.decode_greedy(
+            self.model, cache, next_positions, [list(s.tail_ids) for s in self.samples],
+            [s.max_new_tokens for s in self.samples], self.tokenizer.eos_token_id,
+        )
+        by_task: dict[str, dict] = {}
+        for sample, ids in zip(self.samples, generated):
+            output = self.tokenizer.decode(ids, skip_special_tokens=True)
+            entry = by_task.setdefault(sample.task, {"metric": "accuracy", "scores": [], "outputs": []})
+            entry["scores"].append(tasks.score(sample.task, output, sample.answers))
+            entry["outputs"].append(output)
+        for entry in by_task.values():
+            entry["samples"] = len(entry["scores"])
+            entry["value"] = sum(entry["scores"]) / entry["samples"]
+        return by_task
+
+
+class _PplBatch:
+    """``spec.samples`` windows of one length: prefill all but the last ``score_tokens + 1`` tokens."""
+
+    def __init__(self, model, tokenizer, spec: SweepSpec, length: int, text: perplexity.Text) -> None:
+        self.model = model
+        ids = perplexity.windows(tokenizer, text.text, length, spec.samples)
+        split = length - spec.score_tokens - 1
+        self.contexts = ids[:, :split].tolist()
+        self.targets = ids[:, split:].to(model.device)
+
+    def run(self, cache, next_positions) -> dict[str, dict]:
+        nll = harness.score_tokens(self.model, cache, next_positions, self.targets)
+        per_window = [round(float(torch.exp(row.mean())), 4) for row in nll]
+        return {
+            PPL: {"metric": "ppl", "value": harness.perplexity(nll), "samples": len(per_window), "scores": per_window}
+        }
+
+
+def pending_settings(spec: SweepSpec, done: Iterable[dict]) -> list[tuple[int, str, Setting]]:
+    """``(length, task, setting)`` of every cell of ``spec`` not in ``done``."""
+    finished = {cell_key(cell) for cell in done}
+    return [
+        (length, task, setting)
+        for length in spec.lengths
+        for task in spec.tasks
+        for setting in spec.settings()
+        if (task, length, setting.policy, setting.budget) not in finished
+    ]
+
+
+def document(model_name: str, spec: SweepSpec, cells: list[dict], runs: list[dict], text: Optional[dict] = None) -> dict:
+    """The JSON document of a sweep: ``{"model", "spec", "text", "runs", "cells"}``. ``runs`` holds
+    the provenance (command, commit, machine, date) of every invocation that added cells; a cell's
+    ``"run"`` is its index there."""
+    return {"model": model_name, "spec": spec.to_dict(), "text": text, "runs": runs, "cells": cells}
+
+
+def load_document(path: Path, model_name: str, spec: SweepSpec) -> Optional[dict]:
+    """The document of an earlier run at ``path`` (``None`` if there is none), to resume; its grid
+    may differ from ``spec``.
+
+    Raises:
+        ValueError: that run used another model or other shared settings (``samples``, ``page_size``, ...).
+    """
+    if not path.exists():
+        return None
+    with open(path) as handle:
+        previous = json.load(handle)
+    old = previous.get("spec", {})
+    mismatched = [name for name in _SHARED if old.get(name) != getattr(spec, name)]
+    if previous.get("model") != model_name or mismatched:
+        raise ValueError(
+            f"{path} holds a run with other settings (model={previous.get('model')!r}"
+            + "".join(f", {name}={old.get(name)!r}" for name in mismatched)
+            + "); use another --json path or the same settings"
+        )
+    return previous
+
+
+def save(path: Path, document: dict) -> None:
+    """Write the JSON atomically (a partial file never replaces a good one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as handle:
+        json.dump(document, handle, indent=1)
+    tmp.replace(path)

@@ -1,0 +1,90 @@
+"""The accuracy tasks of ``questkv eval``: samples as token ids, split for Quest's protocol, and scores.
+
+Every task yields :class:`TaskSample` objects: ``context_ids`` are prefilled densely, ``tail_ids``
+(the question) are decoded one token at a time through the policy under test, then up to
+``max_new_tokens`` tokens are generated greedily and scored with :func:`score`.
+
+==================  ===============================================================  =====================
+task                prompt                                                           score
+==================  ===============================================================  =====================
+``passkey``         landmark-attention passkey (:mod:`questkv.eval.passkey`); the    first integer == key
+                    tail is the prompt's last 400 characters, key depths spread
+                    evenly over 0-100 % across the samples
+``niah_single``,    RULER tasks (:mod:`questkv.eval.ruler`); the tail is the         ``string_match_all``
+``niah_multikey``,  question and answer prefix
+``niah_uuid``,
+``vt``, ``cwe``,
+``fwe``
+==================  ===============================================================  =====================
+
+Perplexity (``ppl``) is not a sampled task; see :mod:`questkv.eval.perplexity`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from questkv.eval import passkey, ruler
+
+TASKS: tuple[str, ...] = ("passkey",) + tuple(ruler.TASKS)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSample:
+    """One prompt of an accuracy task, tokenized.
+
+    Attributes:
+        task: the task name (a key of :data:`TASKS`).
+        context_ids: token ids prefilled densely.
+        tail_ids: token ids decoded one at a time before generation (at least one).
+        answers: the reference strings (``passkey``: the key).
+        max_new_tokens: tokens generated greedily after the tail.
+    """
+
+    task: str
+    context_ids: tuple[int, ...]
+    tail_ids: tuple[int, ...]
+    answers: tuple[str, ...]
+    max_new_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.context_ids) + len(self.tail_ids)
+
+
+def make_samples(task: str, tokenizer, length: int, num_samples: int, seed: int = 0) -> list[TaskSample]:
+    """``num_samples`` prompts of ``task`` with at most ``length`` tokens (passkey: within a few).
+
+    The same ``(task, length, num_samples, seed)`` and tokenizer always give the same samples.
+
+    Raises:
+        ValueError: unknown task, ``num_samples < 1``, or a length the task cannot fill.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    if task == "passkey":
+        samples = []
+        for index, depth in enumerate(passkey.trial_depths(num_samples)):
+            key = passkey.trial_key(seed, length, index)
+            text = passkey.build_prompt(tokenizer, length, depth, key)
+            context, tail = passkey.split_tail(tokenizer, text)
+            samples.append(TaskSample(task, tuple(context), tuple(tail), (str(key),), passkey.ANSWER_TOKENS))
+        return samples
+    samples = []
+    for index in range(num_samples):
+        sample = ruler.generate(task, tokenizer, length, seed=seed * 1_000_003 + index)
+        context, tail = passkey.split_tail(tokenizer, sample.prompt, tail_chars=len(sample.tail))
+        samples.append(TaskSample(task, tuple(context), tuple(tail), sample.answers, sample.max_new_tokens))
+    return samples
+
+
+def score(task: str, output: str, answers: tuple[str, ...]) -> float:
+    """The sample's score in ``[0, 1]``: passkey 1.0 when the output's first integer is the key,
+    the RULER tasks :func:`questkv.eval.ruler.string_match_all`."""
+    if task == "passkey":
+        return float(passkey.is_correct(output, int(answers[0])))
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    return ruler.string_match_all(output, answers)
