@@ -16,6 +16,7 @@ A cell::
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import time
 from pathlib import Path
@@ -172,6 +173,7 @@ def run_sweep(
                 if on_cell is not None:
                     on_cell(cell)
             del cache
+            gc.collect()  # a QuestCache and its layers form a reference cycle: free its GPU pages now
             bar.update(1)
         del prefilled
     bar.close()
