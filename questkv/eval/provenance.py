@@ -12,12 +12,14 @@ import torch
 
 
 def git_commit() -> str:
-    """``git rev-parse HEAD``; on a machine without the repository's history (the GPU machine gets
-    a copy of the working tree), ``$QUESTKV_COMMIT`` or ``"unknown"``."""
+    """``$QUESTKV_COMMIT`` when set (the GPU machine gets a copy of the working tree whose ``.git``
+    may be stale), else ``git rev-parse HEAD``, else ``"unknown"``."""
+    if os.environ.get("QUESTKV_COMMIT"):
+        return os.environ["QUESTKV_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("QUESTKV_COMMIT", "unknown")
+        return "unknown"
 
 
 def machine(device: str) -> str:

@@ -9,7 +9,8 @@ length. Finished cells (from an earlier, interrupted run) are skipped.
 A cell::
 
     {"task", "length", "policy", "budget", "metric": "accuracy" | "ppl", "value", "samples",
-     "scores" (per sample; ppl: per window), "mean_tokens_attended" (None for full),
+     "scores" (per sample; ppl: per window), "mean_tokens_attended" (the task's rows' mean tokens
+     attended per sparse layer and decode step; None for full),
      "seconds" (decode wall time of the whole batch), "outputs" (accuracy tasks)}
 """
 
@@ -165,7 +166,6 @@ def run_sweep(
                     "policy": setting.policy,
                     "budget": setting.budget,
                     **result,
-                    "mean_tokens_attended": None if setting.policy == "full" else cache.mean_tokens_attended,
                     "seconds": seconds,
                 }
                 cells.append(cell)
@@ -195,15 +195,19 @@ class _TaskBatch:
             self.model, cache, next_positions, [list(s.tail_ids) for s in self.samples],
             [s.max_new_tokens for s in self.samples], self.tokenizer.eos_token_id,
         )
+        budgets = _budget_used(cache)
         by_task: dict[str, dict] = {}
-        for sample, ids in zip(self.samples, generated):
+        for row, (sample, ids) in enumerate(zip(self.samples, generated)):
             output = self.tokenizer.decode(ids, skip_special_tokens=True)
-            entry = by_task.setdefault(sample.task, {"metric": "accuracy", "scores": [], "outputs": []})
+            entry = by_task.setdefault(sample.task, {"metric": "accuracy", "scores": [], "outputs": [], "rows": []})
             entry["scores"].append(tasks.score(sample.task, output, sample.answers))
             entry["outputs"].append(output)
+            entry["rows"].append(row)
         for entry in by_task.values():
+            rows = entry.pop("rows")
             entry["samples"] = len(entry["scores"])
             entry["value"] = sum(entry["scores"]) / entry["samples"]
+            entry["mean_tokens_attended"] = None if budgets is None else sum(budgets[r] for r in rows) / len(rows)
         return by_task
 
 
@@ -220,9 +224,19 @@ class _PplBatch:
     def run(self, cache, next_positions) -> dict[str, dict]:
         nll = harness.score_tokens(self.model, cache, next_positions, self.targets)
         per_window = [round(float(torch.exp(row.mean())), 4) for row in nll]
+        budgets = _budget_used(cache)
         return {
-            PPL: {"metric": "ppl", "value": harness.perplexity(nll), "samples": len(per_window), "scores": per_window}
+            PPL: {
+                "metric": "ppl", "value": harness.perplexity(nll), "samples": len(per_window), "scores": per_window,
+                "mean_tokens_attended": None if budgets is None else sum(budgets) / len(budgets),
+            }
         }
+
+
+def _budget_used(cache) -> Optional[list[float]]:
+    """Mean tokens attended per sparse layer and decode step, per row (``None`` under full attention)."""
+    per_sequence = cache.mean_tokens_attended_per_sequence
+    return None if per_sequence is None else per_sequence.tolist()
 
 
 def pending_settings(spec: SweepSpec, done: Iterable[dict]) -> list[tuple[int, str, Setting]]:

@@ -132,7 +132,7 @@ class QuestCache(Cache):
         self.policy_states: dict[int, Any] = {}  # sparse layer -> its policy's state
         self._policy_key: Optional[str] = None  # repr of the policy that owns policy_states
         self.prefill_attention: dict[int, torch.Tensor] = {}  # layer -> [batch, num_kv_heads, positions] float32
-        self.tokens_attended = torch.zeros((), dtype=torch.float64)
+        self.tokens_attended = torch.zeros((), dtype=torch.float64)  # [batch] after the first sparse step
         self.sparse_steps = 0  # (layer, decode step) pairs that charged tokens_attended
         for layer in self.layers:
             layer.seen_tokens = 0
@@ -141,7 +141,14 @@ class QuestCache(Cache):
     def mean_tokens_attended(self) -> Optional[float]:
         """Mean tokens attended per (sequence, selection head, sparse layer, decode step): the budget
         actually used (``None`` before any sparse decode step). Reading it synchronises the device."""
-        return float(self.tokens_attended) / self.sparse_steps if self.sparse_steps else None
+        per_sequence = self.mean_tokens_attended_per_sequence
+        return None if per_sequence is None else float(per_sequence.mean())
+
+    @property
+    def mean_tokens_attended_per_sequence(self) -> Optional[torch.Tensor]:
+        """``[batch]`` float64: :attr:`mean_tokens_attended` of every sequence (``None`` before any
+        sparse decode step)."""
+        return self.tokens_attended / self.sparse_steps if self.sparse_steps else None
 
     # -- one forward pass ------------------------------------------------------------------------
 
@@ -260,7 +267,7 @@ class QuestCache(Cache):
         if not config.is_sparse_layer(layer_idx):
             return quest_decode(query, layer, page_table, seq_lens, dataclasses.replace(config, token_budget=None), scaling)
         num_pages = (seq_lens + config.page_size - 1) // config.page_size
-        self._charge(num_pages.clamp(max=config.budget_pages).double().mean() * config.page_size)
+        self._charge(num_pages.clamp(max=config.budget_pages).double() * config.page_size)
         return quest_decode(query, layer, page_table, seq_lens, config, scaling)
 
     def _attend_policy(self, layer_idx, query, layer, page_table, seq_lens, scaling) -> torch.Tensor:
@@ -272,11 +279,12 @@ class QuestCache(Cache):
             self.policy_states[layer_idx] = policy.init_state(seq_lens - 1, self.num_kv_heads, **kwargs)
             self._policy_key = repr(policy)
         result = policy.decode(query, layer, page_table, seq_lens, self.policy_states[layer_idx], scaling)
-        self._charge(result.tokens_charged.double().mean())
+        self._charge(result.tokens_charged.double().mean(dim=1))
         return result.out
 
-    def _charge(self, mean_tokens: torch.Tensor) -> None:
-        self.tokens_attended = self.tokens_attended.to(mean_tokens.device) + mean_tokens
+    def _charge(self, tokens_per_sequence: torch.Tensor) -> None:
+        """Add one sparse layer-step's ``[batch]`` tokens attended (mean over selection heads)."""
+        self.tokens_attended = self.tokens_attended.to(tokens_per_sequence.device) + tokens_per_sequence
         self.sparse_steps += 1
 
     @torch.no_grad()
