@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from questkv import ops
 from questkv.config import QuestConfig
-from questkv.eval import passkey
+from questkv.eval import harness, passkey
 from questkv.integrations.hf import QuestCache, enable
 from questkv.models import DEFAULT_MODEL, load_model
 
@@ -104,8 +104,8 @@ def measure(args) -> dict:
         text = passkey.build_prompt(tokenizer, length, depths[trial], key)
         context_ids, tail_ids = passkey.split_tail(tokenizer, text)
         probe = CoverageProbe(model.config, args.page_size, args.budgets, args.dense_layers)
-        passkey.prefill(model, context_ids, args.page_size, cache=probe)
-        passkey.decode_answer(model, tokenizer, probe, tail_ids, answer_tokens=0)
+        _, next_positions = harness.prefill(model, [context_ids], args.page_size, cache=probe)
+        harness.decode_greedy(model, probe, next_positions, [tail_ids], [0], tokenizer.eos_token_id)
         for (budget, mode), (total, count) in probe.totals.items():
             totals[(length, budget, mode)][0] += total
             totals[(length, budget, mode)][1] += count

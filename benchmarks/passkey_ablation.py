@@ -1,6 +1,6 @@
 """Why does Quest miss the passkey on a small model? Page selectors and settings side by side.
 
-Same prompts, keys and protocol as ``questkv passkey`` (dense prefill, question tail decoded one
+Same prompts, keys and protocol as ``questkv eval passkey`` (dense prefill, question tail decoded one
 token at a time, 10 greedy tokens), on the first ``--trials`` trials of its depth order, with
 variants of the sparse layers' attention:
 
@@ -18,7 +18,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import platform
@@ -32,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import questkv  # noqa: E402
 from questkv.eval import passkey  # noqa: E402
-from questkv.integrations.hf import QuestCache, enable  # noqa: E402
+from questkv.eval import harness  # noqa: E402
+from questkv.integrations.hf import enable  # noqa: E402
 from questkv.policies import make_policy  # noqa: E402
 from questkv.eval.provenance import git_commit  # noqa: E402
 
@@ -48,51 +48,34 @@ VARIANTS = {
 }
 
 
-class OracleAttention:
-    """Swaps :meth:`QuestCache.attend` on sparse layers for the ``oracle`` policy while active."""
-
-    def __init__(self) -> None:
-        self.policy = None
-        self._quest_attend = QuestCache.attend
-
-    def __enter__(self):
-        oracle = self
-
-        def attend(cache, layer_idx, query, scaling):
-            if oracle.policy is None or not cache.config.is_sparse_layer(layer_idx):
-                return oracle._quest_attend(cache, layer_idx, query, scaling)
-            layer, page_table, seq_lens = cache.decode_view(layer_idx)
-            return oracle.policy.decode(query, layer, page_table, seq_lens, sm_scale=scaling).out
-
-        QuestCache.attend = attend
-        return self
-
-    def __exit__(self, *exc) -> None:
-        QuestCache.attend = self._quest_attend
-
-
 def run(model, tokenizer, length: int, trials: int, seed: int) -> dict:
     depths = passkey.trial_depths(10)
     hits: dict[str, list[bool]] = {name: [] for name in VARIANTS}
     records = []
     bar = tqdm(total=trials * len(VARIANTS), desc="ablation", unit="run")
-    with OracleAttention() as oracle:
-        for trial in passkey.spread_order(10)[:trials]:
-            key = passkey.trial_key(seed, length, trial)
-            context, tail = passkey.split_tail(tokenizer, passkey.build_prompt(tokenizer, length, depths[trial], key))
-            prefills: dict[int, QuestCache] = {}
-            for name, (selector, budget, options) in VARIANTS.items():
-                config = questkv.QuestConfig(token_budget=budget, **options)
+    for trial in passkey.spread_order(10)[:trials]:
+        key = passkey.trial_key(seed, length, trial)
+        context, tail = passkey.split_tail(tokenizer, passkey.build_prompt(tokenizer, length, depths[trial], key))
+        prefills = {}
+        for name, (selector, budget, options) in VARIANTS.items():
+            config = questkv.QuestConfig(token_budget=budget, **options)
+            if config.page_size not in prefills:
                 enable(model, config)
-                if config.page_size not in prefills:
-                    prefills[config.page_size] = passkey.prefill(model, context, config.page_size)
-                oracle.policy = make_policy("oracle", budget, config.page_size) if selector == "oracle" else None
-                output = passkey.decode_answer(model, tokenizer, copy.deepcopy(prefills[config.page_size]), tail)
-                correct = passkey.is_correct(output, key)
-                hits[name].append(correct)
-                records.append({"variant": name, "trial": trial, "depth": depths[trial], "key": key,
-                                "output": output, "correct": correct})
-                bar.update(1)
+                prefills[config.page_size] = harness.prefill(model, [context], config.page_size)
+            if selector == "oracle":
+                enable(model, make_policy("oracle", budget, config.page_size), dense_layers=config.dense_layers)
+            else:
+                enable(model, config)
+            cache, next_positions = prefills[config.page_size]
+            answer = harness.decode_greedy(
+                model, harness.snapshot(cache), next_positions, [tail], [passkey.ANSWER_TOKENS], tokenizer.eos_token_id
+            )[0]
+            output = tokenizer.decode(answer, skip_special_tokens=True)
+            correct = passkey.is_correct(output, key)
+            hits[name].append(correct)
+            records.append({"variant": name, "trial": trial, "depth": depths[trial], "key": key,
+                            "output": output, "correct": correct})
+            bar.update(1)
     bar.close()
     results = [{"variant": name, "correct": sum(h), "trials": len(h)} for name, h in hits.items()]
     return {"results": results, "trials": records}

@@ -58,16 +58,6 @@ def _int_list(text: str) -> list[int]:
     return [int(item) for item in items]
 
 
-def _selection_list(text: str) -> list[str]:
-    from questkv.config import SELECTIONS
-
-    items = [item.strip() for item in text.split(",")]
-    for item in items:
-        if item not in SELECTIONS:
-            raise argparse.ArgumentTypeError(f"selection {item!r} is not one of {', '.join(SELECTIONS)}")
-    return items
-
-
 def _add_model_args(parser) -> None:
     from questkv.models import ALIASES, DEFAULT_MODEL
 
@@ -79,69 +69,6 @@ def _add_model_args(parser) -> None:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page, a power of two (default: 16)")
     parser.add_argument("--dense-layers", type=int, default=2, help="layers below this index decode densely (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-
-
-def _add_passkey(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "passkey",
-        help="passkey retrieval accuracy by context length and token budget (Quest's protocol)",
-        description="Landmark-attention passkey retrieval: the context is prefilled densely, the question tail "
-        "(last 400 characters) is decoded one token at a time through Quest, then 10 tokens are generated greedily; "
-        "a trial is correct when the answer's first integer is the key. Key depths spread evenly over 0-100%.",
-    )
-    _add_model_args(parser)
-    parser.add_argument("--lengths", type=_int_list, default=[1024, 2048], help="prompt lengths in tokens (default: 1024,2048)")
-    parser.add_argument("--budgets", type=_budget_list, default=[64, 256, None],
-                        help="comma-separated token budgets; 'full' is dense attention (default: 64,256,full)")
-    parser.add_argument("--selection", type=_selection_list, default=["kv_head"],
-                        help="comma-separated selection modes: kv_head, q_head (default: kv_head)")
-    parser.add_argument("--trials", type=int, default=2, help="trials per length and budget (default: 2)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH (rewritten after every trial)")
-    parser.add_argument("--resume", action="store_true", help="continue the run stored in --json PATH, skipping finished trials")
-    parser.set_defaults(func=_run_passkey)
-
-
-def _run_passkey(args) -> int:
-    from pathlib import Path
-
-    from questkv.eval import passkey
-    from questkv.models import load_model
-
-    if args.trials < 1:
-        raise ValueError(f"--trials must be >= 1, got {args.trials}")
-    if args.resume and not args.json:
-        raise ValueError("--resume needs --json PATH")
-    config = {
-        "lengths": args.lengths,
-        "budgets": args.budgets,
-        "selections": args.selection,
-        "trials": args.trials,
-        "page_size": args.page_size,
-        "dense_layers": args.dense_layers,
-        "dtype": args.dtype,
-        "seed": args.seed,
-        "tail_chars": passkey.TAIL_CHARS,
-        "answer_tokens": passkey.ANSWER_TOKENS,
-    }
-    passkey.quest_configs(args.budgets, args.selection, args.page_size, args.dense_layers)  # fail before loading
-    path = Path(args.json) if args.json else None
-    done = passkey.load_report(path, args.model, config) if args.resume else []
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    records = list(done)
-
-    def save(record: dict) -> None:
-        records.append(record)
-        if path is not None:
-            passkey.save_report(path, passkey.report(args.model, config, records))
-
-    passkey.run_passkey(
-        model, tokenizer, args.lengths, args.budgets, args.selection, args.trials, args.page_size,
-        args.dense_layers, args.seed, done=done, on_record=save,
-    )
-    if path is not None:
-        passkey.save_report(path, passkey.report(args.model, config, records))
-    print(passkey.format_table(passkey.summarize(records)))
-    return 0
 
 
 def _add_generate(subparsers) -> None:
@@ -351,7 +278,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="questkv", description="Query-aware KV-cache page sparsity (Quest) for long-context decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_demo(subparsers)
-    _add_passkey(subparsers)
     _add_generate(subparsers)
     _add_eval(subparsers)
     return parser

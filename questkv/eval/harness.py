@@ -74,14 +74,17 @@ def _forward(model, cache, input_ids: torch.Tensor, **kwargs):
 
 
 @torch.inference_mode()
-def prefill(model, contexts: Sequence[Sequence[int]], page_size: int, collect_prefill_attention: bool = False):
-    """Dense prefill of a batch of contexts (left-padded) into a new QuestCache.
+def prefill(
+    model, contexts: Sequence[Sequence[int]], page_size: int, collect_prefill_attention: bool = False, cache=None
+):
+    """Dense prefill of a batch of contexts (left-padded) into a QuestCache.
 
     The model must be :func:`questkv.enable`-d (any setting: prefill is dense under all of them).
 
     Args:
         contexts: token ids per row, each non-empty.
         collect_prefill_attention: record the prefill attention (needed by ``h2o``).
+        cache: an empty QuestCache (or subclass) to fill; default a new one.
 
     Returns:
         ``(cache, next_positions)``: the cache and ``[batch]`` int64, each row's token count (the
@@ -100,7 +103,8 @@ def prefill(model, contexts: Sequence[Sequence[int]], page_size: int, collect_pr
         mask[row, width - len(ids):] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = QuestCache(model.config, page_size, collect_prefill_attention=collect_prefill_attention)
+    if cache is None:
+        cache = QuestCache(model.config, page_size, collect_prefill_attention=collect_prefill_attention)
     _forward(model, cache, input_ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
     return cache, mask.sum(-1)
 
@@ -120,13 +124,15 @@ def decode_greedy(
     """Feed each row its tail one token per step, then decode greedily; every step is a decode step.
 
     Row ``b`` consumes ``tails[b]`` (non-empty), then generates until EOS or ``max_new_tokens[b]``
-    tokens. Rows that finish early keep receiving their last token (never read again) until every
-    row is done.
+    (>= 0) tokens. Rows that finish early keep receiving their last token (never read again) until
+    every row is done.
 
     Returns:
         The generated token ids per row (EOS excluded).
     """
     batch = len(tails)
+    if any(len(tail) == 0 for tail in tails) or any(n < 0 for n in max_new_tokens):
+        raise ValueError("every row needs a non-empty tail and max_new_tokens >= 0")
     device = next_positions.device
     outputs: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
@@ -134,7 +140,7 @@ def decode_greedy(
     positions = next_positions.clone()
     step = 0
     while not all(done):
-        need_logits = any(not done[b] and step >= len(tails[b]) - 1 for b in range(batch))
+        need_logits = any(not done[b] and step >= len(tails[b]) - 1 and max_new_tokens[b] > 0 for b in range(batch))
         logits = _step(model, cache, torch.tensor(feed, device=device), positions, need_logits)
         positions += 1
         step += 1
@@ -144,6 +150,9 @@ def decode_greedy(
                 continue
             if step < len(tails[b]):
                 feed[b] = tails[b][step]
+                continue
+            if max_new_tokens[b] == 0:
+                done[b] = True
                 continue
             token = chosen[b]
             if token == eos_token_id:

@@ -1,8 +1,5 @@
-import json
-
 import pytest
 
-from questkv import cli
 from questkv.eval import passkey
 
 
@@ -64,61 +61,3 @@ def test_depths_keys_and_order():
     keys = {passkey.trial_key(0, 1024, t) for t in range(20)}
     assert len(keys) > 15 and all(1 <= k <= passkey.MAX_KEY for k in keys)
     assert passkey.trial_key(0, 1024, 3) == passkey.trial_key(0, 1024, 3)
-
-
-def test_summary_and_table():
-    records = [
-        {"length": 1024, "budget": 64, "selection": "kv_head", "correct": True},
-        {"length": 1024, "budget": 64, "selection": "kv_head", "correct": False},
-        {"length": 1024, "budget": None, "selection": None, "correct": True},
-        {"length": 1024, "budget": None, "selection": None, "correct": True},
-    ]
-    results = passkey.summarize(records)
-    assert results[0] == {"length": 1024, "budget": 64, "selection": "kv_head", "correct": 1, "trials": 2, "accuracy": 0.5}
-    assert results[1]["budget"] is None and results[1]["accuracy"] == 1.0
-    table = passkey.format_table(results).splitlines()
-    assert table[0] == "| length | selection | 64 | full |"
-    assert table[2] == "| 1024 | kv_head | 1/2 | 2/2 |"
-
-
-def test_run_is_complete_and_resumable(tiny_model, word_tokenizer):
-    kwargs = dict(lengths=[160], budgets=[32, None], selections=["kv_head", "q_head"], trials=2, page_size=16, progress=False)
-    records = passkey.run_passkey(tiny_model, word_tokenizer, **kwargs)
-    assert len(records) == 2 * 3
-    assert {(r["budget"], r["selection"]) for r in records} == {(32, "kv_head"), (32, "q_head"), (None, None)}
-    assert {r["depth"] for r in records} == {0.0, 1.0}
-    assert all(r["seconds"] > 0 and isinstance(r["output"], str) for r in records)
-    seen = []
-    again = passkey.run_passkey(tiny_model, word_tokenizer, done=records[:4], on_record=seen.append, **kwargs)
-    assert len(seen) == 2 and len(again) == 6
-
-
-def test_cli_writes_json_and_resumes(tmp_path, monkeypatch, tiny_model, word_tokenizer, capsys):
-    monkeypatch.setattr("questkv.models.load_model", lambda *args, **kwargs: (tiny_model, word_tokenizer))
-    path = tmp_path / "passkey.json"
-    argv = ["passkey", "--lengths", "128", "--budgets", "32,full", "--trials", "2", "--json", str(path)]
-    assert cli.main(argv) == 0
-    document = json.loads(path.read_text())
-    assert document["model"] == "smollm2-135m"
-    assert document["config"]["budgets"] == [32, None]
-    assert [(r["budget"], r["trials"]) for r in document["results"]] == [(32, 2), (None, 2)]
-    assert set(document["trials"][0]) == {"length", "budget", "selection", "trial", "depth", "key", "output", "correct", "seconds"}
-    assert "| 128 | kv_head |" in capsys.readouterr().out
-    assert cli.main(argv + ["--resume"]) == 0
-    assert len(json.loads(path.read_text())["trials"]) == 4
-    with pytest.raises(SystemExit):
-        cli.main(argv[:-2] + ["--json", str(path), "--resume", "--trials", "3"])
-
-
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["passkey", "--budgets", "64,abc"], "not a positive integer"),
-        (["passkey", "--lengths", "1k"], "positive integers"),
-        (["passkey", "--selection", "page"], "not one of"),
-    ],
-)
-def test_cli_rejects_bad_flags(argv, message, capsys):
-    with pytest.raises(SystemExit):
-        cli.main(argv)
-    assert message in capsys.readouterr().err

@@ -6,6 +6,7 @@ import importlib.metadata
 import pytest
 
 from questkv.eval import passkey
+from questkv.eval.sweep import SweepSpec, run_sweep
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +24,13 @@ def smollm2():
 
 def test_passkey_2k_budget_128_and_full(smollm2):
     model, tokenizer = smollm2
-    records = passkey.run_passkey(model, tokenizer, lengths=[2048], budgets=[128, None], trials=3, progress=False)
-    results = {r["budget"]: r for r in passkey.summarize(records)}
+    spec = SweepSpec(tasks=["passkey"], lengths=[2048], policies=["full", "quest"], budgets=[128], samples=3)
+    cells = {cell["policy"]: cell for cell in run_sweep(model, tokenizer, spec, progress=False)}
     # Full attention finds the key at depths 0% and 50%; at 100% (the key line right before the
     # question) this 135M model often answers with words instead, so one miss is allowed.
-    assert results[None]["correct"] >= 2
-    assert results[128]["trials"] == 3
-    for record in records:
-        assert abs(len(tokenizer(passkey.build_prompt(tokenizer, 2048, record["depth"], record["key"])).input_ids) - 2048) <= 4
+    assert sum(cells["full"]["scores"]) >= 2
+    assert cells["quest"]["samples"] == 3 and cells["quest"]["mean_tokens_attended"] == 128
+    assert all(isinstance(output, str) for output in cells["quest"]["outputs"])
+    for index, depth in enumerate(passkey.trial_depths(3)):
+        text = passkey.build_prompt(tokenizer, 2048, depth, passkey.trial_key(0, 2048, index))
+        assert abs(len(tokenizer(text).input_ids) - 2048) <= 4
