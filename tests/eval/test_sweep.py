@@ -1,0 +1,307 @@
+"""questkv.eval.sweep and `questkv eval`: the grid, a complete and resumable run on a tiny random
+Llama with a word-level tokenizer, the JSON document and the command line."""
+
+import copy
+import dataclasses
+import json
+import math
+import random
+import re
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from questkv import cli
+from questkv.eval import passkey, perplexity, sweep, tasks
+
+PAGE = 8
+LENGTH = 96
+SAMPLES = 2
+SCORE_TOKENS = 8
+POLICIES = ["full", "quest", "streaming", "h2o", "quest-topp"]
+BUDGETS = [16, 32]
+CELL_KEYS = {"task", "length", "policy", "budget", "metric", "value", "samples", "scores", "mean_tokens_attended", "seconds"}
+
+
+def filler_text(path, rng: random.Random, words: int = 2 * LENGTH + 40) -> str:
+    """A UTF-8 file of random passkey filler words (the word tokenizer covers them, no period)."""
+    vocab = re.findall(r"\w+|[^\w\s]", passkey.FILLER)
+    path.write_text(" ".join(rng.choice(vocab) for _ in range(words)), encoding="utf-8")
+    return str(path)
+
+
+def make_spec(text_file, **changes):
+    kwargs = dict(
+        tasks=["passkey", "ppl"], lengths=[LENGTH], policies=POLICIES, budgets=BUDGETS, samples=SAMPLES,
+        page_size=PAGE, dense_layers=1, seed=random.randrange(10**6), score_tokens=SCORE_TOKENS, text_file=text_file,
+    )
+    return sweep.SweepSpec(**{**kwargs, **changes})
+
+
+def build_model(vocab_size: int):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def without_seconds(cell):
+    return {k: v for k, v in cell.items() if k != "seconds"}
+
+
+@pytest.fixture(scope="module")
+def first_run(word_tokenizer, tmp_path_factory):
+    """One complete sweep: ``(model, unpatched copy, spec, cells, cells seen by on_cell)``."""
+    text_file = filler_text(tmp_path_factory.mktemp("text") / "filler.txt", random.Random())
+    model = build_model(len(word_tokenizer))
+    unpatched = copy.deepcopy(model)
+    spec = make_spec(text_file)
+    seen = []
+    cells = sweep.run_sweep(model, word_tokenizer, spec, on_cell=seen.append, progress=False)
+    return model, unpatched, spec, cells, seen
+
+
+# -- the grid ----------------------------------------------------------------------------------------
+
+
+def test_settings_of_a_spec(tmp_path):
+    spec = make_spec(None, policies=["full", "quest", "quest-topp", "h2o"], top_p=0.7, selection="q_head")
+    labels = [s.label for s in spec.settings()]
+    assert labels == ["full", "quest@16", "quest@32", "quest-topp@16", "quest-topp@32", "h2o@16", "h2o@32"]
+    by_label = {s.label: s for s in spec.settings()}
+    assert dict(by_label["quest-topp@32"].options) == {"selection": "q_head", "top_p": 0.7}
+    assert dict(by_label["quest@16"].options) == {"selection": "q_head"}
+    assert by_label["h2o@16"].options == ()
+    assert isinstance(spec.tasks, tuple) and isinstance(spec.budgets, tuple)
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(tasks=["passkey", "bogus"]), r"task \['bogus'\]; allowed"),
+        (dict(tasks=[]), "task list is empty"),
+        (dict(policies=["quest", "bogus"]), r"policy \['bogus'\]; allowed"),
+        (dict(policies=[]), "policy list is empty"),
+        (dict(budgets=[]), "need at least one budget"),
+        (dict(budgets=[16, 0]), "budgets must be positive ints"),
+        (dict(lengths=[]), "lengths is empty"),
+        (dict(lengths=[96, -1]), "lengths must be positive ints"),
+        (dict(score_tokens=95), r"score_tokens=95 must be in \[1, 94\]"),
+        (dict(score_tokens=0), "score_tokens=0 must be in"),
+        (dict(samples=0), "samples must be an int >= 1"),
+        (dict(samples=1.5), "samples must be an int >= 1"),
+        (dict(samples=True), "samples must be an int >= 1"),
+        (dict(budgets=[16, 12]), "multiple of page_size=8"),
+        (dict(policies=["oracle"], budgets=[20]), "multiple of page_size=8"),
+        (dict(selection="page"), "selection"),
+        (dict(top_p=1.5), "top_p"),
+    ],
+)
+def test_spec_validation(changes, message):
+    with pytest.raises(ValueError, match=message):
+        make_spec(None, **changes)
+
+
+def test_spec_accepts_valid_corner_cases():
+    make_spec(None, policies=["full"], budgets=[])  # full needs no budget
+    make_spec(None, policies=["streaming", "h2o", "tova"], budgets=[12])  # eviction budgets are free
+    make_spec(None, tasks=["passkey"], score_tokens=10**6)  # score_tokens is only for ppl
+
+
+# -- a complete run ----------------------------------------------------------------------------------
+
+
+def test_every_cell_once_with_its_documented_keys(first_run, word_tokenizer):
+    model, unpatched, spec, cells, seen = first_run
+    expected = {(task, LENGTH, "full", None) for task in spec.tasks} | {
+        (task, LENGTH, policy, budget) for task in spec.tasks for policy in POLICIES[1:] for budget in BUDGETS
+    }
+    keys = [sweep.cell_key(cell) for cell in cells]
+    assert sorted(keys, key=repr) == sorted(expected, key=repr) and len(keys) == len(set(keys)) == 18
+    assert seen == cells  # on_cell saw every new cell, in order
+    samples = tasks.make_samples("passkey", word_tokenizer, LENGTH, SAMPLES, spec.seed)
+    for cell in cells:
+        accuracy = cell["task"] != "ppl"
+        assert set(cell) == CELL_KEYS | ({"outputs"} if accuracy else set()), cell
+        assert cell["samples"] == SAMPLES and len(cell["scores"]) == SAMPLES
+        assert cell["seconds"] >= 0
+        if cell["policy"] == "full":
+            assert cell["mean_tokens_attended"] is None
+        else:
+            assert 0 < cell["mean_tokens_attended"] <= cell["budget"]
+        if accuracy:
+            assert cell["metric"] == "accuracy"
+            assert cell["value"] == pytest.approx(sum(cell["scores"]) / SAMPLES)
+            assert len(cell["outputs"]) == SAMPLES and all(isinstance(o, str) for o in cell["outputs"])
+            rescored = [tasks.score("passkey", out, s.answers) for out, s in zip(cell["outputs"], samples)]
+            assert cell["scores"] == rescored
+        else:
+            assert cell["metric"] == "ppl" and cell["value"] > 1
+            geometric = math.exp(sum(math.log(s) for s in cell["scores"]) / SAMPLES)  # equal windows
+            assert cell["value"] == pytest.approx(geometric, rel=1e-4)
+    # Every page or eviction policy charges the whole budget once the context outgrows it.
+    for cell in cells:
+        if cell["task"] == "ppl" and cell["policy"] in ("quest", "streaming", "h2o"):
+            assert cell["mean_tokens_attended"] == cell["budget"]
+
+
+def test_full_perplexity_is_the_dense_models(first_run, word_tokenizer):
+    model, unpatched, spec, cells, _ = first_run
+    text = perplexity.load_text(spec.text_file).text
+    windows = perplexity.windows(word_tokenizer, text, LENGTH, SAMPLES)
+    with torch.no_grad():
+        log_probs = torch.log_softmax(unpatched(windows, use_cache=False).logits.double(), -1)
+    nll = -log_probs[:, :-1].gather(-1, windows[:, 1:, None])[..., 0][:, -SCORE_TOKENS:]  # the last tokens
+    (full,) = [c for c in cells if c["task"] == "ppl" and c["policy"] == "full"]
+    assert full["value"] == pytest.approx(math.exp(float(nll.mean())), rel=1e-4)
+    assert full["scores"] == pytest.approx([math.exp(float(row.mean())) for row in nll], rel=1e-3)
+
+
+def test_a_finished_run_computes_nothing(first_run, word_tokenizer):
+    model, _, spec, cells, _ = first_run
+    seen = []
+    again = sweep.run_sweep(model, word_tokenizer, spec, done=cells, on_cell=seen.append, progress=False)
+    assert seen == [] and again == cells
+    assert sweep.pending_settings(spec, cells) == []
+
+
+def test_a_resumed_run_computes_exactly_the_missing_cells(first_run, word_tokenizer):
+    model, _, spec, cells, _ = first_run
+    rng = random.Random()
+    missing = rng.sample(range(len(cells)), 5)
+    done = [cell for i, cell in enumerate(cells) if i not in missing]
+    expected = {sweep.cell_key(cells[i]) for i in missing}
+    assert {(task, length, s.policy, s.budget) for length, task, s in sweep.pending_settings(spec, done)} == expected
+    seen = []
+    resumed = sweep.run_sweep(model, word_tokenizer, spec, done=done, on_cell=seen.append, progress=False)
+    assert resumed[: len(done)] == done and resumed[len(done):] == seen
+    assert len(seen) == len(missing) and {sweep.cell_key(cell) for cell in seen} == expected
+    first = {sweep.cell_key(cell): cell for cell in cells}
+    for cell in seen:  # deterministic: the very same results
+        assert without_seconds(cell) == without_seconds(first[sweep.cell_key(cell)])
+
+
+# -- the document ------------------------------------------------------------------------------------
+
+
+def test_document_round_trip_and_shared_settings(tmp_path, first_run):
+    _, _, spec, cells, _ = first_run
+    path = tmp_path / "out" / "sweep.json"
+    assert sweep.load_document(path, "tiny", spec) is None
+    runs = [{"command": "test"}]
+    document = sweep.document("tiny", spec, cells, runs, {"source": spec.text_file})
+    sweep.save(path, document)
+    assert not path.with_suffix(".json.tmp").exists()
+    loaded = sweep.load_document(path, "tiny", spec)
+    assert loaded["cells"] == json.loads(json.dumps(cells)) and loaded["runs"] == runs and loaded["model"] == "tiny"
+    # A grown grid (another budget, another policy, another length) resumes: only its new cells are pending.
+    grown = dataclasses.replace(spec, budgets=BUDGETS + [48], policies=POLICIES + ["tova"], lengths=[LENGTH, 128])
+    assert sweep.load_document(path, "tiny", grown) is not None
+    pending = {(t, ln, s.policy, s.budget) for ln, t, s in sweep.pending_settings(grown, loaded["cells"])}
+    assert all(ln == 128 or b == 48 or p == "tova" for t, ln, p, b in pending)
+    assert ("ppl", LENGTH, "quest", 48) in pending and ("passkey", LENGTH, "tova", 16) in pending
+    assert len(pending) == len(grown.settings()) * 2 * 2 - 18
+    # Another shared setting, or another model, is refused with its name.
+    for name, value in [("samples", 3), ("page_size", 16), ("dense_layers", 2), ("seed", spec.seed + 1),
+                        ("score_tokens", 9), ("top_p", 0.5), ("selection", "q_head"), ("text_file", None)]:
+        with pytest.raises(ValueError, match=f"{name}="):
+            sweep.load_document(path, "tiny", dataclasses.replace(spec, **{name: value}))
+    with pytest.raises(ValueError, match="model='tiny'"):
+        sweep.load_document(path, "other", spec)
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def patched_loader(monkeypatch, word_tokenizer):
+    """``questkv.models.load_model`` returns a tiny model; ``calls`` counts the loads, ``fail`` makes it raise."""
+    state = {"calls": 0, "fail": False}
+
+    def load(*args, **kwargs):
+        if state["fail"]:
+            raise AssertionError("the model was loaded although every cell was done")
+        state["calls"] += 1
+        return build_model(len(word_tokenizer)), word_tokenizer
+
+    monkeypatch.setattr("questkv.models.load_model", load)
+    return state
+
+
+def test_cli_sweep_writes_json_md_png_and_resumes(tmp_path, patched_loader, capsys):
+    text_file = filler_text(tmp_path / "text.txt", random.Random())
+    path = tmp_path / "sweep.json"
+    argv = ["eval", "sweep", "--tasks", "passkey,ppl", "--lengths", "80", "--policies", "full,streaming",
+            "--budgets", "12", "--samples", "1", "--page-size", "8", "--dense-layers", "1", "--score-tokens", "6",
+            "--text-file", text_file, "--json", str(path)]
+    assert cli.main(argv) == 0
+    assert patched_loader["calls"] == 1
+    document = json.loads(path.read_text())
+    assert document["model"] == "smollm2-135m"
+    assert document["spec"]["budgets"] == [12] and document["spec"]["text_file"] == text_file
+    assert document["text"]["source"] == text_file and len(document["text"]["sha256"]) == 64
+    assert len(document["runs"]) == 1
+    keys = {(c["task"], c["policy"], c["budget"]) for c in document["cells"]}
+    assert keys == {("passkey", "full", None), ("passkey", "streaming", 12), ("ppl", "full", None), ("ppl", "streaming", 12)}
+    assert all(c["run"] == 0 for c in document["cells"])
+    png, md = path.with_suffix(".png"), path.with_suffix(".md")
+    assert png.read_bytes().startswith(b"\x89PNG") and "sweep.png" in md.read_text()
+    assert "ppl" in capsys.readouterr().out
+    # Rerun: everything is done, the model is never loaded, nothing changes.
+    patched_loader["fail"] = True
+    png.unlink()
+    assert cli.main(argv) == 0
+    again = json.loads(path.read_text())
+    assert again["cells"] == document["cells"] and again["runs"] == document["runs"]
+    assert png.read_bytes().startswith(b"\x89PNG")
+    # `eval report` redraws the table and the plot from the JSON alone.
+    png.unlink()
+    md.unlink()
+    assert cli.main(["eval", "report", str(path)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG") and md.read_text().startswith("# questkv eval: smollm2-135m")
+    assert json.loads(path.read_text()) == document
+    # A grown grid resumes: one load, only the new budget's cells, a second run recorded.
+    patched_loader["fail"] = False
+    assert cli.main(argv[: argv.index("--budgets") + 1] + ["12,16"] + argv[argv.index("--budgets") + 2:]) == 0
+    grown = json.loads(path.read_text())
+    assert patched_loader["calls"] == 2 and len(grown["runs"]) == 2
+    assert grown["cells"][:4] == document["cells"]
+    assert {(c["task"], c["policy"], c["budget"], c["run"]) for c in grown["cells"][4:]} == {
+        ("passkey", "streaming", 16, 1), ("ppl", "streaming", 16, 1)
+    }
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["eval", "sweep", "--tasks", "passkey", "--policies", "full,bogus"], "policy 'bogus' not known"),
+        (["eval", "sweep", "--tasks", "passkey,bogus"], "task 'bogus' not known"),
+        (["eval", "sweep"], "--tasks"),
+        (["eval", "passkey", "--lengths", "1k"], "positive integers"),
+        (["eval", "passkey", "--budgets", "12", "--page-size", "8"], "questkv eval passkey: error: "),
+        (["eval", "sweep", "--tasks", "ppl", "--lengths", "64", "--score-tokens", "63"], "score_tokens=63"),
+        (["eval", "sweep", "--tasks", "passkey", "--samples", "0"], "samples must be an int >= 1"),
+        (["eval", "report", "/nonexistent/sweep.json"], "is not a file"),
+    ],
+)
+def test_cli_rejects_bad_flags(argv, message, capsys, patched_loader):
+    patched_loader["fail"] = True
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_to_resume_other_settings(tmp_path, patched_loader, capsys):
+    path = tmp_path / "sweep.json"
+    spec = make_spec(None, tasks=["passkey"], samples=3)
+    sweep.save(path, sweep.document("smollm2-135m", spec, [], []))
+    patched_loader["fail"] = True
+    argv = ["eval", "passkey", "--lengths", "96", "--samples", "2", "--seed", str(spec.seed), "--json", str(path)]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "samples=3" in capsys.readouterr().err
