@@ -330,6 +330,17 @@ def manual_decode_with(model, ids, mask, positions, collect, steps):
 # -- budget accounting -------------------------------------------------------------------------------
 
 
+def enabled_with_budget(name: str, budget: int):
+    """A llama-gqa model enabled with ``name`` at ``budget`` on layers >= 1 ("quest-config": the
+    QuestConfig path, else the policy of that name)."""
+    model = make_model("llama-gqa")
+    if name == "quest-config":
+        questkv.enable(model, questkv.QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=1))
+    else:
+        questkv.enable(model, make_policy(name, budget, page_size=PAGE), dense_layers=1)
+    return model
+
+
 @pytest.mark.parametrize(
     "name,exact",
     [("quest-config", True), ("quest", True), ("oracle", True), ("streaming", True), ("h2o", True), ("tova", True),
@@ -337,11 +348,7 @@ def manual_decode_with(model, ids, mask, positions, collect, steps):
 )
 def test_every_policy_charges_the_same_budget(name, exact):
     budget = 2 * PAGE
-    model = make_model("llama-gqa")
-    if name == "quest-config":
-        questkv.enable(model, questkv.QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=1))
-    else:
-        questkv.enable(model, make_policy(name, budget, page_size=PAGE), dense_layers=1)
+    model = enabled_with_budget(name, budget)
     ids, mask, _ = left_padded([90, 75], seed=torch.randint(0, 10**6, ()).item())
     new_tokens = 6
     out = greedy(model, ids, new_tokens, attention_mask=mask)
@@ -376,11 +383,7 @@ def test_budget_used_per_sequence(name):
     """Rows shorter than the budget are charged what they hold: whole pages (page policies) or
     tokens (eviction policies); rows longer than the budget are charged the budget."""
     budget = 4 * PAGE
-    model = make_model("llama-gqa")
-    if name == "quest-config":
-        questkv.enable(model, questkv.QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=1))
-    else:
-        questkv.enable(model, make_policy(name, budget, page_size=PAGE), dense_layers=1)
+    model = enabled_with_budget(name, budget)
     lengths = [70, 11, 29]
     ids, mask, _ = left_padded(lengths, seed=torch.randint(0, 10**6, ()).item())
     new_tokens = 7
