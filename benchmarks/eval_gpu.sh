@@ -9,6 +9,7 @@
 #   bash benchmarks/eval_gpu.sh upload-a              (carry .gpu/a)
 #   bash benchmarks/eval_gpu.sh upload-b              (carry .gpu/b)
 #   bash benchmarks/eval_gpu.sh run COMMIT SECONDS    (repeat until both sweeps are complete; resumable)
+#   bash benchmarks/eval_gpu.sh page8 COMMIT SECONDS  (Quest at page 8 on the two tasks with signal)
 # Then here: questkv eval report benchmarks/results/eval-accuracy-smollm2-135m.json (and -ppl) draws the plots.
 set -euo pipefail
 stage=$1
@@ -40,6 +41,14 @@ run)
             --json "$work/eval-ppl-smollm2-135m.json" || echo "ppl sweep stopped (rc $?)"
     fi
     cp "$work"/eval-*.json "$OUT"/
+    ;;
+page8)
+    export PYTHONPATH="$work/site:$PWD" QUESTKV_CACHE_DIR="$work/cache" PYTHONUNBUFFERED=1 QUESTKV_COMMIT=$2
+    export TQDM_MININTERVAL=20
+    timeout "$3" python3 -m questkv.cli eval sweep --device cuda --model smollm2-135m --samples 10 --no-plot \
+        --page-size 8 --policies full,quest,quest-topp --tasks passkey,niah_single --lengths 8192,4096 \
+        --budgets 64,128,256,512,1024 --json "$work/eval-page8-smollm2-135m.json" || echo "page-8 sweep stopped (rc $?)"
+    cp "$work"/eval-page8-*.json "$OUT"/
     ;;
 *)
     echo "unknown stage $stage" >&2
