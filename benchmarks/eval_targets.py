@@ -9,6 +9,10 @@ Targets (higher accuracy is better, lower perplexity is better):
 Cells where full attention itself scores <= 10 % carry no signal (the model cannot do the task); they
 are listed apart and not counted.
 
+``--page-policies-from PATH`` takes the page-selection policies' cells (quest, quest-topp, oracle) only
+from PATH (e.g. a sweep at another page size) and everything else (full attention, the eviction
+policies, which do not depend on the page size) from the main JSONs: same prompts, other pages.
+
     python benchmarks/eval_targets.py benchmarks/results/eval-accuracy-smollm2-135m.json \
         benchmarks/results/eval-ppl-smollm2-135m.json --out benchmarks/results/eval-targets-smollm2-135m
 """
@@ -23,6 +27,7 @@ from pathlib import Path
 EVICTION = ("streaming", "h2o", "tova")
 NIAH = ("niah_single", "niah_multikey", "niah_uuid")
 NO_SIGNAL = 0.10
+PAGE_POLICIES = ("quest", "quest-topp", "oracle")
 
 
 def better_or_equal(metric: str, a: float, b: float) -> bool:
@@ -87,7 +92,7 @@ def fmt(value, metric_is_ppl: bool) -> str:
 
 
 def markdown(result: dict, command: str) -> str:
-    lines = ["# Evaluation targets (smollm2-135m)", "", f"- command: `{command}`", ""]
+    lines = ["# Evaluation targets", "", f"- command: `{command}`", ""]
     s = result["summary"]
     lines += [
         "| target | met | cells |", "|---|---:|---:|",
@@ -126,15 +131,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("json", nargs="+", help="result JSONs of `questkv eval`")
     parser.add_argument("--out", required=True, help="output path without suffix (writes .json and .md)")
+    parser.add_argument("--page-policies-from", metavar="PATH",
+                        help="take quest, quest-topp and oracle cells only from this JSON (see the module docstring)")
     args = parser.parse_args()
     cells = []
     for path in args.json:
         with open(path) as handle:
             cells += json.load(handle)["cells"]
+    if args.page_policies_from:
+        cells = [c for c in cells if c["policy"] not in PAGE_POLICIES]
+        with open(args.page_policies_from) as handle:
+            cells += [c for c in json.load(handle)["cells"] if c["policy"] in PAGE_POLICIES]
     result = check(cells)
     command = "python " + " ".join(sys.argv)
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "sources": args.json, **result}, indent=1))
+    sources = args.json + ([args.page_policies_from] if args.page_policies_from else [])
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "sources": sources, **result}, indent=1))
     out.with_suffix(".md").write_text(markdown(result, command))
     print(markdown(result, command))
     return 0
