@@ -169,6 +169,11 @@ def _add_eval(subparsers) -> None:
         sub.add_argument("--selection", choices=["kv_head", "q_head"], default="kv_head",
                          help="page selection of quest, oracle and quest-topp: one page set per KV head or per query head "
                          "(default: kv_head)")
+        sub.add_argument("--sink-pages", type=int, default=0,
+                         help="pages from the start that quest, oracle and quest-topp always select (default: 0)")
+        sub.add_argument("--recent-pages", type=int, default=0,
+                         help="pages before the current one that quest, oracle and quest-topp always select "
+                         "(default: 0; the current page is always selected)")
         sub.add_argument("--top-p", type=float, default=0.9,
                          help="quest-topp: estimated attention mass to reach; its budget is the cap (default: 0.9)")
         sub.add_argument("--score-tokens", type=int, default=256,
@@ -204,6 +209,8 @@ def _run_eval(args) -> int:
         seed=args.seed,
         top_p=args.top_p,
         selection=args.selection,
+        sink_pages=args.sink_pages,
+        recent_pages=args.recent_pages,
         score_tokens=args.score_tokens,
         text_file=args.text_file,
     )

@@ -32,7 +32,10 @@ from questkv.policies import POLICIES
 PPL = "ppl"
 ALL_TASKS: tuple[str, ...] = tasks.TASKS + (PPL,)
 # Settings shared by every cell: a resumed run must match them (the grid itself may grow).
-_SHARED = ("samples", "page_size", "dense_layers", "seed", "top_p", "selection", "score_tokens", "text_file")
+_SHARED = (
+    "samples", "page_size", "dense_layers", "seed", "top_p", "selection", "sink_pages", "recent_pages", "score_tokens",
+    "text_file",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,8 @@ class SweepSpec:
         seed: seed of the generated prompts.
         top_p: ``quest-topp``'s mass target (its budget is the cap K).
         selection: ``kv_head`` or ``q_head`` for the page policies (quest, oracle, quest-topp).
+        sink_pages, recent_pages: pages the page policies always select besides the current one
+            (as in :class:`questkv.QuestConfig`; they count against the budget).
         score_tokens: ``ppl``: tokens scored per window (the window's last ones).
         text_file: ``ppl``: the text (``None``: the stdlib's ``pydoc_data.topics``).
     """
@@ -62,6 +67,8 @@ class SweepSpec:
     seed: int = 0
     top_p: float = 0.9
     selection: str = "kv_head"
+    sink_pages: int = 0
+    recent_pages: int = 0
     score_tokens: int = 256
     text_file: Optional[str] = None
 
@@ -98,7 +105,7 @@ class SweepSpec:
                 continue
             options = {}
             if policy in ("quest", "oracle", "quest-topp"):
-                options["selection"] = self.selection
+                options.update(selection=self.selection, sink_pages=self.sink_pages, recent_pages=self.recent_pages)
             if policy == "quest-topp":
                 options["top_p"] = self.top_p
             out.extend(Setting(policy, budget, tuple(sorted(options.items()))) for budget in self.budgets)
@@ -270,7 +277,8 @@ def load_document(path: Path, model_name: str, spec: SweepSpec) -> Optional[dict
     with open(path) as handle:
         previous = json.load(handle)
     old = previous.get("spec", {})
-    mismatched = [name for name in _SHARED if old.get(name) != getattr(spec, name)]
+    defaults = {field.name: field.default for field in dataclasses.fields(SweepSpec)}
+    mismatched = [name for name in _SHARED if old.get(name, defaults[name]) != getattr(spec, name)]
     if previous.get("model") != model_name or mismatched:
         raise ValueError(
             f"{path} holds a run with other settings (model={previous.get('model')!r}"

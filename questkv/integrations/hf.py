@@ -172,17 +172,19 @@ class QuestCache(Cache):
             raise ValueError(
                 f"QuestConfig.page_size={config.page_size} differs from the cache's page_size={self.page_size}"
             )
-        if self.policy_states:
+        if any(state is not None for state in self.policy_states.values()):
             if policy is None or repr(policy) != self._policy_key:
                 raise ValueError(
                     f"this QuestCache holds the decode state of {self._policy_key}; it cannot continue under "
                     f"{policy!r} (snapshot the cache with copy.deepcopy before the first decode step instead)"
                 )
-            if new_token_mask.shape[1] != 1 and any(state is not None for state in self.policy_states.values()):
+            if new_token_mask.shape[1] != 1:
                 raise ValueError(
                     f"{self._policy_key} has dropped tokens for good; a forward over {new_token_mask.shape[1]} new "
                     "positions (dense attention over the whole cache) would bring them back. Decode one token at a time"
                 )
+        elif policy is None or repr(policy) != self._policy_key:
+            self.policy_states = {}  # stateless policies: the next one starts afresh
         self.config = config
         self.policy = policy
         self._pending = new_token_mask.bool()

@@ -68,12 +68,13 @@ def first_run(word_tokenizer, tmp_path_factory):
 
 
 def test_settings_of_a_spec(tmp_path):
-    spec = make_spec(None, policies=["full", "quest", "quest-topp", "h2o"], top_p=0.7, selection="q_head")
+    spec = make_spec(None, policies=["full", "quest", "quest-topp", "h2o"], top_p=0.7, selection="q_head", recent_pages=1)
     labels = [s.label for s in spec.settings()]
     assert labels == ["full", "quest@16", "quest@32", "quest-topp@16", "quest-topp@32", "h2o@16", "h2o@32"]
     by_label = {s.label: s for s in spec.settings()}
-    assert dict(by_label["quest-topp@32"].options) == {"selection": "q_head", "top_p": 0.7}
-    assert dict(by_label["quest@16"].options) == {"selection": "q_head"}
+    forced = {"sink_pages": 0, "recent_pages": 1}
+    assert dict(by_label["quest-topp@32"].options) == {"selection": "q_head", "top_p": 0.7, **forced}
+    assert dict(by_label["quest@16"].options) == {"selection": "q_head", **forced}
     assert by_label["h2o@16"].options == ()
     assert isinstance(spec.tasks, tuple) and isinstance(spec.budgets, tuple)
 
@@ -206,9 +207,14 @@ def test_document_round_trip_and_shared_settings(tmp_path, first_run):
     assert len(pending) == len(grown.settings()) * 2 * 2 - 18
     # Another shared setting, or another model, is refused with its name.
     for name, value in [("samples", 3), ("page_size", 16), ("dense_layers", 2), ("seed", spec.seed + 1),
-                        ("score_tokens", 9), ("top_p", 0.5), ("selection", "q_head"), ("text_file", None)]:
+                        ("score_tokens", 9), ("top_p", 0.5), ("selection", "q_head"), ("text_file", None),
+                        ("recent_pages", 1)]:
         with pytest.raises(ValueError, match=f"{name}="):
             sweep.load_document(path, "tiny", dataclasses.replace(spec, **{name: value}))
+    # A document written before a shared setting existed reads it as its default.
+    del document["spec"]["sink_pages"], document["spec"]["recent_pages"]
+    sweep.save(path, document)
+    assert sweep.load_document(path, "tiny", spec) is not None
     with pytest.raises(ValueError, match="model='tiny'"):
         sweep.load_document(path, "other", spec)
 

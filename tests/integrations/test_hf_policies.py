@@ -199,6 +199,18 @@ def test_evicted_tokens_never_come_back(name):
         model(more[:, :1], **{name_arg: cache})
 
 
+def test_stateless_page_policies_can_be_switched_mid_decode():
+    model = make_model("llama-gqa")
+    questkv.enable(model, make_policy("quest", 2 * PAGE, page_size=PAGE), dense_layers=1)
+    cache = questkv.QuestCache(model.config, PAGE)
+    manual_decode(model, cache, prompt(40, seed=torch.randint(0, 10**6, ()).item()), 2)
+    assert set(cache.policy_states) == {1, 2}
+    questkv.enable(model, make_policy("oracle", 2 * PAGE, page_size=PAGE), dense_layers=2)
+    token = prompt(1, seed=torch.randint(0, 10**6, ()).item())
+    model(token, use_cache=True, **{hf.cache_argument(model): cache})
+    assert set(cache.policy_states) == {2}  # the oracle's own layers, created afresh
+
+
 def test_deepcopy_of_a_prefill_decodes_under_two_policies_independently():
     model = make_model("llama-gqa")
     ids = prompt(50, seed=torch.randint(0, 10**6, ()).item())
