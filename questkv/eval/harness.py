@@ -105,7 +105,9 @@ def prefill(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     if cache is None:
         cache = QuestCache(model.config, page_size, collect_prefill_attention=collect_prefill_attention)
-    _forward(model, cache, input_ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+    # Without padding, no mask: SDPA then takes its causal fast path instead of a materialised mask.
+    _forward(model, cache, input_ids, attention_mask=None if bool(mask.all()) else mask, position_ids=positions,
+             logits_to_keep=1)
     return cache, mask.sum(-1)
 
 
