@@ -18,13 +18,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,7 +31,7 @@ from questkv.eval import passkey  # noqa: E402
 from questkv.eval import harness  # noqa: E402
 from questkv.integrations.hf import enable  # noqa: E402
 from questkv.policies import make_policy  # noqa: E402
-from questkv.eval.provenance import git_commit  # noqa: E402
+from questkv.eval.provenance import provenance  # noqa: E402
 
 # name: (selector, token_budget, QuestConfig options)
 VARIANTS = {
@@ -85,16 +82,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model alias or path (default: smollm2-135m)")
     parser.add_argument("--length", type=int, default=4096, help="prompt tokens (default: 4096)")
-    parser.add_argument("--trials", type=int, default=5, help="first trials of questkv passkey's 10 (default: 5)")
-    parser.add_argument("--seed", type=int, default=0, help="passkey seed, as in questkv passkey (default: 0)")
+    parser.add_argument("--trials", type=int, default=5, help="first trials of questkv eval passkey's 10 (default: 5)")
+    parser.add_argument("--seed", type=int, default=0, help="passkey seed, as in questkv eval passkey (default: 0)")
     parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args()
     model, tokenizer = questkv.load_model(args.model, device="cpu", dtype="bfloat16")
     info = {
-        "command": "python " + " ".join(sys.argv),
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"CPU ({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} threads",
+        **provenance("cpu", command="python " + " ".join(sys.argv)),
         "model": args.model,
         "length": args.length,
         "dense_layers": 2,

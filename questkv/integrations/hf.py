@@ -23,6 +23,7 @@ as it would decode alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Optional, Union
 
@@ -51,16 +52,19 @@ _PREFILL_QUERY_CHUNK = 256
 
 
 class QuestCacheLayer(CacheLayerMixin):
-    """One layer's view of a :class:`QuestCache` (transformers asks layers for lengths and mask sizes)."""
+    """One layer's lengths and mask sizes, which transformers asks layers for.
+
+    Storage is the :class:`QuestCache`'s, which stores every layer in :meth:`QuestCache.update`; a
+    layer keeps no reference to its cache, so a cache is freed as soon as it is dropped (no cycle).
+    """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, cache: "QuestCache", layer_idx: int) -> None:
+    def __init__(self, layer_idx: int) -> None:
         super().__init__()
-        self.cache = cache
         self.layer_idx = layer_idx
         self.seen_tokens = 0  # positions (pads included) this layer has processed
         self.is_initialized = True
@@ -69,7 +73,7 @@ class QuestCacheLayer(CacheLayerMixin):
         """Nothing to do: the shared page pool is created on the first forward."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return self.cache._update_layer(self.layer_idx, key_states, value_states)
+        raise RuntimeError("a QuestCache layer is updated through QuestCache.update(key_states, value_states, layer_idx)")
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -84,10 +88,7 @@ class QuestCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.cache.reset()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("QuestCache does not support beam search (reorder_cache); use greedy or sampling")
+        raise RuntimeError("a QuestCache is reset as a whole: QuestCache.reset()")
 
 
 class QuestCache(Cache):
@@ -113,7 +114,7 @@ class QuestCache(Cache):
 
     def __init__(self, model_config, page_size: int = 16, collect_prefill_attention: bool = False) -> None:
         num_layers = model_config.num_hidden_layers
-        super().__init__(layers=[QuestCacheLayer(self, i) for i in range(num_layers)])
+        super().__init__(layers=[QuestCacheLayer(i) for i in range(num_layers)])
         self.num_kv_heads = model_config.num_key_value_heads
         self.head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
         self.page_size = page_size
@@ -149,6 +150,13 @@ class QuestCache(Cache):
         """``[batch]`` float64: :attr:`mean_tokens_attended` of every sequence (``None`` before any
         sparse decode step)."""
         return self.tokens_attended / self.sparse_steps if self.sparse_steps else None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' entry point: store one layer's new keys/values (see :meth:`_update_layer`)."""
+        return self._update_layer(layer_idx, key_states, value_states)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("QuestCache does not support beam search (reorder_cache); use greedy or sampling")
 
     # -- one forward pass ------------------------------------------------------------------------
 
@@ -268,8 +276,10 @@ class QuestCache(Cache):
             return self._attend_policy(layer_idx, query, layer, page_table, seq_lens, scaling)
         if not config.is_sparse_layer(layer_idx):
             return quest_decode(query, layer, page_table, seq_lens, dataclasses.replace(config, token_budget=None), scaling)
-        num_pages = (seq_lens + config.page_size - 1) // config.page_size
-        self._charge(num_pages.clamp(max=config.budget_pages).double() * config.page_size)
+        if layer_idx == config.dense_layers:  # every sparse layer attends the same pages count: charge them once
+            sparse_layers = len(self.layers) - config.dense_layers
+            num_pages = (seq_lens + config.page_size - 1) // config.page_size
+            self._charge(num_pages.clamp(max=config.budget_pages).double() * config.page_size, sparse_layers)
         return quest_decode(query, layer, page_table, seq_lens, config, scaling)
 
     def _attend_policy(self, layer_idx, query, layer, page_table, seq_lens, scaling) -> torch.Tensor:
@@ -284,10 +294,10 @@ class QuestCache(Cache):
         self._charge(result.tokens_charged.double().mean(dim=1))
         return result.out
 
-    def _charge(self, tokens_per_sequence: torch.Tensor) -> None:
-        """Add one sparse layer-step's ``[batch]`` tokens attended (mean over selection heads)."""
-        self.tokens_attended = self.tokens_attended.to(tokens_per_sequence.device) + tokens_per_sequence
-        self.sparse_steps += 1
+    def _charge(self, tokens_per_sequence: torch.Tensor, layers: int = 1) -> None:
+        """Add ``layers`` sparse layer-steps of ``[batch]`` tokens attended each (mean over selection heads)."""
+        self.tokens_attended = self.tokens_attended.to(tokens_per_sequence.device) + tokens_per_sequence * layers
+        self.sparse_steps += layers
 
     @torch.no_grad()
     def record_prefill_attention(
@@ -454,7 +464,13 @@ class _QuestState:
 
 def cache_argument(model: nn.Module) -> str:
     """Name of the forward argument that takes the cache: ``"cache"`` (transformers >= 5.2x) or ``"past_key_values"``."""
-    parameters = inspect.signature(model.forward).parameters
+    return _cache_argument_of(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument_of(model_class: type) -> str:
+    # Looked up once per model class: callers ask on every decode step.
+    parameters = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
 

@@ -410,3 +410,20 @@ def test_budget_used_per_sequence(name):
     assert per_sequence.shape == (3,)
     torch.testing.assert_close(per_sequence, torch.tensor(expected, dtype=torch.float64), atol=1e-9, rtol=0)
     assert cache.mean_tokens_attended == pytest.approx(sum(expected) / 3)
+
+
+def test_a_dropped_cache_is_freed_without_the_garbage_collector():
+    import gc
+    import weakref
+
+    model = make_model("llama-gqa")
+    questkv.enable(model, make_policy("h2o", 2 * PAGE, page_size=PAGE), dense_layers=1)
+    cache = questkv.QuestCache(model.config, PAGE)
+    manual_decode(model, cache, prompt(40, seed=torch.randint(0, 10**6, ()).item()), 2)
+    copy_ref = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert copy_ref() is None  # no reference cycle keeps its page pool alive
+    finally:
+        gc.enable()
