@@ -37,11 +37,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from questkv.cache.paged import LayerPages  # noqa: E402
+from questkv.ops import LayerPages  # noqa: E402
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as kernels  # noqa: E402
-from questkv.ops.decode import QuestDecodeStep  # noqa: E402
+from questkv.decode import QuestDecodeStep  # noqa: E402
 from questkv.eval.provenance import git_commit  # noqa: E402
 
 MODELS = {  # name: (num_q_heads, num_kv_heads, head_dim)

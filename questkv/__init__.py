@@ -2,7 +2,7 @@
 
 from questkv.cache import CacheFullError, PagedKVCache
 from questkv.config import QuestConfig
-from questkv.ops.decode import quest_decode
+from questkv.decode import quest_decode
 
 __version__ = "0.1.0"
 

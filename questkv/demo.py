@@ -9,7 +9,7 @@ import torch
 from questkv.cache import PagedKVCache
 from questkv.config import QuestConfig
 from questkv.ops import reference
-from questkv.ops.decode import quest_decode
+from questkv.decode import quest_decode
 
 
 def build_cache(batch: int, context: int, num_kv_heads: int, head_dim: int, page_size: int, hot_pages: int, seed: int):

@@ -1,5 +1,5 @@
 """Paged KV cache with per-page key bounds."""
 
-from questkv.cache.paged import CacheFullError, LayerPages, PagedKVCache
+from questkv.cache.paged import CacheFullError, PagedKVCache
 
-__all__ = ["CacheFullError", "LayerPages", "PagedKVCache"]
+__all__ = ["CacheFullError", "PagedKVCache"]

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from questkv import ops
+from questkv.ops.pages import LayerPages
+from questkv.validation import check_int
 
 
 class CacheFullError(RuntimeError):
     """The page pool (or a sequence's page-table row, or the sequence slots) has no room left."""
-
-
-class LayerPages(NamedTuple):
-    """One layer's view of the pool.
-
-    k_pages, v_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``;
-    kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, the dtype of ``k_pages``.
-    """
-
-    k_pages: torch.Tensor
-    v_pages: torch.Tensor
-    kmin: torch.Tensor
-    kmax: torch.Tensor
 
 
 class PagedKVCache:
@@ -35,12 +24,13 @@ class PagedKVCache:
     * ``k_pages[l]``, ``v_pages[l]``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (``dtype``);
     * ``kmin[l]``, ``kmax[l]``: ``[num_pages, num_kv_heads, head_dim]``, element-wise min / max of
       the page's written keys, kept in ``dtype`` (exact: min and max pick one of their inputs);
-    * ``block_table``: ``[max_seqs, max_pages_per_seq]`` int32 and ``lengths``: ``[max_seqs]``
+    * ``page_table``: ``[max_seqs, max_pages_per_seq]`` int32 and ``seq_lens``: ``[max_seqs]``
       int32, on ``device``, indexed by sequence id (padded, fixed shape: usable under CUDA graphs).
 
     Appending is two steps so that a model can write layer by layer: :meth:`reserve` allocates
     pages and advances the lengths once per forward pass, :meth:`write` stores one layer's K/V.
-    :meth:`append` does both for all layers at once.
+    :meth:`append` does both for all layers at once. A scheduler asks :meth:`pages_needed` /
+    :meth:`can_reserve` and calls :meth:`allocate` (pages and lengths, no slots).
     """
 
     def __init__(
@@ -64,16 +54,18 @@ class PagedKVCache:
             ("page_size", page_size),
             ("max_seqs", max_seqs),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PagedKVCache {name} must be a positive int, got {value!r}")
+            check_int(f"PagedKVCache.{name}", value, minimum=1)
         if page_size & (page_size - 1):
-            raise ValueError(f"PagedKVCache page_size must be a power of two, got {page_size}")
+            raise ValueError(f"PagedKVCache.page_size must be a power of two, got {page_size}")
         if max_pages_per_seq is None:
             max_pages_per_seq = num_pages
+        check_int("PagedKVCache.max_pages_per_seq", max_pages_per_seq)
         if not 1 <= max_pages_per_seq <= num_pages:
-            raise ValueError(f"max_pages_per_seq must be in [1, num_pages={num_pages}], got {max_pages_per_seq}")
+            raise ValueError(
+                f"PagedKVCache.max_pages_per_seq must be in [1, num_pages={num_pages}], got {max_pages_per_seq}"
+            )
         if not dtype.is_floating_point:
-            raise ValueError(f"PagedKVCache dtype must be a float dtype, got {dtype}")
+            raise ValueError(f"PagedKVCache.dtype must be a float dtype, got {dtype}")
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_seqs = max_seqs
@@ -85,8 +77,8 @@ class PagedKVCache:
         bounds_shape = (num_layers, num_pages, num_kv_heads, head_dim)
         self.kmin = torch.full(bounds_shape, float("inf"), dtype=dtype, device=device)
         self.kmax = torch.full(bounds_shape, float("-inf"), dtype=dtype, device=device)
-        self.block_table = torch.zeros((max_seqs, max_pages_per_seq), dtype=torch.int32, device=device)
-        self.lengths = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros((max_seqs, max_pages_per_seq), dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self._free_seqs: list[int] = list(range(max_seqs - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
@@ -134,14 +126,32 @@ class PagedKVCache:
         self._check_seq(seq_id)
         return list(self._pages[seq_id])
 
+    def pages_for_tokens(self, num_tokens: int) -> int:
+        """Pages that hold ``num_tokens`` tokens of one sequence: ``ceil(num_tokens / page_size)``."""
+        return -(-num_tokens // self.page_size)
+
+    def pages_needed(self, seq_id: int, num_tokens: int) -> int:
+        """Pages to allocate so that sequence ``seq_id`` holds ``num_tokens`` more tokens."""
+        self._check_seq(seq_id)
+        return self.pages_for_tokens(self._lens[seq_id] + num_tokens) - len(self._pages[seq_id])
+
+    def can_reserve(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> bool:
+        """Whether :meth:`reserve` / :meth:`allocate` of the same arguments would succeed (pool and
+        per-sequence page limits; the arguments themselves must be valid)."""
+        try:
+            self._plan(list(seq_ids), list(num_tokens))
+        except CacheFullError:
+            return False
+        return True
+
     def add_sequence(self) -> int:
-        """Start an empty sequence and return its id (a row of ``block_table``)."""
+        """Start an empty sequence and return its id (a row of ``page_table``)."""
         if not self._free_seqs:
             raise CacheFullError(f"all {self.max_seqs} sequence slots are in use; free one or raise max_seqs")
         seq_id = self._free_seqs.pop()
         self._pages[seq_id] = []
         self._lens[seq_id] = 0
-        self.lengths[seq_id] = 0
+        self.seq_lens[seq_id] = 0
         return seq_id
 
     def free_sequence(self, seq_id: int) -> None:
@@ -149,20 +159,52 @@ class PagedKVCache:
         self._check_seq(seq_id)
         self._free_pages.extend(reversed(self._pages.pop(seq_id)))
         del self._lens[seq_id]
-        self.lengths[seq_id] = 0
+        self.seq_lens[seq_id] = 0
         self._free_seqs.append(seq_id)
 
-    def reserve(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> torch.Tensor:
-        """Make room for ``num_tokens[i]`` new tokens at the end of sequence ``seq_ids[i]``.
+    def allocate(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """Make room for ``num_tokens[i]`` new tokens at the end of sequence ``seq_ids[i]``:
+        allocate pages, extend the page table and advance the lengths (all layers share them).
+        Either every sequence grows or, on error (``CacheFullError``, ``ValueError``), nothing
+        changes. The device tables are updated with one copy each, not one per sequence."""
+        seq_ids, num_tokens = list(seq_ids), list(num_tokens)
+        new_pages = self._plan(seq_ids, num_tokens)
+        rows, cols, pages = [], [], []
+        for seq_id, count, extra in zip(seq_ids, num_tokens, new_pages):
+            owned = self._pages[seq_id]
+            for _ in range(extra):
+                rows.append(seq_id)
+                cols.append(len(owned))
+                owned.append(self._free_pages.pop())
+                pages.append(owned[-1])
+            self._lens[seq_id] += count
+        if pages:
+            index = torch.tensor([rows, cols], dtype=torch.long).to(self.device)
+            self.page_table.index_put_((index[0], index[1]), torch.tensor(pages, dtype=torch.int32).to(self.device))
+        if seq_ids:
+            lens = torch.tensor([[s, self._lens[s]] for s in seq_ids], dtype=torch.long).to(self.device)
+            self.seq_lens[lens[:, 0]] = lens[:, 1].to(torch.int32)
 
-        Allocates pages and advances the lengths (all layers share them). Either every sequence
-        grows or, on error, nothing changes.
+    def reserve(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> torch.Tensor:
+        """:meth:`allocate`, then the slots of the new tokens.
 
         Returns:
             ``[sum(num_tokens)]`` int64 slots (``page * page_size + offset``) on the cache's device,
             sequence after sequence, in token order: the ``slots`` argument of :meth:`write`.
         """
         seq_ids, num_tokens = list(seq_ids), list(num_tokens)
+        starts = [self._lens[s] if s in self._lens else 0 for s in seq_ids]
+        self.allocate(seq_ids, num_tokens)
+        slots = []
+        for seq_id, start, count in zip(seq_ids, starts, num_tokens):
+            if count:
+                positions = torch.arange(start, start + count)
+                page_ids = torch.tensor(self._pages[seq_id], dtype=torch.long)[positions // self.page_size]
+                slots.append(page_ids * self.page_size + positions % self.page_size)
+        return torch.cat(slots).to(self.device) if slots else torch.empty(0, dtype=torch.long, device=self.device)
+
+    def _plan(self, seq_ids: list[int], num_tokens: list[int]) -> list[int]:
+        """New pages per sequence for :meth:`allocate`; raises before anything changes."""
         if len(seq_ids) != len(num_tokens):
             raise ValueError(f"reserve got {len(seq_ids)} seq_ids but {len(num_tokens)} token counts")
         if len(set(seq_ids)) != len(seq_ids):
@@ -172,34 +214,17 @@ class PagedKVCache:
             self._check_seq(seq_id)
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ValueError(f"token count for sequence {seq_id} must be an int >= 0, got {count!r}")
-            have = len(self._pages[seq_id])
-            need = -(-(self._lens[seq_id] + count) // self.page_size)
+            need = self.pages_for_tokens(self._lens[seq_id] + count)
             if need > self.max_pages_per_seq:
                 raise CacheFullError(
                     f"sequence {seq_id} would need {need} pages, more than max_pages_per_seq={self.max_pages_per_seq}"
                 )
-            new_pages.append(need - have)
+            new_pages.append(need - len(self._pages[seq_id]))
         if sum(new_pages) > len(self._free_pages):
             raise CacheFullError(
                 f"page pool exhausted: {sum(new_pages)} pages needed, {len(self._free_pages)} free of {self.num_pages}"
             )
-        slots = []
-        for seq_id, count, extra in zip(seq_ids, num_tokens, new_pages):
-            pages = self._pages[seq_id]
-            first_new = len(pages)
-            pages.extend(self._free_pages.pop() for _ in range(extra))
-            if extra:
-                self.block_table[seq_id, first_new : first_new + extra] = torch.tensor(
-                    pages[first_new:], dtype=torch.int32
-                )
-            start = self._lens[seq_id]
-            positions = torch.arange(start, start + count)
-            if count:
-                page_ids = torch.tensor(pages, dtype=torch.long)[positions // self.page_size]
-                slots.append(page_ids * self.page_size + positions % self.page_size)
-            self._lens[seq_id] = start + count
-            self.lengths[seq_id] = start + count
-        return torch.cat(slots).to(self.device) if slots else torch.empty(0, dtype=torch.long, device=self.device)
+        return new_pages
 
     def write(self, layer_idx: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one layer's keys and values ``[len(slots), num_kv_heads, head_dim]`` at ``slots``
@@ -236,8 +261,8 @@ class PagedKVCache:
             max_pages = max((len(self._pages[s]) for s in seq_ids), default=0)
         elif not 0 <= max_pages <= self.max_pages_per_seq:
             raise ValueError(f"batch: max_pages must be in [0, max_pages_per_seq={self.max_pages_per_seq}], got {max_pages}")
-        rows = torch.tensor(list(seq_ids), dtype=torch.long, device=self.device)
-        return self.block_table[rows, :max_pages], self.lengths[rows]
+        rows = torch.tensor(list(seq_ids), dtype=torch.long).to(self.device)
+        return self.page_table[rows, :max_pages], self.seq_lens[rows]
 
     def _check_seq(self, seq_id: int) -> None:
         if seq_id not in self._pages:

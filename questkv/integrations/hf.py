@@ -4,7 +4,7 @@ After :func:`enable`, every forward call of the model (``generate`` included) ru
 :class:`QuestCache`: prefill (a forward over several new tokens on an empty cache) is dense
 (transformers' own SDPA attention) and writes its keys/values into a questkv
 :class:`~questkv.cache.paged.PagedKVCache`; every decode step (one new token per sequence) reads
-that paged cache through :func:`questkv.ops.decode.quest_decode`: Quest page selection on layers
+that paged cache through :func:`questkv.decode.quest_decode`: Quest page selection on layers
 ``>= config.dense_layers``, dense paged attention below. ``enable(model, policy)`` runs any
 :mod:`questkv.policies` policy (an eviction baseline, the oracle, adaptive top-p) on those layers
 instead, through the torch reference ops: the evaluation path.
@@ -34,9 +34,10 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from questkv.cache.paged import LayerPages, PagedKVCache
+from questkv.cache.paged import PagedKVCache
+from questkv.ops import LayerPages
 from questkv.config import QuestConfig
-from questkv.ops.decode import quest_decode
+from questkv.decode import quest_decode
 from questkv.policies.base import DecodePolicy
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "QuestCache", "cache_argument", "disable", "enable", "is_enabled"]

@@ -16,8 +16,9 @@ import torch
 
 from questkv.config import BACKENDS
 from questkv.ops import reference
+from questkv.ops.pages import LayerPages
 
-__all__ = ["append_kv", "page_scores", "select_pages", "paged_decode_attention", "resolve_backend"]
+__all__ = ["LayerPages", "append_kv", "page_scores", "select_pages", "paged_decode_attention", "resolve_backend"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,10 +55,10 @@ def page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection="kv_he
     )
 
 
-def select_pages(scores, seq_lens, page_size, budget_pages, sink_pages=0, recent_pages=0, backend="auto"):
+def select_pages(scores, seq_lens, page_size, budget_pages, sink_pages=0, recent_pages=0, budgets=None, backend="auto"):
     """See :func:`questkv.ops.reference.select_pages`."""
     return resolve_backend(scores, backend).select_pages(
-        scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages
+        scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages, budgets
     )
 
 

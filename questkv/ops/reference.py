@@ -15,12 +15,19 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
 * Page selections are *logical* page indices (positions in a page-table row), ``[batch,
   num_sel_heads, k]`` int32 sorted ascending with ``-1`` padding at the end; ``num_sel_heads`` is
   ``num_kv_heads`` (one set per KV head, shared by its query group) or ``num_q_heads``.
+* ``budgets``: ``[batch]`` int32 token budget of each sequence (a multiple of ``page_size``, at most
+  ``budget_pages * page_size`` and at least the forced pages plus the current one); ``None`` gives every
+  sequence ``budget_pages``. Callers validate the values on the host (the ops never synchronise).
+
+Every op also has an ``*_into`` form writing into preallocated outputs, with the same signature as
+the Triton kernels' (:mod:`questkv.ops.triton`), so :class:`questkv.decode.QuestDecodeStep` calls
+either backend the same way.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -99,7 +106,7 @@ def page_scores(
         scores = per_q.sum(-1).transpose(1, 2)
     else:
         scores = per_q.amax(-1).transpose(1, 2)
-    valid = _valid_pages(seq_lens, page_size, page_table.shape[1])
+    valid = valid_pages(seq_lens, page_size, page_table.shape[1])
     return scores.masked_fill(~valid[:, None, :], float("-inf")).contiguous()
 
 
@@ -110,31 +117,36 @@ def select_pages(
     budget_pages: int,
     sink_pages: int = 0,
     recent_pages: int = 0,
+    budgets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Top-``budget_pages`` pages per (sequence, head), with always-kept pages forced in.
 
     Forced pages: the first ``sink_pages``, the ``recent_pages`` full pages before the current one,
     and the current (last) page. The rest of the budget goes to the highest-scoring pages; ties go
-    to the lower page index. A sequence with at most ``budget_pages`` pages gets all of them.
+    to the lower page index. A sequence with no more pages than its budget gets all of them.
 
     Args:
         scores: ``[batch, num_sel_heads, max_pages]`` float32 from :func:`page_scores`.
         seq_lens: ``[batch]`` int32.
+        budget_pages: pages per row of the output (the largest budget).
+        budgets: ``[batch]`` int32 token budgets (see the module docstring), or ``None``: row ``b``
+            selects ``budgets[b] // page_size`` pages.
 
     Returns:
         ``[batch, num_sel_heads, budget_pages]`` int32 logical page indices, ascending, ``-1``-padded.
     """
     batch, heads, max_pages = scores.shape
-    num_pages = _num_pages(seq_lens, page_size)[:, None]
-    index = torch.arange(max_pages, device=scores.device)[None, :]
-    valid = index < num_pages
-    forced = valid & ((index < sink_pages) | (index >= num_pages - 1 - recent_pages))
+    valid = valid_pages(seq_lens, page_size, max_pages)
+    forced = valid & forced_page_mask(seq_lens, page_size, max_pages, sink_pages, recent_pages)
     key = scores.masked_fill(forced[:, None, :], float("inf"))
     # Invalid pages sort after every valid one, even a valid page scored -inf.
     rank = torch.stack([valid[:, None, :].expand_as(key).float(), key], dim=-1)
     order = _lexsort_desc(rank)[..., :budget_pages]
-    chosen_valid = valid[:, None, :].expand(batch, heads, max_pages).gather(-1, order)
-    chosen = torch.where(chosen_valid, order, max_pages)
+    keep = valid[:, None, :].expand(batch, heads, max_pages).gather(-1, order)
+    if budgets is not None:
+        row_pages = (budgets.long() // page_size)[:, None, None]
+        keep = keep & (torch.arange(order.shape[-1], device=scores.device) < row_pages)
+    chosen = torch.where(keep, order, max_pages)
     chosen = chosen.sort(dim=-1).values
     chosen = torch.where(chosen == max_pages, -1, chosen)
     if chosen.shape[-1] < budget_pages:
@@ -194,13 +206,95 @@ def paged_decode_attention(
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
-def _num_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+def num_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pages holding each sequence: ``ceil(seq_lens / page_size)``, ``[batch]`` int64."""
     return (seq_lens.long() + page_size - 1) // page_size
 
 
-def _valid_pages(seq_lens: torch.Tensor, page_size: int, max_pages: int) -> torch.Tensor:
+def valid_pages(seq_lens: torch.Tensor, page_size: int, max_pages: int) -> torch.Tensor:
+    """``[batch, max_pages]`` bool: page-table column ``j`` holds a page of sequence ``b``."""
     index = torch.arange(max_pages, device=seq_lens.device)[None, :]
-    return index < _num_pages(seq_lens, page_size)[:, None]
+    return index < num_pages(seq_lens, page_size)[:, None]
+
+
+def forced_page_mask(
+    seq_lens: torch.Tensor, page_size: int, max_pages: int, sink_pages: int, recent_pages: int
+) -> torch.Tensor:
+    """``[batch, max_pages]`` bool: the always-attended pages of each sequence — the first
+    ``sink_pages``, the ``recent_pages`` full pages before the current one, and the current (last)
+    page. Columns past a sequence's pages may be set too: combine with :func:`valid_pages`."""
+    index = torch.arange(max_pages, device=seq_lens.device)[None, :]
+    return (index < sink_pages) | (index >= num_pages(seq_lens, page_size)[:, None] - 1 - recent_pages)
+
+
+class AttentionBuffers(NamedTuple):
+    """Scratch of the split attention kernel (:func:`questkv.ops.triton.attention_buffers`); the
+    reference needs none, so all its fields are ``None``."""
+
+    part_out: Optional[torch.Tensor] = None
+    part_lse: Optional[torch.Tensor] = None
+    counters: Optional[torch.Tensor] = None
+    items_per_split: int = 0
+
+
+def attention_buffers(
+    batch: int,
+    num_q_heads: int,
+    num_sel_heads: int,
+    head_dim: int,
+    num_items: int,
+    page_size: int,
+    dense: bool,
+    device: torch.device,
+    num_splits: Optional[int] = None,
+) -> AttentionBuffers:
+    """The reference attention needs no scratch: an empty :class:`AttentionBuffers`."""
+    return AttentionBuffers()
+
+
+def page_scores_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    selection: str = "kv_head",
+    group_reduction: str = "sum",
+) -> torch.Tensor:
+    """:func:`page_scores` into ``out`` ``[batch, num_sel_heads, max_pages]`` float32; returns ``out``."""
+    return out.copy_(page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection, group_reduction))
+
+
+def select_pages_into(
+    out: torch.Tensor,
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    budget_pages: int,
+    sink_pages: int = 0,
+    recent_pages: int = 0,
+    budgets: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`select_pages` into ``out`` ``[batch, num_sel_heads, budget_pages]`` int32; returns ``out``."""
+    return out.copy_(select_pages(scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages, budgets))
+
+
+def paged_decode_attention_into(
+    out: torch.Tensor,
+    buffers: AttentionBuffers,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    selected: Optional[torch.Tensor],
+    sm_scale: Optional[float] = None,
+) -> torch.Tensor:
+    """:func:`paged_decode_attention` into ``out`` ``[batch, num_q_heads, head_dim]``; ``buffers``
+    is unused here (the kernel's scratch). Returns ``out``."""
+    return out.copy_(paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale))
 
 
 def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:

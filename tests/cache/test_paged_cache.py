@@ -20,7 +20,7 @@ def random_kv(layers, tokens, dtype=torch.float32):
 def snapshot(cache):
     return (
         cache.k_pages.clone(), cache.v_pages.clone(), cache.kmin.clone(), cache.kmax.clone(),
-        cache.block_table.clone(), cache.lengths.clone(), cache.num_free_pages,
+        cache.page_table.clone(), cache.seq_lens.clone(), cache.num_free_pages,
         {s: (cache.pages_of(s), cache.seq_len(s)) for s in cache.sequences},
     )
 
@@ -56,11 +56,17 @@ class CacheMachine(RuleBasedStateMachine):
             st.lists(st.integers(0, 9), min_size=len(ids), max_size=len(ids)))
         keys, values = random_kv(LAYERS, sum(counts))
         before = snapshot(self.cache)
+        fits = self.cache.can_reserve(ids, counts)
+        needed = [self.cache.pages_needed(s, c) for s, c in zip(ids, counts)]
+        assert fits == (sum(needed) <= self.cache.num_free_pages)
         try:
             self.cache.append(ids, counts, keys, values)
         except CacheFullError:
+            assert not fits
             assert_same(snapshot(self.cache), before)
             return
+        assert fits
+        assert self.cache.num_free_pages == before[6] - sum(needed)
         start = 0
         for seq_id, count in zip(ids, counts):
             self.shadow[seq_id][0].append(keys[:, start : start + count])
@@ -89,9 +95,9 @@ class CacheMachine(RuleBasedStateMachine):
             values = torch.cat(value_chunks, dim=1) if value_chunks else torch.empty(LAYERS, 0, HEADS, DIM)
             length = keys.shape[1]
             pages = self.cache.pages_of(seq_id)
-            assert self.cache.seq_len(seq_id) == length == int(self.cache.lengths[seq_id])
+            assert self.cache.seq_len(seq_id) == length == int(self.cache.seq_lens[seq_id])
             assert len(pages) == -(-length // PAGE)
-            assert self.cache.block_table[seq_id, : len(pages)].tolist() == pages
+            assert self.cache.page_table[seq_id, : len(pages)].tolist() == pages
             for logical, page in enumerate(pages):
                 chunk = slice(logical * PAGE, min(length, (logical + 1) * PAGE))
                 written = chunk.stop - chunk.start
@@ -178,7 +184,7 @@ def test_bad_input_raises_clearly_and_changes_nothing(call, error, message):
     "kwargs, message",
     [
         ({"page_size": 6}, "page_size must be a power of two, got 6"),
-        ({"num_pages": 0}, "num_pages must be a positive int, got 0"),
+        ({"num_pages": 0}, r"PagedKVCache.num_pages must be >= 1, got 0"),
         ({"max_pages_per_seq": 9}, r"max_pages_per_seq must be in \[1, num_pages=8\], got 9"),
         ({"dtype": torch.int32}, "dtype must be a float dtype"),
     ],
@@ -200,3 +206,27 @@ def test_batch_returns_padded_table_and_lengths():
     assert table[0, :1].tolist() == cache.pages_of(b) and table[1].tolist() == cache.pages_of(a)
     fixed, _ = cache.batch([a], max_pages=4)
     assert fixed.shape == (1, 4)
+
+
+def test_allocate_grows_lengths_and_pages_without_slots():
+    cache = PagedKVCache(1, HEADS, DIM, 8, PAGE)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    assert cache.pages_needed(a, 5) == 2 and cache.pages_for_tokens(5) == 2
+    cache.allocate([a, b], [5, 1])
+    assert (cache.seq_len(a), cache.seq_len(b)) == (5, 1)
+    assert cache.seq_lens[[a, b]].tolist() == [5, 1]
+    assert cache.page_table[a, :2].tolist() == cache.pages_of(a)
+    assert cache.pages_needed(a, 3) == 0 and cache.pages_needed(a, 4) == 1
+    assert cache.num_free_pages == 5
+
+
+def test_can_reserve_answers_without_changing_anything():
+    cache = PagedKVCache(1, HEADS, DIM, 3, PAGE, max_pages_per_seq=2)
+    a = cache.add_sequence()
+    before = snapshot(cache)
+    assert cache.can_reserve([a], [8]) and not cache.can_reserve([a], [9])
+    b = cache.add_sequence()
+    cache.allocate([b], [4])
+    assert cache.can_reserve([a], [8]) and not cache.can_reserve([a, b], [8, 1])
+    cache.free_sequence(b)
+    assert_same(snapshot(cache), before)

@@ -85,11 +85,12 @@ _SCRIPT = textwrap.dedent(
         {"PAGE_SIZE": 16, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
          "BLOCK_D": 128, "MODE": 1, "DOT_FP32": True, "BLOCKS": 1, "NUM_STAGES": 2},
     )
-    for block_n, block_k in ((2048, 128), (8192, 256), (64, 64)):
+    for block_n, block_k, has_budgets in ((2048, 128, True), (8192, 256, False), (64, 64, True)):
         compile_kernel(
             select._select_pages_kernel,
-            {"scores_ptr": "fp32", "lens_ptr": "i32", "out_ptr": "i32"},
-            {"PAGE_SIZE": 16, "BUDGET": block_k, "SINK": 1, "RECENT": 2, "BLOCK_N": block_n, "BLOCK_K": block_k},
+            {"scores_ptr": "fp32", "lens_ptr": "i32", "budgets_ptr": "i32", "out_ptr": "i32"},
+            {"PAGE_SIZE": 16, "BUDGET": block_k, "SINK": 1, "RECENT": 2, "BLOCK_N": block_n, "BLOCK_K": block_k,
+             "HAS_BUDGETS": has_budgets},
             num_warps=8,
         )
     print("all kernels compiled for sm_90")

@@ -130,6 +130,31 @@ def test_select_pages_matches_reference(lens, budget, sink, recent, ties):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("sink,recent", [(0, 0), (1, 1)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_pages_with_per_sequence_budgets_matches_reference(sink, recent, ties):
+    """Mixed budgets in one batch: each row picks its own budget, bit for bit with the reference,
+    and a row's choice equals the same row selected alone at that budget."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages, heads, budget_pages = 16, 16, 3, 8
+    scores = torch.randn(3, heads, max_pages, generator=gen)
+    if ties:
+        scores = scores.round()
+    lens = torch.tensor([250, 200, 90], dtype=torch.int32)
+    budgets = torch.tensor([8 * page_size, 3 * page_size, 5 * page_size], dtype=torch.int32)
+    want = reference.select_pages(scores, lens, page_size, budget_pages, sink, recent, budgets)
+    got = tk.select_pages(scores, lens, page_size, budget_pages, sink, recent, budgets)
+    assert torch.equal(got, want)
+    for row in range(3):
+        alone = reference.select_pages(scores[row : row + 1], lens[row : row + 1], page_size, int(budgets[row]) // page_size, sink, recent)
+        picked = want[row][:, : alone.shape[-1]]
+        assert torch.equal(picked, alone[0])
+        assert (want[row][:, alone.shape[-1]:] == -1).all()
+    full = reference.select_pages(scores, lens, page_size, budget_pages, sink, recent)
+    same = reference.select_pages(scores, lens, page_size, budget_pages, sink, recent, torch.full((3,), 8 * page_size, dtype=torch.int32))
+    assert torch.equal(full, same)
+
+
 def _attention_case(dtype, heads, lens, max_pages, page_size, gen):
     num_q, num_kv, head_dim = heads
     num_pages = 2 * max_pages + 3
@@ -165,14 +190,15 @@ def test_attention_split_merge_and_scale(num_splits):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     page_size, max_pages = 16, 12
     q, k_pages, v_pages, table, lens = _attention_case(torch.float32, (8, 2, 32), [150, 5], max_pages, page_size, gen)
-    part_out, part_lse, counters, per_split = tk.attention_buffers(2, 8, 2, 32, max_pages, page_size, True, q.device, num_splits)
+    buffers = tk.attention_buffers(2, 8, 2, 32, max_pages, page_size, True, q.device, num_splits)
+    part_out, part_lse, counters, _ = buffers
     assert part_lse.shape[-1] == num_splits
     want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), lens, None, 0.3)
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         part_out.fill_(float("nan"))
         part_lse.fill_(float("nan"))
-        tk.paged_decode_attention_into(out, part_out, part_lse, counters, q, k_pages, v_pages, table, lens, None, 0.3, per_split)
+        tk.paged_decode_attention_into(out, buffers, q, k_pages, v_pages, table, lens, None, 0.3)
         assert _rel_err(out, want) < 1e-5
         assert not counters.any()
 
@@ -180,9 +206,9 @@ def test_attention_split_merge_and_scale(num_splits):
 @pytest.mark.parametrize("selection", ["kv_head", "q_head"])
 def test_decode_step_matches_reference(selection):
     """QuestDecodeStep on the Triton backend (CPU tensors, interpreter) against the torch backend."""
-    from questkv.cache.paged import LayerPages
+    from questkv.ops import LayerPages
     from questkv.config import QuestConfig
-    from questkv.ops.decode import QuestDecodeStep, quest_decode
+    from questkv.decode import QuestDecodeStep, quest_decode
 
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     page_size, max_pages, heads = 16, 10, (8, 2, 32)
@@ -203,6 +229,35 @@ def test_decode_step_matches_reference(selection):
         direct = quest_decode(q, layer, _readable(table), lens, QuestConfig(selection=selection, backend="torch", **cfg_kwargs))
         assert _rel_err(outs["triton"], direct) < 2e-3
         assert _rel_err(outs["torch"], direct) < 1e-6
+
+
+def test_decode_step_with_mixed_budgets_matches_reference_and_each_row_alone():
+    """Per-sequence token budgets through QuestDecodeStep: Triton == torch (selection bit for bit),
+    and every row equals the same sequence decoded alone at its own budget."""
+    from questkv.config import QuestConfig
+    from questkv.decode import QuestDecodeStep
+    from questkv.ops import LayerPages
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages, heads = 16, 10, (8, 2, 32)
+    q, k_pages, v_pages, table, lens = _attention_case(torch.float32, heads, [150, 140, 60], max_pages, page_size, gen)
+    live_min = torch.where(k_pages.isnan(), float("inf"), k_pages).amin(1)
+    live_max = torch.where(k_pages.isnan(), float("-inf"), k_pages).amax(1)
+    layer = LayerPages(k_pages, v_pages, live_min, live_max)
+    budgets = torch.tensor([96, 32, 64], dtype=torch.int32)
+    outs, chosen = {}, {}
+    for backend in ("triton", "torch"):
+        config = QuestConfig(token_budget=96, sink_pages=1, backend=backend)
+        step = QuestDecodeStep(config, 3, *heads, max_pages, q.dtype, q.device)
+        outs[backend] = step(q, layer, table if backend == "triton" else _readable(table), lens, budgets=budgets).clone()
+        chosen[backend] = step.selected.clone()
+    assert torch.equal(chosen["triton"], chosen["torch"])
+    assert _rel_err(outs["triton"], outs["torch"]) < 1e-5
+    for row in range(3):
+        alone_cfg = QuestConfig(token_budget=int(budgets[row]), sink_pages=1, backend="torch")
+        alone = QuestDecodeStep(alone_cfg, 1, *heads, max_pages, q.dtype, q.device)
+        want = alone(q[row : row + 1], layer, _readable(table)[row : row + 1], lens[row : row + 1])
+        torch.testing.assert_close(outs["torch"][row : row + 1], want, rtol=1e-6, atol=1e-6)
 
 
 def test_dispatch_picks_reference_for_cpu_and_kernels_when_forced():

@@ -1,7 +1,7 @@
 """Triton kernels of the Quest ops, with the reference ops' signatures (see :mod:`questkv.ops`).
 
 Each public op allocates its output and launches; the ``*_into`` variants write into
-preallocated buffers with no host synchronisation, for :class:`questkv.ops.decode.QuestDecodeStep`
+preallocated buffers with no host synchronisation, for :class:`questkv.decode.QuestDecodeStep`
 and CUDA graphs. Layouts: :mod:`questkv.ops.reference`.
 """
 

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from questkv.ops.reference import AttentionBuffers
 from questkv.ops.triton._common import (
     check_last_dim_contiguous,
     check_shape,
@@ -184,42 +185,36 @@ def attention_buffers(
     dense: bool,
     device: torch.device,
     num_splits: Optional[int] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Scratch for :func:`paged_decode_attention_into`: ``(part_out, part_lse, counters,
-    items_per_split)`` for ``num_items`` pages per (sequence, selection head)."""
+) -> AttentionBuffers:
+    """Scratch for :func:`paged_decode_attention_into` for ``num_items`` pages per (sequence,
+    selection head): ``part_out`` ``[batch, num_q_heads, num_splits, head_dim]`` float32,
+    ``part_lse`` ``[batch, num_q_heads, num_splits]`` float32, ``counters`` ``[batch,
+    num_sel_heads]`` int32 (zero; every launch leaves them zero), ``items_per_split``."""
     num_splits, items_per_split = plan_splits(num_items, batch * num_sel_heads, page_size, device, dense, num_splits)
     part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=device)
     counters = torch.zeros((batch, num_sel_heads), dtype=torch.int32, device=device)
-    return part_out, part_lse, counters, items_per_split
+    return AttentionBuffers(part_out, part_lse, counters, items_per_split)
 
 
 def paged_decode_attention_into(
     out: torch.Tensor,
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-    counters: torch.Tensor,
+    buffers: AttentionBuffers,
     q: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     selected: Optional[torch.Tensor],
-    sm_scale: Optional[float],
-    items_per_split: int,
+    sm_scale: Optional[float] = None,
 ) -> torch.Tensor:
     """Split-KV attention with the merge fused in, into preallocated buffers (one launch, no host
     synchronisation).
 
     Args:
         out: ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype.
-        part_out: ``[batch, num_q_heads, num_splits, head_dim]`` float32 scratch.
-        part_lse: ``[batch, num_q_heads, num_splits]`` float32 scratch.
-        counters: ``[batch, num_sel_heads]`` int32, zero before the first launch; every launch
-            leaves it zero again.
-        items_per_split: pages per split, from :func:`plan_splits` (``dense=selected is None``);
-            ``num_splits`` is ``part_lse.shape[-1]`` and must cover ``selected.shape[-1]`` (or
-            ``max_pages``).
+        buffers: from :func:`attention_buffers` with ``dense=selected is None``; its
+            ``num_splits * items_per_split`` must cover ``selected.shape[-1]`` (or ``max_pages``).
         Other arguments as in :func:`paged_decode_attention`.
     """
     batch, num_q_heads, head_dim = q.shape
@@ -239,6 +234,7 @@ def paged_decode_attention_into(
         if sel_heads not in (num_kv_heads, num_q_heads):
             raise ValueError(f"selected has {sel_heads} heads; expected {num_kv_heads} or {num_q_heads}")
         check_last_dim_contiguous(selected=selected)
+    part_out, part_lse, counters, items_per_split = buffers
     num_splits = part_lse.shape[-1]
     if num_splits * items_per_split < num_items:
         raise ValueError(f"{num_splits} splits of {items_per_split} pages do not cover {num_items} pages")
@@ -300,6 +296,4 @@ def paged_decode_attention(
     sel_heads = k_pages.shape[2] if dense else selected.shape[1]
     num_items = page_table.shape[1] if dense else selected.shape[2]
     buffers = attention_buffers(batch, num_q_heads, sel_heads, head_dim, num_items, k_pages.shape[1], dense, q.device)
-    return paged_decode_attention_into(
-        torch.empty_like(q), *buffers[:3], q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale, buffers[3]
-    )
+    return paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale)

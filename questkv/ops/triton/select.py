@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -16,12 +18,12 @@ _MIN_WARPS, _MAX_WARPS = 4, 16
 
 @triton.jit
 def _select_pages_kernel(
-    scores_ptr, lens_ptr, out_ptr,
+    scores_ptr, lens_ptr, budgets_ptr, out_ptr,
     max_pages,
     stride_sb, stride_sh,
     stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BUDGETS: tl.constexpr,
 ):
     """One program per (head, sequence): radix select of the ``BUDGET``-th largest key, then an
     order-preserving compaction (no sort).
@@ -29,7 +31,8 @@ def _select_pages_kernel(
     Each valid page gets a 32-bit key that orders like its score (forced pages score ``+inf``).
     Four 8-bit histogram passes find the threshold key ``T`` and how many pages equal to ``T`` still
     fit; pages above ``T`` and the first such ties (lowest index first) are kept, and an exclusive
-    prefix sum writes their indices in ascending order: the reference's choice exactly.
+    prefix sum writes their indices in ascending order: the reference's choice exactly. With
+    ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``).
     """
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -42,7 +45,10 @@ def _select_pages_kernel(
     bits = score.to(tl.int32, bitcast=True)
     key = (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)  # monotone
 
-    remaining = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), BUDGET)  # pages still to pick
+    row_budget = BUDGET
+    if HAS_BUDGETS:
+        row_budget = tl.minimum(tl.load(budgets_ptr + seq) // PAGE_SIZE, BUDGET)
+    remaining = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), row_budget)  # pages still to pick
     threshold = tl.zeros([], tl.uint32)
     match = valid
     bins = tl.arange(0, 256)
@@ -73,9 +79,11 @@ def select_pages_into(
     budget_pages: int,
     sink_pages: int = 0,
     recent_pages: int = 0,
+    budgets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`select_pages` into a preallocated ``out`` ``[batch, num_sel_heads, budget_pages]``
-    int32 (one launch, no host synchronisation). Returns ``out``."""
+    int32 (one launch, no host synchronisation). ``budgets``: ``[batch]`` int32 token budgets or
+    ``None`` (see :mod:`questkv.ops.reference`). Returns ``out``."""
     batch, heads, max_pages = scores.shape
     check_shape("seq_lens", seq_lens, (batch,))
     check_shape("out", out, (batch, heads, budget_pages))
@@ -84,15 +92,19 @@ def select_pages_into(
     if budget_pages < 1 or sink_pages < 0 or recent_pages < 0:
         raise ValueError(f"need budget_pages >= 1 and sink/recent >= 0, got {budget_pages}/{sink_pages}/{recent_pages}")
     check_last_dim_contiguous(scores=scores, out=out)
+    if budgets is not None:
+        check_shape("budgets", budgets, (batch,))
+        if budgets.dtype != torch.int32:
+            raise ValueError(f"budgets must be int32, got {budgets.dtype}")
     block_n = next_pow2(max_pages)
     num_warps = min(_MAX_WARPS, max(_MIN_WARPS, block_n // (32 * _KEYS_PER_THREAD)))
     _select_pages_kernel[(heads, batch)](
-        scores, seq_lens, out,
+        scores, seq_lens, seq_lens if budgets is None else budgets, out,
         max_pages,
         scores.stride(0), scores.stride(1),
         out.stride(0), out.stride(1),
         PAGE_SIZE=page_size, BUDGET=budget_pages, SINK=sink_pages, RECENT=recent_pages,
-        BLOCK_N=block_n, BLOCK_K=next_pow2(budget_pages),
+        BLOCK_N=block_n, BLOCK_K=next_pow2(budget_pages), HAS_BUDGETS=budgets is not None,
         num_warps=num_warps,
     )
     return out
@@ -105,15 +117,17 @@ def select_pages(
     budget_pages: int,
     sink_pages: int = 0,
     recent_pages: int = 0,
+    budgets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton :func:`questkv.ops.reference.select_pages`.
 
     Args:
         scores: ``[batch, num_sel_heads, max_pages]`` float32. seq_lens: ``[batch]`` int32.
+        budgets: ``[batch]`` int32 token budgets, or ``None``.
 
     Returns:
         ``[batch, num_sel_heads, budget_pages]`` int32 logical pages, ascending, ``-1``-padded.
     """
     batch, heads, _ = scores.shape
     out = torch.empty((batch, heads, budget_pages), dtype=torch.int32, device=scores.device)
-    return select_pages_into(out, scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages)
+    return select_pages_into(out, scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages, budgets)

@@ -1,0 +1,167 @@
+"""The one Quest decode step of one layer: estimate -> select -> attend, into preallocated buffers.
+
+:class:`QuestDecodeStep` is the only implementation of the step: it calls the ``*_into`` entry
+points of one backend module (the torch reference or the Triton kernels, which share their
+signatures), so it has no backend branches, and on CUDA it never synchronises with the host, so a
+whole model's decode step captures in a CUDA graph. :func:`quest_decode` is a one-off call through it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from questkv import ops
+from questkv.config import QuestConfig
+from questkv.ops.pages import LayerPages
+
+
+class QuestDecodeStep:
+    """A preallocated decode step for one decode shape, shared by every layer of that shape.
+
+    Every buffer is allocated once for ``batch`` sequences and ``max_pages`` page-table columns;
+    the Triton backend launches three kernels (estimate, select, split attention with the merge
+    fused in) whose grids depend on those shapes only, so a step is capturable in a CUDA graph:
+    keep ``q``, ``page_table`` (padded ``[batch, max_pages]``), ``seq_lens`` and ``budgets`` in fixed
+    tensors, update them in place between replays. Calls overwrite the buffers, so one step serves
+    the layers of a model one after another.
+
+    Args:
+        config: the Quest config; a dense config (``token_budget=None``) allocates no selection
+            buffers and :meth:`sparse` is unavailable.
+        batch, num_q_heads, num_kv_heads, head_dim: the layer's decode shape.
+        max_pages: page-table width (``page_table.shape[1]``).
+        dtype, device: of ``q`` and the page pool.
+        num_splits: split count of the attention kernel (default: one wave of a few programs per SM).
+
+    Buffers: ``scores`` ``[batch, num_sel_heads, max_pages]`` float32, ``selected`` ``[batch,
+    num_sel_heads, budget_pages]`` int32, ``out`` ``[batch, num_q_heads, head_dim]`` in ``dtype``.
+    """
+
+    def __init__(
+        self,
+        config: QuestConfig,
+        batch: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_pages: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_splits: Optional[int] = None,
+    ) -> None:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        device = torch.device(device)
+        self.config = config
+        self.batch, self.max_pages = batch, max_pages
+        self.backend = ops.resolve_backend(torch.empty(0, device=device), config.backend)
+        sel_heads = num_q_heads if config.selection == "q_head" else num_kv_heads
+        self.out = torch.empty((batch, num_q_heads, head_dim), dtype=dtype, device=device)
+        buffers = lambda heads, items, dense: self.backend.attention_buffers(  # noqa: E731
+            batch, num_q_heads, heads, head_dim, items, config.page_size, dense, device, num_splits
+        )
+        self._dense_buffers = buffers(num_kv_heads, max_pages, True)
+        self.scores = self.selected = self._sparse_buffers = None
+        if not config.is_dense:
+            self.scores = torch.empty((batch, sel_heads, max_pages), dtype=torch.float32, device=device)
+            self.selected = torch.empty((batch, sel_heads, config.budget_pages), dtype=torch.int32, device=device)
+            self._sparse_buffers = buffers(sel_heads, config.budget_pages, False)
+
+    def estimate(self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Page scores of ``q`` ``[batch, num_q_heads, head_dim]`` into ``self.scores``."""
+        cfg = self.config
+        return self.backend.page_scores_into(
+            self.scores, q, layer.kmin, layer.kmax, page_table, seq_lens, cfg.page_size, cfg.selection, cfg.group_reduction
+        )
+
+    def select(self, seq_lens: torch.Tensor, budgets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Top pages of ``self.scores`` into ``self.selected``; ``budgets`` ``[batch]`` int32 token
+        budgets (``None``: the config's for every sequence)."""
+        cfg = self.config
+        return self.backend.select_pages_into(
+            self.selected, self.scores, seq_lens, cfg.page_size, cfg.budget_pages, cfg.sink_pages, cfg.recent_pages, budgets
+        )
+
+    def dense(
+        self,
+        q: torch.Tensor,
+        layer: LayerPages,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sm_scale: Optional[float] = None,
+    ) -> torch.Tensor:
+        """Dense paged decode attention over every page into ``self.out``; returns ``self.out``."""
+        return self.backend.paged_decode_attention_into(
+            self.out, self._dense_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, None, sm_scale
+        )
+
+    def sparse(
+        self,
+        q: torch.Tensor,
+        layer: LayerPages,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sm_scale: Optional[float] = None,
+        budgets: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Quest attention (estimate, select, attend) into ``self.out``; returns ``self.out``.
+
+        Args:
+            q: ``[batch, num_q_heads, head_dim]``, post-RoPE.
+            layer: the layer's pages and bounds.
+            page_table: ``[batch, max_pages]`` int32; seq_lens: ``[batch]`` int32, current token included.
+            budgets: ``[batch]`` int32 token budgets, each a multiple of ``page_size`` in
+                ``[page_size * (forced pages + 1), config.token_budget]`` (not checked here: no host sync).
+        """
+        if self.selected is None:
+            raise ValueError("QuestDecodeStep.sparse needs a sparse config (token_budget set)")
+        self.estimate(q, layer, page_table, seq_lens)
+        self.select(seq_lens, budgets)
+        return self.backend.paged_decode_attention_into(
+            self.out, self._sparse_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, self.selected, sm_scale
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        layer: LayerPages,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sm_scale: Optional[float] = None,
+        budgets: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """:meth:`dense` for a dense config, :meth:`sparse` otherwise."""
+        if self.config.is_dense:
+            return self.dense(q, layer, page_table, seq_lens, sm_scale)
+        return self.sparse(q, layer, page_table, seq_lens, sm_scale, budgets)
+
+
+def quest_decode(
+    q: torch.Tensor,
+    layer: LayerPages,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    config: QuestConfig,
+    sm_scale: Optional[float] = None,
+    budgets: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention of one decode query per sequence, reading only the pages Quest selects (one call
+    through a fresh :class:`QuestDecodeStep`).
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``, post-RoPE.
+        layer: the layer's pages and bounds (:meth:`PagedKVCache.layer`).
+        page_table: ``[batch, max_pages]`` int32; seq_lens: ``[batch]`` int32, current token included.
+        config: a dense config (``token_budget=None``) attends every page.
+        budgets: ``[batch]`` int32 per-sequence token budgets (see :meth:`QuestDecodeStep.sparse`).
+
+    Returns:
+        ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    step = QuestDecodeStep(
+        config, batch, num_q_heads, layer.k_pages.shape[2], head_dim, page_table.shape[1], q.dtype, q.device
+    )
+    return step(q, layer, page_table, seq_lens, sm_scale, budgets)
