@@ -8,13 +8,16 @@ whole model's decode step captures in a CUDA graph. :func:`quest_decode` is a on
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from questkv import ops
 from questkv.config import QuestConfig
 from questkv.ops.pages import LayerPages
+
+if TYPE_CHECKING:
+    from questkv.cache.paged import PagedKVCache
 
 
 class QuestDecodeStep:
@@ -68,6 +71,24 @@ class QuestDecodeStep:
             self.scores = torch.empty((batch, sel_heads, max_pages), dtype=torch.float32, device=device)
             self.selected = torch.empty((batch, sel_heads, config.budget_pages), dtype=torch.int32, device=device)
             self._sparse_buffers = buffers(sel_heads, config.budget_pages, False)
+
+    @classmethod
+    def for_cache(
+        cls,
+        config: Optional[QuestConfig],
+        cache: "PagedKVCache",
+        batch: int,
+        num_q_heads: int,
+        max_pages: Optional[int] = None,
+    ) -> "QuestDecodeStep":
+        """A step over ``cache``'s pool for ``batch`` sequences; ``config=None`` is dense (the
+        cache's page size and backend); ``max_pages`` defaults to ``cache.max_pages_per_seq``."""
+        if config is None:
+            config = QuestConfig(page_size=cache.page_size, backend=cache.backend)
+        elif config.page_size != cache.page_size:
+            raise ValueError(f"QuestConfig.page_size={config.page_size} differs from the cache's page_size={cache.page_size}")
+        max_pages = cache.max_pages_per_seq if max_pages is None else max_pages
+        return cls(config, batch, num_q_heads, cache.num_kv_heads, cache.head_dim, max_pages, cache.dtype, cache.device)
 
     def estimate(self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Page scores of ``q`` ``[batch, num_q_heads, head_dim]`` into ``self.scores``."""

@@ -1,0 +1,76 @@
+"""Per-step metadata that the runner hands to every layer of the model (no module-level state).
+
+A :class:`StepContext` says where the step's new tokens go in the page pool and what each sequence
+attends. The runner builds one per step (on CUDA, decode contexts hold the static buffers of a
+captured graph); :meth:`StepContext.prefill` and :meth:`StepContext.decode` build eager ones
+straight from a :class:`~questkv.cache.paged.PagedKVCache` (tests, the CPU path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from questkv.cache.paged import PagedKVCache
+from questkv.decode.step import QuestDecodeStep
+
+
+@dataclasses.dataclass(slots=True)
+class StepContext:
+    """What one forward step of the engine's model reads.
+
+    Attributes:
+        is_prefill: every sequence starts empty and brings all its tokens (prompt, or prompt and
+            generated tokens when a preempted sequence is recomputed); else one token each.
+        slots: ``[num_tokens]`` int64, ``page * page_size + offset`` of every new token, sequence
+            after sequence (the flat token order of the step's ``input_ids``).
+        page_table: ``[batch, max_pages]`` int32, the sequences' pages.
+        seq_lens: ``[batch]`` int32, tokens per sequence with the new ones, ``>= 1`` in every row
+            (padding rows of a captured batch too).
+        query_starts: prefill only: ``batch + 1`` host ints, sequence ``i``'s tokens are
+            ``[query_starts[i], query_starts[i + 1])`` of the flat batch.
+        decode_step: decode only: the step object whose buffers every layer's decode attention
+            uses in turn (dense layers call ``.dense``, sparse layers ``.sparse``).
+        budgets: ``[batch]`` int32 token budget of each sequence for sparse layers, or ``None``
+            for the decode step's configured budget.
+    """
+
+    is_prefill: bool
+    slots: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_starts: Optional[list[int]] = None
+    decode_step: Optional[QuestDecodeStep] = None
+    budgets: Optional[torch.Tensor] = None
+
+    @classmethod
+    def prefill(cls, cache: PagedKVCache, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> "StepContext":
+        """Reserve the pages of ``num_new_tokens[i]`` tokens for every (empty) sequence
+        ``seq_ids[i]`` and describe the prefill step that writes them."""
+        for seq_id in seq_ids:
+            if cache.seq_len(seq_id) != 0:
+                raise ValueError(f"prefill starts a sequence: sequence {seq_id} already holds {cache.seq_len(seq_id)} tokens")
+        if any(n < 1 for n in num_new_tokens):
+            raise ValueError(f"prefill needs >= 1 token per sequence, got {list(num_new_tokens)}")
+        slots = cache.reserve(seq_ids, num_new_tokens)
+        page_table, seq_lens = cache.batch(seq_ids)
+        starts = [0]
+        for n in num_new_tokens:
+            starts.append(starts[-1] + n)
+        return cls(True, slots, page_table, seq_lens, query_starts=starts)
+
+    @classmethod
+    def decode(
+        cls,
+        cache: PagedKVCache,
+        seq_ids: Sequence[int],
+        decode_step: QuestDecodeStep,
+        budgets: Optional[torch.Tensor] = None,
+    ) -> "StepContext":
+        """Reserve one slot per sequence and describe a decode step over ``decode_step``'s buffers
+        (built for ``len(seq_ids)`` sequences and at least the batch's page count)."""
+        slots = cache.reserve(seq_ids, [1] * len(seq_ids))
+        page_table, seq_lens = cache.batch(seq_ids, max_pages=decode_step.max_pages)
+        return cls(False, slots, page_table, seq_lens, decode_step=decode_step, budgets=budgets)

@@ -1,0 +1,103 @@
+"""The engine's attention layer: writes the step's K/V into the page pool and attends.
+
+Prefill is causal attention of each sequence over its own new tokens (SDPA; every prefill starts a
+sequence). Decode reads the pool through the step's :class:`~questkv.decode.step.QuestDecodeStep`:
+dense paged attention on layers below ``quest.dense_layers`` (and everywhere without Quest), Quest
+page selection above. Which of the two a layer runs is decided once, at construction.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from questkv import ops
+from questkv.cache.paged import PagedKVCache
+from questkv.config import QuestConfig
+from questkv.decode.context import StepContext
+from questkv.ops.pages import LayerPages
+
+
+class Attention(nn.Module):
+    """Attention of one decoder layer over the paged KV cache.
+
+    Args:
+        layer_idx: the layer's index (its slice of the page pool).
+        num_q_heads, num_kv_heads, head_dim: the layer's shape (``num_q_heads % num_kv_heads == 0``).
+        sm_scale: softmax scale.
+        quest: the engine's Quest config, or ``None`` for dense attention everywhere.
+
+    The page pool is attached with :func:`bind_cache` before the first forward.
+    """
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sm_scale: float,
+        quest: Optional[QuestConfig] = None,
+    ) -> None:
+        super().__init__()
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.layer_idx = layer_idx
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.sm_scale = sm_scale
+        self.sparse = quest is not None and quest.is_sparse_layer(layer_idx)
+        self._decode = self._sparse_decode if self.sparse else self._dense_decode
+        self.pages: Optional[LayerPages] = None
+        self.backend = "auto"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Store ``k``, ``v`` at ``ctx.slots`` and attend.
+
+        Args:
+            q: ``[num_tokens, num_q_heads, head_dim]``, post-RoPE.
+            k, v: ``[num_tokens, num_kv_heads, head_dim]``, post-RoPE keys.
+
+        Returns:
+            ``[num_tokens, num_q_heads, head_dim]`` in ``q``'s dtype.
+        """
+        if self.pages is None:
+            raise RuntimeError(f"layer {self.layer_idx} has no page pool: call questkv.layers.attention.bind_cache first")
+        ops.append_kv(*self.pages, ctx.slots, k, v, backend=self.backend)
+        if ctx.is_prefill:
+            return self._prefill(q, k, v, ctx.query_starts)
+        return self._decode(q, ctx)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        out = torch.empty_like(q)
+        group = self.num_q_heads // self.num_kv_heads
+        for begin, end in zip(starts[:-1], starts[1:]):
+            qs = q[begin:end].transpose(0, 1)[None]  # [1, Hq, T, D]
+            ks = k[begin:end].transpose(0, 1)[None]  # [1, Hkv, T, D]
+            vs = v[begin:end].transpose(0, 1)[None]
+            if q.is_cuda and group > 1:
+                # The flash backend takes equal head counts; expanding K/V keeps long prompts off the math path.
+                ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.sm_scale)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.sm_scale, enable_gqa=group > 1)
+            out[begin:end] = o[0].transpose(0, 1)
+        return out
+
+    def _dense_decode(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        return ctx.decode_step.dense(q, self.pages, ctx.page_table, ctx.seq_lens, self.sm_scale)
+
+    def _sparse_decode(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        return ctx.decode_step.sparse(q, self.pages, ctx.page_table, ctx.seq_lens, self.sm_scale, ctx.budgets)
+
+
+def bind_cache(model: nn.Module, cache: PagedKVCache) -> None:
+    """Attach the page pool to every :class:`Attention` of ``model`` (layer ``i`` gets ``cache.layer(i)``)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(layers) != cache.num_layers:
+        raise ValueError(f"the model has {len(layers)} attention layers but the cache holds {cache.num_layers}")
+    for module in layers:
+        module.pages = cache.layer(module.layer_idx)
+        module.backend = cache.backend
