@@ -195,8 +195,19 @@ class PagedKVCache:
         seq_ids, num_tokens = list(seq_ids), list(num_tokens)
         starts = [self._lens[s] if s in self._lens else 0 for s in seq_ids]
         self.allocate(seq_ids, num_tokens)
+        return self.slots(seq_ids, starts, num_tokens)
+
+    def slots(self, seq_ids: Sequence[int], starts: Sequence[int], num_tokens: Sequence[int]) -> torch.Tensor:
+        """Slots of the already allocated positions ``[starts[i], starts[i] + num_tokens[i])`` of
+        every sequence ``seq_ids[i]``: ``[sum(num_tokens)]`` int64 on the cache's device."""
         slots = []
         for seq_id, start, count in zip(seq_ids, starts, num_tokens):
+            self._check_seq(seq_id)
+            if not 0 <= start <= start + count <= self._lens[seq_id]:
+                raise ValueError(
+                    f"slots: positions [{start}, {start + count}) are not allocated in sequence {seq_id} "
+                    f"of {self._lens[seq_id]} tokens"
+                )
             if count:
                 positions = torch.arange(start, start + count)
                 page_ids = torch.tensor(self._pages[seq_id], dtype=torch.long)[positions // self.page_size]

@@ -1,0 +1,128 @@
+"""The engine's configuration: one frozen, validated object that every component takes at construction.
+
+Values found at run time (how many pages fit the memory budget) are not written here: the runner
+returns them as a :class:`CacheSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+import torch
+
+from questkv.config import QuestConfig
+from questkv.validation import check_bool, check_choice, check_float, check_int, check_optional_int
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LOAD_FORMATS = ("auto", "dummy")
+DEVICES = ("cpu", "cuda")
+# Batch sizes with a captured decode graph: these, then every multiple of 16 up to max_num_seqs.
+_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model.
+
+    Attributes:
+        model: what :func:`questkv.load_model` takes (alias, HF folder, ``.gguf``), or a
+            ``transformers.PretrainedConfig`` with ``load_format="dummy"`` (random weights).
+        quest: Quest sparsity on decode steps, or ``None`` for the same engine dense.
+        dtype: weights and KV cache: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+        device: ``"cuda"`` or ``"cpu"``; ``None`` picks CUDA when available.
+        max_num_seqs: the most sequences decoded together.
+        max_model_len: the most tokens (prompt and output) per sequence; ``None``: the model's
+            ``max_position_embeddings``.
+        max_num_batched_tokens: the most prompt tokens per prefill step (a longer prompt runs alone);
+            ``None``: ``max(max_model_len, 8192)``.
+        kv_cache_memory: bytes of KV cache; ``None``: ``gpu_memory_utilization`` of the free GPU memory
+            after loading the weights (CUDA) or 1 GiB (CPU).
+        gpu_memory_utilization: fraction in (0, 1] of the free GPU memory the KV cache may take.
+        enforce_eager: never capture CUDA graphs (always true on CPU).
+        seed: seeds the dummy weights and requests without a seed of their own.
+        load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
+    """
+
+    model: Any
+    quest: Optional[QuestConfig] = None
+    dtype: str = "bfloat16"
+    device: Optional[str] = None
+    max_num_seqs: int = 32
+    max_model_len: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    seed: int = 0
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.quest is not None and not isinstance(self.quest, QuestConfig):
+            raise ValueError(f"EngineConfig.quest must be a QuestConfig or None, got {type(self.quest).__name__}")
+        check_choice("EngineConfig.dtype", self.dtype, DTYPES)
+        if self.device is not None:
+            check_choice("EngineConfig.device", self.device, DEVICES)
+            if self.device == "cuda" and not torch.cuda.is_available():
+                raise ValueError("EngineConfig.device='cuda' but no CUDA device is available; use 'cpu'")
+        check_int("EngineConfig.max_num_seqs", self.max_num_seqs, minimum=1)
+        check_optional_int("EngineConfig.max_model_len", self.max_model_len, minimum=2)
+        check_optional_int("EngineConfig.max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        check_optional_int("EngineConfig.kv_cache_memory", self.kv_cache_memory, minimum=1)
+        check_float("EngineConfig.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        check_bool("EngineConfig.enforce_eager", self.enforce_eager)
+        check_int("EngineConfig.seed", self.seed, minimum=0)
+        check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
+        is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")
+        if self.load_format == "dummy" and not (is_config or isinstance(self.model, str)):
+            raise ValueError(f"EngineConfig.model must be a name, a path or a transformers config, got {self.model!r}")
+        if is_config and self.load_format != "dummy":
+            raise ValueError("EngineConfig.model is a transformers config: it has no weights, pass load_format='dummy'")
+        if not is_config and not isinstance(self.model, str):
+            raise ValueError(f"EngineConfig.model must be a name, a path or a transformers config, got {self.model!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def page_size(self) -> int:
+        """The KV page size: Quest's, or 16 for a dense engine."""
+        return 16 if self.quest is None else self.quest.page_size
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.torch_device.type == "cuda" and not self.enforce_eager
+
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes with a captured graph: 1, 2, 4, 8, 16, then multiples of 16, up to
+        ``max_num_seqs`` (which is always one of them)."""
+        sizes = [b for b in _GRAPH_BATCH_SIZES if b < self.max_num_seqs]
+        sizes += list(range(32, self.max_num_seqs, 16))
+        return tuple(sorted(set(sizes + [self.max_num_seqs])))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """What the runner found fits: pages in the pool and per sequence, and the sequence limit."""
+
+    num_pages: int
+    max_pages_per_seq: int
+    max_model_len: int
+
+
+def dtype_name(dtype: Union[str, torch.dtype]) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16`` or ``"bfloat16"``; anything else is an error."""
+    if isinstance(dtype, torch.dtype):
+        for name, value in DTYPES.items():
+            if value == dtype:
+                return name
+    if dtype in DTYPES:
+        return dtype
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -1,0 +1,177 @@
+"""The step loop: requests in, one scheduled step at a time, outputs out.
+
+:class:`LLMEngine` wires the scheduler (who runs), the runner (tensors) and the tokenizer (text, stop
+strings). Its request interface is small on purpose, for the offline :class:`~questkv.engine.llm.LLM`
+and the server alike: :meth:`LLMEngine.add_request`, :meth:`LLMEngine.step`,
+:meth:`LLMEngine.abort_request`, :meth:`LLMEngine.has_unfinished_requests`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Union
+
+from questkv.engine.config import EngineConfig
+from questkv.engine.model_runner import ModelRunner
+from questkv.engine.sampling_params import SamplingParams
+from questkv.engine.scheduler import ScheduledBatch, Scheduler
+from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from questkv.models.engine_model import load_engine_model
+
+Prompt = Union[str, list[int]]
+
+
+class LLMEngine:
+    """One model, one page pool, continuous batching.
+
+    Args:
+        config: the engine's configuration.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded = load_engine_model(
+            config.model, config.quest, config.torch_dtype, config.torch_device, config.load_format, config.seed
+        )
+        self.model_name = loaded.name
+        self.spec = loaded.spec
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        max_model_len = config.max_model_len or loaded.spec.max_position_embeddings
+        if max_model_len > loaded.spec.max_position_embeddings:
+            raise ValueError(
+                f"EngineConfig.max_model_len={max_model_len} exceeds the model's "
+                f"max_position_embeddings={loaded.spec.max_position_embeddings}"
+            )
+        if config.quest is not None and not config.quest.is_dense:
+            if config.quest.dense_layers >= loaded.spec.num_layers:
+                raise ValueError(
+                    f"QuestConfig.dense_layers={config.quest.dense_layers} leaves no sparse layer in a model of "
+                    f"{loaded.spec.num_layers} layers"
+                )
+        self.runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len)
+        self.cache = self.runner.cache
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(
+            self.cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens or max(max_model_len, 8192),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=max_model_len,
+        )
+        self._ids = itertools.count()
+        self._sparse_layers = (
+            0 if config.quest is None or config.quest.is_dense
+            else sum(config.quest.is_sparse_layer(i) for i in range(loaded.spec.num_layers))
+        )
+
+    def add_request(
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+    ) -> str:
+        """Queue a request; returns its id. Every check runs before anything is queued.
+
+        Args:
+            prompt: text (needs the model's tokenizer) or token ids.
+            params: sampling, stops and the request's Quest ``token_budget`` (<= the engine's).
+
+        Raises:
+            ValueError: an empty or over-long prompt, token ids outside the vocabulary, a budget the
+                engine cannot run, or a request that cannot fit the KV cache even alone.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        self.check_budget(params.token_budget)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer; a dummy-weight model has none (use stop_token_ids)")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        seq = Sequence(request_id, token_ids, params, prompt=text)
+        self.scheduler.add(seq)  # checks the length and the pool
+        return request_id
+
+    def check_budget(self, token_budget: Optional[int]) -> None:
+        """Raise ``ValueError`` unless a request may carry ``token_budget`` on this engine."""
+        if token_budget is None:
+            return
+        quest = self.config.quest
+        if quest is None or quest.is_dense:
+            raise ValueError(
+                f"SamplingParams.token_budget={token_budget} needs an engine with Quest (quest=QuestConfig(token_budget=...))"
+            )
+        lowest = quest.page_size * (quest.forced_pages + 1)
+        if token_budget % quest.page_size or not lowest <= token_budget <= quest.token_budget:
+            raise ValueError(
+                f"SamplingParams.token_budget must be a multiple of page_size={quest.page_size} in "
+                f"[{lowest}, {quest.token_budget}] (the engine's budget), got {token_budget}"
+            )
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns an output for every sequence the step touched (finished or not)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        tokens = self.runner.execute(batch)
+        if not batch.is_prefill:
+            self._account_attention(batch)
+        finished = set(map(id, self.scheduler.update(batch, tokens)))
+        outputs = []
+        for seq in batch.seqs:
+            text = self._detokenize(seq)
+            if seq.sampling_params.stop and (not seq.is_finished or id(seq) in finished):
+                text = self._apply_stop_strings(seq, text)
+            outputs.append(RequestOutput.from_sequence(seq, text))
+        return outputs
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a waiting or running request and free its pages at once; False if it is unknown."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; a dummy-weight model takes token-id prompts only")
+            token_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids, text = list(prompt), None
+        else:
+            raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty: it must hold at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size}), got {bad[:5]}")
+        return text, token_ids
+
+    def _detokenize(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+    def _apply_stop_strings(self, seq: Sequence, text: str) -> str:
+        """Cut ``text`` at the first stop string and finish the request there."""
+        hits = [(text.find(stop), stop) for stop in seq.sampling_params.stop if stop in text]
+        if not hits:
+            return text
+        position, stop = min(hits)
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
+        return text[:position]
+
+    def _account_attention(self, batch: ScheduledBatch) -> None:
+        """Add each sequence's KV tokens attended in this decode step, averaged over layers and heads."""
+        layers = self.spec.num_layers
+        quest = self.config.quest
+        for seq in batch.seqs:
+            context = seq.num_tokens  # the new token included
+            attended = context
+            if self._sparse_layers:
+                budget = seq.sampling_params.token_budget or quest.token_budget
+                pages = self.cache.pages_for_tokens(context)
+                sparse = context if pages * quest.page_size <= budget else budget
+                attended = ((layers - self._sparse_layers) * context + self._sparse_layers * sparse) / layers
+            seq.tokens_attended_sum += attended
+            seq.decode_steps += 1

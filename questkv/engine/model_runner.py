@@ -1,0 +1,232 @@
+"""The runner: tensors for one scheduled step — the page pool, model inputs, decode CUDA graphs, sampling.
+
+It owns the :class:`~questkv.cache.paged.PagedKVCache` (sized from the memory budget), one
+:class:`~questkv.decode.step.QuestDecodeStep` per decode shape (shared by every layer), and on CUDA one
+graph per (batch size, page-table width) that replays a whole decode step: input copy, K/V append,
+every layer's attention, the LM head. It never changes a :class:`~questkv.engine.sequence.Sequence`:
+the scheduler allocates pages and updates sequences, the runner reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from questkv.cache.paged import PagedKVCache
+from questkv.decode.context import StepContext
+from questkv.decode.step import QuestDecodeStep
+from questkv.engine.config import CacheSpec, EngineConfig
+from questkv.engine.scheduler import ScheduledBatch
+from questkv.engine.sequence import Sequence
+from questkv.layers.attention import bind_cache
+from questkv.layers.sampler import Sampler
+from questkv.models.llama import LlamaForCausalLM, ModelSpec
+
+# Page-table widths with a decode graph: powers of two from this up to max_pages_per_seq, so that
+# estimate and select scan at most twice the pages the longest sequence of the batch holds.
+_MIN_GRAPH_PAGES = 64
+# Memory kept free for activations beside the KV cache on CUDA (weights are already loaded).
+_ACTIVATION_RESERVE_BYTES = 2 << 30
+_CPU_KV_CACHE_BYTES = 1 << 30
+# Rows of the packed decode inputs: token ids, positions, sequence lengths, token budgets, page-table rows.
+_IDS, _POS, _LENS, _BUDGETS, _ROWS = range(5)
+
+
+def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device: torch.device) -> CacheSpec:
+    """How many pages fit the memory budget (see :attr:`EngineConfig.kv_cache_memory`).
+
+    Raises:
+        ValueError: the budget cannot hold one sequence of ``max_model_len`` tokens.
+    """
+    page_size = config.page_size
+    element = torch.empty(0, dtype=config.torch_dtype).element_size()
+    # K and V of page_size tokens plus the page's min and max key, in every layer.
+    page_bytes = spec.num_layers * (2 * page_size + 2) * spec.num_kv_heads * spec.head_dim * element
+    budget = config.kv_cache_memory
+    if budget is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        tokens = config.max_num_batched_tokens or max(max_model_len, 8192)
+        activations = tokens * (6 * spec.hidden_size + 4 * spec.intermediate_size) * element
+        budget = int(free * config.gpu_memory_utilization) - activations - _ACTIVATION_RESERVE_BYTES
+    elif budget is None:
+        budget = _CPU_KV_CACHE_BYTES
+    max_pages_per_seq = math.ceil(max_model_len / page_size)
+    num_pages = budget // page_bytes
+    if num_pages < max_pages_per_seq + 1:  # one full-length sequence and the scratch page
+        raise ValueError(
+            f"the KV cache budget of {budget / 2**30:.2f} GiB holds {max(num_pages, 0)} pages of {page_size} tokens "
+            f"({page_bytes} bytes each), fewer than one sequence of max_model_len={max_model_len} tokens needs "
+            f"({max_pages_per_seq + 1} with the scratch page); raise kv_cache_memory / gpu_memory_utilization "
+            f"or lower max_model_len"
+        )
+    return CacheSpec(num_pages=int(num_pages), max_pages_per_seq=max_pages_per_seq, max_model_len=max_model_len)
+
+
+class ModelRunner:
+    """Runs prefill and decode steps of one model over one page pool and samples their tokens.
+
+    Args:
+        config: the engine's config.
+        model: the model, weights loaded, on ``config.torch_device``.
+        spec: its shape.
+        max_model_len: tokens per sequence the pool must hold.
+    """
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, spec: ModelSpec, max_model_len: int) -> None:
+        self.config = config
+        self.model = model
+        self.spec = spec
+        self.device = config.torch_device
+        self.cache_spec = plan_cache(config, spec, max_model_len, self.device)
+        self.cache = PagedKVCache(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_spec.num_pages, config.page_size,
+            max_seqs=config.max_num_seqs + 1, max_pages_per_seq=self.cache_spec.max_pages_per_seq,
+            dtype=config.torch_dtype, device=self.device,
+        )
+        bind_cache(model, self.cache)
+        # Padding rows of a captured batch write and read one token here, never a request's page.
+        self.scratch_seq = self.cache.add_sequence()
+        self.cache.allocate([self.scratch_seq], [1])
+        self.budget = config.quest.token_budget if config.quest is not None else None
+        self.sampler = Sampler()
+        self.graph_sizes = config.graph_batch_sizes() if config.use_cuda_graphs else ()
+        rows = max(self.graph_sizes, default=config.max_num_seqs)
+        pin = self.device.type == "cuda"
+        self._host_inputs = torch.zeros((5, rows), dtype=torch.int64, pin_memory=pin)
+        self._inputs = torch.zeros((5, rows), dtype=torch.int64, device=self.device)
+        self._steps: dict[tuple[int, int], QuestDecodeStep] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.graph_sizes else None
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Run one prefill or decode step for ``batch`` (its pages already allocated by the scheduler)
+        and sample one token per sequence.
+
+        Returns:
+            ``len(batch.seqs)`` token ids, in batch order.
+        """
+        logits = self._prefill(batch) if batch.is_prefill else self._decode(batch.seqs)
+        return self._sample(logits, batch.seqs).tolist()
+
+    def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
+        """``[batch, vocab]`` float32 logits of each sequence's last token."""
+        ids, positions, starts = [], [], [0]
+        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+            ids.extend(seq.all_token_ids[:count])
+            positions.extend(range(count))
+            starts.append(starts[-1] + count)
+        seq_ids = batch.seq_ids
+        slots = self.cache.slots(seq_ids, [0] * len(seq_ids), batch.num_new_tokens)
+        page_table, seq_lens = self.cache.batch(seq_ids)
+        ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts)
+        tokens = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(tokens[0], tokens[1], ctx)
+        last = torch.tensor(starts[1:], device=self.device) - 1
+        return self.model.compute_logits(hidden[last])
+
+    def _decode(self, seqs: tuple[Sequence, ...]) -> torch.Tensor:
+        """``[len(seqs), vocab]`` float32 logits of one decode step of every sequence."""
+        batch = len(seqs)
+        padded = next((size for size in self.graph_sizes if size >= batch), batch)
+        longest = max(self.cache.pages_for_tokens(seq.num_tokens) for seq in seqs)
+        width = self._table_width(longest)
+        host = self._host_inputs[:, :padded]
+        host[_IDS].zero_()
+        host[_POS].zero_()
+        host[_LENS].fill_(1)
+        host[_BUDGETS].fill_(self.budget or 0)
+        host[_ROWS].fill_(self.scratch_seq)
+        host[:, :batch] = torch.tensor(
+            [[seq.last_token, seq.num_tokens - 1, seq.num_tokens, self._budget_of(seq), seq.cache_id] for seq in seqs],
+            dtype=torch.int64,
+        ).T
+        self._inputs[:, :padded].copy_(host, non_blocking=True)
+        key = (padded, width)
+        if padded in self.graph_sizes:
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(padded, width)
+            graph, logits = self._graphs[key]
+            graph.replay()
+        else:
+            logits = self._decode_body(padded, width)
+        return logits[:batch]
+
+    def _decode_body(self, batch: int, width: int) -> torch.Tensor:
+        """One decode step over the packed inputs (graph-capturable: device ops only)."""
+        inputs = self._inputs[:, :batch]
+        positions = inputs[_POS]
+        page_table = self.cache.page_table.index_select(0, inputs[_ROWS])[:, :width]  # [batch, width] int32
+        page_size = self.cache.page_size
+        slots = page_table.gather(1, (positions // page_size)[:, None])[:, 0].long() * page_size + positions % page_size
+        budgets = inputs[_BUDGETS].to(torch.int32) if self.budget is not None else None
+        ctx = StepContext(
+            False, slots, page_table, inputs[_LENS].to(torch.int32), decode_step=self._step(batch, width), budgets=budgets
+        )
+        hidden = self.model(inputs[_IDS], positions, ctx)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the decode step of ``batch`` rows over ``width`` page-table columns. The current
+        inputs are only read: warm-up and capture write K/V to the slots they name (this step's)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._decode_body(batch, width)  # compiles the kernels outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._decode_body(batch, width)
+        return graph, logits
+
+    def _step(self, batch: int, width: int) -> QuestDecodeStep:
+        key = (batch, width)
+        if key not in self._steps:
+            self._steps[key] = QuestDecodeStep.for_cache(self.config.quest, self.cache, batch, self.spec.num_q_heads, width)
+        return self._steps[key]
+
+    def _table_width(self, pages: int) -> int:
+        """Page-table columns of a decode step whose longest sequence holds ``pages`` pages."""
+        limit = self.cache.max_pages_per_seq
+        if not self.graph_sizes:
+            return pages
+        return min(limit, max(_MIN_GRAPH_PAGES, 1 << (pages - 1).bit_length()))
+
+    def _budget_of(self, seq: Sequence) -> int:
+        """The sequence's token budget (0 on a dense engine, where no layer reads it)."""
+        requested = seq.sampling_params.token_budget
+        if self.budget is None:
+            return 0
+        return self.budget if requested is None else requested
+
+    def _sample(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
+        """``[batch]`` int64 sampled tokens (greedy rows by argmax)."""
+        params = [seq.sampling_params for seq in seqs]
+        if all(p.temperature == 0 for p in params):
+            return logits.argmax(dim=-1)
+        floats = torch.tensor([[p.temperature, p.top_p] for p in params], dtype=torch.float32)
+        ints = torch.tensor(
+            [[p.top_k, self.seed_of(seq), seq.num_output_tokens] for p, seq in zip(params, seqs)], dtype=torch.int64
+        )
+        floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
+        return self.sampler(logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
+
+    def seed_of(self, seq: Sequence) -> int:
+        """The request's seed, or one derived from the engine seed and the request id."""
+        if seq.sampling_params.seed is not None:
+            return seq.sampling_params.seed
+        return (self.config.seed * 0x9E3779B1 + _stable_hash(seq.request_id)) % (1 << 62)
+
+    def cached_graphs(self) -> int:
+        """Decode graphs captured so far."""
+        return len(self._graphs)
+
+
+def _stable_hash(text: str) -> int:
+    """A process-independent hash of ``text`` (Python's ``hash`` is salted per process)."""
+    value = 0
+    for byte in text.encode():
+        value = (value * 1_000_003 + byte) % (1 << 61)
+    return value
