@@ -1,0 +1,319 @@
+"""End-to-end decode speed on a GPU: the questkv engine dense vs Quest, HF transformers baselines, bytes floor.
+
+Random ("dummy") weights at real shapes (``questkv.models.shapes``), bf16, page 16, dense_layers 2. Per
+point, in one run: engine dense and engine Quest (CUDA graphs), HF eager SDPA and HF static cache where
+chosen, and the bytes floor. Before timing, a correctness check: the engine's CUDA path (Triton kernels,
+CUDA graphs) against its eager torch-reference path and against HF, on a small fp32 model (tokens must
+be identical) and at the 8B shape in bf16 (agreement reported).
+
+Decode contexts are filled synthetically: the scheduler admits each request and allocates its pages as
+usual, then random K/V (and their page bounds) are written instead of running the prompt through the
+model; decode reads the same bytes either way. Prefill is timed for real, separately, at batch 1.
+
+    python benchmarks/e2e.py --out-dir benchmarks/results --tag h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from questkv.config import QuestConfig  # noqa: E402
+from questkv.engine.llm import LLM  # noqa: E402
+from questkv.engine.sampling_params import SamplingParams  # noqa: E402
+from questkv.eval.provenance import provenance  # noqa: E402
+from questkv.models.shapes import dummy_config  # noqa: E402
+
+PAGE = 16
+DENSE_LAYERS = 2
+# (model, batch, context, budget, target speedup of Quest over the engine dense, or None: report)
+POINTS = [
+    ("llama3.1-8b", 1, 128 * 1024, 4096, 1.6),
+    ("llama3.1-8b", 16, 32 * 1024, 2048, 2.6),
+    ("llama3.1-8b", 4, 128 * 1024, 4096, 2.8),
+    ("llama2-7b", 1, 32 * 1024, 2048, 1.74),
+    ("llama3.1-8b", 1, 32 * 1024, 2048, None),
+    ("llama3.1-8b", 1, 8 * 1024, 2048, None),
+    ("llama3.1-8b", 1, 64 * 1024, 2048, None),
+    ("llama3.1-8b", 4, 32 * 1024, 2048, None),
+]
+WARMUP_STEPS, TIMED_STEPS = 6, 32
+
+
+def kv_bytes_per_token(cfg, layers=None) -> int:
+    heads = cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return (layers if layers is not None else cfg.num_hidden_layers) * 2 * heads * head_dim * 2
+
+
+def floor_ms(cfg, weight_bytes, batch, context, budget, bandwidth) -> tuple[float, float]:
+    """Bytes floor of one decode step, dense and Quest: weights + K/V (+ page bounds) read."""
+    layers = cfg.num_hidden_layers
+    per_layer = kv_bytes_per_token(cfg, 1)
+    dense = weight_bytes + batch * context * per_layer * layers
+    pages = math.ceil(context / PAGE)
+    sparse_tokens = min(context, budget)
+    # per sparse layer: the selected pages' K+V (budget tokens) and every page's kmin+kmax (2 rows of K size)
+    quest = weight_bytes + batch * (
+        DENSE_LAYERS * context * per_layer
+        + (layers - DENSE_LAYERS) * (sparse_tokens * per_layer + pages * per_layer)
+    )
+    return dense / bandwidth * 1e3, quest / bandwidth * 1e3
+
+
+def measure_bandwidth() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of 20."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * (2 << 30) / statistics.median(times[5:])
+
+
+def synthetic_prefill(engine) -> None:
+    """Admit every waiting request with random K/V and bounds in its pages instead of a model forward."""
+    cache = engine.cache
+    gen = torch.Generator(device=cache.device).manual_seed(0)
+    while engine.scheduler.num_waiting:
+        batch = engine.scheduler.schedule()
+        if not batch.is_prefill:
+            raise RuntimeError("a decode step came before every request was admitted")
+        pages = torch.tensor([p for seq in batch.seqs for p in cache.pages_of(seq.cache_id)], device=cache.device)
+        for layer in range(cache.num_layers):
+            shape = (len(pages), cache.page_size) + tuple(cache.k_pages.shape[3:])
+            keys = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype)
+            cache.k_pages[layer, pages] = keys
+            cache.v_pages[layer, pages] = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype)
+            cache.kmin[layer, pages] = keys.amin(1)
+            cache.kmax[layer, pages] = keys.amax(1)
+        engine.scheduler.update(batch, [1] * len(batch.seqs))
+
+
+def time_engine(cfg, quest, batch, context, seed=0) -> dict:
+    """Median ms per decode step of ``batch`` sequences at ``context`` tokens (synthetic prefill)."""
+    steps = WARMUP_STEPS + TIMED_STEPS
+    need = batch * (context + steps + 2 * PAGE) * kv_bytes_per_token(cfg) * (2 * PAGE + 2) // (2 * PAGE)
+    llm = LLM(cfg, quest=quest, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
+              max_model_len=context + steps + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, cfg.vocab_size, (context,), generator=gen).tolist(), params)
+    synthetic_prefill(engine)
+    times = []
+    for i in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = engine.step()
+        times.append(time.perf_counter() - start)
+        if len(outputs) != batch or outputs[0].finished:
+            raise RuntimeError(f"decode step {i} returned {len(outputs)} outputs")
+    attended = engine.scheduler.running[0].metrics().mean_tokens_attended if engine.scheduler.running else None
+    graphs = engine.runner.cached_graphs()
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    del llm, engine
+    torch.cuda.empty_cache()
+    ms = statistics.median(times[WARMUP_STEPS:]) * 1e3
+    return {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "mean_tokens_attended": attended,
+            "graphs": graphs, "weight_bytes": weight_bytes, "spread_ms": [min(times[WARMUP_STEPS:]) * 1e3, max(times[WARMUP_STEPS:]) * 1e3]}
+
+
+def time_prefill(cfg, quest, context) -> float:
+    """Seconds of one real engine prefill of ``context`` tokens (batch 1), after a short warm-up prefill."""
+    need = (context + 64) * kv_bytes_per_token(cfg) * 2
+    llm = LLM(cfg, quest=quest, load_format="dummy", device="cuda", max_num_seqs=1, max_model_len=context + 64,
+              kv_cache_memory=need + (256 << 20))
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    engine.add_request(torch.randint(0, cfg.vocab_size, (1024,), generator=gen).tolist(), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request(torch.randint(0, cfg.vocab_size, (context,), generator=gen).tolist(), params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del llm, engine
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def hf_model(cfg):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def time_hf(model, batch, context, static: bool) -> dict:
+    """ms per decode token of HF ``generate`` (greedy): the difference of two runs of different lengths."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    if static:
+        kwargs["cache_implementation"] = "static"
+    short, long = 4, 4 + TIMED_STEPS
+
+    def run(new_tokens):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    if static:
+        run(short)  # compiles
+    t_short, t_long = run(short), run(long)
+    ms = (t_long - t_short) / (long - short) * 1e3
+    return {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "prefill_s": t_short}
+
+
+def check_tiny_fp32() -> dict:
+    """Engine CUDA path (Triton, graphs) == eager torch-reference path == HF greedy, on a small fp32 Llama."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (700, 1500, 333)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for name, quest in (("dense", None), ("quest-256", QuestConfig(token_budget=256)),
+                        ("quest-full", QuestConfig(token_budget=2048))):
+        tokens = {}
+        for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
+            q = quest if quest is None or path == "cuda-graphs" else QuestConfig(**{**quest.to_dict(), "backend": "torch"})
+            llm = LLM(cfg, quest=q, load_format="dummy", dtype="float32", device="cuda", max_num_seqs=4,
+                      kv_cache_memory=256 << 20, seed=5, **kwargs)
+            if path == "eager-reference":
+                llm.engine.cache.backend = "torch"
+                for module in llm.engine.runner.model.modules():
+                    if hasattr(module, "backend") and hasattr(module, "pages"):
+                        module.backend = "torch"
+            with torch.no_grad():  # sharper attention than N(0, 0.02): selection matters
+                for layer in llm.engine.runner.model.model.layers:
+                    layer.self_attn.qkv_proj.weight.mul_(8.0)
+            tokens[path] = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            del llm
+        results[name] = {"identical": tokens["cuda-graphs"] == tokens["eager-reference"],
+                         "tokens_match": sum(a == b for x, y in zip(tokens["cuda-graphs"], tokens["eager-reference"])
+                                             for a, b in zip(x, y)), "tokens": 3 * 24}
+        if name == "dense":
+            results["dense_tokens"] = tokens["cuda-graphs"]
+        if name == "quest-full":
+            results["quest-full"]["equals_dense"] = tokens["cuda-graphs"] == results["dense_tokens"]
+    results.pop("dense_tokens")
+    return results
+
+
+def check_8b_against_hf(cfg) -> dict:
+    """Greedy agreement of the engine (dense; Quest at a budget covering the context) with HF eager, bf16."""
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, cfg.vocab_size, (2048,), generator=gen).tolist()
+    model = hf_model(cfg)
+    state = {k: v for k, v in model.state_dict().items()}
+    ids = torch.tensor([prompt], device="cuda")
+    want = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)[0, 2048:].tolist()
+    out = {}
+    for name, quest in (("dense", None), ("quest-full", QuestConfig(token_budget=4096))):
+        llm = LLM(cfg, quest=quest, load_format="dummy", device="cuda", max_num_seqs=1, max_model_len=4096,
+                  kv_cache_memory=4 << 30)
+        llm.engine.runner.model.load_weights(state.items())
+        got = list(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0].token_ids)
+        prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+        out[name] = {"agreeing_prefix": prefix, "tokens": len(want)}
+        del llm
+    del model, state
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"), help="where the JSON, .md and .png go")
+    parser.add_argument("--tag", default="h200", help="file name suffix: e2e-TAG.json")
+    parser.add_argument("--skip-hf", action="store_true", help="leave out the HF baselines")
+    parser.add_argument("--skip-checks", action="store_true", help="leave out the correctness checks")
+    parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
+    args = parser.parse_args()
+    record = {"provenance": provenance("cuda"), "page_size": PAGE, "dense_layers": DENSE_LAYERS, "dtype": "bfloat16",
+              "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS, "points": []}
+    record["bandwidth_bytes_per_s"] = bandwidth = measure_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    if not args.skip_checks:
+        record["check_fp32"] = check_tiny_fp32()
+        print("fp32 check", json.dumps(record["check_fp32"]), flush=True)
+        record["check_8b_bf16"] = check_8b_against_hf(dummy_config("llama3.1-8b"))
+        print("8b bf16 check", json.dumps(record["check_8b_bf16"]), flush=True)
+    points = POINTS if args.points == "all" else [POINTS[int(i)] for i in args.points.split(",")]
+    for name, batch, context, budget, target in points:
+        cfg = dummy_config(name, max_position_embeddings=max(context + 1024, 4096))
+        quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
+        point = {"model": name, "batch": batch, "context": context, "budget": budget, "target": target}
+        point["engine_dense"] = time_engine(cfg, None, batch, context)
+        point["engine_quest"] = time_engine(cfg, quest, batch, context)
+        weight_bytes = point["engine_dense"]["weight_bytes"]
+        dense_floor, quest_floor = floor_ms(cfg, weight_bytes, batch, context, budget, bandwidth)
+        point.update(floor_dense_ms=dense_floor, floor_quest_ms=quest_floor, ideal_speedup=dense_floor / quest_floor)
+        point["speedup"] = point["engine_dense"]["ms_per_token"] / point["engine_quest"]["ms_per_token"]
+        print(f"{name} B={batch} L={context} budget={budget}: dense {point['engine_dense']['ms_per_token']:.2f} ms, "
+              f"quest {point['engine_quest']['ms_per_token']:.2f} ms, x{point['speedup']:.2f} "
+              f"(floor {dense_floor:.2f}/{quest_floor:.2f}, target {target})", flush=True)
+        record["points"].append(point)
+        _write(args, record)
+    if not args.skip_hf:
+        hf_points = [("llama3.1-8b", 1, 32 * 1024, True), ("llama2-7b", 1, 32 * 1024, False),
+                     ("llama3.1-8b", 1, 128 * 1024, False)]
+        for name, batch, context, static in hf_points:
+            cfg = dummy_config(name, max_position_embeddings=max(context + 1024, 4096))
+            model = hf_model(cfg)
+            point = next(p for p in record["points"] if (p["model"], p["batch"], p["context"]) == (name, batch, context))
+            point["hf_eager"] = time_hf(model, batch, context, static=False)
+            print(f"HF eager {name} B={batch} L={context}: {point['hf_eager']['ms_per_token']:.2f} ms", flush=True)
+            if static:
+                point["hf_static"] = time_hf(model, batch, context, static=True)
+                print(f"HF static {name} B={batch} L={context}: {point['hf_static']['ms_per_token']:.2f} ms", flush=True)
+            del model
+            torch.cuda.empty_cache()
+            _write(args, record)
+    for name, context in (("llama3.1-8b", 32 * 1024), ("llama3.1-8b", 128 * 1024)):
+        cfg = dummy_config(name, max_position_embeddings=context + 1024)
+        point = next(p for p in record["points"] if (p["model"], p["batch"], p["context"]) == (name, 1, context))
+        point["prefill_s"] = time_prefill(cfg, None, context)
+        print(f"prefill {name} {context}: {point['prefill_s']:.2f} s", flush=True)
+        _write(args, record)
+
+
+def _write(args, record) -> None:
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"e2e-{args.tag}.json"
+    path.write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Fused projections: one GEMM where a checkpoint stores several (q/k/v, gate/up).
+
+Owns the row layout of the fused weight and the copy of each checkpoint shard into its rows; which
+checkpoint name is which shard is ``questkv.models.llama``'s business.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from questkv.validation import check_choice, check_int
+
+__all__ = ["MergedLinear", "copy_param"]
+
+
+def copy_param(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into ``param`` (any dtype or device), after checking its shape.
+
+    ``name`` (the checkpoint name) only serves the error message.
+    """
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+class MergedLinear(nn.Linear):
+    """A plain ``nn.Linear`` whose output features are named shards back to back.
+
+    ``MergedLinear(hidden, {"q": Hq * D, "k": Hkv * D, "v": Hkv * D})`` is the fused QKV projection and
+    ``MergedLinear(hidden, {"gate": I, "up": I})`` the fused gate/up projection: one GEMM instead of three or
+    two, with the weight rows of shard ``s`` at ``offsets[s] : offsets[s] + sizes[s]``.
+
+    Args:
+        in_features: input features.
+        shard_sizes: output features of each shard, in row order (a dict keeps its insertion order).
+        bias: whether the projection has a bias (every shard then has its slice of it).
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+        if not shard_sizes:
+            raise ValueError("MergedLinear.shard_sizes must name at least one shard, got {}")
+        for shard, size in shard_sizes.items():
+            check_int(f"MergedLinear.shard_sizes[{shard!r}]", size, minimum=1)
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_sizes = dict(shard_sizes)
+        self.shard_offsets: dict[str, int] = {}
+        offset = 0
+        for shard, size in self.shard_sizes.items():
+            self.shard_offsets[shard] = offset
+            offset += size
+
+    def load_shard(self, name: str, shard: str, param_name: str, loaded: torch.Tensor) -> None:
+        """Copy checkpoint tensor ``loaded`` (``[shard_size, in_features]`` for ``"weight"``,
+        ``[shard_size]`` for ``"bias"``; checkpoint name ``name``) into the rows of ``shard``."""
+        check_choice("MergedLinear.load_shard shard", shard, tuple(self.shard_sizes))
+        params = ("weight", "bias") if self.bias is not None else ("weight",)
+        check_choice("MergedLinear.load_shard param_name", param_name, params)
+        start = self.shard_offsets[shard]
+        rows = getattr(self, param_name)[start : start + self.shard_sizes[shard]]
+        copy_param(name, rows, loaded)
+
+    def split(self, out: torch.Tensor) -> Sequence[torch.Tensor]:
+        """Split ``out`` ``[T, out_features]`` (this layer's output) into one ``[T, size]`` view per shard."""
+        return out.split(tuple(self.shard_sizes.values()), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, shards={self.shard_sizes}"

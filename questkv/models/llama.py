@@ -1,0 +1,383 @@
+"""questkv's own Llama-family causal LM: Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3 in one module.
+
+The families differ only by flags of :class:`ModelSpec` (QKV bias, q/k RMSNorm, rope type, tied embeddings),
+read once from a transformers config. Owns the decoder stack, the fused projections' layout and the mapping of
+HF safetensors names onto it (:meth:`LlamaForCausalLM.load_weights`). Attention itself, and so the KV cache, is
+``questkv.layers.attention.Attention``'s: the model passes it post-RoPE queries, keys and values and the step's
+``StepContext``, and never touches the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from questkv.config import QuestConfig
+from questkv.layers.activation import SiluAndMul
+from questkv.layers.attention import Attention
+from questkv.layers.linear import MergedLinear, copy_param
+from questkv.layers.norm import RMSNorm
+from questkv.layers.rotary import ROPE_TYPES, RopeScaling, RotaryEmbedding, apply_rotary
+from questkv.validation import check_bool, check_choice, check_float, check_int
+
+if TYPE_CHECKING:  # transformers takes seconds to import; only from_hf_config reads a config
+    from transformers import PretrainedConfig
+
+    from questkv.decode.context import StepContext
+
+__all__ = ["MODEL_TYPES", "LlamaForCausalLM", "ModelSpec"]
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The shape and flags of one Llama-family model: all :class:`LlamaForCausalLM` needs to be built.
+
+    Attributes:
+        model_type: one of :data:`MODEL_TYPES` (kept for messages; behaviour follows the flags below).
+        head_dim: per-head size, independent of ``hidden_size`` (Qwen3 uses ``head_dim * num_q_heads !=
+            hidden_size``).
+        rope_scaling: ``None`` for the ``default`` rope, else how ``linear`` or ``llama3`` rope stretches it.
+        attention_bias: the q/k/v projections have a bias (Qwen2 always; Llama and Qwen3 when configured).
+        o_proj_bias: the output projection has a bias (Llama and Qwen3 with ``attention_bias``; never Qwen2).
+        mlp_bias: the gate/up/down projections have a bias (Llama's ``mlp_bias``).
+        qk_norm: RMSNorm over ``head_dim`` of every query and key head before RoPE (Qwen3).
+        tie_word_embeddings: the LM head shares the input embedding's weight.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[RopeScaling]
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        check_choice("ModelSpec.model_type", self.model_type, MODEL_TYPES)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_q_heads", "num_kv_heads",
+                     "max_position_embeddings"):
+            check_int(f"ModelSpec.{name}", getattr(self, name), minimum=1)
+        check_int("ModelSpec.head_dim", self.head_dim, minimum=2)
+        if self.head_dim % 2:
+            raise ValueError(f"ModelSpec.head_dim must be even (rope rotates pairs), got {self.head_dim}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelSpec.num_q_heads must be a multiple of num_kv_heads={self.num_kv_heads}, "
+                f"got {self.num_q_heads}"
+            )
+        check_float("ModelSpec.rms_norm_eps", self.rms_norm_eps, low=0.0, low_open=True)
+        check_float("ModelSpec.rope_theta", self.rope_theta, low=0.0, low_open=True)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"ModelSpec.rope_scaling must be None or a RopeScaling, got {self.rope_scaling!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "o_proj_bias", "mlp_bias", "qk_norm"):
+            check_bool(f"ModelSpec.{name}", getattr(self, name))
+
+    @classmethod
+    def from_hf_config(cls, config: "PretrainedConfig") -> "ModelSpec":
+        """Read a transformers config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``).
+
+        Raises:
+            ValueError: for another architecture, a rope type other than ``default``, ``linear`` and
+                ``llama3``, partial rotary, sliding-window attention, or an activation other than SiLU, naming
+                the value and what is supported.
+        """
+        model_type = getattr(config, "model_type", None)
+        check_choice("config.model_type", model_type, MODEL_TYPES)
+        check_choice("config.hidden_act", getattr(config, "hidden_act", "silu"), ("silu",))
+        _check_no_sliding_window(config)
+        num_q_heads = config.num_attention_heads
+        rope_theta, rope_scaling = _rope_from_config(config)
+        attention_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_q_heads=num_q_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_q_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_q_heads,
+            rms_norm_eps=float(config.rms_norm_eps),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def _check_no_sliding_window(config: Any) -> None:
+    window = getattr(config, "sliding_window", None)
+    if window is None or window >= config.max_position_embeddings:
+        return  # a window covering every position is full attention
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return  # Qwen2/Qwen3 keep a window size but use it on no layer
+    raise ValueError(
+        f"config.sliding_window={window} (< max_position_embeddings={config.max_position_embeddings}) is not "
+        "supported: questkv models attend the full context; supported: sliding_window None or >= "
+        "max_position_embeddings"
+    )
+
+
+def _rope_from_config(config: Any) -> tuple[float, Optional[RopeScaling]]:
+    """``(rope_theta, rope_scaling)`` from transformers 5's ``rope_parameters`` (or the older ``rope_scaling`` +
+    ``rope_theta`` attributes)."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if "rope_type" not in params and "type" not in params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"config.rope_parameters per layer type ({sorted(params)}) is not supported; supported: "
+                         "one rope for all layers")
+    check_choice("config.rope_parameters['rope_type']", rope_type, ROPE_TYPES)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"config.partial_rotary_factor={partial!r} is not supported; supported: 1.0 (rope on every "
+                         "dimension)")
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    return theta, RopeScaling(
+        "llama3",
+        float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", config.max_position_embeddings)
+        ),
+    )
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, optional q/k norm, RoPE, ``Attention`` and the output projection."""
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, quest: Optional[QuestConfig]) -> None:
+        super().__init__()
+        self.num_q_heads, self.num_kv_heads, self.head_dim = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = spec.num_q_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, spec.attention_bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.attn = Attention(
+            layer_idx, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, sm_scale=spec.head_dim**-0.5, quest=quest
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext"
+    ) -> torch.Tensor:
+        """``x`` ``[T, hidden_size]``, ``cos``/``sin`` ``[T, head_dim // 2]`` → ``[T, hidden_size]``."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_q_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, cos, sin)
+        o = self.attn(q, k, v, ctx)  # [T, Hq, D]
+        return self.o_proj(o.reshape(o.shape[0], -1))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up in one GEMM."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": size, "up": size}, spec.mlp_bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden_size]`` → ``[T, hidden_size]``."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks; the residual add is fused into the next norm."""
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, quest: Optional[QuestConfig]) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec, layer_idx, quest)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = LlamaMLP(spec)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: "StepContext",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, hidden_size]`` (this layer's input is ``x + residual``; ``residual`` None in layer 0)
+        → ``(mlp_out, residual)``, each ``[T, hidden_size]``, with the same convention for the next layer."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, spec: ModelSpec, quest: Optional[QuestConfig]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta,
+                                          spec.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, quest) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb.cos_sin(positions, h.dtype)  # [T, D/2] each, shared by every layer
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, ctx)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+# HF safetensors name -> (module path inside LlamaForCausalLM, parameter, shard of a MergedLinear or None)
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
+_SHARDS = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # stored by some older checkpoints, recomputed here
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM: ``forward`` gives final hidden states, ``compute_logits`` the LM head's logits.
+
+    Args:
+        spec: the architecture (:meth:`ModelSpec.from_hf_config`).
+        quest: passed to every layer's ``Attention`` (``None``: dense decoding).
+
+    Module names follow HF's (``model.layers.3.self_attn.o_proj``) except the fused
+    ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``; :meth:`load_weights` maps checkpoint names onto them.
+    Parameters are created on the current default device and dtype: build inside ``with torch.device("cuda")``
+    and ``torch.set_default_dtype`` to skip a host copy.
+    """
+
+    def __init__(self, spec: ModelSpec, quest: Optional[QuestConfig] = None) -> None:
+        super().__init__()
+        if not isinstance(spec, ModelSpec):
+            raise ValueError(f"LlamaForCausalLM.spec must be a ModelSpec, got {type(spec).__name__}")
+        if quest is not None and not isinstance(quest, QuestConfig):
+            raise ValueError(f"LlamaForCausalLM.quest must be None or a QuestConfig, got {type(quest).__name__}")
+        self.spec = spec
+        self.model = LlamaModel(spec, quest)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
+        """Run every layer over the step's tokens.
+
+        Args:
+            input_ids: ``[T]`` int64, the new tokens of all sequences of the step back to back (prefill: each
+                sequence's chunk; decode: one per sequence), in ``ctx``'s sequence order.
+            positions: ``[T]`` int64, each token's position in its sequence (< ``max_position_embeddings``).
+            ctx: the step's metadata, handed to every ``Attention``.
+
+        Returns:
+            ``[T, hidden_size]`` final hidden states (after the last norm), in the model dtype.
+        """
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden_size]`` (the rows to sample from) → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def expected_weight_names(self) -> list[str]:
+        """The HF safetensors names :meth:`load_weights` needs, in checkpoint order."""
+        spec = self.spec
+        names = ["model.embed_tokens.weight"]
+        params = ("weight", "bias")
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            names.append(p + "input_layernorm.weight")
+            for proj in ("q", "k", "v"):
+                names += [f"{p}self_attn.{proj}_proj.{w}" for w in params[: 1 + spec.attention_bias]]
+            names += [f"{p}self_attn.o_proj.{w}" for w in params[: 1 + spec.o_proj_bias]]
+            if spec.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+            names.append(p + "post_attention_layernorm.weight")
+            for proj in ("gate", "up", "down"):
+                names += [f"{p}mlp.{proj}_proj.{w}" for w in params[: 1 + spec.mlp_bias]]
+        names.append("model.norm.weight")
+        if not spec.tie_word_embeddings:
+            names.append("lm_head.weight")
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors, by HF safetensors name, into this model's (fused) parameters.
+
+        Args:
+            weights: ``(name, tensor)`` pairs such as ``load_safetensors_weights(folder)`` or
+                ``hf_model.state_dict().items()``; any dtype and device (cast and moved on copy). With tied
+                embeddings a ``lm_head.weight`` entry is skipped (it is the embedding); ``*.rotary_emb.inv_freq``
+                entries of older checkpoints are skipped.
+
+        Raises:
+            ValueError: a tensor of the wrong shape (at once), or, once all are read, names this architecture
+                does not have or expected names that never came (each listed).
+        """
+        expected = set(self.expected_weight_names())
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for name, tensor in weights:
+            if _IGNORED.match(name) or (name == "lm_head.weight" and self.spec.tie_word_embeddings):
+                continue
+            if name not in expected:
+                unknown.append(name)
+                continue
+            self._load_one(name, tensor)
+            loaded.add(name)
+        missing = [n for n in self.expected_weight_names() if n not in loaded]
+        if unknown or missing:
+            parts = []
+            if unknown:
+                parts.append(f"unknown weights for {self.spec.model_type} ({len(unknown)}): {_listing(unknown)}")
+            if missing:
+                parts.append(f"missing weights ({len(missing)}): {_listing(missing)}")
+            raise ValueError("LlamaForCausalLM.load_weights: " + "; ".join(parts))
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        match = _LAYER_NAME.match(name)
+        if match is not None and match.group(3) in _SHARDS:
+            layer, block, proj, param = match.groups()
+            module = self.model.layers[int(layer)].get_submodule(f"{block}.{_SHARDS[proj]}")
+            module.load_shard(name, proj, param, tensor)
+            return
+        copy_param(name, self.get_parameter(name), tensor)
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(map(repr, names[:limit]))
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

@@ -1,0 +1,229 @@
+"""questkv.models.llama against transformers, for each supported family: logits on a ragged batched prefill
+and on every batched decode step, greedy tokens, Quest at a covering budget, spec reading and weight loading."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import transformers
+
+from questkv.config import QuestConfig
+from questkv.integrations.hf import cache_argument
+from questkv.layers.rotary import RopeScaling
+from questkv.models.llama import LlamaForCausalLM, ModelSpec
+from tests.helpers import PAGE_SIZE, TINY_CONFIGS, engine_greedy, tiny_config, tiny_hf_model
+
+PROMPT_LENS = (11, 6)  # ragged, both spanning several pages
+DECODE_STEPS = 4
+ATOL = 1e-4
+
+
+def _engine_model(hf, quest=None) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(ModelSpec.from_hf_config(hf.config), quest).eval()
+    model.load_weights(hf.state_dict().items())
+    return model
+
+
+@torch.no_grad()
+def _hf_greedy(hf, prompt, steps: int):
+    """transformers on one sequence with its DynamicCache: ``(prompt_logits, [step logits], tokens)``."""
+    cache = {cache_argument(hf): transformers.DynamicCache(config=hf.config)}  # filled in place
+    prompt_logits = hf(prompt[None], use_cache=True, **cache).logits[0]
+    tokens, step_logits = [prompt_logits[-1].argmax()], []
+    for _ in range(steps):
+        out = hf(tokens[-1].view(1, 1), use_cache=True, **cache)
+        step_logits.append(out.logits[0, -1])
+        tokens.append(out.logits[0, -1].argmax())
+    return prompt_logits, step_logits, torch.stack(tokens)
+
+
+def _prompts(vocab_size: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen) for n in PROMPT_LENS]
+
+
+@pytest.mark.parametrize("family", list(TINY_CONFIGS))
+def test_logits_and_greedy_tokens_equal_transformers_on_prefill_and_every_decode_step(family):
+    hf = tiny_hf_model(tiny_config(family), seed=1)
+    model = _engine_model(hf)
+    prompts = _prompts(hf.config.vocab_size)
+    prefill, decode, tokens = engine_greedy(model, prompts, DECODE_STEPS)
+    for b, prompt in enumerate(prompts):
+        want_prefill, want_decode, want_tokens = _hf_greedy(hf, prompt, DECODE_STEPS)
+        assert prefill[b].dtype == torch.float32
+        torch.testing.assert_close(prefill[b], want_prefill, rtol=0, atol=ATOL)
+        assert tokens[b].tolist() == want_tokens.tolist()
+        for step, want in enumerate(want_decode):
+            torch.testing.assert_close(decode[step][b], want, rtol=0, atol=ATOL, msg=f"decode step {step}, seq {b}")
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_quest_with_a_budget_covering_the_context_gives_the_dense_logits(family):
+    hf = tiny_hf_model(tiny_config(family), seed=2)
+    prompts = _prompts(hf.config.vocab_size)
+    covering = PAGE_SIZE * math.ceil((max(PROMPT_LENS) + DECODE_STEPS) / PAGE_SIZE)
+    quest = QuestConfig(token_budget=covering, page_size=PAGE_SIZE, dense_layers=1)
+    dense = engine_greedy(_engine_model(hf), prompts, DECODE_STEPS)
+    sparse = engine_greedy(_engine_model(hf, quest), prompts, DECODE_STEPS, quest)
+    for want, got in zip(dense[1], sparse[1]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert sparse[2].tolist() == dense[2].tolist()
+    # a budget below the context does go through page selection: the long sequence's logits move
+    small = QuestConfig(token_budget=2 * PAGE_SIZE, page_size=PAGE_SIZE, dense_layers=1)
+    _, decode, _ = engine_greedy(_engine_model(hf, small), prompts, DECODE_STEPS, small)
+    assert not torch.allclose(decode[-1][0], dense[1][-1][0], atol=1e-3)
+    assert all(torch.isfinite(logits).all() for logits in decode)
+
+
+def test_a_bfloat16_model_gives_float32_logits_close_to_the_float32_model():
+    hf = tiny_hf_model(tiny_config("qwen3"), seed=3)
+    prompts = _prompts(hf.config.vocab_size)
+    want_prefill, _, _ = engine_greedy(_engine_model(hf), prompts, 2)
+    model = _engine_model(hf).to(torch.bfloat16)
+    prefill, decode, _ = engine_greedy(model, prompts, 2, dtype=torch.bfloat16)
+    for got, want in zip(prefill, want_prefill):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=0.2)
+    # decode tokens may differ from the float32 run's, so only their logits' sanity is checked
+    assert all(logits.dtype == torch.float32 and torch.isfinite(logits).all() for logits in decode)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ModelSpec.from_hf_config
+
+
+def test_spec_reads_each_family_flag_from_its_config():
+    specs = {family: ModelSpec.from_hf_config(tiny_config(family)) for family in TINY_CONFIGS}
+    assert specs["llama3"].rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 32)
+    assert specs["llama_linear"].rope_scaling == RopeScaling("linear", 2.0)
+    assert specs["llama_linear"].tie_word_embeddings and specs["llama_linear"].num_kv_heads == 1
+    mha = specs["llama_mha"]
+    assert mha.rope_scaling is None and mha.rope_theta == 500000.0 and mha.num_kv_heads == mha.num_q_heads
+    assert mha.attention_bias and mha.o_proj_bias and mha.mlp_bias
+    assert specs["mistral"].head_dim == 32 and specs["mistral"].hidden_size == 64
+    qwen2 = specs["qwen2"]
+    assert (qwen2.num_q_heads, qwen2.num_kv_heads, qwen2.head_dim, qwen2.hidden_size) == (14, 2, 64, 128)
+    assert qwen2.attention_bias and not qwen2.o_proj_bias and qwen2.tie_word_embeddings and not qwen2.qk_norm
+    assert specs["qwen3"].qk_norm and not specs["qwen3"].attention_bias and specs["qwen3"].head_dim == 32
+    assert not any(s.qk_norm for f, s in specs.items() if f != "qwen3")
+
+
+def test_spec_derives_head_dim_from_hidden_size_when_the_config_has_none():
+    config = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert not hasattr(config, "head_dim")
+    assert ModelSpec.from_hf_config(config).head_dim == 16
+
+
+def test_spec_reads_the_old_rope_scaling_attribute_format():
+    config = transformers.LlamaConfig(rope_scaling={"type": "linear", "factor": 4.0}, rope_theta=20000.0)
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.rope_scaling == RopeScaling("linear", 4.0) and spec.rope_theta == 20000.0
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: transformers.GPT2Config(),
+         r"config.model_type must be one of 'llama', 'mistral', 'qwen2', 'qwen3'; got 'gpt2'"),
+        (lambda: transformers.GemmaConfig(), r"got 'gemma'"),
+        (lambda: tiny_config("llama3", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                                                        "original_max_position_embeddings": 64}),
+         r"rope_type'\] must be one of 'default', 'linear', 'llama3'; got 'yarn'"),
+        (lambda: tiny_config("llama3", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+         r"got 'dynamic'"),
+        (lambda: tiny_config("mistral", sliding_window=16), r"sliding_window=16 .*supported"),
+        (lambda: tiny_config("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
+         r"sliding_window=16"),
+        (lambda: tiny_config("llama3", hidden_act="gelu"), r"hidden_act must be one of 'silu'; got 'gelu'"),
+    ],
+)
+def test_unsupported_architectures_raise_value_error_naming_what_is_supported(make, match):
+    config = make()
+    with pytest.raises(ValueError, match=match):
+        ModelSpec.from_hf_config(config)
+
+
+def test_a_window_covering_every_position_is_full_attention():
+    spec = ModelSpec.from_hf_config(tiny_config("mistral", sliding_window=256))
+    assert spec.model_type == "mistral"
+    spec = ModelSpec.from_hf_config(tiny_config("qwen2", use_sliding_window=True, sliding_window=16,
+                                                max_window_layers=2))  # no layer at or above 2
+    assert spec.model_type == "qwen2"
+
+
+def test_spec_validates_its_fields():
+    spec = ModelSpec.from_hf_config(tiny_config("llama3"))
+    with pytest.raises(ValueError, match="ModelSpec.num_q_heads must be a multiple of num_kv_heads=3"):
+        dataclasses.replace(spec, num_kv_heads=3)
+    with pytest.raises(ValueError, match="ModelSpec.head_dim must be even"):
+        dataclasses.replace(spec, head_dim=15)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# load_weights
+
+
+def _state(family: str, **overrides) -> dict:
+    return dict(tiny_hf_model(tiny_config(family, **overrides)).state_dict())
+
+
+def _model(family: str, **overrides) -> LlamaForCausalLM:
+    return LlamaForCausalLM(ModelSpec.from_hf_config(tiny_config(family, **overrides)))
+
+
+def test_fused_projections_hold_the_checkpoint_shards_in_q_k_v_and_gate_up_order():
+    state = _state("qwen2")
+    model = _model("qwen2")
+    model.load_weights(state.items())
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    p = "model.layers.1."
+    want_qkv = torch.cat([state[p + f"self_attn.{s}_proj.weight"] for s in "qkv"])
+    want_bias = torch.cat([state[p + f"self_attn.{s}_proj.bias"] for s in "qkv"])
+    torch.testing.assert_close(attn.qkv_proj.weight, want_qkv, rtol=0, atol=0)
+    torch.testing.assert_close(attn.qkv_proj.bias, want_bias, rtol=0, atol=0)
+    want_gate_up = torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
+    torch.testing.assert_close(mlp.gate_up_proj.weight, want_gate_up, rtol=0, atol=0)
+    assert attn.o_proj.bias is None
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+
+
+def test_tied_models_accept_checkpoints_with_or_without_lm_head_and_ignore_inv_freq():
+    state = _state("llama_linear")
+    assert "lm_head.weight" in state
+    _model("llama_linear").load_weights(state.items())
+    state.pop("lm_head.weight")
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    _model("llama_linear").load_weights(state.items())
+
+
+def test_missing_weights_raise_value_error_naming_them():
+    state = _state("llama3")
+    del state["model.layers.2.mlp.up_proj.weight"], state["lm_head.weight"]
+    with pytest.raises(ValueError, match=r"missing weights \(2\): 'model.layers.2.mlp.up_proj.weight', 'lm_head"):
+        _model("llama3").load_weights(state.items())
+
+
+def test_unknown_weights_raise_value_error_naming_them():
+    state = _state("qwen3")
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(4 * 32)
+    state["vision_tower.weight"] = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"unknown weights for qwen3 \(2\): 'model.layers.0.self_attn.q_proj.bias', "
+                                         r"'vision_tower.weight'"):
+        _model("qwen3").load_weights(state.items())
+
+
+def test_a_weight_of_the_wrong_shape_raises_value_error_naming_it():
+    state = _state("mistral")
+    state["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(2 * 32 + 1, 64)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(65, 64\), the model "
+                                         r"expects \(64, 64\)"):
+        _model("mistral").load_weights(state.items())
+
+
+def test_expected_weight_names_are_exactly_the_transformers_state_dict_names():
+    for family in TINY_CONFIGS:
+        state = _state(family)
+        model = _model(family)
+        names = set(state) - ({"lm_head.weight"} if model.spec.tie_word_embeddings else set())
+        assert set(model.expected_weight_names()) == names, family
