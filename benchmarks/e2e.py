@@ -16,6 +16,7 @@ model; decode reads the same bytes either way. Prefill is timed for real, separa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -38,6 +39,7 @@ PAGE = 16
 DENSE_LAYERS = 2
 # (model, batch, context, budget, target speedup of Quest over the engine dense, or None: report)
 POINTS = [
+    ("llama3.1-8b", 1, 1024, 2048, None),  # weights and fixed costs: attention is negligible here
     ("llama3.1-8b", 1, 128 * 1024, 4096, 1.6),
     ("llama3.1-8b", 16, 32 * 1024, 2048, 2.6),
     ("llama3.1-8b", 4, 128 * 1024, 4096, 2.8),
@@ -113,7 +115,7 @@ def time_engine(cfg, quest, batch, context, seed=0) -> dict:
     llm = LLM(cfg, quest=quest, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
               max_model_len=context + steps + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed)
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(batch):
         engine.add_request(torch.randint(0, cfg.vocab_size, (context,), generator=gen).tolist(), params)
@@ -128,12 +130,29 @@ def time_engine(cfg, quest, batch, context, seed=0) -> dict:
             raise RuntimeError(f"decode step {i} returned {len(outputs)} outputs")
     attended = engine.scheduler.running[0].metrics().mean_tokens_attended if engine.scheduler.running else None
     graphs = engine.runner.cached_graphs()
+    graph_ms = replay_ms(engine.runner)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    del llm, engine
+    del llm, engine, outputs
+    gc.collect()
     torch.cuda.empty_cache()
     ms = statistics.median(times[WARMUP_STEPS:]) * 1e3
     return {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "mean_tokens_attended": attended,
-            "graphs": graphs, "weight_bytes": weight_bytes, "spread_ms": [min(times[WARMUP_STEPS:]) * 1e3, max(times[WARMUP_STEPS:]) * 1e3]}
+            "graphs": graphs, "weight_bytes": weight_bytes, "graph_replay_ms": graph_ms, "spread_ms": [min(times[WARMUP_STEPS:]) * 1e3, max(times[WARMUP_STEPS:]) * 1e3]}
+
+
+def replay_ms(runner) -> float:
+    """GPU time of one replay of the last captured decode graph (CUDA events, median of 20): the decode
+    step without the host's scheduling, input copy and sampling."""
+    graph = list(runner._graphs.values())[-1][0]
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[5:])
 
 
 def time_prefill(cfg, quest, context) -> float:
@@ -154,6 +173,7 @@ def time_prefill(cfg, quest, context) -> float:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     del llm, engine
+    gc.collect()
     torch.cuda.empty_cache()
     return seconds
 
@@ -220,6 +240,7 @@ def check_tiny_fp32() -> dict:
                     layer.self_attn.qkv_proj.weight.mul_(8.0)
             tokens[path] = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
             del llm
+            gc.collect()
         results[name] = {"identical": tokens["cuda-graphs"] == tokens["eager-reference"],
                          "tokens_match": sum(a == b for x, y in zip(tokens["cuda-graphs"], tokens["eager-reference"])
                                              for a, b in zip(x, y)), "tokens": 3 * 24}
@@ -248,7 +269,9 @@ def check_8b_against_hf(cfg) -> dict:
         prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
         out[name] = {"agreeing_prefix": prefix, "tokens": len(want)}
         del llm
+        gc.collect()
     del model, state
+    gc.collect()
     torch.cuda.empty_cache()
     return out
 
@@ -281,8 +304,9 @@ def main() -> None:
         dense_floor, quest_floor = floor_ms(cfg, weight_bytes, batch, context, budget, bandwidth)
         point.update(floor_dense_ms=dense_floor, floor_quest_ms=quest_floor, ideal_speedup=dense_floor / quest_floor)
         point["speedup"] = point["engine_dense"]["ms_per_token"] / point["engine_quest"]["ms_per_token"]
-        print(f"{name} B={batch} L={context} budget={budget}: dense {point['engine_dense']['ms_per_token']:.2f} ms, "
-              f"quest {point['engine_quest']['ms_per_token']:.2f} ms, x{point['speedup']:.2f} "
+        print(f"{name} B={batch} L={context} budget={budget}: dense {point['engine_dense']['ms_per_token']:.2f} ms "
+              f"(graph {point['engine_dense']['graph_replay_ms']:.2f}), quest {point['engine_quest']['ms_per_token']:.2f} ms "
+              f"(graph {point['engine_quest']['graph_replay_ms']:.2f}), x{point['speedup']:.2f} "
               f"(floor {dense_floor:.2f}/{quest_floor:.2f}, target {target})", flush=True)
         record["points"].append(point)
         _write(args, record)
@@ -299,6 +323,7 @@ def main() -> None:
                 point["hf_static"] = time_hf(model, batch, context, static=True)
                 print(f"HF static {name} B={batch} L={context}: {point['hf_static']['ms_per_token']:.2f} ms", flush=True)
             del model
+            gc.collect()
             torch.cuda.empty_cache()
             _write(args, record)
     for name, context in (("llama3.1-8b", 32 * 1024), ("llama3.1-8b", 128 * 1024)):

@@ -40,6 +40,8 @@ class EngineConfig:
             after loading the weights (CUDA) or 1 GiB (CPU).
         gpu_memory_utilization: fraction in (0, 1] of the free GPU memory the KV cache may take.
         enforce_eager: never capture CUDA graphs (always true on CPU).
+        compile_elementwise: with CUDA graphs, fuse RMSNorm, SiLU-and-multiply and RoPE with
+            ``torch.compile`` (one kernel each instead of several).
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
@@ -54,6 +56,7 @@ class EngineConfig:
     kv_cache_memory: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    compile_elementwise: bool = True
     seed: int = 0
     load_format: str = "auto"
 
@@ -71,6 +74,7 @@ class EngineConfig:
         check_optional_int("EngineConfig.kv_cache_memory", self.kv_cache_memory, minimum=1)
         check_float("EngineConfig.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         check_bool("EngineConfig.enforce_eager", self.enforce_eager)
+        check_bool("EngineConfig.compile_elementwise", self.compile_elementwise)
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")

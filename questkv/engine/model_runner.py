@@ -9,6 +9,7 @@ the scheduler allocates pages and updates sequences, the runner reads them.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -22,7 +23,10 @@ from questkv.engine.scheduler import ScheduledBatch
 from questkv.engine.sequence import Sequence
 from questkv.layers.attention import bind_cache
 from questkv.layers.sampler import Sampler
-from questkv.models.llama import LlamaForCausalLM, ModelSpec
+from questkv.layers.activation import SiluAndMul, silu_and_mul
+from questkv.layers.norm import RMSNorm, rms_norm
+from questkv.layers.rotary import apply_rotary
+from questkv.models.llama import LlamaAttention, LlamaForCausalLM, ModelSpec
 
 # Page-table widths with a decode graph: powers of two from this up to max_pages_per_seq, so that
 # estimate and select scan at most twice the pages the longest sequence of the batch holds.
@@ -86,6 +90,8 @@ class ModelRunner:
             dtype=config.torch_dtype, device=self.device,
         )
         bind_cache(model, self.cache)
+        if config.use_cuda_graphs and config.compile_elementwise:
+            fuse_elementwise(model)
         # Padding rows of a captured batch write and read one token here, never a request's page.
         self.scratch_seq = self.cache.add_sequence()
         self.cache.allocate([self.scratch_seq], [1])
@@ -211,7 +217,10 @@ class ModelRunner:
             [[p.top_k, self.seed_of(seq), seq.num_output_tokens] for p, seq in zip(params, seqs)], dtype=torch.int64
         )
         floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
-        return self.sampler(logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
+        filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort
+        return self.sampler(
+            logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], apply_top_k_top_p=filtering
+        )
 
     def seed_of(self, seq: Sequence) -> int:
         """The request's seed, or one derived from the engine seed and the request id."""
@@ -222,6 +231,25 @@ class ModelRunner:
     def cached_graphs(self) -> int:
         """Decode graphs captured so far."""
         return len(self._graphs)
+
+
+def fuse_elementwise(model: LlamaForCausalLM) -> None:
+    """Swap the model's RMSNorm, SiLU-and-multiply and RoPE functions for ``torch.compile``d ones (one
+    compiled function each, shared by every layer, dynamic in the token count): each becomes one fused
+    kernel instead of several small ones, which is most of a decode step's launch count."""
+    norm, act, rotate = _compiled(rms_norm), _compiled(silu_and_mul), _compiled(apply_rotary)
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = norm
+        elif isinstance(module, SiluAndMul):
+            module.kernel = act
+        elif isinstance(module, LlamaAttention):
+            module.rotate = rotate
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(function):
+    return torch.compile(function, dynamic=True, fullgraph=True)
 
 
 def _stable_hash(text: str) -> int:

@@ -29,6 +29,7 @@ class RMSNorm(nn.Module):
         check_int("RMSNorm.hidden_size", hidden_size, minimum=1)
         self.eps = check_float("RMSNorm.eps", eps, low=0.0, low_open=True)
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.kernel = rms_norm  # the runner may swap in a compiled (fused) rms_norm
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
@@ -39,13 +40,23 @@ class RMSNorm(nn.Module):
         layer adds its residual stream, and return ``(normed, x)``: the new residual stream comes back with
         its normalised copy. Without it, return ``normed`` alone. ``normed`` has the shape and dtype of ``x``.
         """
-        if residual is not None:
-            x = x + residual
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        normed = self.weight * h.to(dtype)
-        return normed if residual is None else (normed, x)
+        if residual is None:
+            return self.kernel(x, self.weight, self.eps)
+        return self.kernel(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:meth:`RMSNorm.forward` as a function of its weight (one function for every layer, so that one
+    ``torch.compile`` of it fuses every norm of a model)."""
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    normed = weight * h.to(dtype)
+    return normed if residual is None else (normed, x)

@@ -24,10 +24,10 @@ _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio, odd: multiplying by it permutes th
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """``x * constant mod 2**32`` for int64 ``x`` in ``[0, 2**32)`` without int64 overflow (partial
-    products stay below ``2**49``)."""
-    low, high = constant & 0xFFFF, constant >> 16
-    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
+    """``x * constant mod 2**32`` for int64 ``x`` in ``[0, 2**32)``, without int64 overflow: a constant
+    above ``2**31`` is used as ``constant - 2**32`` (the same modulo ``2**32``), so the product's magnitude
+    stays below ``2**63``; ``& (2**32 - 1)`` of the two's-complement result is the low 32 bits."""
+    return (x * (constant - 2**32 if constant >= 2**31 else constant)) & _MASK32
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -43,21 +43,20 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     """Uniform numbers in ``(0, 1)`` from a hash of ``(seeds[b], steps[b], v)``.
 
     Args:
-        seeds: ``[B]`` int64 >= 0.
-        steps: ``[B]`` int64 >= 0.
+        seeds: ``[B]`` int64 in ``[0, 2**63)``.
+        steps: ``[B]`` int64 in ``[0, 2**32)`` (higher bits are ignored).
         vocab_size: ``V``.
 
     Returns:
-        ``[B, V]`` float32, multiples of ``2**-24`` offset by ``2**-25`` (never 0 or 1); within a row all
-        values come from distinct hash inputs.
+        ``[B, V]`` float32, odd multiples of ``2**-24`` (never 0 or 1); within a row the values come from
+        distinct hash outputs.
     """
     seeds, steps = seeds.to(torch.int64), steps.to(torch.int64)
-    key = _hash32((seeds & _MASK32) ^ _hash32(((seeds >> 32) & _MASK32) ^ _GOLDEN))  # [B]
-    key = _hash32(key ^ (steps & _MASK32))
-    key = _hash32(key ^ _hash32((steps >> 32) & _MASK32))
+    high = _mul32(((seeds >> 32) & _MASK32) ^ _GOLDEN, 0x85EBCA6B)  # [B]
+    key = _hash32(_hash32((seeds & _MASK32) ^ high) ^ (steps & _MASK32))  # [B], one key per (seed, step)
     vocab = _mul32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64), _GOLDEN)  # [V]
     bits = _hash32(key[:, None] ^ vocab[None, :])  # [B, V] in [0, 2**32), a bijection of v within a row
-    return ((bits >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+    return ((bits >> 8) | 1).to(torch.float32) * (2.0**-24)
 
 
 class Sampler(nn.Module):
@@ -90,8 +89,8 @@ class Sampler(nn.Module):
             temperatures: ``[B]`` float32 >= 0; 0 is greedy.
             top_k: ``[B]`` int32 or int64; 0 keeps all, values above ``V`` keep all.
             top_p: ``[B]`` float32 in ``(0, 1]``; 1 keeps all.
-            seeds: ``[B]`` int64 >= 0, the request's seed.
-            steps: ``[B]`` int64 >= 0, the request's draw counter (its number of generated tokens).
+            seeds: ``[B]`` int64 in ``[0, 2**63)``, the request's seed.
+            steps: ``[B]`` int64 in ``[0, 2**32)``, the request's draw counter (its number of generated tokens).
             all_greedy: a host-side promise that every row is greedy: only the argmax is computed.
             apply_top_k_top_p: ``False`` is a host-side promise that no row restricts top-k or top-p (every
                 ``top_k`` 0 and ``top_p`` 1): the sort is skipped, with the same result.
@@ -106,8 +105,8 @@ class Sampler(nn.Module):
         greedy = temperatures <= 0
         scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).float()[:, None]
         mask: Optional[torch.Tensor] = _top_k_top_p_mask(scaled, top_k, top_p) if apply_top_k_top_p else None
-        gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))  # [B, V]
-        scores = scaled + gumbel
+        # Gumbel-max: argmax(logit + g), g = -log(-log(u)), samples softmax(logit) exactly.
+        scores = scaled - torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))  # [B, V]
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
         return torch.where(greedy, greedy_tokens, scores.argmax(dim=-1))

@@ -181,6 +181,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
+        self.rotate = apply_rotary  # the runner may swap in a compiled (fused) apply_rotary
         self.attn = Attention(
             layer_idx, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, sm_scale=spec.head_dim**-0.5, quest=quest
         )
@@ -195,7 +196,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k = self.rotate(q, k, cos, sin)
         o = self.attn(q, k, v, ctx)  # [T, Hq, D]
         return self.o_proj(o.reshape(o.shape[0], -1))  # [T, hidden]
 

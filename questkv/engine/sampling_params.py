@@ -1,0 +1,95 @@
+"""What one request asks of the engine: how to sample, when to stop, and its Quest token budget.
+
+This module only validates and normalises; the scheduler applies the stops on token ids, the engine the
+stop strings (it owns detokenisation), the sampler (``questkv.layers.sampler``) the sampling fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Union
+
+from questkv.validation import check_bool, check_float, check_int, check_optional_int
+
+__all__ = ["SamplingParams"]
+
+_MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's tokens and when to stop; frozen and validated on construction.
+
+    A request yields exactly one sample: there is no ``n`` (send the same prompt twice, with different seeds,
+    for two samples).
+
+    Attributes:
+        temperature: logits are divided by it before sampling; ``0`` means greedy (argmax), in which case
+            ``top_k``, ``top_p`` and ``seed`` have no effect. Must be >= 0.
+        top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability reaches
+            ``top_p`` (after ``top_k``); in ``(0, 1]``, ``1`` keeps all.
+        top_k: keep the ``top_k`` most likely tokens; ``0`` keeps all. ``-1`` is accepted as vLLM's spelling
+            of "off" and stored as ``0``.
+        seed: the request's own random seed (``0 <= seed < 2**63``): the same seed, prompt and parameters give
+            the same tokens on the same device and dtype, whatever else shares the batch. ``None``: the engine
+            picks one.
+        max_tokens: the most tokens to generate (>= 1); reaching it finishes with reason ``"length"``.
+        stop: strings that end the generation when they appear in the output text (reason ``"stop"``); a
+            single string or a list is accepted and stored as a tuple. Empty strings are refused.
+        stop_token_ids: token ids that end the generation (reason ``"stop"``), also when ``ignore_eos``.
+        ignore_eos: keep generating past the model's end-of-sequence tokens.
+        token_budget: this request's Quest token budget per decode step (>= 1); ``None`` uses the engine's.
+            The engine refuses a budget above its own configuration's.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    max_tokens: int = 16
+    stop: Union[tuple[str, ...], str, Iterable[str], None] = ()
+    stop_token_ids: Union[tuple[int, ...], Iterable[int], None] = ()
+    ignore_eos: bool = False
+    token_budget: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # normalised values are written once, here
+        set_(self, "temperature", check_float("SamplingParams.temperature", self.temperature, low=0.0))
+        set_(self, "top_p", check_float("SamplingParams.top_p", self.top_p, low=0.0, high=1.0, low_open=True))
+        if type(self.top_k) is int and self.top_k == -1:
+            set_(self, "top_k", 0)
+        check_int("SamplingParams.top_k", self.top_k, minimum=0)
+        check_optional_int("SamplingParams.seed", self.seed, minimum=0, maximum=_MAX_SEED)
+        check_int("SamplingParams.max_tokens", self.max_tokens, minimum=1)
+        set_(self, "stop", _stop_strings(self.stop))
+        set_(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        check_bool("SamplingParams.ignore_eos", self.ignore_eos)
+        check_optional_int("SamplingParams.token_budget", self.token_budget, minimum=1)
+
+    @property
+    def greedy(self) -> bool:
+        """``True`` when the request takes the most likely token at every step (``temperature == 0``)."""
+        return self.temperature == 0.0
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    elif not isinstance(stop, (list, tuple)):
+        raise ValueError(f"SamplingParams.stop must be a string or a list of strings, got {stop!r}")
+    for item in stop:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {item!r} in {list(stop)!r}")
+    return tuple(stop)
+
+
+def _stop_token_ids(ids) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, got {ids!r}")
+    for i, item in enumerate(ids):
+        check_int(f"SamplingParams.stop_token_ids[{i}]", item, minimum=0)
+    return tuple(ids)

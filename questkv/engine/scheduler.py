@@ -1,0 +1,320 @@
+"""Continuous batching: which sequences run each step, page admission, preemption, token stops.
+
+The scheduler owns the waiting queue and the running batch and asks ``PagedKVCache`` for page counts; it
+never touches a tensor (the runner computes slots and writes K/V) and never sees text (stop strings are the
+engine's, through :meth:`Scheduler.finish`).
+
+Cache invariant, for every running sequence ``seq``:
+
+* between steps (after :meth:`Scheduler.update`, before the next :meth:`Scheduler.schedule`):
+  ``cache.seq_len(seq.cache_id) == seq.num_tokens - 1``. The cache holds every token but the last sampled one,
+  which is the next step's input;
+* between :meth:`Scheduler.schedule` and :meth:`Scheduler.update`, the scheduled sequences hold one token
+  more, ``seq.num_tokens``: schedule has allocated the positions of the step's inputs
+  (``seq.num_tokens - num_new_tokens[i]`` to ``seq.num_tokens - 1``) and the runner writes their K/V there.
+
+A sequence therefore caches at most ``min(num_prompt_tokens + max_tokens, max_model_len) - 1`` tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import operator
+import time
+from typing import Iterable, Optional, Union
+
+from questkv.cache.paged import PagedKVCache
+from questkv.engine.sequence import Sequence, SequenceStatus
+from questkv.validation import check_int
+
+__all__ = ["ScheduledBatch", "Scheduler"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work: the sequences and how many input tokens each feeds.
+
+    Attributes:
+        seqs: the sequences, in batch order (the order of the sampled tokens).
+        num_new_tokens: per sequence, the step's input tokens: on prefill all of its tokens (the prompt, plus
+            the tokens generated before a preemption when recomputing), on decode 1 each (``seq.last_token``).
+        is_prefill: prefill step (new or recomputed sequences only) or decode step (every running sequence).
+    """
+
+    seqs: tuple[Sequence, ...]
+    num_new_tokens: tuple[int, ...]
+    is_prefill: bool
+
+    @property
+    def seq_ids(self) -> tuple[int, ...]:
+        """``PagedKVCache`` sequence ids, in batch order."""
+        return tuple(seq.cache_id for seq in self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        """All input tokens of the step."""
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """FIFO admission by free pages, prefill before decode, preemption of the newest by recompute.
+
+    Each :meth:`schedule` is either a prefill of waiting sequences (admitted in arrival order while the batch
+    has fewer than ``max_num_seqs`` running, the prefill tokens stay within ``max_num_batched_tokens`` (the
+    first one is always admitted, however long) and the pool holds their tokens plus one decode step of
+    every running sequence), or else one decode step of every running sequence. When the pool cannot hold
+    the decode step, the newest running sequence is preempted: its pages are freed, it returns to the front
+    of the waiting queue and is later prefilled again with its prompt and generated tokens.
+
+    Args:
+        cache: the engine's KV cache; the scheduler owns its sequences (pages held outside, e.g. the runner's
+            scratch page, are simply not available to requests).
+        max_num_seqs: the most sequences running at once (<= ``cache.max_seqs``).
+        max_num_batched_tokens: the most prompt tokens of one prefill step (beyond its first sequence).
+        eos_token_ids: the model's end-of-sequence ids (ignored by requests with ``ignore_eos``).
+        max_model_len: the most tokens (prompt plus generated) of one sequence.
+
+    ``waiting`` (a deque) and ``running`` (a list, oldest first) are for reading; change them through the
+    methods.
+    """
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+    ) -> None:
+        if not isinstance(cache, PagedKVCache):
+            raise ValueError(f"Scheduler.cache must be a PagedKVCache, got {type(cache).__name__}")
+        check_int("Scheduler.max_num_seqs", max_num_seqs, minimum=1, maximum=cache.max_seqs)
+        check_int("Scheduler.max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        check_int("Scheduler.max_model_len", max_model_len, minimum=2)  # one prompt token, one generated
+        eos_token_ids = frozenset(eos_token_ids)
+        for token in eos_token_ids:
+            check_int("Scheduler.eos_token_ids", token, minimum=0)
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self._live: dict[str, Sequence] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``ValueError`` unless a request of this size can run (alone, if need be).
+
+        The prompt must leave room for one generated token within ``max_model_len``, and the most tokens the
+        sequence ever caches (``min(num_prompt_tokens + max_tokens, max_model_len) - 1``) must fit one
+        sequence's page-table row and the pages available to requests (free or held by running sequences).
+        """
+        check_int("num_prompt_tokens", num_prompt_tokens, minimum=1)
+        check_int("SamplingParams.max_tokens", max_tokens, minimum=1)
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens but max_model_len={self.max_model_len} allows at most "
+                f"{self.max_model_len - 1}, leaving room for one generated token"
+            )
+        cached = min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
+        need = self.cache.pages_for_tokens(cached)
+        usable = self._usable_pages()
+        if need > min(usable, self.cache.max_pages_per_seq):
+            limit = (
+                f"one sequence may hold at most max_pages_per_seq={self.cache.max_pages_per_seq}"
+                if self.cache.max_pages_per_seq < usable
+                else f"the KV cache has {usable} pages for requests"
+            )
+            raise ValueError(
+                f"a request of {num_prompt_tokens} prompt tokens and max_tokens={max_tokens} caches up to {cached} "
+                f"tokens, {need} pages of {self.cache.page_size}, but {limit}; shorten the prompt, lower "
+                f"max_tokens or give the KV cache more memory"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (status ``WAITING``, no pages) after checking that it fits (:meth:`check_fits`)."""
+        if not isinstance(seq, Sequence):
+            raise ValueError(f"Scheduler.add takes a Sequence, got {type(seq).__name__}")
+        if seq.status is not SequenceStatus.WAITING or seq.cache_id is not None:
+            raise ValueError(
+                f"Scheduler.add takes a new waiting sequence; request {seq.request_id!r} has status "
+                f"{seq.status.name} and cache_id {seq.cache_id}"
+            )
+        if seq.request_id in self._live:
+            raise ValueError(f"request id {seq.request_id!r} is already waiting or running")
+        self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+        self.waiting.append(seq)
+        self._live[seq.request_id] = seq
+
+    def schedule(self) -> Optional[ScheduledBatch]:
+        """The next step: a prefill of admitted waiting sequences if any can be admitted, else a decode step
+        of every running sequence (preempting the newest while the pool cannot hold it); ``None`` when nothing
+        is left. Pages for the step's input tokens are allocated here."""
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        if not self.running:
+            if self.waiting:
+                seq = self.waiting[0]
+                raise RuntimeError(
+                    f"request {seq.request_id!r} ({seq.num_tokens} tokens) waits with nothing running but cannot "
+                    f"be admitted: {self.cache.num_free_pages} pages free of {self.cache.num_pages}, "
+                    f"{len(self.cache.sequences)} of {self.cache.max_seqs} cache sequence slots in use"
+                )
+            return None
+        return self._schedule_decode()
+
+    def update(self, batch: ScheduledBatch, token_ids: Iterable[int]) -> list[Sequence]:
+        """Append one sampled token to each sequence of ``batch``, apply the token stops (end-of-sequence
+        unless ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``) and free the pages of
+        the finished sequences at once. Sequences finished since :meth:`schedule` (aborted) are skipped.
+
+        Returns:
+            The sequences that finished in this update, in batch order.
+        """
+        tokens = list(token_ids)
+        if len(tokens) != len(batch.seqs):
+            raise ValueError(f"update got {len(tokens)} token ids for a batch of {len(batch.seqs)} sequences")
+        for i, token in enumerate(tokens):
+            try:
+                tokens[i] = operator.index(token)
+            except TypeError:
+                raise ValueError(f"update: token_ids[{i}] must be an int, got {token!r}") from None
+            if tokens[i] < 0:
+                raise ValueError(f"update: token_ids[{i}] must be >= 0, got {tokens[i]}")
+        live = [(seq, token) for seq, token in zip(batch.seqs, tokens) if not seq.is_finished]
+        for seq, _ in live:
+            if seq.status is not SequenceStatus.RUNNING or self.cache.seq_len(seq.cache_id) != seq.num_tokens:
+                cached = None if seq.cache_id is None else self.cache.seq_len(seq.cache_id)
+                raise RuntimeError(
+                    f"request {seq.request_id!r} in the batch has status {seq.status.name}, {seq.num_tokens} tokens "
+                    f"and {cached} cached; a scheduled sequence must be running with all its tokens cached"
+                )
+        now = time.perf_counter()
+        finished = []
+        for seq, token in live:
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            stop = self._token_stop(seq, token)
+            if stop is not None:
+                self.finish(seq, *stop)
+                finished.append(seq)
+        return finished
+
+    def finish(
+        self, seq: Sequence, status: SequenceStatus, reason: Union[int, str, None] = None
+    ) -> None:
+        """Finish a waiting or running sequence with a finished ``status`` and ``stop_reason``; its pages
+        are freed at once. The engine calls it for stop strings: a sequence that :meth:`update` has just
+        finished (by length or a stop token) may be relabelled ``FINISHED_STOPPED`` with the stop string that
+        its last token completed; an aborted one stays aborted."""
+        if not isinstance(status, SequenceStatus) or not status.is_finished:
+            raise ValueError(f"Scheduler.finish needs a finished status, got {status!r}")
+        if seq.is_finished:
+            if seq.status is not SequenceStatus.FINISHED_ABORTED and status is SequenceStatus.FINISHED_STOPPED:
+                seq.status, seq.stop_reason = status, reason
+                return
+            raise ValueError(f"request {seq.request_id!r} already finished ({seq.status.name})")
+        if self._live.get(seq.request_id) is not seq:
+            raise ValueError(f"request {seq.request_id!r} is not waiting or running in this scheduler")
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._free(seq)
+        else:
+            self.waiting.remove(seq)
+        del self._live[seq.request_id]
+        seq.status, seq.stop_reason = status, reason
+        seq.finished_time = time.perf_counter()
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a waiting or running request as aborted, freeing its pages at once; ``False`` if no such
+        request is waiting or running."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+        cache = self.cache
+        # Keep room for the next decode step of the running sequences and of the admitted ones, so that an
+        # admission does not force a preemption on the very next step.
+        reserved = sum(cache.pages_needed(seq.cache_id, 1) for seq in self.running)
+        free_slots = cache.max_seqs - len(cache.sequences)
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs and len(seqs) < free_slots:
+            seq = self.waiting[0]
+            count = seq.num_tokens
+            if seqs and sum(counts) + count > self.max_num_batched_tokens:
+                break
+            need = cache.pages_for_tokens(min(count + 1, self._max_cached_tokens(seq)))
+            if reserved + need > cache.num_free_pages:
+                break
+            reserved += need
+            seqs.append(self.waiting.popleft())
+            counts.append(count)
+        if not seqs:
+            return None
+        ids = [cache.add_sequence() for _ in seqs]
+        cache.allocate(ids, counts)
+        for seq, cache_id in zip(seqs, ids):
+            seq.cache_id, seq.status = cache_id, SequenceStatus.RUNNING
+            self.running.append(seq)
+        return ScheduledBatch(tuple(seqs), tuple(counts), is_prefill=True)
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        while not self.cache.can_reserve([seq.cache_id for seq in self.running], [1] * len(self.running)):
+            if len(self.running) == 1:
+                seq = self.running[0]
+                raise RuntimeError(
+                    f"request {seq.request_id!r} runs alone but cannot get room for its next token: it caches "
+                    f"{self.cache.seq_len(seq.cache_id)} tokens in {len(self.cache.pages_of(seq.cache_id))} pages, "
+                    f"{self.cache.num_free_pages} pages free of {self.cache.num_pages} (max_pages_per_seq="
+                    f"{self.cache.max_pages_per_seq}); check_fits should have refused it"
+                )
+            self._preempt(self.running.pop())
+        ones = [1] * len(self.running)
+        self.cache.allocate([seq.cache_id for seq in self.running], ones)
+        return ScheduledBatch(tuple(self.running), tuple(ones), is_prefill=False)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.cache.free_sequence(seq.cache_id)
+        seq.cache_id = None
+
+    def _max_cached_tokens(self, seq: Sequence) -> int:
+        return min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len) - 1
+
+    def _usable_pages(self) -> int:
+        return self.cache.num_free_pages + sum(len(self.cache.pages_of(seq.cache_id)) for seq in self.running)
+
+    def _token_stop(self, seq: Sequence, token: int) -> Optional[tuple[SequenceStatus, Optional[int]]]:
+        params = seq.sampling_params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, None
+        if token in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, token
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None

@@ -1,0 +1,193 @@
+"""One request's state as the engine carries it (:class:`Sequence`), and what the user gets back.
+
+The scheduler moves a sequence between statuses and appends its sampled tokens; the engine fills the text
+(detokenisation) and the attention metric (``tokens_attended_sum`` / ``decode_steps``). Timestamps are
+``time.perf_counter()`` seconds. Nothing here touches tensors or the KV cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Optional, Union
+
+from questkv.engine.sampling_params import SamplingParams
+
+__all__ = ["RequestMetrics", "RequestOutput", "Sequence", "SequenceStatus"]
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: queued, in the running batch, or finished (and why)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """``"stop"``, ``"length"`` or ``"abort"`` once finished, else ``None``."""
+        return self.value if self in _FINISHED else None
+
+
+_FINISHED = frozenset(
+    {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One request: its prompt, the tokens generated so far and where it stands.
+
+    Attributes:
+        request_id: the caller's name for the request, unique among live requests.
+        prompt_token_ids: the prompt, at least one token.
+        sampling_params: how to sample and when to stop.
+        prompt: the prompt text when the request came as text (for :class:`RequestOutput`), else ``None``.
+        arrival_time: when the request arrived.
+        output_token_ids: tokens generated so far, kept across preemptions (they are recomputed, not lost).
+        status: see :class:`SequenceStatus`.
+        cache_id: the ``PagedKVCache`` sequence id while the sequence holds pages (running), else ``None``.
+        stop_reason: the stop string or the ``stop_token_ids`` entry that finished it; ``None`` otherwise,
+            an end-of-sequence token included (as in vLLM).
+        first_token_time, finished_time: when the first output token was appended and when it finished.
+        num_preemptions: how often it lost its pages and went back to the waiting queue.
+        tokens_attended_sum, decode_steps: the engine adds the tokens one decode step attended (mean over
+            layers and heads) and counts the steps; their ratio is ``mean_tokens_attended``.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    prompt: Optional[str] = None
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    cache_id: Optional[int] = None
+    stop_reason: Union[int, str, None] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_preemptions: int = 0
+    tokens_attended_sum: float = 0.0
+    decode_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"Sequence.request_id must be a non-empty str, got {self.request_id!r}")
+        ids = self.prompt_token_ids
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError(f"Sequence.prompt_token_ids must be a non-empty list of token ids, got {ids!r}")
+        for i, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"Sequence.prompt_token_ids[{i}] must be an int >= 0, got {token!r}")
+        if not isinstance(self.sampling_params, SamplingParams):
+            raise ValueError(f"Sequence.sampling_params must be a SamplingParams, got {self.sampling_params!r}")
+        self.prompt_token_ids = tuple(ids)  # immutable: outputs share it instead of copying it every step
+        self.output_token_ids = list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then generated tokens (a new list)."""
+        return list(self.prompt_token_ids) + self.output_token_ids
+
+    @property
+    def last_token(self) -> int:
+        """The newest token: the input of the next decode step."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """``"stop"``, ``"length"``, ``"abort"``, or ``None`` while unfinished."""
+        return self.status.finish_reason
+
+    def metrics(self) -> RequestMetrics:
+        """The request's metrics so far (decode speed only once finished)."""
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        decode_tps = None
+        if self.finished_time is not None and self.first_token_time is not None and self.num_output_tokens > 1:
+            elapsed = self.finished_time - self.first_token_time
+            decode_tps = (self.num_output_tokens - 1) / elapsed if elapsed > 0 else None
+        mean_attended = self.tokens_attended_sum / self.decode_steps if self.decode_steps else None
+        return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """How one request went.
+
+    Attributes:
+        time_to_first_token: seconds from arrival to the first generated token (queueing and prefill).
+        decode_tokens_per_s: tokens after the first per second, from the first token to the finish
+            (preemption stalls included); ``None`` until finished or with fewer than two tokens.
+        mean_tokens_attended: KV tokens one decode step attended, averaged over the request's decode steps
+            (and over layers and heads): the context length when dense, about the budget with Quest.
+        num_preemptions: how often the request lost its pages and was recomputed.
+    """
+
+    time_to_first_token: Optional[float]
+    decode_tokens_per_s: Optional[float]
+    mean_tokens_attended: Optional[float]
+    num_preemptions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """One request's result (or, while ``finished`` is ``False``, its progress so far).
+
+    Attributes:
+        request_id, prompt, prompt_token_ids: as submitted (``prompt`` is ``None`` for token-id prompts).
+        text: the generated text, detokenised by the engine (a matched stop string is not included).
+        token_ids: the generated tokens.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, or ``None`` while running.
+        stop_reason: the stop string or stop token id that matched, else ``None``.
+        finished: whether the request is done.
+        metrics: see :class:`RequestMetrics`.
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: tuple[int, ...]
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: Optional[str]
+    stop_reason: Union[int, str, None]
+    finished: bool
+    metrics: RequestMetrics
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence, text: str) -> RequestOutput:
+        """Snapshot ``seq`` with the engine's detokenised ``text``."""
+        return cls(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=text,
+            token_ids=tuple(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            finished=seq.is_finished,
+            metrics=seq.metrics(),
+        )

@@ -1,0 +1,251 @@
+"""ModelRunner: the page pool it plans, the logits of its steps (Quest at full budget == dense), which decode path
+each layer takes (spied on ``QuestDecodeStep.sparse`` / ``.dense``) and the per-request budgets it hands them.
+
+The model is a tiny random transformers Llama (3 layers, GQA 4 q / 2 KV heads, llama3 rope) saved with
+``save_pretrained`` once per module; prompts are fresh random token ids in every test.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from questkv import QuestConfig
+from questkv.decode.step import QuestDecodeStep
+from questkv.engine.config import EngineConfig
+from questkv.engine.llm import LLM
+from questkv.engine.model_runner import plan_cache
+from questkv.engine.sampling_params import SamplingParams
+from questkv.layers.attention import Attention
+from questkv.models.llama import ModelSpec
+from tests.helpers import tiny_config, tiny_hf_model, word_tokenizer
+
+VOCAB, PAGE, MAX_LEN, LAYERS = 96, 4, 128, 3
+FULL = QuestConfig(token_budget=MAX_LEN, page_size=PAGE, dense_layers=1)  # covers every context
+SMALL = QuestConfig(token_budget=12, page_size=PAGE, dense_layers=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = tiny_config("llama3", vocab_size=VOCAB)
+    tiny_hf_model(config, seed=random.randrange(1 << 16)).save_pretrained(path)
+    word_tokenizer([f"x{i:02d}" for i in range(2, VOCAB)]).save_pretrained(path)
+    return path
+
+
+def make_llm(model_dir, quest=None, **kwargs) -> LLM:
+    kwargs = {"device": "cpu", "dtype": "float32", "max_model_len": MAX_LEN, "kv_cache_memory": 1 << 20, **kwargs}
+    return LLM(str(model_dir), quest=quest, **kwargs)
+
+
+def prompt(n: int) -> list[int]:
+    return torch.randint(2, VOCAB, (n,)).tolist()
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def record_logits(monkeypatch, llm) -> list[torch.Tensor]:
+    """Every ``[batch, vocab]`` logits tensor the runner computes, in step order (prefill, then decodes)."""
+    model, calls = llm.engine.runner.model, []
+    compute = model.compute_logits
+
+    def spy(hidden):
+        logits = compute(hidden)
+        calls.append(logits.clone())
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", spy)
+    return calls
+
+
+def record_decode_paths(monkeypatch, llm) -> list[tuple]:
+    """``(path, layer_idx, selected or None, budgets or None)`` of every decode attention call, in call order."""
+    layer_of = {id(m.pages): m.layer_idx for m in llm.engine.runner.model.modules() if isinstance(m, Attention)}
+    calls = []
+    dense, sparse = QuestDecodeStep.dense, QuestDecodeStep.sparse
+
+    def spy_dense(self, q, layer, *args, **kwargs):
+        calls.append(("dense", layer_of[id(layer)], None, None))
+        return dense(self, q, layer, *args, **kwargs)
+
+    def spy_sparse(self, q, layer, page_table, seq_lens, sm_scale=None, budgets=None):
+        out = sparse(self, q, layer, page_table, seq_lens, sm_scale, budgets)
+        calls.append(("sparse", layer_of[id(layer)], self.selected.clone(), None if budgets is None else budgets.clone()))
+        return out
+
+    monkeypatch.setattr(QuestDecodeStep, "dense", spy_dense)
+    monkeypatch.setattr(QuestDecodeStep, "sparse", spy_sparse)
+    return calls
+
+
+def page_bytes(spec: ModelSpec, page_size: int, element: int = 4) -> int:
+    """K and V of ``page_size`` tokens plus the page's min and max key, in every layer."""
+    return spec.num_layers * (2 * page_size + 2) * spec.num_kv_heads * spec.head_dim * element
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The page pool
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quest", [None, FULL], ids=["dense", "quest"])
+def test_the_pool_holds_the_pages_that_fit_kv_cache_memory_and_the_runner_keeps_one_scratch_page(model_dir, quest):
+    page_size = 16 if quest is None else quest.page_size
+    probe = make_llm(model_dir, quest)
+    size = page_bytes(probe.engine.spec, page_size)
+    pages = random.randint(math.ceil(MAX_LEN / page_size) + 1, 80)
+    llm = make_llm(model_dir, quest, kv_cache_memory=pages * size + random.randrange(size))
+    runner, cache = llm.engine.runner, llm.engine.cache
+    assert cache.num_pages == runner.cache_spec.num_pages == pages and cache.page_size == page_size
+    assert runner.cache_spec.max_pages_per_seq == cache.max_pages_per_seq == math.ceil(MAX_LEN / page_size)
+    assert cache.sequences == [runner.scratch_seq] and len(cache.pages_of(runner.scratch_seq)) == 1
+    assert cache.num_free_pages == pages - 1
+    assert cache.max_seqs == llm.config.max_num_seqs + 1  # the scratch sequence beside max_num_seqs requests
+
+
+def test_plan_cache_takes_one_gib_on_cpu_by_default_and_refuses_a_budget_below_one_sequence(model_dir):
+    spec = make_llm(model_dir).engine.spec
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32")
+    plan = plan_cache(config, spec, MAX_LEN, torch.device("cpu"))
+    assert plan.num_pages == (1 << 30) // page_bytes(spec, 16)
+    assert plan.max_pages_per_seq == MAX_LEN // 16 and plan.max_model_len == MAX_LEN
+    small = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", kv_cache_memory=page_bytes(spec, 16) * 8)
+    with pytest.raises(ValueError, match=r"fewer than one sequence of max_model_len=128 tokens needs \(9 with the "
+                                         r"scratch page\); raise kv_cache_memory"):
+        plan_cache(small, spec, MAX_LEN, torch.device("cpu"))
+
+
+def test_a_cpu_runner_never_captures_graphs_and_decodes_at_the_batchs_own_width(model_dir):
+    llm = make_llm(model_dir, FULL, enforce_eager=False)
+    runner = llm.engine.runner
+    assert runner.graph_sizes == ()
+    llm.generate([prompt(9), prompt(30)], greedy(4), use_tqdm=False)
+    assert runner.cached_graphs() == 0
+    assert runner._table_width(3) == 3  # no padding of the page table without graphs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logits: Quest with a budget covering the context == dense
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_quest_with_a_budget_covering_the_context_gives_the_dense_logits_on_prefill_and_every_decode_step(
+    model_dir, monkeypatch
+):
+    prompts = [prompt(n) for n in (random.randint(1, 8), random.randint(9, 40), random.randint(41, 90))]
+    runs = {}
+    for name, quest in (("dense", None), ("dense page 4", QuestConfig(page_size=PAGE)), ("quest", FULL)):
+        llm = make_llm(model_dir, quest)
+        logits = record_logits(monkeypatch, llm)
+        outputs = llm.generate(prompts, greedy(12), use_tqdm=False)
+        runs[name] = (logits, [out.token_ids for out in outputs])
+    dense_logits, dense_tokens = runs["dense"]
+    assert len(dense_logits) == 12  # one prefill of the three prompts, then eleven decode steps
+    for name in ("dense page 4", "quest"):
+        logits, tokens = runs[name]
+        assert tokens == dense_tokens, name
+        assert len(logits) == len(dense_logits)
+        for step, (got, want) in enumerate(zip(logits, dense_logits)):
+            assert got.shape == want.shape == (3, VOCAB)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{name}, step {step}")
+
+
+def test_a_small_budget_selects_only_its_pages_and_changes_the_logits(model_dir, monkeypatch):
+    prompts = [prompt(random.randint(30, 60))]
+    dense = make_llm(model_dir)
+    dense_logits = record_logits(monkeypatch, dense)
+    dense.generate(prompts, greedy(6), use_tqdm=False)
+    llm = make_llm(model_dir, SMALL)
+    logits = record_logits(monkeypatch, llm)
+    calls = record_decode_paths(monkeypatch, llm)
+    llm.generate(prompts, greedy(6), use_tqdm=False)
+    sparse = [selected for path, _, selected, _ in calls if path == "sparse"]
+    assert len(sparse) == 5 * (LAYERS - SMALL.dense_layers)
+    context_pages = math.ceil(len(prompts[0]) / PAGE)
+    for selected in sparse:  # [batch, num_kv_heads, budget_pages]
+        assert selected.shape == (1, 2, SMALL.budget_pages)
+        assert (selected >= 0).sum(-1).eq(SMALL.budget_pages).all()  # 3 of the context's 8 to 17 pages
+        assert context_pages > SMALL.budget_pages
+    torch.testing.assert_close(logits[0], dense_logits[0], rtol=1e-5, atol=1e-5)  # prefill is dense attention
+    assert not torch.allclose(logits[1], dense_logits[1], rtol=1e-4, atol=1e-4)  # the first sparse decode step
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which decode path each layer takes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dense_layers", [0, 1, 2])
+def test_sparse_layers_decode_through_sparse_and_the_layers_below_dense_layers_through_dense(
+    model_dir, monkeypatch, dense_layers
+):
+    quest = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=dense_layers)
+    llm = make_llm(model_dir, quest)
+    calls = record_decode_paths(monkeypatch, llm)
+    llm.generate([prompt(random.randint(1, 40)), prompt(random.randint(1, 40))], greedy(5), use_tqdm=False)
+    expected = [("dense" if i < dense_layers else "sparse", i) for i in range(LAYERS)]
+    assert [(path, layer) for path, layer, _, _ in calls] == expected * 4  # four decode steps, none in prefill
+
+
+@pytest.mark.parametrize("quest", [None, QuestConfig(page_size=PAGE)], ids=["quest None", "dense QuestConfig"])
+def test_a_dense_engine_never_calls_sparse(model_dir, monkeypatch, quest):
+    llm = make_llm(model_dir, quest)
+    calls = record_decode_paths(monkeypatch, llm)
+    llm.generate([prompt(random.randint(1, 40)) for _ in range(3)], greedy(4), use_tqdm=False)
+    assert [(path, layer) for path, layer, _, _ in calls] == [("dense", i) for i in range(LAYERS)] * 3
+
+
+def test_per_request_budgets_reach_every_sparse_layer_as_per_row_page_counts(model_dir, monkeypatch):
+    quest = QuestConfig(token_budget=32, page_size=PAGE, dense_layers=1)
+    llm = make_llm(model_dir, quest)
+    calls = record_decode_paths(monkeypatch, llm)
+    budgets = [8, None, 16, 4, 32]
+    params = [greedy(4, token_budget=b) for b in budgets]
+    llm.generate([prompt(random.randint(40, 80)) for _ in budgets], params, use_tqdm=False)
+    rows = torch.tensor([b or quest.token_budget for b in budgets], dtype=torch.int32)
+    sparse = [(selected, got) for path, _, selected, got in calls if path == "sparse"]
+    assert len(sparse) == 3 * (LAYERS - 1)
+    for selected, got in sparse:
+        assert torch.equal(got, rows)
+        assert torch.equal((selected >= 0).sum(-1), (rows // PAGE)[:, None].expand(-1, 2))  # [batch, num_kv_heads]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Execute and seeds
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_execute_samples_one_token_per_sequence_in_batch_order(model_dir):
+    llm = make_llm(model_dir, FULL)
+    engine = llm.engine
+    prompts = [prompt(random.randint(1, 30)) for _ in range(3)]
+    alone = [llm.generate([p], greedy(2), use_tqdm=False)[0].token_ids for p in prompts]
+    for p in reversed(prompts):
+        engine.add_request(p, greedy(2))
+    batch = engine.scheduler.schedule()
+    assert batch.is_prefill and [list(seq.prompt_token_ids) for seq in batch.seqs] == prompts[::-1]
+    tokens = engine.runner.execute(batch)
+    assert isinstance(tokens, list) and all(type(t) is int for t in tokens)
+    assert tokens == [a[0] for a in alone[::-1]]
+    engine.scheduler.update(batch, tokens)
+    batch = engine.scheduler.schedule()
+    assert not batch.is_prefill and engine.runner.execute(batch) == [a[1] for a in alone[::-1]]
+    engine.scheduler.update(batch, [a[1] for a in alone[::-1]])
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_requests_own_seed_wins_and_others_derive_theirs_from_the_engine_seed_and_request_id(model_dir):
+    def queued(engine, request_id, seed=None):
+        engine.add_request(prompt(3), SamplingParams(seed=seed), request_id=request_id)
+        return engine.scheduler.waiting[-1]
+
+    first, second, other = (make_llm(model_dir, seed=s).engine for s in (7, 7, 8))
+    a, b, c = queued(first, "r1"), queued(second, "r1"), queued(other, "r1")
+    assert first.runner.seed_of(a) == second.runner.seed_of(b) != other.runner.seed_of(c)
+    assert first.runner.seed_of(queued(first, "r2")) != first.runner.seed_of(a)
+    assert first.runner.seed_of(queued(first, "r3", seed=123)) == 123
+    assert 0 <= first.runner.seed_of(a) < 1 << 63
