@@ -254,8 +254,8 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
     reps, warmup = args.reps, args.warmup
 
     dense = QuestDecodeStep(QuestConfig(backend="triton"), batch, hq, hkv, d, npages, DTYPE, DEVICE)
-    point["questkv_dense_us"] = time_graph(lambda i: dense.attend(q, layers[i], table, lens, None), n_layers, reps, warmup)
-    dense_out = dense.attend(q, layers[0], table, lens, None).clone()
+    point["questkv_dense_us"] = time_graph(lambda i: dense.dense(q, layers[i], table, lens), n_layers, reps, warmup)
+    dense_out = dense.dense(q, layers[0], table, lens).clone()
 
     point["flashinfer"] = {}
     if flashinfer_ok:
@@ -283,8 +283,7 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
             continue
         config = QuestConfig(token_budget=budget, backend="triton")
         step = QuestDecodeStep(config, batch, hq, hkv, d, npages, DTYPE, DEVICE)
-        step(q, layers[0], table, lens)  # a real selection for the attend-only timing
-        selected = step.selected.clone()
+        step(q, layers[0], table, lens)  # warm-up
         sparse_bytes = bound_bytes + batch * hkv * budget * d * 2 * elt
         row = {
             "budget": budget,
@@ -295,7 +294,7 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
             "select_torch_topk_us": time_graph(
                 lambda i: torch_topk_select(step.scores, lens, config.budget_pages), n_layers, reps, warmup
             ),
-            "attend_us": time_graph(lambda i: step.attend(q, layers[i], table, lens, selected), n_layers, reps, warmup),
+            "attend_us": time_graph(lambda i: step.attend(q, layers[i], table, lens), n_layers, reps, warmup),
             "step_bytes": sparse_bytes,
             "launches": count_launches(lambda: step(q, layers[0], table, lens)),
         }

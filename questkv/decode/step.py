@@ -140,6 +140,17 @@ class QuestDecodeStep:
             raise ValueError("QuestDecodeStep.sparse needs a sparse config (token_budget set)")
         self.estimate(q, layer, page_table, seq_lens)
         self.select(seq_lens, budgets)
+        return self.attend(q, layer, page_table, seq_lens, sm_scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        layer: LayerPages,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sm_scale: Optional[float] = None,
+    ) -> torch.Tensor:
+        """Attention over the pages in ``self.selected`` into ``self.out`` (the last part of :meth:`sparse`)."""
         return self.backend.paged_decode_attention_into(
             self.out, self._sparse_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, self.selected, sm_scale
         )
