@@ -8,9 +8,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheFullError",
+    "LLM",
     "PagedKVCache",
     "QuestCache",
     "QuestConfig",
+    "SamplingParams",
     "disable",
     "enable",
     "load_model",
@@ -24,6 +26,8 @@ _LAZY = {
     "disable": "questkv.integrations.hf",
     "QuestCache": "questkv.integrations.hf",
     "load_model": "questkv.models",
+    "LLM": "questkv.engine.llm",
+    "SamplingParams": "questkv.engine.sampling_params",
 }
 
 

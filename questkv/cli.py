@@ -7,19 +7,8 @@ import json
 import sys
 from typing import Optional, Sequence
 
-
-def _budget_list(text: str) -> list[Optional[int]]:
-    """Parse ``"64,256,full"`` into ``[64, 256, None]``."""
-    budgets: list[Optional[int]] = []
-    for item in text.split(","):
-        item = item.strip()
-        if item == "full":
-            budgets.append(None)
-        elif item.isdigit() and int(item) > 0:
-            budgets.append(int(item))
-        else:
-            raise argparse.ArgumentTypeError(f"budget {item!r} is not a positive integer or 'full'")
-    return budgets
+from questkv.cli_args import add_quest_args, quest_config, quest_options
+from questkv.config import PAGE_POLICY_OPTIONS
 
 
 def _add_demo(subparsers) -> None:
@@ -29,11 +18,10 @@ def _add_demo(subparsers) -> None:
         description="Build a paged KV cache of random keys in which a few pages are relevant to the query, "
         "then compare Quest attention at several token budgets with dense attention.",
     )
-    parser.add_argument("--budgets", type=_budget_list, default=[64, 256, 1024, None],
-                        help="comma-separated token budgets; 'full' is dense attention (default: 64,256,1024,full)")
+    add_quest_args(parser, ["token_budget", "page_size"], plural=["token_budget"],
+                   defaults={"token_budget": [64, 256, 1024, None]})
     parser.add_argument("--context", type=int, default=8192, help="tokens per sequence (default: 8192)")
     parser.add_argument("--batch", type=int, default=2, help="number of sequences (default: 2)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per page, a power of two (default: 16)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     parser.set_defaults(func=_run_demo)
@@ -42,7 +30,8 @@ def _add_demo(subparsers) -> None:
 def _run_demo(args) -> int:
     from questkv.demo import format_table, run_demo
 
-    rows = run_demo(budgets=args.budgets, batch=args.batch, context=args.context, page_size=args.page_size, seed=args.seed)
+    rows = run_demo(budgets=args.token_budget, batch=args.batch, context=args.context, page_size=args.page_size,
+                    seed=args.seed)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)
@@ -66,8 +55,6 @@ def _add_model_args(parser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="weights and KV-cache dtype (default: bfloat16)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page, a power of two (default: 16)")
-    parser.add_argument("--dense-layers", type=int, default=2, help="layers below this index decode densely (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
 
 
@@ -82,9 +69,7 @@ def _add_generate(subparsers) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", help="read the prompt from this file")
-    parser.add_argument("--budget", type=_budget_list, default=[None],
-                        help="token budget per decode step, or 'full' for dense attention (default: full)")
-    parser.add_argument("--selection", choices=["kv_head", "q_head"], default="kv_head", help="selection mode (default: kv_head)")
+    add_quest_args(parser.add_argument_group("Quest"))
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
@@ -95,8 +80,7 @@ def _add_generate(subparsers) -> None:
 def _run_generate(args) -> int:
     from questkv.generate import generate_text
 
-    if len(args.budget) != 1:
-        raise ValueError(f"--budget takes one value, got {len(args.budget)}")
+    quest = quest_config(args)  # invalid knobs fail here, before the model loads
     if args.prompt_file:
         with open(args.prompt_file) as handle:
             prompt = handle.read()
@@ -104,13 +88,10 @@ def _run_generate(args) -> int:
         prompt = args.prompt
     stats = generate_text(
         prompt,
+        quest=quest,
         model=args.model,
         device=args.device,
         dtype=args.dtype,
-        budget=args.budget[0],
-        page_size=args.page_size,
-        dense_layers=args.dense_layers,
-        selection=args.selection,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -162,20 +143,15 @@ def _add_eval(subparsers) -> None:
         sub.add_argument("--lengths", type=_int_list, default=[4096], help="context lengths in tokens (default: 4096)")
         sub.add_argument("--policies", type=_name_list("policy", tuple(POLICIES)), default=["full", "quest"],
                          help=f"comma-separated policies: {', '.join(POLICIES)} (default: full,quest)")
-        sub.add_argument("--budgets", type=_int_list, default=[256, 512],
-                         help="token budgets of every policy but full (default: 256,512)")
+        add_quest_args(sub, ["token_budget", "page_size", "dense_layers"], plural=["token_budget"],
+                       defaults={"token_budget": [256, 512]},
+                       help={"token_budget": "token budgets of every policy but full"})
         sub.add_argument("--samples", type=int, default=10,
                          help="prompts per task and length; ppl: text windows per length (default: 10)")
-        sub.add_argument("--selection", choices=["kv_head", "q_head"], default="kv_head",
-                         help="page selection of quest, oracle and quest-topp: one page set per KV head or per query head "
-                         "(default: kv_head)")
-        sub.add_argument("--sink-pages", type=int, default=0,
-                         help="pages from the start that quest, oracle and quest-topp always select (default: 0)")
-        sub.add_argument("--recent-pages", type=int, default=0,
-                         help="pages before the current one that quest, oracle and quest-topp always select "
-                         "(default: 0; the current page is always selected)")
-        sub.add_argument("--top-p", type=float, default=0.9,
-                         help="quest-topp: estimated attention mass to reach; its budget is the cap (default: 0.9)")
+        pages = sub.add_argument_group("page policies (quest, oracle, quest-topp)")
+        add_quest_args(pages, PAGE_POLICY_OPTIONS)
+        pages.add_argument("--top-p", type=float, default=0.9,
+                           help="quest-topp: estimated attention mass to reach; its budget is the cap (default: 0.9)")
         sub.add_argument("--score-tokens", type=int, default=256,
                          help="ppl: tokens scored at the end of every window, each through a decode step (default: 256)")
         sub.add_argument("--text-file", default=None,
@@ -195,49 +171,33 @@ def _run_eval(args) -> int:
     from pathlib import Path
 
     from questkv.eval import sweep
-    from questkv.eval.perplexity import load_text
     from questkv.eval.provenance import provenance
 
+    quest = quest_options(args, sweep.QUEST_FIELDS)
     spec = sweep.SweepSpec(
         tasks=args.tasks if args.eval_command == "sweep" else [args.eval_command],
         lengths=args.lengths,
         policies=args.policies,
-        budgets=args.budgets if any(p != "full" for p in args.policies) else [],
+        budgets=args.token_budget if any(p != "full" for p in args.policies) else [],
         samples=args.samples,
-        page_size=args.page_size,
-        dense_layers=args.dense_layers,
         seed=args.seed,
         top_p=args.top_p,
-        selection=args.selection,
-        sink_pages=args.sink_pages,
-        recent_pages=args.recent_pages,
         score_tokens=args.score_tokens,
         text_file=args.text_file,
+        **quest,
     )
-    path = Path(args.json) if args.json else None
-    previous = None if path is None or args.fresh else sweep.load_document(path, args.model, spec)
-    cells = list(previous["cells"]) if previous else []
-    runs = list(previous["runs"]) if previous else []
-    text = previous.get("text") if previous else None
-    if cells:
-        print(f"resuming: {len(cells)} cells found in {path}", file=sys.stderr)
-    if sweep.PPL in spec.tasks and text is None:
-        loaded = load_text(spec.text_file)
-        text = {"source": loaded.source, "sha256": loaded.sha256, "python": loaded.python, "characters": len(loaded.text)}
-    if sweep.pending_settings(spec, cells):
+
+    def load():
         from questkv.models import load_model
 
-        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-        run = len(runs)
-        runs.append(provenance(args.device, command="questkv " + " ".join(sys.argv[1:])))
+        return load_model(args.model, device=args.device, dtype=args.dtype)
 
-        def save(cell: dict) -> None:
-            cells.append({**cell, "run": run})
-            if path is not None:
-                sweep.save(path, sweep.document(args.model, spec, cells, runs, text))
+    def run_info() -> dict:
+        return provenance(args.device, command="questkv " + " ".join(sys.argv[1:]))
 
-        sweep.run_sweep(model, tokenizer, spec, done=list(cells), on_cell=save)
-    _write_reports(sweep.document(args.model, spec, cells, runs, text), path, args.plot, args.no_plot)
+    path = Path(args.json) if args.json else None
+    document = sweep.resume_sweep(path, args.model, spec, load, run_info, fresh=args.fresh)
+    _write_reports(document, path, args.plot, args.no_plot)
     return 0
 
 

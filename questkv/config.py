@@ -1,29 +1,34 @@
-"""User-facing configuration of Quest sparse decoding."""
+"""User-facing configuration of Quest sparse decoding: the one source of Quest's knobs.
+
+Every field of :class:`QuestConfig` carries its allowed values (``minimum`` of an int, ``choices``
+of a string; ``none``: the command-line word for ``None``, where ``None`` is allowed) and its
+command-line metadata (``help``, ``flag``; ``page_policy``: an option of the page policies), so the CLI
+flags (:mod:`questkv.cli_args`), the page policies' options (:mod:`questkv.policies.paged`) and the
+evaluation settings (:mod:`questkv.eval`) take their names, defaults and choices from here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
+
+from questkv.validation import check_choice, check_int
 
 Selection = Literal["kv_head", "q_head"]
 GroupReduction = Literal["sum", "max"]
 Backend = Literal["auto", "torch", "triton"]
 
-SELECTIONS = ("kv_head", "q_head")
-GROUP_REDUCTIONS = ("sum", "max")
-BACKENDS = ("auto", "torch", "triton")
+SELECTIONS: tuple[str, ...] = get_args(Selection)
+GROUP_REDUCTIONS: tuple[str, ...] = get_args(GroupReduction)
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"QuestConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"QuestConfig.{name} must be >= {minimum}, got {value}")
-
-
-def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"QuestConfig.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+def _knob(default, help: str, flag: str, minimum: Optional[int] = None, choices: tuple[str, ...] = (),
+          none: Optional[str] = None, page_policy: bool = False):
+    """A :class:`QuestConfig` field with its checks and command-line metadata (see the module docstring)."""
+    metadata = {"help": help, "flag": flag, "minimum": minimum, "choices": choices, "none": none,
+                "page_policy": page_policy}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,28 +53,42 @@ class QuestConfig:
             ``"torch"`` or ``"triton"``.
     """
 
-    token_budget: Optional[int] = None
-    page_size: int = 16
-    dense_layers: int = 2
-    selection: Selection = "kv_head"
-    group_reduction: GroupReduction = "sum"
-    sink_pages: int = 0
-    recent_pages: int = 0
-    backend: Backend = "auto"
+    token_budget: Optional[int] = _knob(
+        None, "tokens attended per decode step, a multiple of the page size; 'full' is dense attention",
+        "--budget", minimum=1, none="full",
+    )
+    page_size: int = _knob(16, "tokens per KV-cache page, a power of two", "--page-size", minimum=1)
+    dense_layers: int = _knob(2, "layers below this index decode densely", "--dense-layers", minimum=0)
+    selection: Selection = _knob(
+        "kv_head", "page selection: one page set per KV head (kv_head) or per query head (q_head)", "--selection",
+        choices=SELECTIONS, page_policy=True,
+    )
+    group_reduction: GroupReduction = _knob(
+        "sum", "how kv_head selection combines its query heads' page scores", "--group-reduction",
+        choices=GROUP_REDUCTIONS, page_policy=True,
+    )
+    sink_pages: int = _knob(0, "pages from the start always attended (counted in the budget)", "--sink-pages",
+                            minimum=0, page_policy=True)
+    recent_pages: int = _knob(
+        0, "full pages before the current one always attended (counted in the budget; the current page always is)",
+        "--recent-pages", minimum=0, page_policy=True,
+    )
+    backend: Backend = _knob(
+        "auto", "kernels: Triton for CUDA tensors and the torch reference otherwise (auto), or one of them",
+        "--backend", choices=BACKENDS,
+    )
 
     def __post_init__(self) -> None:
-        _check_int("page_size", self.page_size, 1)
+        for field in dataclasses.fields(self):  # each field's own values, from its metadata
+            name, value, meta = f"QuestConfig.{field.name}", getattr(self, field.name), field.metadata
+            if meta["choices"]:
+                check_choice(name, value, meta["choices"])
+            elif value is not None or meta["none"] is None:
+                check_int(name, value, minimum=meta["minimum"])
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"QuestConfig.page_size must be a power of two, got {self.page_size}")
-        _check_int("dense_layers", self.dense_layers, 0)
-        _check_int("sink_pages", self.sink_pages, 0)
-        _check_int("recent_pages", self.recent_pages, 0)
-        _check_choice("selection", self.selection, SELECTIONS)
-        _check_choice("group_reduction", self.group_reduction, GROUP_REDUCTIONS)
-        _check_choice("backend", self.backend, BACKENDS)
         if self.token_budget is None:
             return
-        _check_int("token_budget", self.token_budget, 1)
         if self.token_budget % self.page_size:
             raise ValueError(
                 f"QuestConfig.token_budget must be a multiple of page_size={self.page_size}, "
@@ -107,3 +126,10 @@ class QuestConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+PAGE_POLICY_OPTIONS: tuple[str, ...] = tuple(
+    field.name for field in dataclasses.fields(QuestConfig) if field.metadata["page_policy"]
+)
+"""The fields that shape a page selection besides the budget and page size: the options of every
+page policy (``quest``, ``oracle``, ``quest-topp``) and of an evaluation's page policies."""

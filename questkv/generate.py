@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from questkv.config import QuestConfig
+from questkv.validation import check_float, check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,20 +52,18 @@ def _timing_streamer(tokenizer):
 
 def generate_text(
     prompt: str,
+    quest: Optional[QuestConfig] = None,
     model: str = "smollm2-135m",
     device: str = "cpu",
     dtype: str = "bfloat16",
-    budget: Optional[int] = None,
-    page_size: int = 16,
-    dense_layers: int = 2,
-    selection: str = "kv_head",
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
     chat: bool = False,
     seed: int = 0,
 ) -> GenerationStats:
-    """Load ``model``, enable Quest with ``budget`` (``None`` = dense), stream a continuation of ``prompt`` to stdout.
+    """Load ``model``, enable Quest with ``quest`` (default ``QuestConfig()``: dense), stream a
+    continuation of ``prompt`` to stdout.
 
     ``temperature == 0`` decodes greedily; otherwise sampling with ``temperature`` and ``top_p``
     (passed to ``model.generate`` unchanged).
@@ -72,13 +71,10 @@ def generate_text(
     from questkv.integrations.hf import enable
     from questkv.models import load_model
 
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    config = QuestConfig(token_budget=budget, page_size=page_size, dense_layers=dense_layers, selection=selection)
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    check_float("temperature", temperature, low=0)
+    check_float("top_p", top_p, low=0, high=1, low_open=True)
+    config = QuestConfig() if quest is None else quest
     lm, tokenizer = load_model(model, device=device, dtype=dtype)
     enable(lm, config)
     if chat:

@@ -1,6 +1,12 @@
+import dataclasses
+import typing
+
 import pytest
 
 from questkv import QuestConfig
+from questkv.config import (
+    BACKENDS, GROUP_REDUCTIONS, PAGE_POLICY_OPTIONS, SELECTIONS, Backend, GroupReduction, Selection,
+)
 
 
 def test_defaults_are_dense_paper_settings():
@@ -42,6 +48,33 @@ def test_frozen():
 def test_invalid_values_raise_naming_field_and_value(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         QuestConfig(**kwargs)
+
+
+def test_choices_are_the_literal_types():
+    assert SELECTIONS == typing.get_args(Selection) == ("kv_head", "q_head")
+    assert GROUP_REDUCTIONS == typing.get_args(GroupReduction) == ("sum", "max")
+    assert BACKENDS == typing.get_args(Backend) == ("auto", "torch", "triton")
+    assert PAGE_POLICY_OPTIONS == ("selection", "group_reduction", "sink_pages", "recent_pages")
+
+
+@pytest.mark.parametrize("field", dataclasses.fields(QuestConfig), ids=lambda field: field.name)
+def test_every_field_refuses_what_its_metadata_does_not_allow(field):
+    meta = field.metadata
+    assert meta["help"] and meta["flag"].startswith("--")
+    name = f"QuestConfig.{field.name}"
+    if meta["choices"]:
+        assert field.default in meta["choices"]
+        with pytest.raises(ValueError, match=f"{name} must be one of"):
+            QuestConfig(**{field.name: "bogus"})
+        return
+    assert meta["minimum"] in (0, 1)
+    for bad, message in ((meta["minimum"] - 1, f"{name} must be >= {meta['minimum']}"), (1.0, f"{name} must be an int"),
+                         (True, f"{name} must be an int")):
+        with pytest.raises(ValueError, match=message):
+            QuestConfig(**{field.name: bad})
+    if meta["none"] is None:
+        with pytest.raises(ValueError, match=f"{name} must be an int, got None"):
+            QuestConfig(**{field.name: None})
 
 
 def test_budget_exactly_covering_forced_pages_is_allowed():

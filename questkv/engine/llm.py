@@ -71,9 +71,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         # Validate every request before queueing any, so a bad one leaves the engine untouched.
         for prompt, param in zip(prompts, params):
-            _, ids = self.engine._tokenize(prompt)
-            self.engine.check_budget(param.token_budget)
-            self.engine.scheduler.check_fits(len(ids), param.max_tokens)
+            self.engine.validate_request(prompt, param)
         order = {self.engine.add_request(prompt, param): i for i, (prompt, param) in enumerate(zip(prompts, params))}
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req") as bar:

@@ -79,16 +79,22 @@ class LLMEngine:
                 engine cannot run, or a request that cannot fit the KV cache even alone.
         """
         params = SamplingParams() if params is None else params
+        text, token_ids = self.validate_request(prompt, params)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        seq = Sequence(request_id, token_ids, params, prompt=text)
+        self.scheduler.add(seq)  # checks the length and the pool
+        return request_id
+
+    def validate_request(self, prompt: Prompt, params: SamplingParams) -> tuple[Optional[str], list[int]]:
+        """Every check of :meth:`add_request`, changing nothing; returns the prompt's text and token ids."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         self.check_budget(params.token_budget)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; a dummy-weight model has none (use stop_token_ids)")
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        seq = Sequence(request_id, token_ids, params, prompt=text)
-        self.scheduler.add(seq)  # checks the length and the pool
-        return request_id
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        return text, token_ids
 
     def check_budget(self, token_budget: Optional[int]) -> None:
         """Raise ``ValueError`` unless a request may carry ``token_budget`` on this engine."""

@@ -19,8 +19,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from questkv.config import QuestConfig
+from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 from questkv.policies import POLICIES, DecodePolicy, make_policy
+from questkv.validation import check_choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +44,12 @@ class Setting:
 
     def build(self, page_size: int, dense_layers: int) -> Union[QuestConfig, DecodePolicy]:
         """What :func:`questkv.enable` takes for this setting (raises ``ValueError`` if invalid)."""
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        check_choice("Setting.policy", self.policy, POLICIES)
         options = dict(self.options)
         if self.policy in ("full", "quest"):
             if (self.policy == "full") != (self.budget is None):
                 raise ValueError(f"policy {self.policy!r}: budget {self.budget!r} (full takes none, quest needs one)")
-            unknown = sorted(set(options) - {"selection", "group_reduction", "sink_pages", "recent_pages"})
+            unknown = sorted(set(options) - set(PAGE_POLICY_OPTIONS))
             if unknown:
                 raise ValueError(f"policy {self.policy!r} takes no option(s) {', '.join(unknown)}")
             return QuestConfig(token_budget=self.budget, page_size=page_size, dense_layers=dense_layers, **options)

@@ -12,6 +12,8 @@ import random
 import re
 from typing import Optional
 
+from questkv.validation import check_float, check_int
+
 HEADER = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
     "I will quiz you about the important information there."
@@ -32,10 +34,8 @@ def passkey_prompt(filler_chars: int, depth: float, key: int) -> str:
         depth: 0.0 puts the key line right after the header, 1.0 right before the question.
         key: the pass key.
     """
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
-    if filler_chars < 0:
-        raise ValueError(f"filler_chars must be >= 0, got {filler_chars}")
+    check_float("depth", depth, low=0, high=1)
+    check_int("filler_chars", filler_chars, minimum=0)
     filler = FILLER * (filler_chars // len(FILLER) + 1)
     split = round(depth * filler_chars)
     prefix, suffix = filler[:split].strip(), filler[split:filler_chars].strip()
@@ -48,8 +48,7 @@ def build_prompt(tokenizer, length: int, depth: float, key: int) -> str:
     The filler size is fitted by measuring the tokenized prompt and rescaling (the filler
     tokenizes almost linearly).
     """
-    if length < 64:
-        raise ValueError(f"passkey length must be >= 64 tokens, got {length}")
+    check_int("passkey length", length, minimum=64)
 
     def count(filler_chars: int) -> int:
         return len(tokenizer(passkey_prompt(filler_chars, depth, key)).input_ids)
@@ -80,8 +79,7 @@ def is_correct(output: str, key: int) -> bool:
 
 def trial_depths(trials: int) -> list[float]:
     """Key depths spread evenly over 0–100%: ``i / (trials - 1)`` (one trial: 50%)."""
-    if trials < 1:
-        raise ValueError(f"trials must be >= 1, got {trials}")
+    check_int("trials", trials, minimum=1)
     if trials == 1:
         return [0.5]
     return [i / (trials - 1) for i in range(trials)]

@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from questkv.validation import check_int
+
 STDLIB_TEXT = "stdlib:pydoc_data.topics"
 
 
@@ -57,8 +59,8 @@ def windows(tokenizer, text: str, length: int, num_windows: int) -> torch.Tensor
     Raises:
         ValueError: the text has fewer than ``length * num_windows`` tokens.
     """
-    if length < 2 or num_windows < 1:
-        raise ValueError(f"need length >= 2 and num_windows >= 1, got length={length}, num_windows={num_windows}")
+    check_int("length", length, minimum=2)
+    check_int("num_windows", num_windows, minimum=1)
     ids = tokenizer(text, add_special_tokens=False).input_ids
     if len(ids) < length * num_windows:
         raise ValueError(

@@ -15,8 +15,8 @@ key                       meaning
 ``mean_tokens_attended``  optional: mean tokens attended per decode step (``None`` for ``"full"``)
 ========================  ========================================================================
 
-``"quest-topp"`` picks its budget per step, below its cap: the plot puts its points at the mean
-budget used and the table appends that mean in parentheses.
+``"quest-topp"`` picks its budget per step, below its cap: the plot puts its points at its
+``mean_tokens_attended`` and the table appends that mean in parentheses.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ REQUIRED_KEYS = ("task", "length", "policy", "budget", "metric", "value")
 METRICS = ("accuracy", "ppl")
 FULL = "full"
 ADAPTIVE = "quest-topp"
-ADAPTIVE_LABEL = f"{ADAPTIVE} (at mean budget used)"
+ADAPTIVE_LABEL = f"{ADAPTIVE} (at mean tokens attended)"
 POLICY_ORDER = (FULL, "quest", ADAPTIVE, "oracle")
 POLICY_COLORS = {
     "quest": "tab:blue",
@@ -56,7 +56,7 @@ DPI = 120
 def plot_sweep(cells: Sequence[dict], path: str | Path, title: str | None = None) -> Path:
     """Plot score against token budget, one panel per (task, length), and save it as a PNG.
 
-    Each policy is one line (``"quest-topp"`` at its mean budget used); ``"full"`` is a dashed
+    Each policy is one line (``"quest-topp"`` at its mean tokens attended); ``"full"`` is a dashed
     horizontal line at its value. Panels are ordered by task (first seen) then length, 4 per row.
 
     Args:
@@ -83,7 +83,7 @@ def format_table(cells: Sequence[dict]) -> str:
     Rows are ordered by task (first seen), length, then policy (full, quest, quest-topp, oracle,
     the rest alphabetically). The ``"full"`` row fills only the ``full`` column; other rows fill
     the budget columns (ascending). Accuracy reads as a whole percentage (``"90%"``), perplexity
-    with 2 decimals; ``"quest-topp"`` appends its mean budget used (``"90% (112)"``). Missing
+    with 2 decimals; ``"quest-topp"`` appends its mean tokens attended (``"90% (112)"``). Missing
     cells are empty.
 
     Args:
@@ -184,7 +184,7 @@ def _validate(cells: Sequence[dict]) -> None:
 
 def _format_cell(cell: dict) -> str:
     """A cell's value as text: accuracy as ``"90%"``, perplexity as ``"12.34"``, plus the mean
-    budget used in parentheses for ``"quest-topp"``."""
+    tokens attended in parentheses for ``"quest-topp"``."""
     text = f"{cell['value']:.0%}" if cell["metric"] == "accuracy" else f"{cell['value']:.2f}"
     used = cell.get("mean_tokens_attended")
     if cell["policy"] == ADAPTIVE and used is not None:
@@ -193,8 +193,8 @@ def _format_cell(cell: dict) -> str:
 
 
 def _plot_x(cell: dict) -> float:
-    """Where a cell sits on the budget axis: its budget, or for ``"quest-topp"`` its mean budget
-    used (its budget when that is unknown)."""
+    """Where a cell sits on the budget axis: its budget, or for ``"quest-topp"`` its mean tokens
+    attended (its budget when that is unknown)."""
     used = cell.get("mean_tokens_attended")
     return used if cell["policy"] == ADAPTIVE and used is not None else cell["budget"]
 

@@ -44,6 +44,8 @@ from typing import Callable, Protocol, Sequence
 
 from wonderwords import RandomWord
 
+from questkv.validation import check_choice, check_int
+
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 NIAH_HEADER = (
@@ -150,10 +152,8 @@ def generate(task: str, tokenizer: Tokenizer, length: int, seed: int = 0) -> Rul
     Raises:
         ValueError: unknown task, or ``length`` too short (or, for ``cwe``, too long for the word list).
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(TASKS)}")
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ValueError(f"length must be a positive int, got {length!r}")
+    check_choice("RULER task", task, TASKS)
+    check_int("length", length, minimum=1)
     recipe = TASKS[task](random.Random(f"{task}-{seed}"))
 
     @functools.lru_cache(maxsize=None)

@@ -4,7 +4,8 @@ A :class:`SweepSpec` is the grid plus the settings every cell shares. :func:`run
 context length at a time: all accuracy tasks' samples of that length form one batch, prefilled
 densely once; every decode setting runs from its own copy of that prefill (so every setting sees
 exactly the same prompts), and yields one cell per task. ``ppl`` windows form a second batch per
-length. Finished cells (from an earlier, interrupted run) are skipped.
+length. Finished cells (from an earlier, interrupted run) are skipped: :func:`resume_sweep` runs a
+spec against the JSON document of an earlier run (:func:`document`), adding only what it lacks.
 
 A cell::
 
@@ -18,23 +19,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 from questkv.eval import harness, perplexity, tasks
 from questkv.eval.harness import Setting
 from questkv.policies import POLICIES
+from questkv.validation import check_choice, check_int
 
 PPL = "ppl"
 ALL_TASKS: tuple[str, ...] = tasks.TASKS + (PPL,)
+QUEST_FIELDS: tuple[str, ...] = ("page_size", "dense_layers") + PAGE_POLICY_OPTIONS
+"""The :class:`~questkv.QuestConfig` fields of a :class:`SweepSpec` (its budgets are the grid's)."""
 # Settings shared by every cell: a resumed run must match them (the grid itself may grow).
-_SHARED = (
-    "samples", "page_size", "dense_layers", "seed", "top_p", "selection", "sink_pages", "recent_pages", "score_tokens",
-    "text_file",
-)
+_SHARED = ("samples", "seed", "top_p", *QUEST_FIELDS, "score_tokens", "text_file")
+# The options a spec gives the policies that take them (see SweepSpec.settings).
+_POLICY_OPTIONS = PAGE_POLICY_OPTIONS + ("top_p",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +54,9 @@ class SweepSpec:
         page_size, dense_layers: as in :class:`questkv.QuestConfig`.
         seed: seed of the generated prompts.
         top_p: ``quest-topp``'s mass target (its budget is the cap K).
-        selection: ``kv_head`` or ``q_head`` for the page policies (quest, oracle, quest-topp).
-        sink_pages, recent_pages: pages the page policies always select besides the current one
-            (as in :class:`questkv.QuestConfig`; they count against the budget).
+        selection, group_reduction, sink_pages, recent_pages: the page policies' selection (quest,
+            oracle, quest-topp; full and quest run :class:`questkv.QuestConfig` with them), as in
+            :class:`questkv.QuestConfig` (the forced pages count against the budget).
         score_tokens: ``ppl``: tokens scored per window (the window's last ones).
         text_file: ``ppl``: the text (``None``: the stdlib's ``pydoc_data.topics``).
     """
@@ -61,37 +66,39 @@ class SweepSpec:
     policies: tuple[str, ...]
     budgets: tuple[int, ...] = ()
     samples: int = 10
-    page_size: int = 16
-    dense_layers: int = 2
+    page_size: int = QuestConfig.page_size
+    dense_layers: int = QuestConfig.dense_layers
     seed: int = 0
     top_p: float = 0.9
-    selection: str = "kv_head"
-    sink_pages: int = 0
-    recent_pages: int = 0
+    selection: str = QuestConfig.selection
+    group_reduction: str = QuestConfig.group_reduction
+    sink_pages: int = QuestConfig.sink_pages
+    recent_pages: int = QuestConfig.recent_pages
     score_tokens: int = 256
     text_file: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("tasks", "lengths", "policies", "budgets"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        for name, values, known in (("task", self.tasks, ALL_TASKS), ("policy", self.policies, tuple(POLICIES))):
-            unknown = [value for value in values if value not in known]
-            if unknown or not values:
-                raise ValueError(f"{name} {unknown or 'list is empty'}; allowed: {', '.join(known)}")
-        for name in ("lengths", "budgets"):
-            bad = [v for v in getattr(self, name) if isinstance(v, bool) or not isinstance(v, int) or v < 1]
-            if bad:
-                raise ValueError(f"{name} must be positive ints, got {bad}")
-        if not self.lengths:
-            raise ValueError("lengths is empty")
+        for name, known in (("tasks", ALL_TASKS), ("policies", tuple(POLICIES)), ("lengths", None), ("budgets", None)):
+            values = getattr(self, name)
+            if not values and name != "budgets":
+                raise ValueError(f"SweepSpec.{name} is empty")
+            for index, value in enumerate(values):
+                if known is None:
+                    check_int(f"SweepSpec.{name}[{index}]", value, minimum=1)
+                else:
+                    check_choice(f"SweepSpec.{name}[{index}]", value, known)
         if any(policy != "full" for policy in self.policies) and not self.budgets:
             raise ValueError(f"policies {[p for p in self.policies if p != 'full']} need at least one budget")
-        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
-            raise ValueError(f"samples must be an int >= 1, got {self.samples!r}")
-        if PPL in self.tasks and not 1 <= self.score_tokens < min(self.lengths) - 1:
-            raise ValueError(
-                f"score_tokens={self.score_tokens} must be in [1, {min(self.lengths) - 2}] (below the shortest length)"
-            )
+        check_int("SweepSpec.samples", self.samples, minimum=1)
+        if PPL in self.tasks:
+            check_int("SweepSpec.score_tokens", self.score_tokens, minimum=1)
+            if self.score_tokens > min(self.lengths) - 2:
+                raise ValueError(
+                    f"SweepSpec.score_tokens must be <= {min(self.lengths) - 2} (the shortest length, "
+                    f"{min(self.lengths)}, minus a prefilled token and the first target), got {self.score_tokens}"
+                )
         for setting in self.settings():
             setting.build(self.page_size, self.dense_layers)  # raises ValueError on a bad combination
 
@@ -102,11 +109,8 @@ class SweepSpec:
             if policy == "full":
                 out.append(Setting("full", None))
                 continue
-            options = {}
-            if policy in ("quest", "oracle", "quest-topp"):
-                options.update(selection=self.selection, sink_pages=self.sink_pages, recent_pages=self.recent_pages)
-            if policy == "quest-topp":
-                options["top_p"] = self.top_p
+            # Every option of the policy that the spec holds: the page policies' selection, quest-topp's top_p.
+            options = {name: getattr(self, name) for name in POLICIES[policy].options if name in _POLICY_OPTIONS}
             out.extend(Setting(policy, budget, tuple(sorted(options.items()))) for budget in self.budgets)
         return out
 
@@ -200,7 +204,7 @@ class _TaskBatch:
             self.model, cache, next_positions, [list(s.tail_ids) for s in self.samples],
             [s.max_new_tokens for s in self.samples], self.tokenizer.eos_token_id,
         )
-        budgets = _budget_used(cache)
+        attended = _mean_tokens_attended(cache)
         by_task: dict[str, dict] = {}
         for row, (sample, ids) in enumerate(zip(self.samples, generated)):
             output = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -212,7 +216,7 @@ class _TaskBatch:
             rows = entry.pop("rows")
             entry["samples"] = len(entry["scores"])
             entry["value"] = sum(entry["scores"]) / entry["samples"]
-            entry["mean_tokens_attended"] = None if budgets is None else sum(budgets[r] for r in rows) / len(rows)
+            entry["mean_tokens_attended"] = None if attended is None else sum(attended[r] for r in rows) / len(rows)
         return by_task
 
 
@@ -229,16 +233,16 @@ class _PplBatch:
     def run(self, cache, next_positions) -> dict[str, dict]:
         nll = harness.score_tokens(self.model, cache, next_positions, self.targets)
         per_window = [round(float(torch.exp(row.mean())), 4) for row in nll]
-        budgets = _budget_used(cache)
+        attended = _mean_tokens_attended(cache)
         return {
             PPL: {
                 "metric": "ppl", "value": harness.perplexity(nll), "samples": len(per_window), "scores": per_window,
-                "mean_tokens_attended": None if budgets is None else sum(budgets) / len(budgets),
+                "mean_tokens_attended": None if attended is None else sum(attended) / len(attended),
             }
         }
 
 
-def _budget_used(cache) -> Optional[list[float]]:
+def _mean_tokens_attended(cache) -> Optional[list[float]]:
     """Mean tokens attended per sparse layer and decode step, per row (``None`` under full attention)."""
     per_sequence = cache.mean_tokens_attended_per_sequence
     return None if per_sequence is None else per_sequence.tolist()
@@ -284,6 +288,54 @@ def load_document(path: Path, model_name: str, spec: SweepSpec) -> Optional[dict
             + "); use another --json path or the same settings"
         )
     return previous
+
+
+def resume_sweep(
+    path: Optional[Path],
+    model_name: str,
+    spec: SweepSpec,
+    load_model: Callable[[], tuple[Any, Any]],
+    run_info: Callable[[], dict],
+    fresh: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Run the cells of ``spec`` that the document at ``path`` lacks, saving it after every new cell.
+
+    An existing ``path`` (unless ``fresh``) must hold a run of ``model_name`` with ``spec``'s shared
+    settings (:func:`load_document`); its grid may differ. Its cells are kept and not rerun, its
+    ``runs`` and ppl ``text`` record kept; new cells are appended. Only when a cell is pending is the
+    model loaded (``load_model()`` returns ``(model, tokenizer)``) and this invocation's provenance
+    (``run_info()``) appended to ``runs``; every new cell's ``"run"`` is its index there. With
+    ``path=None`` every cell runs and nothing is saved.
+
+    Returns:
+        The :func:`document` of every cell, the earlier ones first.
+
+    Raises:
+        ValueError: ``path`` holds a run with another model or other shared settings.
+    """
+    previous = None if path is None or fresh else load_document(path, model_name, spec)
+    cells = list(previous["cells"]) if previous else []
+    runs = list(previous["runs"]) if previous else []
+    text = previous.get("text") if previous else None
+    if cells and progress:
+        print(f"resuming: {len(cells)} cells found in {path}", file=sys.stderr)
+    if PPL in spec.tasks and text is None:
+        loaded = perplexity.load_text(spec.text_file)
+        text = {"source": loaded.source, "sha256": loaded.sha256, "python": loaded.python,
+                "characters": len(loaded.text)}
+    if pending_settings(spec, cells):
+        model, tokenizer = load_model()
+        run = len(runs)
+        runs.append(run_info())
+
+        def save_cell(cell: dict) -> None:
+            cells.append({**cell, "run": run})
+            if path is not None:
+                save(path, document(model_name, spec, cells, runs, text))
+
+        run_sweep(model, tokenizer, spec, done=list(cells), on_cell=save_cell, progress=progress)
+    return document(model_name, spec, cells, runs, text)
 
 
 def save(path: Path, document: dict) -> None:

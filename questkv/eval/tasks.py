@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from questkv.eval import passkey, ruler
+from questkv.validation import check_choice, check_int
 
 TASKS: tuple[str, ...] = ("passkey",) + tuple(ruler.TASKS)
 
@@ -60,10 +61,8 @@ def make_samples(task: str, tokenizer, length: int, num_samples: int, seed: int 
     Raises:
         ValueError: unknown task, ``num_samples < 1``, or a length the task cannot fill.
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    check_choice("task", task, TASKS)
+    check_int("num_samples", num_samples, minimum=1)
     if task == "passkey":
         samples = []
         for index, depth in enumerate(passkey.trial_depths(num_samples)):
@@ -85,6 +84,5 @@ def score(task: str, output: str, answers: tuple[str, ...]) -> float:
     the RULER tasks :func:`questkv.eval.ruler.string_match_all`."""
     if task == "passkey":
         return float(passkey.is_correct(output, int(answers[0])))
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    check_choice("task", task, TASKS)
     return ruler.string_match_all(output, answers)

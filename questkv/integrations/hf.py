@@ -1,19 +1,29 @@
-"""Quest sparse decoding as a drop-in for HF transformers causal LMs.
+"""Quest sparse decoding as a drop-in for HF transformers causal LMs: the transformers side only.
 
 After :func:`enable`, every forward call of the model (``generate`` included) runs with a
 :class:`QuestCache`: prefill (a forward over several new tokens on an empty cache) is dense
 (transformers' own SDPA attention) and writes its keys/values into a questkv
 :class:`~questkv.cache.paged.PagedKVCache`; every decode step (one new token per sequence) reads
-that paged cache through :func:`questkv.decode.quest_decode`: Quest page selection on layers
-``>= config.dense_layers``, dense paged attention below. ``enable(model, policy)`` runs any
-:mod:`questkv.policies` policy (an eviction baseline, the oracle, adaptive top-p) on those layers
-instead, through the torch reference ops: the evaluation path.
+that paged cache. ``enable(model, policy)`` runs any :mod:`questkv.policies` policy (an eviction
+baseline, the oracle, adaptive top-p) on the sparse layers instead: the evaluation path.
 
-Only transformers' extension points are used: a :class:`transformers.Cache` subclass, an
-attention function and a mask function registered under the name ``"questkv"``
-(``model.set_attn_implementation``), and a forward pre-hook on the model that hands the cache to
-the attention function through the forward keyword arguments, which transformers passes down to
-every attention call.
+What lives where:
+
+* this module: the transformers protocol — the :class:`QuestCache` (a ``Cache`` subclass), the
+  attention and mask functions registered under the name ``"questkv"``
+  (``model.set_attn_implementation``), the forward pre-hook that hands the cache to the attention
+  function through the forward keyword arguments (transformers passes them down to every
+  attention call), and :func:`enable` / :func:`disable`. The cache does the pad bookkeeping
+  (which positions hold real tokens, the slots of the stored ones, dense K/V for a multi-token
+  forward over a non-empty cache), sizes and grows the page pool, and records the prefill
+  attention when asked;
+* :class:`questkv.decode.layer_decoder.LayerDecoder`, built once per :func:`enable`: which route
+  each layer's decode steps take (dense paged attention below ``dense_layers``, Quest or the
+  policy from there on), through one :class:`~questkv.decode.QuestDecodeStep` per decode shape,
+  and the budget accounting (``mean_tokens_attended``), in a
+  :class:`~questkv.decode.layer_decoder.DecodeState` each cache owns;
+* :class:`questkv.decode.forward_state.ForwardState`: what one forward writes and reads (frozen);
+* :func:`questkv.policies.eviction.prefill_attention`: the prefill attention that seeds H2O.
 
 Padding: only tokens whose ``attention_mask`` is 1 are written to the paged cache, so pad
 positions are never selected nor attended, and a left-padded batch decodes every sequence exactly
@@ -35,10 +45,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from questkv.cache.paged import PagedKVCache
-from questkv.ops import LayerPages
 from questkv.config import QuestConfig
-from questkv.decode import quest_decode
+from questkv.decode.forward_state import ForwardState
+from questkv.decode.layer_decoder import DecodeState, LayerDecoder
+from questkv.ops import LayerPages
 from questkv.policies.base import DecodePolicy
+from questkv.policies.eviction import prefill_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "QuestCache", "cache_argument", "disable", "enable", "is_enabled"]
 
@@ -48,8 +60,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _CACHE_KWARG = "questkv_cache"
 # Tokens of headroom per sequence when the page pool is first sized (it grows by doubling).
 _HEADROOM_TOKENS = 256
-# Prefill queries per chunk when the attention each prefilled token received is recorded (H2O).
-_PREFILL_QUERY_CHUNK = 256
 
 
 class QuestCacheLayer(CacheLayerMixin):
@@ -101,9 +111,10 @@ class QuestCache(Cache):
 
     ``copy.deepcopy(cache)`` snapshots it (e.g. reuse one prefill for several decode configs).
 
-    Under a :class:`~questkv.policies.DecodePolicy` the cache also holds each sparse layer's policy
-    state (an eviction policy's kept tokens), created at the layer's first decode step, and
-    :attr:`tokens_attended` sums the tokens every sparse decode step charged to the budget.
+    Decode attention is the enabled model's :class:`LayerDecoder`'s; what it accumulates for this
+    batch (a policy's per-layer state, such as an eviction policy's kept tokens, and the tokens
+    attended) is :attr:`decode_state`, read through :attr:`policy_states`, :attr:`sparse_steps`,
+    :attr:`mean_tokens_attended` and :attr:`mean_tokens_attended_per_sequence`.
 
     Args:
         model_config: the model's ``PretrainedConfig`` (layer and head counts).
@@ -120,8 +131,7 @@ class QuestCache(Cache):
         self.head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
         self.page_size = page_size
         self.collect_prefill_attention = collect_prefill_attention
-        self.config: Optional[QuestConfig] = None
-        self.policy: Optional[DecodePolicy] = None
+        self.decoder: Optional[LayerDecoder] = None  # the current forward's (set by begin_forward)
         self.reset()
 
     def reset(self) -> None:
@@ -130,27 +140,43 @@ class QuestCache(Cache):
         self.seq_ids: list[int] = []
         self.token_mask = torch.zeros(0, 0, dtype=torch.bool)  # [batch, positions]: stored or pad
         self._pending: Optional[torch.Tensor] = None
-        self._step: Optional[dict] = None
-        self.policy_states: dict[int, Any] = {}  # sparse layer -> its policy's state
-        self._policy_key: Optional[str] = None  # repr of the policy that owns policy_states
+        self._forward: Optional[ForwardState] = None
+        self.decode_state = DecodeState()
         self.prefill_attention: dict[int, torch.Tensor] = {}  # layer -> [batch, num_kv_heads, positions] float32
-        self.tokens_attended = torch.zeros((), dtype=torch.float64)  # [batch] after the first sparse step
-        self.sparse_steps = 0  # (layer, decode step) pairs that charged tokens_attended
         for layer in self.layers:
             layer.seen_tokens = 0
+
+    @property
+    def config(self) -> Optional[QuestConfig]:
+        """The Quest config of the current (or last) forward, ``None`` before the first."""
+        return None if self.decoder is None else self.decoder.config
+
+    @property
+    def policy(self) -> Optional[DecodePolicy]:
+        """The policy of the sparse layers in the current (or last) forward, if any."""
+        return None if self.decoder is None else self.decoder.policy
+
+    @property
+    def policy_states(self) -> dict[int, Any]:
+        """Policy layer -> its policy's state, created at the layer's first decode step."""
+        return self.decode_state.policy_states
+
+    @property
+    def sparse_steps(self) -> int:
+        """(sparse layer, decode step) pairs charged to :attr:`mean_tokens_attended`."""
+        return self.decode_state.sparse_steps
 
     @property
     def mean_tokens_attended(self) -> Optional[float]:
         """Mean tokens attended per (sequence, selection head, sparse layer, decode step): the budget
         actually used (``None`` before any sparse decode step). Reading it synchronises the device."""
-        per_sequence = self.mean_tokens_attended_per_sequence
-        return None if per_sequence is None else float(per_sequence.mean())
+        return self.decode_state.mean_tokens_attended
 
     @property
     def mean_tokens_attended_per_sequence(self) -> Optional[torch.Tensor]:
         """``[batch]`` float64: :attr:`mean_tokens_attended` of every sequence (``None`` before any
         sparse decode step)."""
-        return self.tokens_attended / self.sparse_steps if self.sparse_steps else None
+        return self.decode_state.mean_tokens_attended_per_sequence
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers' entry point: store one layer's new keys/values (see :meth:`_update_layer`)."""
@@ -161,49 +187,36 @@ class QuestCache(Cache):
 
     # -- one forward pass ------------------------------------------------------------------------
 
-    def begin_forward(
-        self, new_token_mask: torch.Tensor, config: QuestConfig, policy: Optional[DecodePolicy] = None
-    ) -> None:
+    def begin_forward(self, new_token_mask: torch.Tensor, decoder: LayerDecoder) -> None:
         """Announce a forward over ``new_token_mask.shape[1]`` new positions.
 
         Args:
             new_token_mask: ``[batch, new_positions]`` bool, True where the token is real (stored),
                 False for padding.
-            config: the Quest config of this forward's decode attention (``dense_layers``, and the
-                selection itself unless ``policy`` is given).
-            policy: decode layers ``>= config.dense_layers`` with this policy instead of Quest.
+            decoder: the enabled model's :class:`LayerDecoder` (its config's ``page_size`` must be
+                the cache's).
 
         Raises:
             ValueError: a page size other than the cache's; a multi-token forward after an eviction
                 policy started dropping tokens; another policy than the one whose state the cache holds.
         """
-        if config.page_size != self.page_size:
+        if decoder.config.page_size != self.page_size:
             raise ValueError(
-                f"QuestConfig.page_size={config.page_size} differs from the cache's page_size={self.page_size}"
+                f"QuestConfig.page_size={decoder.config.page_size} differs from the cache's page_size={self.page_size}"
             )
-        if any(state is not None for state in self.policy_states.values()):
-            if policy is None or repr(policy) != self._policy_key:
-                raise ValueError(
-                    f"this QuestCache holds the decode state of {self._policy_key}; it cannot continue under "
-                    f"{policy!r} (snapshot the cache with copy.deepcopy before the first decode step instead)"
-                )
-            if new_token_mask.shape[1] != 1:
-                raise ValueError(
-                    f"{self._policy_key} has dropped tokens for good; a forward over {new_token_mask.shape[1]} new "
-                    "positions (dense attention over the whole cache) would bring them back. Decode one token at a time"
-                )
-        elif policy is None or repr(policy) != self._policy_key:
-            self.policy_states = {}  # stateless policies: the next one starts afresh
-        self.config = config
-        self.policy = policy
+        if decoder.num_layers != len(self.layers):
+            raise ValueError(f"the decoder has {decoder.num_layers} layers, the cache {len(self.layers)}")
+        decoder.prepare(self.decode_state, new_token_mask.shape[1])
+        self.decoder = decoder
         self._pending = new_token_mask.bool()
 
     @property
     def is_decode_step(self) -> bool:
         """True inside a forward of one new position over a non-empty cache: attention reads the pages."""
-        return self._step is not None and self._step["decode"]
+        return self._forward is not None and self._forward.is_decode
 
     def _start_forward(self, key_states: torch.Tensor) -> None:
+        """At layer 0: store nothing yet, but reserve the forward's slots and describe it."""
         batch, _, new_positions, _ = key_states.shape
         mask = self._pending
         self._pending = None
@@ -227,17 +240,12 @@ class QuestCache(Cache):
         slots = self.paged.reserve(self.seq_ids, counts)
         page_table, seq_lens = self.paged.batch(self.seq_ids)
         self.token_mask = torch.cat([self.token_mask, mask], dim=1)
-        self._step = {
-            "mask": mask,
-            # Flat (batch * new_positions) rows of the real tokens: found once per forward, not per layer.
-            "rows": mask.flatten().nonzero().squeeze(1),
-            "stored_slots": None,  # every stored token's slot, built on the first dense read of this forward
-            "slots": slots,
-            "page_table": page_table,
-            "seq_lens": seq_lens,
-            "past": past,
-            "decode": new_positions == 1 and past > 0,
-        }
+        # Flat (batch * new_positions) rows of the real tokens: found once per forward, not per layer.
+        rows = mask.flatten().nonzero().squeeze(1)
+        # A chunk over a non-empty cache: every layer then reads all stored K/V (found once here).
+        dense_read = ForwardState.needs_stored_slots(new_positions, past)
+        stored_slots = self._stored_slots(self.paged) if dense_read else None
+        self._forward = ForwardState(mask, rows, slots, page_table, seq_lens, past, stored_slots)
 
     def _update_layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Store one layer's new keys/values ``[batch, num_kv_heads, new_positions, head_dim]``.
@@ -248,22 +256,21 @@ class QuestCache(Cache):
         """
         if layer_idx == 0:
             self._start_forward(key_states)
-        step = self._step
+        forward = self._forward
         layer = self.layers[layer_idx]
-        if step is None or layer.seen_tokens != step["past"]:
+        if forward is None or layer.seen_tokens != forward.past_positions:
             raise RuntimeError(f"QuestCache layer {layer_idx} updated out of order (layer 0 must start every forward)")
-        mask = step["mask"]
-        rows = step["rows"]
+        rows = forward.rows
         keys = key_states.transpose(1, 2).flatten(0, 1).index_select(0, rows)  # [stored tokens, num_kv_heads, head_dim]
         values = value_states.transpose(1, 2).flatten(0, 1).index_select(0, rows)
-        self.paged.write(layer_idx, step["slots"], keys, values)
-        layer.seen_tokens += mask.shape[1]
-        if step["past"] == 0 or step["decode"]:
-            return key_states, value_states
-        return self._dense_kv(layer_idx)
+        self.paged.write(layer_idx, forward.slots, keys, values)
+        layer.seen_tokens += forward.new_positions
+        if forward.reads_dense_kv:
+            return self._dense_kv(layer_idx)
+        return key_states, value_states
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
-        """Decode attention of one layer through :func:`quest_decode`.
+        """Decode attention of one layer, through the enabled model's :class:`LayerDecoder`.
 
         Args:
             query: ``[batch, num_q_heads, head_dim]``, post-RoPE.
@@ -271,42 +278,26 @@ class QuestCache(Cache):
         Returns:
             ``[batch, num_q_heads, head_dim]``.
         """
-        config, policy = self.config, self.policy
         layer, page_table, seq_lens = self.decode_view(layer_idx)
-        if policy is not None and layer_idx >= config.dense_layers:
-            return self._attend_policy(layer_idx, query, layer, page_table, seq_lens, scaling)
-        if not config.is_sparse_layer(layer_idx):
-            return quest_decode(query, layer, page_table, seq_lens, dataclasses.replace(config, token_budget=None), scaling)
-        if layer_idx == config.dense_layers:  # every sparse layer attends the same pages count: charge them once
-            sparse_layers = len(self.layers) - config.dense_layers
-            num_pages = (seq_lens + config.page_size - 1) // config.page_size
-            self._charge(num_pages.clamp(max=config.budget_pages).double() * config.page_size, sparse_layers)
-        return quest_decode(query, layer, page_table, seq_lens, config, scaling)
+        out = self.decoder.decode(
+            layer_idx, query, layer, page_table, seq_lens, scaling, state=self.decode_state,
+            prefill_scores=self._prefill_scores,
+        )
+        # The step's buffer is overwritten by the next layer: autograd must not save it.
+        return out.clone() if torch.is_grad_enabled() else out
 
-    def _attend_policy(self, layer_idx, query, layer, page_table, seq_lens, scaling) -> torch.Tensor:
-        policy = self.policy
-        if layer_idx not in self.policy_states:
-            kwargs = {}
-            if policy.uses_prefill_attention and layer_idx in self.prefill_attention:
-                kwargs["prefill_scores"] = self._stored_order(self.prefill_attention[layer_idx])
-            self.policy_states[layer_idx] = policy.init_state(seq_lens - 1, self.num_kv_heads, **kwargs)
-            self._policy_key = repr(policy)
-        result = policy.decode(query, layer, page_table, seq_lens, self.policy_states[layer_idx], scaling)
-        self._charge(result.tokens_charged.double().mean(dim=1))
-        return result.out
+    def _prefill_scores(self, layer_idx: int) -> Optional[torch.Tensor]:
+        """The recorded prefill attention of one layer in stored order, if recorded (H2O's seed)."""
+        recorded = self.prefill_attention.get(layer_idx)
+        return None if recorded is None else self._stored_order(recorded)
 
-    def _charge(self, tokens_per_sequence: torch.Tensor, layers: int = 1) -> None:
-        """Add ``layers`` sparse layer-steps of ``[batch]`` tokens attended each (mean over selection heads)."""
-        self.tokens_attended = self.tokens_attended.to(tokens_per_sequence.device) + tokens_per_sequence * layers
-        self.sparse_steps += layers
-
-    @torch.no_grad()
     def record_prefill_attention(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, attention_mask: Optional[torch.Tensor],
         scaling: Optional[float],
     ) -> None:
-        """Add the attention every key position receives from this forward's queries to
-        :attr:`prefill_attention` (see ``collect_prefill_attention``).
+        """Add the attention every key position receives from this forward's real queries
+        (:func:`~questkv.policies.eviction.prefill_attention`) to :attr:`prefill_attention` (see
+        ``collect_prefill_attention``).
 
         Args:
             query: ``[batch, num_q_heads, new_positions, head_dim]``; key: ``[batch, num_kv_heads,
@@ -314,26 +305,8 @@ class QuestCache(Cache):
             attention_mask: transformers' SDPA mask ``[batch, 1, new_positions, positions]`` bool
                 (True = attend), or ``None`` for plain causal attention.
         """
-        batch, num_q_heads, new_positions, head_dim = query.shape
-        positions = key.shape[2]
-        scale = head_dim**-0.5 if scaling is None else scaling
-        group = num_q_heads // self.num_kv_heads
-        real_queries = self.token_mask[:, -new_positions:]  # pad queries add nothing
-        keys = key.float()[:, :, None]  # [B, Hkv, 1, T, D]
-        total = key.new_zeros(batch, self.num_kv_heads, positions, dtype=torch.float32)
-        for start in range(0, new_positions, _PREFILL_QUERY_CHUNK):
-            stop = min(start + _PREFILL_QUERY_CHUNK, new_positions)
-            q = query[:, :, start:stop].float().view(batch, self.num_kv_heads, group, stop - start, head_dim)
-            logits = (q @ keys.transpose(-1, -2)) * scale  # [B, Hkv, G, n, T]
-            if attention_mask is None:
-                row = torch.arange(start, stop, device=key.device)[:, None] + positions - new_positions
-                allowed = (torch.arange(positions, device=key.device)[None, :] <= row)[None]
-            else:
-                allowed = attention_mask[:, 0, start:stop].bool()
-            allowed = allowed & real_queries[:, start:stop, None]
-            logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
-            probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows of pad queries are all -inf
-            total += probs.sum(dim=(2, 3))
+        real_queries = self.token_mask[:, -query.shape[2]:]  # pad queries add nothing
+        total = prefill_attention(query, key, attention_mask, real_queries, scaling)
         previous = self.prefill_attention.get(layer_idx)
         if previous is not None:
             total[..., : previous.shape[-1]] += previous
@@ -353,9 +326,9 @@ class QuestCache(Cache):
     def decode_view(self, layer_idx: int) -> tuple[LayerPages, torch.Tensor, torch.Tensor]:
         """What the current forward's attention reads for one layer: the layer's pages and bounds,
         the page table ``[batch, max_pages]`` int32 and the lengths ``[batch]`` int32 (new tokens included)."""
-        if self._step is None:
+        if self._forward is None:
             raise RuntimeError("QuestCache.decode_view is only defined inside a forward")
-        return self.paged.layer(layer_idx), self._step["page_table"], self._step["seq_lens"]
+        return self.paged.layer(layer_idx), self._forward.page_table, self._forward.seq_lens
 
     # -- storage ---------------------------------------------------------------------------------
 
@@ -384,10 +357,10 @@ class QuestCache(Cache):
     def _ensure_free_pages(self, counts: list[int]) -> None:
         """Grow the pool (to at least twice its size) when ``counts`` new tokens would not fit."""
         pool = self.paged
-        lengths = [pool.seq_len(seq) for seq in self.seq_ids]
-        need = sum(-(-(n + c) // self.page_size) - -(-n // self.page_size) for n, c in zip(lengths, counts))
-        if need <= pool.num_free_pages:
+        if pool.can_reserve(self.seq_ids, counts):
             return
+        lengths = [pool.seq_len(seq) for seq in self.seq_ids]
+        need = sum(pool.pages_needed(seq, count) for seq, count in zip(self.seq_ids, counts))
         used = pool.num_pages - pool.num_free_pages
         bigger = self._new_pool(max(2 * pool.num_pages, used + need), len(self.seq_ids), pool.dtype, pool.device)
         new_ids = [bigger.add_sequence() for _ in self.seq_ids]
@@ -406,9 +379,7 @@ class QuestCache(Cache):
     def _dense_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys/values in transformers' layout ``[batch, num_kv_heads, positions, head_dim]``
         (zeros at pad positions, which the attention mask hides)."""
-        if self._step["stored_slots"] is None:
-            self._step["stored_slots"] = self._stored_slots(self.paged)
-        slots = self._step["stored_slots"]
+        slots = self._forward.stored_slots
         shape = (-1, self.num_kv_heads, self.head_dim)
         pages = self.paged.layer(layer_idx)
         batch, positions = self.token_mask.shape
@@ -438,8 +409,9 @@ def questkv_attention(
             ``[batch, num_kv_heads, kv_positions, head_dim]`` as the cache returned them.
 
     Returns:
-        ``([batch, new_positions, num_q_heads, head_dim], None)``. Decode steps run Quest over the
-        paged cache; everything else is transformers' SDPA attention.
+        ``([batch, new_positions, num_q_heads, head_dim], None)``. Decode steps read the paged
+        cache through its :class:`LayerDecoder` (:meth:`QuestCache.attend`); everything else is
+        transformers' SDPA attention.
     """
     if questkv_cache is not None and questkv_cache.is_decode_step:
         out = questkv_cache.attend(module.layer_idx, query[:, :, 0], scaling)
@@ -457,6 +429,7 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 class _QuestState:
     config: QuestConfig
     policy: Optional[DecodePolicy]
+    decoder: LayerDecoder  # built from config and policy once, at enable
     original_attn_implementation: str
     hook: torch.utils.hooks.RemovableHandle
     positional: tuple[str, ...]  # forward's positional parameter names
@@ -537,7 +510,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     if cache is None and not use_cache:
         return (), kwargs  # no cache: a plain dense forward
     if cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0):
-        collect = state.policy is not None and state.policy.uses_prefill_attention
+        collect = state.decoder.uses_prefill_attention
         cache = QuestCache(model.config, state.config.page_size, collect_prefill_attention=collect)
     elif not isinstance(cache, QuestCache):
         raise ValueError(
@@ -554,7 +527,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
         new_mask = mask[:, -new_positions:].bool()
     else:
         raise ValueError(f"a questkv-enabled model needs a 2D attention_mask [batch, positions], got shape {tuple(mask.shape)}")
-    cache.begin_forward(new_mask, state.config, state.policy)
+    cache.begin_forward(new_mask, state.decoder)
     kwargs[state.cache_argument] = cache
     kwargs[_CACHE_KWARG] = cache
     return (), kwargs
@@ -579,9 +552,11 @@ def enable(
     """
     _check_model(model)
     config, policy = _resolve_config(model, config, dense_layers)
+    decoder = LayerDecoder(config, model.config.num_hidden_layers, policy)
     if is_enabled(model):
         model._questkv.config = config
         model._questkv.policy = policy
+        model._questkv.decoder = decoder
         return model
     original = model.config._attn_implementation
     positional = tuple(
@@ -591,7 +566,7 @@ def enable(
     )
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     hook = model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    model._questkv = _QuestState(config, policy, original, hook, positional, cache_argument(model))
+    model._questkv = _QuestState(config, policy, decoder, original, hook, positional, cache_argument(model))
     return model
 
 

@@ -2,7 +2,7 @@
 
 ``make_policy(name, token_budget, page_size=16, **options)`` builds one; every policy's
 :meth:`~questkv.policies.DecodePolicy.decode` runs one decode step of one layer, batched over
-sequences, and reports the tokens it charged to the budget. See ``docs/policies.md``.
+sequences, and reports the tokens it attended as the budget counts them. See ``docs/policies.md``.
 
 ==============  =====================================================================  ====================
 name            selection                                                              options
@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+from questkv.config import QuestConfig
 from questkv.policies.attention import MaskedAttention, masked_decode_attention
 from questkv.policies.base import DecodeOutput, DecodePolicy
 from questkv.policies.eviction import EvictionPolicy, EvictionState, H2OPolicy, StreamingPolicy, TOVAPolicy
 from questkv.policies.paged import FullPolicy, OraclePolicy, PagePolicy, PageSelection, QuestPolicy, QuestTopPPolicy
+from questkv.validation import check_choice
 
 POLICIES: dict[str, type[DecodePolicy]] = {
     cls.name: cls
@@ -52,7 +54,9 @@ __all__ = [
 ]
 
 
-def make_policy(name: str, token_budget: Optional[int], page_size: int = 16, **options) -> DecodePolicy:
+def make_policy(
+    name: str, token_budget: Optional[int], page_size: int = QuestConfig.page_size, **options
+) -> DecodePolicy:
     """Build the policy ``name`` (a key of :data:`POLICIES`).
 
     Args:
@@ -64,8 +68,7 @@ def make_policy(name: str, token_budget: Optional[int], page_size: int = 16, **o
     Raises:
         ValueError: unknown ``name``, an option the policy does not take, or a bad value.
     """
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    check_choice("policy", name, POLICIES)
     cls = POLICIES[name]
     unknown = sorted(set(options) - set(cls.options))
     if unknown:

@@ -9,10 +9,12 @@ A policy decides which cached tokens one decode query attends, then attends them
   token positions that only shrinks (plus the newest token each step): a dropped token is gone for
   good. Their state lives in an :class:`~questkv.policies.eviction.EvictionState` per layer.
 
-Budget accounting is the same for all: a policy built with ``token_budget=B`` charges at most ``B``
-tokens per (sequence, selection head) and decode step, the current token included. Page policies
-charge every selected page in full (``pages * page_size``, Quest's accounting, the partial current
-page included); eviction policies charge the tokens they attend.
+Budget accounting is the same for all: a policy built with ``token_budget=B`` attends at most ``B``
+tokens per (sequence, selection head) and decode step, the current token included, as the budget
+counts them (:attr:`DecodeOutput.tokens_attended`; averaged over steps and layers, this is the
+``mean_tokens_attended`` that evaluations report). Page policies count every selected page in full
+(``pages * page_size``, Quest's accounting, the partial current page included); eviction policies
+count the tokens they attend.
 """
 
 from __future__ import annotations
@@ -22,23 +24,24 @@ from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 
-from questkv.cache.paged import LayerPages
+from questkv.ops import LayerPages
 
 
 class DecodeOutput(NamedTuple):
     """Result of :meth:`DecodePolicy.decode`.
 
     out: ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype.
-    tokens_charged: ``[batch, num_sel_heads]`` int32, tokens charged to the budget per (sequence,
-        selection head): ``num_kv_heads`` or ``num_q_heads`` columns for page policies (their
-        ``selection``), ``num_kv_heads`` for eviction policies. Never above ``token_budget``.
+    tokens_attended: ``[batch, num_sel_heads]`` int32, tokens attended per (sequence, selection
+        head) as the budget counts them (page policies: whole pages): ``num_kv_heads`` or
+        ``num_q_heads`` columns for page policies (their ``selection``), ``num_kv_heads`` for
+        eviction policies. Never above ``token_budget``.
     pages: ``[batch, num_sel_heads, k]`` int32 page selection (logical pages ascending, ``-1``
         padding, the format of :func:`questkv.ops.reference.select_pages`) for page policies;
         ``None`` for eviction policies.
     """
 
     out: torch.Tensor
-    tokens_charged: torch.Tensor
+    tokens_attended: torch.Tensor
     pages: Optional[torch.Tensor]
 
 

@@ -22,6 +22,10 @@ One decode step, with ``B = token_budget`` (see :meth:`EvictionPolicy.decode`):
 
 Dropped tokens are gone for good: their K/V stay in the paged pool (this is an accuracy reference,
 not a memory saving), but no later step attends them.
+
+H2O can be seeded with the prefill's attention: :func:`prefill_attention` computes it from a dense
+prefill's queries and keys (the HF drop-in calls it on every layer of a prefill when the policy's
+``uses_prefill_attention`` is set), and :meth:`H2OPolicy.init_state` takes it as ``prefill_scores``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ import torch
 
 from questkv.policies.attention import masked_decode_attention, token_positions
 from questkv.policies.base import DecodeOutput, DecodePolicy
+
+# Prefill queries per chunk of :func:`prefill_attention`: bounds its ``[B, Hkv, G, chunk, T]`` float32 logits.
+PREFILL_QUERY_CHUNK = 256
 
 
 @dataclasses.dataclass
@@ -66,6 +73,54 @@ class EvictionState:
         pad = (0, max_tokens - have)
         self.keep = torch.nn.functional.pad(self.keep, pad, value=False)
         self.scores = None if self.scores is None else torch.nn.functional.pad(self.scores, pad, value=0.0)
+
+
+@torch.no_grad()
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    query_mask: torch.Tensor,
+    scaling: Optional[float] = None,
+    query_chunk: int = PREFILL_QUERY_CHUNK,
+) -> torch.Tensor:
+    """The attention every key position receives from one prefill forward's queries, summed over
+    the real queries and each KV head's query group: H2O's ``prefill_scores`` (see
+    :meth:`H2OPolicy.init_state`). Softmax in float32, ``query_chunk`` queries at a time.
+
+    Args:
+        query: ``[batch, num_q_heads, new_positions, head_dim]``, post-RoPE.
+        key: ``[batch, num_kv_heads, positions, head_dim]``, post-RoPE, every position so far (the
+            ``new_positions`` new ones last), as the forward's attention reads them.
+        attention_mask: ``[batch, 1, new_positions, positions]`` bool (True = attend), or ``None``
+            for plain causal attention.
+        query_mask: ``[batch, new_positions]`` bool, False for padding queries (they add nothing).
+        scaling: softmax scale, default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[batch, num_kv_heads, positions]`` float32 (pads included: a caller that stores only the
+        real tokens drops the pad positions itself).
+    """
+    batch, num_q_heads, new_positions, head_dim = query.shape
+    num_kv_heads, positions = key.shape[1], key.shape[2]
+    scale = head_dim**-0.5 if scaling is None else scaling
+    group = num_q_heads // num_kv_heads
+    keys = key.float()[:, :, None]  # [B, Hkv, 1, T, D]
+    total = key.new_zeros(batch, num_kv_heads, positions, dtype=torch.float32)
+    for start in range(0, new_positions, query_chunk):
+        stop = min(start + query_chunk, new_positions)
+        q = query[:, :, start:stop].float().view(batch, num_kv_heads, group, stop - start, head_dim)
+        logits = (q @ keys.transpose(-1, -2)) * scale  # [B, Hkv, G, n, T]
+        if attention_mask is None:
+            row = torch.arange(start, stop, device=key.device)[:, None] + positions - new_positions
+            allowed = (torch.arange(positions, device=key.device)[None, :] <= row)[None]  # [1, n, T]
+        else:
+            allowed = attention_mask[:, 0, start:stop].bool()  # [B, n, T]
+        allowed = allowed & query_mask[:, start:stop, None]
+        logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows of pad queries are all -inf
+        total += probs.sum(dim=(2, 3))
+    return total
 
 
 def _check_int(policy: str, name: str, value, minimum: int) -> int:
@@ -133,7 +188,7 @@ class EvictionPolicy(DecodePolicy):
         place. ``seq_lens`` must be the state's lengths plus one: one new token per sequence.
 
         Returns:
-            :class:`DecodeOutput` with ``tokens_charged`` ``[batch, num_kv_heads]`` int32 (the kept
+            :class:`DecodeOutput` with ``tokens_attended`` ``[batch, num_kv_heads]`` int32 (the kept
             tokens attended, at most ``token_budget``) and ``pages=None``.
         """
         self._check_layer(q, layer)
@@ -226,8 +281,9 @@ class H2OPolicy(EvictionPolicy):
     def init_state(self, seq_lens: torch.Tensor, num_kv_heads: int, prefill_scores: Optional[torch.Tensor] = None):
         """As :meth:`EvictionPolicy.init_state`; ``prefill_scores`` ``[batch, num_kv_heads, T]``
         float (``T >= max(seq_lens)``), the attention each prefilled token received from the prefill
-        queries (summed over queries and the query group), seeds the accumulated attention as in H2O.
-        Without it accumulation starts at the first decode step."""
+        queries (summed over queries and the query group, from :func:`prefill_attention`, the
+        sequence's stored tokens in order), seeds the accumulated attention as in H2O. Without it
+        accumulation starts at the first decode step."""
         batch, max_tokens = seq_lens.shape[0], int(seq_lens.max()) if seq_lens.numel() else 0
         if prefill_scores is None:
             scores = torch.zeros(batch, num_kv_heads, max_tokens, device=seq_lens.device)

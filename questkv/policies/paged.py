@@ -15,11 +15,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from questkv.cache.paged import LayerPages
-from questkv.config import QuestConfig
-from questkv.ops import reference
+from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
+from questkv.ops import LayerPages, reference
 from questkv.policies.attention import masked_decode_attention
 from questkv.policies.base import DecodeOutput, DecodePolicy
+from questkv.validation import check_float
 
 
 class PageSelection(NamedTuple):
@@ -27,7 +27,7 @@ class PageSelection(NamedTuple):
 
     pages: ``[batch, num_sel_heads, k]`` int32 logical pages, ascending, ``-1``-padded.
     num_pages: ``[batch, num_sel_heads]`` int32, selected pages per row (``pages >= 0``); the
-        budget charged is ``num_pages * page_size`` tokens.
+        tokens attended, as the budget counts them, are ``num_pages * page_size``.
     """
 
     pages: torch.Tensor
@@ -41,22 +41,23 @@ class PagePolicy(DecodePolicy):
         token_budget: a multiple of ``page_size``: ``budget_pages = token_budget // page_size``
             pages per (sequence, selection head), the sink, recent and current pages included.
         page_size, selection, group_reduction, sink_pages, recent_pages: as in
-            :class:`questkv.QuestConfig` (validated by it).
+            :class:`questkv.QuestConfig` (validated by it; its defaults). The options are
+            :data:`questkv.config.PAGE_POLICY_OPTIONS`.
 
     Attributes:
         config: the :class:`questkv.QuestConfig` holding these options.
     """
 
-    options = ("selection", "group_reduction", "sink_pages", "recent_pages")
+    options = PAGE_POLICY_OPTIONS
 
     def __init__(
         self,
         token_budget: Optional[int],
-        page_size: int = 16,
-        selection: str = "kv_head",
-        group_reduction: str = "sum",
-        sink_pages: int = 0,
-        recent_pages: int = 0,
+        page_size: int = QuestConfig.page_size,
+        selection: str = QuestConfig.selection,
+        group_reduction: str = QuestConfig.group_reduction,
+        sink_pages: int = QuestConfig.sink_pages,
+        recent_pages: int = QuestConfig.recent_pages,
     ) -> None:
         try:
             self.config = QuestConfig(
@@ -113,14 +114,14 @@ class FullPolicy(PagePolicy):
     name = "full"
     options = ()
 
-    def __init__(self, token_budget: Optional[int] = None, page_size: int = 16) -> None:
+    def __init__(self, token_budget: Optional[int] = None, page_size: int = QuestConfig.page_size) -> None:
         if token_budget is not None:
             raise ValueError(f"policy 'full' attends every token; token_budget must be None, got {token_budget!r}")
         super().__init__(None, page_size)
 
     def _select(self, q, layer, page_table, seq_lens, sm_scale):
         batch, max_pages = page_table.shape
-        valid = reference._valid_pages(seq_lens, self.page_size, max_pages)
+        valid = reference.valid_pages(seq_lens, self.page_size, max_pages)
         pages = torch.arange(max_pages, device=q.device).expand(batch, max_pages)
         pages = torch.where(valid, pages, -1).to(torch.int32)
         return pages[:, None, :].expand(batch, layer.kmin.shape[1], max_pages)
@@ -193,10 +194,10 @@ class QuestTopPPolicy(PagePolicy):
     name = "quest-topp"
     options = PagePolicy.options + ("top_p",)
 
-    def __init__(self, token_budget: Optional[int], page_size: int = 16, top_p: float = 0.9, **options) -> None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"policy 'quest-topp': top_p must be a float in (0, 1], got {top_p!r}")
-        self.top_p = float(top_p)
+    def __init__(
+        self, token_budget: Optional[int], page_size: int = QuestConfig.page_size, top_p: float = 0.9, **options
+    ) -> None:
+        self.top_p = check_float("policy 'quest-topp': top_p", top_p, low=0, high=1, low_open=True)
         super().__init__(token_budget, page_size, **options)
 
     def estimated_mass(
@@ -220,10 +221,12 @@ class QuestTopPPolicy(PagePolicy):
         config = self.config
         mass = self.estimated_mass(q, layer, page_table, seq_lens, sm_scale)
         batch, heads, max_pages = mass.shape
-        num_pages = reference._num_pages(seq_lens, self.page_size)  # [B]
+        num_pages = reference.num_pages(seq_lens, self.page_size)  # [B]
         index = torch.arange(max_pages, device=q.device)[None, :]
-        valid = index < num_pages[:, None]
-        forced = valid & ((index < config.sink_pages) | (index >= num_pages[:, None] - 1 - config.recent_pages))
+        valid = reference.valid_pages(seq_lens, self.page_size, max_pages)  # [B, P]
+        forced = valid & reference.forced_page_mask(
+            seq_lens, self.page_size, max_pages, config.sink_pages, config.recent_pages
+        )
         # Rank: forced pages (key 2), then by estimated mass in [0, 1], invalid pages last (key -1).
         key = torch.where(forced, 2.0, torch.where(valid, 0.0, -1.0))[:, None, :] + torch.where(
             forced[:, None, :], 0.0, mass

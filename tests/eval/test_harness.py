@@ -125,7 +125,7 @@ def test_setting_build():
     [
         (Setting("full", 64), "full takes none"),
         (Setting("quest", None), "quest needs one"),
-        (Setting("bogus", 64), "unknown policy 'bogus'"),
+        (Setting("bogus", 64), "Setting.policy must be one of 'full', .*; got 'bogus'"),
         (Setting("quest", 64, (("top_p", 0.9),)), "takes no option"),
         (Setting("full", None, (("sink_tokens", 1),)), "takes no option"),
         (Setting("h2o", 64, (("selection", "q_head"),)), "takes no option"),

@@ -53,10 +53,10 @@ def test_one_panel_per_task_and_length_in_order(cells):
     assert figure.axes[0].get_xscale() == "log"
 
 
-def test_quest_topp_is_plotted_at_its_mean_budget_used(cells):
+def test_quest_topp_is_plotted_at_its_mean_tokens_attended(cells):
     figure = report._build_figure(cells, None)
     first_panel = [c for c in cells if (c["task"], c["length"], c["policy"]) == ("niah_single", 2048, "quest-topp")]
-    line = lines_by_label(figure.axes[0])["quest-topp (at mean budget used)"]
+    line = lines_by_label(figure.axes[0])["quest-topp (at mean tokens attended)"]
     expected = sorted((c["mean_tokens_attended"], c["value"]) for c in first_panel)
     assert list(zip(line.get_xdata(), line.get_ydata())) == expected
     assert list(lines_by_label(figure.axes[0])["quest"].get_xdata()) == BUDGETS
@@ -65,7 +65,7 @@ def test_quest_topp_is_plotted_at_its_mean_budget_used(cells):
 def test_quest_topp_without_mean_falls_back_to_its_budget(cells):
     for cell in cells:
         cell["mean_tokens_attended"] = None
-    line = lines_by_label(report._build_figure(cells, None).axes[0])["quest-topp (at mean budget used)"]
+    line = lines_by_label(report._build_figure(cells, None).axes[0])["quest-topp (at mean tokens attended)"]
     assert list(line.get_xdata()) == BUDGETS
 
 
@@ -80,7 +80,7 @@ def test_one_legend_and_one_colour_per_policy(cells):
     figure = report._build_figure(cells, None)
     assert len(figure.legends) == 1 and all(axes.get_legend() is None for axes in figure.axes)
     labels = [text.get_text() for text in figure.legends[0].get_texts()]
-    assert labels == ["full", "quest", "quest-topp (at mean budget used)", "oracle", "streaming"]
+    assert labels == ["full", "quest", "quest-topp (at mean tokens attended)", "oracle", "streaming"]
     for label in labels:
         colours = {lines_by_label(axes)[label].get_color() for axes in figure.axes}
         assert len(colours) == 1

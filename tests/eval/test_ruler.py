@@ -125,12 +125,13 @@ def test_a_perfect_answer_scores_one(task):
 @pytest.mark.parametrize(
     "task, length, message",
     [
-        ("niah_multi", 100, "unknown RULER task 'niah_multi'"),
+        ("niah_multi", 100, "RULER task must be one of 'niah_single', .*; got 'niah_multi'"),
         ("niah_single", 10, "shorter than its smallest prompt"),
         ("cwe", 500, "shorter than its smallest prompt"),
         ("cwe", 10**6, "needs more than its"),
-        ("vt", 0, "length must be a positive int"),
-        ("vt", 1.5, "length must be a positive int"),
+        ("vt", 0, "length must be >= 1, got 0"),
+        ("vt", 1.5, "length must be an int, got 1.5"),
+        ("vt", True, "length must be an int, got True"),
     ],
 )
 def test_bad_requests_raise(task, length, message):

@@ -10,10 +10,10 @@ import re
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from questkv import cli
+from questkv import QuestConfig, cli
 from questkv.eval import passkey, perplexity, sweep, tasks
+from tests.helpers import tiny_llama
 
 PAGE = 8
 LENGTH = 96
@@ -39,15 +39,6 @@ def make_spec(text_file, **changes):
     return sweep.SweepSpec(**{**kwargs, **changes})
 
 
-def build_model(vocab_size: int):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 def without_seconds(cell):
     return {k: v for k, v in cell.items() if k != "seconds"}
 
@@ -56,7 +47,7 @@ def without_seconds(cell):
 def first_run(word_tokenizer, tmp_path_factory):
     """One complete sweep: ``(model, unpatched copy, spec, cells, cells seen by on_cell)``."""
     text_file = filler_text(tmp_path_factory.mktemp("text") / "filler.txt", random.Random())
-    model = build_model(len(word_tokenizer))
+    model = tiny_llama(len(word_tokenizer))
     unpatched = copy.deepcopy(model)
     spec = make_spec(text_file)
     seen = []
@@ -73,8 +64,9 @@ def test_settings_of_a_spec(tmp_path):
     assert labels == ["full", "quest@16", "quest@32", "quest-topp@16", "quest-topp@32", "h2o@16", "h2o@32"]
     by_label = {s.label: s for s in spec.settings()}
     forced = {"sink_pages": 0, "recent_pages": 1}
-    assert dict(by_label["quest-topp@32"].options) == {"selection": "q_head", "top_p": 0.7, **forced}
-    assert dict(by_label["quest@16"].options) == {"selection": "q_head", **forced}
+    page = {"selection": "q_head", "group_reduction": "sum", **forced}
+    assert dict(by_label["quest-topp@32"].options) == {"top_p": 0.7, **page}
+    assert dict(by_label["quest@16"].options) == page
     assert by_label["h2o@16"].options == ()
     assert isinstance(spec.tasks, tuple) and isinstance(spec.budgets, tuple)
 
@@ -82,28 +74,38 @@ def test_settings_of_a_spec(tmp_path):
 @pytest.mark.parametrize(
     "changes,message",
     [
-        (dict(tasks=["passkey", "bogus"]), r"task \['bogus'\]; allowed"),
-        (dict(tasks=[]), "task list is empty"),
-        (dict(policies=["quest", "bogus"]), r"policy \['bogus'\]; allowed"),
-        (dict(policies=[]), "policy list is empty"),
+        (dict(tasks=["passkey", "bogus"]), r"SweepSpec.tasks\[1\] must be one of 'passkey', .*; got 'bogus'"),
+        (dict(tasks=[]), "SweepSpec.tasks is empty"),
+        (dict(policies=["quest", "bogus"]), r"SweepSpec.policies\[1\] must be one of 'full', .*; got 'bogus'"),
+        (dict(policies=[]), "SweepSpec.policies is empty"),
         (dict(budgets=[]), "need at least one budget"),
-        (dict(budgets=[16, 0]), "budgets must be positive ints"),
-        (dict(lengths=[]), "lengths is empty"),
-        (dict(lengths=[96, -1]), "lengths must be positive ints"),
-        (dict(score_tokens=95), r"score_tokens=95 must be in \[1, 94\]"),
-        (dict(score_tokens=0), "score_tokens=0 must be in"),
-        (dict(samples=0), "samples must be an int >= 1"),
-        (dict(samples=1.5), "samples must be an int >= 1"),
-        (dict(samples=True), "samples must be an int >= 1"),
+        (dict(budgets=[16, 0]), r"SweepSpec.budgets\[1\] must be >= 1, got 0"),
+        (dict(budgets=[16, None]), r"SweepSpec.budgets\[1\] must be an int, got None"),
+        (dict(lengths=[]), "SweepSpec.lengths is empty"),
+        (dict(lengths=[96, -1]), r"SweepSpec.lengths\[1\] must be >= 1, got -1"),
+        (dict(score_tokens=95), r"SweepSpec.score_tokens must be <= 94 \(the shortest length, 96, .*got 95"),
+        (dict(score_tokens=0), "SweepSpec.score_tokens must be >= 1, got 0"),
+        (dict(samples=0), "SweepSpec.samples must be >= 1, got 0"),
+        (dict(samples=1.5), r"SweepSpec.samples must be an int, got 1.5 \(float\)"),
+        (dict(samples=True), r"SweepSpec.samples must be an int, got True \(bool\)"),
         (dict(budgets=[16, 12]), "multiple of page_size=8"),
         (dict(policies=["oracle"], budgets=[20]), "multiple of page_size=8"),
-        (dict(selection="page"), "selection"),
+        (dict(selection="page"), "QuestConfig.selection must be one of 'kv_head', 'q_head'; got 'page'"),
+        (dict(group_reduction="mean"), "QuestConfig.group_reduction must be one of 'sum', 'max'; got 'mean'"),
         (dict(top_p=1.5), "top_p"),
     ],
 )
 def test_spec_validation(changes, message):
     with pytest.raises(ValueError, match=message):
         make_spec(None, **changes)
+
+
+def test_spec_takes_its_quest_settings_from_quest_config():
+    spec = sweep.SweepSpec(tasks=["passkey"], lengths=[LENGTH], policies=["full"])
+    defaults = {field.name: field.default for field in dataclasses.fields(QuestConfig)}
+    assert sweep.QUEST_FIELDS == ("page_size", "dense_layers", "selection", "group_reduction", "sink_pages",
+                                  "recent_pages")
+    assert {name: getattr(spec, name) for name in sweep.QUEST_FIELDS} == {n: defaults[n] for n in sweep.QUEST_FIELDS}
 
 
 def test_spec_accepts_valid_corner_cases():
@@ -208,15 +210,33 @@ def test_document_round_trip_and_shared_settings(tmp_path, first_run):
     # Another shared setting, or another model, is refused with its name.
     for name, value in [("samples", 3), ("page_size", 16), ("dense_layers", 2), ("seed", spec.seed + 1),
                         ("score_tokens", 9), ("top_p", 0.5), ("selection", "q_head"), ("text_file", None),
-                        ("recent_pages", 1)]:
+                        ("recent_pages", 1), ("sink_pages", 1), ("group_reduction", "max")]:
         with pytest.raises(ValueError, match=f"{name}="):
             sweep.load_document(path, "tiny", dataclasses.replace(spec, **{name: value}))
     # A document written before a shared setting existed reads it as its default.
-    del document["spec"]["sink_pages"], document["spec"]["recent_pages"]
+    del document["spec"]["sink_pages"], document["spec"]["recent_pages"], document["spec"]["group_reduction"]
     sweep.save(path, document)
     assert sweep.load_document(path, "tiny", spec) is not None
     with pytest.raises(ValueError, match="model='tiny'"):
         sweep.load_document(path, "other", spec)
+
+
+def test_resume_sweep_of_a_finished_document_loads_nothing(tmp_path, first_run):
+    _, _, spec, cells, _ = first_run
+    path = tmp_path / "sweep.json"
+    runs = [{"command": "first"}]
+    sweep.save(path, sweep.document("tiny", spec, [dict(cell, run=0) for cell in cells], runs, {"source": "x"}))
+
+    def fail():
+        raise AssertionError("called although every cell is done")
+
+    saved = json.loads(path.read_text())
+    assert json.loads(json.dumps(sweep.resume_sweep(path, "tiny", spec, fail, fail, progress=False))) == saved
+    assert json.loads(path.read_text()) == saved  # not rewritten
+    with pytest.raises(ValueError, match="samples=2"):
+        sweep.resume_sweep(path, "tiny", dataclasses.replace(spec, samples=3), fail, fail, progress=False)
+    with pytest.raises(ValueError, match="model='tiny'"):
+        sweep.resume_sweep(path, "other", spec, fail, fail, progress=False)
 
 
 # -- the command line --------------------------------------------------------------------------------
@@ -231,7 +251,7 @@ def patched_loader(monkeypatch, word_tokenizer):
         if state["fail"]:
             raise AssertionError("the model was loaded although every cell was done")
         state["calls"] += 1
-        return build_model(len(word_tokenizer)), word_tokenizer
+        return tiny_llama(len(word_tokenizer)), word_tokenizer
 
     monkeypatch.setattr("questkv.models.load_model", load)
     return state
@@ -288,8 +308,9 @@ def test_cli_sweep_writes_json_md_png_and_resumes(tmp_path, patched_loader, caps
         (["eval", "sweep"], "--tasks"),
         (["eval", "passkey", "--lengths", "1k"], "positive integers"),
         (["eval", "passkey", "--budgets", "12", "--page-size", "8"], "questkv eval passkey: error: "),
-        (["eval", "sweep", "--tasks", "ppl", "--lengths", "64", "--score-tokens", "63"], "score_tokens=63"),
-        (["eval", "sweep", "--tasks", "passkey", "--samples", "0"], "samples must be an int >= 1"),
+        (["eval", "sweep", "--tasks", "ppl", "--lengths", "64", "--score-tokens", "63"],
+         "SweepSpec.score_tokens must be <= 62"),
+        (["eval", "sweep", "--tasks", "passkey", "--samples", "0"], "SweepSpec.samples must be >= 1, got 0"),
         (["eval", "report", "/nonexistent/sweep.json"], "is not a file"),
     ],
 )

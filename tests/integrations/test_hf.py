@@ -255,3 +255,90 @@ def test_cache_errors_are_clear():
     questkv.disable(model)
     with pytest.raises(RuntimeError, match="questkv.enable"):
         model(ids, **{name: cache})
+
+
+class DecodeSpy:
+    """Records every QuestDecodeStep.dense / .sparse call (which step object, which layer's pages),
+    every reference decode attention and whether it ran inside one of them, and SDPA's query lengths."""
+
+    def __init__(self, monkeypatch):
+        from questkv.decode.step import QuestDecodeStep
+
+        self.steps: list[tuple[str, int, int]] = []  # (method, id(step), k_pages data_ptr)
+        self.attention_outside_step = 0
+        self.attention_calls = 0
+        self.sdpa_query_lengths: list[int] = []
+        self.configs_built = 0
+        self._depth = 0
+        for name in ("dense", "sparse"):
+            monkeypatch.setattr(QuestDecodeStep, name, self._wrap(name, getattr(QuestDecodeStep, name)))
+        attention = reference.paged_decode_attention
+
+        def attention_spy(*args, **kwargs):
+            self.attention_calls += 1
+            self.attention_outside_step += self._depth == 0
+            return attention(*args, **kwargs)
+
+        monkeypatch.setattr(reference, "paged_decode_attention", attention_spy)
+
+        def sdpa_spy(module, query, *args, **kwargs):
+            self.sdpa_query_lengths.append(query.shape[2])
+            return sdpa_attention_forward(module, query, *args, **kwargs)
+
+        monkeypatch.setattr(hf, "sdpa_attention_forward", sdpa_spy)
+        post_init = questkv.QuestConfig.__post_init__
+
+        def count_configs(config):
+            self.configs_built += 1
+            post_init(config)
+
+        monkeypatch.setattr(questkv.QuestConfig, "__post_init__", count_configs)
+
+    def _wrap(self, name, method):
+        def spy(step, q, layer, *args, **kwargs):
+            self.steps.append((name, id(step), layer.k_pages.data_ptr()))
+            self._depth += 1
+            try:
+                return method(step, q, layer, *args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return spy
+
+
+def test_decode_runs_through_the_one_decode_step(monkeypatch):
+    model = make_model("llama-gqa")  # 3 layers
+    questkv.enable(model, questkv.QuestConfig(token_budget=2 * PAGE, page_size=PAGE, dense_layers=1))
+    ids = prompt(37)
+    new_tokens = 12  # 11 decode steps: the first token comes from the prefill
+    spy = DecodeSpy(monkeypatch)
+    out = greedy(model, ids, new_tokens)
+    cache = getattr(out, "past_key_values", None)
+    cache = cache if cache is not None else out.cache
+    assert isinstance(cache, questkv.QuestCache)
+    decode_steps = new_tokens - 1
+    layers = [cache.paged.layer(i).k_pages.data_ptr() for i in range(3)]
+    assert [(name, ptr) for name, _, ptr in spy.steps] == [
+        ("dense", layers[0]), ("sparse", layers[1]), ("sparse", layers[2])
+    ] * decode_steps
+    # One step object serves every layer of a decode step, and it is the enabled decoder's.
+    for start in range(0, len(spy.steps), 3):
+        assert len({step for _, step, _ in spy.steps[start : start + 3]}) == 1
+    decoder_steps = {id(step) for step in model._questkv.decoder._steps.values()}
+    assert {step for _, step, _ in spy.steps} <= decoder_steps
+    # Nothing else computes decode attention: every reference attention ran inside the step, and
+    # SDPA only saw the prefill (37 queries per layer).
+    assert spy.attention_calls == 3 * decode_steps and spy.attention_outside_step == 0
+    assert spy.sdpa_query_lengths == [ids.shape[1]] * 3
+    assert spy.configs_built == 0  # routes were decided at enable, not per layer or step
+    assert cache.mean_tokens_attended == 2 * PAGE and cache.sparse_steps == 2 * decode_steps
+
+
+def test_dense_decoding_runs_through_the_one_decode_step_too(monkeypatch):
+    model = make_model("qwen2-gqa")
+    questkv.enable(model, questkv.QuestConfig(token_budget=None, page_size=PAGE, dense_layers=1))
+    spy = DecodeSpy(monkeypatch)
+    greedy(model, prompt(20), new_tokens=5)
+    assert [name for name, _, _ in spy.steps] == ["dense"] * 3 * 4
+    assert spy.attention_calls == 3 * 4 and spy.attention_outside_step == 0
+    assert spy.sdpa_query_lengths == [20] * 3 and spy.configs_built == 0

@@ -391,7 +391,7 @@ def test_enable_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("name", ["quest-config", "quest", "oracle", "streaming", "h2o", "tova"])
-def test_budget_used_per_sequence(name):
+def test_mean_tokens_attended_per_sequence_charges_short_rows_what_they_hold(name):
     """Rows shorter than the budget are charged what they hold: whole pages (page policies) or
     tokens (eviction policies); rows longer than the budget are charged the budget."""
     budget = 4 * PAGE
@@ -427,3 +427,22 @@ def test_a_dropped_cache_is_freed_without_the_garbage_collector():
         assert copy_ref() is None  # no reference cycle keeps its page pool alive
     finally:
         gc.enable()
+
+
+def test_policy_layers_run_the_policy_and_dense_layers_the_decode_step(monkeypatch):
+    from questkv.decode.step import QuestDecodeStep
+
+    model = make_model("llama-gqa")  # 3 layers
+    policy = make_policy("streaming", 12, page_size=PAGE)
+    questkv.enable(model, policy, dense_layers=1)
+    calls = []
+    for name in ("dense", "sparse"):
+        original = getattr(QuestDecodeStep, name)
+        monkeypatch.setattr(
+            QuestDecodeStep, name, lambda self, *a, _name=name, _original=original, **k: calls.append(_name) or _original(self, *a, **k)
+        )
+    decode = type(policy).decode
+    monkeypatch.setattr(type(policy), "decode", lambda self, *a, **k: calls.append("policy") or decode(self, *a, **k))
+    new_tokens = 6
+    greedy(model, prompt(30, seed=torch.randint(0, 10**6, ()).item()), new_tokens)
+    assert calls == ["dense", "policy", "policy"] * (new_tokens - 1)

@@ -7,33 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from questkv import PagedKVCache, QuestConfig, quest_decode
+from questkv import QuestConfig, quest_decode
 from questkv.ops import reference
-
-
-def make_cache(lens, num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32):
-    """A one-layer cache of random mixed-sign keys/values for sequences of ``lens`` tokens, appended
-    round-robin in chunks that straddle pages (so sequences' physical pages interleave).
-
-    Returns (cache, seq_ids, keys, values); keys/values are lists of ``[len, Hkv, D]`` float32."""
-    num_pages = sum(math.ceil(n / page_size) for n in lens) + 2
-    cache = PagedKVCache(1, num_kv_heads, head_dim, num_pages, page_size, max_seqs=len(lens), dtype=dtype)
-    seq_ids = [cache.add_sequence() for _ in lens]
-    offset = torch.randn(head_dim)  # shared per-dim offsets: bounds of mixed, not centred, signs
-    keys = [(torch.randn(n, num_kv_heads, head_dim) * 2 + offset).to(dtype).float() for n in lens]
-    values = [torch.randn(n, num_kv_heads, head_dim).to(dtype).float() for n in lens]
-    written = [0] * len(lens)
-    chunk = page_size + 1
-    while any(w < n for w, n in zip(written, lens)):
-        ids, counts, ks, vs = [], [], [], []
-        for i, (w, n) in enumerate(zip(written, lens)):
-            if w < n:
-                count = min(chunk, n - w)
-                ids.append(seq_ids[i]), counts.append(count)
-                ks.append(keys[i][w : w + count]), vs.append(values[i][w : w + count])
-                written[i] += count
-        cache.append(ids, counts, torch.cat(ks)[None].to(dtype), torch.cat(vs)[None].to(dtype))
-    return cache, seq_ids, keys, values
+from tests.helpers import random_cache
 
 
 def sdpa_decode(q, keys, values, mask=None):
@@ -57,13 +33,12 @@ HEADS = [(4, 2), (4, 4), (8, 1)]  # (q heads, kv heads): GQA, MHA, MQA
 def test_page_score_bounds_every_key_of_its_page(num_q_heads, num_kv_heads, selection, reduction):
     page_size = 4
     lens = [13, 7]
-    cache, seq_ids, keys, _ = make_cache(lens, num_kv_heads=num_kv_heads, page_size=page_size)
-    layer = cache.layer(0)
-    page_table, seq_lens = cache.batch(seq_ids)
+    cache = random_cache(lens, num_kv_heads=num_kv_heads, head_dim=16, page_size=page_size)
+    layer, page_table, seq_lens = cache.step_inputs()
     q = torch.randn(2, num_q_heads, 16) * 3 - 1
     scores = reference.page_scores(q, layer.kmin, layer.kmax, page_table, seq_lens, page_size, selection, reduction)
     group = num_q_heads // num_kv_heads
-    for b, k in enumerate(keys):
+    for b, k in enumerate(cache.keys):
         dots = torch.einsum("hd,thd->ht", q[b].view(num_kv_heads, group, -1).flatten(0, 1),
                             k.repeat_interleave(group, dim=1))  # [Hq, len]
         dots = dots.view(num_kv_heads, group, -1)
@@ -105,7 +80,7 @@ def test_selection_equals_brute_force_with_forced_pages_and_stable_ties(data, pa
                                 max_size=len(lens) * heads * max_pages))
     scores = torch.tensor(values, dtype=torch.float32).view(len(lens), heads, max_pages)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    scores = scores.masked_fill(~reference._valid_pages(seq_lens, page_size, max_pages)[:, None], float("-inf"))
+    scores = scores.masked_fill(~reference.valid_pages(seq_lens, page_size, max_pages)[:, None], float("-inf"))
     selected = reference.select_pages(scores, seq_lens, page_size, budget, sink, recent)
     assert selected.shape == (len(lens), heads, budget) and selected.dtype == torch.int32
     for b, n in enumerate(lens):
@@ -123,13 +98,13 @@ def test_selection_equals_brute_force_with_forced_pages_and_stable_ties(data, pa
 def test_budget_covering_context_equals_dense_sdpa(num_q_heads, num_kv_heads, selection, dtype):
     page_size = 4
     lens = [29, 5, 16]
-    cache, seq_ids, keys, values = make_cache(lens, num_kv_heads=num_kv_heads, page_size=page_size, dtype=dtype)
-    page_table, seq_lens = cache.batch(seq_ids)
+    cache = random_cache(lens, num_kv_heads=num_kv_heads, head_dim=16, page_size=page_size, dtype=dtype)
+    layer, page_table, seq_lens = cache.step_inputs()
     q = torch.randn(3, num_q_heads, 16).to(dtype)
     config = QuestConfig(token_budget=8 * page_size, page_size=page_size, dense_layers=0, selection=selection)
-    out = quest_decode(q, cache.layer(0), page_table, seq_lens, config)
-    dense = quest_decode(q, cache.layer(0), page_table, seq_lens, QuestConfig(page_size=page_size))
-    expected = sdpa_decode(q.float(), keys, values)
+    out = quest_decode(q, layer, page_table, seq_lens, config)
+    dense = quest_decode(q, layer, page_table, seq_lens, QuestConfig(page_size=page_size))
+    expected = sdpa_decode(q.float(), cache.keys, cache.values)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     torch.testing.assert_close(dense.float(), expected, atol=tol, rtol=tol)
@@ -140,9 +115,8 @@ def test_budget_covering_context_equals_dense_sdpa(num_q_heads, num_kv_heads, se
 def test_sparse_attention_equals_dense_with_unselected_tokens_masked(num_q_heads, num_kv_heads, selection):
     page_size = 4
     lens = [37, 22]
-    cache, seq_ids, keys, values = make_cache(lens, num_kv_heads=num_kv_heads, page_size=page_size)
-    layer = cache.layer(0)
-    page_table, seq_lens = cache.batch(seq_ids)
+    cache = random_cache(lens, num_kv_heads=num_kv_heads, head_dim=16, page_size=page_size)
+    layer, page_table, seq_lens = cache.step_inputs()
     q = torch.randn(2, num_q_heads, 16)
     scores = reference.page_scores(q, layer.kmin, layer.kmax, page_table, seq_lens, page_size, selection)
     selected = reference.select_pages(scores, seq_lens, page_size, 3, sink_pages=1)
@@ -152,20 +126,19 @@ def test_sparse_attention_equals_dense_with_unselected_tokens_masked(num_q_heads
         page_of_token = torch.arange(n) // page_size
         sel = selected[b].repeat_interleave(num_q_heads // selected.shape[1], dim=0)  # [Hq, K]
         masks.append((page_of_token[None, :, None] == sel[:, None, :]).any(-1))
-    torch.testing.assert_close(out, sdpa_decode(q, keys, values, masks), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, sdpa_decode(q, cache.keys, cache.values, masks), atol=1e-5, rtol=1e-5)
 
 
 def test_unselected_pages_and_unwritten_slots_are_never_read():
     page_size = 4
     lens = [23, 10]
-    cache, seq_ids, _, _ = make_cache(lens, num_kv_heads=2, page_size=page_size)
-    layer = cache.layer(0)
-    page_table, seq_lens = cache.batch(seq_ids)
+    cache = random_cache(lens, num_kv_heads=2, head_dim=16, page_size=page_size)
+    layer, page_table, seq_lens = cache.step_inputs()
     q = torch.randn(2, 4, 16)
     scores = reference.page_scores(q, layer.kmin, layer.kmax, page_table, seq_lens, page_size, "kv_head")
     selected = reference.select_pages(scores, seq_lens, page_size, 2)
     before = reference.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected)
-    read = torch.zeros(cache.num_pages, page_size, 2, dtype=torch.bool)
+    read = torch.zeros(cache.cache.num_pages, page_size, 2, dtype=torch.bool)
     for b, n in enumerate(lens):
         for h in range(2):
             for logical in selected[b, h].tolist():
@@ -180,10 +153,9 @@ def test_unselected_pages_and_unwritten_slots_are_never_read():
 
 
 def test_custom_softmax_scale():
-    cache, seq_ids, keys, values = make_cache([9], num_kv_heads=1)
-    page_table, seq_lens = cache.batch(seq_ids)
+    cache = random_cache([9], num_kv_heads=1, head_dim=16)
+    layer, page_table, seq_lens = cache.step_inputs()
     q = torch.randn(1, 2, 16)
-    layer = cache.layer(0)
     out = reference.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens, sm_scale=0.5)
-    expected = sdpa_decode(q * 0.5 * math.sqrt(16), keys, values)
+    expected = sdpa_decode(q * 0.5 * math.sqrt(16), cache.keys, cache.values)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -70,7 +70,7 @@ def test_eviction_matches_brute_force_simulation(random_cache, brute_probs, name
             keys, values = cache.keys[b][:, h], cache.values[b][:, h]
             history = simulate(name, budget, sink, recent, prefill[b], [q[b, heads] for q in queries], keys, brute_probs)
             for step, (attended, kept) in enumerate(history):
-                assert results[step].tokens_charged[b, h] == len(attended) <= budget
+                assert results[step].tokens_attended[b, h] == len(attended) <= budget
                 assert kept_sets[step][b, h].nonzero().flatten().tolist() == kept
                 probs = brute_probs(queries[step][b, heads], keys[attended][:, None])
                 expected = probs @ values[attended].double()
@@ -93,11 +93,11 @@ def test_streaming_keeps_exactly_sink_and_window(random_cache):
     budget, sink, prefill = 10, 3, [40, 17]
     cache = random_cache(prefill, extra_tokens=6)
     state, outputs = run_steps(make_policy("streaming", budget, page_size=4, sink_tokens=sink), cache, 6, 4, prefill)
-    for b, length in enumerate(cache.cache.lengths[: len(prefill)].tolist()):
+    for b, length in enumerate(cache.cache.seq_lens[: len(prefill)].tolist()):
         expected = list(range(sink)) + list(range(length - (budget - 1 - sink), length))
         for h in range(2):
             assert state.keep[b, h].nonzero().flatten().tolist() == expected
-    assert all(torch.all(out.tokens_charged == budget) for out in outputs)
+    assert all(torch.all(out.tokens_attended == budget) for out in outputs)
 
 
 def test_h2o_keeps_a_heavy_hitter_outside_the_window(cache_of):

@@ -50,7 +50,7 @@ def test_full_is_dense_attention(random_cache, brute_probs, num_q_heads, num_kv_
         probs = brute_probs(q[b], k)
         expected = torch.einsum("ht,thd->hd", probs, v.repeat_interleave(num_q_heads // num_kv_heads, 1).double())
         torch.testing.assert_close(result.out[b].double(), expected, rtol=1e-5, atol=1e-5)
-        assert result.tokens_charged[b].tolist() == [4 * math.ceil(len(k) / 4)] * num_kv_heads
+        assert result.tokens_attended[b].tolist() == [4 * math.ceil(len(k) / 4)] * num_kv_heads
     assert_selection_format(result.pages, seq_lens, 4)
 
 
@@ -69,7 +69,7 @@ def test_quest_is_the_reference_pipeline(random_cache, num_q_heads, num_kv_heads
     torch.testing.assert_close(result.out, expected)
     heads = num_q_heads if selection == "q_head" else num_kv_heads
     assert result.pages.shape == (2, heads, 3)
-    assert result.tokens_charged.tolist() == [[12] * heads, [12] * heads]
+    assert result.tokens_attended.tolist() == [[12] * heads, [12] * heads]
 
 
 @settings(max_examples=25, deadline=None)

@@ -1,11 +1,17 @@
 """make_policy, the shared budget accounting, and the token-level masked attention."""
 
+import dataclasses
+import inspect
 import re
 
 import pytest
 import torch
 
-from questkv.policies import POLICIES, make_policy, masked_decode_attention
+from questkv import QuestConfig
+from questkv.config import PAGE_POLICY_OPTIONS
+from questkv.policies import (
+    POLICIES, OraclePolicy, PagePolicy, QuestPolicy, QuestTopPPolicy, make_policy, masked_decode_attention,
+)
 
 SPARSE = ["quest", "oracle", "quest-topp", "streaming", "h2o", "tova"]
 
@@ -17,15 +23,17 @@ def test_registry_names():
 @pytest.mark.parametrize(
     "name, budget, options, message",
     [
-        ("snapkv", 64, {}, "unknown policy 'snapkv'; known: full, quest"),
+        ("snapkv", 64, {}, "policy must be one of 'full', 'quest', 'oracle', 'quest-topp', 'streaming', 'h2o', 'tova'; "
+                           "got 'snapkv'"),
         ("quest", 64, {"top_p": 0.9}, "policy 'quest' takes no option(s) top_p"),
         ("tova", 64, {"sink_tokens": 4}, "policy 'tova' takes no option(s) sink_tokens; its options: none"),
         ("quest", 40, {}, "policy 'quest': QuestConfig.token_budget must be a multiple of page_size=16"),
         ("oracle", 16, {"sink_pages": 1}, "fewer than the 2 always-kept pages"),
         ("quest", 64, {"selection": "head"}, "QuestConfig.selection must be one of"),
         ("full", 64, {}, "policy 'full' attends every token; token_budget must be None"),
-        ("quest-topp", 64, {"top_p": 0.0}, "top_p must be a float in (0, 1]"),
-        ("quest-topp", 64, {"top_p": 1.5}, "top_p must be a float in (0, 1]"),
+        ("quest-topp", 64, {"top_p": 0.0}, "policy 'quest-topp': top_p must be in (0, 1], got 0.0"),
+        ("quest-topp", 64, {"top_p": 1.5}, "policy 'quest-topp': top_p must be in (0, 1], got 1.5"),
+        ("quest-topp", 64, {"top_p": True}, "policy 'quest-topp': top_p must be a finite number, got True"),
         ("streaming", 4, {"sink_tokens": 4}, "sink_tokens=4 leaves no room for the current token"),
         ("streaming", 8, {"sink_tokens": -1}, "sink_tokens must be an int >= 0"),
         ("h2o", 8, {"recent_tokens": 9}, "recent_tokens=9 exceeds token_budget=8"),
@@ -39,6 +47,19 @@ def test_bad_arguments_raise_clear_errors(name, budget, options, message):
         make_policy(name, budget, **options)
 
 
+def test_page_policies_take_quest_config_options_and_defaults():
+    fields = {field.name: field for field in dataclasses.fields(QuestConfig)}
+    for cls in (QuestPolicy, OraclePolicy, QuestTopPPolicy):
+        assert cls.options[: len(PAGE_POLICY_OPTIONS)] == PAGE_POLICY_OPTIONS
+    parameters = inspect.signature(PagePolicy.__init__).parameters
+    for name in ("page_size",) + PAGE_POLICY_OPTIONS:
+        assert parameters[name].default == fields[name].default, name
+    assert make_policy("quest", 64).config == QuestConfig(token_budget=64)
+    options = dict(selection="q_head", group_reduction="max", sink_pages=1, recent_pages=1)
+    policy = make_policy("oracle", 64, page_size=8, **options)
+    assert policy.config == QuestConfig(token_budget=64, page_size=8, **options)
+
+
 def test_policy_and_cache_page_sizes_must_agree(random_cache):
     cache = random_cache([9])
     with pytest.raises(ValueError, match="built for page_size=16, the cache has 4"):
@@ -47,9 +68,9 @@ def test_policy_and_cache_page_sizes_must_agree(random_cache):
 
 @pytest.mark.parametrize("name", SPARSE)
 def test_budget_accounting_is_the_same_for_every_policy(random_cache, name):
-    """At token_budget=B no (sequence, head) is charged more than B tokens, and a long enough
-    sequence is charged exactly B (a fixed-budget policy uses all of it; top-p with p=1 too).
-    Page policies charge whole pages, so their actually attended tokens are <= the charge."""
+    """At token_budget=B no (sequence, head) attends more than B tokens as the budget counts them,
+    and a long enough sequence exactly B (a fixed-budget policy uses all of it; top-p with p=1 too).
+    Page policies count whole pages, so the tokens they really read are <= tokens_attended."""
     budget, page_size, prefill, steps = 16, 4, [45, 30, 7], 5
     options = {"top_p": 1.0} if name == "quest-topp" else {}
     policy = make_policy(name, budget, page_size=page_size, **options)
@@ -59,17 +80,17 @@ def test_budget_accounting_is_the_same_for_every_policy(random_cache, name):
         cache.append_token(torch.randn(3, 2, 8), torch.randn(3, 2, 8))
         layer, page_table, seq_lens = cache.step_inputs()
         result = policy.decode(torch.randn(3, 4, 8), layer, page_table, seq_lens, state)
-        assert result.tokens_charged.dtype == torch.int32
-        assert torch.all(result.tokens_charged <= budget)
+        assert result.tokens_attended.dtype == torch.int32
+        assert torch.all(result.tokens_attended <= budget)
         for b, length in enumerate(seq_lens.tolist()):
             expected = budget if length >= budget else -(-length // page_size) * page_size
             if result.pages is None:  # eviction: the tokens themselves
                 expected = min(length, budget)
-            assert torch.all(result.tokens_charged[b] == expected), (b, length, result.tokens_charged[b])
+            assert torch.all(result.tokens_attended[b] == expected), (b, length, result.tokens_attended[b])
         if result.pages is not None:  # tokens really read: the partial current page counts less
             start = result.pages.long() * page_size
             real = (seq_lens.long()[:, None, None] - start).clamp(0, page_size) * (result.pages >= 0)
-            assert torch.all(real.sum(-1) <= result.tokens_charged)
+            assert torch.all(real.sum(-1) <= result.tokens_attended)
 
 
 def test_masked_attention_matches_sdpa_and_returns_probabilities(random_cache):

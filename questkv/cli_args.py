@@ -1,0 +1,166 @@
+"""Command-line flags of the Quest knobs, read from :class:`~questkv.QuestConfig`'s fields.
+
+:func:`add_quest_args` adds one flag per field. Its name (``--budget``, ``--page-size``, ...), help,
+choices and allowed ints come from the field's metadata in :mod:`questkv.config` and its default
+from the field, so every command that takes Quest knobs (``generate``, ``eval``, ``bench latency``,
+``serve``) spells them the same. A sweep's field takes a comma-separated list instead (``plural``:
+the flag gains an ``s``, ``--budgets``). A flag's value lands on ``args.<field name>``
+(``args.token_budget``); :func:`quest_options` and :func:`quest_config` read them back::
+
+    add_quest_args(parser)                           # every knob, one value each
+    config = quest_config(parser.parse_args(argv))   # validated by QuestConfig
+
+    add_quest_args(parser, ["token_budget", "page_size"], plural=["token_budget"])
+    configs = [quest_config(args, token_budget=budget) for budget in args.token_budget]
+
+This module parses the text of a value (an int, the word for ``None``, a choice); what depends on
+several fields (a budget that is a multiple of the page size) is left to :class:`~questkv.QuestConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from questkv.config import QuestConfig
+
+__all__ = ["FIELDS", "add_quest_args", "flag", "quest_config", "quest_options"]
+
+FIELDS: dict[str, dataclasses.Field] = {field.name: field for field in dataclasses.fields(QuestConfig)}
+
+
+def flag(name: str, plural: bool = False) -> str:
+    """The flag of field ``name``: ``flag("token_budget")`` is ``"--budget"``, plural ``"--budgets"``."""
+    return _field(name).metadata["flag"] + ("s" if plural else "")
+
+
+def add_quest_args(
+    parser,
+    names: Optional[Iterable[str]] = None,
+    plural: Iterable[str] = (),
+    defaults: Optional[Mapping[str, Any]] = None,
+    help: Optional[Mapping[str, str]] = None,
+) -> None:
+    """Add a flag for each :class:`~questkv.QuestConfig` field in ``names`` to ``parser``.
+
+    Args:
+        parser: an ``argparse.ArgumentParser`` or argument group.
+        names: field names, in the order the flags appear; default every field.
+        plural: fields of ``names`` whose flag (its name plus ``s``) takes a comma-separated list;
+            ``args.<field>`` is then a list.
+        defaults: defaults instead of the fields' own (a list for a plural field, whose default is
+            otherwise ``[the field's default]``).
+        help: help texts instead of the fields' own (what the knob means for this command).
+
+    Raises:
+        ValueError: a name that is not a field, or a ``plural``, ``defaults`` or ``help`` entry for a
+            field not in ``names``.
+    """
+    names = list(FIELDS) if names is None else list(names)
+    plural, defaults, help = set(plural), dict(defaults or {}), dict(help or {})
+    for name in names:
+        _field(name)
+    for kind, given in (("plural", plural), ("defaults", defaults), ("help", help)):
+        extra = sorted(set(given) - set(names))
+        if extra:
+            raise ValueError(f"add_quest_args {kind} names field(s) {', '.join(extra)} not in names {names}")
+    for name in names:
+        meta, many = FIELDS[name].metadata, name in plural
+        default = defaults.get(name, [FIELDS[name].default] if many else FIELDS[name].default)
+        shown = ",".join(_show(name, value) for value in default) if many else _show(name, default)
+        text = help.get(name, meta["help"]) + (" (comma-separated; " if many else " (") + f"default: {shown})"
+        metavar = meta["flag"].lstrip("-").replace("-", "_").upper()  # --page-size PAGE_SIZE, --budgets BUDGET,...
+        if many:
+            parser.add_argument(flag(name, True), dest=name, type=_list_parser(name), default=default, help=text,
+                                metavar=f"{metavar},...")
+        elif meta["choices"]:
+            parser.add_argument(flag(name), dest=name, choices=meta["choices"], default=default, help=text)
+        else:
+            parser.add_argument(flag(name), dest=name, type=_single_parser(name), default=default, help=text,
+                                metavar=metavar)
+
+
+def quest_options(args: argparse.Namespace, names: Optional[Iterable[str]] = None) -> dict[str, Any]:
+    """``{field: value}`` of the Quest flags on ``args`` (those of ``names``, default all that are there).
+
+    Raises:
+        ValueError: a name of ``names`` that is not a field or has no flag on ``args``.
+    """
+    if names is None:
+        return {name: getattr(args, name) for name in FIELDS if hasattr(args, name)}
+    names = [_field(name).name for name in names]
+    missing = [name for name in names if not hasattr(args, name)]
+    if missing:
+        raise ValueError(f"no Quest flag for field(s) {', '.join(missing)} on these arguments")
+    return {name: getattr(args, name) for name in names}
+
+
+def quest_config(args: argparse.Namespace, **overrides: Any) -> QuestConfig:
+    """The :class:`~questkv.QuestConfig` of the Quest flags on ``args`` (fields without a flag keep
+    their defaults), ``overrides`` replacing them (e.g. one budget of a plural ``--budgets``).
+
+    Raises:
+        ValueError: an invalid combination (from :class:`~questkv.QuestConfig`).
+    """
+    return QuestConfig(**{**quest_options(args), **overrides})
+
+
+def _field(name: str) -> dataclasses.Field:
+    if name not in FIELDS:
+        raise ValueError(f"{name!r} is not a QuestConfig field; fields: {', '.join(FIELDS)}")
+    return FIELDS[name]
+
+
+def _show(name: str, value: Any) -> str:
+    """A value of field ``name`` as typed on the command line (``None`` as the field's word for it)."""
+    word = FIELDS[name].metadata["none"]
+    return word if value is None and word is not None else str(value)
+
+
+def _value_parser(name: str) -> Callable[[str], Any]:
+    """Text to value for one field: one of its ``choices``, or an int >= its ``minimum`` (or its
+    word for ``None``)."""
+    meta = FIELDS[name].metadata
+    noun = meta["flag"].lstrip("-")
+
+    def parse(text: str) -> Any:
+        item = text.strip()
+        if meta["choices"]:
+            if item not in meta["choices"]:
+                raise argparse.ArgumentTypeError(f"{noun} {item!r} is not one of {', '.join(meta['choices'])}")
+            return item
+        if meta["none"] is not None and item == meta["none"]:
+            return None
+        minimum = meta["minimum"]
+        try:
+            value = int(item)
+        except ValueError:
+            value = None
+        if value is None or (minimum is not None and value < minimum):
+            kind = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
+                minimum, f"an integer >= {minimum}"
+            )
+            word = f" or {meta['none']!r}" if meta["none"] is not None else ""
+            raise argparse.ArgumentTypeError(f"{noun} {item!r} is not {kind}{word}")
+        return value
+
+    return parse
+
+
+def _single_parser(name: str) -> Callable[[str], Any]:
+    """Text to value of a one-value flag (a list, as a plural flag takes, is refused by name)."""
+    parse = _value_parser(name)
+
+    def single(text: str) -> Any:
+        if "," in text:
+            raise argparse.ArgumentTypeError(f"{flag(name)} takes one value, got {text!r}")
+        return parse(text)
+
+    return single
+
+
+def _list_parser(name: str) -> Callable[[str], list]:
+    """Text to values of a plural flag: ``"64,256,full"`` parsed item by item."""
+    parse = _value_parser(name)
+    return lambda text: [parse(item) for item in text.split(",")]

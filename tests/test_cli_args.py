@@ -1,0 +1,151 @@
+"""questkv.cli_args: Quest flags read from QuestConfig's fields, and the commands that use them."""
+
+import argparse
+import dataclasses
+import random
+
+import pytest
+
+from questkv import QuestConfig, cli
+from questkv.cli_args import FIELDS, add_quest_args, flag, quest_config, quest_options
+from questkv.config import BACKENDS, GROUP_REDUCTIONS, PAGE_POLICY_OPTIONS, SELECTIONS
+
+FLAGS = {
+    "token_budget": "--budget", "page_size": "--page-size", "dense_layers": "--dense-layers",
+    "selection": "--selection", "group_reduction": "--group-reduction", "sink_pages": "--sink-pages", "recent_pages": "--recent-pages",
+    "backend": "--backend",
+}
+
+
+def parser_with(*args, **kwargs) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="test")
+    add_quest_args(parser, *args, **kwargs)
+    return parser
+
+
+def parse_error(parser, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_every_field_has_its_flag_and_default():
+    assert list(FIELDS) == [field.name for field in dataclasses.fields(QuestConfig)] == list(FLAGS)
+    assert {name: flag(name) for name in FIELDS} == FLAGS
+    assert flag("token_budget", plural=True) == "--budgets"
+    args = parser_with().parse_args([])
+    assert quest_options(args) == {field.name: field.default for field in dataclasses.fields(QuestConfig)}
+    assert quest_config(args) == QuestConfig()
+
+
+def test_flags_build_the_config():
+    rng = random.Random()
+    page_size = rng.choice([4, 8, 16])
+    sink, recent = rng.randrange(3), rng.randrange(3)
+    budget = page_size * (sink + recent + 1 + rng.randrange(4))
+    expected = QuestConfig(
+        token_budget=budget, page_size=page_size, dense_layers=rng.randrange(4), selection=rng.choice(SELECTIONS),
+        group_reduction=rng.choice(GROUP_REDUCTIONS), sink_pages=sink, recent_pages=recent,
+        backend=rng.choice(BACKENDS),
+    )
+    argv = [item for name in FIELDS for item in (FLAGS[name], str(getattr(expected, name)))]
+    assert quest_config(parser_with().parse_args(argv)) == expected
+    assert quest_config(parser_with().parse_args(["--budget", "full"])).token_budget is None
+
+
+def test_choices_and_help_come_from_the_fields():
+    actions = {action.dest: action for action in parser_with()._actions}
+    assert actions["selection"].choices == SELECTIONS
+    assert actions["group_reduction"].choices == GROUP_REDUCTIONS
+    assert actions["backend"].choices == BACKENDS
+    for name, field in FIELDS.items():
+        assert actions[name].help.startswith(field.metadata["help"])
+    assert actions["token_budget"].help.endswith("(default: full)")
+    assert actions["page_size"].help.endswith("(default: 16)")
+
+
+def test_plural_flags_take_lists_and_a_subset_of_fields():
+    parser = parser_with(["token_budget", "page_size", "selection"], plural=["token_budget", "selection"],
+                         defaults={"token_budget": [64, None]}, help={"page_size": "page of the demo"})
+    args = parser.parse_args([])
+    assert quest_options(args) == {"token_budget": [64, None], "page_size": 16, "selection": ["kv_head"]}
+    args = parser.parse_args(["--budgets", "32,full,128", "--selections", "q_head,kv_head", "--page-size", "8"])
+    assert args.token_budget == [32, None, 128] and args.selection == ["q_head", "kv_head"]
+    configs = [quest_config(args, token_budget=b, selection=s) for b in args.token_budget for s in args.selection]
+    assert configs[0] == QuestConfig(token_budget=32, page_size=8, selection="q_head")
+    assert quest_options(args, ["page_size"]) == {"page_size": 8}
+    assert not hasattr(args, "dense_layers")
+    assert next(a for a in parser._actions if a.dest == "page_size").help == "page of the demo (default: 16)"
+    with pytest.raises(ValueError, match="no Quest flag for field.s. dense_layers"):
+        quest_options(args, ["dense_layers"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--budget", "abc"], "argument --budget: budget 'abc' is not a positive integer or 'full'"),
+        (["--budget", "0"], "budget '0' is not a positive integer or 'full'"),
+        (["--budget", "64,128"], "--budget takes one value, got '64,128'"),
+        (["--page-size", "x"], "page-size 'x' is not a positive integer"),
+        (["--dense-layers", "-1"], "dense-layers '-1' is not a non-negative integer"),
+        (["--recent-pages", "1.5"], "recent-pages '1.5' is not a non-negative integer"),
+        (["--selection", "page"], "argument --selection: invalid choice: 'page'"),
+        (["--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
+    ],
+)
+def test_bad_values_are_refused_by_name(argv, message, capsys):
+    parser = argparse.ArgumentParser(prog="test")
+    add_quest_args(parser)
+    assert message in parse_error(parser, argv, capsys)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--budgets", "64,abc"], "budget 'abc' is not a positive integer or 'full'"),
+        (["--selections", "kv_head,page"], "selection 'page' is not one of kv_head, q_head"),
+    ],
+)
+def test_bad_list_items_are_refused_by_name(argv, message, capsys):
+    parser = argparse.ArgumentParser(prog="test")
+    add_quest_args(parser, ["token_budget", "selection"], plural=["token_budget", "selection"])
+    assert message in parse_error(parser, argv, capsys)
+
+
+def test_invalid_combinations_are_left_to_quest_config():
+    args = parser_with().parse_args(["--budget", "24", "--page-size", "16"])
+    with pytest.raises(ValueError, match="QuestConfig.token_budget must be a multiple of page_size=16, got 24"):
+        quest_config(args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(names=["budget"]), "'budget' is not a QuestConfig field"),
+        (dict(names=["page_size"], plural=["token_budget"]), "plural names field.s. token_budget not in names"),
+        (dict(names=["page_size"], defaults={"selection": "q_head"}), "defaults names field.s. selection not in"),
+        (dict(names=["page_size"], help={"backend": "x"}), "help names field.s. backend not in"),
+    ],
+)
+def test_bad_helper_arguments_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        add_quest_args(argparse.ArgumentParser(), **kwargs)
+
+
+def test_commands_take_their_quest_flags_from_the_config():
+    parser = cli.build_parser()
+    defaults = {field.name: field.default for field in dataclasses.fields(QuestConfig)}
+    generate = parser.parse_args(["generate", "--prompt", "hi"])
+    assert quest_config(generate) == QuestConfig()
+    evaluation = parser.parse_args(["eval", "sweep", "--tasks", "passkey"])
+    names = ["token_budget", "page_size", "dense_layers", *PAGE_POLICY_OPTIONS]
+    assert quest_options(evaluation) == {**{n: defaults[n] for n in names}, "token_budget": [256, 512]}
+    demo = parser.parse_args(["demo", "--budgets", "32,full", "--page-size", "8"])
+    assert quest_options(demo) == {"token_budget": [32, None], "page_size": 8}
+    argv = ["eval", "passkey", "--budgets", "32", "--page-size", "8", "--dense-layers", "1", "--selection", "q_head",
+            "--group-reduction", "max", "--sink-pages", "1", "--recent-pages", "2", "--top-p", "0.5"]
+    assert quest_options(parser.parse_args(argv)) == dict(
+        token_budget=[32], page_size=8, dense_layers=1, selection="q_head", group_reduction="max", sink_pages=1,
+        recent_pages=2,
+    )

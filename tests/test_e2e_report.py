@@ -1,0 +1,50 @@
+"""benchmarks/e2e_report.py on a tiny fake e2e JSON."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+_SPEC = importlib.util.spec_from_file_location(
+    "e2e_report", Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_report.py")
+e2e_report = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(e2e_report)
+
+
+def _engine(ms, graph, attended):
+    return {"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "graph_replay_ms": graph,
+            "mean_tokens_attended": attended, "spread_ms": [ms, ms], "weight_bytes": 16e9, "graphs": 1}
+
+
+def _point(context, dense_ms, quest_ms, target):
+    return {"model": "llama3.1-8b", "batch": 1, "context": context, "budget": 2048, "target": target,
+            "engine_dense": _engine(dense_ms, dense_ms - 0.2, context), "engine_quest": _engine(quest_ms, quest_ms - 0.2, 2048),
+            "floor_dense_ms": dense_ms * 0.8, "floor_quest_ms": quest_ms * 0.7,
+            "ideal_speedup": dense_ms * 0.8 / (quest_ms * 0.7), "speedup": dense_ms / quest_ms}
+
+
+def test_report(tmp_path):
+    base = _point(1024, 5.0, 5.1, None)
+    long = _point(32768, 6.0, 5.0, 1.5)  # speedup 1.2 < 1.5: missed by 20 %
+    long["hf_eager"] = {"ms_per_token": 30.0, "tokens_per_s": 33.3, "prefill_s": 4.0}
+    long["hf_static"] = {"ms_per_token": 900.0, "tokens_per_s": 1.1, "prefill_s": 1.5}
+    long["prefill_s"] = 1.3
+    record = {"provenance": {"command": "e2e.py", "commit": "abc", "machine": "FakeGPU", "date": "today",
+                             "torch": "t", "transformers": "x"},
+              "page_size": 16, "dense_layers": 2, "dtype": "bfloat16", "warmup_steps": 6, "timed_steps": 32,
+              "bandwidth_bytes_per_s": 4e12, "points": [base, long],
+              "check_fp32": {"dense": {"identical": True, "tokens_match": 72, "tokens": 72}},
+              "check_8b_bf16": {"dense": {"agreeing_prefix": 3, "tokens": 16}}}
+    path = tmp_path / "e2e-fake.json"
+    path.write_text(json.dumps(record))
+    e2e_report.main([str(path)])
+    md = (tmp_path / "e2e-fake.md").read_text()
+    assert "## Targets" in md and "| llama3.1-8b | 1 | 32k | 2048 |" in md and "| llama3.1-8b | 1 | 1k | 2048 |" in md
+    assert "NO (missed by 20.0 %)" in md
+    assert "invalid (recompiled per call" in md and "not evaluated" in md
+    assert "Quest ≥ 12× faster than HF eager" in md and "6.00× (30.00 / 5.00 ms) | NO (missed by 50.0 %)" in md
+    assert "3 of 16" in md and "FakeGPU" in md
+    assert (tmp_path / "e2e-fake.png").stat().st_size > 1000
