@@ -115,7 +115,8 @@ def test_max_model_len_defaults_to_the_models_max_position_embeddings():
     (dict(seed=-1), "EngineConfig.seed must be >= 0, got -1"),
     (dict(load_format="pt"), "EngineConfig.load_format must be one of 'auto', 'dummy'; got 'pt'"),
     (dict(quest={"token_budget": 64}), "EngineConfig.quest must be a QuestConfig or None, got dict"),
-    (dict(load_format="auto"), "EngineConfig.model is a transformers config: it has no weights, pass load_format='dummy'"),
+    (dict(load_format="auto"),
+     "EngineConfig.model is a transformers config: it has no weights, pass load_format='dummy'"),
 ])
 def test_every_invalid_llm_argument_raises_a_value_error_naming_it(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -97,9 +97,21 @@ def test_quest_with_a_budget_covering_the_context_gives_the_dense_tokens(model_d
     assert run(make_llm(model_dir, QuestConfig(page_size=PAGE)), prompts, greedy(20)) == dense
 
 
-@pytest.mark.parametrize("name", ENGINES)
+BATCHING = {
+    "dense": (None, {}),
+    "quest full budget": (FULL, {}),
+    "quest small budget": (SMALL, {}),
+    "quest with sink and recent pages": (
+        QuestConfig(token_budget=16, page_size=PAGE, sink_pages=1, recent_pages=1), {}),
+    "dense, two sequences at a time": (None, dict(max_num_seqs=2)),
+    "quest, prefill chunks of 32 tokens": (SMALL, dict(max_num_batched_tokens=32)),
+}
+
+
+@pytest.mark.parametrize("name", BATCHING)
 def test_batched_requests_of_ragged_lengths_give_each_requests_tokens_alone(model_dir, name):
-    llm = make_llm(model_dir, ENGINES[name])
+    quest, kwargs = BATCHING[name]
+    llm = make_llm(model_dir, quest, **kwargs)
     lens = [1, random.randint(2, 8), random.randint(9, 40), random.randint(41, 100)]
     random.shuffle(lens)
     prompts = [prompt(n) for n in lens]
@@ -117,6 +129,7 @@ def test_a_single_prompt_may_be_given_as_token_ids_or_text(model_dir):
     text = " ".join(f"x{t:02d}" for t in p)
     (by_ids,) = llm.generate(p, greedy(6), use_tqdm=False)
     (by_text,) = llm.generate(text, greedy(6), use_tqdm=False)
+    assert llm.generate([], greedy(6), use_tqdm=False) == []
     assert by_ids.token_ids == by_text.token_ids and by_text.prompt == text
     assert by_text.prompt_token_ids == tuple(p)
     assert by_text.text == llm.tokenizer.decode(list(by_text.token_ids), skip_special_tokens=True)
@@ -185,11 +198,15 @@ def test_no_page_leaks_after_many_requests_with_preemptions_stops_and_aborts(mod
     engine, cache = llm.engine, llm.engine.cache
     start = cache.num_free_pages
     assert start == cache.num_pages - 1  # the runner's scratch page
-    prompts = [prompt(random.randint(1, 40)) for _ in range(16)]
-    params = [SamplingParams(temperature=random.choice([0, 1.0]), max_tokens=random.randint(1, 30),
-                             ignore_eos=random.random() < 0.5, stop_token_ids=random.sample(range(VOCAB), 2),
-                             token_budget=random.choice([None, 8, 12]))
-              for _ in prompts]
+    # Four short prompts first, run together and grown past the pool (8+ pages each of 23): preemption is certain;
+    # then a dozen random requests that may stop early on a token.
+    prompts = [prompt(random.randint(1, 8)) for _ in range(4)] + [prompt(random.randint(1, 40)) for _ in range(12)]
+    params = [greedy(random.randint(30, 40), token_budget=random.choice([None, 8])) for _ in range(4)] + [
+        SamplingParams(temperature=random.choice([0, 1.0]), max_tokens=random.randint(1, 30),
+                       ignore_eos=random.random() < 0.5, stop_token_ids=random.sample(range(VOCAB), 2),
+                       token_budget=random.choice([None, 8, 12]))
+        for _ in range(12)
+    ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(out.finished for out in outputs)
     assert sum(out.metrics.num_preemptions for out in outputs) > 0
@@ -282,9 +299,11 @@ def test_stop_strings_cut_the_text_and_finish_the_request_on_the_token_that_comp
     word, pair = f"x{ref[k]:02d}", f"x{ref[k - 1]:02d} x{ref[k]:02d}"  # ref[k] first appears at k
     full = tokenizer.decode(list(ref[: k + 1]), skip_special_tokens=True)
     other = prompt(random.randint(3, 30))
-    params = [greedy(16, stop=["zzz", word]), greedy(16, stop=pair), greedy(16, stop="never"), greedy(16)]
-    one, two, never, bystander = llm.generate([p, p, p, other], params, use_tqdm=False)
-    for out, stop in ((one, word), (two, pair)):
+    params = [greedy(16, stop=["zzz", word]), greedy(16, stop=pair), greedy(16, stop="never"), greedy(16),
+              greedy(16, stop=word, stop_token_ids=[ref[k]])]
+    one, two, never, bystander, both = llm.generate([p, p, p, other, p], params, use_tqdm=False)
+    # both: a stop string and a stop token complete on the same token; the string is the reported stop reason
+    for out, stop in ((one, word), (two, pair), (both, word)):
         assert out.token_ids == ref[: k + 1] and out.finish_reason == "stop" and out.stop_reason == stop
         assert out.text == full[: full.index(stop)]
     assert never.token_ids == ref and never.finish_reason == "length" and never.stop_reason is None

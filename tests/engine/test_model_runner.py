@@ -74,7 +74,8 @@ def record_decode_paths(monkeypatch, llm) -> list[tuple]:
 
     def spy_sparse(self, q, layer, page_table, seq_lens, sm_scale=None, budgets=None):
         out = sparse(self, q, layer, page_table, seq_lens, sm_scale, budgets)
-        calls.append(("sparse", layer_of[id(layer)], self.selected.clone(), None if budgets is None else budgets.clone()))
+        got = None if budgets is None else budgets.clone()
+        calls.append(("sparse", layer_of[id(layer)], self.selected.clone(), got))
         return out
 
     monkeypatch.setattr(QuestDecodeStep, "dense", spy_dense)
@@ -249,3 +250,13 @@ def test_a_requests_own_seed_wins_and_others_derive_theirs_from_the_engine_seed_
     assert first.runner.seed_of(queued(first, "r2")) != first.runner.seed_of(a)
     assert first.runner.seed_of(queued(first, "r3", seed=123)) == 123
     assert 0 <= first.runner.seed_of(a) < 1 << 63
+
+
+def test_a_bfloat16_engine_keeps_its_pool_in_bfloat16_and_samples_from_float32_logits(model_dir, monkeypatch):
+    llm = make_llm(model_dir, SMALL, dtype="bfloat16")
+    assert llm.engine.cache.dtype is torch.bfloat16
+    assert all(p.dtype is torch.bfloat16 for p in llm.engine.runner.model.parameters())
+    logits = record_logits(monkeypatch, llm)
+    (out,) = llm.generate([prompt(random.randint(20, 60))], greedy(5), use_tqdm=False)
+    assert len(out.token_ids) == 5 and all(0 <= t < VOCAB for t in out.token_ids)
+    assert all(step.dtype is torch.float32 and torch.isfinite(step).all() for step in logits)
