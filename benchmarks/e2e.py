@@ -113,12 +113,13 @@ def time_engine(cfg, quest, batch, context, seed=0) -> dict:
     steps = WARMUP_STEPS + TIMED_STEPS
     need = batch * (context + steps + 2 * PAGE) * kv_bytes_per_token(cfg) * (2 * PAGE + 2) // (2 * PAGE)
     llm = LLM(cfg, quest=quest, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
-              max_model_len=context + steps + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed)
+              max_model_len=context + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     gen = torch.Generator().manual_seed(seed)
+    # The prompt leaves room for the timed steps: every step's KV length stays within ``context``.
     for _ in range(batch):
-        engine.add_request(torch.randint(0, cfg.vocab_size, (context,), generator=gen).tolist(), params)
+        engine.add_request(torch.randint(0, cfg.vocab_size, (context - steps - 2,), generator=gen).tolist(), params)
     synthetic_prefill(engine)
     times = []
     for i in range(steps):
@@ -192,22 +193,30 @@ def hf_model(cfg):
 
 
 def time_hf(model, batch, context, static: bool) -> dict:
-    """ms per decode token of HF ``generate`` (greedy): the difference of two runs of different lengths."""
+    """ms per decode token of HF ``generate`` (greedy): the difference of two runs of different lengths.
+
+    ``static``: one ``StaticCache`` of a fixed length, reset before each run, so that ``generate``'s
+    automatic compilation of the decode step happens once (in a warm-up run) and is reused."""
+    from transformers import StaticCache
+
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    if static:
-        kwargs["cache_implementation"] = "static"
     short, long = 4, 4 + TIMED_STEPS
+    cache = StaticCache(config=model.config, max_cache_len=context + long + 8) if static else None
 
     def run(new_tokens):
+        extra = {}
+        if cache is not None:
+            cache.reset()
+            extra["past_key_values"] = cache
         torch.cuda.synchronize()
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs, **extra)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
     if static:
-        run(short)  # compiles
+        run(long)  # compiles the decode step
     t_short, t_long = run(short), run(long)
     ms = (t_long - t_short) / (long - short) * 1e3
     return {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "prefill_s": t_short}
@@ -253,22 +262,46 @@ def check_tiny_fp32() -> dict:
 
 
 def check_8b_against_hf(cfg) -> dict:
-    """Greedy agreement of the engine (dense; Quest at a budget covering the context) with HF eager, bf16."""
+    """The engine against HF eager at the 8B shape in bf16 (random weights): next-token logits after a
+    2048-token prefill and after 8 greedy decode steps (relative L2 error, top-1 agreement) and the
+    agreeing prefix of 16 greedy tokens, for the engine dense with and without the compiled
+    elementwise ops and Quest at a budget covering the context."""
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, cfg.vocab_size, (2048,), generator=gen).tolist()
     model = hf_model(cfg)
     state = {k: v for k, v in model.state_dict().items()}
     ids = torch.tensor([prompt], device="cuda")
-    want = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)[0, 2048:].tolist()
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None,
+                              output_logits=True, return_dict_in_generate=True)
+    want_tokens = want.sequences[0, 2048:].tolist()
+    want_logits = [want.logits[i][0].float() for i in (0, 8)]
     out = {}
-    for name, quest in (("dense", None), ("quest-full", QuestConfig(token_budget=4096))):
+    for name, quest, compiled in (("dense", None, True), ("dense-uncompiled", None, False),
+                                  ("quest-full", QuestConfig(token_budget=4096), True)):
         llm = LLM(cfg, quest=quest, load_format="dummy", device="cuda", max_num_seqs=1, max_model_len=4096,
-                  kv_cache_memory=4 << 30)
+                  kv_cache_memory=4 << 30, compile_elementwise=compiled)
         llm.engine.runner.model.load_weights(state.items())
-        got = list(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0].token_ids)
-        prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
-        out[name] = {"agreeing_prefix": prefix, "tokens": len(want)}
-        del llm
+        # teacher-forced on HF's tokens, so that the logits compared belong to the same context
+        engine = llm.engine
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        logits, got = [], []
+        for step in range(16):
+            batch = engine.scheduler.schedule()
+            with torch.inference_mode():
+                row = engine.runner._prefill(batch) if batch.is_prefill else engine.runner._decode(batch.seqs)
+            if step in (0, 8):
+                logits.append(row[0].float().clone())
+            got.append(int(row[0].argmax()))
+            engine.scheduler.update(batch, [want_tokens[step]])
+        prefix = next((i for i, (a, b) in enumerate(zip(got, want_tokens)) if a != b), len(want_tokens))
+        out[name] = {
+            "agreeing_prefix": prefix, "tokens": len(want_tokens),
+            "top1_agreement_teacher_forced": sum(a == b for a, b in zip(got, want_tokens)),
+            "logits_rel_err": [float((a - b).norm() / b.norm()) for a, b in zip(logits, want_logits)],
+            "hf_logit_gap_top2": [float(b.topk(2).values.diff().abs()) for b in want_logits],
+        }
+        del llm, engine
         gc.collect()
     del model, state
     gc.collect()
