@@ -201,10 +201,18 @@ def render_markdown(record: dict) -> str:
         lines.append("")
     b8 = record.get("check_8b_bf16")
     if b8:
-        lines.append("llama3.1-8b shape, bf16: agreeing prefix of greedy tokens with HF eager:")
+        lines.append("llama3.1-8b shape, bf16, random weights, against HF eager: agreeing prefix of free-running greedy "
+                     "tokens; teacher-forced on HF's tokens, top-1 agreement and the relative L2 error of the next-token "
+                     "logits after the prefill and after 8 decode steps (HF's own top-2 logit gap beside it):")
         lines.append("")
         for name, r in b8.items():
-            lines.append(f"- {name}: {r['agreeing_prefix']} of {r['tokens']}")
+            line = f"- {name}: agreeing prefix {r['agreeing_prefix']} of {r['tokens']}"
+            if "logits_rel_err" in r:
+                errs = ", ".join(f"{e:.4f}" for e in r["logits_rel_err"])
+                gaps = ", ".join(f"{g:.3f}" for g in r["hf_logit_gap_top2"])
+                line += (f"; teacher-forced top-1 {r['top1_agreement_teacher_forced']} of {r['tokens']}; "
+                         f"logits rel. error {errs} (HF top-2 gap {gaps})")
+            lines.append(line)
         lines.append("")
     if not fp32 and not b8:
         lines += ["(not run)", ""]
