@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/questkv eval passkey --lengths 1024,2048 --policies full,quest --budgets 64,256 --samples 2
+	$(BIN)/questkv demo
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --durations=15

@@ -3,17 +3,59 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Optional, Sequence
 
 from questkv.cli_args import add_quest_args, quest_config, quest_options
-from questkv.config import PAGE_POLICY_OPTIONS
+from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 
 
 def _add_demo(subparsers) -> None:
+    from questkv import demo
+    from questkv.models import DEFAULT_MODEL
+
     parser = subparsers.add_parser(
         "demo",
+        help="a passkey prompt answered by the engine dense and with Quest (what `make demo` runs)",
+        description="Hide a pass key in a few thousand tokens of filler, answer greedily with the engine dense and "
+        "with Quest, and print both answers, whether each found the key, decode tokens/s and the share of the KV "
+        f"cache each decode step read. Quest keeps QuestConfig's default of {QuestConfig().dense_layers} dense layers.",
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, HF folder or .gguf (default: {DEFAULT_MODEL})")
+    parser.add_argument("--length", type=_int_at_least(64), default=demo.DEMO_LENGTH,
+                        help=f"prompt tokens (default: {demo.DEMO_LENGTH})")
+    parser.add_argument("--depth", type=_fraction, default=demo.DEMO_DEPTH,
+                        help=f"where the key sits, 0 (start) to 1 (end) (default: {demo.DEMO_DEPTH})")
+    add_quest_args(parser, ["token_budget", "page_size"], plural=["token_budget"],
+                   defaults={"token_budget": list(demo.DEMO_BUDGETS), "page_size": demo.DEMO_PAGE_SIZE},
+                   help={"token_budget": "Quest budgets, one Quest engine each (the dense engine always runs)"})
+    parser.add_argument("--max-tokens", type=_int_at_least(1), default=demo.DEMO_MAX_TOKENS,
+                        help=f"answer tokens (default: {demo.DEMO_MAX_TOKENS})")
+    _add_engine_args(parser, device="cpu", dtype="float32", max_model_len=False, seed_help="picks the pass key")
+    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    parser.set_defaults(func=_run_demo)
+
+
+def _run_demo(args) -> int:
+    from questkv.demo import format_passkey_demo, run_passkey_demo
+
+    for budget in args.token_budget:  # invalid knobs fail here, before the model loads
+        quest_config(args, token_budget=budget)
+    result = run_passkey_demo(args.model, length=args.length, depth=args.depth, budgets=args.token_budget,
+                              page_size=args.page_size, max_tokens=args.max_tokens, seed=args.seed,
+                              **_engine_kwargs(args))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    print(format_passkey_demo(result))
+    return 0
+
+
+def _add_demo_tensors(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo-tensors",
         help="Quest vs dense decode attention on random tensors (no model needed)",
         description="Build a paged KV cache of random keys in which a few pages are relevant to the query, "
         "then compare Quest attention at several token budgets with dense attention.",
@@ -24,10 +66,10 @@ def _add_demo(subparsers) -> None:
     parser.add_argument("--batch", type=int, default=2, help="number of sequences (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
-    parser.set_defaults(func=_run_demo)
+    parser.set_defaults(func=_run_demo_tensors)
 
 
-def _run_demo(args) -> int:
+def _run_demo_tensors(args) -> int:
     from questkv.demo import format_table, run_demo
 
     rows = run_demo(budgets=args.token_budget, batch=args.batch, context=args.context, page_size=args.page_size,
@@ -37,6 +79,59 @@ def _run_demo(args) -> int:
             json.dump(rows, handle, indent=2)
     print(format_table(rows))
     return 0
+
+
+def _int_at_least(minimum: int):
+    """An argparse type: an int >= ``minimum``; argparse names the flag in its error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1]")
+    return value
+
+
+def _add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model_len: bool = True,
+                     seed_help: str = "random seed") -> None:
+    """The engine's flags: --device, --dtype, --max-model-len, --enforce-eager, --seed (read by :func:`_engine_kwargs`)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--device", default=device, choices=["auto", "cpu", "cuda"],
+                       help=f"where the engine runs; auto: CUDA when available (default: {device})")
+    group.add_argument("--dtype", default=dtype, choices=["auto", "bfloat16", "float16", "float32"],
+                       help=f"weights and KV cache; auto: bfloat16 on CUDA, float32 on CPU (default: {dtype})")
+    if max_model_len:
+        group.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+                           help="the most tokens per sequence, prompt and output (default: the model's)")
+    group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    group.add_argument("--seed", type=_int_at_least(0), default=0, help=f"{seed_help} (default: 0)")
+
+
+def _engine_kwargs(args) -> dict:
+    """``EngineConfig`` fields of the engine flags on ``args`` (``auto`` resolved)."""
+    import torch
+
+    device = None if args.device == "auto" else args.device
+    on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+    kwargs = {"device": device, "dtype": dtype, "enforce_eager": args.enforce_eager}
+    if getattr(args, "max_model_len", None) is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    return kwargs
 
 
 def _int_list(text: str) -> list[int]:
@@ -59,28 +154,35 @@ def _add_model_args(parser) -> None:
 
 
 def _add_generate(subparsers) -> None:
+    from questkv.models import ALIASES, DEFAULT_MODEL
+
     parser = subparsers.add_parser(
         "generate",
-        help="generate text with Quest sparse decoding, streaming, with prefill/decode speed",
-        description="Prefill the prompt densely, decode with Quest selection, stream the text, "
-        "then print prefill and decode tokens per second.",
+        help="generate text on the engine, dense or with Quest, streaming, with prefill/decode speed",
+        description="Prefill the prompt densely, decode with Quest selection (dense without --budget), stream the "
+        "text to stdout, then print prompt tokens, prefill and decode tokens per second and the mean KV tokens "
+        "each decode step attended (to stderr).",
     )
-    _add_model_args(parser)
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"alias ({', '.join(ALIASES)}), HF model folder or .gguf file (default: {DEFAULT_MODEL})")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", help="read the prompt from this file")
     add_quest_args(parser.add_argument_group("Quest"))
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    parser.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="tokens to generate (default: 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    _add_engine_args(parser)
     parser.set_defaults(func=_run_generate)
 
 
 def _run_generate(args) -> int:
+    from questkv.engine.sampling_params import SamplingParams
     from questkv.generate import generate_text
 
     quest = quest_config(args)  # invalid knobs fail here, before the model loads
+    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # likewise
     if args.prompt_file:
         with open(args.prompt_file) as handle:
             prompt = handle.read()
@@ -90,19 +192,100 @@ def _run_generate(args) -> int:
         prompt,
         quest=quest,
         model=args.model,
-        device=args.device,
-        dtype=args.dtype,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         chat=args.chat,
         seed=args.seed,
+        **_engine_kwargs(args),
     )
-    print(
-        f"\nprefill: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_s:.1f} tok/s | "
-        f"decode: {stats.new_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s",
-        file=sys.stderr,
+    print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _add_bench(subparsers) -> None:
+    from questkv.bench import LatencySpec
+    from questkv.models import DEFAULT_MODEL
+    from questkv.models.shapes import DUMMY_SHAPES
+
+    parser = subparsers.add_parser("bench", help="benchmarks of the engine (latency)",
+                                   description="Benchmarks of the engine.")
+    commands = parser.add_subparsers(dest="bench_command", required=True)
+    latency = commands.add_parser(
+        "latency",
+        help="prefill and decode latency, dense and Quest side by side in one run",
+        description="vLLM-style latency benchmark: each iteration runs --batch-size requests of --input-len random "
+        "token ids to --output-len greedy tokens (ignore_eos). Reports prefill seconds, ms per decode step, decode "
+        "tokens/s (batch / step time), end-to-end seconds and KV read per step, for the dense engine and the Quest "
+        "engine (built one after the other, on the same prompts), and the decode speedup dense / Quest.",
     )
+    source = latency.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None,
+                        help=f"alias, HF folder or .gguf file (default: {DEFAULT_MODEL} unless --config)")
+    source.add_argument("--config", choices=list(DUMMY_SHAPES), default=None,
+                        help="a model shape with random weights instead of --model (no checkpoint needed)")
+    defaults = LatencySpec()
+    latency.add_argument("--input-len", type=_int_at_least(1), default=defaults.input_len,
+                         help=f"prompt tokens per request (default: {defaults.input_len})")
+    latency.add_argument("--output-len", type=_int_at_least(1), default=defaults.output_len,
+                         help=f"generated tokens per request (default: {defaults.output_len})")
+    latency.add_argument("--batch-size", type=_int_at_least(1), default=defaults.batch_size,
+                         help=f"requests decoded together (default: {defaults.batch_size})")
+    latency.add_argument("--num-iters", type=_int_at_least(1), default=defaults.num_iters,
+                         help=f"timed iterations (default: {defaults.num_iters})")
+    latency.add_argument("--num-iters-warmup", type=_int_at_least(0), default=defaults.num_iters_warmup,
+                         help=f"untimed iterations first (default: {defaults.num_iters_warmup})")
+    which = latency.add_mutually_exclusive_group()
+    which.add_argument("--dense-only", action="store_true", help="measure only the dense engine")
+    which.add_argument("--quest-only", action="store_true", help="measure only the Quest engine")
+    add_quest_args(latency.add_argument_group("Quest"), defaults={"token_budget": 1024})
+    _add_engine_args(latency)
+    latency.add_argument("--json", metavar="PATH", help="also write the results and their provenance to PATH")
+    latency.set_defaults(func=_run_bench_latency)
+
+
+def _run_bench_latency(args) -> int:
+    import torch
+
+    from questkv import bench
+    from questkv.eval.provenance import provenance
+    from questkv.models import DEFAULT_MODEL
+
+    quest = quest_config(args)  # invalid knobs fail here, before the model loads
+    spec = bench.LatencySpec(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
+                             num_iters=args.num_iters, num_iters_warmup=args.num_iters_warmup, seed=args.seed)
+    kwargs = {**_engine_kwargs(args), **spec.engine_kwargs(), "seed": args.seed}
+    kwargs.setdefault("max_model_len", args.input_len + args.output_len)
+    if args.config is not None:
+        from questkv.models.shapes import DUMMY_SHAPES, dummy_config
+
+        positions = max(DUMMY_SHAPES[args.config][1]["max_position_embeddings"], kwargs["max_model_len"])
+        model, kwargs["load_format"] = dummy_config(args.config, max_position_embeddings=positions), "dummy"
+        name = f"{args.config} (random weights)"
+    else:
+        model = name = args.model or DEFAULT_MODEL
+
+    def make_engine(quest_or_none):
+        from questkv.engine.llm import LLM
+
+        return LLM(model, quest=quest_or_none, **kwargs).engine
+
+    runs = ("dense",) if args.dense_only else ("quest",) if args.quest_only else bench.RUNS
+    document = bench.run_latency(make_engine, spec, quest, runs)
+    device = kwargs["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    document = {
+        "provenance": provenance(device, command="questkv " + " ".join(sys.argv[1:])),
+        "model": name,
+        "settings": {**dataclasses.asdict(spec), **kwargs},
+        "quest": dataclasses.asdict(quest),
+        **document,
+    }
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(document, handle, indent=2)
+    print(f"{name}: batch {spec.batch_size}, input {spec.input_len}, output {spec.output_len}, "
+          f"{kwargs['dtype']} on {device}")
+    print(bench.format_table(document))
     return 0
 
 
@@ -245,7 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="questkv", description="Query-aware KV-cache page sparsity (Quest) for long-context decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_demo(subparsers)
+    _add_demo_tensors(subparsers)
     _add_generate(subparsers)
+    _add_bench(subparsers)
     _add_eval(subparsers)
     return parser
 
@@ -256,7 +441,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:
-        command = args.command if args.command != "eval" else f"eval {args.eval_command}"
+        command = {"eval": f"eval {getattr(args, 'eval_command', '')}",
+                   "bench": f"bench {getattr(args, 'bench_command', '')}"}.get(args.command, args.command)
         parser.exit(2, f"questkv {command}: error: {error}\n")
 
 

@@ -1,94 +1,166 @@
-"""Streaming text generation with Quest sparse decoding (the ``questkv generate`` command)."""
+"""Streaming generation on the engine (the ``questkv generate`` command): one request, its text printed as it grows.
+
+Owns the step loop of a single request and its statistics; the engine (:class:`~questkv.engine.llm_engine.LLMEngine`)
+owns scheduling, sampling, detokenisation and the metrics this module reads back.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Optional
-
-import torch
+import sys
+from typing import Optional, TextIO
 
 from questkv.config import QuestConfig
-from questkv.validation import check_float, check_int
+from questkv.validation import check_bool, check_int
+
+__all__ = ["GenerationStats", "generate_text", "stream_request"]
+
+_STDOUT = object()  # the default stream: sys.stdout when called (not when defined: tests swap it)
+_PARTIAL = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to: held back until it completes
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationStats:
-    """Token counts and speeds of one generation. Prefill time runs to the first new token."""
+    """Token counts, speeds and attention of one generation.
+
+    Attributes:
+        prompt_tokens: tokens of the prompt (after the chat template, if any).
+        new_tokens: tokens generated.
+        prefill_seconds: arrival to the first new token (the engine's ``time_to_first_token``).
+        decode_tokens_per_s: tokens after the first per second; ``None`` with fewer than two tokens.
+        mean_tokens_attended: KV tokens one decode step attended, averaged over steps, layers and heads;
+            ``None`` without a decode step.
+        finish_reason: ``"stop"`` or ``"length"``.
+    """
 
     prompt_tokens: int
     new_tokens: int
     prefill_seconds: float
-    decode_seconds: float
+    decode_tokens_per_s: Optional[float]
+    mean_tokens_attended: Optional[float]
+    finish_reason: Optional[str]
 
     @property
     def prefill_tokens_per_s(self) -> float:
         return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens after the first one, per second of decode."""
-        steps = self.new_tokens - 1
-        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else float("nan")
+    def mean_context(self) -> float:
+        """Mean KV tokens per decode step when dense: decode step ``i`` (1 ... new_tokens - 1) holds
+        ``prompt_tokens + i`` tokens."""
+        return self.prompt_tokens + self.new_tokens / 2
+
+    @property
+    def kv_fraction(self) -> Optional[float]:
+        """``mean_tokens_attended / mean_context``: the share of the KV cache one decode step read (1.0 dense)."""
+        return None if self.mean_tokens_attended is None else self.mean_tokens_attended / self.mean_context
+
+    def summary(self) -> str:
+        """One line: prompt, prefill, decode and attention."""
+        decode = "n/a" if self.decode_tokens_per_s is None else f"{self.decode_tokens_per_s:.1f} tok/s"
+        line = (f"prompt: {self.prompt_tokens} tokens | prefill: {self.prefill_tokens_per_s:.1f} tok/s "
+                f"({self.prefill_seconds:.2f} s to the first token) | decode: {self.new_tokens} tokens, {decode}")
+        if self.mean_tokens_attended is not None:
+            line += (f" | attended: {self.mean_tokens_attended:.1f} tokens per step "
+                     f"({self.kv_fraction:.1%} of the KV cache)")
+        return line
 
 
-def _timing_streamer(tokenizer):
-    from transformers import TextStreamer
+def stream_request(engine, prompt, params, stream: Optional[TextIO] = None):
+    """Add one request to ``engine``, step until it finishes, writing its text to ``stream`` as it grows.
 
-    class TimingStreamer(TextStreamer):
-        """Streams to stdout and records when every new token arrives."""
+    Args:
+        engine: an :class:`~questkv.engine.llm_engine.LLMEngine` (other requests may share it).
+        prompt: text or token ids.
+        params: its :class:`~questkv.engine.sampling_params.SamplingParams`.
+        stream: where the text goes (flushed every step); ``None``: nowhere.
 
-        def __init__(self) -> None:
-            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-            self.token_times: list[float] = []
-
-        def put(self, value: torch.Tensor) -> None:
-            if not self.next_tokens_are_prompt:
-                self.token_times.append(time.perf_counter())
-            super().put(value)
-
-    return TimingStreamer()
+    Returns:
+        The request's final :class:`~questkv.engine.sequence.RequestOutput`.
+    """
+    request_id = engine.add_request(prompt, params)
+    printed, last = "", None
+    while last is None or not last.finished:
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"request {request_id} is unfinished but the engine has no request left")
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            last = out
+            text = out.text if out.finished else out.text.rstrip(_PARTIAL)
+            if stream is not None and text.startswith(printed) and len(text) > len(printed):
+                stream.write(text[len(printed):])
+                stream.flush()
+                printed = text
+    return last
 
 
 def generate_text(
     prompt: str,
     quest: Optional[QuestConfig] = None,
     model: str = "smollm2-135m",
-    device: str = "cpu",
-    dtype: str = "bfloat16",
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
     chat: bool = False,
     seed: int = 0,
+    stream: Optional[TextIO] = _STDOUT,
+    **engine_kwargs,
 ) -> GenerationStats:
-    """Load ``model``, enable Quest with ``quest`` (default ``QuestConfig()``: dense), stream a
-    continuation of ``prompt`` to stdout.
+    """Build the engine for ``model`` (dense, or Quest with ``quest``), stream a continuation of ``prompt``.
 
-    ``temperature == 0`` decodes greedily; otherwise sampling with ``temperature`` and ``top_p``
-    (passed to ``model.generate`` unchanged).
+    Args:
+        prompt: the prompt text; with ``chat``, the user message rendered by the tokenizer's chat template.
+        quest: Quest on decode steps; ``None`` or a dense config (``token_budget=None``): dense.
+        model: an alias, HF folder or ``.gguf`` (what :func:`questkv.load_model` takes).
+        max_new_tokens: the most tokens to generate (it stops earlier at the model's end of sequence).
+        temperature, top_p: sampling; ``temperature == 0`` is greedy.
+        seed: the engine's and the request's seed.
+        stream: where the text goes as it is generated (default stdout); ``None``: nowhere.
+        **engine_kwargs: other :class:`~questkv.engine.config.EngineConfig` fields (``device``, ``dtype``,
+            ``max_model_len``, ``enforce_eager``, ...).
+
+    Raises:
+        ValueError: a bad argument (checked before the model loads), a prompt the engine refuses, or
+            ``chat`` with a tokenizer that has no chat template.
     """
-    from questkv.integrations.hf import enable
-    from questkv.models import load_model
+    from questkv.engine.llm import LLM
+    from questkv.engine.sampling_params import SamplingParams
 
     check_int("max_new_tokens", max_new_tokens, minimum=1)
-    check_float("temperature", temperature, low=0)
-    check_float("top_p", top_p, low=0, high=1, low_open=True)
-    config = QuestConfig() if quest is None else quest
-    lm, tokenizer = load_model(model, device=device, dtype=dtype)
-    enable(lm, config)
-    if chat:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    inputs = tokenizer(prompt, return_tensors="pt").to(lm.device)
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
-    torch.manual_seed(seed)
-    streamer = _timing_streamer(tokenizer)
-    start = time.perf_counter()
-    lm.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer, pad_token_id=tokenizer.eos_token_id, **sampling)
-    times = streamer.token_times
+    check_bool("chat", chat)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                            seed=seed if temperature > 0 else None)
+    if quest is not None and not isinstance(quest, QuestConfig):
+        raise ValueError(f"quest must be a QuestConfig or None, got {type(quest).__name__}")
+    stream = sys.stdout if stream is _STDOUT else stream
+    llm = LLM(model, quest=quest, seed=seed, max_num_seqs=1, **engine_kwargs)
+    request = render_chat(llm.tokenizer, prompt) if chat else prompt
+    out = stream_request(llm.engine, request, params, stream)
+    if stream is not None:
+        stream.write("\n")
+        stream.flush()
+    metrics = out.metrics
     return GenerationStats(
-        prompt_tokens=inputs["input_ids"].shape[1],
-        new_tokens=len(times),
-        prefill_seconds=times[0] - start,
-        decode_seconds=times[-1] - times[0],
+        prompt_tokens=len(out.prompt_token_ids),
+        new_tokens=len(out.token_ids),
+        prefill_seconds=metrics.time_to_first_token,
+        decode_tokens_per_s=metrics.decode_tokens_per_s,
+        mean_tokens_attended=metrics.mean_tokens_attended,
+        finish_reason=out.finish_reason,
     )
+
+
+def render_chat(tokenizer, message: str) -> list[int]:
+    """Token ids of ``message`` as the user's turn under ``tokenizer``'s chat template, ready for the reply.
+
+    Raises:
+        ValueError: no tokenizer or no chat template.
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat needs a tokenizer with a chat template; this model's tokenizer has none")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=True,
+                                        add_generation_prompt=True)
+    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

@@ -1,44 +1,163 @@
+"""``questkv generate`` on the engine: streaming, statistics, chat template, Quest and engine flags, bad values.
+
+A tiny random Llama (3 layers, llama3 rope) is saved with a word tokenizer (token ``i >= 2`` is the word ``x{i:02d}``)
+and a chat template once per module; prompts are fresh random words in every test, fp32 on the CPU.
+"""
+
+import random
+import re
+
 import pytest
+import torch
 
 from questkv import QuestConfig, cli
-from questkv.generate import generate_text
-from tests.helpers import tiny_llama, word_tokenizer
+from questkv.engine.llm import LLM
+from questkv.engine.sampling_params import SamplingParams
+from questkv.generate import GenerationStats, generate_text
+from tests.helpers import tiny_config, tiny_hf_model, word_tokenizer
+
+VOCAB = 96
+CHAT_TEMPLATE = ("{% for m in messages %}x03 {{ m['content'] }} x04 {% endfor %}"
+                 "{% if add_generation_prompt %}x05{% endif %}")
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "128"]
 
 
-@pytest.fixture()
-def tiny(monkeypatch):
-    tokenizer = word_tokenizer([f"w{i}" for i in range(30)])
-    model = tiny_llama(len(tokenizer), eos_token_id=1)
-    monkeypatch.setattr("questkv.models.load_model", lambda *args, **kwargs: (model, tokenizer))
-    return model
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_hf_model(tiny_config("llama3", vocab_size=VOCAB), seed=random.randrange(1 << 16)).save_pretrained(path)
+    tokenizer = word_tokenizer([f"x{i:02d}" for i in range(2, VOCAB)])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
 
 
-def test_generate_streams_and_reports_speed(tiny, capsys):
-    stats = generate_text(" ".join(f"w{i % 30}" for i in range(60)), QuestConfig(token_budget=32), max_new_tokens=8)
-    assert stats.prompt_tokens == 60 and 1 <= stats.new_tokens <= 8
-    assert stats.prefill_tokens_per_s > 0
-    assert capsys.readouterr().out.strip()
+def words(n: int) -> str:
+    return " ".join(f"x{t:02d}" for t in torch.randint(2, VOCAB, (n,)).tolist())
 
 
-def test_generate_cli(tiny, tmp_path, capsys):
-    prompt = tmp_path / "prompt.txt"
-    prompt.write_text("w1 w2 w3 w4")
-    assert cli.main(["generate", "--prompt-file", str(prompt), "--budget", "full", "--max-new-tokens", "4",
-                     "--temperature", "0.8", "--top-p", "0.9"]) == 0
-    assert "prefill: 4 tokens" in capsys.readouterr().err
+def reference(model_dir, prompt, max_tokens, quest=None):
+    """The engine's own greedy output for ``prompt`` (what the command must stream)."""
+    llm = LLM(str(model_dir), quest=quest, device="cpu", dtype="float32", max_model_len=128)
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+
+
+def long_answer(model_dir, length, max_tokens, quest=None, least=4):
+    """A fresh prompt of ``length`` words whose greedy answer has at least ``least`` tokens (the random model may
+    emit its end-of-sequence token early), and that answer."""
+    for _ in range(50):
+        prompt = words(length)
+        out = reference(model_dir, prompt, max_tokens, quest)
+        if len(out.token_ids) >= least:
+            return prompt, out
+    raise AssertionError("the tiny model kept stopping early")
+
+
+def test_generate_streams_the_engines_greedy_text_then_prints_the_statistics(model_dir, tmp_path, capsys):
+    prompt, ref = long_answer(model_dir, random.randint(5, 40), 12)
+    path = tmp_path / "prompt.txt"
+    path.write_text(prompt)
+    assert cli.main(["generate", "--model", str(model_dir), "--prompt-file", str(path), "--max-new-tokens", "12",
+                     *ENGINE]) == 0
+    out, err = capsys.readouterr()
+    assert out == ref.text + "\n"
+    n = len(ref.prompt_token_ids)
+    assert f"prompt: {n} tokens" in err and f"decode: {len(ref.token_ids)} tokens" in err
+    assert re.search(r"prefill: [0-9.]+ tok/s \([0-9.]+ s to the first token\)", err)
+    assert re.search(r"decode: \d+ tokens, [0-9.]+ tok/s", err)
+    assert "attended: " in err and "(100.0% of the KV cache)" in err  # dense reads every token
+
+
+def test_generate_with_quest_attends_the_budget_in_the_sparse_layers(model_dir, capsys):
+    quest = QuestConfig(token_budget=16, page_size=4, dense_layers=1)
+    prompt, ref = long_answer(model_dir, random.randint(60, 90), 10, quest)
+    stream = []
+
+    class Sink:
+        def write(self, text):
+            stream.append(text)
+
+        def flush(self):
+            pass
+
+    stats = generate_text(prompt, quest, model=str(model_dir), max_new_tokens=10, stream=Sink(), device="cpu",
+                          dtype="float32", max_model_len=128)
+    assert "".join(stream) == ref.text + "\n" and len(stream) > 2  # piece by piece, then the newline
+    assert stats.new_tokens == len(ref.token_ids) and stats.prompt_tokens == len(ref.prompt_token_ids)
+    assert stats.mean_tokens_attended == pytest.approx(ref.metrics.mean_tokens_attended)
+    dense_layer, sparse_layers = stats.mean_context, 2 * 16  # the context always exceeds the budget here
+    assert stats.mean_tokens_attended == pytest.approx((dense_layer + sparse_layers) / 3)
+    assert stats.kv_fraction == pytest.approx(stats.mean_tokens_attended / stats.mean_context) and stats.kv_fraction < 0.6
+    assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+    assert cli.main(["generate", "--model", str(model_dir), "--prompt", prompt, "--budget", "16", "--page-size", "4",
+                     "--dense-layers", "1", "--max-new-tokens", "10", *ENGINE]) == 0
+    out, err = capsys.readouterr()
+    assert out == ref.text + "\n" and f"({stats.kv_fraction:.1%} of the KV cache)" in err
+
+
+def test_chat_renders_the_prompt_with_the_tokenizers_template(model_dir, capsys):
+    message = words(random.randint(3, 10))
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=128)
+    ids = llm.tokenizer(f"x03 {message} x04 x05")["input_ids"]
+    (ref,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert cli.main(["generate", "--model", str(model_dir), "--prompt", message, "--chat", "--max-new-tokens", "5",
+                     *ENGINE]) == 0
+    out, err = capsys.readouterr()
+    assert out == ref.text + "\n" and f"prompt: {len(ids)} tokens" in err
+
+
+def test_sampling_with_a_seed_reproduces(model_dir, capsys):
+    argv = ["generate", "--model", str(model_dir), "--prompt", words(8), "--temperature", "0.9", "--top-p", "0.8",
+            "--max-new-tokens", "8", "--seed", str(random.randrange(1000)), *ENGINE]
+    outputs = []
+    for _ in range(2):
+        assert cli.main(argv) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+
+
+def test_stats_without_a_decode_step_report_no_decode_speed():
+    stats = GenerationStats(prompt_tokens=10, new_tokens=1, prefill_seconds=0.5, decode_tokens_per_s=None,
+                            mean_tokens_attended=None, finish_reason="length")
+    assert stats.prefill_tokens_per_s == 20 and stats.kv_fraction is None
+    assert "decode: 1 tokens, n/a" in stats.summary() and "attended" not in stats.summary()
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--budget", "24"], "multiple of page_size"),
     (["--budget", "64,128"], "one value"),
-    (["--temperature", "-1"], "temperature must be in [0, inf], got -1.0"),
-    (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
-    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
+    (["--temperature", "-1"], "SamplingParams.temperature must be in [0.0, inf], got -1.0"),
+    (["--top-p", "0"], "SamplingParams.top_p must be in (0.0, 1.0], got 0.0"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: '0' is not an integer >= 1"),
     (["--selection", "page"], "invalid choice: 'page'"),
     (["--sink-pages", "-1"], "sink-pages '-1' is not a non-negative integer"),
     (["--budget", "32", "--sink-pages", "1", "--recent-pages", "1"], "fewer than the 3 always-kept pages"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--max-model-len", "1"], "argument --max-model-len: '1' is not an integer >= 2"),
+    (["--seed", "-3"], "argument --seed: '-3' is not an integer >= 0"),
+    (["--seed", "x"], "argument --seed: 'x' is not an integer >= 0"),
 ])
-def test_generate_cli_errors(tiny, argv, message, capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["generate", "--prompt", "w1"] + argv)
+def test_bad_values_exit_with_an_error_naming_them_before_the_model_loads(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr("questkv.engine.llm.LLM", None)  # loading a model would fail the test
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--prompt", "x02"] + argv)
+    assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_chat_without_a_template_is_an_error(model_dir, tmp_path, capsys):
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(model_dir, plain)
+    config = plain / "tokenizer_config.json"
+    import json
+
+    data = json.loads(config.read_text())
+    data.pop("chat_template", None)
+    config.write_text(json.dumps(data))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--model", str(plain), "--prompt", "x02", "--chat", *ENGINE])
+    assert exit_info.value.code == 2 and "--chat needs a tokenizer with a chat template" in capsys.readouterr().err
