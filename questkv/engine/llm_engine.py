@@ -174,7 +174,7 @@ class LLMEngine:
         for seq in batch.seqs:
             context = seq.num_tokens  # the new token included
             attended = context
-            if self._sparse_layers:
+            if self._sparse_layers and not seq.sampling_params.dense:
                 budget = seq.sampling_params.token_budget or quest.token_budget
                 pages = self.cache.pages_for_tokens(context)
                 sparse = context if pages * quest.page_size <= budget else budget

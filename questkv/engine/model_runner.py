@@ -9,6 +9,7 @@ the scheduler allocates pages and updates sequences, the runner reads them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional
@@ -139,6 +140,8 @@ class ModelRunner:
         padded = next((size for size in self.graph_sizes if size >= batch), batch)
         longest = max(self.cache.pages_for_tokens(seq.num_tokens) for seq in seqs)
         width = self._table_width(longest)
+        # A dense request in a Quest batch: the step selects up to every column, a dense row all its pages.
+        all_pages = self.budget is not None and any(seq.sampling_params.dense for seq in seqs)
         host = self._host_inputs[:, :padded]
         host[_IDS].zero_()
         host[_POS].zero_()
@@ -146,21 +149,22 @@ class ModelRunner:
         host[_BUDGETS].fill_(self.budget or 0)
         host[_ROWS].fill_(self.scratch_seq)
         host[:, :batch] = torch.tensor(
-            [[seq.last_token, seq.num_tokens - 1, seq.num_tokens, self._budget_of(seq), seq.cache_id] for seq in seqs],
+            [[seq.last_token, seq.num_tokens - 1, seq.num_tokens, self._budget_of(seq, width), seq.cache_id]
+             for seq in seqs],
             dtype=torch.int64,
         ).T
         self._inputs[:, :padded].copy_(host, non_blocking=True)
-        key = (padded, width)
+        key = (padded, width, all_pages)
         if padded in self.graph_sizes:
             if key not in self._graphs:
-                self._graphs[key] = self._capture(padded, width)
+                self._graphs[key] = self._capture(*key)
             graph, logits = self._graphs[key]
             graph.replay()
         else:
-            logits = self._decode_body(padded, width)
+            logits = self._decode_body(*key)
         return logits[:batch]
 
-    def _decode_body(self, batch: int, width: int) -> torch.Tensor:
+    def _decode_body(self, batch: int, width: int, all_pages: bool) -> torch.Tensor:
         """One decode step over the packed inputs (graph-capturable: device ops only)."""
         inputs = self._inputs[:, :batch]
         positions = inputs[_POS]
@@ -169,28 +173,32 @@ class ModelRunner:
         slots = page_table.gather(1, (positions // page_size)[:, None])[:, 0].long() * page_size + positions % page_size
         budgets = inputs[_BUDGETS].to(torch.int32) if self.budget is not None else None
         ctx = StepContext(
-            False, slots, page_table, inputs[_LENS].to(torch.int32), decode_step=self._step(batch, width), budgets=budgets
+            False, slots, page_table, inputs[_LENS].to(torch.int32), decode_step=self._step(batch, width, all_pages),
+            budgets=budgets,
         )
         hidden = self.model(inputs[_IDS], positions, ctx)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, width: int, all_pages: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture the decode step of ``batch`` rows over ``width`` page-table columns. The current
         inputs are only read: warm-up and capture write K/V to the slots they name (this step's)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._decode_body(batch, width)  # compiles the kernels outside the capture
+            self._decode_body(batch, width, all_pages)  # compiles the kernels outside the capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._decode_body(batch, width)
+            logits = self._decode_body(batch, width, all_pages)
         return graph, logits
 
-    def _step(self, batch: int, width: int) -> QuestDecodeStep:
-        key = (batch, width)
+    def _step(self, batch: int, width: int, all_pages: bool) -> QuestDecodeStep:
+        key = (batch, width, all_pages)
         if key not in self._steps:
-            self._steps[key] = QuestDecodeStep.for_cache(self.config.quest, self.cache, batch, self.spec.num_q_heads, width)
+            quest = self.config.quest
+            if all_pages:
+                quest = dataclasses.replace(quest, token_budget=max(width * self.cache.page_size, quest.token_budget))
+            self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.spec.num_q_heads, width)
         return self._steps[key]
 
     def _table_width(self, pages: int) -> int:
@@ -200,12 +208,15 @@ class ModelRunner:
             return pages
         return min(limit, max(_MIN_GRAPH_PAGES, 1 << (pages - 1).bit_length()))
 
-    def _budget_of(self, seq: Sequence) -> int:
-        """The sequence's token budget (0 on a dense engine, where no layer reads it)."""
-        requested = seq.sampling_params.token_budget
+    def _budget_of(self, seq: Sequence, width: int) -> int:
+        """The sequence's token budget: 0 on a dense engine (no layer reads it), every column of the
+        page table for a dense request."""
+        params = seq.sampling_params
         if self.budget is None:
             return 0
-        return self.budget if requested is None else requested
+        if params.dense:
+            return width * self.cache.page_size
+        return self.budget if params.token_budget is None else params.token_budget
 
     def _sample(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
         """``[batch]`` int64 sampled tokens (greedy rows by argmax)."""

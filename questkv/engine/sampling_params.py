@@ -40,6 +40,7 @@ class SamplingParams:
         ignore_eos: keep generating past the model's end-of-sequence tokens.
         token_budget: this request's Quest token budget per decode step (>= 1); ``None`` uses the engine's.
             The engine refuses a budget above its own configuration's.
+        dense: attend every page on every layer (no Quest) even on a Quest engine; excludes ``token_budget``.
     """
 
     temperature: float = 1.0
@@ -51,6 +52,7 @@ class SamplingParams:
     stop_token_ids: Union[tuple[int, ...], Iterable[int], None] = ()
     ignore_eos: bool = False
     token_budget: Optional[int] = None
+    dense: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalised values are written once, here
@@ -65,6 +67,11 @@ class SamplingParams:
         set_(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
         check_bool("SamplingParams.ignore_eos", self.ignore_eos)
         check_optional_int("SamplingParams.token_budget", self.token_budget, minimum=1)
+        check_bool("SamplingParams.dense", self.dense)
+        if self.dense and self.token_budget is not None:
+            raise ValueError(
+                f"SamplingParams.dense=True attends every page; it excludes token_budget={self.token_budget}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -240,6 +240,21 @@ def test_per_request_token_budgets_in_one_batch_give_each_requests_tokens_alone_
         assert out.metrics.mean_tokens_attended == pytest.approx((context + 2 * (b or 32)) / LAYERS)
 
 
+def test_a_dense_request_in_a_quest_batch_gives_the_dense_engines_tokens_and_leaves_the_others_unchanged(model_dir):
+    quest = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1)
+    llm, dense_llm = make_llm(model_dir, quest), make_llm(model_dir)
+    prompts = [prompt(random.randint(40, 90)) for _ in range(4)]
+    params = [greedy(12), greedy(12, dense=True), greedy(12, token_budget=8), greedy(12, dense=True)]
+    batched = llm.generate(prompts, params, use_tqdm=False)
+    assert batched[1].token_ids == run(dense_llm, [prompts[1]], greedy(12))[0]
+    assert batched[3].token_ids == run(dense_llm, [prompts[3]], greedy(12))[0]
+    assert [batched[0].token_ids, batched[2].token_ids] == alone(llm, [prompts[0], prompts[2]], [params[0], params[2]])
+    context = len(batched[1].prompt_token_ids) + 6  # the mean context of the 11 decode steps
+    assert batched[1].metrics.mean_tokens_attended == pytest.approx(context)
+    with pytest.raises(ValueError, match="SamplingParams.dense=True attends every page"):
+        SamplingParams(dense=True, token_budget=16)
+
+
 def test_mean_tokens_attended_is_the_mean_context_when_dense_and_the_budget_once_the_context_exceeds_it(model_dir):
     p = prompt(random.randint(1, 20))
     (dense,) = make_llm(model_dir).generate([p], greedy(20), use_tqdm=False)
