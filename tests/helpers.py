@@ -236,3 +236,23 @@ def tiny_llama(vocab_size: int, seed: int = 0, **overrides: Any):
     kwargs = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     return LlamaForCausalLM(LlamaConfig(**{**kwargs, **overrides})).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engine: a tiny model folder (weights + word tokenizer) and greedy requests
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def save_tiny_model(path, vocab_size: int, seed: int, family: str = "llama3"):
+    """Save a tiny random ``family`` model and a word tokenizer (token ``i >= 2`` is the word ``x{i:02d}``) to
+    ``path``, an HF folder the engine loads; returns ``path``."""
+    tiny_hf_model(tiny_config(family, vocab_size=vocab_size), seed=seed).save_pretrained(path)
+    word_tokenizer([f"x{i:02d}" for i in range(2, vocab_size)]).save_pretrained(path)
+    return path
+
+
+def greedy_params(max_tokens: int, **kwargs):
+    """Greedy ``SamplingParams`` that run exactly ``max_tokens`` tokens (EOS ignored)."""
+    from questkv.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)

@@ -1,4 +1,5 @@
-"""Load causal LMs for questkv: HF folders, GGUF files, and offline-installable aliases."""
+"""Models for questkv: loading HF causal LMs (folders, GGUF files, offline aliases) for the drop-in, and the
+engine's own Llama-family modules, weights and dummy shapes."""
 
 from questkv.models.loader import ALIASES, DEFAULT_MODEL, ModelAlias, cache_dir, load_model, resolve_model_path
 

@@ -19,7 +19,7 @@ from questkv.engine.model_runner import plan_cache
 from questkv.engine.sampling_params import SamplingParams
 from questkv.layers.attention import Attention
 from questkv.models.llama import ModelSpec
-from tests.helpers import tiny_config, tiny_hf_model, word_tokenizer
+from tests.helpers import greedy_params, save_tiny_model
 
 VOCAB, PAGE, MAX_LEN, LAYERS = 96, 4, 128, 3
 FULL = QuestConfig(token_budget=MAX_LEN, page_size=PAGE, dense_layers=1)  # covers every context
@@ -28,11 +28,7 @@ SMALL = QuestConfig(token_budget=12, page_size=PAGE, dense_layers=1)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = tiny_config("llama3", vocab_size=VOCAB)
-    tiny_hf_model(config, seed=random.randrange(1 << 16)).save_pretrained(path)
-    word_tokenizer([f"x{i:02d}" for i in range(2, VOCAB)]).save_pretrained(path)
-    return path
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), VOCAB, seed=random.randrange(1 << 16))
 
 
 def make_llm(model_dir, quest=None, **kwargs) -> LLM:
@@ -44,8 +40,7 @@ def prompt(n: int) -> list[int]:
     return torch.randint(2, VOCAB, (n,)).tolist()
 
 
-def greedy(max_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+greedy = greedy_params
 
 
 def record_logits(monkeypatch, llm) -> list[torch.Tensor]:
