@@ -108,7 +108,7 @@ def _fraction(text: str) -> float:
 
 def _add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model_len: bool = True,
                      seed_help: str = "random seed") -> None:
-    """The engine's flags: --device, --dtype, --max-model-len, --enforce-eager, --seed (read by :func:`_engine_kwargs`)."""
+    """The engine's flags: --device, --dtype, --max-model-len, --enforce-eager, --seed (see :func:`_engine_kwargs`)."""
     group = parser.add_argument_group("engine")
     group.add_argument("--device", default=device, choices=["auto", "cpu", "cuda"],
                        help=f"where the engine runs; auto: CUDA when available (default: {device})")
@@ -169,7 +169,8 @@ def _add_generate(subparsers) -> None:
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", help="read the prompt from this file")
     add_quest_args(parser.add_argument_group("Quest"))
-    parser.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="tokens to generate (default: 128)")
+    parser.add_argument("--max-new-tokens", type=_int_at_least(1), default=128,
+                        help="tokens to generate (default: 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")

@@ -124,7 +124,8 @@ DEMO_MAX_TOKENS = 10
 PAGE_NOTE = (
     "Why page 8: on this 135M model, Quest with page 8 matched full attention on passkey prompts of 2k-4k tokens, "
     "page 16 did not (budget 256, with the question decoded through Quest too: page 8 found 9/10 keys at 2k and "
-    "4k like full attention, page 16 5/10 and 0/10; benchmarks/results/passkey-smollm2-135m*.md)."
+    "4k like full attention, page 16 5/10 and 0/10; benchmarks/results/passkey-smollm2-135m*.md). On the default "
+    "prompt, `questkv demo --page-size 16` answers ' 338.' at budget 256."
 )
 
 
@@ -253,7 +254,8 @@ def format_passkey_demo(result: dict) -> str:
         else:
             context = run["mean_tokens_attended"] / run["kv_fraction"]
             read = (f"{run['kv_fraction']:.1%} ({run['mean_tokens_attended']:.0f} tokens of {context:.0f}: "
-                    f"{run['token_budget']} in each of {layers - dense_layers} sparse layers, all in {dense_layers} dense)")
+                    f"{run['token_budget']} in each of {layers - dense_layers} sparse layers, "
+                    f"all in {dense_layers} dense)")
         lines.append(f"{name:<18} {run['text']!r:<24} {'yes' if run['found'] else 'no':<10} {speed:>12}   {read}")
     lines += [""] + textwrap.wrap(PAGE_NOTE, 116)
     return "\n".join(lines)

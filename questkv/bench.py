@@ -1,0 +1,183 @@
+"""``questkv bench latency``: prefill and per-step decode latency of the engine, dense and Quest side by side.
+
+vLLM's ``benchmark_latency`` shape: every iteration queues ``batch_size`` requests of ``input_len`` random token ids
+(greedy, ``ignore_eos``, ``output_len`` tokens each) and steps the engine until they finish. The engine prefills
+first: the steps until every request has its first token are the prefill (one step when the batch's prompts fit
+:data:`MAX_PREFILL_TOKENS`), the steps after them decode steps, one token per request. Dense and Quest run one after
+the other in one process, on the same prompts; each engine is freed before the next is built. Owns the timing and
+the report; the engine is :class:`~questkv.engine.llm.LLM`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import random
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from questkv.config import QuestConfig
+from questkv.validation import check_int
+
+__all__ = ["LatencySpec", "MAX_PREFILL_TOKENS", "RUNS", "format_table", "measure", "run_latency"]
+
+RUNS = ("dense", "quest")
+# Prompt tokens of one prefill step, at most (unless one prompt is longer): the runner keeps activation memory for
+# that many tokens beside the KV cache, so B=16 at 32k in one step would leave no room for the cache.
+MAX_PREFILL_TOKENS = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencySpec:
+    """What one latency run measures.
+
+    Attributes:
+        input_len: prompt tokens per request. output_len: tokens generated per request.
+        batch_size: requests per iteration (decoded together).
+        num_iters: timed iterations. num_iters_warmup: untimed ones before them (compilation, allocator).
+        seed: the prompts' random token ids.
+    """
+
+    input_len: int = 8192
+    output_len: int = 128
+    batch_size: int = 1
+    num_iters: int = 3
+    num_iters_warmup: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("LatencySpec.input_len", self.input_len, minimum=1)
+        check_int("LatencySpec.output_len", self.output_len, minimum=1)
+        check_int("LatencySpec.batch_size", self.batch_size, minimum=1)
+        check_int("LatencySpec.num_iters", self.num_iters, minimum=1)
+        check_int("LatencySpec.num_iters_warmup", self.num_iters_warmup, minimum=0)
+        check_int("LatencySpec.seed", self.seed, minimum=0)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Engine settings every run needs: all requests decoded together, their prefill in as few steps as fit."""
+        tokens = max(self.input_len, min(self.batch_size * self.input_len, MAX_PREFILL_TOKENS))
+        return {"max_num_seqs": self.batch_size, "max_num_batched_tokens": tokens}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(engine, spec: LatencySpec, progress: bool = True, desc: str = "") -> dict[str, Any]:
+    """Time ``spec``'s iterations on ``engine`` (an :class:`~questkv.engine.llm_engine.LLMEngine`).
+
+    Returns:
+        ``{"prefill_s", "decode_ms_per_step", "decode_tokens_per_s", "e2e_s"}`` (medians over the timed
+        iterations; an iteration's prefill is the sum of its prefill steps, its decode step time the median of
+        its decode steps, ``None`` without one), ``"mean_tokens_attended"`` and ``"kv_fraction"`` (of the mean
+        context) of the decode steps, and ``"iterations"``: the same per timed iteration.
+    """
+    from tqdm.auto import tqdm
+
+    from questkv.engine.sampling_params import SamplingParams
+
+    device = engine.config.torch_device
+    rng = random.Random(spec.seed)  # the same prompts for every engine of a run
+    vocab = engine.spec.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=spec.output_len, ignore_eos=True)
+    iterations = []
+    for index in tqdm(range(spec.num_iters_warmup + spec.num_iters), desc=desc or "iterations", disable=not progress):
+        prompts = [[rng.randrange(vocab) for _ in range(spec.input_len)] for _ in range(spec.batch_size)]
+        ids = {engine.add_request(p, params) for p in prompts}
+        prefill, decode, attended, started = [], [], [], set()
+        _synchronize(device)
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            before = time.perf_counter()
+            outputs = engine.step()
+            _synchronize(device)
+            (decode if len(started) == len(ids) else prefill).append(time.perf_counter() - before)
+            started |= {out.request_id for out in outputs if out.token_ids}
+            attended += [out.metrics.mean_tokens_attended for out in outputs
+                         if out.finished and out.request_id in ids and out.metrics.mean_tokens_attended is not None]
+        e2e = time.perf_counter() - start
+        if index < spec.num_iters_warmup:
+            continue
+        step_s = statistics.median(decode) if decode else None
+        iterations.append({
+            "prefill_s": sum(prefill),
+            "decode_ms_per_step": None if step_s is None else step_s * 1e3,
+            "decode_tokens_per_s": None if step_s is None else spec.batch_size / step_s,
+            "e2e_s": e2e,
+            "prefill_steps": len(prefill),
+            "decode_steps": len(decode),
+            "mean_tokens_attended": statistics.fmean(attended) if attended else None,
+        })
+    result = {key: _median([it[key] for it in iterations])
+              for key in ("prefill_s", "decode_ms_per_step", "decode_tokens_per_s", "e2e_s", "mean_tokens_attended")}
+    mean_context = spec.input_len + spec.output_len / 2  # decode step i (1 ... output_len - 1) holds input_len + i
+    attended = result["mean_tokens_attended"]
+    result["kv_fraction"] = None if attended is None else attended / mean_context
+    result["iterations"] = iterations
+    return result
+
+
+def _median(values: list) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def run_latency(
+    make_engine: Callable[[Optional[QuestConfig]], Any],
+    spec: LatencySpec,
+    quest: QuestConfig,
+    runs: tuple[str, ...] = ("dense", "quest"),
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Measure each of ``runs`` (``"dense"``: ``make_engine(None)``, ``"quest"``: ``make_engine(quest)``), one
+    engine alive at a time.
+
+    Args:
+        make_engine: builds an :class:`~questkv.engine.llm_engine.LLMEngine` for a Quest config or ``None``.
+        spec: what to measure. quest: the Quest engine's config.
+        runs: which engines, in order.
+
+    Returns:
+        ``{"results": {run: measure(...)}, "speedup": dense / Quest decode step time, or None}``.
+    """
+    if not runs or any(run not in RUNS for run in runs):
+        raise ValueError(f"runs must be 'dense' and/or 'quest', got {list(runs)!r}")
+    results = {}
+    for run in runs:
+        engine = make_engine(None if run == "dense" else quest)
+        try:
+            results[run] = measure(engine, spec, progress=progress, desc=run)
+        finally:
+            device = engine.config.torch_device
+            del engine
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    dense, sparse = (results.get(run, {}).get("decode_ms_per_step") for run in ("dense", "quest"))
+    return {"results": results, "speedup": dense / sparse if dense and sparse else None}
+
+
+def format_table(document: dict[str, Any]) -> str:
+    """The runs of :func:`run_latency` (with ``document["quest"]``: the Quest config as a dict) as a text table."""
+    header = (f"{'engine':<7} {'budget':>7} {'prefill s':>10} {'decode ms/step':>15} {'decode tok/s':>13} "
+              f"{'e2e s':>8} {'attended/step':>14} {'KV read':>8}")
+    lines = [header, "-" * len(header)]
+    for run, row in document["results"].items():
+        budget = document["quest"]["token_budget"] if run == "quest" else None
+        lines.append(
+            f"{run:<7} {'full' if budget is None else budget:>7} {_fmt(row['prefill_s'], '.3f'):>10} "
+            f"{_fmt(row['decode_ms_per_step'], '.2f'):>15} {_fmt(row['decode_tokens_per_s'], '.1f'):>13} "
+            f"{_fmt(row['e2e_s'], '.2f'):>8} {_fmt(row['mean_tokens_attended'], '.1f'):>14} "
+            f"{_fmt(row['kv_fraction'], '.1%'):>8}"
+        )
+    if document.get("speedup") is not None:
+        lines.append(f"decode speedup, dense / Quest (ms per step): {document['speedup']:.2f}x")
+    return "\n".join(lines)
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
