@@ -432,8 +432,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_tensors(subparsers)
     _add_generate(subparsers)
     _add_bench(subparsers)
+    _add_serve(subparsers)
     _add_eval(subparsers)
     return parser
+
+
+def _add_serve(subparsers) -> None:
+    from questkv.server import add_serve_args, run_server
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server on the engine, with per-request Quest budgets",
+        description="Serve MODEL over HTTP with OpenAI's /v1/completions and /v1/chat/completions (streaming too), "
+        "/v1/models, /health and /metrics. A request may pick its own Quest budget with the body field "
+        '"quest": {"token_budget": N} (up to --budget) or {"dense": true}.',
+    )
+    add_serve_args(parser)
+    parser.set_defaults(func=run_server)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,0 +1,23 @@
+"""An OpenAI-compatible HTTP server over the engine, with per-request Quest budgets.
+
+``python -m questkv.server MODEL [flags]`` (or ``questkv serve``); the pieces, top down: :mod:`.app` (routes),
+:mod:`.serving` (requests to engine calls and back), :mod:`.protocol` (OpenAI shapes, the ``quest``
+extension, errors), :mod:`.engine_loop` (the engine's thread), :mod:`.metrics` (``/metrics``), :mod:`.cli`
+(flags and start-up). Importing this package imports neither FastAPI nor uvicorn.
+"""
+
+__all__ = ["add_serve_args", "run_server"]
+
+
+def add_serve_args(parser) -> None:
+    """See :func:`questkv.server.cli.add_serve_args`."""
+    from questkv.server.cli import add_serve_args as add
+
+    add(parser)
+
+
+def run_server(args) -> int:
+    """See :func:`questkv.server.cli.run_server`."""
+    from questkv.server.cli import run_server as run
+
+    return run(args)

@@ -1,0 +1,65 @@
+"""All of ``/metrics``: the server's Prometheus metrics, on a registry of its own (no globals, so two apps can
+share a process).
+
+The engine loop's thread observes tokens, latencies and the pool (``prometheus_client`` is thread-safe);
+:mod:`questkv.server.serving` counts finished requests by status. Metric names:
+
+* ``questkv_requests_total{status}``: finished requests by how they ended: ``stop``, ``length`` (served),
+  ``abort`` (the client went away), ``timeout``, ``error`` (500), ``invalid`` (4xx), ``rejected`` (503).
+* ``questkv_prompt_tokens_total``, ``questkv_generation_tokens_total``: tokens of admitted requests.
+* ``questkv_requests_running``, ``questkv_requests_waiting``: the engine's running batch and waiting queue.
+* ``questkv_kv_pages_used``, ``questkv_kv_pages_free``: the KV pool (``used + free`` is every page).
+* ``questkv_mean_tokens_attended``: KV tokens one decode step attended per sequence (mean over the batch,
+  layers and heads) in the latest decode step.
+* ``questkv_time_to_first_token_seconds``, ``questkv_inter_token_latency_seconds``: histograms.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["REQUEST_STATUSES", "ServerMetrics"]
+
+REQUEST_STATUSES = ("stop", "length", "abort", "timeout", "error", "invalid", "rejected")
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServerMetrics:
+    """The server's metrics on ``self.registry`` (a fresh ``CollectorRegistry``)."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("questkv_requests", "finished requests by status", ["status"], registry=registry)
+        for status in REQUEST_STATUSES:  # every label present from the start, at 0
+            self.requests.labels(status=status)
+        self.prompt_tokens = Counter("questkv_prompt_tokens", "prompt tokens of admitted requests", registry=registry)
+        self.generation_tokens = Counter("questkv_generation_tokens", "generated tokens", registry=registry)
+        self.running = Gauge("questkv_requests_running", "requests in the engine's running batch", registry=registry)
+        self.waiting = Gauge("questkv_requests_waiting", "requests waiting for admission", registry=registry)
+        self.pages_used = Gauge("questkv_kv_pages_used", "KV-cache pages in use", registry=registry)
+        self.pages_free = Gauge("questkv_kv_pages_free", "KV-cache pages free", registry=registry)
+        self.mean_tokens_attended = Gauge(
+            "questkv_mean_tokens_attended",
+            "KV tokens one decode step attended per sequence (mean over the batch, layers and heads), latest step",
+            registry=registry,
+        )
+        self.time_to_first_token = Histogram(
+            "questkv_time_to_first_token_seconds", "arrival to first generated token", buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            "questkv_inter_token_latency_seconds", "time between a request's consecutive tokens", buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+
+    def count_request(self, status: str) -> None:
+        """One finished request with ``status`` (one of :data:`REQUEST_STATUSES`)."""
+        if status not in REQUEST_STATUSES:
+            raise ValueError(f"ServerMetrics.count_request status must be one of {REQUEST_STATUSES}, got {status!r}")
+        self.requests.labels(status=status).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

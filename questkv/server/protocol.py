@@ -1,0 +1,376 @@
+"""OpenAI's request and response shapes for the server, the ``quest`` extension, and the error object.
+
+This module owns what a request may say without knowing the engine: types (strict: ``"16"`` is not an int),
+ranges, ``n == 1``, the fields of ``quest`` and the no-op values of the OpenAI fields we do not implement.
+Checks that need the engine (the model's name, the prompt's length, the budget against the engine's page size
+and maximum) are :mod:`questkv.server.serving`'s. Every refusal is a :class:`RequestError` naming the field
+(``param``), rendered by :func:`error_body` as ``{"error": {"message", "type", "param", "code"}}``.
+
+OpenAI fields accepted but not implemented, each only at a value that changes nothing (else 400 naming it):
+``logprobs`` (``null``/``false``/``0``), ``top_logprobs`` (``null``/``0``), ``echo`` (``false``), ``best_of``
+(``null``/``1``), ``suffix`` (``null``/``""``), ``logit_bias`` (``null``/``{}``), ``presence_penalty`` and
+``frequency_penalty`` (``null``/``0``), ``tools`` (``null``/``[]``), ``tool_choice`` (``null``/``"none"``/
+``"auto"``), ``response_format`` (``null`` or ``{"type": "text"}``). Accepted and ignored, being harmless:
+``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``. Any other field is refused
+(400 naming it), so that a typo such as ``max_token`` is not silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import field_validator, model_validator
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "QuestOptions",
+    "RequestError",
+    "StreamOptions",
+    "error_body",
+    "parse_request",
+]
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class RequestError(ValueError):
+    """A refused request: an HTTP ``status``, the OpenAI error ``type`` and ``code``, and the field (``param``)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 type: str = "invalid_request_error", code: Optional[str] = "invalid_value",
+                 headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.headers = headers or {}
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class QuestOptions(_Strict):
+    """Our extension: ``{"token_budget": 512}`` (a Quest budget, a multiple of the page size up to the engine's),
+    ``{"dense": true}`` (attend every page), or ``{}`` (the engine's default)."""
+
+    token_budget: Optional[StrictInt] = None
+    dense: StrictBool = False
+
+    @model_validator(mode="after")
+    def _exclusive(self) -> QuestOptions:
+        if self.token_budget is not None and self.token_budget < 1:
+            _refuse("quest.token_budget",
+                    f"quest.token_budget must be a positive multiple of the page size, got {self.token_budget}")
+        if self.dense and self.token_budget is not None:
+            _refuse("quest", f"quest.dense=true attends every page; it excludes token_budget={self.token_budget}")
+        return self
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _Common(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    seed: Optional[StrictInt] = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    n: Optional[StrictInt] = None
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    quest: Optional[QuestOptions] = None
+    # OpenAI fields accepted only at their no-op values (see the module docstring)
+    logprobs: Union[StrictBool, StrictInt, None] = None
+    top_logprobs: Optional[StrictInt] = None
+    logit_bias: Optional[dict[str, Any]] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    # harmless, ignored
+    user: Optional[StrictStr] = None
+    metadata: Optional[dict[str, Any]] = None
+    store: Optional[StrictBool] = None
+    service_tier: Optional[StrictStr] = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> _Common:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _refuse("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            _refuse("temperature", f"temperature must be in [0, 2], got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            _refuse("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            _refuse("seed", f"seed must be in [0, 2**63), got {self.seed}")
+        if self.n is not None and self.n != 1:
+            _refuse("n", f"n={self.n} is not supported: this server returns one choice per request (n=1); "
+                         "send the request several times (with different seeds) for several samples")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            _refuse("stop", f"stop must hold non-empty strings, got {self.stop!r}")
+        if len(stops) > 4:
+            _refuse("stop", f"stop takes at most 4 strings, got {len(stops)}")
+        if self.stream_options is not None and not self.stream:
+            _refuse("stream_options", "stream_options is only allowed with stream=true")
+        if self.logprobs not in (None, False, 0):
+            _refuse("logprobs", f"logprobs is not supported (only null, false or 0), got {self.logprobs!r}")
+        if self.top_logprobs not in (None, 0):
+            _refuse("top_logprobs", f"top_logprobs is not supported (only null or 0), got {self.top_logprobs!r}")
+        if self.logit_bias:
+            _refuse("logit_bias", "logit_bias is not supported (only null or {})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                _refuse(name, f"{name} is not supported (only null or 0), got {getattr(self, name)!r}")
+        return self
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt per request)."""
+
+    prompt: Union[StrictStr, list[StrictInt]]
+    echo: StrictBool = False
+    best_of: Optional[StrictInt] = None
+    suffix: Optional[StrictStr] = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and not self.prompt:
+            _refuse("prompt", "prompt is an empty list: it must hold at least one token id")
+        if isinstance(self.prompt, str) and not self.prompt:
+            _refuse("prompt", "prompt is an empty string: it must hold at least one token")
+        if self.echo:
+            _refuse("echo", "echo is not supported (only false)")
+        if self.best_of not in (None, 1):
+            _refuse("best_of", f"best_of={self.best_of} is not supported (only 1)")
+        if self.suffix:
+            _refuse("suffix", "suffix is not supported (only null or \"\")")
+        return self
+
+
+class ChatMessage(_Strict):
+    """One message: ``content`` is a string or a list of text parts (``[{"type": "text", "text": ...}]``)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[StrictStr, list[dict[str, Any]]]
+    name: Optional[StrictStr] = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        if isinstance(content, list):
+            texts = []
+            for i, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+                    raise ValueError(f"content[{i}] must be a text part {{\"type\": \"text\", \"text\": str}}; "
+                                     f"only text is supported, got {part!r}")
+                texts.append(part["text"])
+            return "".join(texts)
+        return content
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template.
+    ``max_completion_tokens`` is OpenAI's newer name for ``max_tokens`` (give one of them)."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[StrictInt] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Union[StrictStr, dict[str, Any], None] = None
+    response_format: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if not self.messages:
+            _refuse("messages", "messages is empty: it must hold at least one message")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                _refuse("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+            if self.max_completion_tokens < 1:
+                _refuse("max_completion_tokens", f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}")
+            self.max_tokens = self.max_completion_tokens
+        if self.tools:
+            _refuse("tools", "tools are not supported (only null or [])")
+        if self.tool_choice not in (None, "none", "auto"):
+            _refuse("tool_choice", f"tool_choice is not supported (only null, \"none\" or \"auto\"), got {self.tool_choice!r}")
+        if self.response_format not in (None, {"type": "text"}):
+            _refuse("response_format", "response_format is not supported (only null or {\"type\": \"text\"})")
+        return self
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (``developer`` is rendered as ``system``)."""
+        out = []
+        for message in self.messages:
+            role = "system" if message.role == "developer" else message.role
+            out.append({"role": role, "content": message.content})
+        return out
+
+
+class _Refusal(ValueError):
+    """Raised inside validators to name the field; :func:`parse_request` turns it into a :class:`RequestError`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _refuse(param: str, message: str):
+    raise _Refusal(param, message)
+
+
+# loc entries that pydantic adds for the members of a union or a tagged type, not field names
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|literal|function-.*|.*\[.*\]|.*\(.*\))$")
+
+
+def _param(loc: tuple) -> Optional[str]:
+    parts = ""
+    for item in loc:
+        if isinstance(item, int):
+            parts += f"[{item}]"
+        elif isinstance(item, str) and not _TYPE_TAG.match(item) and item != "body":
+            parts += ("." if parts else "") + item
+    return parts or None
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> Any:
+    """Parse and validate a JSON ``body`` as ``model``.
+
+    Raises:
+        RequestError: malformed JSON, a body that is not an object, a missing, unknown or mistyped field, or
+            a value out of range; ``param`` names the field (``"quest.token_budget"``, ``"messages[0].role"``).
+    """
+    import json
+
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise RequestError(f"the body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"the body must be a JSON object, got {type(data).__name__}", code="invalid_type")
+    try:
+        return model.model_validate(data)
+    except _Refusal as refusal:  # raised directly by a model validator of the top-level model
+        raise RequestError(str(refusal), param=refusal.param) from None
+    except ValidationError as error:
+        raise _from_validation_error(error) from None
+
+
+def _from_validation_error(error: ValidationError) -> RequestError:
+    first = error.errors(include_url=False)[0]
+    context = first.get("ctx") or {}
+    inner = context.get("error")
+    if isinstance(inner, _Refusal):
+        return RequestError(str(inner), param=inner.param)
+    param = _param(tuple(first["loc"]))
+    kind = first["type"]
+    if kind == "missing":
+        return RequestError(f"{param} is required", param=param, code="missing_required_parameter")
+    if kind == "extra_forbidden":
+        return RequestError(f"unknown field {param!r}: this server does not support it", param=param,
+                            code="unknown_parameter")
+    if kind == "value_error":
+        message = first["msg"].removeprefix("Value error, ")
+        return RequestError(f"{param}: {message}" if param else message, param=param)
+    shown = repr(first.get("input"))
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    union = [e for e in error.errors(include_url=False) if _param(tuple(e["loc"])) == param]
+    if param in _UNION_TYPES and len(union) > 1 or param in _UNION_TYPES and len(first["loc"]) > 1:
+        return RequestError(f"{param} must be {_UNION_TYPES[param]} (got {shown})", param=param, code="invalid_type")
+    return RequestError(f"{param}: {first['msg']} (got {shown})" if param else first["msg"], param=param,
+                        code="invalid_type")
+
+
+# the fields whose type is a union, and how to say what they take
+_UNION_TYPES = {"prompt": "a string or a list of token ids (integers)", "stop": "a string or a list of strings",
+                "logprobs": "a bool or an integer", "temperature": "a number", "top_p": "a number",
+                "presence_penalty": "a number", "frequency_penalty": "a number"}
+
+
+def from_validation_errors(errors: list[dict]) -> RequestError:
+    """A :class:`RequestError` of FastAPI's ``RequestValidationError.errors()`` (its first error)."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "value_error"}
+    param = _param(tuple(first.get("loc", ())))
+    if first.get("type") == "json_invalid":
+        return RequestError(f"the body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    return RequestError(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
+
+
+def now() -> int:
+    """OpenAI's ``created``: Unix seconds."""
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def quest_echo(token_budget: Optional[int], dense: bool, mean_tokens_attended: Optional[float]) -> dict:
+    """Our extension in each final response: the budget used (``None`` when dense) and the KV tokens one decode
+    step attended, averaged over the request's decode steps (``0.0`` when it had none: one output token)."""
+    return {"token_budget": token_budget, "dense": dense,
+            "mean_tokens_attended": float(mean_tokens_attended or 0.0)}
+
+
+def completion_response(request_id: str, model: str, text: str, finish_reason: Optional[str], usage_: dict,
+                        quest: dict, created: int) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_, "quest": quest}
+
+
+def chat_response(request_id: str, model: str, text: str, finish_reason: Optional[str], usage_: dict,
+                  quest: dict, created: int) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage_, "quest": quest}
+
+
+def completion_chunk(request_id: str, model: str, created: int, text: Optional[str] = None,
+                     finish_reason: Optional[str] = None, usage_: Optional[dict] = None,
+                     include_usage: bool = False, quest: Optional[dict] = None) -> dict:
+    """A ``text_completion`` stream chunk; ``text=None`` makes the usage chunk (``choices: []``)."""
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if include_usage:
+        chunk["usage"] = usage_
+    if quest is not None:
+        chunk["quest"] = quest
+    return chunk
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: Optional[dict] = None,
+               finish_reason: Optional[str] = None, usage_: Optional[dict] = None,
+               include_usage: bool = False, quest: Optional[dict] = None) -> dict:
+    """A ``chat.completion.chunk``; ``delta=None`` makes the usage chunk (``choices: []``)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices}
+    if include_usage:
+        chunk["usage"] = usage_
+    if quest is not None:
+        chunk["quest"] = quest
+    return chunk

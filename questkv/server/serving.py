@@ -1,0 +1,424 @@
+"""A request in, engine calls, a response or SSE chunks out: OpenAI's completions and chat completions.
+
+:class:`OpenAIServing` validates what needs the engine's configuration (the served model's name, the prompt's
+tokens and length, ``max_tokens`` against ``max_model_len`` — refused, never clamped —, the Quest budget), on
+the event loop with its own copy of the tokenizer and without touching the engine's state; the engine thread
+then runs ``LLMEngine.add_request`` (which checks again, the KV pool included) and its ``ValueError`` comes back
+as a 400 too. Errors are translated here only: :class:`~questkv.server.protocol.RequestError` and engine
+``ValueError`` -> 4xx, :class:`~questkv.server.engine_loop.QueueFull` -> 503 with ``Retry-After``, a failed
+step -> 500, the request timeout -> 504; each with OpenAI's error object.
+
+Streams are server-sent events as OpenAI sends them: ``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``. The
+streamed text is always a prefix of the final text: while a request runs, the last ``len(longest stop) - 1``
+characters (a stop string may be forming) and a trailing incomplete character are held back. A client that
+goes away aborts its request (streaming: the response is cancelled; otherwise ``is_disconnected`` is polled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+import uuid
+from typing import AsyncIterator, Optional, Union
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from questkv.engine.sampling_params import SamplingParams
+from questkv.engine.sequence import RequestOutput
+from questkv.server import protocol
+from questkv.server.engine_loop import ACCEPTED, EngineFailure, EngineLoop, QueueFull, RequestStream, ShuttingDown
+from questkv.server.protocol import ChatCompletionRequest, CompletionRequest, QuestOptions, RequestError
+
+__all__ = ["OpenAIServing", "error_response"]
+
+_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+_DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+def error_response(error: RequestError) -> JSONResponse:
+    return JSONResponse(protocol.error_body(error.message, error.type, error.param, error.code),
+                        status_code=error.status, headers=error.headers)
+
+
+def _internal(message: str) -> RequestError:
+    return RequestError(message, status=500, type="internal_error", code="internal_error")
+
+
+def _timeout(seconds: float) -> RequestError:
+    return RequestError(f"the request did not finish within --request-timeout {seconds:g} s and was aborted",
+                        status=504, type="request_timeout", code="request_timeout")
+
+
+def _unavailable(message: str) -> RequestError:
+    return RequestError(message, status=503, type="overloaded_error", code="server_overloaded",
+                        headers={"Retry-After": "1"})
+
+
+class _Outcome:
+    """Counts a request in ``questkv_requests_total`` exactly once."""
+
+    def __init__(self, metrics) -> None:
+        self.metrics, self.status = metrics, None
+
+    def finish(self, status: str) -> None:
+        if self.status is None:
+            self.status = status
+            self.metrics.count_request(status)
+
+
+class _EngineStreamingResponse(StreamingResponse):
+    """A stream that aborts its request however the response ends (a cancelled send included)."""
+
+    def __init__(self, content, stream: RequestStream, outcome: _Outcome, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._stream, self._outcome = stream, outcome
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._stream.finished:
+                self._stream.close()
+                self._outcome.finish("abort")
+
+
+class OpenAIServing:
+    """The OpenAI endpoints over one :class:`EngineLoop`.
+
+    Args:
+        engine_loop: the loop owning the engine (started by the app's lifespan).
+        served_model_name: the name requests must give in ``model`` (``model`` may also be omitted, or be the
+            name the engine was loaded by).
+        request_timeout: seconds from arrival after which an unfinished request is aborted (504).
+    """
+
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, request_timeout: float = 600.0) -> None:
+        if not isinstance(served_model_name, str) or not served_model_name:
+            raise ValueError(f"OpenAIServing.served_model_name must be a non-empty str, got {served_model_name!r}")
+        if not isinstance(request_timeout, (int, float)) or not request_timeout > 0:
+            raise ValueError(f"OpenAIServing.request_timeout must be > 0 seconds, got {request_timeout!r}")
+        self.loop = engine_loop
+        self.metrics = engine_loop.metrics
+        engine = engine_loop.engine
+        self.served_model_name = served_model_name
+        self.model_names = {served_model_name, str(engine.model_name)}
+        self.request_timeout = float(request_timeout)
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.spec.vocab_size
+        self.engine_quest = engine.config.quest
+        self._check_budget = engine.check_budget  # reads the engine's configuration only
+        # Tokens one request may cache (the pool as built, before any request; capped by a page-table row): a
+        # request that leaves max_tokens out gets the rest of the context, within this.
+        cache = engine.cache
+        self.max_cached_tokens = min(cache.num_free_pages, cache.max_pages_per_seq) * cache.page_size
+        # The engine thread detokenises with the engine's tokenizer; the event loop encodes with its own copy.
+        self.tokenizer = None if engine.tokenizer is None else copy.deepcopy(engine.tokenizer)
+        self.created = protocol.now()
+
+    # ---- endpoints ---------------------------------------------------------------------------------------------
+
+    async def create_completion(self, request: Request) -> Response:
+        outcome = _Outcome(self.metrics)
+        try:
+            body = protocol.parse_request(CompletionRequest, await _body(request))
+            self._check_model(body.model)
+            token_ids = self._prompt_ids(body.prompt)
+            params = self._sampling_params(body, len(token_ids), _DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        except RequestError as error:
+            outcome.finish("invalid")
+            return error_response(error)
+        return await self._serve(request, body, token_ids, params, "cmpl", "prompt", outcome)
+
+    async def create_chat_completion(self, request: Request) -> Response:
+        outcome = _Outcome(self.metrics)
+        try:
+            body = protocol.parse_request(ChatCompletionRequest, await _body(request))
+            self._check_model(body.model)
+            token_ids = self._chat_ids(body)
+            params = self._sampling_params(body, len(token_ids), None, "messages")
+        except RequestError as error:
+            outcome.finish("invalid")
+            return error_response(error)
+        return await self._serve(request, body, token_ids, params, "chatcmpl", "messages", outcome)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.served_model_name, "object": "model", "created": self.created,
+                                            "owned_by": "questkv", "max_model_len": self.max_model_len}]}
+
+    def health(self) -> Response:
+        if not self.loop.is_running:
+            return JSONResponse({"status": "unavailable", **self.loop.stats}, status_code=503)
+        return JSONResponse({"status": "ok", **self.loop.stats})
+
+    # ---- validation against the engine's configuration ---------------------------------------------------------
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in self.model_names:
+            raise RequestError(f"the model {model!r} does not exist: this server serves {self.served_model_name!r}",
+                               param="model", status=404, code="model_not_found")
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("a text prompt needs a tokenizer, and this model (dummy weights) has none: send token ids",
+                               param="prompt")
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])  # as LLMEngine tokenises
+
+    def _prompt_ids(self, prompt: Union[str, list[int]]) -> list[int]:
+        token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param="prompt")
+        if not token_ids:
+            raise RequestError("prompt is empty: it must hold at least one token", param="prompt")
+        return token_ids
+
+    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        try:
+            text = tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=True, tokenize=False)
+        except Exception as error:  # a template that refuses these messages (roles, order)
+            raise RequestError(f"the chat template refused these messages: {error}", param="messages") from None
+        token_ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if bos is not None and len(token_ids) > 1 and token_ids[0] == token_ids[1] == bos:
+            token_ids = token_ids[1:]  # the template wrote the BOS the tokenizer adds again
+        return token_ids
+
+    def _sampling_params(self, body, num_prompt_tokens: int, default_max_tokens: Optional[int],
+                         prompt_param: str) -> SamplingParams:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise RequestError(
+                f"the {prompt_param} has {num_prompt_tokens} tokens but max_model_len={limit} allows at most "
+                f"{limit - 1} (room for one generated token)", param=prompt_param)
+        room = limit - num_prompt_tokens
+        if body.max_tokens is None:
+            room = max(min(room, self.max_cached_tokens + 1 - num_prompt_tokens), 1)  # the engine refuses what can't fit
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        elif body.max_tokens > room:
+            raise RequestError(
+                f"max_tokens={body.max_tokens} with the {prompt_param}'s {num_prompt_tokens} tokens exceeds "
+                f"max_model_len={limit}: max_tokens may be at most {room}", param="max_tokens")
+        else:
+            max_tokens = body.max_tokens
+        quest = body.quest or QuestOptions()
+        if quest.token_budget is not None:
+            try:
+                self._check_budget(quest.token_budget)
+            except ValueError as error:
+                raise RequestError(str(error).replace("SamplingParams.token_budget", "quest.token_budget"),
+                                   param="quest.token_budget") from None
+        if body.stop_list and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this model (dummy weights) has none", param="stop")
+        try:
+            return SamplingParams(
+                temperature=1.0 if body.temperature is None else float(body.temperature),
+                top_p=1.0 if body.top_p is None else float(body.top_p),
+                seed=body.seed, max_tokens=max_tokens, stop=body.stop_list,
+                token_budget=quest.token_budget, dense=quest.dense,
+            )
+        except ValueError as error:
+            raise RequestError(str(error), param=_engine_param(str(error), prompt_param)) from None
+
+    def _quest_echo(self, params: SamplingParams, mean_tokens_attended: Optional[float]) -> dict:
+        engine_sparse = self.engine_quest is not None and not self.engine_quest.is_dense
+        dense = params.dense or not engine_sparse
+        budget = None if dense else (params.token_budget or self.engine_quest.token_budget)
+        return protocol.quest_echo(budget, dense, mean_tokens_attended)
+
+    # ---- running a request -------------------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, body, token_ids: list[int], params: SamplingParams, prefix: str,
+                     prompt_param: str, outcome: _Outcome) -> Response:
+        deadline = time.monotonic() + self.request_timeout
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            stream = self.loop.submit(request_id, token_ids, params)
+        except (QueueFull, ShuttingDown) as error:
+            outcome.finish("rejected")
+            return error_response(_unavailable(str(error)))
+        try:
+            first = await stream.get(max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            stream.close()
+            outcome.finish("timeout")
+            return error_response(_timeout(self.request_timeout))
+        except BaseException:  # cancelled while queued
+            stream.close()
+            outcome.finish("abort")
+            raise
+        if first != ACCEPTED:
+            error = self._event_error(first, prompt_param)
+            outcome.finish("invalid" if error.status < 500 else ("rejected" if error.status == 503 else "error"))
+            return error_response(error)
+        run = _Run(self, body, request_id, stream, params, len(token_ids), deadline, outcome, prefix == "chatcmpl")
+        if body.stream:
+            return _EngineStreamingResponse(run.events(), stream, outcome, media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await run.collect(request)
+
+    def _event_error(self, event, prompt_param: str) -> RequestError:
+        if isinstance(event, ShuttingDown):
+            return _unavailable(str(event))
+        if isinstance(event, ValueError):
+            return RequestError(str(event), param=_engine_param(str(event), prompt_param))
+        if isinstance(event, EngineFailure):
+            return _internal(str(event))
+        return _internal(f"unexpected engine event {event!r}")
+
+
+async def _body(request: Request) -> bytes:
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise RequestError("the client went away while sending the body", status=499, code="client_disconnected") from None
+
+
+def _engine_param(message: str, prompt_param: str) -> Optional[str]:
+    """The request field an engine ``ValueError`` is about."""
+    for word, param in (("token_budget", "quest.token_budget"), ("max_tokens", "max_tokens"), ("top_p", "top_p"),
+                        ("temperature", "temperature"), ("seed", "seed"), ("stop", "stop"), ("prompt", prompt_param)):
+        if word in message:
+            return param
+    return None
+
+
+class _Run:
+    """One accepted request: collected into one response, or streamed as chunks."""
+
+    def __init__(self, serving: OpenAIServing, body, request_id: str, stream: RequestStream, params: SamplingParams,
+                 num_prompt_tokens: int, deadline: float, outcome: _Outcome, chat: bool) -> None:
+        self.serving, self.body, self.request_id, self.stream = serving, body, request_id, stream
+        self.params, self.num_prompt_tokens, self.deadline, self.outcome, self.chat = (
+            params, num_prompt_tokens, deadline, outcome, chat)
+        self.model = body.model or serving.served_model_name
+        self.created = protocol.now()
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+
+    def _remaining(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.0)
+
+    def _final(self, output: RequestOutput) -> tuple[dict, dict]:
+        usage = protocol.usage(self.num_prompt_tokens, len(output.token_ids))
+        return usage, self.serving._quest_echo(self.params, output.metrics.mean_tokens_attended)
+
+    def _fail(self, event) -> RequestError:
+        error = self.serving._event_error(event, "prompt")
+        self.outcome.finish("rejected" if error.status == 503 else "error")
+        return error
+
+    async def collect(self, request: Request) -> Response:
+        """Wait for the final output (aborting if the client goes away or the deadline passes)."""
+        next_check = time.monotonic() + _POLL_S
+        try:
+            while True:
+                try:
+                    event = await self.stream.get(min(_POLL_S, self._remaining()))
+                except asyncio.TimeoutError:
+                    event = None
+                if self._remaining() <= 0 and event is None:
+                    self.stream.close()
+                    self.outcome.finish("timeout")
+                    return error_response(_timeout(self.serving.request_timeout))
+                if time.monotonic() >= next_check:  # tokens may flow faster than the poll: check by the clock
+                    next_check = time.monotonic() + _POLL_S
+                    if await request.is_disconnected():
+                        self.stream.close()
+                        self.outcome.finish("abort")
+                        return Response(status_code=499)
+                if isinstance(event, Exception):
+                    return error_response(self._fail(event))
+                if isinstance(event, RequestOutput) and event.finished:
+                    return self._response(event)
+        finally:
+            if not self.stream.finished:  # cancelled
+                self.stream.close()
+                self.outcome.finish("abort")
+
+    def _response(self, output: RequestOutput) -> Response:
+        if output.finish_reason == "abort":
+            return error_response(self._fail(EngineFailure("the engine aborted the request")))
+        usage, quest = self._final(output)
+        build = protocol.chat_response if self.chat else protocol.completion_response
+        self.outcome.finish(output.finish_reason)
+        return JSONResponse(build(self.request_id, self.model, output.text, output.finish_reason, usage, quest,
+                                  self.created))
+
+    def _chunk(self, text: Optional[str] = None, finish_reason: Optional[str] = None, usage: Optional[dict] = None,
+               quest: Optional[dict] = None, role: bool = False) -> str:
+        include = self.body.include_usage
+        if self.chat:
+            delta = None
+            if text is not None:
+                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            chunk = protocol.chat_chunk(self.request_id, self.model, self.created, delta, finish_reason, usage,
+                                        include, quest)
+        else:
+            chunk = protocol.completion_chunk(self.request_id, self.model, self.created, text, finish_reason, usage,
+                                              include, quest)
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    async def events(self) -> AsyncIterator[str]:
+        """SSE lines: (chat: a role chunk,) text chunks, the finishing chunk, (the usage chunk,) ``[DONE]``."""
+        sent = ""
+        try:
+            if self.chat:
+                yield self._chunk("", role=True)
+            while True:
+                try:
+                    event = await self.stream.get(self._remaining())
+                except asyncio.TimeoutError:
+                    self.stream.close()
+                    self.outcome.finish("timeout")
+                    yield self._error_event(_timeout(self.serving.request_timeout))
+                    return
+                if isinstance(event, Exception):
+                    yield self._error_event(self._fail(event))
+                    return
+                if not isinstance(event, RequestOutput):
+                    continue
+                if event.finished and event.finish_reason == "abort":
+                    yield self._error_event(self._fail(EngineFailure("the engine aborted the request")))
+                    return
+                text = self._visible(event, sent)
+                delta = text[len(sent):] if text.startswith(sent) else ""
+                if not event.finished:
+                    if delta:
+                        sent += delta
+                        yield self._chunk(delta)
+                    continue
+                usage, quest = self._final(event)
+                if self.chat:
+                    if delta:
+                        yield self._chunk(delta)
+                    yield self._chunk("", finish_reason=event.finish_reason, quest=quest)
+                else:
+                    yield self._chunk(delta, finish_reason=event.finish_reason, quest=quest)
+                if self.body.include_usage:
+                    yield self._chunk(None, usage=usage, quest=quest)
+                self.outcome.finish(event.finish_reason)
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            if not self.stream.finished:  # cancelled by a client that went away
+                self.stream.close()
+                self.outcome.finish("abort")
+
+    def _visible(self, output: RequestOutput, sent: str) -> str:
+        text = output.text
+        if output.finished:
+            return text
+        if self.hold:
+            text = text[: max(len(text) - self.hold, 0)]
+        while text.endswith("\ufffd"):
+            text = text[:-1]
+        return text if len(text) >= len(sent) else sent
+
+    def _error_event(self, error: RequestError) -> str:
+        body = protocol.error_body(error.message, error.type, error.param, error.code)
+        return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"

@@ -1,0 +1,225 @@
+"""Unit tests of the server's protocol models and engine loop, in-process (no server process, no HTTP socket).
+
+The end-to-end tests (a real server process, real clients) are the other files of tests/server/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+
+from questkv.config import QuestConfig
+from questkv.engine.config import EngineConfig
+from questkv.engine.llm import LLM
+from questkv.engine.llm_engine import LLMEngine
+from questkv.engine.sampling_params import SamplingParams
+from questkv.engine.sequence import RequestOutput
+from questkv.server import protocol
+from questkv.server.app import build_app
+from questkv.server.engine_loop import ACCEPTED, EngineFailure, EngineLoop, QueueFull
+from questkv.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from tests.helpers import tiny_config
+
+_QUEST = dict(token_budget=8, page_size=4, dense_layers=1)
+_ENGINE = dict(load_format="dummy", device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=1 << 20,
+               max_num_seqs=4)
+
+
+def _parse(model, body):
+    return protocol.parse_request(model, json.dumps(body).encode())
+
+
+def _refusal(model, body) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        _parse(model, body)
+    return info.value
+
+
+# ---- protocol ------------------------------------------------------------------------------------------------------
+
+
+def test_a_completion_request_takes_a_string_or_token_ids_and_the_quest_extension():
+    ids = [random.randrange(100) for _ in range(random.randint(1, 9))]
+    body = _parse(CompletionRequest, {"prompt": ids, "max_tokens": 3, "quest": {"token_budget": 64}, "stop": "x"})
+    assert body.prompt == ids and body.quest.token_budget == 64 and body.stop_list == ("x",)
+    assert _parse(CompletionRequest, {"prompt": "hi", "quest": {"dense": True}}).quest.dense
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "quest": {"budget": 64}}, "quest.budget"),
+    ({"prompt": "x", "quest": {"token_budget": 64.0}}, "quest.token_budget"),
+    ({"prompt": "x", "quest": {"dense": True, "token_budget": 64}}, "quest"),
+    ({"prompt": "x", "max_token": 5}, "max_token"),
+    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({}, "prompt"),
+])
+def test_a_bad_completion_field_is_refused_naming_it(body, param):
+    error = _refusal(CompletionRequest, body)
+    assert error.status == 400 and error.param == param and error.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+])
+def test_a_bad_chat_field_is_refused_naming_it(body, param):
+    assert _refusal(ChatCompletionRequest, body).param == param
+
+
+def test_malformed_json_and_a_non_object_body_are_refused():
+    for raw in (b"{bad", b"[1, 2]", b"\xff"):
+        with pytest.raises(RequestError) as info:
+            protocol.parse_request(CompletionRequest, raw)
+        assert info.value.status == 400 and info.value.param is None
+
+
+def test_chat_text_parts_are_joined_and_max_completion_tokens_is_max_tokens():
+    words = [f"w{random.randrange(1000)}" for _ in range(3)]
+    body = _parse(ChatCompletionRequest, {"messages": [{"role": "developer", "content": [
+        {"type": "text", "text": word} for word in words]}], "max_completion_tokens": 7})
+    assert body.max_tokens == 7
+    assert body.message_dicts() == [{"role": "system", "content": "".join(words)}]
+
+
+# ---- engine loop and app, on a tiny random model -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model=tiny_config("llama3"), quest=QuestConfig(**_QUEST), **_ENGINE))
+
+
+def _prompt(length: int) -> list[int]:
+    return [random.randrange(96) for _ in range(length)]
+
+
+async def _collect(stream) -> list:
+    events = []
+    while not events or isinstance(events[-1], str) or (isinstance(events[-1], RequestOutput) and not events[-1].finished):
+        events.append(await stream.get(30))
+        if isinstance(events[-1], Exception):
+            break
+    return events
+
+
+def test_the_loop_serves_mixed_budgets_like_llm_generate_and_frees_every_page(engine):
+    prompts = [_prompt(random.randint(5, 20)) for _ in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **knob)
+              for knob in ({}, {"dense": True}, {"token_budget": 4}, {"token_budget": 8})]
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        free = engine.cache.num_free_pages
+        streams = [loop.submit(f"r{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params))]
+        results = await asyncio.gather(*[_collect(s) for s in streams])
+        await loop.shutdown(1.0)
+        return results, free
+
+    results, free = asyncio.run(run())
+    llm = LLM(tiny_config("llama3"), quest=QuestConfig(**_QUEST), **_ENGINE)
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    for events, want in zip(results, expected):
+        assert events[0] == ACCEPTED
+        assert events[-1].token_ids == want.token_ids
+    assert engine.cache.num_free_pages == free
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine, monkeypatch):
+    execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return execute(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        first = await _collect(loop.submit("bad", _prompt(6), SamplingParams(temperature=0, max_tokens=3)))
+        second = await _collect(loop.submit("good", _prompt(6), SamplingParams(temperature=0, max_tokens=3,
+                                                                            ignore_eos=True)))
+        stats = dict(loop.stats)
+        await loop.shutdown(1.0)
+        return first, second, stats
+
+    free = engine.cache.num_free_pages
+    first, second, stats = asyncio.run(run())
+    assert isinstance(first[-1], EngineFailure)
+    assert second[-1].finished and len(second[-1].token_ids) == 3
+    assert stats["requests_running"] == 0 and engine.cache.num_free_pages == free
+
+
+def test_an_aborted_request_frees_its_pages_and_a_full_queue_is_refused(engine):
+    async def run():
+        loop = EngineLoop(engine, max_waiting=1)
+        loop.start()
+        free = engine.cache.num_free_pages
+        stream = loop.submit("long", _prompt(8), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        with pytest.raises(QueueFull):
+            loop.submit("over", _prompt(4), SamplingParams())
+        while not isinstance(await stream.get(30), RequestOutput):
+            pass
+        stream.close()
+        for _ in range(200):
+            if loop.stats["requests_running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        stats = dict(loop.stats)
+        await loop.shutdown(1.0)
+        return stats, free
+
+    stats, free = asyncio.run(run())
+    assert stats["requests_running"] == 0 and stats["kv_pages_free"] == free
+
+
+def test_the_app_answers_a_completion_and_refuses_what_the_engine_cannot_run(engine):
+    prompt = _prompt(7)
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        app = build_app(loop, "tiny")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            good = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                                              "temperature": 0, "quest": {"token_budget": 4}})
+            bad = {
+                "model": await client.post("/v1/completions", json={"model": "other", "prompt": prompt}),
+                "max_tokens": await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 60}),
+                "prompt": await client.post("/v1/completions", json={"prompt": _prompt(64)}),
+                "quest.token_budget": await client.post("/v1/completions",
+                                                        json={"prompt": prompt, "quest": {"token_budget": 6}}),
+                "messages": await client.post("/v1/chat/completions",
+                                              json={"messages": [{"role": "user", "content": "x"}]}),
+            }
+            metrics = (await client.get("/metrics")).text
+        await loop.shutdown(1.0)
+        return good, bad, metrics
+
+    good, bad, metrics = asyncio.run(run())
+    body = good.json()
+    assert good.status_code == 200, body
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": body["usage"]["completion_tokens"],
+                             "total_tokens": 7 + body["usage"]["completion_tokens"]}
+    assert body["quest"]["token_budget"] == 4 and body["quest"]["dense"] is False
+    for param, response in bad.items():
+        assert response.status_code == (404 if param == "model" else 400), response.text
+        assert response.json()["error"]["param"] == param
+    assert 'questkv_requests_total{status="invalid"} 5.0' in metrics
