@@ -1,0 +1,384 @@
+"""The server end to end: completions and chat, streamed and not, from the official ``openai`` client and raw HTTP,
+against the in-process engine of the same folder and flags; 64 concurrent streaming clients with mixed Quest
+budgets, 16 of which disconnect part way.
+
+Every request is greedy (or seeded) in fp32, so the served text must equal ``LLM.generate`` of the same request
+exactly; prompts are fresh random words or token ids in every test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import openai
+import pytest
+
+from questkv.engine.sampling_params import SamplingParams
+from tests.server.conftest import (
+    BUDGET, MAX_NUM_SEQS, MODEL_NAME, chunk_text, idle, metric_values, metrics, sse_events, text_prompt, token_prompt,
+    wait_until,
+)
+
+QUESTS = [None, {"dense": True}, {"token_budget": 4}, {"token_budget": 8}, {"token_budget": 12},
+          {"token_budget": BUDGET}]
+CLIENT_TIMEOUT_S = 60.0  # one request; the 64-client runs are bounded as a whole too
+LOAD_TIMEOUT_S = 90.0
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=CLIENT_TIMEOUT_S, max_retries=0)
+
+
+def params(quest, **kwargs) -> SamplingParams:
+    """The engine's SamplingParams of a request with the ``quest`` extension ``quest`` (greedy by default)."""
+    kwargs = {"temperature": 0.0, **kwargs}
+    if quest is not None and quest.get("dense"):
+        kwargs["dense"] = True
+    elif quest is not None:
+        kwargs["token_budget"] = quest["token_budget"]
+    return SamplingParams(**kwargs)
+
+
+def reference(llm, prompt, quest=None, **kwargs):
+    """``LLM.generate`` of one request alone."""
+    (out,) = llm.generate([prompt], params(quest, **kwargs), use_tqdm=False)
+    return out
+
+
+def chat_prompt(llm, messages) -> str:
+    return llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def expected_quest(quest) -> dict:
+    """What the response's ``quest`` object echoes for a request's ``quest`` field (without the mean)."""
+    if quest is not None and quest.get("dense"):
+        return {"token_budget": None, "dense": True}
+    return {"token_budget": BUDGET if quest is None else quest["token_budget"], "dense": False}
+
+
+def check_quest_echo(echo, quest, ref) -> None:
+    assert echo is not None, "the final response carries no quest object"
+    assert {k: echo[k] for k in ("token_budget", "dense")} == expected_quest(quest)
+    if ref.metrics.mean_tokens_attended is None:  # the first token ended it: no decode step, documented as 0.0
+        assert echo["mean_tokens_attended"] == 0.0, echo
+    else:
+        assert echo["mean_tokens_attended"] == pytest.approx(ref.metrics.mean_tokens_attended, rel=1e-6)
+
+
+def finish_reason(ref) -> str:
+    return ref.finish_reason  # "stop" or "length", spelled as OpenAI does
+
+
+def num_prompt_tokens(llm, prompt) -> int:
+    return len(prompt) if isinstance(prompt, list) else len(llm.tokenizer(prompt)["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One request at a time
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_health_and_models_list_the_served_model(server):
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    body = httpx.get(server + "/v1/models", timeout=10).json()
+    assert body["object"] == "list" and body["data"][0]["object"] == "model" and body["data"][0]["id"] == MODEL_NAME
+
+
+@pytest.mark.parametrize("quest", [None, {"dense": True}, {"token_budget": 8}], ids=["default", "dense", "budget 8"])
+def test_a_greedy_completion_from_the_openai_client_equals_llm_generate(server, reference_llm, quest):
+    prompt = text_prompt(random.randint(20, 60))
+    max_tokens = random.randint(4, 16)
+    ref = reference(reference_llm, prompt, quest, max_tokens=max_tokens)
+    extra = {} if quest is None else {"extra_body": {"quest": quest}}
+    out = client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            **extra)
+    assert out.object == "text_completion" and out.model == MODEL_NAME and out.id
+    (choice,) = out.choices
+    assert choice.index == 0 and choice.text == ref.text and choice.finish_reason == finish_reason(ref)
+    assert choice.logprobs is None
+    assert out.usage.prompt_tokens == num_prompt_tokens(reference_llm, prompt)
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    check_quest_echo(out.model_extra.get("quest"), quest, ref)
+
+
+def test_a_completion_of_token_ids_over_raw_http_equals_llm_generate(server, reference_llm):
+    prompt = token_prompt(random.randint(17, 60))
+    max_tokens = random.randint(2, 16)
+    ref = reference(reference_llm, prompt, max_tokens=max_tokens)
+    response = httpx.post(server + "/v1/completions", timeout=CLIENT_TIMEOUT_S, json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert body["object"] == "text_completion" and isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "text": ref.text, "finish_reason": finish_reason(ref), "logprobs": None}]
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ref.token_ids),
+                             "total_tokens": len(prompt) + len(ref.token_ids)}
+    check_quest_echo(body["quest"], None, ref)
+
+
+def test_a_streamed_completion_over_raw_http_is_server_sent_events_ending_in_done(server, reference_llm):
+    prompt = text_prompt(random.randint(20, 60))
+    max_tokens = random.randint(6, 16)
+    quest = {"token_budget": random.choice([4, 8, 12])}
+    ref = reference(reference_llm, prompt, quest, max_tokens=max_tokens)
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "quest": quest}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(list(response.iter_lines()))
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "text_completion" for c in chunks)
+    assert all(c["model"] == MODEL_NAME for c in chunks)
+    *choice_chunks, usage_chunk = chunks
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
+        "prompt_tokens": num_prompt_tokens(reference_llm, prompt), "completion_tokens": len(ref.token_ids),
+        "total_tokens": num_prompt_tokens(reference_llm, prompt) + len(ref.token_ids)}
+    assert all(c.get("usage") is None for c in choice_chunks)  # usage only in the extra last chunk
+    assert "".join(chunk_text(c) for c in choice_chunks) == ref.text
+    reasons = [c["choices"][0]["finish_reason"] for c in choice_chunks]
+    assert reasons[-1] == finish_reason(ref) and all(r is None for r in reasons[:-1])
+    echo = [c["quest"] for c in chunks if c.get("quest") is not None]
+    assert echo, "no chunk carries the quest object"
+    check_quest_echo(echo[-1], quest, ref)
+
+
+def test_a_stream_without_include_usage_has_no_usage_chunk(server, reference_llm):
+    prompt = token_prompt(random.randint(17, 40))
+    ref = reference(reference_llm, prompt, max_tokens=5)
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S) as response:
+        events = sse_events(list(response.iter_lines()))
+    assert all(c["choices"] for c in events[:-1]) and all(c.get("usage") is None for c in events[:-1])
+    assert "".join(chunk_text(c) for c in events[:-1]) == ref.text
+
+
+def test_a_streamed_completion_from_the_openai_client_reports_usage_last(server, reference_llm):
+    prompt = text_prompt(random.randint(20, 60))
+    max_tokens = random.randint(4, 16)
+    ref = reference(reference_llm, prompt, {"dense": True}, max_tokens=max_tokens)
+    stream = client(server).completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"quest": {"dense": True}})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-1].usage.prompt_tokens == num_prompt_tokens(reference_llm, prompt)
+
+
+def test_a_greedy_chat_completion_equals_llm_generate_of_the_chat_template(server, reference_llm):
+    messages = [{"role": "system", "content": text_prompt(random.randint(3, 10))},
+                {"role": "user", "content": text_prompt(random.randint(15, 40))}]
+    prompt = chat_prompt(reference_llm, messages)
+    max_tokens = random.randint(4, 16)
+    ref = reference(reference_llm, prompt, max_tokens=max_tokens)
+    out = client(server).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=max_tokens,
+                                                 temperature=0)
+    assert out.object == "chat.completion" and out.model == MODEL_NAME
+    (choice,) = out.choices
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == finish_reason(ref)
+    assert out.usage.prompt_tokens == num_prompt_tokens(reference_llm, prompt)
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    check_quest_echo(out.model_extra.get("quest"), None, ref)
+
+
+def test_a_streamed_chat_completion_sends_the_role_first_and_usage_last(server, reference_llm):
+    messages = [{"role": "user", "content": text_prompt(random.randint(15, 40))}]
+    prompt = chat_prompt(reference_llm, messages)
+    max_tokens = random.randint(4, 16)
+    quest = {"token_budget": 8}
+    ref = reference(reference_llm, prompt, quest, max_tokens=max_tokens)
+    stream = client(server).chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"quest": quest})
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks) and len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish_reason(ref)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-1].usage.prompt_tokens == num_prompt_tokens(reference_llm, prompt)
+    echo = [c.model_extra["quest"] for c in chunks if c.model_extra.get("quest") is not None]
+    assert echo, "no chunk carries the quest object"
+    check_quest_echo(echo[-1], quest, ref)
+
+
+def test_a_seeded_sampled_completion_equals_llm_generate_with_the_same_seed(server, reference_llm):
+    prompt = token_prompt(random.randint(17, 50))
+    seed = random.randrange(1 << 30)
+    ref = reference(reference_llm, prompt, temperature=1.0, top_p=0.9, seed=seed, max_tokens=12)
+    out = client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=1.0,
+                                            top_p=0.9, seed=seed)
+    assert out.choices[0].text == ref.text and out.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_a_stop_string_cuts_the_text_as_llm_generate_does(server, reference_llm):
+    for _ in range(10):  # a prompt whose greedy text has three words or more
+        prompt = text_prompt(random.randint(20, 50))
+        words = reference(reference_llm, prompt, max_tokens=16).text.split()
+        if len(words) >= 3:
+            break
+    else:
+        pytest.skip("the random model ended ten texts within two words")
+    stop = words[len(words) // 2]
+    ref = reference(reference_llm, prompt, max_tokens=16, stop=[stop])
+    out = client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                            stop=[stop])
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == len(ref.token_ids)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Many clients at once
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def random_requests(llm, count: int, max_tokens: tuple[int, int] = (8, 16)) -> list[dict]:
+    """``count`` requests: completions of token ids or text and chats, each with a quest choice of
+    :data:`QUESTS` (cycled), prompts of 17..60 tokens (longer than the budget 16); with each request's
+    reference ``LLM.generate`` run alone."""
+    requests = []
+    for i in range(count):
+        quest = QUESTS[i % len(QUESTS)]
+        kind = random.choice(["ids", "text", "chat"])
+        n = random.randint(17, 60)
+        body = {"model": MODEL_NAME, "max_tokens": random.randint(*max_tokens), "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if quest is not None:
+            body["quest"] = quest
+        if kind == "chat":
+            messages = [{"role": "user", "content": text_prompt(n)}]
+            body["messages"], prompt, path = messages, chat_prompt(llm, messages), "/v1/chat/completions"
+        else:
+            prompt = token_prompt(n) if kind == "ids" else text_prompt(n)
+            body["prompt"], path = prompt, "/v1/completions"
+        ref = reference(llm, prompt, quest, max_tokens=body["max_tokens"])
+        requests.append({"path": path, "body": body, "quest": quest, "ref": ref,
+                         "prompt_tokens": num_prompt_tokens(llm, prompt)})
+    return requests
+
+
+async def stream_one(http: httpx.AsyncClient, request: dict, stop_after=None) -> dict:
+    """One streaming request; closes the stream after ``stop_after`` data chunks when given.
+
+    Returns ``{"events": the parsed chunks, "done": True}`` for a stream read to its ``[DONE]``, else
+    ``{"chunks": the data lines read, "done": False}``.
+    """
+    chunks, lines = [], []
+    async with http.stream("POST", request["path"], json=request["body"]) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            lines.append(line)
+            if line.startswith("data: {"):
+                chunks.append(line)
+                if stop_after is not None and len(chunks) >= stop_after:
+                    return {"chunks": chunks, "done": False}  # leaving the block closes the connection
+    events = sse_events(lines)
+    return {"events": events[:-1], "done": True}
+
+
+async def run_clients(url: str, requests: list[dict], stop_after: dict[int, int]) -> tuple[list[dict], float]:
+    """All ``requests`` at once (``stop_after``: request index -> chunks read before disconnecting); returns
+    their results and the most running requests ``/metrics`` showed meanwhile."""
+    limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S, limits=limits) as http:
+        done, most = asyncio.Event(), [0.0]
+
+        async def watch() -> None:
+            while not done.is_set():
+                text = (await http.get("/metrics")).text
+                most[0] = max(most[0], metric_values(text)["questkv_requests_running"])
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            tasks = [stream_one(http, r, stop_after.get(i)) for i, r in enumerate(requests)]
+            results = await asyncio.wait_for(asyncio.gather(*tasks), LOAD_TIMEOUT_S)
+        finally:
+            done.set()
+            await watcher
+        return results, most[0]
+
+
+def check_served_alone(result: dict, request: dict) -> None:
+    """The finished stream of ``request`` equals its reference run alone, usage and quest echo included."""
+    ref, events = request["ref"], result["events"]
+    assert result["done"]
+    assert len({e["id"] for e in events}) == 1
+    *choice_chunks, usage_chunk = events
+    assert "".join(chunk_text(c) for c in choice_chunks) == ref.text, request["body"]
+    assert [c["choices"][0]["finish_reason"] for c in choice_chunks][-1] == finish_reason(ref)
+    assert usage_chunk["usage"]["completion_tokens"] == len(ref.token_ids)
+    assert usage_chunk["usage"]["prompt_tokens"] == request["prompt_tokens"]
+    echo = [e["quest"] for e in events if e.get("quest") is not None]
+    assert echo, "no chunk carries the quest object"
+    check_quest_echo(echo[-1], request["quest"], ref)
+
+
+def test_64_concurrent_streaming_clients_with_mixed_budgets_each_get_their_request_served_alone(
+        server, reference_llm):
+    requests = random_requests(reference_llm, MAX_NUM_SEQS)
+    start = idle(server)
+    began = time.monotonic()
+    results, most_running = asyncio.run(run_clients(server, requests, {}))
+    assert time.monotonic() - began < LOAD_TIMEOUT_S
+    assert most_running >= 16  # the requests really shared decode batches
+    ids = set()
+    for result, request in zip(results, requests):
+        check_served_alone(result, request)
+        ids.add(result["events"][0]["id"])
+    assert len(ids) == len(requests)  # one id per request: no stream got another's chunks
+    end = idle(server)
+    assert end["questkv_kv_pages_free"] == start["questkv_kv_pages_free"]
+    assert end["questkv_generation_tokens_total"] - start["questkv_generation_tokens_total"] == sum(
+        len(r["ref"].token_ids) for r in requests)
+
+
+def test_16_of_64_clients_disconnecting_mid_stream_free_their_pages_and_the_rest_are_served(server, reference_llm):
+    requests = random_requests(reference_llm, MAX_NUM_SEQS, max_tokens=(12, 16))
+    start = idle(server)
+    long = [i for i, r in enumerate(requests) if len(r["ref"].token_ids) >= 10]
+    dropped = random.sample(long, min(16, len(long)))
+    stop_after = {i: random.randint(1, 6) for i in dropped}
+    results, most_running = asyncio.run(run_clients(server, requests, stop_after))
+    assert most_running >= 16
+    for i, (result, request) in enumerate(zip(results, requests)):
+        if i in stop_after and not result["done"]:
+            assert len(result["chunks"]) == stop_after[i]
+        else:  # served in full (a dropped one whose stream ended before its k-th chunk too)
+            check_served_alone(result, request)
+
+    def drained() -> bool:
+        now = metrics(server)
+        return (now["questkv_requests_running"] == 0 and now["questkv_requests_waiting"] == 0
+                and now["questkv_kv_pages_free"] == start["questkv_kv_pages_free"])
+
+    wait_until(drained, 30.0, "every page back in the pool and no running request after the disconnects")
+    abort = 'questkv_requests_total{status="abort"}'
+    cut = sum(not results[i]["done"] for i in dropped)
+    assert cut >= len(dropped) // 2  # most disconnect before their request ends (it may end first)
+    assert 1 <= metrics(server)[abort] - start[abort] <= cut
+    # and the server still serves
+    prompt = token_prompt(20)
+    ref = reference(reference_llm, prompt, max_tokens=4)
+    out = client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0)
+    assert out.choices[0].text == ref.text
+
+
+def test_metrics_expose_the_contracts_series(server):
+    text = httpx.get(server + "/metrics", timeout=10).text
+    for name in ("questkv_requests_total", "questkv_prompt_tokens_total", "questkv_generation_tokens_total",
+                 "questkv_requests_running", "questkv_requests_waiting", "questkv_kv_pages_used",
+                 "questkv_kv_pages_free", "questkv_mean_tokens_attended", "questkv_time_to_first_token_seconds",
+                 "questkv_inter_token_latency_seconds"):
+        assert name in text, f"/metrics lacks {name}"
+    values = metrics(server)
+    assert values["questkv_kv_pages_used"] + values["questkv_kv_pages_free"] > 0
