@@ -12,7 +12,8 @@ OpenAI fields accepted but not implemented, each only at a value that changes no
 ``frequency_penalty`` (``null``/``0``), ``tools`` (``null``/``[]``), ``tool_choice`` (``null``/``"none"``/
 ``"auto"``), ``response_format`` (``null`` or ``{"type": "text"}``). Accepted and ignored, being harmless:
 ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``. Any other field is refused
-(400 naming it), so that a typo such as ``max_token`` is not silently ignored.
+(400 naming it), so that a typo such as ``max_token`` is not silently ignored. Extensions: ``quest`` (ours) and
+``ignore_eos`` (vLLM's).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class _Common(_Strict):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     quest: Optional[QuestOptions] = None
+    ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model's EOS (benchmarks)
     # OpenAI fields accepted only at their no-op values (see the module docstring)
     logprobs: Union[StrictBool, StrictInt, None] = None
     top_logprobs: Optional[StrictInt] = None

@@ -220,7 +220,7 @@ class OpenAIServing:
                 temperature=1.0 if body.temperature is None else float(body.temperature),
                 top_p=1.0 if body.top_p is None else float(body.top_p),
                 seed=body.seed, max_tokens=max_tokens, stop=body.stop_list,
-                token_budget=quest.token_budget, dense=quest.dense,
+                token_budget=quest.token_budget, dense=quest.dense, ignore_eos=body.ignore_eos,
             )
         except ValueError as error:
             raise RequestError(str(error), param=_engine_param(str(error), prompt_param)) from None

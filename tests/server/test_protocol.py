@@ -223,3 +223,12 @@ def test_the_app_answers_a_completion_and_refuses_what_the_engine_cannot_run(eng
         assert response.status_code == (404 if param == "model" else 400), response.text
         assert response.json()["error"]["param"] == param
     assert 'questkv_requests_total{status="invalid"} 5.0' in metrics
+
+
+def test_ignore_eos_is_accepted_as_vllms_extension_and_must_be_a_bool():
+    from questkv.server.protocol import CompletionRequest, RequestError, parse_request
+
+    assert parse_request(CompletionRequest, b'{"prompt": "x", "ignore_eos": true}').ignore_eos is True
+    with pytest.raises(RequestError) as error:
+        parse_request(CompletionRequest, b'{"prompt": "x", "ignore_eos": "yes"}')
+    assert error.value.param == "ignore_eos"
