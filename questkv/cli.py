@@ -8,7 +8,9 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from questkv.cli_args import add_quest_args, quest_config, quest_options
+from questkv.cli_args import (
+    add_engine_args, add_quest_args, engine_kwargs, int_at_least, quest_config, quest_options, unit_interval,
+)
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 
 
@@ -24,16 +26,16 @@ def _add_demo(subparsers) -> None:
         f"cache each decode step read. Quest keeps QuestConfig's default of {QuestConfig().dense_layers} dense layers.",
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, HF folder or .gguf (default: {DEFAULT_MODEL})")
-    parser.add_argument("--length", type=_int_at_least(64), default=demo.DEMO_LENGTH,
+    parser.add_argument("--length", type=int_at_least(64), default=demo.DEMO_LENGTH,
                         help=f"prompt tokens (default: {demo.DEMO_LENGTH})")
-    parser.add_argument("--depth", type=_fraction, default=demo.DEMO_DEPTH,
+    parser.add_argument("--depth", type=unit_interval, default=demo.DEMO_DEPTH,
                         help=f"where the key sits, 0 (start) to 1 (end) (default: {demo.DEMO_DEPTH})")
     add_quest_args(parser, ["token_budget", "page_size"], plural=["token_budget"],
                    defaults={"token_budget": list(demo.DEMO_BUDGETS), "page_size": demo.DEMO_PAGE_SIZE},
                    help={"token_budget": "Quest budgets, one Quest engine each (the dense engine always runs)"})
-    parser.add_argument("--max-tokens", type=_int_at_least(1), default=demo.DEMO_MAX_TOKENS,
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=demo.DEMO_MAX_TOKENS,
                         help=f"answer tokens (default: {demo.DEMO_MAX_TOKENS})")
-    _add_engine_args(parser, device="cpu", dtype="float32", max_model_len=False, seed_help="picks the pass key")
+    add_engine_args(parser, device="cpu", dtype="float32", max_model_len=False, seed_help="picks the pass key")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     parser.set_defaults(func=_run_demo)
 
@@ -45,7 +47,7 @@ def _run_demo(args) -> int:
         quest_config(args, token_budget=budget)
     result = run_passkey_demo(args.model, length=args.length, depth=args.depth, budgets=args.token_budget,
                               page_size=args.page_size, max_tokens=args.max_tokens, seed=args.seed,
-                              **_engine_kwargs(args))
+                              **engine_kwargs(args))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
@@ -79,59 +81,6 @@ def _run_demo_tensors(args) -> int:
             json.dump(rows, handle, indent=2)
     print(format_table(rows))
     return 0
-
-
-def _int_at_least(minimum: int):
-    """An argparse type: an int >= ``minimum``; argparse names the flag in its error."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
-        return value
-
-    parse.__name__ = f"int >= {minimum}"
-    return parse
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1]")
-    return value
-
-
-def _add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model_len: bool = True,
-                     seed_help: str = "random seed") -> None:
-    """The engine's flags: --device, --dtype, --max-model-len, --enforce-eager, --seed (see :func:`_engine_kwargs`)."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--device", default=device, choices=["auto", "cpu", "cuda"],
-                       help=f"where the engine runs; auto: CUDA when available (default: {device})")
-    group.add_argument("--dtype", default=dtype, choices=["auto", "bfloat16", "float16", "float32"],
-                       help=f"weights and KV cache; auto: bfloat16 on CUDA, float32 on CPU (default: {dtype})")
-    if max_model_len:
-        group.add_argument("--max-model-len", type=_int_at_least(2), default=None,
-                           help="the most tokens per sequence, prompt and output (default: the model's)")
-    group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    group.add_argument("--seed", type=_int_at_least(0), default=0, help=f"{seed_help} (default: 0)")
-
-
-def _engine_kwargs(args) -> dict:
-    """``EngineConfig`` fields of the engine flags on ``args`` (``auto`` resolved)."""
-    import torch
-
-    device = None if args.device == "auto" else args.device
-    on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
-    kwargs = {"device": device, "dtype": dtype, "enforce_eager": args.enforce_eager}
-    if getattr(args, "max_model_len", None) is not None:
-        kwargs["max_model_len"] = args.max_model_len
-    return kwargs
 
 
 def _int_list(text: str) -> list[int]:
@@ -169,12 +118,12 @@ def _add_generate(subparsers) -> None:
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", help="read the prompt from this file")
     add_quest_args(parser.add_argument_group("Quest"))
-    parser.add_argument("--max-new-tokens", type=_int_at_least(1), default=128,
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=128,
                         help="tokens to generate (default: 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    _add_engine_args(parser)
+    add_engine_args(parser)
     parser.set_defaults(func=_run_generate)
 
 
@@ -198,7 +147,7 @@ def _run_generate(args) -> int:
         top_p=args.top_p,
         chat=args.chat,
         seed=args.seed,
-        **_engine_kwargs(args),
+        **engine_kwargs(args),
     )
     print(stats.summary(), file=sys.stderr)
     return 0
@@ -226,21 +175,21 @@ def _add_bench(subparsers) -> None:
     source.add_argument("--config", choices=list(DUMMY_SHAPES), default=None,
                         help="a model shape with random weights instead of --model (no checkpoint needed)")
     defaults = LatencySpec()
-    latency.add_argument("--input-len", type=_int_at_least(1), default=defaults.input_len,
+    latency.add_argument("--input-len", type=int_at_least(1), default=defaults.input_len,
                          help=f"prompt tokens per request (default: {defaults.input_len})")
-    latency.add_argument("--output-len", type=_int_at_least(1), default=defaults.output_len,
+    latency.add_argument("--output-len", type=int_at_least(1), default=defaults.output_len,
                          help=f"generated tokens per request (default: {defaults.output_len})")
-    latency.add_argument("--batch-size", type=_int_at_least(1), default=defaults.batch_size,
+    latency.add_argument("--batch-size", type=int_at_least(1), default=defaults.batch_size,
                          help=f"requests decoded together (default: {defaults.batch_size})")
-    latency.add_argument("--num-iters", type=_int_at_least(1), default=defaults.num_iters,
+    latency.add_argument("--num-iters", type=int_at_least(1), default=defaults.num_iters,
                          help=f"timed iterations (default: {defaults.num_iters})")
-    latency.add_argument("--num-iters-warmup", type=_int_at_least(0), default=defaults.num_iters_warmup,
+    latency.add_argument("--num-iters-warmup", type=int_at_least(0), default=defaults.num_iters_warmup,
                          help=f"untimed iterations first (default: {defaults.num_iters_warmup})")
     which = latency.add_mutually_exclusive_group()
     which.add_argument("--dense-only", action="store_true", help="measure only the dense engine")
     which.add_argument("--quest-only", action="store_true", help="measure only the Quest engine")
     add_quest_args(latency.add_argument_group("Quest"), defaults={"token_budget": 1024})
-    _add_engine_args(latency)
+    add_engine_args(latency)
     latency.add_argument("--json", metavar="PATH", help="also write the results and their provenance to PATH")
     latency.set_defaults(func=_run_bench_latency)
 
@@ -255,7 +204,7 @@ def _run_bench_latency(args) -> int:
     quest = quest_config(args)  # invalid knobs fail here, before the model loads
     spec = bench.LatencySpec(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
                              num_iters=args.num_iters, num_iters_warmup=args.num_iters_warmup, seed=args.seed)
-    kwargs = {**_engine_kwargs(args), **spec.engine_kwargs(), "seed": args.seed}
+    kwargs = {**engine_kwargs(args), **spec.engine_kwargs(), "seed": args.seed}
     kwargs.setdefault("max_model_len", args.input_len + args.output_len)
     if args.config is not None:
         from questkv.models.shapes import DUMMY_SHAPES, dummy_config

@@ -164,3 +164,108 @@ def _list_parser(name: str) -> Callable[[str], list]:
     """Text to values of a plural flag: ``"64,256,full"`` parsed item by item."""
     parse = _value_parser(name)
     return lambda text: [parse(item) for item in text.split(",")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engine flags (generate, bench latency, demo, serve)
+# ---------------------------------------------------------------------------------------------------------------
+
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum`` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1]")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: ``"4GiB"``, ``"512MiB"``, ``"2G"`` or a plain number of bytes (>= 1)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    value = int(float(match.group(1)) * _BYTE_UNITS[(match.group(2) or "").lower()]) if match else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size in bytes (e.g. 4GiB, 512MiB, 1000000)")
+    return value
+
+
+def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model_len: bool = True,
+                    seed_help: str = "random seed", serving: bool = False) -> None:
+    """The engine's flags: ``--device``, ``--dtype``, ``--max-model-len``, ``--enforce-eager``, ``--seed``;
+    with ``serving`` also ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-cache-memory``,
+    ``--gpu-memory-utilization`` and ``--load-format``. :func:`engine_kwargs` reads them back."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--device", default=device, choices=["auto", "cpu", "cuda"],
+                       help=f"where the engine runs; auto: CUDA when available (default: {device})")
+    group.add_argument("--dtype", default=dtype, choices=["auto", "bfloat16", "float16", "float32"],
+                       help=f"weights and KV cache; auto: bfloat16 on CUDA, float32 on CPU (default: {dtype})")
+    if max_model_len:
+        group.add_argument("--max-model-len", type=int_at_least(2), default=None,
+                           help="the most tokens per sequence, prompt and output (default: the model's)")
+    group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    group.add_argument("--seed", type=int_at_least(0), default=0, help=f"{seed_help} (default: 0)")
+    if serving:
+        group.add_argument("--max-num-seqs", type=int_at_least(1), default=32,
+                           help="the most requests decoded together (default: 32)")
+        group.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
+                           help="the most prompt tokens per prefill step (default: max(max-model-len, 8192))")
+        group.add_argument("--kv-cache-memory", type=byte_size, default=None,
+                           help="KV-cache size, e.g. 4GiB (default: --gpu-memory-utilization of the free GPU "
+                           "memory, or 1 GiB on CPU)")
+        group.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                           help="fraction of the free GPU memory the KV cache may take (default: 0.9)")
+        group.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                           help="auto: the checkpoint's weights; dummy: random weights at the model's shapes "
+                           "(default: auto)")
+
+
+_SERVING_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization", "load_format")
+
+
+def engine_kwargs(args) -> dict:
+    """``EngineConfig`` fields of the engine flags on ``args`` (``auto`` device and dtype resolved)."""
+    import torch
+
+    device = None if args.device == "auto" else args.device
+    on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+    kwargs = {"device": device, "dtype": dtype, "enforce_eager": args.enforce_eager}
+    if getattr(args, "max_model_len", None) is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    for name in _SERVING_FIELDS:
+        if hasattr(args, name):
+            kwargs[name] = getattr(args, name)
+    return kwargs

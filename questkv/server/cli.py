@@ -13,28 +13,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import re
 import signal
 import sys
 
-from questkv.cli_args import add_quest_args, quest_config
+from questkv.cli_args import add_engine_args, add_quest_args, engine_kwargs, quest_config
 
 __all__ = ["add_serve_args", "run_server"]
 
 logger = logging.getLogger("questkv.server")
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
 
 def _non_negative_int(text: str) -> int:
     try:
@@ -66,53 +52,12 @@ def _non_negative_seconds(text: str) -> float:
     return value
 
 
-def _bytes(text: str) -> int:
-    """``"4GiB"``, ``"512MiB"``, ``"2G"`` or a plain number of bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]i?)?[bB]?\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 4GiB, 512MiB, 1000000)")
-    value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
-    return value
-
-
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Add ``MODEL``, the engine flags, the Quest flags and the server flags to ``parser``."""
     parser.add_argument("model", metavar="MODEL",
                         help="what questkv.LLM takes: an alias (smollm2-135m), an HF folder or a .gguf file; with "
                         "--load-format dummy, a folder with config.json (random weights; its tokenizer if it has one)")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="where the engine runs; auto: CUDA when available (default: auto)")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="weights and KV cache; auto: bfloat16 on CUDA, float32 on CPU (default: auto)")
-    engine.add_argument("--max-num-seqs", type=_positive_int, default=32,
-                        help="the most requests decoded together (default: 32)")
-    engine.add_argument("--max-model-len", type=_positive_int, default=None,
-                        help="the most tokens per request, prompt and output (default: the model's)")
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                        help="the most prompt tokens per prefill step (default: max(max-model-len, 8192))")
-    engine.add_argument("--kv-cache-memory", type=_bytes, default=None,
-                        help="KV-cache size, e.g. 4GiB (default: --gpu-memory-utilization of the free GPU memory, "
-                        "or 1 GiB on CPU)")
-    engine.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
-                        help="fraction of the free GPU memory the KV cache may take (default: 0.9)")
-    engine.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    engine.add_argument("--seed", type=_non_negative_int, default=0,
-                        help="seeds dummy weights and requests without a seed (default: 0)")
-    engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                        help="auto: the checkpoint's weights; dummy: random weights at the model's shapes (default: auto)")
+    add_engine_args(parser, seed_help="seeds dummy weights and requests without a seed", serving=True)
     quest = parser.add_argument_group("quest (the engine's; a request may lower the budget or ask for dense)")
     add_quest_args(quest)
     server = parser.add_argument_group("server")
@@ -133,19 +78,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace):
-    import torch
-
     from questkv.engine.config import EngineConfig
 
-    device = None if args.device == "auto" else args.device
-    on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
-    return EngineConfig(
-        model=args.model, quest=quest_config(args), dtype=dtype, device=device, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager, seed=args.seed, load_format=args.load_format,
-    )
+    return EngineConfig(model=args.model, quest=quest_config(args), **engine_kwargs(args))
 
 
 def run_server(args: argparse.Namespace) -> int:
