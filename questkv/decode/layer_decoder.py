@@ -268,12 +268,9 @@ class LayerDecoder:
         config = self.config
         if config.is_dense:
             raise ValueError("LayerDecoder.tokens_attended needs a sparse QuestConfig (token_budget set)")
-        num_pages = (seq_lens.long() + config.page_size - 1) // config.page_size  # [B]
         if budgets is None:
-            pages = num_pages.clamp(max=config.budget_pages)
-        else:
-            pages = torch.minimum(num_pages, budgets.long() // config.page_size)
-        return pages.double() * config.page_size
+            budgets = torch.full_like(seq_lens, config.token_budget)
+        return sparse_tokens_attended(seq_lens, budgets, config.page_size)
 
     # -- continuity of a batch's state -----------------------------------------------------------
 
@@ -300,3 +297,18 @@ class LayerDecoder:
                 )
         elif self.policy_key != state.policy_key:
             state.policy_states = {}  # stateless policies: the next one starts afresh
+
+
+def sparse_tokens_attended(seq_lens: torch.Tensor, budgets: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Tokens one Quest layer's decode step attends per sequence, Quest's accounting: its pages up to
+    the budget, each page counted in full (the current, partial one too).
+
+    Args:
+        seq_lens: ``[batch]`` integer, the current token included.
+        budgets: ``[batch]`` integer token budgets (multiples of ``page_size``).
+
+    Returns:
+        ``[batch]`` float64 on ``seq_lens``' device (no host synchronisation).
+    """
+    num_pages = (seq_lens.long() + page_size - 1) // page_size  # [B]
+    return torch.minimum(num_pages, budgets.long() // page_size).double() * page_size

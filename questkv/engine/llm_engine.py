@@ -11,6 +11,9 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Union
 
+import torch
+
+from questkv.decode.layer_decoder import sparse_tokens_attended
 from questkv.engine.config import EngineConfig
 from questkv.engine.model_runner import ModelRunner
 from questkv.engine.sampling_params import SamplingParams
@@ -168,16 +171,20 @@ class LLMEngine:
         return text[:position]
 
     def _account_attention(self, batch: ScheduledBatch) -> None:
-        """Add each sequence's KV tokens attended in this decode step, averaged over layers and heads."""
-        layers = self.spec.num_layers
+        """Add each sequence's KV tokens attended in this decode step, averaged over layers and heads
+        (dense layers and dense requests: the whole context; Quest layers: Quest's page accounting)."""
+        contexts = [seq.num_tokens for seq in batch.seqs]  # the new token included
+        attended = list(map(float, contexts))
         quest = self.config.quest
-        for seq in batch.seqs:
-            context = seq.num_tokens  # the new token included
-            attended = context
-            if self._sparse_layers and not seq.sampling_params.dense:
-                budget = seq.sampling_params.token_budget or quest.token_budget
-                pages = self.cache.pages_for_tokens(context)
-                sparse = context if pages * quest.page_size <= budget else budget
-                attended = ((layers - self._sparse_layers) * context + self._sparse_layers * sparse) / layers
-            seq.tokens_attended_sum += attended
+        sparse_rows = [i for i, seq in enumerate(batch.seqs) if self._sparse_layers and not seq.sampling_params.dense]
+        if sparse_rows:
+            budgets = [batch.seqs[i].sampling_params.token_budget or quest.token_budget for i in sparse_rows]
+            sparse = sparse_tokens_attended(
+                torch.tensor([contexts[i] for i in sparse_rows]), torch.tensor(budgets), quest.page_size
+            ).tolist()  # host tensors: no device sync
+            layers = self.spec.num_layers
+            for i, tokens in zip(sparse_rows, sparse):
+                attended[i] = ((layers - self._sparse_layers) * contexts[i] + self._sparse_layers * tokens) / layers
+        for seq, tokens in zip(batch.seqs, attended):
+            seq.tokens_attended_sum += tokens
             seq.decode_steps += 1

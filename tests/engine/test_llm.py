@@ -256,7 +256,7 @@ def test_mean_tokens_attended_is_the_mean_context_when_dense_and_the_budget_once
     assert dense.metrics.mean_tokens_attended == pytest.approx(len(p) + 10)  # contexts len(p) + 1 ... len(p) + 19
     (sparse,) = make_llm(model_dir, SMALL).generate([p], greedy(20), use_tqdm=False)
     contexts = range(len(p) + 1, len(p) + 20)
-    per_layer = [c if math.ceil(c / PAGE) * PAGE <= SMALL.token_budget else SMALL.token_budget for c in contexts]
+    per_layer = [min(math.ceil(c / PAGE) * PAGE, SMALL.token_budget) for c in contexts]  # whole pages, Quest's way
     expected = sum((c + 2 * s) / LAYERS for c, s in zip(contexts, per_layer)) / len(contexts)
     assert sparse.metrics.mean_tokens_attended == pytest.approx(expected)
     assert sparse.metrics.num_preemptions == 0 and sparse.metrics.time_to_first_token > 0
