@@ -14,7 +14,7 @@ import torch
 
 from questkv.config import QuestConfig
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
-from questkv.models.loader import _load_gguf, resolve_model_path
+from questkv.models.loader import load_gguf, resolve_model_path
 from questkv.models.weights import init_dummy_weights, load_safetensors_weights
 
 
@@ -51,21 +51,21 @@ def load_engine_model(
         ValueError: an unsupported architecture or rope type (naming what is supported), an unknown
             model name, or a dummy request for a name that is not a config.
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+    from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+    folder, state = None, None  # where real weights come from: a safetensors folder or a GGUF's state dict
     if isinstance(model, PretrainedConfig):
         hf_config, tokenizer, name = model, None, getattr(model, "name_or_path", "") or model.model_type
-        state = None
     else:
         name = str(model)
         path = resolve_model_path(name)
         if path.suffix == ".gguf":
-            hf_model, tokenizer = _load_gguf(path, dtype)
+            hf_model, tokenizer = load_gguf(path, dtype)
             hf_config, state = hf_model.config, hf_model.state_dict()
         else:
-            hf_config = AutoConfig.from_pretrained(path)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            state = path
+            folder, hf_config = path, AutoConfig.from_pretrained(path)
+            has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+            tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     spec = ModelSpec.from_hf_config(hf_config)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters born in their dtype, on their device: no copy
@@ -76,21 +76,24 @@ def load_engine_model(
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
         init_dummy_weights(engine_model, seed)
-    elif isinstance(state, dict):
+    elif state is not None:
         engine_model.load_weights(state.items())
+    elif folder is not None:
+        engine_model.load_weights(load_safetensors_weights(folder, device))
     else:
-        engine_model.load_weights(load_safetensors_weights(state, device))
-    eos = _eos_ids(hf_config, tokenizer, None if isinstance(model, PretrainedConfig) else state, GenerationConfig)
+        raise ValueError(f"model {name!r} is a config without weights: pass load_format='dummy'")
+    eos = _eos_ids(hf_config, tokenizer, folder)
     return EngineModel(engine_model.eval(), spec, tokenizer, eos, name)
 
 
-def _eos_ids(hf_config, tokenizer, path, generation_config_cls) -> frozenset[int]:
+def _eos_ids(hf_config, tokenizer, folder) -> frozenset[int]:
+    """The generation config's end-of-sequence ids (a folder's ``generation_config.json``), else the
+    model config's, else the tokenizer's."""
+    from transformers import GenerationConfig
+
     eos = None
-    if path is not None and not isinstance(path, dict):
-        try:
-            eos = generation_config_cls.from_pretrained(path).eos_token_id
-        except OSError:
-            eos = None
+    if folder is not None and (folder / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
     if eos is None and tokenizer is not None:

@@ -127,7 +127,8 @@ def _alias_gguf(name: str, alias: ModelAlias, workdir: Path) -> Path:
     return gguf
 
 
-def _load_gguf(gguf: Path, dtype: torch.dtype):
+def load_gguf(gguf: Path, dtype: torch.dtype):
+    """``(model, tokenizer)`` of a GGUF file, dequantized to ``dtype`` by transformers (seconds for 135M)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -145,7 +146,7 @@ def _convert_alias(name: str, alias: ModelAlias, target: Path) -> None:
     """Dequantize the alias's GGUF into a float32 safetensors folder at ``target`` (atomically)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
-        model, tokenizer = _load_gguf(_alias_gguf(name, alias, Path(tmp)), torch.float32)
+        model, tokenizer = load_gguf(_alias_gguf(name, alias, Path(tmp)), torch.float32)
         # A GGUF-loaded model carries its quantizer; save_pretrained refuses it until both are dropped.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -204,7 +205,7 @@ def load_model(
     torch_dtype = _parse_dtype(dtype)
     path = resolve_model_path(name_or_path)
     if path.suffix == ".gguf":
-        model, tokenizer = _load_gguf(path, torch_dtype)
+        model, tokenizer = load_gguf(path, torch_dtype)
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
