@@ -7,6 +7,14 @@ request sent to the last finished), time to first token (request sent -> first c
 inter-token latency (the gap between successive chunks of one request) at p50 / p99, and the mean tokens
 attended that the server echoes in ``quest``. A short warm-up request runs before timing.
 
+Output tokens/s over the wall time includes every prompt's prefill, which is dense for both runs. The
+steady-decode throughput isolates decoding: the tokens received in the window from the moment every request
+has its first token to the moment the first request receives its last one, over that window's length (no
+prefill runs inside it when all requests are admitted at once; ``None`` when the window is empty, e.g. when
+the KV pool cannot hold every request at once and later ones are prefilled while earlier ones finish).
+
+``--clients`` takes a comma list (``16,64``): each server runs the loads in that order.
+
 Three ways to point it at a server:
 
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --quest '{"token_budget": 256}'
@@ -139,17 +147,17 @@ def make_body(model: str, args, rng: random.Random, quest: Optional[dict], promp
     return body
 
 
-async def run_load(url: str, args, quest: Optional[dict]) -> dict:
+async def run_load(url: str, args, quest: Optional[dict], clients: int) -> dict:
     model = served_model(url)
     rng = random.Random(args.seed)  # the same prompts for every run
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
-    limits = httpx.Limits(max_connections=args.clients + 1, max_keepalive_connections=args.clients + 1)
+    limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=clients + 1)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
         warm = await one_request(http, make_body(model, args, random.Random(-1), quest, 64, 4))
         if warm.get("error"):
             raise RuntimeError(f"the warm-up request failed: {warm['error']}")
         bodies = [[make_body(model, args, rng, quest, args.prompt_tokens, args.output_tokens)
-                   for _ in range(args.requests_per_client)] for _ in range(args.clients)]
+                   for _ in range(args.requests_per_client)] for _ in range(clients)]
 
         async def client(mine: list[dict]) -> list[dict]:
             return [await one_request(http, body) for body in mine]
@@ -176,6 +184,18 @@ def stats(values: list[float]) -> dict:
             "mean": sum(values) / len(values) if values else None, "count": len(values)}
 
 
+def steady_decode(ok: list[dict]) -> dict:
+    """Tokens/s received while every request was decoding: from the last first token to the first last token."""
+    if not ok:
+        return {"window_s": None, "tokens": 0, "tokens_per_s": None}
+    start = max(r["times"][0] for r in ok)
+    end = min(r["times"][-1] for r in ok)
+    if end <= start:
+        return {"window_s": None, "tokens": 0, "tokens_per_s": None}
+    tokens = sum(1 for r in ok for t in r["times"] if start < t <= end)
+    return {"window_s": end - start, "tokens": tokens, "tokens_per_s": tokens / (end - start)}
+
+
 def summarise(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if not r.get("error") and r.get("times")]
     ttft = [r["times"][0] - r["sent"] for r in ok]
@@ -193,6 +213,7 @@ def summarise(results: list[dict], wall: float) -> dict:
         "ttft_s": stats(ttft),
         "itl_s": stats(itl),
         "decode_s": stats([r["times"][-1] - r["times"][0] for r in ok]),
+        "steady_decode": steady_decode(ok),
         "mean_tokens_attended": sum(attended) / len(attended) if attended else None,
         "quest_echo": ok[0]["quest"] if ok else None,
     }
@@ -207,8 +228,13 @@ def ms(value: Optional[float]) -> str:
     return "-" if value is None else f"{value * 1e3:.1f}"
 
 
+def rate(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def markdown(result: dict) -> str:
     p, s = result["provenance"], result["settings"]
+    clients = ", ".join(str(c) for c in s["clients"])
     lines = [
         "# Server load: concurrent streaming clients, dense vs Quest",
         "",
@@ -219,48 +245,70 @@ def markdown(result: dict) -> str:
         "",
         "## Settings",
         "",
-        f"- {s['clients']} concurrent streaming clients x {s['requests_per_client']} request(s) each, prompts of "
+        f"- {clients} concurrent streaming clients x {s['requests_per_client']} request(s) each, prompts of "
         f"{s['prompt_tokens']} random token ids in [{s['token_range'][0]}, {s['token_range'][1]}), "
         f"max_tokens {s['output_tokens']}, greedy, `/v1/completions` with `stream_options.include_usage`",
         f"- server threads (OMP_NUM_THREADS): {s['threads']}; one warm-up request before timing",
         "- TTFT: request sent -> first chunk with a choice (queueing and prefill of all concurrent prompts "
-        "included); inter-token latency: gap between successive chunks of one request",
+        "included); inter-token latency (ITL): gap between successive chunks of one request",
+        "- output tok/s: completion tokens over the wall time (every prompt's prefill included); steady decode "
+        "tok/s: tokens received between the last request's first token and the first request's last token, "
+        "over that window (`-`: the window is empty, some requests were prefilled while others finished)",
         "",
         "## Results",
         "",
-        "| run | server arguments | requests/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
-        "| ITL p99 ms | mean tokens attended | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| run | clients | server arguments | requests/s | output tok/s | steady decode tok/s | TTFT p50 ms "
+        "| TTFT p99 ms | ITL p50 ms | ITL p99 ms | mean tokens attended | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
         r = run["load"]
         attended = "-" if r["mean_tokens_attended"] is None else f"{r['mean_tokens_attended']:.0f}"
         lines.append(
-            f"| {run['name']} | `{run['server']}` | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.2f} "
+            f"| {run['name']} | {run['clients']} | `{run['server']}` | {r['requests_per_s']:.3f} "
+            f"| {r['output_tokens_per_s']:.2f} | {rate(r['steady_decode']['tokens_per_s'])} "
             f"| {ms(r['ttft_s']['p50'])} | {ms(r['ttft_s']['p99'])} | {ms(r['itl_s']['p50'])} "
             f"| {ms(r['itl_s']['p99'])} | {attended} | {r['failed']} of {r['requests']} |")
-    if "quest_vs_dense" in result:
-        c = result["quest_vs_dense"]
-        lines += ["", "## Quest vs dense", "",
-                  f"- output tokens/s: Quest / dense = {c['output_tokens_per_s_ratio']:.2f}x",
-                  f"- inter-token latency p50: dense / Quest = {c['itl_p50_speedup']:.2f}x; "
-                  f"Quest p99 {ms(c['quest_itl_p99_s'])} ms vs dense p50 {ms(c['dense_itl_p50_s'])} ms",
-                  f"- TTFT p50: dense / Quest = {c['ttft_p50_speedup']:.2f}x (prefill is dense either way)"]
+    for c in result.get("quest_vs_dense", []):
+        lines += ["", f"## Quest vs dense, {c['clients']} clients", "",
+                  f"- output tokens/s: Quest / dense = {rate(c['output_tokens_per_s_ratio'])}x",
+                  f"- steady decode tokens/s: Quest / dense = {rate(c['steady_decode_ratio'])}x",
+                  f"- inter-token latency p50: dense / Quest = {rate(c['itl_p50_speedup'])}x; "
+                  f"Quest p99 {ms(c['quest_itl_p99_s'])} ms vs dense p50 {ms(c['dense_itl_p50_s'])} ms "
+                  f"({ {True: 'at or under', False: 'over', None: '-'}[c['quest_itl_p99_under_dense_p50']] })",
+                  f"- TTFT p50: dense / Quest = {rate(c['ttft_p50_speedup'])}x (prefill is dense either way)"]
     if result.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {note}" for note in result["notes"]]
     return "\n".join(lines) + "\n"
 
 
-def compare(runs: list[dict]) -> dict:
-    dense, quest = runs[0]["load"], runs[1]["load"]
+def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    return None if not (numerator and denominator) else numerator / denominator
+
+
+def compare(dense_run: dict, quest_run: dict) -> dict:
+    dense, quest = dense_run["load"], quest_run["load"]
+    quest_p99, dense_p50 = quest["itl_s"]["p99"], dense["itl_s"]["p50"]
     return {
-        "output_tokens_per_s_ratio": quest["output_tokens_per_s"] / dense["output_tokens_per_s"],
-        "itl_p50_speedup": dense["itl_s"]["p50"] / quest["itl_s"]["p50"],
-        "ttft_p50_speedup": dense["ttft_s"]["p50"] / quest["ttft_s"]["p50"],
-        "quest_itl_p99_s": quest["itl_s"]["p99"],
-        "dense_itl_p50_s": dense["itl_s"]["p50"],
-        "quest_itl_p99_under_dense_p50": quest["itl_s"]["p99"] <= dense["itl_s"]["p50"],
+        "clients": dense_run["clients"],
+        "output_tokens_per_s_ratio": ratio(quest["output_tokens_per_s"], dense["output_tokens_per_s"]),
+        "steady_decode_ratio": ratio(quest["steady_decode"]["tokens_per_s"], dense["steady_decode"]["tokens_per_s"]),
+        "itl_p50_speedup": ratio(dense_p50, quest["itl_s"]["p50"]),
+        "ttft_p50_speedup": ratio(dense["ttft_s"]["p50"], quest["ttft_s"]["p50"]),
+        "quest_itl_p99_s": quest_p99,
+        "dense_itl_p50_s": dense_p50,
+        "quest_itl_p99_under_dense_p50": None if None in (quest_p99, dense_p50) else quest_p99 <= dense_p50,
     }
+
+
+def client_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of positive client counts (e.g. 16,64)")
+    return counts
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -273,7 +321,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--budget", type=int, default=256, help="the Quest server's --budget with --compare")
     parser.add_argument("--quest", type=json.loads, default=None,
                         help='the requests\' quest field as JSON (e.g. \'{"token_budget": 256}\'); default none')
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--clients", type=client_counts, default=[8],
+                        help="concurrent clients; a comma list runs each load in turn on the same server (default 8)")
     parser.add_argument("--requests-per-client", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--output-tokens", type=int, default=32)
@@ -298,19 +347,24 @@ def main(argv: Optional[list[str]] = None) -> dict:
     for name, server_args, quest in plans:
         server = None if server_args is None else Server(server_args, args.threads)
         url = args.url if server is None else server.url
+        loads = []
         try:
-            print(f"[{name}] load on {url} ...", flush=True)
-            load = asyncio.run(run_load(url, args, quest))
+            for clients in args.clients:
+                print(f"[{name}] {clients} clients on {url} ...", flush=True)
+                loads.append((clients, asyncio.run(run_load(url, args, quest, clients))))
         finally:
             code = None if server is None else server.stop()
-        run: dict[str, Any] = {"name": name, "server": args.url if server is None else " ".join(server_args),
-                               "quest_field": quest, "load": load}
-        if server is not None:
-            run["startup_s"], run["exit_code"] = server.startup_s, code
-        runs.append(run)
-        print(f"[{name}] {load['requests_per_s']:.3f} req/s, {load['output_tokens_per_s']:.2f} output tok/s, "
-              f"TTFT p50 {ms(load['ttft_s']['p50'])} ms, ITL p50 {ms(load['itl_s']['p50'])} ms p99 "
-              f"{ms(load['itl_s']['p99'])} ms, failed {load['failed']}", flush=True)
+        for clients, load in loads:
+            run: dict[str, Any] = {"name": name, "clients": clients, "quest_field": quest, "load": load,
+                                   "server": args.url if server is None else " ".join(server_args)}
+            if server is not None:
+                run["startup_s"], run["exit_code"] = server.startup_s, code
+            runs.append(run)
+            print(f"[{name}, {clients} clients] {load['requests_per_s']:.3f} req/s, "
+                  f"{load['output_tokens_per_s']:.2f} output tok/s, steady decode "
+                  f"{rate(load['steady_decode']['tokens_per_s'])} tok/s, TTFT p50 {ms(load['ttft_s']['p50'])} ms, "
+                  f"ITL p50 {ms(load['itl_s']['p50'])} ms p99 {ms(load['itl_s']['p99'])} ms, "
+                  f"failed {load['failed']}", flush=True)
     result: dict[str, Any] = {
         "provenance": provenance(args.device),
         "settings": {k: getattr(args, k) for k in ("clients", "requests_per_client", "prompt_tokens", "output_tokens",
@@ -318,8 +372,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "runs": runs,
         "notes": args.note,
     }
-    if len(runs) == 2:
-        result["quest_vs_dense"] = compare(runs)
+    if len(plans) == 2:
+        by_name = {(run["name"], run["clients"]): run for run in runs}
+        result["quest_vs_dense"] = [compare(by_name["dense", c], by_name["quest", c]) for c in args.clients]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         Path(f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -12,8 +12,9 @@ OpenAI fields accepted but not implemented, each only at a value that changes no
 ``frequency_penalty`` (``null``/``0``), ``tools`` (``null``/``[]``), ``tool_choice`` (``null``/``"none"``/
 ``"auto"``), ``response_format`` (``null`` or ``{"type": "text"}``). Accepted and ignored, being harmless:
 ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``. Any other field is refused
-(400 naming it), so that a typo such as ``max_token`` is not silently ignored. Extensions: ``quest`` (ours) and
-``ignore_eos`` (vLLM's).
+(400 naming it), so that a typo such as ``max_token`` is not silently ignored. Extensions: ``quest`` (ours),
+``ignore_eos`` and ``return_token_ids`` (vLLM's: each choice, and each stream chunk's choice, carries the
+``token_ids`` it adds; a server without a tokenizer returns them always, its text being empty).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class _Common(_Strict):
     stream_options: Optional[StreamOptions] = None
     quest: Optional[QuestOptions] = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model's EOS (benchmarks)
+    return_token_ids: StrictBool = False  # vLLM's extension: choices carry the generated token ids
     # OpenAI fields accepted only at their no-op values (see the module docstring)
     logprobs: Union[StrictBool, StrictInt, None] = None
     top_logprobs: Optional[StrictInt] = None
@@ -336,26 +338,34 @@ def quest_echo(token_budget: Optional[int], dense: bool, mean_tokens_attended: O
             "mean_tokens_attended": float(mean_tokens_attended or 0.0)}
 
 
+def _with_token_ids(choice: dict, token_ids: Optional[list[int]]) -> dict:
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
 def completion_response(request_id: str, model: str, text: str, finish_reason: Optional[str], usage_: dict,
-                        quest: dict, created: int) -> dict:
+                        quest: dict, created: int, token_ids: Optional[list[int]] = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_, "quest": quest}
+            "choices": [_with_token_ids(choice, token_ids)], "usage": usage_, "quest": quest}
 
 
 def chat_response(request_id: str, model: str, text: str, finish_reason: Optional[str], usage_: dict,
-                  quest: dict, created: int) -> dict:
+                  quest: dict, created: int, token_ids: Optional[list[int]] = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason}
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage_, "quest": quest}
+            "choices": [_with_token_ids(choice, token_ids)], "usage": usage_, "quest": quest}
 
 
 def completion_chunk(request_id: str, model: str, created: int, text: Optional[str] = None,
                      finish_reason: Optional[str] = None, usage_: Optional[dict] = None,
-                     include_usage: bool = False, quest: Optional[dict] = None) -> dict:
+                     include_usage: bool = False, quest: Optional[dict] = None,
+                     token_ids: Optional[list[int]] = None) -> dict:
     """A ``text_completion`` stream chunk; ``text=None`` makes the usage chunk (``choices: []``)."""
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    choices = [] if text is None else [_with_token_ids(
+        {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}, token_ids)]
     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if include_usage:
         chunk["usage"] = usage_
@@ -366,9 +376,11 @@ def completion_chunk(request_id: str, model: str, created: int, text: Optional[s
 
 def chat_chunk(request_id: str, model: str, created: int, delta: Optional[dict] = None,
                finish_reason: Optional[str] = None, usage_: Optional[dict] = None,
-               include_usage: bool = False, quest: Optional[dict] = None) -> dict:
+               include_usage: bool = False, quest: Optional[dict] = None,
+               token_ids: Optional[list[int]] = None) -> dict:
     """A ``chat.completion.chunk``; ``delta=None`` makes the usage chunk (``choices: []``)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    choices = [] if delta is None else [_with_token_ids(
+        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}, token_ids)]
     chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": choices}
     if include_usage:

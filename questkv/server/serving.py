@@ -299,6 +299,7 @@ class _Run:
         self.model = body.model or serving.served_model_name
         self.created = protocol.now()
         self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.returns_token_ids = body.return_token_ids or serving.tokenizer is None
 
     def _remaining(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
@@ -346,26 +347,29 @@ class _Run:
         usage, quest = self._final(output)
         build = protocol.chat_response if self.chat else protocol.completion_response
         self.outcome.finish(output.finish_reason)
+        token_ids = list(output.token_ids) if self.returns_token_ids else None
         return JSONResponse(build(self.request_id, self.model, output.text, output.finish_reason, usage, quest,
-                                  self.created))
+                                  self.created, token_ids))
 
     def _chunk(self, text: Optional[str] = None, finish_reason: Optional[str] = None, usage: Optional[dict] = None,
-               quest: Optional[dict] = None, role: bool = False) -> str:
+               quest: Optional[dict] = None, role: bool = False, token_ids: Optional[list[int]] = None) -> str:
         include = self.body.include_usage
         if self.chat:
             delta = None
             if text is not None:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
             chunk = protocol.chat_chunk(self.request_id, self.model, self.created, delta, finish_reason, usage,
-                                        include, quest)
+                                        include, quest, token_ids)
         else:
             chunk = protocol.completion_chunk(self.request_id, self.model, self.created, text, finish_reason, usage,
-                                              include, quest)
+                                              include, quest, token_ids)
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
     async def events(self) -> AsyncIterator[str]:
-        """SSE lines: (chat: a role chunk,) text chunks, the finishing chunk, (the usage chunk,) ``[DONE]``."""
-        sent = ""
+        """SSE lines: (chat: a role chunk,) text chunks, the finishing chunk, (the usage chunk,) ``[DONE]``.
+
+        A text chunk goes out when the visible text grows, or, when token ids are returned, when tokens arrive."""
+        sent, sent_ids = "", 0
         try:
             if self.chat:
                 yield self._chunk("", role=True)
@@ -387,18 +391,21 @@ class _Run:
                     return
                 text = self._visible(event, sent)
                 delta = text[len(sent):] if text.startswith(sent) else ""
+                new_ids = list(event.token_ids[sent_ids:]) if self.returns_token_ids else None
+                sent_ids = len(event.token_ids)
                 if not event.finished:
-                    if delta:
+                    if delta or new_ids:
                         sent += delta
-                        yield self._chunk(delta)
+                        yield self._chunk(delta, token_ids=new_ids)
                     continue
                 usage, quest = self._final(event)
                 if self.chat:
-                    if delta:
-                        yield self._chunk(delta)
-                    yield self._chunk("", finish_reason=event.finish_reason, quest=quest)
+                    if delta or new_ids:
+                        yield self._chunk(delta, token_ids=new_ids)
+                    yield self._chunk("", finish_reason=event.finish_reason, quest=quest,
+                                      token_ids=[] if self.returns_token_ids else None)
                 else:
-                    yield self._chunk(delta, finish_reason=event.finish_reason, quest=quest)
+                    yield self._chunk(delta, finish_reason=event.finish_reason, quest=quest, token_ids=new_ids)
                 if self.body.include_usage:
                     yield self._chunk(None, usage=usage, quest=quest)
                 self.outcome.finish(event.finish_reason)

@@ -232,3 +232,35 @@ def test_ignore_eos_is_accepted_as_vllms_extension_and_must_be_a_bool():
     with pytest.raises(RequestError) as error:
         parse_request(CompletionRequest, b'{"prompt": "x", "ignore_eos": "yes"}')
     assert error.value.param == "ignore_eos"
+
+
+def test_a_server_without_a_tokenizer_streams_one_chunk_per_token_with_its_token_ids(engine):
+    prompt = _prompt(random.randint(5, 12))
+    max_tokens = random.randint(3, 6)
+    request = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        app = build_app(loop, "tiny")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            whole = await client.post("/v1/completions", json=request)
+            streamed = await client.post("/v1/completions", json={**request, "stream": True})
+        await loop.shutdown(1.0)
+        return whole, streamed
+
+    whole, streamed = asyncio.run(run())
+    llm = LLM(tiny_config("llama3"), quest=QuestConfig(**_QUEST), **_ENGINE)
+    want = list(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                             use_tqdm=False)[0].token_ids)
+    assert whole.status_code == 200 and whole.json()["choices"][0]["token_ids"] == want
+    chunks = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    per_chunk = [chunk["choices"][0]["token_ids"] for chunk in chunks if chunk["choices"]]
+    assert [ids for ids in per_chunk if ids] == [[token] for token in want]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_return_token_ids_is_vllms_extension_and_must_be_a_bool():
+    assert _parse(CompletionRequest, {"prompt": "x", "return_token_ids": True}).return_token_ids is True
+    assert _refusal(CompletionRequest, {"prompt": "x", "return_token_ids": 1}).param == "return_token_ids"
