@@ -4,17 +4,18 @@
 :meth:`~questkv.policies.DecodePolicy.decode` runs one decode step of one layer, batched over
 sequences, and reports the tokens it attended as the budget counts them. See ``docs/policies.md``.
 
-==============  =====================================================================  ====================
-name            selection                                                              options
-==============  =====================================================================  ====================
-``full``        every token (``token_budget=None``)                                    --
-``quest``       top-K pages by Quest's key-bound score                                 ``selection``, ``group_reduction``, ``sink_pages``, ``recent_pages``
-``oracle``      top-K pages by the true attention mass                                 as ``quest``
-``quest-topp``  fewest Quest-ranked pages whose estimated mass reaches ``top_p``, <= K  as ``quest`` + ``top_p``
-``streaming``   sink tokens + recent window (eviction)                                 ``sink_tokens``
-``h2o``         heavy hitters by accumulated attention + recent window (eviction)      ``recent_tokens``
-``tova``        tokens with the highest current attention (eviction)                   --
-==============  =====================================================================  ====================
+================  ======================================================================  ====================================================================
+name              selection                                                               options
+================  ======================================================================  ====================================================================
+``full``          every token (``token_budget=None``)                                     --
+``quest``         top-K pages by Quest's key-bound score                                  ``selection``, ``group_reduction``, ``sink_pages``, ``recent_pages``
+``oracle``        top-K pages by the true attention mass                                  as ``quest``
+``quest-topp``    fewest Quest-ranked pages whose estimated mass reaches ``top_p``, <= K  as ``quest`` + ``top_p``, ``min_budget``
+``quest-rerank``  Quest shortlists ``shortlist`` x K pages; their exact keys pick K       as ``quest`` + ``shortlist``, ``rerank``
+``streaming``     sink tokens + recent window (eviction)                                  ``sink_tokens``
+``h2o``           heavy hitters by accumulated attention + recent window (eviction)       ``recent_tokens``
+``tova``          tokens with the highest current attention (eviction)                    --
+================  ======================================================================  ====================================================================
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ from questkv.config import QuestConfig
 from questkv.policies.attention import MaskedAttention, masked_decode_attention
 from questkv.policies.base import DecodeOutput, DecodePolicy
 from questkv.policies.eviction import EvictionPolicy, EvictionState, H2OPolicy, StreamingPolicy, TOVAPolicy
-from questkv.policies.paged import FullPolicy, OraclePolicy, PagePolicy, PageSelection, QuestPolicy, QuestTopPPolicy
+from questkv.policies.paged import (
+    FullPolicy, OraclePolicy, PagePolicy, PageSelection, QuestPolicy, QuestRerankPolicy, QuestTopPPolicy,
+)
 from questkv.validation import check_choice
 
 POLICIES: dict[str, type[DecodePolicy]] = {
     cls.name: cls
-    for cls in (FullPolicy, QuestPolicy, OraclePolicy, QuestTopPPolicy, StreamingPolicy, H2OPolicy, TOVAPolicy)
+    for cls in (
+        FullPolicy, QuestPolicy, OraclePolicy, QuestTopPPolicy, QuestRerankPolicy, StreamingPolicy, H2OPolicy, TOVAPolicy,
+    )
 }
 
 __all__ = [
@@ -46,6 +51,7 @@ __all__ = [
     "PagePolicy",
     "PageSelection",
     "QuestPolicy",
+    "QuestRerankPolicy",
     "QuestTopPPolicy",
     "StreamingPolicy",
     "TOVAPolicy",

@@ -19,7 +19,7 @@ from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 from questkv.ops import LayerPages, reference
 from questkv.policies.attention import masked_decode_attention
 from questkv.policies.base import DecodeOutput, DecodePolicy
-from questkv.validation import check_float
+from questkv.validation import check_choice, check_float, check_int
 
 
 class PageSelection(NamedTuple):
@@ -184,21 +184,34 @@ class QuestTopPPolicy(PagePolicy):
     stays a distribution; ``"max"`` takes the group maximum). Pages are ranked by the combined
     estimate (for one query head this is the Quest score order), the sink, recent and current pages
     first; the selection is the shortest prefix of that ranking whose estimated mass reaches
-    ``top_p``, never fewer than the forced pages and never more than ``budget_pages`` (the cap K).
+    ``top_p``, never fewer than the forced pages nor ``min_budget // page_size`` pages, and never
+    more than ``budget_pages`` (the cap K).
+
+    The floor ``min_budget`` keeps at least that many tokens' worth of pages (the top of the same
+    ranking) even when fewer reach ``top_p``: the estimate is an upper bound, so on a step where a
+    few loose pages seem to hold all the mass the floor still attends the next-best pages.
 
     Args:
         top_p: target estimated mass, in ``(0, 1]``.
+        min_budget: the floor, in tokens: a multiple of ``page_size`` in ``[0, token_budget]``
+            (``0``: none beyond the sink, recent and current pages; ``token_budget``: plain Quest).
         other arguments: as in :class:`PagePolicy`.
     """
 
     name = "quest-topp"
-    options = PagePolicy.options + ("top_p",)
+    options = PagePolicy.options + ("top_p", "min_budget")
 
     def __init__(
-        self, token_budget: Optional[int], page_size: int = QuestConfig.page_size, top_p: float = 0.9, **options
+        self, token_budget: Optional[int], page_size: int = QuestConfig.page_size, top_p: float = 0.9,
+        min_budget: int = 0, **options
     ) -> None:
         self.top_p = check_float("policy 'quest-topp': top_p", top_p, low=0, high=1, low_open=True)
         super().__init__(token_budget, page_size, **options)
+        self.min_budget = check_int("policy 'quest-topp': min_budget", min_budget, minimum=0, maximum=token_budget)
+        if min_budget % page_size:
+            raise ValueError(
+                f"policy 'quest-topp': min_budget must be a multiple of page_size={page_size}, got {min_budget}"
+            )
 
     def estimated_mass(
         self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -234,12 +247,109 @@ class QuestTopPPolicy(PagePolicy):
         order = key.argsort(dim=-1, descending=True, stable=True)
         reached = mass.gather(-1, order).cumsum(-1) >= self.top_p
         needed = torch.where(reached.any(-1), reached.int().argmax(-1) + 1, max_pages)  # [B, H]
-        num_forced = forced.sum(-1, keepdim=True)
+        floor = forced.sum(-1, keepdim=True).clamp(min=self.min_budget // self.page_size)
         cap = num_pages.clamp(max=config.budget_pages)[:, None]
-        count = torch.maximum(needed, num_forced).minimum(cap)
+        count = torch.maximum(needed, floor).minimum(cap)
         keep = order.argsort(dim=-1) < count[..., None]  # rank within the ordering < count
         pages = torch.where(keep, index, max_pages).sort(dim=-1).values[..., : config.budget_pages]
         pages = torch.where(pages == max_pages, -1, pages)
         if pages.shape[-1] < config.budget_pages:
             pages = torch.cat([pages, pages.new_full((batch, heads, config.budget_pages - max_pages), -1)], dim=-1)
         return pages.to(torch.int32)
+
+
+RERANKS: tuple[str, ...] = ("max", "mass")
+"""How :class:`QuestRerankPolicy` scores a shortlisted page from its exact keys."""
+
+
+class QuestRerankPolicy(PagePolicy):
+    """Two-stage Quest: the page bound shortlists, the shortlisted pages' exact keys re-rank.
+
+    Stage 1 is Quest at ``shortlist`` times the budget: the top ``shortlist * budget_pages`` pages
+    per (sequence, selection head) by :func:`questkv.ops.reference.page_scores` (the sink, recent
+    and current pages forced in). Stage 2 reads the keys of those pages only and scores each one
+    exactly, per query head ``h``:
+
+    * ``rerank="max"``: the page's largest logit ``max_t q_h . k_t`` over its written tokens, the
+      exact value that Quest's bound ``sum_i max(q_hi kmin_i, q_hi kmax_i)`` over-estimates (a page
+      whose bound is loose, because its keys are mixed, drops to its true best key);
+    * ``rerank="mass"``: the page's attention mass within the shortlist, ``Z_hp / sum_j Z_hj`` with
+      ``Z_hp = sum_t exp(s q_h . k_t)`` (``s`` the softmax scale) and ``j`` over the shortlist: the
+      oracle's ranking restricted to the shortlist.
+
+    Under ``kv_head`` selection the query group's scores combine with ``group_reduction`` as Quest's
+    do. The top ``budget_pages`` shortlisted pages by that score are attended, the forced pages
+    always. ``shortlist=1`` is Quest exactly; the extra cost is the shortlist's keys, read once
+    (:func:`questkv.policies.cost.kv_bytes_per_step`).
+
+    Args:
+        shortlist: pages shortlisted per attended page, an int >= 1.
+        rerank: ``"max"`` or ``"mass"`` (see above).
+        other arguments: as in :class:`PagePolicy`.
+    """
+
+    name = "quest-rerank"
+    options = PagePolicy.options + ("shortlist", "rerank")
+
+    def __init__(
+        self, token_budget: Optional[int], page_size: int = QuestConfig.page_size, shortlist: int = 4,
+        rerank: str = "max", **options
+    ) -> None:
+        self.shortlist = check_int("policy 'quest-rerank': shortlist", shortlist, minimum=1)
+        self.rerank = check_choice("policy 'quest-rerank': rerank", rerank, RERANKS)
+        super().__init__(token_budget, page_size, **options)
+
+    def shortlist_pages(
+        self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Stage 1: ``[batch, num_sel_heads, shortlist * budget_pages]`` int32, Quest's selection at
+        ``shortlist`` times the budget (format of :func:`questkv.ops.reference.select_pages`)."""
+        config = self.config
+        scores = reference.page_scores(
+            q, layer.kmin, layer.kmax, page_table, seq_lens, self.page_size, config.selection, config.group_reduction
+        )
+        return reference.select_pages(
+            scores, seq_lens, self.page_size, self.shortlist * config.budget_pages, config.sink_pages,
+            config.recent_pages,
+        )
+
+    def rerank_scores(
+        self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor,
+        shortlisted: torch.Tensor, sm_scale: Optional[float] = None,
+    ) -> torch.Tensor:
+        """Stage 2: ``[batch, num_sel_heads, max_pages]`` float32 exact page scores (see the class
+        docstring); ``-inf`` for pages outside a row's shortlist.
+
+        Args:
+            shortlisted: ``[batch, num_sel_heads, max_pages]`` bool, the pages of
+                :meth:`shortlist_pages` (a row's other pages are never scored).
+        """
+        batch, num_q_heads, head_dim = q.shape
+        max_pages, num_kv_heads = page_table.shape[1], layer.kmin.shape[1]
+        group = num_q_heads // num_kv_heads
+        keys = layer.k_pages[page_table.long()].float()  # [B, P, ps, Hkv, D]
+        qg = q.float().view(batch, num_kv_heads, group, head_dim)
+        logits = torch.einsum("bkgd,bptkd->bkgpt", qg, keys).reshape(batch, num_q_heads, max_pages, self.page_size)
+        position = torch.arange(max_pages * self.page_size, device=q.device).view(max_pages, self.page_size)
+        written = position[None] < seq_lens.long()[:, None, None]  # [B, P, ps]
+        logits = logits.masked_fill(~written[:, None], float("-inf"))
+        per_q_shortlist = shortlisted if self.config.selection == "q_head" else shortlisted.repeat_interleave(group, 1)
+        if self.rerank == "max":
+            per_q = logits.amax(-1)
+        else:
+            scale = head_dim**-0.5 if sm_scale is None else sm_scale
+            lse = torch.logsumexp(logits * scale, dim=-1).masked_fill(~per_q_shortlist, float("-inf"))
+            per_q = torch.softmax(lse, dim=-1)
+        return self._combine_group(per_q, num_kv_heads).masked_fill(~shortlisted, float("-inf"))
+
+    def _select(self, q, layer, page_table, seq_lens, sm_scale):
+        config = self.config
+        short = self.shortlist_pages(q, layer, page_table, seq_lens)
+        batch, heads, _ = short.shape
+        max_pages = page_table.shape[1]
+        shortlisted = torch.zeros(batch, heads, max_pages + 1, dtype=torch.bool, device=q.device)
+        shortlisted.scatter_(-1, torch.where(short >= 0, short, max_pages).long(), True)
+        scores = self.rerank_scores(q, layer, page_table, seq_lens, shortlisted[..., :max_pages], sm_scale)
+        return reference.select_pages(
+            scores, seq_lens, self.page_size, config.budget_pages, config.sink_pages, config.recent_pages
+        )

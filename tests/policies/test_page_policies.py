@@ -203,3 +203,156 @@ def test_topp_hand_made_pattern_and_cap(cache_of, top_p, budget_pages, expected)
     torch.testing.assert_close(policy.estimated_mass(q, layer, page_table, seq_lens)[0, 0], torch.softmax(logits, 0))
     assert [p for p in result.pages[0, 0].tolist() if p >= 0] == expected
     assert result.num_pages.tolist() == [[len(expected)]]
+
+
+def test_topp_floor_keeps_the_top_of_the_ranking(cache_of):
+    """The hand-made pattern above: top_p=0.5 needs pages {3, 5}; a floor of 3 pages adds page 1 (the
+    next by mass); a floor of the whole budget is plain Quest."""
+    page_size, head_dim = 2, 4
+    logits = torch.tensor([0.0, 3.0, 1.0, 5.0, 2.0, 0.0])
+    keys = torch.randn(12, 1, head_dim)
+    keys[:, 0, 0] = logits.repeat_interleave(page_size)
+    cache = cache_of([keys], [torch.randn(12, 1, head_dim)], page_size)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.zeros(1, 1, head_dim)
+    q[0, 0, 0] = head_dim**0.5
+    for floor, expected in [(0, [3, 5]), (2, [3, 5]), (6, [1, 3, 5]), (8, [1, 3, 4, 5])]:
+        policy = make_policy("quest-topp", 8, page_size, top_p=0.5, min_budget=floor)
+        pages = policy.select(q, layer, page_table, seq_lens).pages
+        assert [p for p in pages[0, 0].tolist() if p >= 0] == expected, floor
+    quest = make_policy("quest", 8, page_size).select(q, layer, page_table, seq_lens).pages
+    assert torch.equal(make_policy("quest-topp", 8, page_size, top_p=0.5, min_budget=8)
+                       .select(q, layer, page_table, seq_lens).pages, quest)
+
+
+RERANK_MODES = [("q_head", "sum"), ("kv_head", "sum"), ("kv_head", "max")]
+
+
+@pytest.mark.parametrize("rerank", ["max", "mass"])
+def test_rerank_drops_a_loose_page_that_quest_picks(cache_of, rerank):
+    """Page 0 mixes two keys, each large on one of the query's two axes: its bound (6) is loose, its
+    best logit 3. Page 1's keys both sit on the diagonal: bound and best logit 5. Quest (one free
+    page) takes page 0; the rerank, shortlisting both, takes page 1."""
+    page_size, head_dim = 2, 6
+    keys = torch.randn(6, 1, head_dim)  # the query is zero past dim 1: those dims never count
+    keys[:, 0, :2] = torch.tensor([[3.0, 0.0], [0.0, 3.0], [2.5, 2.5], [2.5, 2.5], [-1.0, -1.0], [-1.0, -1.0]])
+    cache = cache_of([keys], [torch.randn(6, 1, head_dim)], page_size)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.zeros(1, 1, head_dim)
+    q[0, 0, :2] = 1.0
+    quest = make_policy("quest", 4, page_size).select(q, layer, page_table, seq_lens)
+    assert quest.pages.tolist() == [[[0, 2]]]
+    policy = make_policy("quest-rerank", 4, page_size, shortlist=2, rerank=rerank)
+    assert policy.shortlist_pages(q, layer, page_table, seq_lens).tolist() == [[[0, 1, 2, -1]]]
+    result = policy.decode(q, layer, page_table, seq_lens)
+    assert result.pages.tolist() == [[[1, 2]]] and result.tokens_attended.tolist() == [[4]]
+    if rerank == "max":
+        shortlisted = torch.tensor([[[True, True, True]]])
+        scores = policy.rerank_scores(q, layer, page_table, seq_lens, shortlisted)
+        torch.testing.assert_close(scores, torch.tensor([[[3.0, 5.0, -2.0]]]))
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEADS)
+@pytest.mark.parametrize("selection, reduction", RERANK_MODES)
+@pytest.mark.parametrize("rerank", ["max", "mass"])
+def test_rerank_with_a_budget_covering_the_context_is_dense(random_cache, brute_probs, num_q_heads, num_kv_heads,
+                                                            selection, reduction, rerank):
+    lens = [37, 9, 22]
+    cache = random_cache(lens, num_kv_heads=num_kv_heads)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(3, num_q_heads, 8) * 2
+    policy = make_policy("quest-rerank", 40, page_size=4, shortlist=2, rerank=rerank, selection=selection,
+                         group_reduction=reduction)
+    result = policy.decode(q, layer, page_table, seq_lens)
+    for b, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        probs = brute_probs(q[b], k)
+        expected = torch.einsum("ht,thd->hd", probs, v.repeat_interleave(num_q_heads // num_kv_heads, 1).double())
+        torch.testing.assert_close(result.out[b].double(), expected, rtol=1e-5, atol=1e-5)
+    assert_selection_format(result.pages, seq_lens, 4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    heads=st.sampled_from(HEADS),
+    mode=st.sampled_from(RERANK_MODES),
+    rerank=st.sampled_from(["max", "mass"]),
+    budget_pages=st.integers(1, 5),
+    sink=st.integers(0, 1),
+    recent=st.integers(0, 1),
+)
+def test_rerank_with_shortlist_one_is_quest(random_cache, seed, heads, mode, rerank, budget_pages, sink, recent):
+    torch.manual_seed(seed)
+    budget_pages = max(budget_pages, sink + recent + 1)
+    (num_q_heads, num_kv_heads), (selection, reduction) = heads, mode
+    cache = random_cache(torch.randint(1, 40, (2,)).tolist(), num_kv_heads=num_kv_heads)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(2, num_q_heads, 8) * 2
+    options = dict(selection=selection, group_reduction=reduction, sink_pages=sink, recent_pages=recent)
+    quest = make_policy("quest", 4 * budget_pages, page_size=4, **options).decode(q, layer, page_table, seq_lens)
+    rerank_policy = make_policy("quest-rerank", 4 * budget_pages, page_size=4, shortlist=1, rerank=rerank, **options)
+    result = rerank_policy.decode(q, layer, page_table, seq_lens)
+    assert torch.equal(result.pages, quest.pages)
+    assert torch.equal(result.out, quest.out) and torch.equal(result.tokens_attended, quest.tokens_attended)
+
+
+def exact_page_max(q, keys, page_size):
+    """``[Hq, P]`` float64 max logit ``q_h . k_t`` over each page's tokens, one sequence, brute force."""
+    group = q.shape[0] // keys.shape[1]
+    logits = torch.einsum("hd,thd->ht", q.double(), keys.repeat_interleave(group, 1).double())
+    num_pages = math.ceil(logits.shape[1] / page_size)
+    return torch.stack([logits[:, p * page_size:(p + 1) * page_size].amax(-1) for p in range(num_pages)], dim=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    heads=st.sampled_from(HEADS),
+    mode=st.sampled_from(RERANK_MODES),
+    shortlist=st.integers(1, 4),
+    budget_pages=st.integers(1, 4),
+    sink=st.integers(0, 1),
+)
+def test_rerank_max_keeps_the_shortlists_best_pages(random_cache, seed, heads, mode, shortlist, budget_pages, sink):
+    """The selection lies in Quest's shortlist, holds the forced pages, and every freely chosen page
+    scores (exact max logit, combined over the group as Quest combines) at least every shortlisted
+    page left out."""
+    torch.manual_seed(seed)
+    budget_pages = max(budget_pages, sink + 1)
+    (num_q_heads, num_kv_heads), (selection, reduction) = heads, mode
+    cache = random_cache(torch.randint(1, 48, (2,)).tolist(), num_kv_heads=num_kv_heads)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(2, num_q_heads, 8) * 2
+    policy = make_policy("quest-rerank", 4 * budget_pages, page_size=4, shortlist=shortlist, selection=selection,
+                         group_reduction=reduction, sink_pages=sink)
+    result = policy.select(q, layer, page_table, seq_lens)
+    short = policy.shortlist_pages(q, layer, page_table, seq_lens)
+    assert_selection_format(result.pages, seq_lens, 4)
+    for b, k in enumerate(cache.keys):
+        best = exact_page_max(q[b], k, 4)
+        if selection == "kv_head":
+            grouped = best.view(num_kv_heads, -1, best.shape[1])
+            best = grouped.sum(1) if reduction == "sum" else grouped.amax(1)
+        num_pages = best.shape[1]
+        forced = {p for p in range(num_pages) if p < sink or p == num_pages - 1}
+        for h, row in enumerate(result.pages[b].tolist()):
+            chosen = {p for p in row if p >= 0}
+            listed = {p for p in short[b, h].tolist() if p >= 0}
+            assert forced <= chosen <= listed and len(chosen) == min(budget_pages, num_pages)
+            free, rest = sorted(chosen - forced), sorted(listed - chosen)
+            if free and rest:
+                assert min(best[h, free]) >= max(best[h, rest]) - 1e-4
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("selection, reduction", RERANK_MODES)
+def test_rerank_mass_over_every_page_is_the_oracle(random_cache, brute_probs, seed, selection, reduction):
+    """A shortlist covering the context makes ``rerank="mass"`` the true page mass: the oracle's pick."""
+    torch.manual_seed(seed)
+    cache = random_cache([45, 30], num_kv_heads=2)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(2, 4, 8) * 2
+    options = dict(selection=selection, group_reduction=reduction)
+    oracle = make_policy("oracle", 12, page_size=4, **options).select(q, layer, page_table, seq_lens)
+    rerank = make_policy("quest-rerank", 12, page_size=4, shortlist=4, rerank="mass", **options)
+    assert torch.equal(rerank.select(q, layer, page_table, seq_lens).pages, oracle.pages)

@@ -10,10 +10,11 @@ import torch
 from questkv import QuestConfig
 from questkv.config import PAGE_POLICY_OPTIONS
 from questkv.policies import (
-    POLICIES, OraclePolicy, PagePolicy, QuestPolicy, QuestTopPPolicy, make_policy, masked_decode_attention,
+    POLICIES, OraclePolicy, PagePolicy, QuestPolicy, QuestRerankPolicy, QuestTopPPolicy, make_policy,
+    masked_decode_attention,
 )
 
-SPARSE = ["quest", "oracle", "quest-topp", "streaming", "h2o", "tova"]
+SPARSE = ["quest", "oracle", "quest-topp", "quest-rerank", "streaming", "h2o", "tova"]
 
 
 def test_registry_names():
@@ -23,8 +24,8 @@ def test_registry_names():
 @pytest.mark.parametrize(
     "name, budget, options, message",
     [
-        ("snapkv", 64, {}, "policy must be one of 'full', 'quest', 'oracle', 'quest-topp', 'streaming', 'h2o', 'tova'; "
-                           "got 'snapkv'"),
+        ("snapkv", 64, {}, "policy must be one of 'full', 'quest', 'oracle', 'quest-topp', 'quest-rerank', 'streaming', "
+                           "'h2o', 'tova'; got 'snapkv'"),
         ("quest", 64, {"top_p": 0.9}, "policy 'quest' takes no option(s) top_p"),
         ("tova", 64, {"sink_tokens": 4}, "policy 'tova' takes no option(s) sink_tokens; its options: none"),
         ("quest", 40, {}, "policy 'quest': QuestConfig.token_budget must be a multiple of page_size=16"),
@@ -34,6 +35,13 @@ def test_registry_names():
         ("quest-topp", 64, {"top_p": 0.0}, "policy 'quest-topp': top_p must be in (0, 1], got 0.0"),
         ("quest-topp", 64, {"top_p": 1.5}, "policy 'quest-topp': top_p must be in (0, 1], got 1.5"),
         ("quest-topp", 64, {"top_p": True}, "policy 'quest-topp': top_p must be a finite number, got True"),
+        ("quest-topp", 64, {"min_budget": 8}, "policy 'quest-topp': min_budget must be a multiple of page_size=16, got 8"),
+        ("quest-topp", 64, {"min_budget": 80}, "policy 'quest-topp': min_budget must be <= 64, got 80"),
+        ("quest-topp", 64, {"min_budget": -16}, "policy 'quest-topp': min_budget must be >= 0, got -16"),
+        ("quest-rerank", 64, {"shortlist": 0}, "policy 'quest-rerank': shortlist must be >= 1, got 0"),
+        ("quest-rerank", 64, {"shortlist": 1.5}, "policy 'quest-rerank': shortlist must be an int, got 1.5"),
+        ("quest-rerank", 64, {"rerank": "sum"}, "policy 'quest-rerank': rerank must be one of 'max', 'mass'; got 'sum'"),
+        ("quest-rerank", 64, {"top_p": 0.9}, "policy 'quest-rerank' takes no option(s) top_p"),
         ("streaming", 4, {"sink_tokens": 4}, "sink_tokens=4 leaves no room for the current token"),
         ("streaming", 8, {"sink_tokens": -1}, "sink_tokens must be an int >= 0"),
         ("h2o", 8, {"recent_tokens": 9}, "recent_tokens=9 exceeds token_budget=8"),
@@ -49,7 +57,7 @@ def test_bad_arguments_raise_clear_errors(name, budget, options, message):
 
 def test_page_policies_take_quest_config_options_and_defaults():
     fields = {field.name: field for field in dataclasses.fields(QuestConfig)}
-    for cls in (QuestPolicy, OraclePolicy, QuestTopPPolicy):
+    for cls in (QuestPolicy, OraclePolicy, QuestTopPPolicy, QuestRerankPolicy):
         assert cls.options[: len(PAGE_POLICY_OPTIONS)] == PAGE_POLICY_OPTIONS
     parameters = inspect.signature(PagePolicy.__init__).parameters
     for name in ("page_size",) + PAGE_POLICY_OPTIONS:
