@@ -250,6 +250,21 @@ def _name_list(kind: str, known: Sequence[str]):
     return parse
 
 
+def _policy_list(text: str) -> list[str]:
+    """``--policies``: comma-separated policy strings (:func:`questkv.eval.harness.parse_policy`)."""
+    from questkv.eval.harness import parse_policy
+    from questkv.policies import POLICIES
+
+    items = [item.strip() for item in text.split(",")]
+    _name_list("policy", tuple(POLICIES))(",".join(item.split(":")[0] for item in items))
+    for item in items:
+        try:
+            parse_policy(item)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from error
+    return items
+
+
 def _add_eval(subparsers) -> None:
     from questkv.eval.sweep import ALL_TASKS
     from questkv.policies import POLICIES
@@ -274,14 +289,17 @@ def _add_eval(subparsers) -> None:
             sub.add_argument("--tasks", type=_name_list("task", ALL_TASKS), required=True,
                              help=f"comma-separated tasks: {', '.join(ALL_TASKS)}")
         sub.add_argument("--lengths", type=_int_list, default=[4096], help="context lengths in tokens (default: 4096)")
-        sub.add_argument("--policies", type=_name_list("policy", tuple(POLICIES)), default=["full", "quest"],
-                         help=f"comma-separated policies: {', '.join(POLICIES)} (default: full,quest)")
+        sub.add_argument("--policies", type=_policy_list, default=["full", "quest"],
+                         help=f"comma-separated policies: {', '.join(POLICIES)}, each optionally with options of its "
+                         "own that override the flags below, NAME:option=value:... (e.g. quest:selection=q_head, "
+                         "quest:page_size=8, quest-topp:top_p=0.9:min_budget=128, quest-rerank:shortlist=4:rerank=max) "
+                         "(default: full,quest)")
         add_quest_args(sub, ["token_budget", "page_size", "dense_layers"], plural=["token_budget"],
                        defaults={"token_budget": [256, 512]},
                        help={"token_budget": "token budgets of every policy but full"})
         sub.add_argument("--samples", type=int, default=10,
                          help="prompts per task and length; ppl: text windows per length (default: 10)")
-        pages = sub.add_argument_group("page policies (quest, oracle, quest-topp)")
+        pages = sub.add_argument_group("page policies (quest, oracle, quest-topp, quest-rerank)")
         add_quest_args(pages, PAGE_POLICY_OPTIONS)
         pages.add_argument("--top-p", type=float, default=0.9,
                            help="quest-topp: estimated attention mass to reach; its budget is the cap (default: 0.9)")

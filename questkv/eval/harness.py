@@ -24,6 +24,52 @@ from questkv.policies import POLICIES, DecodePolicy, make_policy
 from questkv.validation import check_choice
 
 
+def parse_policy(text: str, name: str = "policy") -> tuple[str, tuple[tuple[str, object], ...]]:
+    """A policy string, ``NAME`` or ``NAME:option=value:option=value``, as ``(NAME, options)``.
+
+    ``NAME`` is a key of :data:`questkv.policies.POLICIES`; the options are its own (see
+    :func:`questkv.policies.make_policy`) or ``page_size`` (the page size of that setting's cache,
+    instead of the evaluation's); ``full`` takes none. A value reads as an int, else a float, else
+    stays a string: ``"quest-rerank:shortlist=4:rerank=mass"`` -> ``("quest-rerank", (("rerank",
+    "mass"), ("shortlist", 4)))``, options sorted by name (:func:`format_policy` writes it back).
+
+    Raises:
+        ValueError: naming ``name`` (the argument's name in messages): an unknown policy, an option
+            it does not take, a repeated option, or an item that is not ``option=value``.
+    """
+    policy, *items = text.split(":")
+    check_choice(name, policy, POLICIES)
+    allowed = () if policy == "full" else ("page_size",) + POLICIES[policy].options
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{name} {text!r}: option {item!r} is not option=value")
+        if key not in allowed:
+            raise ValueError(f"{name} {text!r}: policy {policy!r} takes no option {key!r}; "
+                             f"its options: {', '.join(allowed) or 'none'}")
+        if key in options:
+            raise ValueError(f"{name} {text!r}: option {key!r} given twice")
+        options[key] = _option_value(value)
+    return policy, tuple(sorted(options.items()))
+
+
+def format_policy(policy: str, options: Sequence[tuple[str, object]] = ()) -> str:
+    """The policy string of ``policy`` with ``options`` (``(name, value)`` pairs): the inverse of
+    :func:`parse_policy` for sorted options."""
+    return policy + "".join(f":{key}={value}" for key, value in options)
+
+
+def _option_value(text: str) -> object:
+    """``"4"`` -> 4, ``"0.9"`` -> 0.9, anything else stays a string."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One decode configuration of an evaluation.
@@ -32,19 +78,32 @@ class Setting:
         policy: a name of :data:`questkv.policies.POLICIES`.
         budget: tokens per decode step (``None`` for ``full`` only).
         options: the policy's options as ``(name, value)`` pairs (e.g. ``(("top_p", 0.9),)``).
+        variant: the options its policy string names (``":selection=q_head"``, see
+            :func:`parse_policy`), ``""`` for a plain name: what sets it apart from the policy's
+            other settings in results (:attr:`name`).
+        page_size: its cache's page size; ``None``: the evaluation's.
     """
 
     policy: str
     budget: Optional[int]
     options: tuple[tuple[str, object], ...] = ()
+    variant: str = ""
+    page_size: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        """The policy string of the results (the ``policy`` of a sweep cell): policy + variant."""
+        return self.policy + self.variant
 
     @property
     def label(self) -> str:
-        return self.policy if self.budget is None else f"{self.policy}@{self.budget}"
+        return self.name if self.budget is None else f"{self.name}@{self.budget}"
 
     def build(self, page_size: int, dense_layers: int) -> Union[QuestConfig, DecodePolicy]:
-        """What :func:`questkv.enable` takes for this setting (raises ``ValueError`` if invalid)."""
+        """What :func:`questkv.enable` takes for this setting (raises ``ValueError`` if invalid);
+        ``page_size``: the evaluation's, unless the setting has its own."""
         check_choice("Setting.policy", self.policy, POLICIES)
+        page_size = self.page_size or page_size
         options = dict(self.options)
         if self.policy in ("full", "quest"):
             if (self.policy == "full") != (self.budget is None):
@@ -57,7 +116,7 @@ class Setting:
 
 
 def enable_setting(model, setting: Setting, page_size: int, dense_layers: int) -> None:
-    """:func:`questkv.enable` the model with ``setting``."""
+    """:func:`questkv.enable` the model with ``setting`` (``page_size``: as in :meth:`Setting.build`)."""
     from questkv.integrations.hf import enable
 
     built = setting.build(page_size, dense_layers)

@@ -13,10 +13,15 @@ key                       meaning
 ``metric``                ``"accuracy"`` (a fraction in [0, 1]) or ``"ppl"`` (lower is better)
 ``value``                 mean score over the samples, or the perplexity
 ``mean_tokens_attended``  optional: mean tokens attended per decode step (``None`` for ``"full"``)
+``kv_bytes_fraction``     optional: KV bytes one decode step reads, over full attention's
 ========================  ========================================================================
 
-``"quest-topp"`` picks its budget per step, below its cap: the plot puts its points at its
-``mean_tokens_attended`` and the table appends that mean in parentheses.
+A policy may be a policy string with options (``"quest:selection=q_head"``, see
+:func:`questkv.eval.harness.parse_policy`): each string is its own row and line, and sorts after
+its base policy. ``"quest-topp"`` (with options or not) picks its budget per step, below its cap:
+the plot puts its points at its ``mean_tokens_attended`` and the table appends that mean in
+parentheses. :func:`markdown` adds a second table, the KV bytes per step as a share of full
+attention (:func:`format_bytes_table`), to compare settings at equal bytes.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ REQUIRED_KEYS = ("task", "length", "policy", "budget", "metric", "value")
 METRICS = ("accuracy", "ppl")
 FULL = "full"
 ADAPTIVE = "quest-topp"
-ADAPTIVE_LABEL = f"{ADAPTIVE} (at mean tokens attended)"
+ADAPTIVE_SUFFIX = " (at mean tokens attended)"
 POLICY_ORDER = (FULL, "quest", ADAPTIVE, "oracle")
 POLICY_COLORS = {
     "quest": "tab:blue",
@@ -95,12 +100,23 @@ def format_table(cells: Sequence[dict]) -> str:
     Raises:
         ValueError: if ``cells`` is empty or a cell is malformed.
     """
+    return _table(cells, _format_cell)
+
+
+def format_bytes_table(cells: Sequence[dict]) -> str:
+    """:func:`format_table`'s grid holding each cell's ``kv_bytes_fraction`` as a percentage with
+    one decimal (``"6.3%"``; empty for a cell without it)."""
+    return _table(cells, lambda cell: "" if cell.get("kv_bytes_fraction") is None else f"{cell['kv_bytes_fraction']:.1%}")
+
+
+def _table(cells: Sequence[dict], text_of) -> str:
+    """The markdown grid of :func:`format_table`, each cell written by ``text_of(cell)``."""
     _validate(cells)
     budgets = sorted({cell["budget"] for cell in cells if cell["policy"] != FULL})
     table: dict[tuple, dict] = {}
     for cell in cells:
         column = FULL if cell["policy"] == FULL else cell["budget"]
-        table.setdefault((cell["task"], cell["length"], cell["policy"]), {})[column] = _format_cell(cell)
+        table.setdefault((cell["task"], cell["length"], cell["policy"]), {})[column] = text_of(cell)
     tasks = _first_seen(cell["task"] for cell in cells)
     rows = sorted(table, key=lambda row: (tasks.index(row[0]), row[1], _policy_key(row[2])))
     header = ["task", "length", "policy", FULL, *map(str, budgets)]
@@ -128,7 +144,7 @@ def _build_figure(cells: Sequence[dict], title: str | None) -> Figure:
     for index, (task, length) in enumerate(keys):
         axes = figure.add_subplot(rows, columns, index + 1)
         legend.update(_draw_panel(axes, task, length, panels[(task, length)]))
-    labels = sorted(legend, key=lambda label: _policy_key(ADAPTIVE if label == ADAPTIVE_LABEL else label))
+    labels = sorted(legend, key=lambda label: _policy_key(label.removesuffix(ADAPTIVE_SUFFIX)))
     figure.legend([legend[label] for label in labels], labels, loc="outside right upper")
     if title:
         figure.suptitle(title)
@@ -147,7 +163,7 @@ def _draw_panel(axes, task: str, length: int, cells: list[dict]) -> dict[str, Li
                 lines[FULL] = axes.axhline(cell["value"], color=FULL_COLOR, linestyle="--", label=FULL)
             continue
         points = sorted((_plot_x(cell), cell["value"]) for cell in by_policy[policy])
-        label = ADAPTIVE_LABEL if policy == ADAPTIVE else policy
+        label = policy + ADAPTIVE_SUFFIX if _base(policy) == ADAPTIVE else policy
         (lines[label],) = axes.plot(*zip(*points), marker="o", color=_policy_color(policy), label=label)
     budgets = sorted({cell["budget"] for cell in cells if cell["policy"] != FULL})
     axes.set_xscale("log", base=2)
@@ -187,7 +203,7 @@ def _format_cell(cell: dict) -> str:
     tokens attended in parentheses for ``"quest-topp"``."""
     text = f"{cell['value']:.0%}" if cell["metric"] == "accuracy" else f"{cell['value']:.2f}"
     used = cell.get("mean_tokens_attended")
-    if cell["policy"] == ADAPTIVE and used is not None:
+    if _base(cell["policy"]) == ADAPTIVE and used is not None:
         text += f" ({round(used)})"
     return text
 
@@ -196,12 +212,19 @@ def _plot_x(cell: dict) -> float:
     """Where a cell sits on the budget axis: its budget, or for ``"quest-topp"`` its mean tokens
     attended (its budget when that is unknown)."""
     used = cell.get("mean_tokens_attended")
-    return used if cell["policy"] == ADAPTIVE and used is not None else cell["budget"]
+    return used if _base(cell["policy"]) == ADAPTIVE and used is not None else cell["budget"]
 
 
 def _policy_key(policy: str) -> tuple:
-    """Sort key of a policy: full, quest, quest-topp, oracle, then the rest alphabetically."""
-    return (0, POLICY_ORDER.index(policy), "") if policy in POLICY_ORDER else (1, 0, policy)
+    """Sort key of a policy string: by its base policy (full, quest, quest-topp, oracle, then the
+    rest alphabetically), then the plain name before its variants, the variants alphabetically."""
+    base = _base(policy)
+    return (0, POLICY_ORDER.index(base), policy) if base in POLICY_ORDER else (1, 0, policy)
+
+
+def _base(policy: str) -> str:
+    """The policy name of a policy string: ``"quest:selection=q_head"`` -> ``"quest"``."""
+    return policy.split(":")[0]
 
 
 def _policy_color(policy: str) -> str:
@@ -239,4 +262,9 @@ def markdown(document: dict, plot_name: str | None = None) -> str:
         lines += [f"Text (ppl): `{json.dumps(document['text'])}`", ""]
     if plot_name:
         lines += [f"![accuracy and perplexity by token budget]({plot_name})", ""]
-    return "\n".join(lines + [format_table(document["cells"]), ""])
+    lines.append(format_table(document["cells"]))
+    if any(cell.get("kv_bytes_fraction") is not None for cell in document["cells"]):
+        lines += ["", "KV bytes one decode step reads per sequence, all layers, as a share of full attention "
+                  "(questkv.policies.cost at each cell's length, with its mean tokens attended):", "",
+                  format_bytes_table(document["cells"])]
+    return "\n".join(lines + [""])

@@ -7,12 +7,24 @@ exactly the same prompts), and yields one cell per task. ``ppl`` windows form a 
 length. Finished cells (from an earlier, interrupted run) are skipped: :func:`resume_sweep` runs a
 spec against the JSON document of an earlier run (:func:`document`), adding only what it lacks.
 
+A policy of the grid is a policy string (:func:`questkv.eval.harness.parse_policy`): a name of
+:data:`questkv.policies.POLICIES`, optionally with its own options, e.g. ``quest:selection=q_head``,
+``quest:page_size=8``, ``quest-topp:min_budget=128:top_p=0.9`` or ``quest-rerank:shortlist=4``. Its
+own options override the spec's (``selection``, ``top_p``, ...); a ``page_size`` of its own gets its
+own dense prefill (same prompts), so one sweep compares page sizes too.
+
 A cell::
 
-    {"task", "length", "policy", "budget", "metric": "accuracy" | "ppl", "value", "samples",
+    {"task", "length", "policy" (the policy string, options sorted), "budget",
+     "metric": "accuracy" | "ppl", "value", "samples",
      "scores" (per sample; ppl: per window), "mean_tokens_attended" (the task's rows' mean tokens
      attended per sparse layer and decode step; None for full),
+     "kv_bytes_per_step" (KV-cache bytes one decode step of one sequence reads over all layers at
+     the cell's length, :func:`questkv.policies.cost.model_kv_bytes_per_step` with the measured
+     mean tokens attended), "kv_bytes_fraction" (that over full attention's),
      "seconds" (decode wall time of the whole batch), "outputs" (accuracy tasks)}
+
+Documents of earlier versions (cells without the ``kv_bytes_*`` keys) resume as they are.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 from questkv.eval import harness, perplexity, tasks
 from questkv.eval.harness import Setting
 from questkv.policies import POLICIES
+from questkv.policies.cost import model_kv_bytes_per_step
 from questkv.validation import check_choice, check_int
 
 PPL = "ppl"
@@ -48,14 +61,14 @@ class SweepSpec:
 
     Attributes:
         tasks: names of :data:`ALL_TASKS`. lengths: prompt / window lengths in tokens.
-        policies: names of :data:`questkv.policies.POLICIES`; ``full`` runs once per (task, length).
+        policies: policy strings (see the module docstring); ``full`` runs once per (task, length).
         budgets: token budgets of every policy but ``full``.
         samples: prompts per (task, length), or ``ppl`` windows per length.
         page_size, dense_layers: as in :class:`questkv.QuestConfig`.
         seed: seed of the generated prompts.
         top_p: ``quest-topp``'s mass target (its budget is the cap K).
         selection, group_reduction, sink_pages, recent_pages: the page policies' selection (quest,
-            oracle, quest-topp; full and quest run :class:`questkv.QuestConfig` with them), as in
+            oracle, quest-topp, quest-rerank; full and quest run :class:`questkv.QuestConfig` with them), as in
             :class:`questkv.QuestConfig` (the forced pages count against the budget).
         score_tokens: ``ppl``: tokens scored per window (the window's last ones).
         text_file: ``ppl``: the text (``None``: the stdlib's ``pydoc_data.topics``).
@@ -80,13 +93,15 @@ class SweepSpec:
     def __post_init__(self) -> None:
         for name in ("tasks", "lengths", "policies", "budgets"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        for name, known in (("tasks", ALL_TASKS), ("policies", tuple(POLICIES)), ("lengths", None), ("budgets", None)):
+        for name, known in (("tasks", ALL_TASKS), ("policies", POLICIES), ("lengths", None), ("budgets", None)):
             values = getattr(self, name)
             if not values and name != "budgets":
                 raise ValueError(f"SweepSpec.{name} is empty")
             for index, value in enumerate(values):
                 if known is None:
                     check_int(f"SweepSpec.{name}[{index}]", value, minimum=1)
+                elif name == "policies":
+                    harness.parse_policy(value, f"SweepSpec.{name}[{index}]")
                 else:
                     check_choice(f"SweepSpec.{name}[{index}]", value, known)
         if any(policy != "full" for policy in self.policies) and not self.budgets:
@@ -103,15 +118,21 @@ class SweepSpec:
             setting.build(self.page_size, self.dense_layers)  # raises ValueError on a bad combination
 
     def settings(self) -> list[Setting]:
-        """Every decode setting: ``full`` once, every other policy at every budget."""
+        """Every decode setting: ``full`` once, every other policy string at every budget."""
         out = []
-        for policy in self.policies:
+        for text in self.policies:
+            policy, own = harness.parse_policy(text)
             if policy == "full":
                 out.append(Setting("full", None))
                 continue
-            # Every option of the policy that the spec holds: the page policies' selection, quest-topp's top_p.
+            variant = harness.format_policy("", own)
+            own = dict(own)
+            page_size = own.pop("page_size", None)
+            # Every option of the policy that the spec holds (the page policies' selection, quest-topp's
+            # top_p), overridden by the policy string's own.
             options = {name: getattr(self, name) for name in POLICIES[policy].options if name in _POLICY_OPTIONS}
-            out.extend(Setting(policy, budget, tuple(sorted(options.items()))) for budget in self.budgets)
+            options = tuple(sorted({**options, **own}.items()))
+            out.extend(Setting(policy, budget, options, variant, page_size) for budget in self.budgets)
         return out
 
     def to_dict(self) -> dict:
@@ -141,26 +162,27 @@ def run_sweep(
 
     cells = list(done)
     finished = {cell_key(cell) for cell in cells}
-    plan = []  # (length, task group, pending settings)
+    plan = []  # (length, task group, page size, pending settings of that page size)
     accuracy_tasks = [task for task in spec.tasks if task != PPL]
     for length in spec.lengths:
         for group in ([accuracy_tasks] if accuracy_tasks else []) + ([[PPL]] if PPL in spec.tasks else []):
-            pending = [s for s in spec.settings() if any((t, length, s.policy, s.budget) not in finished for t in group)]
-            if pending:
-                plan.append((length, group, pending))
-    bar = tqdm(total=sum(len(p) for _, _, p in plan), desc="eval", unit="setting", disable=not progress)
-    text = perplexity.load_text(spec.text_file) if any(group == [PPL] for _, group, _ in plan) else None
-    for length, group, pending in plan:
+            pending = [s for s in spec.settings() if any((t, length, s.name, s.budget) not in finished for t in group)]
+            for page_size in dict.fromkeys(s.page_size or spec.page_size for s in pending):
+                plan.append((length, group, page_size, [s for s in pending if (s.page_size or spec.page_size) == page_size]))
+    bar = tqdm(total=sum(len(p) for *_, p in plan), desc="eval", unit="setting", disable=not progress)
+    text = perplexity.load_text(spec.text_file) if any(group == [PPL] for _, group, _, _ in plan) else None
+    shape = model_shape(model)
+    for length, group, page_size, pending in plan:
         bar.set_postfix_str(f"length={length} tasks={','.join(group)}: prefill")
         runner = _PplBatch(model, tokenizer, spec, length, text) if group == [PPL] else _TaskBatch(
             model, tokenizer, spec, length, group
         )
         needs_attention = any(POLICIES[s.policy].uses_prefill_attention for s in pending)
-        harness.enable_setting(model, Setting("full", None), spec.page_size, spec.dense_layers)
-        prefilled, next_positions = harness.prefill(model, runner.contexts, spec.page_size, needs_attention)
+        harness.enable_setting(model, Setting("full", None), page_size, spec.dense_layers)
+        prefilled, next_positions = harness.prefill(model, runner.contexts, page_size, needs_attention)
         for setting in pending:
             bar.set_postfix_str(f"length={length} tasks={','.join(group)} {setting.label}")
-            harness.enable_setting(model, setting, spec.page_size, spec.dense_layers)
+            harness.enable_setting(model, setting, page_size, spec.dense_layers)
             cache = harness.snapshot(prefilled)
             start = time.perf_counter()
             results = runner.run(cache, next_positions)
@@ -168,14 +190,15 @@ def run_sweep(
                 torch.cuda.synchronize()
             seconds = round(time.perf_counter() - start, 3)
             for task, result in results.items():
-                if (task, length, setting.policy, setting.budget) in finished:
+                if (task, length, setting.name, setting.budget) in finished:
                     continue
                 cell = {
                     "task": task,
                     "length": length,
-                    "policy": setting.policy,
+                    "policy": setting.name,
                     "budget": setting.budget,
                     **result,
+                    **kv_bytes(setting, length, page_size, spec.dense_layers, shape, result["mean_tokens_attended"]),
                     "seconds": seconds,
                 }
                 cells.append(cell)
@@ -242,6 +265,32 @@ class _PplBatch:
         }
 
 
+def model_shape(model) -> dict:
+    """What :func:`kv_bytes` needs of an HF causal LM: ``num_layers``, ``num_kv_heads``,
+    ``num_q_heads``, ``head_dim`` and ``dtype_bytes`` (its parameters' dtype, the KV cache's)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {
+        "num_layers": config.num_hidden_layers, "num_kv_heads": config.num_key_value_heads,
+        "num_q_heads": config.num_attention_heads, "head_dim": head_dim, "dtype_bytes": model.dtype.itemsize,
+    }
+
+
+def kv_bytes(setting: Setting, length: int, page_size: int, dense_layers: int, shape: dict,
+             tokens_attended: Optional[float]) -> dict:
+    """``{"kv_bytes_per_step", "kv_bytes_fraction"}`` of a cell: one sequence's decode step at a
+    context of ``length`` tokens, over every layer (:func:`questkv.policies.cost.model_kv_bytes_per_step`;
+    ``shape``: :func:`model_shape`), the attended tokens the measured ``tokens_attended`` (its
+    mean per sparse layer and step; ``None`` under full attention)."""
+    layers = {"num_layers": shape["num_layers"], "dense_layers": dense_layers}
+    layer = {key: shape[key] for key in ("num_kv_heads", "num_q_heads", "head_dim", "dtype_bytes")}
+    layer.update(context=length, page_size=page_size)
+    read = model_kv_bytes_per_step(policy=setting.policy, token_budget=setting.budget, options=dict(setting.options),
+                                   tokens_attended=tokens_attended, **layers, **layer)
+    dense = model_kv_bytes_per_step(policy="full", token_budget=None, **layers, **layer)
+    return {"kv_bytes_per_step": read, "kv_bytes_fraction": read / dense}
+
+
 def _mean_tokens_attended(cache) -> Optional[list[float]]:
     """Mean tokens attended per sparse layer and decode step, per row (``None`` under full attention)."""
     per_sequence = cache.mean_tokens_attended_per_sequence
@@ -256,7 +305,7 @@ def pending_settings(spec: SweepSpec, done: Iterable[dict]) -> list[tuple[int, s
         for length in spec.lengths
         for task in spec.tasks
         for setting in spec.settings()
-        if (task, length, setting.policy, setting.budget) not in finished
+        if (task, length, setting.name, setting.budget) not in finished
     ]
 
 

@@ -128,3 +128,30 @@ def test_invalid_cells(function, cells):
         function([dict(cells[1], metric="bleu")])
     with pytest.raises(ValueError, match="no budget"):
         function([dict(cells[1], budget=None)])
+
+
+def test_policy_variants_are_rows_and_lines_of_their_own(cells):
+    variant = "quest-topp:min_budget=64"
+    extra = [dict(cell, policy=variant, value=random.uniform(0.05, 1.0)) for cell in cells if cell["policy"] == "quest-topp"]
+    extra += [dict(cell, policy="quest:selection=q_head") for cell in cells if cell["policy"] == "quest"]
+    rows = [line.split(" | ")[2] for line in report.format_table(cells + extra).splitlines()[2:]]
+    assert rows[:7] == ["full", "quest", "quest:selection=q_head", "quest-topp", variant, "oracle", "streaming"]
+    first_panel = [c for c in extra if (c["task"], c["length"], c["policy"]) == ("niah_single", 2048, variant)]
+    line = lines_by_label(report._build_figure(cells + extra, None).axes[0])[variant + " (at mean tokens attended)"]
+    assert list(zip(*line.get_data())) == sorted((c["mean_tokens_attended"], c["value"]) for c in first_panel)
+
+
+def test_bytes_table_and_markdown():
+    fraction = random.uniform(0.01, 0.5)
+    cells = [
+        dict(task="vt", length=4096, policy="full", budget=None, metric="accuracy", value=1.0, kv_bytes_fraction=1.0),
+        dict(task="vt", length=4096, policy="quest", budget=64, metric="accuracy", value=0.5, kv_bytes_fraction=fraction),
+        dict(task="vt", length=4096, policy="oracle", budget=64, metric="accuracy", value=0.7),  # an older cell
+    ]
+    lines = report.format_bytes_table(cells).splitlines()
+    assert lines[2:] == ["| vt | 4096 | full | 100.0% |  |", f"| vt | 4096 | quest |  | {fraction:.1%} |",
+                         "| vt | 4096 | oracle |  |  |"]
+    document = {"model": "m", "runs": [], "spec": {}, "cells": cells}
+    assert report.format_bytes_table(cells) in report.markdown(document)
+    older = {**document, "cells": [{k: v for k, v in c.items() if k != "kv_bytes_fraction"} for c in cells]}
+    assert "KV bytes" not in report.markdown(older)

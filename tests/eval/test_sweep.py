@@ -21,7 +21,8 @@ SAMPLES = 2
 SCORE_TOKENS = 8
 POLICIES = ["full", "quest", "streaming", "h2o", "quest-topp"]
 BUDGETS = [16, 32]
-CELL_KEYS = {"task", "length", "policy", "budget", "metric", "value", "samples", "scores", "mean_tokens_attended", "seconds"}
+CELL_KEYS = {"task", "length", "policy", "budget", "metric", "value", "samples", "scores", "mean_tokens_attended",
+             "kv_bytes_per_step", "kv_bytes_fraction", "seconds"}
 
 
 def filler_text(path, rng: random.Random, words: int = 2 * LENGTH + 40) -> str:
@@ -69,6 +70,64 @@ def test_settings_of_a_spec(tmp_path):
     assert dict(by_label["quest@16"].options) == page
     assert by_label["h2o@16"].options == ()
     assert isinstance(spec.tasks, tuple) and isinstance(spec.budgets, tuple)
+
+
+def test_policy_strings_give_settings_their_own_options():
+    spec = make_spec(None, policies=["full", "quest:selection=q_head", "quest:page_size=4",
+                                     "quest-topp:top_p=0.5:min_budget=16", "quest-rerank:shortlist=2"],
+                     top_p=0.7, recent_pages=1, budgets=[32])
+    page = {"selection": "kv_head", "group_reduction": "sum", "sink_pages": 0, "recent_pages": 1}
+    by_label = {s.label: s for s in spec.settings()}
+    assert list(by_label) == ["full", "quest:selection=q_head@32", "quest:page_size=4@32",
+                              "quest-topp:min_budget=16:top_p=0.5@32", "quest-rerank:shortlist=2@32"]
+    assert dict(by_label["quest:selection=q_head@32"].options) == {**page, "selection": "q_head"}
+    paged = by_label["quest:page_size=4@32"]
+    assert dict(paged.options) == page and paged.page_size == 4 and paged.build(PAGE, 1).page_size == 4
+    assert dict(by_label["quest-topp:min_budget=16:top_p=0.5@32"].options) == {**page, "top_p": 0.5, "min_budget": 16}
+    rerank = by_label["quest-rerank:shortlist=2@32"]
+    assert dict(rerank.options) == {**page, "shortlist": 2} and rerank.build(PAGE, 1).shortlist == 2
+    assert sweep.harness.parse_policy("quest-rerank:shortlist=4:rerank=mass") == (
+        "quest-rerank", (("rerank", "mass"), ("shortlist", 4)))
+    assert sweep.harness.format_policy("quest-rerank", (("rerank", "mass"), ("shortlist", 4))) == (
+        "quest-rerank:rerank=mass:shortlist=4")
+
+
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ("quest:top_p=0.5", r"policy 'quest' takes no option 'top_p'; its options: page_size, selection"),
+        ("full:page_size=4", "policy 'full' takes no option 'page_size'; its options: none"),
+        ("quest:selection", "option 'selection' is not option=value"),
+        ("quest:sink_pages=1:sink_pages=2", "option 'sink_pages' given twice"),
+        ("quest-rerank:shortlist=0", "shortlist must be >= 1, got 0"),
+        ("quest-topp:min_budget=12", "min_budget must be a multiple of page_size=8, got 12"),
+        ("quest:page_size=6", "QuestConfig.page_size must be a power of two, got 6"),
+        ("quest:page_size=64", "QuestConfig.token_budget must be a multiple of page_size=64"),
+    ],
+)
+def test_bad_policy_strings(policy, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_spec(None, policies=[policy], budgets=[16, 32])
+
+
+def test_a_sweep_of_policy_strings(word_tokenizer):
+    """Variants are cells of their own; a page size of its own gets its own prefill and bytes."""
+    model = tiny_llama(len(word_tokenizer))
+    spec = make_spec(None, tasks=["passkey"], samples=1, budgets=[16],
+                     policies=["quest", "quest:page_size=4", "quest-rerank:shortlist=2", "quest-topp:min_budget=16"])
+    cells = sweep.run_sweep(model, word_tokenizer, spec, progress=False)
+    by_policy = {cell["policy"]: cell for cell in cells}
+    assert sorted(by_policy) == sorted(["quest", "quest:page_size=4", "quest-rerank:shortlist=2",
+                                        "quest-topp:min_budget=16"])
+    shape = sweep.model_shape(model)
+    for name, page_size in [("quest", PAGE), ("quest:page_size=4", 4)]:
+        setting = sweep.Setting("quest", 16)
+        assert by_policy[name]["kv_bytes_per_step"] == sweep.kv_bytes(
+            setting, LENGTH, page_size, 1, shape, by_policy[name]["mean_tokens_attended"])["kv_bytes_per_step"]
+    assert by_policy["quest-rerank:shortlist=2"]["kv_bytes_per_step"] > by_policy["quest"]["kv_bytes_per_step"]
+    # the floor is the cap here: quest-topp attends what quest does
+    assert by_policy["quest-topp:min_budget=16"]["mean_tokens_attended"] == by_policy["quest"]["mean_tokens_attended"]
+    assert sweep.pending_settings(spec, cells) == []
 
 
 @pytest.mark.parametrize(
@@ -145,6 +204,15 @@ def test_every_cell_once_with_its_documented_keys(first_run, word_tokenizer):
             assert cell["metric"] == "ppl" and cell["value"] > 1
             geometric = math.exp(sum(math.log(s) for s in cell["scores"]) / SAMPLES)  # equal windows
             assert cell["value"] == pytest.approx(geometric, rel=1e-4)
+    # KV bytes: the cost formula at the cell's length with the measured tokens attended; full reads it all.
+    shape = sweep.model_shape(model)
+    assert shape["num_layers"] == model.config.num_hidden_layers and shape["dtype_bytes"] == 4
+    for cell in cells:
+        setting = sweep.Setting(cell["policy"], cell["budget"], ())
+        assert {k: cell[k] for k in ("kv_bytes_per_step", "kv_bytes_fraction")} == sweep.kv_bytes(
+            setting, LENGTH, PAGE, spec.dense_layers, shape, cell["mean_tokens_attended"])
+        assert (cell["kv_bytes_fraction"] == 1.0) == (cell["policy"] == "full")
+        assert cell["kv_bytes_fraction"] > 0
     # Every page or eviction policy charges the whole budget once the context outgrows it.
     for cell in cells:
         if cell["task"] == "ppl" and cell["policy"] in ("quest", "streaming", "h2o"):
@@ -304,6 +372,8 @@ def test_cli_sweep_writes_json_md_png_and_resumes(tmp_path, patched_loader, caps
     "argv,message",
     [
         (["eval", "sweep", "--tasks", "passkey", "--policies", "full,bogus"], "policy 'bogus' not known"),
+        (["eval", "sweep", "--tasks", "passkey", "--policies", "full,quest:shortlist=2"],
+         "policy 'quest' takes no option 'shortlist'"),
         (["eval", "sweep", "--tasks", "passkey,bogus"], "task 'bogus' not known"),
         (["eval", "sweep"], "--tasks"),
         (["eval", "passkey", "--lengths", "1k"], "positive integers"),
