@@ -106,7 +106,11 @@ def format_table(cells: Sequence[dict]) -> str:
 def format_bytes_table(cells: Sequence[dict]) -> str:
     """:func:`format_table`'s grid holding each cell's ``kv_bytes_fraction`` as a percentage with
     one decimal (``"6.3%"``; empty for a cell without it)."""
-    return _table(cells, lambda cell: "" if cell.get("kv_bytes_fraction") is None else f"{cell['kv_bytes_fraction']:.1%}")
+    def text_of(cell: dict) -> str:
+        fraction = cell.get("kv_bytes_fraction")
+        return "" if fraction is None else f"{fraction:.1%}"
+
+    return _table(cells, text_of)
 
 
 def _table(cells: Sequence[dict], text_of) -> str:

@@ -168,7 +168,8 @@ def run_sweep(
         for group in ([accuracy_tasks] if accuracy_tasks else []) + ([[PPL]] if PPL in spec.tasks else []):
             pending = [s for s in spec.settings() if any((t, length, s.name, s.budget) not in finished for t in group)]
             for page_size in dict.fromkeys(s.page_size or spec.page_size for s in pending):
-                plan.append((length, group, page_size, [s for s in pending if (s.page_size or spec.page_size) == page_size]))
+                same = [s for s in pending if (s.page_size or spec.page_size) == page_size]
+                plan.append((length, group, page_size, same))
     bar = tqdm(total=sum(len(p) for *_, p in plan), desc="eval", unit="setting", disable=not progress)
     text = perplexity.load_text(spec.text_file) if any(group == [PPL] for _, group, _, _ in plan) else None
     shape = model_shape(model)

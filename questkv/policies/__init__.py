@@ -34,7 +34,8 @@ from questkv.validation import check_choice
 POLICIES: dict[str, type[DecodePolicy]] = {
     cls.name: cls
     for cls in (
-        FullPolicy, QuestPolicy, OraclePolicy, QuestTopPPolicy, QuestRerankPolicy, StreamingPolicy, H2OPolicy, TOVAPolicy,
+        FullPolicy, QuestPolicy, OraclePolicy, QuestTopPPolicy, QuestRerankPolicy,
+        StreamingPolicy, H2OPolicy, TOVAPolicy,
     )
 }
 

@@ -132,7 +132,8 @@ def test_invalid_cells(function, cells):
 
 def test_policy_variants_are_rows_and_lines_of_their_own(cells):
     variant = "quest-topp:min_budget=64"
-    extra = [dict(cell, policy=variant, value=random.uniform(0.05, 1.0)) for cell in cells if cell["policy"] == "quest-topp"]
+    extra = [dict(cell, policy=variant, value=random.uniform(0.05, 1.0))
+             for cell in cells if cell["policy"] == "quest-topp"]
     extra += [dict(cell, policy="quest:selection=q_head") for cell in cells if cell["policy"] == "quest"]
     rows = [line.split(" | ")[2] for line in report.format_table(cells + extra).splitlines()[2:]]
     assert rows[:7] == ["full", "quest", "quest:selection=q_head", "quest-topp", variant, "oracle", "streaming"]
@@ -145,7 +146,8 @@ def test_bytes_table_and_markdown():
     fraction = random.uniform(0.01, 0.5)
     cells = [
         dict(task="vt", length=4096, policy="full", budget=None, metric="accuracy", value=1.0, kv_bytes_fraction=1.0),
-        dict(task="vt", length=4096, policy="quest", budget=64, metric="accuracy", value=0.5, kv_bytes_fraction=fraction),
+        dict(task="vt", length=4096, policy="quest", budget=64, metric="accuracy", value=0.5,
+             kv_bytes_fraction=fraction),
         dict(task="vt", length=4096, policy="oracle", budget=64, metric="accuracy", value=0.7),  # an older cell
     ]
     lines = report.format_bytes_table(cells).splitlines()
