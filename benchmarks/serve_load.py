@@ -1,7 +1,7 @@
 """Load on the OpenAI-compatible server: N concurrent streaming clients with long prompts, dense vs Quest.
 
 Each client sends ``--requests-per-client`` streaming ``/v1/completions`` requests one after the other, each a
-fresh prompt of ``--prompt-tokens`` random token ids and ``--output-tokens`` greedy tokens. Measured on the
+fresh prompt of ``--prompt-tokens`` random token ids and ``--output-tokens`` greedy tokens (``ignore_eos``). Measured on the
 client: requests/s and output tokens/s (completion tokens from ``usage``, over the wall time from the first
 request sent to the last finished), time to first token (request sent -> first chunk carrying a choice) and
 inter-token latency (the gap between successive chunks of one request) at p50 / p99, and the mean tokens
@@ -141,7 +141,8 @@ def make_body(model: str, args, rng: random.Random, quest: Optional[dict], promp
               output_tokens: int) -> dict:
     low, high = args.token_range
     body = {"model": model, "prompt": [rng.randrange(low, high) for _ in range(prompt_tokens)],
-            "max_tokens": output_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "max_tokens": output_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     if quest is not None:
         body["quest"] = quest
     return body

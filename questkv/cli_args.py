@@ -226,7 +226,7 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
                     seed_help: str = "random seed", serving: bool = False) -> None:
     """The engine's flags: ``--device``, ``--dtype``, ``--max-model-len``, ``--enforce-eager``, ``--seed``;
     with ``serving`` also ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-cache-memory``,
-    ``--gpu-memory-utilization`` and ``--load-format``. :func:`engine_kwargs` reads them back."""
+    ``--gpu-memory-utilization``, ``--graph-capture`` and ``--load-format``. :func:`engine_kwargs` reads them back."""
     group = parser.add_argument_group("engine")
     group.add_argument("--device", default=device, choices=["auto", "cpu", "cuda"],
                        help=f"where the engine runs; auto: CUDA when available (default: {device})")
@@ -247,12 +247,17 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
                            "memory, or 1 GiB on CPU)")
         group.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                            help="fraction of the free GPU memory the KV cache may take (default: 0.9)")
+        group.add_argument("--graph-capture", default="startup", choices=["startup", "lazy"],
+                           help="startup: capture every decode CUDA graph (and compile its kernels) before serving, "
+                           "so that no request waits for one; lazy: at the first step that needs each "
+                           "(default: startup)")
         group.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                            help="auto: the checkpoint's weights; dummy: random weights at the model's shapes "
                            "(default: auto)")
 
 
-_SERVING_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization", "load_format")
+_SERVING_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization",
+                   "graph_capture", "load_format")
 
 
 def engine_kwargs(args) -> dict:

@@ -17,6 +17,7 @@ from questkv.validation import check_bool, check_choice, check_float, check_int,
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("cpu", "cuda")
+GRAPH_CAPTURE = ("lazy", "startup")
 # Batch sizes with a captured decode graph: these, then every multiple of 16 up to max_num_seqs.
 _GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
 
@@ -42,6 +43,11 @@ class EngineConfig:
         enforce_eager: never capture CUDA graphs (always true on CPU).
         compile_elementwise: with CUDA graphs, fuse RMSNorm, SiLU-and-multiply and RoPE with
             ``torch.compile`` (one kernel each instead of several).
+        graph_capture: when the decode graphs (one per batch size of :meth:`graph_batch_sizes` and
+            power-of-two page-table width) are captured and their kernels compiled: ``"lazy"``, at the first
+            step that needs one (quick to start; that step waits seconds), or ``"startup"``, all of them
+            when the engine starts (what a server wants: no request waits for a capture). A dense
+            request inside a Quest batch uses graphs of its own, captured lazily either way.
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
@@ -57,6 +63,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     compile_elementwise: bool = True
+    graph_capture: str = "lazy"
     seed: int = 0
     load_format: str = "auto"
 
@@ -75,6 +82,7 @@ class EngineConfig:
         check_float("EngineConfig.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         check_bool("EngineConfig.enforce_eager", self.enforce_eager)
         check_bool("EngineConfig.compile_elementwise", self.compile_elementwise)
+        check_choice("EngineConfig.graph_capture", self.graph_capture, GRAPH_CAPTURE)
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")

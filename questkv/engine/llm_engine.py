@@ -53,6 +53,8 @@ class LLMEngine:
                     f"{loaded.spec.num_layers} layers"
                 )
         self.runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len)
+        if config.use_cuda_graphs and config.graph_capture == "startup":
+            self.runner.capture_decode_graphs(progress=True)
         self.cache = self.runner.cache
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(

@@ -39,6 +39,17 @@ _CPU_KV_CACHE_BYTES = 1 << 30
 _IDS, _POS, _LENS, _BUDGETS, _ROWS = range(5)
 
 
+def table_width(pages: int, limit: int) -> int:
+    """Page-table columns of a captured decode step whose longest sequence holds ``pages`` pages: the next
+    power of two, at least ``_MIN_GRAPH_PAGES``, at most ``limit`` (the pages a sequence may hold)."""
+    return min(limit, max(_MIN_GRAPH_PAGES, 1 << (pages - 1).bit_length()))
+
+
+def graph_widths(limit: int) -> list[int]:
+    """Every :func:`table_width` of 1 to ``limit`` pages, descending."""
+    return sorted({table_width(min(1 << k, limit), limit) for k in range(limit.bit_length() + 1)}, reverse=True)
+
+
 def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device: torch.device) -> CacheSpec:
     """How many pages fit the memory budget (see :attr:`EngineConfig.kv_cache_memory`).
 
@@ -142,18 +153,7 @@ class ModelRunner:
         width = self._table_width(longest)
         # A dense request in a Quest batch: the step selects up to every column, a dense row all its pages.
         all_pages = self.budget is not None and any(seq.sampling_params.dense for seq in seqs)
-        host = self._host_inputs[:, :padded]
-        host[_IDS].zero_()
-        host[_POS].zero_()
-        host[_LENS].fill_(1)
-        host[_BUDGETS].fill_(self.budget or 0)
-        host[_ROWS].fill_(self.scratch_seq)
-        host[:, :batch] = torch.tensor(
-            [[seq.last_token, seq.num_tokens - 1, seq.num_tokens, self._budget_of(seq, width), seq.cache_id]
-             for seq in seqs],
-            dtype=torch.int64,
-        ).T
-        self._inputs[:, :padded].copy_(host, non_blocking=True)
+        self._stage_inputs(seqs, padded, width)
         key = (padded, width, all_pages)
         if padded in self.graph_sizes:
             if key not in self._graphs:
@@ -163,6 +163,41 @@ class ModelRunner:
         else:
             logits = self._decode_body(*key)
         return logits[:batch]
+
+    def _stage_inputs(self, seqs: tuple[Sequence, ...], padded: int, width: int) -> None:
+        """Copy the packed decode inputs of ``seqs`` to the device; rows past them (up to ``padded``) read
+        and write one token of the scratch sequence."""
+        host = self._host_inputs[:, :padded]
+        host[_IDS].zero_()
+        host[_POS].zero_()
+        host[_LENS].fill_(1)
+        host[_BUDGETS].fill_(self.budget or 0)
+        host[_ROWS].fill_(self.scratch_seq)
+        if seqs:
+            host[:, :len(seqs)] = torch.tensor(
+                [[seq.last_token, seq.num_tokens - 1, seq.num_tokens, self._budget_of(seq, width), seq.cache_id]
+                 for seq in seqs],
+                dtype=torch.int64,
+            ).T
+        self._inputs[:, :padded].copy_(host, non_blocking=True)
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, progress: bool = False) -> int:
+        """Capture the decode graph of every batch size of :attr:`graph_sizes` at every page-table width a
+        step can use (compiling their kernels), largest first; those already captured are kept. What
+        ``graph_capture="startup"`` runs at start. Only the scratch sequence's token is written.
+
+        Returns:
+            The number of graphs captured by this call.
+        """
+        from tqdm.auto import tqdm
+
+        keys = [(batch, width, False) for batch in sorted(self.graph_sizes, reverse=True)
+                for width in graph_widths(self.cache.max_pages_per_seq) if (batch, width, False) not in self._graphs]
+        for key in tqdm(keys, desc="capturing decode graphs", disable=not progress):
+            self._stage_inputs((), key[0], key[1])
+            self._graphs[key] = self._capture(*key)
+        return len(keys)
 
     def _decode_body(self, batch: int, width: int, all_pages: bool) -> torch.Tensor:
         """One decode step over the packed inputs (graph-capturable: device ops only)."""
@@ -203,10 +238,9 @@ class ModelRunner:
 
     def _table_width(self, pages: int) -> int:
         """Page-table columns of a decode step whose longest sequence holds ``pages`` pages."""
-        limit = self.cache.max_pages_per_seq
         if not self.graph_sizes:
             return pages
-        return min(limit, max(_MIN_GRAPH_PAGES, 1 << (pages - 1).bit_length()))
+        return table_width(pages, self.cache.max_pages_per_seq)
 
     def _budget_of(self, seq: Sequence, width: int) -> int:
         """The sequence's token budget: 0 on a dense engine (no layer reads it), every column of the

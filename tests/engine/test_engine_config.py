@@ -113,6 +113,7 @@ def test_max_model_len_defaults_to_the_models_max_position_embeddings():
     (dict(gpu_memory_utilization=1.5), "EngineConfig.gpu_memory_utilization must be in (0.0, 1.0]"),
     (dict(enforce_eager="yes"), "EngineConfig.enforce_eager must be a bool"),
     (dict(seed=-1), "EngineConfig.seed must be >= 0, got -1"),
+    (dict(graph_capture="eager"), "EngineConfig.graph_capture must be one of 'lazy', 'startup'; got 'eager'"),
     (dict(load_format="pt"), "EngineConfig.load_format must be one of 'auto', 'dummy'; got 'pt'"),
     (dict(quest={"token_budget": 64}), "EngineConfig.quest must be a QuestConfig or None, got dict"),
     (dict(load_format="auto"),

@@ -10,12 +10,14 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from questkv import QuestConfig
 from questkv.decode.step import QuestDecodeStep
 from questkv.engine.config import EngineConfig
 from questkv.engine.llm import LLM
-from questkv.engine.model_runner import plan_cache
+from questkv.engine.model_runner import graph_widths, plan_cache, table_width
 from questkv.engine.sampling_params import SamplingParams
 from questkv.layers.attention import Attention
 from questkv.models.llama import ModelSpec
@@ -255,3 +257,13 @@ def test_a_bfloat16_engine_keeps_its_pool_in_bfloat16_and_samples_from_float32_l
     (out,) = llm.generate([prompt(random.randint(20, 60))], greedy(5), use_tqdm=False)
     assert len(out.token_ids) == 5 and all(0 <= t < VOCAB for t in out.token_ids)
     assert all(step.dtype is torch.float32 and torch.isfinite(step).all() for step in logits)
+
+
+@settings(max_examples=50, deadline=None)
+@given(limit=st.integers(1, 5000))
+def test_startup_capture_covers_the_width_of_every_sequence_length(limit):
+    widths = graph_widths(limit)
+    assert widths == sorted(set(widths), reverse=True) and max(widths) == limit
+    for pages in range(1, limit + 1):
+        width = table_width(pages, limit)
+        assert width in widths and pages <= width <= limit
