@@ -233,6 +233,10 @@ def rate(value: Optional[float], digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def times(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def markdown(result: dict) -> str:
     p, s = result["provenance"], result["settings"]
     clients = ", ".join(str(c) for c in s["clients"])
@@ -272,12 +276,12 @@ def markdown(result: dict) -> str:
             f"| {ms(r['itl_s']['p99'])} | {attended} | {r['failed']} of {r['requests']} |")
     for c in result.get("quest_vs_dense", []):
         lines += ["", f"## Quest vs dense, {c['clients']} clients", "",
-                  f"- output tokens/s: Quest / dense = {rate(c['output_tokens_per_s_ratio'])}x",
-                  f"- steady decode tokens/s: Quest / dense = {rate(c['steady_decode_ratio'])}x",
-                  f"- inter-token latency p50: dense / Quest = {rate(c['itl_p50_speedup'])}x; "
+                  f"- output tokens/s: Quest / dense = {times(c['output_tokens_per_s_ratio'])}",
+                  f"- steady decode tokens/s: Quest / dense = {times(c['steady_decode_ratio'])}",
+                  f"- inter-token latency p50: dense / Quest = {times(c['itl_p50_speedup'])}; "
                   f"Quest p99 {ms(c['quest_itl_p99_s'])} ms vs dense p50 {ms(c['dense_itl_p50_s'])} ms "
                   f"({ {True: 'at or under', False: 'over', None: '-'}[c['quest_itl_p99_under_dense_p50']] })",
-                  f"- TTFT p50: dense / Quest = {rate(c['ttft_p50_speedup'])}x (prefill is dense either way)"]
+                  f"- TTFT p50: dense / Quest = {times(c['ttft_p50_speedup'])} (prefill is dense either way)"]
     if result.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {note}" for note in result["notes"]]
     return "\n".join(lines) + "\n"
