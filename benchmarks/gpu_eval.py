@@ -249,14 +249,17 @@ def main(argv=None) -> int:
     sub.add_argument("index", type=int)
     sub = commands.add_parser("finish", help="there: install .gpu/deps, join and check the GGUF, convert it")
     sub.add_argument("alias")
-    sub = commands.add_parser("sweep", help="there: questkv eval sweep on the staged alias; ARGS after --")
+    sub = commands.add_parser("sweep", help="there: questkv eval sweep on the staged alias; its arguments after --")
     sub.add_argument("alias")
     sub.add_argument("name", help="results file name without .json (under /root/questkv-eval/results, copied to $OUT)")
     sub.add_argument("--commit", required=True, help="the commit the tree is at (recorded in the JSON)")
     sub.add_argument("--seconds", type=int, default=540, help="stop the sweep after this long (default: 540)")
     sub.add_argument("--resume", default="", help="a JSON in the tree to continue from when the machine has none")
-    sub.add_argument("args", nargs=argparse.REMAINDER, help="-- then the arguments of questkv eval sweep")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)  # the sweep's own arguments come after --
+    args, passed = parser.parse_args(argv[:split]), argv[split + 1:]
+    if passed and args.command != "sweep":
+        parser.error(f"only sweep takes arguments after --, got {' '.join(passed)!r}")
     if args.command == "prepare":
         prepare(args.alias)
     elif args.command == "stage":
@@ -264,7 +267,6 @@ def main(argv=None) -> int:
     elif args.command == "finish":
         finish(args.alias)
     else:
-        passed = args.args[1:] if args.args[:1] == ["--"] else args.args
         return sweep(args.alias, args.name, args.commit, args.seconds, args.resume, passed)
     return 0
 

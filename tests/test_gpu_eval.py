@@ -95,3 +95,32 @@ def test_pins_come_from_constraints():
         f"{name}=={importlib.metadata.version(name)}" for name in ("gguf", "wonderwords")]
     with pytest.raises(SystemExit, match="pins no version of no-such-package"):
         gpu_eval.pinned(["no-such-package"])
+
+
+def test_sweep_arguments_after_the_double_dash_pass_through(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gpu_eval, "sweep", lambda *args: calls.append(args) or 0)
+    assert gpu_eval.main(["sweep", "toy", "run1", "--commit", "abc", "--", "--tasks", "ppl", "--seconds", "9"]) == 0
+    assert calls == [("toy", "run1", "abc", 540, "", ["--tasks", "ppl", "--seconds", "9"])]
+    with pytest.raises(SystemExit):
+        gpu_eval.main(["stage", "toy", "1", "--", "--tasks", "ppl"])
+
+
+def test_sweep_copies_its_json_to_out_even_when_stopped(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_eval, "WORK", tmp_path / "work")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    seen = {}
+
+    def stopped(command, env, timeout):
+        seen.update(command=command, env=env)
+        Path(command[command.index("--json") + 1]).write_text("{}")
+        raise gpu_eval.subprocess.TimeoutExpired(command, timeout)
+
+    monkeypatch.setattr(gpu_eval.subprocess, "run", stopped)
+    assert gpu_eval.sweep("toy", "run1", "abc", 5, "", ["--tasks", "ppl"]) == 0
+    assert seen["command"][-6:] == ["--model", "toy", "--json", str(tmp_path / "work" / "results" / "run1.json"),
+                                    "--tasks", "ppl"]
+    assert seen["env"]["QUESTKV_COMMIT"] == "abc"
+    assert seen["env"]["QUESTKV_CACHE_DIR"] == str(tmp_path / "work" / "cache")
+    assert (tmp_path / "out" / "run1.json").read_text() == "{}"
