@@ -231,26 +231,40 @@ def flashinfer_wrappers(batch, hq, hkv, d, table, tensor_core_modes):
 # one benchmark point
 
 
-def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
+def point_data(model: str, batch: int, context: int, min_budget: int, max_gb: float) -> dict:
+    """Random pools for one point: ``n_layers`` independent layers (enough that one graph replay touches
+    ``ROTATE_BYTES`` of the smallest Quest step's bytes, within ``max_gb``), a shuffled page table, full
+    lengths and one query; plus the byte counts of one layer."""
     hq, hkv, d = MODELS[model]
     npages = context // PAGE_SIZE
     elt = torch.tensor([], dtype=DTYPE).element_size()
     kv_bytes = batch * context * hkv * d * 2 * elt  # K + V of one layer
     bound_bytes = batch * npages * hkv * d * 2 * elt
-    min_sparse = bound_bytes + batch * hkv * min(budgets) * d * 2 * elt
+    min_sparse = bound_bytes + batch * hkv * min_budget * d * 2 * elt
     pool_bytes = kv_bytes + bound_bytes
-    n_layers = max(1, min(MAX_LAYERS, math.ceil(ROTATE_BYTES / min_sparse), int(args.max_gb * 2**30 // (2 * pool_bytes))))
-    with_sdpa = 2 * n_layers * pool_bytes <= args.max_gb * 2**30
-    point = {"model": model, "batch": batch, "context": context, "n_layers": n_layers, "kv_bytes": kv_bytes}
-
+    n_layers = max(1, min(MAX_LAYERS, math.ceil(ROTATE_BYTES / min_sparse), int(max_gb * 2**30 // (2 * pool_bytes))))
     gen = torch.Generator(device=DEVICE).manual_seed(batch * 1000003 + context)
     shape = (n_layers, batch * npages, PAGE_SIZE, hkv, d)
     k_all = torch.randn(shape, device=DEVICE, dtype=DTYPE, generator=gen)
     v_all = torch.randn(shape, device=DEVICE, dtype=DTYPE, generator=gen)
-    layers = [LayerPages(k_all[i], v_all[i], k_all[i].amin(1), k_all[i].amax(1)) for i in range(n_layers)]
-    table = torch.randperm(batch * npages, device=DEVICE, generator=gen).view(batch, npages).int()
-    lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(batch, hq, d, device=DEVICE, dtype=DTYPE, generator=gen)
+    return {
+        "layers": [LayerPages(k_all[i], v_all[i], k_all[i].amin(1), k_all[i].amax(1)) for i in range(n_layers)],
+        "table": torch.randperm(batch * npages, device=DEVICE, generator=gen).view(batch, npages).int(),
+        "lens": torch.full((batch,), context, dtype=torch.int32, device=DEVICE),
+        "q": torch.randn(batch, hq, d, device=DEVICE, dtype=DTYPE, generator=gen),
+        "gen": gen, "n_layers": n_layers, "npages": npages, "elt": elt, "kv_bytes": kv_bytes,
+        "bound_bytes": bound_bytes, "pool_bytes": pool_bytes,
+    }
+
+
+def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
+    hq, hkv, d = MODELS[model]
+    data = point_data(model, batch, context, min(budgets), args.max_gb)
+    layers, table, lens, q, gen = data["layers"], data["table"], data["lens"], data["q"], data["gen"]
+    n_layers, npages, elt = data["n_layers"], data["npages"], data["elt"]
+    kv_bytes, bound_bytes = data["kv_bytes"], data["bound_bytes"]
+    with_sdpa = 2 * n_layers * data["pool_bytes"] <= args.max_gb * 2**30
+    point = {"model": model, "batch": batch, "context": context, "n_layers": n_layers, "kv_bytes": kv_bytes}
     reps, warmup = args.reps, args.warmup
 
     dense = QuestDecodeStep(QuestConfig(backend="triton"), batch, hq, hkv, d, npages, DTYPE, DEVICE)

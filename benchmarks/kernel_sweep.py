@@ -1,0 +1,198 @@
+"""Launch configurations of the estimate and attention kernels, timed side by side on one GPU.
+
+For each point (Llama-3.1-8B attention, bf16, page 16) and each configuration, the script builds a fresh
+:class:`~questkv.decode.QuestDecodeStep` with the kernels' module constants set to that configuration, checks
+its output against the torch reference on the point's data, and times under CUDA graphs (the method and data of
+``benchmarks/kernels.py``):
+
+* dense paged decode (``step.dense``) over tokens per inner iteration x programs per SM x pipeline stages x warps;
+* sparse attention over a fixed selection (``step.attend``), the same grid;
+* the estimate (``step.estimate``) over pages per block x blocks per program x stages x warps.
+
+The current defaults are one of the configurations, so each table shows what a change would gain in the same run.
+Writes ``kernel-sweep-<tag>.json`` and ``.md``.
+
+    python benchmarks/kernel_sweep.py --out-dir benchmarks/results --tag h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import itertools
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import DEVICE, DTYPE, MODELS, PAGE_SIZE, _rel_err, point_data, time_graph  # noqa: E402
+
+from questkv.config import QuestConfig  # noqa: E402
+from questkv.decode import QuestDecodeStep  # noqa: E402
+from questkv.eval.provenance import git_commit  # noqa: E402
+from questkv.ops import reference  # noqa: E402
+from questkv.ops.triton import attention as attention_kernel  # noqa: E402
+from questkv.ops.triton import estimate as estimate_kernel  # noqa: E402
+
+POINTS = [(1, 32768, 2048), (1, 131072, 4096), (8, 32768, 2048), (32, 32768, 2048)]  # (batch, context, budget)
+MODEL = "llama3.1-8b"
+ATTENTION_GRID = {"tokens_per_iter": (64, 128, 256), "programs_per_sm": (2, 4, 8), "num_stages": (2, 3),
+                  "num_warps": (4, 8)}
+ESTIMATE_GRID = {"block_p": (32, 64, 128), "blocks_per_program": (1, 2), "num_stages": (2,), "num_warps": (4, 8)}
+
+
+@contextlib.contextmanager
+def attention_config(dense: bool, tokens_per_iter: int, programs_per_sm: int, num_stages: int,
+                     num_warps: int) -> Iterator[None]:
+    """The attention kernel's launch constants for ``dense`` (or sparse) set to these, restored after."""
+    module = attention_kernel
+    saved = (dict(module._TOKENS_PER_ITER), dict(module._PROGRAMS_PER_SM), dict(module._NUM_STAGES), module._NUM_WARPS)
+    module._TOKENS_PER_ITER[dense], module._PROGRAMS_PER_SM[dense] = tokens_per_iter, programs_per_sm
+    module._NUM_STAGES[dense], module._NUM_WARPS = num_stages, num_warps
+    try:
+        yield
+    finally:
+        module._TOKENS_PER_ITER, module._PROGRAMS_PER_SM, module._NUM_STAGES, module._NUM_WARPS = saved
+
+
+@contextlib.contextmanager
+def estimate_config(block_p: int, blocks_per_program: int, num_stages: int, num_warps: int) -> Iterator[None]:
+    """The estimate kernel's launch constants set to these, restored after."""
+    module = estimate_kernel
+    saved = (module._BLOCK_P, module._BLOCKS_PER_PROGRAM, module._NUM_STAGES, module._NUM_WARPS)
+    module._BLOCK_P, module._BLOCKS_PER_PROGRAM, module._NUM_STAGES, module._NUM_WARPS = (
+        block_p, blocks_per_program, num_stages, num_warps)
+    try:
+        yield
+    finally:
+        module._BLOCK_P, module._BLOCKS_PER_PROGRAM, module._NUM_STAGES, module._NUM_WARPS = saved
+
+
+def defaults() -> dict:
+    a, e = attention_kernel, estimate_kernel
+    return {
+        "dense": {"tokens_per_iter": a._TOKENS_PER_ITER[True], "programs_per_sm": a._PROGRAMS_PER_SM[True],
+                  "num_stages": a._NUM_STAGES[True], "num_warps": a._NUM_WARPS},
+        "sparse": {"tokens_per_iter": a._TOKENS_PER_ITER[False], "programs_per_sm": a._PROGRAMS_PER_SM[False],
+                   "num_stages": a._NUM_STAGES[False], "num_warps": a._NUM_WARPS},
+        "estimate": {"block_p": e._BLOCK_P, "blocks_per_program": e._BLOCKS_PER_PROGRAM, "num_stages": e._NUM_STAGES,
+                     "num_warps": e._NUM_WARPS},
+    }
+
+
+def grid(space: dict) -> list[dict]:
+    return [dict(zip(space, values)) for values in itertools.product(*space.values())]
+
+
+def sweep_point(batch: int, context: int, budget: int, args) -> dict:
+    hq, hkv, d = MODELS[MODEL]
+    data = point_data(MODEL, batch, context, budget, args.max_gb)
+    layers, table, lens, q, n_layers = data["layers"], data["table"], data["lens"], data["q"], data["n_layers"]
+    npages = data["npages"]
+    quest = QuestConfig(token_budget=budget, backend="triton")
+    base = QuestDecodeStep(quest, batch, hq, hkv, d, npages, DTYPE, DEVICE)
+    base(q, layers[0], table, lens)
+    selected = base.selected.clone()
+    dense_ref = reference.paged_decode_attention(q, layers[0].k_pages, layers[0].v_pages, table, lens)
+    sparse_ref = reference.paged_decode_attention(q, layers[0].k_pages, layers[0].v_pages, table, lens, selected)
+    scores_ref = reference.page_scores(q, layers[0].kmin, layers[0].kmax, table, lens, PAGE_SIZE)
+    reps, warmup = args.reps, args.warmup
+    rows = {"dense": [], "sparse": [], "estimate": []}
+    for kind in ("dense", "sparse"):
+        for cfg in grid(ATTENTION_GRID):
+            with attention_config(kind == "dense", **cfg):
+                step = QuestDecodeStep(quest if kind == "sparse" else QuestConfig(backend="triton"),
+                                       batch, hq, hkv, d, npages, DTYPE, DEVICE)
+                if kind == "dense":
+                    err = _rel_err(step.dense(q, layers[0], table, lens), dense_ref)
+                    micros = time_graph(lambda i: step.dense(q, layers[i], table, lens), n_layers, reps, warmup)
+                else:
+                    step.selected.copy_(selected)
+                    err = _rel_err(step.attend(q, layers[0], table, lens), sparse_ref)
+                    micros = time_graph(lambda i: step.attend(q, layers[i], table, lens), n_layers, reps, warmup)
+            rows[kind].append({**cfg, "us": micros, "rel_err": err, "ok": bool(err <= 1e-2)})
+    for cfg in grid(ESTIMATE_GRID):
+        with estimate_config(**cfg):
+            step = QuestDecodeStep(quest, batch, hq, hkv, d, npages, DTYPE, DEVICE)
+            got = step.estimate(q, layers[0], table, lens)
+            finite = torch.isfinite(scores_ref)
+            err = _rel_err(got[finite], scores_ref[finite])
+            micros = time_graph(lambda i: step.estimate(q, layers[i], table, lens), n_layers, reps, warmup)
+        rows["estimate"].append({**cfg, "us": micros, "rel_err": err, "ok": bool(err <= 1e-5)})
+    del data, layers
+    torch.cuda.empty_cache()
+    return {"batch": batch, "context": context, "budget": budget, "n_layers": n_layers,
+            "kv_bytes": data_bytes(batch, context), **rows}
+
+
+def data_bytes(batch: int, context: int) -> int:
+    _, hkv, d = MODELS[MODEL]
+    return batch * context * hkv * d * 2 * torch.tensor([], dtype=DTYPE).element_size()
+
+
+def best_lines(points: list[dict], default: dict) -> list[str]:
+    lines = ["| point | kernel | default µs | best µs | best configuration | default / best |", "|---|---|---|---|---|---|"]
+    for p in points:
+        label = f"B={p['batch']}, L={p['context'] // 1024}k, budget {p['budget']}"
+        for kind in ("dense", "sparse", "estimate"):
+            ok = [r for r in p[kind] if r["ok"]]
+            if not ok:
+                lines.append(f"| {label} | {kind} | - | - | no configuration passed its check | - |")
+                continue
+            best = min(ok, key=lambda r: r["us"])
+            base = next((r for r in ok if all(r[k] == v for k, v in default[kind].items())), None)
+            config = ", ".join(f"{k} {best[k]}" for k in default[kind])
+            base_us = "-" if base is None else f"{base['us']:.1f}"
+            ratio = "-" if base is None else f"{base['us'] / best['us']:.2f}×"
+            lines.append(f"| {label} | {kind} | {base_us} | {best['us']:.1f} | {config} | {ratio} |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=30, help="timed graph replays per measurement")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--max-gb", type=float, default=60.0, help="GPU memory for the pools per point")
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--tag", default="h200")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/kernel_sweep.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    default = defaults()
+    info = {
+        "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": __import__("triton").__version__, "python": platform.python_version(),
+        "model": MODEL, "dtype": str(DTYPE), "page_size": PAGE_SIZE, "defaults": default,
+    }
+    points = []
+    for batch, context, budget in POINTS:
+        points.append(sweep_point(batch, context, budget, args))
+        print("\n".join(best_lines(points[-1:], default)[2:]), flush=True)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"kernel-sweep-{args.tag}.json").write_text(json.dumps({"info": info, "points": points}, indent=1))
+    md = [f"# Kernel launch configurations on {info['gpu']}", "",
+          f"- command: `{info['command']}`", f"- commit: `{info['commit']}`, date: {info['date']}",
+          f"- torch {info['torch']}, triton {info['triton']}; {MODEL} attention, {DTYPE}, page {PAGE_SIZE}",
+          "- median GPU µs per call under CUDA graphs (kernels.py's method); every configuration checked against "
+          "the torch reference on the point's data (attention 1e-2, estimate 1e-5 relative error)",
+          "- grids: attention " + json.dumps(ATTENTION_GRID) + "; estimate " + json.dumps(ESTIMATE_GRID),
+          "", "## Best against the defaults", "", *best_lines(points, default), ""]
+    (out_dir / f"kernel-sweep-{args.tag}.md").write_text("\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
