@@ -53,6 +53,9 @@ QUEST_FIELDS: tuple[str, ...] = ("page_size", "dense_layers") + PAGE_POLICY_OPTI
 _SHARED = ("samples", "seed", "top_p", *QUEST_FIELDS, "score_tokens", "text_file")
 # The options a spec gives the policies that take them (see SweepSpec.settings).
 _POLICY_OPTIONS = PAGE_POLICY_OPTIONS + ("top_p",)
+# Tasks share one batched prefill while rows x length^2 stays under this (the padding mask SDPA
+# materialises is [rows, 1, length, length] in the model's dtype; H2O's prefill recording is of the same order).
+PREFILL_GROUP_ELEMENTS = 2**32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +146,19 @@ def cell_key(cell: dict) -> tuple:
     return (cell["task"], cell["length"], cell["policy"], cell["budget"])
 
 
+def task_groups(task_names: list[str], samples: int, length: int,
+                limit: int = PREFILL_GROUP_ELEMENTS) -> list[list[str]]:
+    """Consecutive tasks packed into groups that share one prefill batch: ``rows * length**2`` at most
+    ``limit`` per group (``samples`` rows per task), every task in a group of its own at least."""
+    groups: list[list[str]] = []
+    for task in task_names:
+        if groups and (len(groups[-1]) + 1) * samples * length**2 <= limit:
+            groups[-1].append(task)
+        else:
+            groups.append([task])
+    return groups
+
+
 def run_sweep(
     model,
     tokenizer,
@@ -165,7 +181,8 @@ def run_sweep(
     plan = []  # (length, task group, page size, pending settings of that page size)
     accuracy_tasks = [task for task in spec.tasks if task != PPL]
     for length in spec.lengths:
-        for group in ([accuracy_tasks] if accuracy_tasks else []) + ([[PPL]] if PPL in spec.tasks else []):
+        groups = task_groups(accuracy_tasks, spec.samples, length) + ([[PPL]] if PPL in spec.tasks else [])
+        for group in groups:
             pending = [s for s in spec.settings() if any((t, length, s.name, s.budget) not in finished for t in group)]
             for page_size in dict.fromkeys(s.page_size or spec.page_size for s in pending):
                 same = [s for s in pending if (s.page_size or spec.page_size) == page_size]

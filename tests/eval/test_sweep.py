@@ -9,6 +9,8 @@ import random
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from questkv import QuestConfig, cli
@@ -402,3 +404,15 @@ def test_cli_refuses_to_resume_other_settings(tmp_path, patched_loader, capsys):
         cli.main(argv)
     assert exit_info.value.code == 2
     assert "samples=3" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(tasks=st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=8),
+       samples=st.integers(1, 30), length=st.integers(1, 64), limit=st.integers(1, 200_000))
+def test_task_groups_keep_the_order_and_stay_under_the_prefill_limit(tasks, samples, length, limit):
+    groups = sweep.task_groups(tasks, samples, length, limit)
+    assert [t for group in groups for t in group] == tasks
+    for group, following in zip(groups, groups[1:] + [None]):
+        assert len(group) == 1 or len(group) * samples * length**2 <= limit
+        if following is not None:  # greedy: the next task did not fit
+            assert (len(group) + 1) * samples * length**2 > limit
