@@ -23,6 +23,7 @@ Usage (on the GPU machine)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -30,7 +31,7 @@ import platform
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from questkv.ops import LayerPages  # noqa: E402
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as kernels  # noqa: E402
+from questkv.ops.triton import _common as triton_common  # noqa: E402
 from questkv.decode import QuestDecodeStep  # noqa: E402
 from questkv.eval.provenance import git_commit  # noqa: E402
 
@@ -91,6 +93,19 @@ def time_graph(enqueue: Callable[[int], object], n_layers: int, reps: int, warmu
     return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / n_layers
 
 
+def graph_equals_eager(fn: Callable[[], torch.Tensor]) -> bool:
+    """Whether one replay of ``fn`` captured in a CUDA graph writes what an eager call returns (bit for bit):
+    a check that the launch attributes graph capture keeps (programmatic dependent launch) order the kernels."""
+    eager = fn().clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return bool(torch.equal(out, eager))
+
+
 def copy_bandwidth(reps: int = 50) -> float:
     """Device-to-device copy bandwidth in TB/s (eager ``copy_``, bytes read plus bytes written;
     a graph-captured copy becomes a copy-engine node, which is slower)."""
@@ -123,6 +138,17 @@ def count_launches(fn: Callable[[], object]) -> Optional[int]:
         return None
 
 
+@contextlib.contextmanager
+def programmatic_launch(enabled: bool) -> Iterator[None]:
+    """The Quest kernels launched with (or without) programmatic dependent launch, restored after."""
+    saved = triton_common.PDL
+    triton_common.PDL = enabled
+    try:
+        yield
+    finally:
+        triton_common.PDL = saved
+
+
 # ----------------------------------------------------------------------------------------------
 # correctness on the GPU
 
@@ -135,7 +161,17 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_correctness() -> list[dict]:
-    """Every kernel against the torch reference (float32 math) on random bf16 data, ragged lengths."""
+    """Every kernel against the torch reference (float32 math) on random bf16 data, ragged lengths,
+    with and without programmatic dependent launch."""
+    results = []
+    for pdl in (False, True):
+        with programmatic_launch(pdl):
+            for check in _check_kernels():
+                results.append({**check, "check": f"{check['check']}{' (PDL)' if pdl else ''}"})
+    return results
+
+
+def _check_kernels() -> list[dict]:
     gen = torch.Generator(device=DEVICE).manual_seed(1234)
     results = []
 
@@ -257,6 +293,12 @@ def point_data(model: str, batch: int, context: int, min_budget: int, max_gb: fl
     }
 
 
+def other_pdl(enqueue: Callable[[int], object], n_layers: int, reps: int, warmup: int) -> float:
+    """:func:`time_graph` with programmatic dependent launch switched from its default."""
+    with programmatic_launch(not triton_common.PDL):
+        return time_graph(enqueue, n_layers, reps, warmup)
+
+
 def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
     hq, hkv, d = MODELS[model]
     data = point_data(model, batch, context, min(budgets), args.max_gb)
@@ -269,6 +311,7 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
 
     dense = QuestDecodeStep(QuestConfig(backend="triton"), batch, hq, hkv, d, npages, DTYPE, DEVICE)
     point["questkv_dense_us"] = time_graph(lambda i: dense.dense(q, layers[i], table, lens), n_layers, reps, warmup)
+    point["questkv_dense_other_pdl_us"] = other_pdl(lambda i: dense.dense(q, layers[i], table, lens), n_layers, reps, warmup)
     dense_out = dense.dense(q, layers[0], table, lens).clone()
 
     point["flashinfer"] = {}
@@ -303,6 +346,7 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
             "budget": budget,
             "ideal_speedup": context / (context / PAGE_SIZE + budget),
             "step_us": time_graph(lambda i: step(q, layers[i], table, lens), n_layers, reps, warmup),
+            "step_other_pdl_us": other_pdl(lambda i: step(q, layers[i], table, lens), n_layers, reps, warmup),
             "estimate_us": time_graph(lambda i: step.estimate(q, layers[i], table, lens), n_layers, reps, warmup),
             "select_us": time_graph(lambda i: step.select(lens), n_layers, reps, warmup),
             "select_torch_topk_us": time_graph(
@@ -311,6 +355,7 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
             "attend_us": time_graph(lambda i: step.attend(q, layers[i], table, lens), n_layers, reps, warmup),
             "step_bytes": sparse_bytes,
             "launches": count_launches(lambda: step(q, layers[0], table, lens)),
+            "graph_equals_eager": graph_equals_eager(lambda: step(q, layers[0], table, lens)),
         }
         row["step_tbps"] = sparse_bytes / (row["step_us"] * 1e-6) / 1e12
         row["estimate_tbps"] = bound_bytes / (row["estimate_us"] * 1e-6) / 1e12
@@ -336,21 +381,26 @@ def _fmt(value, digits=1):
 
 def table_lines(points: list[dict]) -> list[str]:
     head = (
-        "| model | B | L | budget | Quest step µs | estimate | select | select torch.topk | attend | "
-        "questkv dense µs | FlashInfer dense µs | SDPA µs | speedup vs FI | ideal | step TB/s | dense/FI |"
+        "| model | B | L | budget | Quest step µs | step, PDL switched | estimate | select | select torch.topk | attend | "
+        "questkv dense µs | dense, PDL switched | FlashInfer dense µs | SDPA µs | speedup vs FI | ideal | step TB/s "
+        "| dense/FI | graph = eager |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in points:
         ctx = f"{p['context'] // 1024}k"
-        dense = [_fmt(p.get("questkv_dense_us")), _fmt(p.get("flashinfer_dense_us")), _fmt(p.get("sdpa_dense_us"))]
+        dense = [_fmt(p.get("questkv_dense_us")), _fmt(p.get("questkv_dense_other_pdl_us")),
+                 _fmt(p.get("flashinfer_dense_us")), _fmt(p.get("sdpa_dense_us"))]
         ratio = _fmt(p.get("dense_ratio_vs_flashinfer"), 2)
         if not p["sparse"]:
-            lines.append(f"| {p['model']} | {p['batch']} | {ctx} | - | - | - | - | - | - | {' | '.join(dense)} | - | - | - | {ratio} |")
+            lines.append(f"| {p['model']} | {p['batch']} | {ctx} | - | - | - | - | - | - | - | {' | '.join(dense)} "
+                         f"| - | - | - | {ratio} | - |")
         for r in p["sparse"]:
             lines.append(
-                f"| {p['model']} | {p['batch']} | {ctx} | {r['budget']} | {_fmt(r['step_us'])} | {_fmt(r['estimate_us'])} | "
+                f"| {p['model']} | {p['batch']} | {ctx} | {r['budget']} | {_fmt(r['step_us'])} "
+                f"| {_fmt(r.get('step_other_pdl_us'))} | {_fmt(r['estimate_us'])} | "
                 f"{_fmt(r['select_us'])} | {_fmt(r['select_torch_topk_us'])} | {_fmt(r['attend_us'])} | {' | '.join(dense)} | "
-                f"{_fmt(r.get('speedup_vs_flashinfer'), 2)} | {_fmt(r['ideal_speedup'], 2)} | {_fmt(r['step_tbps'], 2)} | {ratio} |"
+                f"{_fmt(r.get('speedup_vs_flashinfer'), 2)} | {_fmt(r['ideal_speedup'], 2)} | {_fmt(r['step_tbps'], 2)} "
+                f"| {ratio} | {r.get('graph_equals_eager', '-')} |"
             )
     return lines
 
@@ -402,6 +452,7 @@ def main() -> int:
         "python": platform.python_version(),
         "dtype": str(DTYPE),
         "page_size": PAGE_SIZE,
+        "pdl": triton_common.PDL,
     }
     try:
         import flashinfer
@@ -448,6 +499,8 @@ def main() -> int:
         f"- torch {info['torch']}, triton {info['triton']}, flashinfer {info['flashinfer']}; {DTYPE}, page {PAGE_SIZE}",
         f"- device-to-device copy: {info['copy_tbps']:.2f} TB/s (read + write)",
         f"- correctness: {sum(c['ok'] for c in checks)}/{len(checks)} checks passed",
+        f"- programmatic dependent launch (PDL) {'on' if info['pdl'] else 'off'} by default; the 'PDL switched' "
+        "columns time the same graph with it the other way",
         "- times: median GPU µs per call under CUDA graphs; speedup = FlashInfer dense / Quest step; "
         "ideal = L / (L/16 + budget); step TB/s = (bounds + selected K/V bytes) / step time",
         "",

@@ -10,6 +10,11 @@ import triton
 
 _DEFAULT_SMS = 132  # an H100/H200; the split heuristic's choice on a CPU (interpreter) run
 
+# Programmatic dependent launch (sm_90+): each Quest kernel is launched so that it may start while the
+# kernel before it in the stream finishes, and waits (``griddepcontrol.wait``) before its first read of
+# memory that earlier kernels wrote. Module state so that a benchmark can time both settings.
+PDL = True
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``).
@@ -18,6 +23,21 @@ def interpreting() -> bool:
     multiplies the raw 16-bit patterns. On a GPU the operands stay in their dtype.
     """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether launches on ``device`` use programmatic dependent launch: :data:`PDL`, on a CUDA GPU of
+    compute capability 9.0 or newer, never under the interpreter."""
+    return PDL and device.type == "cuda" and not interpreting() and _capability(device) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def next_pow2(value: int) -> int:

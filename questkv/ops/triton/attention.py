@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from questkv.ops.reference import AttentionBuffers
 from questkv.ops.triton._common import (
@@ -16,6 +17,7 @@ from questkv.ops.triton._common import (
     interpreting,
     next_pow2,
     num_sms,
+    use_pdl,
 )
 
 _LOG2E = 1.4426950408889634
@@ -45,7 +47,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr, SEL_PER_KV: tl.constexpr,
     PAGES_PER_ITER: tl.constexpr, MERGE_CHUNK: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (split, selection head, sequence) attends a contiguous chunk of the page
     list (the selection row, or every page when ``DENSE``) for the ``GROUP`` query heads that share
@@ -53,11 +55,14 @@ def _decode_split_kernel(
     normalised output ``[GROUP, HEAD_DIM]`` and base-2 log-sum-exp (``-inf`` for an empty chunk),
     then takes a ticket; the program that takes the last ticket of its (sequence, selection head)
     merges all splits into ``out`` and resets the counter for the next launch (one launch per step,
-    no separate merge kernel)."""
+    no separate merge kernel). With ``USE_PDL`` it waits for the kernels before it only at its first
+    read, and lets the next kernel launch once its split is attended."""
     split = tl.program_id(0)
     sel_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     kv_head = sel_head // SEL_PER_KV
+    if USE_PDL:
+        gdc_wait()
     seq_len = tl.load(lens_ptr + seq)
     if DENSE:
         num_items = tl.cdiv(seq_len, PAGE_SIZE)
@@ -115,6 +120,8 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if USE_PDL:
+        gdc_launch_dependents()
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -263,8 +270,8 @@ def paged_decode_attention_into(
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_GM=next_pow2(group), SEL_PER_KV=sel_heads // num_kv_heads,
         PAGES_PER_ITER=pages_per_iter(page_size, dense), MERGE_CHUNK=_MERGE_CHUNK, DENSE=dense, UPCAST=interpreting(),
-        IEEE=q.dtype == torch.float32,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES[dense],
+        IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device),
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES[dense], launch_pdl=use_pdl(q.device),
     )
     return out
 

@@ -7,7 +7,16 @@ import triton
 import triton.language as tl
 
 from questkv.config import GROUP_REDUCTIONS, SELECTIONS
-from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2, num_sms
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from questkv.ops.triton._common import (
+    check_last_dim_contiguous,
+    check_shape,
+    interpreting,
+    next_pow2,
+    num_sms,
+    use_pdl,
+)
 
 _MODE_Q_HEAD, _MODE_SUM, _MODE_MAX = 0, 1, 2
 # Launch configuration (measured on an H200, docs/gpu-kernels.md): pages per block; blocks per
@@ -30,7 +39,7 @@ def _page_scores_kernel(
     stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (KV head, ``BLOCKS`` page blocks, sequence), heads fastest so that the
     programs reading one page's bounds (``num_kv_heads`` adjacent rows) run together; the loop over
@@ -38,10 +47,13 @@ def _page_scores_kernel(
     once for every query head of the KV head's group, and the scores come from two matrix
     products on the tensor cores: ``max(q*lo, q*hi) = max(q, 0)*hi + min(q, 0)*lo`` element-wise,
     so ``score = max(q, 0) @ kmax^T + min(q, 0) @ kmin^T``. Splitting ``q`` by sign is exact in
-    any float dtype and products accumulate in float32."""
+    any float dtype and products accumulate in float32. With ``USE_PDL`` it waits for the kernels before
+    it only at its first read, and lets the next kernel launch once its loop is done."""
     head = tl.program_id(0)
     pid_p = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
+    if USE_PDL:
+        gdc_wait()
     num_pages = tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
@@ -81,6 +93,8 @@ def _page_scores_kernel(
                 combined = tl.max(tl.where(gmask[:, None], score, float("-inf")), axis=0)
             tl.store(out_ptr + seq * stride_ob + head * stride_oh + p, tl.where(valid, combined, float("-inf")),
                      mask=in_row)
+    if USE_PDL:
+        gdc_launch_dependents()
 
 
 def _mode(selection: str, group_reduction: str) -> int:
@@ -137,8 +151,8 @@ def page_scores_into(
         # float32 products when 16-bit operands would lose bits (or under the interpreter, whose
         # bf16 dot is wrong); 16-bit operands are exact as they are
         DOT_FP32=interpreting() or q.dtype == torch.float32 or q.dtype != kmin.dtype,
-        BLOCKS=per_program, NUM_STAGES=_NUM_STAGES,
-        num_warps=_NUM_WARPS,
+        BLOCKS=per_program, NUM_STAGES=_NUM_STAGES, USE_PDL=use_pdl(q.device),
+        num_warps=_NUM_WARPS, launch_pdl=use_pdl(q.device),
     )
     return out
 
