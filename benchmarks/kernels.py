@@ -483,6 +483,9 @@ def main() -> int:
                     point = run_point(model, batch, context, budgets, args, flashinfer_ok)
                     torch.cuda.empty_cache()  # the point's pools are gone: hand their memory back
                     points.append(point)
+                    partial = Path(args.out_dir) / f"kernels-{args.tag}.partial.json"
+                    partial.parent.mkdir(parents=True, exist_ok=True)
+                    partial.write_text(json.dumps({"info": info, "checks": checks, "points": points}, indent=1))
                     steps = ", ".join(f"budget {r['budget']}: {r['step_us']:.1f}" for r in point["sparse"])
                     print(f"{model} B={batch} L={context}: dense questkv {point['questkv_dense_us']:.1f} / "
                           f"FlashInfer {point.get('flashinfer_dense_us', float('nan')):.1f} µs; Quest step {steps} µs", flush=True)
