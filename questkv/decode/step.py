@@ -24,8 +24,9 @@ class QuestDecodeStep:
     """A preallocated decode step for one decode shape, shared by every layer of that shape.
 
     Every buffer is allocated once for ``batch`` sequences and ``max_pages`` page-table columns;
-    the Triton backend launches three kernels (estimate, select, split attention with the merge
-    fused in) whose grids depend on those shapes only, so a step is capturable in a CUDA graph:
+    the Triton backend launches estimate, select (one kernel, or the split select's few launches
+    for long rows) and split attention with the merge fused in, with grids that depend on those
+    shapes only, so a step is capturable in a CUDA graph:
     keep ``q``, ``page_table`` (padded ``[batch, max_pages]``), ``seq_lens`` and ``budgets`` in fixed
     tensors, update them in place between replays. Calls overwrite the buffers, so one step serves
     the layers of a model one after another.
@@ -39,7 +40,8 @@ class QuestDecodeStep:
         num_splits: split count of the attention kernel (default: one wave of a few programs per SM).
 
     Buffers: ``scores`` ``[batch, num_sel_heads, max_pages]`` float32, ``selected`` ``[batch,
-    num_sel_heads, budget_pages]`` int32, ``out`` ``[batch, num_q_heads, head_dim]`` in ``dtype``.
+    num_sel_heads, budget_pages]`` int32, ``out`` ``[batch, num_q_heads, head_dim]`` in ``dtype``,
+    and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`).
     """
 
     def __init__(
@@ -66,10 +68,11 @@ class QuestDecodeStep:
             batch, num_q_heads, heads, head_dim, items, config.page_size, dense, device, num_splits
         )
         self._dense_buffers = buffers(num_kv_heads, max_pages, True)
-        self.scores = self.selected = self._sparse_buffers = None
+        self.scores = self.selected = self.select_buffers = self._sparse_buffers = None
         if not config.is_dense:
             self.scores = torch.empty((batch, sel_heads, max_pages), dtype=torch.float32, device=device)
             self.selected = torch.empty((batch, sel_heads, config.budget_pages), dtype=torch.int32, device=device)
+            self.select_buffers = self.backend.select_buffers(batch, sel_heads, max_pages, device)
             self._sparse_buffers = buffers(sel_heads, config.budget_pages, False)
 
     @classmethod
@@ -97,12 +100,16 @@ class QuestDecodeStep:
             self.scores, q, layer.kmin, layer.kmax, page_table, seq_lens, cfg.page_size, cfg.selection, cfg.group_reduction
         )
 
-    def select(self, seq_lens: torch.Tensor, budgets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def select(
+        self, seq_lens: torch.Tensor, budgets: Optional[torch.Tensor] = None, split: Optional[bool] = None
+    ) -> torch.Tensor:
         """Top pages of ``self.scores`` into ``self.selected``; ``budgets`` ``[batch]`` int32 token
-        budgets (``None``: the config's for every sequence)."""
+        budgets (``None``: the config's for every sequence); ``split`` forces the Triton select's
+        split (``True``) or one-program-per-row (``False``) path, ``None`` picks by ``max_pages``."""
         cfg = self.config
         return self.backend.select_pages_into(
-            self.selected, self.scores, seq_lens, cfg.page_size, cfg.budget_pages, cfg.sink_pages, cfg.recent_pages, budgets
+            self.selected, self.scores, seq_lens, cfg.page_size, cfg.budget_pages, cfg.sink_pages, cfg.recent_pages,
+            budgets, self.select_buffers, split,
         )
 
     def dense(

@@ -252,6 +252,29 @@ def attention_buffers(
     return AttentionBuffers()
 
 
+class SelectBuffers(NamedTuple):
+    """Scratch of the split select kernels (:func:`questkv.ops.triton.select_buffers`); the
+    reference needs none, so all its fields are ``None``."""
+
+    hist: Optional[torch.Tensor] = None
+    chunk_hist: Optional[torch.Tensor] = None
+    chunk_above: Optional[torch.Tensor] = None
+    counters: Optional[torch.Tensor] = None
+    chunk_pages: int = 0
+
+
+def select_buffers(
+    batch: int,
+    num_sel_heads: int,
+    max_pages: int,
+    device: torch.device,
+    chunk_pages: Optional[int] = None,
+    digit_bits: Optional[int] = None,
+) -> SelectBuffers:
+    """The reference selection needs no scratch: an empty :class:`SelectBuffers`."""
+    return SelectBuffers()
+
+
 def page_scores_into(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -276,8 +299,11 @@ def select_pages_into(
     sink_pages: int = 0,
     recent_pages: int = 0,
     budgets: Optional[torch.Tensor] = None,
+    buffers: Optional[SelectBuffers] = None,
+    split: Optional[bool] = None,
 ) -> torch.Tensor:
-    """:func:`select_pages` into ``out`` ``[batch, num_sel_heads, budget_pages]`` int32; returns ``out``."""
+    """:func:`select_pages` into ``out`` ``[batch, num_sel_heads, budget_pages]`` int32; ``buffers``
+    and ``split`` (the kernel's scratch and path) are unused here. Returns ``out``."""
     return out.copy_(select_pages(scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages, budgets))
 
 

@@ -42,7 +42,7 @@ _SCRIPT = textwrap.dedent(
         print(kernel.__name__, sorted(constexprs.items()), "smem", compiled.metadata.shared)
 
 
-    def compile_attention(dtype, dense, group, sel_per_kv):
+    def compile_attention(dtype, dense, group, sel_per_kv, pdl=False):
         ieee = dtype == "fp32"
         compile_kernel(
             attention._decode_split_kernel,
@@ -52,7 +52,7 @@ _SCRIPT = textwrap.dedent(
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": 16,
              "BLOCK_GM": group, "SEL_PER_KV": sel_per_kv,
              "PAGES_PER_ITER": attention.pages_per_iter(16, dense), "MERGE_CHUNK": attention._MERGE_CHUNK,
-             "DENSE": dense, "UPCAST": False, "IEEE": ieee},
+             "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl},
             floats=("qk_scale",),
             num_warps=attention._NUM_WARPS,
         )
@@ -65,16 +65,18 @@ _SCRIPT = textwrap.dedent(
         {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128},
         num_warps=1,
     )
-    for mode, group in ((0, 4), (1, 4), (2, 4), (1, 1)):
+    for mode, group, pdl in ((0, 4, False), (1, 4, False), (2, 4, False), (1, 1, False), (1, 4, True)):
         compile_kernel(
             estimate._page_scores_kernel,
             {"q_ptr": "bf16", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
              "lens_ptr": "i32", "out_ptr": "fp32"},
             {"PAGE_SIZE": 16, "GROUP": group, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
-             "BLOCK_D": 128, "MODE": mode, "DOT_FP32": False, "BLOCKS": 2, "NUM_STAGES": 2},
+             "BLOCK_D": 128, "MODE": mode, "DOT_FP32": False, "BLOCKS": 2, "NUM_STAGES": 2, "USE_PDL": pdl},
         )
     for dense, group, sel_per_kv in ((False, 4, 1), (True, 4, 1), (False, 1, 1), (False, 1, 4)):
         compile_attention("bf16", dense, group, sel_per_kv)
+    compile_attention("bf16", False, 4, 1, pdl=True)
+    compile_attention("bf16", True, 4, 1, pdl=True)
     compile_attention("fp16", False, 4, 1)
     compile_attention("fp32", False, 4, 1)
     compile_attention("fp32", True, 4, 1)
@@ -83,7 +85,7 @@ _SCRIPT = textwrap.dedent(
         {"q_ptr": "fp32", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
          "lens_ptr": "i32", "out_ptr": "fp32"},
         {"PAGE_SIZE": 16, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
-         "BLOCK_D": 128, "MODE": 1, "DOT_FP32": True, "BLOCKS": 1, "NUM_STAGES": 2},
+         "BLOCK_D": 128, "MODE": 1, "DOT_FP32": True, "BLOCKS": 1, "NUM_STAGES": 2, "USE_PDL": False},
     )
     for block_n, block_k, has_budgets in ((2048, 128, True), (8192, 256, False), (64, 64, True)):
         compile_kernel(
@@ -93,6 +95,16 @@ _SCRIPT = textwrap.dedent(
              "HAS_BUDGETS": has_budgets},
             num_warps=8,
         )
+    split_pointers = {"scores_ptr": "fp32", "lens_ptr": "i32", "budgets_ptr": "i32", "hist_ptr": "i32",
+                      "chunk_hist_ptr": "i32", "chunk_above_ptr": "i32", "counter_ptr": "i32", "out_ptr": "i32"}
+    for digit_bits, chunk, has_budgets in ((8, 512, True), (11, 1024, False)):
+        passes = -(-32 // digit_bits)
+        split = {"PAGE_SIZE": 16, "BUDGET": 4096, "SINK": 1, "RECENT": 2, "HAS_BUDGETS": has_budgets, "CHUNK": chunk,
+                 "DIGIT_BITS": digit_bits, "BINS": 1 << digit_bits, "LAST_BINS": 1 << (32 - (passes - 1) * digit_bits),
+                 "NUM_PASSES": passes}
+        for p in range(passes):
+            compile_kernel(select._split_histogram_kernel, split_pointers, {**split, "PASS": p})
+        compile_kernel(select._split_compact_kernel, split_pointers, {**split, "BLOCK_C": 16, "PAD_BLOCK": 256})
     print("all kernels compiled for sm_90")
     """
 )

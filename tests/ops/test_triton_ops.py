@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from questkv import ops  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as tk  # noqa: E402
-from questkv.ops.triton import estimate  # noqa: E402
+from questkv.ops.triton import estimate, select  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (num_q_heads, num_kv_heads, head_dim): GQA and MHA
@@ -203,13 +203,23 @@ def test_attention_split_merge_and_scale(num_splits):
         assert not counters.any()
 
 
+def _force_split_select(monkeypatch, split):
+    """Make every select take the split path (chunks of 8 pages) or the one-program-per-row kernel."""
+    monkeypatch.setattr(select, "_SPLIT_MIN_PAGES", 1 if split else 10**9)
+    monkeypatch.setattr(select, "_SPLIT_MAX_ROWS", 10**9)
+    monkeypatch.setattr(select, "_SPLIT_CHUNK_PAGES", 8)
+
+
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("selection", ["kv_head", "q_head"])
-def test_decode_step_matches_reference(selection):
-    """QuestDecodeStep on the Triton backend (CPU tensors, interpreter) against the torch backend."""
+def test_decode_step_matches_reference(selection, split, monkeypatch):
+    """QuestDecodeStep on the Triton backend (CPU tensors, interpreter) against the torch backend,
+    with either select path (split: 2 chunks per row, the last one partial)."""
     from questkv.ops import LayerPages
     from questkv.config import QuestConfig
     from questkv.decode import QuestDecodeStep, quest_decode
 
+    _force_split_select(monkeypatch, split)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     page_size, max_pages, heads = 16, 10, (8, 2, 32)
     q, k_pages, v_pages, table, lens = _attention_case(torch.float16, heads, [150, 60], max_pages, page_size, gen)
@@ -231,13 +241,15 @@ def test_decode_step_matches_reference(selection):
         assert _rel_err(outs["torch"], direct) < 1e-6
 
 
-def test_decode_step_with_mixed_budgets_matches_reference_and_each_row_alone():
-    """Per-sequence token budgets through QuestDecodeStep: Triton == torch (selection bit for bit),
-    and every row equals the same sequence decoded alone at its own budget."""
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_step_with_mixed_budgets_matches_reference_and_each_row_alone(split, monkeypatch):
+    """Per-sequence token budgets through QuestDecodeStep: Triton == torch (selection bit for bit,
+    either select path), and every row equals the same sequence decoded alone at its own budget."""
     from questkv.config import QuestConfig
     from questkv.decode import QuestDecodeStep
     from questkv.ops import LayerPages
 
+    _force_split_select(monkeypatch, split)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     page_size, max_pages, heads = 16, 10, (8, 2, 32)
     q, k_pages, v_pages, table, lens = _attention_case(torch.float32, heads, [150, 140, 60], max_pages, page_size, gen)

@@ -13,7 +13,7 @@ from questkv.ops.triton.attention import (
     plan_splits,
 )
 from questkv.ops.triton.estimate import page_scores, page_scores_into
-from questkv.ops.triton.select import select_pages, select_pages_into
+from questkv.ops.triton.select import select_buffers, select_pages, select_pages_into
 
 __all__ = [
     "append_kv",
@@ -23,6 +23,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_into",
     "plan_splits",
+    "select_buffers",
     "select_pages",
     "select_pages_into",
 ]

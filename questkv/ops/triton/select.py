@@ -1,4 +1,8 @@
-"""Select kernel: top-K pages per (sequence, head) with forced sink / recent / current pages."""
+"""Select kernels: top-K pages per (sequence, head) with forced sink / recent / current pages.
+
+Two paths with the same result: one program per (sequence, head) row for short rows, and for
+long rows a split radix select over chunks of the row (several launches, global histograms).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,53 @@ import torch
 import triton
 import triton.language as tl
 
+from questkv.ops.reference import SelectBuffers
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2
 
 # Keys each thread holds, and the warp range: fewer warps make the block-wide reductions cheaper,
 # more keys per thread cost registers (measured on an H200, docs/gpu-kernels.md).
 _KEYS_PER_THREAD = 8
 _MIN_WARPS, _MAX_WARPS = 4, 16
+# Split path: taken (unless forced) from this many page-table columns on, for at most
+# _SPLIT_MAX_ROWS (sequence, head) rows (more rows already fill the GPU with one program each),
+# over chunks of _SPLIT_CHUNK_PAGES pages (a power of two), with digits of _DIGIT_BITS bits:
+# ceil(32 / bits) histogram passes, the last over the low bits left (8 -> 4 x 8, 11 -> 11/11/10).
+_SPLIT_MIN_PAGES = 4096
+_SPLIT_MAX_ROWS = 32
+_SPLIT_CHUNK_PAGES = 512
+_DIGIT_BITS = 8
+
+
+@triton.jit
+def _row_pages(lens_ptr, budgets_ptr, seq, max_pages,
+               PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, HAS_BUDGETS: tl.constexpr):
+    """Pages of sequence ``seq`` and how many of them its row keeps."""
+    num_pages = tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE)
+    row_budget = BUDGET
+    if HAS_BUDGETS:
+        row_budget = tl.minimum(tl.load(budgets_ptr + seq) // PAGE_SIZE, BUDGET)
+    return num_pages, tl.minimum(tl.minimum(num_pages, max_pages), row_budget)
+
+
+@triton.jit
+def _page_keys(row_ptr, i, num_pages, max_pages, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Validity and 32-bit order-preserving key (uint32) of pages ``i`` of the score row at ``row_ptr``."""
+    valid = (i < max_pages) & (i < num_pages)
+    score = tl.load(row_ptr + i, mask=valid, other=0.0)
+    forced = valid & ((i < SINK) | (i >= num_pages - 1 - RECENT))
+    score = tl.where(forced, float("inf"), tl.where(score == 0.0, 0.0, score))  # -0.0 ties +0.0
+    bits = score.to(tl.int32, bitcast=True)
+    key = (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)  # monotone
+    return valid, key
+
+
+@triton.jit
+def _pick(hist, bins, remaining):
+    """The digit holding the ``remaining``-th largest key of a histogram, and how many keys have a
+    larger digit (``-1`` and ``0`` when ``remaining`` is 0)."""
+    above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)
+    pick = tl.max(tl.where((above < remaining) & (above + hist >= remaining), bins, -1), axis=0)
+    return pick, tl.sum(tl.where(bins == pick, above, 0), axis=0)
 
 
 @triton.jit
@@ -36,28 +81,17 @@ def _select_pages_kernel(
     """
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
-    num_pages = tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE)
+    num_pages, remaining = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     i = tl.arange(0, BLOCK_N)
-    valid = (i < max_pages) & (i < num_pages)
-    score = tl.load(scores_ptr + seq * stride_sb + head * stride_sh + i, mask=valid, other=0.0)
-    forced = valid & ((i < SINK) | (i >= num_pages - 1 - RECENT))
-    score = tl.where(forced, float("inf"), tl.where(score == 0.0, 0.0, score))  # -0.0 ties +0.0
-    bits = score.to(tl.int32, bitcast=True)
-    key = (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)  # monotone
+    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT)
 
-    row_budget = BUDGET
-    if HAS_BUDGETS:
-        row_budget = tl.minimum(tl.load(budgets_ptr + seq) // PAGE_SIZE, BUDGET)
-    remaining = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), row_budget)  # pages still to pick
     threshold = tl.zeros([], tl.uint32)
     match = valid
     bins = tl.arange(0, 256)
     for p in tl.static_range(4):
         digit = ((key >> (24 - 8 * p)) & 255).to(tl.int32)
-        hist = tl.histogram(digit, 256, mask=match)
-        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # matching keys with a larger digit
-        pick = tl.max(tl.where((above < remaining) & (above + hist >= remaining), bins, -1), axis=0)
-        remaining -= tl.sum(tl.where(bins == pick, above, 0), axis=0)
+        pick, above = _pick(tl.histogram(digit, 256, mask=match), bins, remaining)
+        remaining -= above
         threshold = threshold | (pick.to(tl.uint32) << (24 - 8 * p))
         match = match & (digit == pick)
 
@@ -71,6 +105,204 @@ def _select_pages_kernel(
     tl.store(row + j, tl.full([BLOCK_K], -1, tl.int32), mask=(j >= tl.sum(flag, axis=0)) & (j < BUDGET))
 
 
+@triton.jit
+def _merged_prefix(hist_ptr, key, match, remaining,
+                   PASSES: tl.constexpr, DIGIT_BITS: tl.constexpr, BINS: tl.constexpr):
+    """The threshold's top ``PASSES`` digits from a row's merged histograms ``hist_ptr``
+    ``[>= PASSES, BINS]``: ``(prefix, match & key has that prefix, keys still to pick below it)``."""
+    bins = tl.arange(0, BINS)
+    prefix = tl.zeros([], tl.uint32)
+    for p in tl.static_range(PASSES):
+        pick, above = _pick(tl.load(hist_ptr + p * BINS + bins), bins, remaining)
+        remaining -= above
+        prefix = prefix | (pick.to(tl.uint32) << (32 - (p + 1) * DIGIT_BITS))
+        match = match & (((key >> (32 - (p + 1) * DIGIT_BITS)) & (BINS - 1)).to(tl.int32) == pick)
+    return prefix, match, remaining
+
+
+@triton.jit
+def _split_histogram_kernel(
+    scores_ptr, lens_ptr, budgets_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr,
+    max_pages,
+    stride_sb, stride_sh,
+    PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+    HAS_BUDGETS: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr, BINS: tl.constexpr,
+    LAST_BINS: tl.constexpr, NUM_PASSES: tl.constexpr, PASS: tl.constexpr,
+):
+    """Histogram pass ``PASS`` of the split select, one program per (chunk, head, sequence).
+
+    The program recomputes its chunk's keys and, from the row's merged histograms of the earlier
+    passes, the threshold's top ``PASS`` digits; it histograms digit ``PASS`` of the chunk's keys
+    that share them. Every pass but the last adds the histogram into the row's merged one (global
+    atomics); the last pass (the low bits) stores it per chunk with the count of the chunk's keys
+    whose prefix is larger, which is what the compaction needs to place every chunk.
+    """
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    num_chunks = tl.num_programs(0)
+    row = seq * tl.num_programs(1) + head
+    num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
+    i = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT)
+    valid = valid & (to_pick > 0)
+    row_hist = hist_ptr + row * (NUM_PASSES - 1) * BINS
+    prefix, match, _ = _merged_prefix(row_hist, key, valid, to_pick, PASS, DIGIT_BITS, BINS)
+    if PASS == NUM_PASSES - 1:
+        LAST_BITS: tl.constexpr = 32 - PASS * DIGIT_BITS
+        hist = tl.histogram((key & (LAST_BINS - 1)).to(tl.int32), LAST_BINS, mask=match)
+        tl.store(chunk_hist_ptr + (row * num_chunks + chunk) * LAST_BINS + tl.arange(0, LAST_BINS), hist)
+        above = tl.sum((valid & ((key >> LAST_BITS) > (prefix >> LAST_BITS))).to(tl.int32), axis=0)
+        tl.store(chunk_above_ptr + row * num_chunks + chunk, above)
+    else:
+        SHIFT: tl.constexpr = 32 - (PASS + 1) * DIGIT_BITS
+        hist = tl.histogram(((key >> SHIFT) & (BINS - 1)).to(tl.int32), BINS, mask=match)
+        tl.atomic_add(row_hist + PASS * BINS + tl.arange(0, BINS), hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def _split_compact_kernel(
+    scores_ptr, lens_ptr, budgets_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, counter_ptr, out_ptr,
+    max_pages,
+    stride_sb, stride_sh,
+    stride_ob, stride_oh,
+    PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+    HAS_BUDGETS: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr, BINS: tl.constexpr,
+    LAST_BINS: tl.constexpr, NUM_PASSES: tl.constexpr, BLOCK_C: tl.constexpr, PAD_BLOCK: tl.constexpr,
+):
+    """Last launch of the split select, one program per (chunk, head, sequence).
+
+    From the merged histograms and every chunk's last-pass histogram the program gets the
+    threshold key ``T``, the ties at ``T`` the row keeps, and per chunk the keys above ``T`` and
+    at ``T``; ties go to the lowest chunks first, so the chunk's output offset is the sum of the
+    earlier chunks' kept pages and its own tie quota follows. It writes its kept pages in ascending
+    order and its share of the ``-1`` padding, then takes a ticket: the row's last program zeroes
+    the merged histograms and the counter for the next launch.
+    """
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    num_chunks = tl.num_programs(0)
+    row = seq * tl.num_programs(1) + head
+    num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
+    i = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT)
+    valid = valid & (to_pick > 0)
+    row_hist = hist_ptr + row * (NUM_PASSES - 1) * BINS
+    prefix, _, remaining = _merged_prefix(row_hist, key, valid, to_pick, NUM_PASSES - 1, DIGIT_BITS, BINS)
+
+    c = tl.arange(0, BLOCK_C)
+    lbins = tl.arange(0, LAST_BINS)
+    in_row = c < num_chunks
+    hists = tl.load(chunk_hist_ptr + (row * num_chunks + c[:, None]) * LAST_BINS + lbins[None, :],
+                    mask=in_row[:, None], other=0)  # [BLOCK_C, LAST_BINS]
+    last, above_last = _pick(tl.sum(hists, axis=0), lbins, remaining)
+    ties = remaining - above_last  # keys equal to the threshold the row keeps
+    threshold = prefix | last.to(tl.uint32)
+    above = tl.load(chunk_above_ptr + row * num_chunks + c, mask=in_row, other=0)
+    above += tl.sum(tl.where(lbins[None, :] > last, hists, 0), axis=1)
+    equal = tl.sum(tl.where(lbins[None, :] == last, hists, 0), axis=1)
+    equal_before = tl.cumsum(equal, axis=0) - equal
+    kept = above + tl.minimum(tl.maximum(ties - equal_before, 0), equal)
+    kept_before = tl.cumsum(kept, axis=0) - kept
+    mine = c == chunk
+    offset = tl.sum(tl.where(mine, kept_before, 0), axis=0)
+    ties -= tl.sum(tl.where(mine, equal_before, 0), axis=0)
+
+    tie = (valid & (key == threshold)).to(tl.int32)
+    chosen = valid & ((key > threshold) | ((tie == 1) & (tl.cumsum(tie, axis=0) - tie < ties)))
+    flag = chosen.to(tl.int32)
+    out_row = out_ptr + seq * stride_ob + head * stride_oh
+    tl.store(out_row + offset + tl.cumsum(flag, axis=0) - flag, i, mask=chosen)
+    j = chunk * PAD_BLOCK + tl.arange(0, PAD_BLOCK)
+    tl.store(out_row + j, tl.full([PAD_BLOCK], -1, tl.int32), mask=(j >= tl.sum(kept, axis=0)) & (j < BUDGET))
+
+    counter = counter_ptr + row
+    tl.debug_barrier()  # every thread's histogram loads happen before the (releasing) ticket
+    if tl.atomic_add(counter, 1, sem="acq_rel") == num_chunks - 1:
+        zeros = tl.zeros([BINS], tl.int32)
+        for p in tl.static_range(NUM_PASSES - 1):
+            tl.store(row_hist + p * BINS + tl.arange(0, BINS), zeros)
+        tl.atomic_xchg(counter, 0)
+
+
+def _num_passes(digit_bits: int) -> int:
+    if not 1 <= digit_bits <= 16:
+        raise ValueError(f"digit_bits must be in [1, 16], got {digit_bits}")
+    return triton.cdiv(32, digit_bits)
+
+
+def select_buffers(
+    batch: int,
+    num_sel_heads: int,
+    max_pages: int,
+    device: torch.device,
+    chunk_pages: Optional[int] = None,
+    digit_bits: Optional[int] = None,
+) -> SelectBuffers:
+    """Scratch of the split select for ``scores`` ``[batch, num_sel_heads, max_pages]``.
+
+    ``chunk_pages`` (a power of two, default ``_SPLIT_CHUNK_PAGES``) pages per program and
+    ``digit_bits`` (default ``_DIGIT_BITS``) bits per radix digit give ``num_chunks =
+    ceil(max_pages / chunk_pages)`` and ``P = ceil(32 / digit_bits)`` passes. Fields (int32,
+    contiguous): ``hist`` ``[batch, num_sel_heads, P - 1, 2**digit_bits]`` merged histograms and
+    ``counters`` ``[batch, num_sel_heads]`` (zero; every launch leaves them zero), ``chunk_hist``
+    ``[batch, num_sel_heads, num_chunks, 2**(32 - (P - 1) * digit_bits)]`` and ``chunk_above``
+    ``[batch, num_sel_heads, num_chunks]`` (overwritten by every launch), and ``chunk_pages``.
+    """
+    chunk_pages = _SPLIT_CHUNK_PAGES if chunk_pages is None else int(chunk_pages)
+    digit_bits = _DIGIT_BITS if digit_bits is None else int(digit_bits)
+    if chunk_pages < 1 or chunk_pages & (chunk_pages - 1):
+        raise ValueError(f"chunk_pages must be a power of two, got {chunk_pages}")
+    passes = _num_passes(digit_bits)
+    num_chunks = max(1, triton.cdiv(max_pages, chunk_pages))
+    rows = (batch, num_sel_heads)
+    return SelectBuffers(
+        hist=torch.zeros(rows + (passes - 1, 1 << digit_bits), dtype=torch.int32, device=device),
+        chunk_hist=torch.empty(rows + (num_chunks, 1 << (32 - (passes - 1) * digit_bits)), dtype=torch.int32, device=device),
+        chunk_above=torch.empty(rows + (num_chunks,), dtype=torch.int32, device=device),
+        counters=torch.zeros(rows, dtype=torch.int32, device=device),
+        chunk_pages=chunk_pages,
+    )
+
+
+def _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pages, sink_pages, recent_pages):
+    """The split path's ``P`` histogram launches and its compaction, after checking ``buffers``."""
+    batch, heads, max_pages = scores.shape
+    hist, chunk_hist, chunk_above, counters, chunk_pages = buffers
+    bins = hist.shape[-1]
+    digit_bits = bins.bit_length() - 1
+    passes = _num_passes(digit_bits)
+    num_chunks = max(1, triton.cdiv(max_pages, chunk_pages))
+    last_bins = 1 << (32 - (passes - 1) * digit_bits)
+    check_shape("hist", hist, (batch, heads, passes - 1, bins))
+    check_shape("chunk_hist", chunk_hist, (batch, heads, num_chunks, last_bins))
+    check_shape("chunk_above", chunk_above, (batch, heads, num_chunks))
+    check_shape("counters", counters, (batch, heads))
+    for name, tensor in (("hist", hist), ("chunk_hist", chunk_hist), ("chunk_above", chunk_above), ("counters", counters)):
+        if tensor.dtype != torch.int32 or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int32, got {tensor.dtype}")
+    grid = (num_chunks, heads, batch)
+    common = dict(
+        PAGE_SIZE=page_size, BUDGET=budget_pages, SINK=sink_pages, RECENT=recent_pages,
+        HAS_BUDGETS=budgets is not None, CHUNK=chunk_pages, DIGIT_BITS=digit_bits, BINS=bins,
+        LAST_BINS=last_bins, NUM_PASSES=passes,
+        num_warps=min(_MAX_WARPS, max(_MIN_WARPS, chunk_pages // (32 * _KEYS_PER_THREAD))),
+    )
+    budgets = seq_lens if budgets is None else budgets
+    for p in range(passes):
+        _split_histogram_kernel[grid](
+            scores, seq_lens, budgets, hist, chunk_hist, chunk_above,
+            max_pages, scores.stride(0), scores.stride(1),
+            PASS=p, **common,
+        )
+    _split_compact_kernel[grid](
+        scores, seq_lens, budgets, hist, chunk_hist, chunk_above, counters, out,
+        max_pages, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        BLOCK_C=next_pow2(num_chunks), PAD_BLOCK=next_pow2(triton.cdiv(budget_pages, num_chunks)), **common,
+    )
+
+
 def select_pages_into(
     out: torch.Tensor,
     scores: torch.Tensor,
@@ -80,10 +312,21 @@ def select_pages_into(
     sink_pages: int = 0,
     recent_pages: int = 0,
     budgets: Optional[torch.Tensor] = None,
+    buffers: Optional[SelectBuffers] = None,
+    split: Optional[bool] = None,
 ) -> torch.Tensor:
     """:func:`select_pages` into a preallocated ``out`` ``[batch, num_sel_heads, budget_pages]``
-    int32 (one launch, no host synchronisation). ``budgets``: ``[batch]`` int32 token budgets or
-    ``None`` (see :mod:`questkv.ops.reference`). Returns ``out``."""
+    int32, with no host synchronisation. Returns ``out``.
+
+    Args:
+        budgets: ``[batch]`` int32 token budgets or ``None`` (see :mod:`questkv.ops.reference`).
+        buffers: :func:`select_buffers` for ``scores``' shape, used by the split path (allocated
+            here when ``None``, zero-filled: pass them for a CUDA graph).
+        split: ``None`` takes the split path (``P + 1`` launches) when ``max_pages >=
+            _SPLIT_MIN_PAGES`` and ``batch * num_sel_heads <= _SPLIT_MAX_ROWS``, the
+            one-program-per-row kernel (one launch) otherwise; ``True`` / ``False`` force one.
+            Both give the same result.
+    """
     batch, heads, max_pages = scores.shape
     check_shape("seq_lens", seq_lens, (batch,))
     check_shape("out", out, (batch, heads, budget_pages))
@@ -96,6 +339,13 @@ def select_pages_into(
         check_shape("budgets", budgets, (batch,))
         if budgets.dtype != torch.int32:
             raise ValueError(f"budgets must be int32, got {budgets.dtype}")
+    if split is None:
+        split = max_pages >= _SPLIT_MIN_PAGES and batch * heads <= _SPLIT_MAX_ROWS
+    if split:
+        if buffers is None:
+            buffers = select_buffers(batch, heads, max_pages, scores.device)
+        _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pages, sink_pages, recent_pages)
+        return out
     block_n = next_pow2(max_pages)
     num_warps = min(_MAX_WARPS, max(_MIN_WARPS, block_n // (32 * _KEYS_PER_THREAD)))
     _select_pages_kernel[(heads, batch)](
