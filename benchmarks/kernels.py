@@ -349,6 +349,8 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
             "step_other_pdl_us": other_pdl(lambda i: step(q, layers[i], table, lens), n_layers, reps, warmup),
             "estimate_us": time_graph(lambda i: step.estimate(q, layers[i], table, lens), n_layers, reps, warmup),
             "select_us": time_graph(lambda i: step.select(lens), n_layers, reps, warmup),
+            "select_single_us": time_graph(lambda i: step.select(lens, split=False), n_layers, reps, warmup),
+            "select_split_us": time_graph(lambda i: step.select(lens, split=True), n_layers, reps, warmup),
             "select_torch_topk_us": time_graph(
                 lambda i: torch_topk_select(step.scores, lens, config.budget_pages), n_layers, reps, warmup
             ),
@@ -381,7 +383,8 @@ def _fmt(value, digits=1):
 
 def table_lines(points: list[dict]) -> list[str]:
     head = (
-        "| model | B | L | budget | Quest step µs | step, PDL switched | estimate | select | select torch.topk | attend | "
+        "| model | B | L | budget | Quest step µs | step, PDL switched | estimate | select | select single / split "
+        "| select torch.topk | attend | "
         "questkv dense µs | dense, PDL switched | FlashInfer dense µs | SDPA µs | speedup vs FI | ideal | step TB/s "
         "| dense/FI | graph = eager |"
     )
@@ -392,13 +395,14 @@ def table_lines(points: list[dict]) -> list[str]:
                  _fmt(p.get("flashinfer_dense_us")), _fmt(p.get("sdpa_dense_us"))]
         ratio = _fmt(p.get("dense_ratio_vs_flashinfer"), 2)
         if not p["sparse"]:
-            lines.append(f"| {p['model']} | {p['batch']} | {ctx} | - | - | - | - | - | - | - | {' | '.join(dense)} "
+            lines.append(f"| {p['model']} | {p['batch']} | {ctx} | - | - | - | - | - | - | - | - | {' | '.join(dense)} "
                          f"| - | - | - | {ratio} | - |")
         for r in p["sparse"]:
             lines.append(
                 f"| {p['model']} | {p['batch']} | {ctx} | {r['budget']} | {_fmt(r['step_us'])} "
                 f"| {_fmt(r.get('step_other_pdl_us'))} | {_fmt(r['estimate_us'])} | "
-                f"{_fmt(r['select_us'])} | {_fmt(r['select_torch_topk_us'])} | {_fmt(r['attend_us'])} | {' | '.join(dense)} | "
+                f"{_fmt(r['select_us'])} | {_fmt(r.get('select_single_us'))} / {_fmt(r.get('select_split_us'))} "
+                f"| {_fmt(r['select_torch_topk_us'])} | {_fmt(r['attend_us'])} | {' | '.join(dense)} | "
                 f"{_fmt(r.get('speedup_vs_flashinfer'), 2)} | {_fmt(r['ideal_speedup'], 2)} | {_fmt(r['step_tbps'], 2)} "
                 f"| {ratio} | {r.get('graph_equals_eager', '-')} |"
             )

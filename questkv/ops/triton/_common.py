@@ -13,7 +13,7 @@ _DEFAULT_SMS = 132  # an H100/H200; the split heuristic's choice on a CPU (inter
 # Programmatic dependent launch (sm_90+): each Quest kernel is launched so that it may start while the
 # kernel before it in the stream finishes, and waits (``griddepcontrol.wait``) before its first read of
 # memory that earlier kernels wrote. Module state so that a benchmark can time both settings.
-PDL = True
+PDL = False
 
 
 def interpreting() -> bool:
