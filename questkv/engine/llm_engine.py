@@ -15,6 +15,7 @@ import torch
 
 from questkv.decode.layer_decoder import sparse_tokens_attended
 from questkv.engine.config import EngineConfig
+from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.engine.model_runner import ModelRunner
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
@@ -86,7 +87,8 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         text, token_ids = self.validate_request(prompt, params)
         request_id = str(next(self._ids)) if request_id is None else request_id
-        seq = Sequence(request_id, token_ids, params, prompt=text)
+        seq = Sequence(request_id, token_ids, params, prompt=text,
+                       detokenizer=None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer))
         self.scheduler.add(seq)  # checks the length and the pool
         return request_id
 
@@ -158,10 +160,11 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size}), got {bad[:5]}")
         return text, token_ids
 
-    def _detokenize(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
+    @staticmethod
+    def _detokenize(seq: Sequence) -> str:
+        if seq.detokenizer is None:
             return ""
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return seq.detokenizer.update(seq.output_token_ids, final=seq.is_finished)
 
     def _apply_stop_strings(self, seq: Sequence, text: str) -> str:
         """Cut ``text`` at the first stop string and finish the request there."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from questkv.engine.sampling_params import SamplingParams
 
@@ -60,6 +60,8 @@ class Sequence:
         num_preemptions: how often it lost its pages and went back to the waiting queue.
         tokens_attended_sum, decode_steps: the engine adds the tokens one decode step attended (mean over
             layers and heads) and counts the steps; their ratio is ``mean_tokens_attended``.
+        detokenizer: the engine's :class:`~questkv.engine.detokenizer.IncrementalDetokenizer` of the
+            output, ``None`` without a tokenizer.
     """
 
     request_id: str
@@ -76,6 +78,7 @@ class Sequence:
     num_preemptions: int = 0
     tokens_attended_sum: float = 0.0
     decode_steps: int = 0
+    detokenizer: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
