@@ -5,7 +5,7 @@ The asyncio side calls :meth:`EngineLoop.submit` (refused with :class:`QueueFull
 requests, or :class:`ShuttingDown`) and reads the returned :class:`RequestStream`; :meth:`RequestStream.close`
 before the request finished (a client that went away, a timeout) aborts it, which frees its pages at the
 engine thread's next turn (after the step in flight). The engine thread alone calls the engine, so the engine
-needs no lock; it reports, through ``loop.call_soon_threadsafe``, per request:
+needs no lock; it reports, through ``loop.call_soon_threadsafe`` (once per step for all requests), per request:
 
 1. :data:`ACCEPTED`, or the ``ValueError`` of ``LLMEngine.add_request`` (a refused request, engine unchanged);
 2. then a :class:`~questkv.engine.sequence.RequestOutput` for each step that touched it (text so far), the last
@@ -210,8 +210,20 @@ class EngineLoop:
         self._open.pop(stream.request_id, None)
 
     def _emit(self, stream: RequestStream, event: Event) -> None:
+        self._emit_all([(stream, event)])
+
+    def _emit_all(self, events: list[tuple[RequestStream, Event]]) -> None:
+        """Deliver ``(stream, event)`` pairs in order with one wake-up of the event loop (a step's outputs
+        for every request at once, not one cross-thread call each)."""
+        if not events:
+            return
+
+        def deliver() -> None:
+            for stream, event in events:
+                stream.queue.put_nowait(event)
+
         try:
-            self._loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(deliver)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -296,8 +308,7 @@ class EngineLoop:
         if attended:
             self.metrics.mean_tokens_attended.set(sum(attended) / len(attended))
         self._publish()  # before the outputs: a client that saw its request finish sees it gone from the counts
-        for stream, output in events:
-            self._emit(stream, output)
+        self._emit_all(events)
 
     def _observe(self, live: _Live, output: RequestOutput, now: float, attended: list) -> None:
         new = len(output.token_ids) - live.tokens_seen
