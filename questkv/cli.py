@@ -9,7 +9,8 @@ import sys
 from typing import Optional, Sequence
 
 from questkv.cli_args import (
-    add_engine_args, add_quest_args, engine_kwargs, int_at_least, quest_config, quest_options, unit_interval,
+    add_engine_args, add_quest_args, engine_kwargs, int_at_least, quest_config, quest_options, resolve_dtype,
+    unit_interval,
 )
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 
@@ -97,8 +98,9 @@ def _add_model_args(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"alias ({', '.join(ALIASES)}), HF model folder or .gguf file (default: {DEFAULT_MODEL})")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                        help="weights and KV-cache dtype (default: bfloat16)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="weights and KV-cache dtype; auto: bfloat16 on CUDA, float32 elsewhere (CPUs without "
+                        "bf16 instructions multiply bfloat16 matrices tens of times slower) (default: auto)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
 
 
@@ -338,13 +340,15 @@ def _run_eval(args) -> int:
         **quest,
     )
 
+    dtype = resolve_dtype(args.dtype, on_cuda=args.device.startswith("cuda"))
+
     def load():
         from questkv.models import load_model
 
-        return load_model(args.model, device=args.device, dtype=args.dtype)
+        return load_model(args.model, device=args.device, dtype=dtype)
 
     def run_info() -> dict:
-        return provenance(args.device, command="questkv " + " ".join(sys.argv[1:]))
+        return {**provenance(args.device, command="questkv " + " ".join(sys.argv[1:])), "dtype": dtype}
 
     path = Path(args.json) if args.json else None
     document = sweep.resume_sweep(path, args.model, spec, load, run_info, fresh=args.fresh)

@@ -260,14 +260,21 @@ _SERVING_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", 
                    "graph_capture", "load_format")
 
 
+def resolve_dtype(dtype: str, on_cuda: bool) -> str:
+    """``dtype`` as given, or for ``"auto"`` bfloat16 on CUDA and float32 elsewhere (CPUs without bf16
+    instructions multiply bfloat16 matrices tens of times slower than float32)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if on_cuda else "float32"
+
+
 def engine_kwargs(args) -> dict:
     """``EngineConfig`` fields of the engine flags on ``args`` (``auto`` device and dtype resolved)."""
     import torch
 
     device = None if args.device == "auto" else args.device
     on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
-    kwargs = {"device": device, "dtype": dtype, "enforce_eager": args.enforce_eager}
+    kwargs = {"device": device, "dtype": resolve_dtype(args.dtype, on_cuda), "enforce_eager": args.enforce_eager}
     if getattr(args, "max_model_len", None) is not None:
         kwargs["max_model_len"] = args.max_model_len
     for name in _SERVING_FIELDS:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from questkv import QuestConfig, cli
-from questkv.cli_args import FIELDS, add_quest_args, flag, quest_config, quest_options
+from questkv.cli_args import FIELDS, add_quest_args, flag, quest_config, quest_options, resolve_dtype
 from questkv.config import BACKENDS, GROUP_REDUCTIONS, PAGE_POLICY_OPTIONS, SELECTIONS
 
 FLAGS = {
@@ -149,3 +149,10 @@ def test_commands_take_their_quest_flags_from_the_config():
         token_budget=[32], page_size=8, dense_layers=1, selection="q_head", group_reduction="max", sink_pages=1,
         recent_pages=2,
     )
+
+
+@pytest.mark.parametrize("dtype, on_cuda, want", [
+    ("auto", True, "bfloat16"), ("auto", False, "float32"), ("float16", False, "float16"), ("bfloat16", False, "bfloat16"),
+])
+def test_auto_dtype_is_bfloat16_on_cuda_and_float32_elsewhere(dtype, on_cuda, want):
+    assert resolve_dtype(dtype, on_cuda) == want
