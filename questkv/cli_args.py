@@ -211,6 +211,23 @@ def unit_interval(text: str) -> float:
     return value
 
 
+def seconds(allow_zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number of seconds > 0 (>= 0 with ``allow_zero``)."""
+    bound = ">= 0" if allow_zero else "> 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value >= 0 if allow_zero else value > 0):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds {bound}")
+        return value
+
+    parse.__name__ = f"seconds {bound}"
+    return parse
+
+
 def byte_size(text: str) -> int:
     """An argparse type: ``"4GiB"``, ``"512MiB"``, ``"2G"`` or a plain number of bytes (>= 1)."""
     import re

@@ -3,11 +3,12 @@
 import argparse
 import dataclasses
 import random
+import re
 
 import pytest
 
 from questkv import QuestConfig, cli
-from questkv.cli_args import FIELDS, add_quest_args, flag, quest_config, quest_options, resolve_dtype
+from questkv.cli_args import FIELDS, add_quest_args, flag, quest_config, quest_options, resolve_dtype, seconds
 from questkv.config import BACKENDS, GROUP_REDUCTIONS, PAGE_POLICY_OPTIONS, SELECTIONS
 
 FLAGS = {
@@ -156,3 +157,16 @@ def test_commands_take_their_quest_flags_from_the_config():
 ])
 def test_auto_dtype_is_bfloat16_on_cuda_and_float32_elsewhere(dtype, on_cuda, want):
     assert resolve_dtype(dtype, on_cuda) == want
+
+
+@pytest.mark.parametrize("allow_zero, text, ok", [
+    (False, "1.5", True), (False, "0", False), (False, "-1", False), (False, "soon", False), (False, "nan", False),
+    (True, "0", True), (True, "-0.1", False), (True, "2", True),
+])
+def test_seconds_accepts_positive_numbers_and_zero_only_when_allowed(allow_zero, text, ok):
+    parse = seconds(allow_zero)
+    if ok:
+        assert parse(text) == float(text)
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"{text!r} is not a number of seconds")):
+            parse(text)

@@ -16,40 +16,11 @@ import logging
 import signal
 import sys
 
-from questkv.cli_args import add_engine_args, add_quest_args, engine_kwargs, quest_config
+from questkv.cli_args import add_engine_args, add_quest_args, engine_kwargs, int_at_least, quest_config, seconds
 
 __all__ = ["add_serve_args", "run_server"]
 
 logger = logging.getLogger("questkv.server")
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
-def _non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number of seconds")
-    return value
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -62,15 +33,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_quest_args(quest)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    server.add_argument("--port", type=_non_negative_int, default=8000,
+    server.add_argument("--port", type=int_at_least(0), default=8000,
                         help="port to listen on; 0 picks a free one (default: 8000)")
-    server.add_argument("--max-waiting", type=_non_negative_int, default=256,
+    server.add_argument("--max-waiting", type=int_at_least(0), default=256,
                         help="the most requests waiting for admission; beyond it 503 with Retry-After (default: 256)")
-    server.add_argument("--request-timeout", type=_seconds, default=600.0,
+    server.add_argument("--request-timeout", type=seconds(), default=600.0,
                         help="seconds after which an unfinished request is aborted with 504 (default: 600)")
     server.add_argument("--served-model-name", default=None,
                         help="the model name requests give and /v1/models lists (default: MODEL as given)")
-    server.add_argument("--shutdown-grace", type=_non_negative_seconds, default=30.0,
+    server.add_argument("--shutdown-grace", type=seconds(allow_zero=True), default=30.0,
                         help="on SIGTERM, seconds open requests may take to finish before they are aborted (default: 30)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level (default: info)")
