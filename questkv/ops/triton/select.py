@@ -121,6 +121,23 @@ def _merged_prefix(hist_ptr, key, match, remaining,
 
 
 @triton.jit
+def _chunk_keys(scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_sh,
+                PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+                HAS_BUDGETS: tl.constexpr, CHUNK: tl.constexpr):
+    """What every split-select program of grid (chunk, head, sequence) starts from: ``(chunk, seq, head,
+    row, page indices of the chunk, valid, keys, pages the row picks)``; a row that picks none has no
+    valid page."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    row = seq * tl.num_programs(1) + head
+    num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
+    i = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT)
+    return chunk, seq, head, row, i, valid & (to_pick > 0), key, to_pick
+
+
+@triton.jit
 def _split_histogram_kernel(
     scores_ptr, lens_ptr, budgets_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr,
     max_pages,
@@ -137,15 +154,10 @@ def _split_histogram_kernel(
     atomics); the last pass (the low bits) stores it per chunk with the count of the chunk's keys
     whose prefix is larger, which is what the compaction needs to place every chunk.
     """
-    chunk = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
+    chunk, seq, head, row, i, valid, key, to_pick = _chunk_keys(
+        scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_sh,
+        PAGE_SIZE, BUDGET, SINK, RECENT, HAS_BUDGETS, CHUNK)
     num_chunks = tl.num_programs(0)
-    row = seq * tl.num_programs(1) + head
-    num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
-    i = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT)
-    valid = valid & (to_pick > 0)
     row_hist = hist_ptr + row * (NUM_PASSES - 1) * BINS
     prefix, match, _ = _merged_prefix(row_hist, key, valid, to_pick, PASS, DIGIT_BITS, BINS)
     if PASS == NUM_PASSES - 1:
@@ -179,15 +191,10 @@ def _split_compact_kernel(
     order and its share of the ``-1`` padding, then takes a ticket: the row's last program zeroes
     the merged histograms and the counter for the next launch.
     """
-    chunk = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
+    chunk, seq, head, row, i, valid, key, to_pick = _chunk_keys(
+        scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_sh,
+        PAGE_SIZE, BUDGET, SINK, RECENT, HAS_BUDGETS, CHUNK)
     num_chunks = tl.num_programs(0)
-    row = seq * tl.num_programs(1) + head
-    num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
-    i = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT)
-    valid = valid & (to_pick > 0)
     row_hist = hist_ptr + row * (NUM_PASSES - 1) * BINS
     prefix, _, remaining = _merged_prefix(row_hist, key, valid, to_pick, NUM_PASSES - 1, DIGIT_BITS, BINS)
 
