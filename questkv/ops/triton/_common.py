@@ -12,8 +12,16 @@ _DEFAULT_SMS = 132  # an H100/H200; the split heuristic's choice on a CPU (inter
 
 # Programmatic dependent launch (sm_90+): each Quest kernel is launched so that it may start while the
 # kernel before it in the stream finishes, and waits (``griddepcontrol.wait``) before its first read of
-# memory that earlier kernels wrote. Module state so that a benchmark can time both settings.
-PDL = False
+# memory that earlier kernels wrote. Module state so that a benchmark can time both settings; the
+# environment variable QUESTKV_PDL ("0" or "1", read at import) sets it for a whole process.
+def _pdl_from_env() -> bool:
+    value = os.environ.get("QUESTKV_PDL", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"QUESTKV_PDL must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+PDL = _pdl_from_env()
 
 
 def interpreting() -> bool:
