@@ -34,6 +34,7 @@ from questkv.engine.llm import LLM  # noqa: E402
 from questkv.engine.sampling_params import SamplingParams  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
 from questkv.models.shapes import dummy_config  # noqa: E402
+from questkv.ops.triton import _common as triton_common  # noqa: E402
 
 PAGE = 16
 DENSE_LAYERS = 2
@@ -318,7 +319,7 @@ def main() -> None:
     parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
     args = parser.parse_args()
     record = {"provenance": provenance("cuda"), "page_size": PAGE, "dense_layers": DENSE_LAYERS, "dtype": "bfloat16",
-              "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS, "points": []}
+              "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS, "pdl": triton_common.PDL, "points": []}
     record["bandwidth_bytes_per_s"] = bandwidth = measure_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     if not args.skip_checks:
@@ -347,9 +348,11 @@ def main() -> None:
         hf_points = [("llama3.1-8b", 1, 32 * 1024, True), ("llama2-7b", 1, 32 * 1024, False),
                      ("llama3.1-8b", 1, 128 * 1024, False)]
         for name, batch, context, static in hf_points:
+            point = _find_point(record, name, batch, context)
+            if point is None:  # not among --points
+                continue
             cfg = dummy_config(name, max_position_embeddings=max(context + 1024, 4096))
             model = hf_model(cfg)
-            point = next(p for p in record["points"] if (p["model"], p["batch"], p["context"]) == (name, batch, context))
             point["hf_eager"] = time_hf(model, batch, context, static=False)
             print(f"HF eager {name} B={batch} L={context}: {point['hf_eager']['ms_per_token']:.2f} ms", flush=True)
             if static:
@@ -360,11 +363,18 @@ def main() -> None:
             torch.cuda.empty_cache()
             _write(args, record)
     for name, context in (("llama3.1-8b", 32 * 1024), ("llama3.1-8b", 128 * 1024)):
+        point = _find_point(record, name, 1, context)
+        if point is None:
+            continue
         cfg = dummy_config(name, max_position_embeddings=context + 1024)
-        point = next(p for p in record["points"] if (p["model"], p["batch"], p["context"]) == (name, 1, context))
         point["prefill_s"] = time_prefill(cfg, None, context)
         print(f"prefill {name} {context}: {point['prefill_s']:.2f} s", flush=True)
         _write(args, record)
+
+
+def _find_point(record, name: str, batch: int, context: int):
+    """The timed point of ``record`` at (model, batch, context), or None when it was not run."""
+    return next((p for p in record["points"] if (p["model"], p["batch"], p["context"]) == (name, batch, context)), None)
 
 
 def _write(args, record) -> None:

@@ -31,3 +31,8 @@ def test_questkv_pdl_environment_variable_rejects_other_values(monkeypatch, valu
     monkeypatch.setenv("QUESTKV_PDL", value)
     with pytest.raises(ValueError, match="QUESTKV_PDL"):
         _common._pdl_from_env()
+
+
+def test_programmatic_dependent_launch_is_on_by_default(monkeypatch):
+    monkeypatch.delenv("QUESTKV_PDL", raising=False)
+    assert _common._pdl_from_env() is True
