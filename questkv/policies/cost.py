@@ -13,6 +13,7 @@ import math
 from typing import Any, Mapping, Optional
 
 from questkv.config import QuestConfig
+from questkv.policies.paged import KEY_BITS
 from questkv.validation import check_choice, check_int
 
 PAGE_BOUND_POLICIES: tuple[str, ...] = ("quest", "quest-topp", "quest-rerank")
@@ -44,7 +45,8 @@ def kv_bytes_per_step(
 
         full                      2 n H r                       K and V of every token
         quest, quest-topp         2 P H r + 2 S A r             kmin/kmax of every page + K,V attended
-        quest-rerank              as quest + S min(L K, P) page_size r    + keys of the shortlist (L = shortlist)
+        quest-rerank              as quest + S min(L K, P) page_size c    + keys of the shortlist (L = shortlist),
+                                                                        c = r (exact keys) or head_dim * key_bits / 8
         oracle                    n H r + 2 S A r               every key (true attention) + K,V attended
         streaming, h2o, tova      2 H A r                       A = min(token_budget, n) unless given
 
@@ -58,8 +60,9 @@ def kv_bytes_per_step(
         token_budget: the policy's budget in tokens (``None`` for ``full`` only).
         page_size, head_dim, num_kv_heads, num_q_heads: the cache's and model's shape.
         dtype_bytes: bytes per element of the KV cache (2 for bf16/fp16, 4 for fp32).
-        options: the policy's options; only ``selection`` (default ``"kv_head"``) and
-            ``shortlist`` (``quest-rerank``, default 4) matter.
+        options: the policy's options; only ``selection`` (default ``"kv_head"``), and
+            ``shortlist`` (default 4) and ``key_bits`` (default ``None``: exact keys) of
+            ``quest-rerank``, matter.
         tokens_attended: ``A`` above, instead of the budget's count.
 
     Returns:
@@ -94,7 +97,12 @@ def kv_bytes_per_step(
     read += 2 * pages * num_kv_heads * row
     if policy == "quest-rerank":
         shortlist = check_int("kv_bytes_per_step shortlist", options.get("shortlist", 4), minimum=1)
-        read += sel_heads * min(shortlist * budget_pages, pages) * page_size * row
+        key_bits = options.get("key_bits")
+        if key_bits is not None:
+            check_int("kv_bytes_per_step key_bits", key_bits, minimum=1)
+            check_choice("kv_bytes_per_step key_bits", key_bits, KEY_BITS)
+        key_row = row if key_bits is None else head_dim * key_bits / 8
+        read += sel_heads * min(shortlist * budget_pages, pages) * page_size * key_row
     return float(read)
 
 

@@ -259,7 +259,30 @@ class QuestTopPPolicy(PagePolicy):
 
 
 RERANKS: tuple[str, ...] = ("max", "mass")
-"""How :class:`QuestRerankPolicy` scores a shortlisted page from its exact keys."""
+"""How :class:`QuestRerankPolicy` scores a shortlisted page from its keys."""
+KEY_BITS: tuple[int, ...] = (1, 2, 4, 8)
+"""Widths of :class:`QuestRerankPolicy`'s low-bit key codes (``key_bits``; ``None``: exact keys)."""
+
+
+def quantize_within_bounds(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """Keys as a ``bits``-bit code per element within their page's bounds, decoded (float32).
+
+    Channel ``i`` of a key in a page with bounds ``[kmin_i, kmax_i]`` is stored as the index ``c`` of
+    the one of ``2**bits`` equal cells of that interval that holds it, and decoded to the cell's
+    centre ``kmin_i + (c + 0.5) (kmax_i - kmin_i) / 2**bits`` (``kmin_i`` where the interval is a
+    point). Only ``c`` is new per token: the bounds are Quest's, read for the estimate anyway.
+
+    Args:
+        keys: ``[..., page_size, H, D]``, each page's keys.
+        kmin, kmax: ``[..., H, D]``, the same pages' bounds (the page dimension broadcast in).
+        bits: one of :data:`KEY_BITS`.
+    """
+    keys, low, high = keys.float(), kmin.float().unsqueeze(-3), kmax.float().unsqueeze(-3)
+    cells = 2**bits
+    width = (high - low) / cells
+    safe = torch.where(width > 0, width, 1.0)
+    code = torch.floor((keys - low) / safe).clamp(0, cells - 1)
+    return torch.where(width > 0, low + (code + 0.5) * width, low)
 
 
 class QuestRerankPolicy(PagePolicy):
@@ -282,21 +305,33 @@ class QuestRerankPolicy(PagePolicy):
     always. ``shortlist=1`` is Quest exactly; the extra cost is the shortlist's keys, read once
     (:func:`questkv.policies.cost.kv_bytes_per_step`).
 
+    With ``key_bits`` set, stage 2 reads a low-bit copy of the keys instead of the keys: each channel
+    as a ``key_bits``-bit code within its page's bounds (:func:`quantize_within_bounds`), so a
+    shortlist costs ``key_bits / 16`` of its bf16 keys and can be long (``shortlist`` large enough
+    covers every page). A cache would write a page's codes once, when the page is full and its
+    bounds final; this reference derives them from the keys at each step, which gives the same codes
+    (the current page, whose bounds still change, is always attended).
+
     Args:
         shortlist: pages shortlisted per attended page, an int >= 1.
         rerank: ``"max"`` or ``"mass"`` (see above).
+        key_bits: ``None`` (exact keys) or a width of :data:`KEY_BITS`.
         other arguments: as in :class:`PagePolicy`.
     """
 
     name = "quest-rerank"
-    options = PagePolicy.options + ("shortlist", "rerank")
+    options = PagePolicy.options + ("shortlist", "rerank", "key_bits")
 
     def __init__(
         self, token_budget: Optional[int], page_size: int = QuestConfig.page_size, shortlist: int = 4,
-        rerank: str = "max", **options
+        rerank: str = "max", key_bits: Optional[int] = None, **options
     ) -> None:
         self.shortlist = check_int("policy 'quest-rerank': shortlist", shortlist, minimum=1)
         self.rerank = check_choice("policy 'quest-rerank': rerank", rerank, RERANKS)
+        if key_bits is not None:
+            check_int("policy 'quest-rerank': key_bits", key_bits, minimum=1)
+            check_choice("policy 'quest-rerank': key_bits", key_bits, KEY_BITS)
+        self.key_bits = key_bits
         super().__init__(token_budget, page_size, **options)
 
     def shortlist_pages(
@@ -317,8 +352,8 @@ class QuestRerankPolicy(PagePolicy):
         self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor,
         shortlisted: torch.Tensor, sm_scale: Optional[float] = None,
     ) -> torch.Tensor:
-        """Stage 2: ``[batch, num_sel_heads, max_pages]`` float32 exact page scores (see the class
-        docstring); ``-inf`` for pages outside a row's shortlist.
+        """Stage 2: ``[batch, num_sel_heads, max_pages]`` float32 page scores from the keys (or their
+        low-bit codes; see the class docstring); ``-inf`` for pages outside a row's shortlist.
 
         Args:
             shortlisted: ``[batch, num_sel_heads, max_pages]`` bool, the pages of
@@ -328,6 +363,9 @@ class QuestRerankPolicy(PagePolicy):
         max_pages, num_kv_heads = page_table.shape[1], layer.kmin.shape[1]
         group = num_q_heads // num_kv_heads
         keys = layer.k_pages[page_table.long()].float()  # [B, P, ps, Hkv, D]
+        if self.key_bits is not None:
+            table = page_table.long()
+            keys = quantize_within_bounds(keys, layer.kmin[table], layer.kmax[table], self.key_bits)
         qg = q.float().view(batch, num_kv_heads, group, head_dim)
         logits = torch.einsum("bkgd,bptkd->bkgpt", qg, keys).reshape(batch, num_q_heads, max_pages, self.page_size)
         position = torch.arange(max_pages * self.page_size, device=q.device).view(max_pages, self.page_size)

@@ -27,6 +27,9 @@ PAGES = 16384 // 16
         ("quest-rerank", 256, None, None, 2 * PAGES * 2 * ROW + 2 * 2 * 256 * ROW + 2 * 64 * 16 * ROW),
         ("quest-rerank", 256, {"shortlist": 2, "selection": "q_head"}, None,
          2 * PAGES * 2 * ROW + 2 * 14 * 256 * ROW + 14 * 32 * 16 * ROW),
+        # 2-bit codes of every page's keys (shortlist past the pages): head_dim / 4 bytes per key
+        ("quest-rerank", 256, {"shortlist": 1000, "key_bits": 2}, None,
+         2 * PAGES * 2 * ROW + 2 * 2 * 256 * ROW + 2 * PAGES * 16 * 64 * 2 / 8),
         # every key (the true attention) + K and V attended
         ("oracle", 256, None, None, 16384 * 2 * ROW + 2 * 2 * 256 * ROW),
         ("streaming", 256, {"sink_tokens": 4}, None, 2 * 2 * 256 * ROW),
@@ -75,6 +78,7 @@ def test_model_bytes_count_dense_layers_in_full():
         ("quest", 64, {"dtype_bytes": 2.0}, "kv_bytes_per_step dtype_bytes must be an int, got 2.0"),
         ("quest", 64, {"options": {"selection": "head"}}, "kv_bytes_per_step selection must be one of"),
         ("quest-rerank", 64, {"options": {"shortlist": 0}}, "kv_bytes_per_step shortlist must be >= 1, got 0"),
+        ("quest-rerank", 64, {"options": {"key_bits": 3}}, "kv_bytes_per_step key_bits must be one of 1, 2, 4, 8; got 3"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(policy, budget, changes, message):

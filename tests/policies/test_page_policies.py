@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from questkv.ops import reference
 from questkv.policies import make_policy
+from questkv.policies.paged import quantize_within_bounds
 
 HEADS = [(4, 2), (2, 2), (4, 1)]  # (q heads, kv heads): GQA, MHA, MQA
 
@@ -228,8 +229,9 @@ def test_topp_floor_keeps_the_top_of_the_ranking(cache_of):
 RERANK_MODES = [("q_head", "sum"), ("kv_head", "sum"), ("kv_head", "max")]
 
 
+@pytest.mark.parametrize("key_bits", [None, 1, 2])
 @pytest.mark.parametrize("rerank", ["max", "mass"])
-def test_rerank_drops_a_loose_page_that_quest_picks(cache_of, rerank):
+def test_rerank_drops_a_loose_page_that_quest_picks(cache_of, rerank, key_bits):
     """Page 0 mixes two keys, each large on one of the query's two axes: its bound (6) is loose, its
     best logit 3. Page 1's keys both sit on the diagonal: bound and best logit 5. Quest (one free
     page) takes page 0; the rerank, shortlisting both, takes page 1."""
@@ -242,11 +244,11 @@ def test_rerank_drops_a_loose_page_that_quest_picks(cache_of, rerank):
     q[0, 0, :2] = 1.0
     quest = make_policy("quest", 4, page_size).select(q, layer, page_table, seq_lens)
     assert quest.pages.tolist() == [[[0, 2]]]
-    policy = make_policy("quest-rerank", 4, page_size, shortlist=2, rerank=rerank)
+    policy = make_policy("quest-rerank", 4, page_size, shortlist=2, rerank=rerank, key_bits=key_bits)
     assert policy.shortlist_pages(q, layer, page_table, seq_lens).tolist() == [[[0, 1, 2, -1]]]
     result = policy.decode(q, layer, page_table, seq_lens)
     assert result.pages.tolist() == [[[1, 2]]] and result.tokens_attended.tolist() == [[4]]
-    if rerank == "max":
+    if rerank == "max" and key_bits is None:
         shortlisted = torch.tensor([[[True, True, True]]])
         scores = policy.rerank_scores(q, layer, page_table, seq_lens, shortlisted)
         torch.testing.assert_close(scores, torch.tensor([[[3.0, 5.0, -2.0]]]))
@@ -254,15 +256,15 @@ def test_rerank_drops_a_loose_page_that_quest_picks(cache_of, rerank):
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", HEADS)
 @pytest.mark.parametrize("selection, reduction", RERANK_MODES)
-@pytest.mark.parametrize("rerank", ["max", "mass"])
+@pytest.mark.parametrize("rerank, key_bits", [("max", None), ("mass", None), ("max", 2), ("mass", 1)])
 def test_rerank_with_a_budget_covering_the_context_is_dense(random_cache, brute_probs, num_q_heads, num_kv_heads,
-                                                            selection, reduction, rerank):
+                                                            selection, reduction, rerank, key_bits):
     lens = [37, 9, 22]
     cache = random_cache(lens, num_kv_heads=num_kv_heads)
     layer, page_table, seq_lens = cache.step_inputs()
     q = torch.randn(3, num_q_heads, 8) * 2
     policy = make_policy("quest-rerank", 40, page_size=4, shortlist=2, rerank=rerank, selection=selection,
-                         group_reduction=reduction)
+                         group_reduction=reduction, key_bits=key_bits)
     result = policy.decode(q, layer, page_table, seq_lens)
     for b, (k, v) in enumerate(zip(cache.keys, cache.values)):
         probs = brute_probs(q[b], k)
@@ -356,3 +358,35 @@ def test_rerank_mass_over_every_page_is_the_oracle(random_cache, brute_probs, se
     oracle = make_policy("oracle", 12, page_size=4, **options).select(q, layer, page_table, seq_lens)
     rerank = make_policy("quest-rerank", 12, page_size=4, shortlist=4, rerank="mass", **options)
     assert torch.equal(rerank.select(q, layer, page_table, seq_lens).pages, oracle.pages)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_low_bit_keys_decode_inside_their_page_bounds_within_half_a_cell(bits):
+    pages, page_size, heads, dim = 5, 4, 2, 8
+    keys = torch.randn(pages, page_size, heads, dim) * 3
+    keys[2, :, 1, 3] = 0.7  # a channel whose bounds are a point decodes exactly
+    kmin, kmax = keys.amin(1), keys.amax(1)
+    decoded = quantize_within_bounds(keys, kmin, kmax, bits)
+    half_cell = ((kmax - kmin) / 2**bits / 2).unsqueeze(1)
+    assert ((decoded - keys).abs() <= half_cell + 1e-5).all()
+    assert ((decoded >= kmin.unsqueeze(1) - 1e-6) & (decoded <= kmax.unsqueeze(1) + 1e-6)).all()
+    assert (decoded[2, :, 1, 3] == 0.7).all()
+    assert decoded.unique().numel() <= pages * heads * dim * 2**bits
+
+
+def test_low_bit_rerank_over_every_page_tracks_the_exact_rerank_as_bits_grow(random_cache):
+    """With a shortlist covering every page, 8-bit codes pick what the exact keys pick far more often
+    than 1-bit codes do (the codes converge to the keys)."""
+    cache = random_cache([160, 120], num_kv_heads=2)
+    layer, page_table, seq_lens = cache.step_inputs()
+    agree = {}
+    for bits in (1, 8):
+        same = 0
+        for _ in range(8):
+            q = torch.randn(2, 4, 8) * 2
+            exact = make_policy("quest-rerank", 16, page_size=4, shortlist=64).select(q, layer, page_table, seq_lens)
+            coded = make_policy("quest-rerank", 16, page_size=4, shortlist=64, key_bits=bits).select(
+                q, layer, page_table, seq_lens)
+            same += (exact.pages == coded.pages).float().mean().item()
+        agree[bits] = same / 8
+    assert agree[8] > 0.95 and agree[8] > agree[1]
