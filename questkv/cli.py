@@ -294,7 +294,8 @@ def _add_eval(subparsers) -> None:
         sub.add_argument("--policies", type=_policy_list, default=["full", "quest"],
                          help=f"comma-separated policies: {', '.join(POLICIES)}, each optionally with options of its "
                          "own that override the flags below, NAME:option=value:... (e.g. quest:selection=q_head, "
-                         "quest:page_size=8, quest-topp:top_p=0.9:min_budget=128, quest-rerank:shortlist=4:rerank=max) "
+                         "quest:page_size=8, quest-topp:top_p=0.9:min_budget=128, quest-rerank:shortlist=4:rerank=max, "
+                         "quest-rerank:shortlist=16:key_bits=2) "
                          "(default: full,quest)")
         add_quest_args(sub, ["token_budget", "page_size", "dense_layers"], plural=["token_budget"],
                        defaults={"token_budget": [256, 512]},

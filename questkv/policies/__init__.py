@@ -11,7 +11,7 @@ name              selection                                                     
 ``quest``         top-K pages by Quest's key-bound score                                  ``selection``, ``group_reduction``, ``sink_pages``, ``recent_pages``
 ``oracle``        top-K pages by the true attention mass                                  as ``quest``
 ``quest-topp``    fewest Quest-ranked pages whose estimated mass reaches ``top_p``, <= K  as ``quest`` + ``top_p``, ``min_budget``
-``quest-rerank``  Quest shortlists ``shortlist`` x K pages; their exact keys pick K       as ``quest`` + ``shortlist``, ``rerank``
+``quest-rerank``  Quest shortlists ``shortlist`` x K pages; their keys (or codes) pick K  as ``quest`` + ``shortlist``, ``rerank``, ``key_bits``
 ``streaming``     sink tokens + recent window (eviction)                                  ``sink_tokens``
 ``h2o``           heavy hitters by accumulated attention + recent window (eviction)       ``recent_tokens``
 ``tova``          tokens with the highest current attention (eviction)                    --
