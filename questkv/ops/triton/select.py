@@ -41,9 +41,9 @@ def _row_pages(lens_ptr, budgets_ptr, seq, max_pages,
 
 
 @triton.jit
-def _page_keys(row_ptr, i, num_pages, max_pages, SINK: tl.constexpr, RECENT: tl.constexpr, CACHE: tl.constexpr = ""):
+def _page_keys(row_ptr, i, num_pages, max_pages, SINK: tl.constexpr, RECENT: tl.constexpr, CACHE: tl.constexpr):
     """Validity and 32-bit order-preserving key (uint32) of pages ``i`` of the score row at ``row_ptr``;
-    ``CACHE`` is the loads' cache modifier (``".cg"`` reads scores that other programs just wrote from L2)."""
+    ``CACHE`` is the loads' cache modifier (``""``; ``".cg"`` reads scores that other programs just wrote from L2)."""
     valid = (i < max_pages) & (i < num_pages)
     score = tl.load(row_ptr + i, mask=valid, other=0.0, cache_modifier=CACHE)
     forced = valid & ((i < SINK) | (i >= num_pages - 1 - RECENT))
@@ -65,11 +65,11 @@ def _pick(hist, bins, remaining):
 @triton.jit
 def _select_row(scores_row_ptr, out_row_ptr, num_pages, remaining, max_pages,
                 BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr = ""):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr):
     """Select one row in one program: the ``remaining`` (``<= BUDGET``) top pages of the float32 score
     row at ``scores_row_ptr`` (``max_pages <= BLOCK_N`` columns, ``num_pages`` of them valid), forced
     pages first, written to the int32 row at ``out_row_ptr`` as ascending logical pages with ``-1``
-    padding up to ``BUDGET`` (``BLOCK_K >= BUDGET``).
+    padding up to ``BUDGET`` (``BLOCK_K >= BUDGET``); ``CACHE``: the score loads' cache modifier.
 
     Radix select of the threshold key, then an order-preserving compaction (no sort). Each valid page
     gets a 32-bit key that orders like its score (forced pages score ``+inf``). Four 8-bit histogram
@@ -115,7 +115,7 @@ def _select_pages_kernel(
     seq = tl.program_id(1).to(tl.int64)
     num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     _select_row(scores_ptr + seq * stride_sb + head * stride_sh, out_ptr + seq * stride_ob + head * stride_oh,
-                num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK_N, BLOCK_K)
+                num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK_N, BLOCK_K, "")
 
 
 @triton.jit
@@ -146,7 +146,7 @@ def _chunk_keys(scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_
     row = seq * tl.num_programs(1) + head
     num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     i = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT)
+    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT, "")
     return chunk, seq, head, row, i, valid & (to_pick > 0), key, to_pick
 
 
