@@ -404,7 +404,7 @@ def test_estimate_select_rejects_bad_buffers():
         call(good_sel, torch.zeros(2, 8, dtype=torch.int32))
     with pytest.raises(ValueError, match="counters"):
         call(good_sel, torch.zeros(2, 2, dtype=torch.int64))
-    with pytest.raises(ValueError, match="out"):
+    with pytest.raises(ValueError, match="selected"):
         call(torch.empty(2, 2, 4, dtype=torch.int32), good_counters)
     with pytest.raises(ValueError, match="int32"):
         call(good_sel.long(), good_counters)

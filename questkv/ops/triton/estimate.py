@@ -261,8 +261,11 @@ def estimate_select_into(
             leaves them zero); allocated here when ``None`` (pass them for a CUDA graph).
         buffers, split: the split select's scratch and path choice, as ``select_pages_into``.
     """
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be [batch, num_sel_heads, max_pages], got shape {tuple(scores.shape)}")
     batch, sel_heads, max_pages = scores.shape
-    _select.check_select_args(selected, batch, sel_heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets)
+    _select.check_select_args(selected, batch, sel_heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets,
+                              "selected")
     if not fuses_select(batch, sel_heads, max_pages, split):
         page_scores_into(scores, q, kmin, kmax, page_table, seq_lens, page_size, selection, group_reduction)
         return _select.select_pages_into(selected, scores, seq_lens, page_size, budget_pages, sink_pages,

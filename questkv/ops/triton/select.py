@@ -331,15 +331,17 @@ def takes_split_path(batch: int, num_sel_heads: int, max_pages: int, split: Opti
     return max_pages >= _SPLIT_MIN_PAGES and batch * num_sel_heads <= _SPLIT_MAX_ROWS
 
 
-def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets) -> None:
-    """The checks of a select's arguments other than the scores (``ValueError`` on the first failure)."""
+def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets,
+                      out_name: str = "out") -> None:
+    """The checks of a select's arguments other than the scores (``ValueError`` on the first failure);
+    ``out_name``: what the error messages call ``out``."""
     check_shape("seq_lens", seq_lens, (batch,))
-    check_shape("out", out, (batch, heads, budget_pages))
+    check_shape(out_name, out, (batch, heads, budget_pages))
     if out.dtype != torch.int32:
-        raise ValueError(f"out must be int32, got {out.dtype}")
+        raise ValueError(f"{out_name} must be int32, got {out.dtype}")
     if budget_pages < 1 or sink_pages < 0 or recent_pages < 0:
         raise ValueError(f"need budget_pages >= 1 and sink/recent >= 0, got {budget_pages}/{sink_pages}/{recent_pages}")
-    check_last_dim_contiguous(out=out)
+    check_last_dim_contiguous(**{out_name: out})
     if budgets is not None:
         check_shape("budgets", budgets, (batch,))
         if budgets.dtype != torch.int32:
