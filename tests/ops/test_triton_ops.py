@@ -279,3 +279,179 @@ def test_dispatch_picks_reference_for_cpu_and_kernels_when_forced():
     assert ops.resolve_backend(cpu, "triton") is tk
     with pytest.raises(ValueError):
         ops.resolve_backend(cpu, "cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# estimate with the select fused in (estimate_select_into)
+
+FUSED_MODES = [("kv_head", "sum"), ("kv_head", "max"), ("q_head", "sum")]
+
+
+def _blocks(monkeypatch, block_p, blocks):
+    """Estimate launch shape: pages per block and blocks per program (several programs per row:
+    several tickets per (sequence, KV head))."""
+    monkeypatch.setattr(estimate, "_BLOCK_P", block_p)
+    monkeypatch.setattr(estimate, "_BLOCKS_PER_PROGRAM", blocks)
+    monkeypatch.setattr(estimate, "_MIN_PROGRAMS_PER_SM", 0)
+
+
+def _estimate_case(heads, lens, max_pages, page_size, ties, gen):
+    """Bounds, table and query. ``ties``: small integers in bf16 (every product and sum exact, so
+    many exactly equal scores, exact zeros from all-zero pages, and kernel scores equal to the
+    reference's); else float32 normal."""
+    num_q, num_kv, head_dim = heads
+    num_pages = 3 * max_pages
+    if ties:
+        kmin = torch.randint(-2, 2, (num_pages, num_kv, head_dim), generator=gen).to(torch.bfloat16)
+        kmax = (kmin + torch.randint(0, 3, kmin.shape, generator=gen)).to(torch.bfloat16)
+        zero = torch.randperm(num_pages, generator=gen)[: num_pages // 3]
+        kmin[zero] = 0.0
+        kmax[zero] = 0.0
+        q = torch.randint(-1, 2, (len(lens), num_q, head_dim), generator=gen).to(torch.bfloat16)
+    else:
+        _, _, kmin, kmax = _pool(num_pages, page_size, num_kv, head_dim, torch.float32, gen)
+        q = torch.randn(len(lens), num_q, head_dim, generator=gen)
+    table, seq_lens = _batch(lens, page_size, num_pages, max_pages, gen)
+    return q, kmin, kmax, table, seq_lens
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("selection,reduction", FUSED_MODES)
+@pytest.mark.parametrize("block_p,blocks", [(64, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_estimate_select_fused_matches_reference(heads, selection, reduction, block_p, blocks, ties, monkeypatch):
+    """One fused launch (1, 4 or 2 programs per (sequence, KV head)) on ragged lengths (a partial last
+    page, a row shorter than the budget, one page), forced sink / recent pages, with and without
+    per-sequence budgets, three times on the same buffers: scores equal the unfused kernel's,
+    the selection equals the reference's on those scores bit for bit, counters come back zero."""
+    _blocks(monkeypatch, block_p, blocks)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages, budget_pages, sink, recent = 16, 16, 6, 1, 1
+    num_q, num_kv, _ = heads
+    sel_heads = num_q if selection == "q_head" else num_kv
+    lens_list = [250, 37, 1]
+    q, kmin, kmax, table, lens = _estimate_case(heads, lens_list, max_pages, page_size, ties, gen)
+    assert estimate.fuses_select(3, sel_heads, max_pages)
+    scores = torch.empty(3, sel_heads, max_pages)
+    selected = torch.empty(3, sel_heads, budget_pages, dtype=torch.int32)
+    counters = tk.estimate_select_counters(3, num_kv, q.device)
+    unfused = tk.page_scores(q, kmin, kmax, table, lens, page_size, selection, reduction)
+    if ties:  # exact arithmetic: the kernel's scores are the reference's, with ties and zeros
+        assert torch.equal(unfused, reference.page_scores(q, kmin, kmax, _readable(table), lens, page_size, selection, reduction))
+        finite = unfused[0][torch.isfinite(unfused[0])]
+        assert finite.unique().numel() < finite.numel() and (finite == 0).any()
+    assert torch.isneginf(unfused[1, :, 3:]).all()  # -inf past the short rows' pages
+    budgets = torch.tensor([6, 3, 4], dtype=torch.int32) * page_size
+    for row_budgets in (None, budgets, None):
+        scores.fill_(float("nan"))
+        selected.fill_(12345)
+        got = tk.estimate_select_into(scores, selected, q, kmin, kmax, table, lens, page_size, budget_pages, sink, recent,
+                                      selection, reduction, row_budgets, counters)
+        assert got is selected
+        assert torch.equal(scores, unfused)
+        want = reference.select_pages(unfused, lens, page_size, budget_pages, sink, recent, row_budgets)
+        assert torch.equal(selected, want)
+        assert not counters.any()
+    # the torch entry point of the same signature
+    ref_scores, ref_selected = torch.empty_like(scores), torch.empty_like(selected)
+    reference.estimate_select_into(ref_scores, ref_selected, q, kmin, kmax, _readable(table), lens, page_size, budget_pages,
+                                   sink, recent, selection, reduction, budgets, reference.estimate_select_counters(3, num_kv, q.device))
+    assert torch.equal(ref_selected, reference.select_pages(ref_scores, lens, page_size, budget_pages, sink, recent, budgets))
+    if ties:
+        assert torch.equal(ref_selected, reference.select_pages(unfused, lens, page_size, budget_pages, sink, recent, budgets))
+
+
+@pytest.mark.parametrize("selection,reduction", [("kv_head", "sum"), ("q_head", "sum")])
+def test_estimate_select_falls_back_where_the_select_splits(selection, reduction, monkeypatch):
+    """Where the select takes its split path (forced here by its thresholds, or ``split=True``) the
+    entry point runs the separate launches (no fused kernel, counters untouched); ``split=False``
+    forces the fused launch. Every path gives the reference's selection."""
+    _force_split_select(monkeypatch, True)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages, budget_pages, heads = 16, 12, 5, (8, 2, 32)
+    sel_heads = 8 if selection == "q_head" else 2
+    q, kmin, kmax, table, lens = _estimate_case(heads, [180, 70], max_pages, page_size, False, gen)
+    assert not estimate.fuses_select(2, sel_heads, max_pages) and estimate.fuses_select(2, sel_heads, max_pages, False)
+    launches = []
+    launch = estimate._launch
+    monkeypatch.setattr(estimate, "_launch", lambda *args: launches.append(len(args)) or launch(*args))
+    buffers = tk.select_buffers(2, sel_heads, max_pages, q.device)
+    counters = tk.estimate_select_counters(2, 2, q.device)
+    want = reference.select_pages(tk.page_scores(q, kmin, kmax, table, lens, page_size, selection, reduction), lens,
+                                  page_size, budget_pages, 1, 2)
+    for split, fused in ((None, False), (True, False), (False, True)):
+        launches.clear()
+        scores = torch.full((2, sel_heads, max_pages), float("nan"))
+        selected = torch.full((2, sel_heads, budget_pages), 12345, dtype=torch.int32)
+        tk.estimate_select_into(scores, selected, q, kmin, kmax, table, lens, page_size, budget_pages, 1, 2,
+                                selection, reduction, None, counters, buffers, split)
+        assert torch.equal(selected, want)
+        assert launches == [10 if fused else 9]  # the fused launch passes its select arguments
+        assert not counters.any() and not buffers.hist.any()
+
+
+def test_estimate_select_rejects_bad_buffers():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, kmin, kmax, table, lens = _estimate_case((8, 2, 32), [40, 20], 4, 16, False, gen)
+    scores = torch.empty(2, 2, 4)
+
+    def call(selected, counters, budget_pages=3, budgets=None):
+        tk.estimate_select_into(scores, selected, q, kmin, kmax, table, lens, 16, budget_pages, budgets=budgets,
+                                counters=counters)
+
+    good_sel, good_counters = torch.empty(2, 2, 3, dtype=torch.int32), tk.estimate_select_counters(2, 2, q.device)
+    with pytest.raises(ValueError, match="counters"):
+        call(good_sel, torch.zeros(2, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="counters"):
+        call(good_sel, torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="selected"):
+        call(torch.empty(2, 2, 4, dtype=torch.int32), good_counters)
+    with pytest.raises(ValueError, match="int32"):
+        call(good_sel.long(), good_counters)
+    with pytest.raises(ValueError, match="budget_pages"):
+        call(torch.empty(2, 2, 0, dtype=torch.int32), good_counters, budget_pages=0)
+    with pytest.raises(ValueError, match="budgets"):
+        call(good_sel, good_counters, budgets=torch.tensor([16, 16]))
+    with pytest.raises(ValueError, match="selection"):
+        tk.estimate_select_into(scores, good_sel, q, kmin, kmax, table, lens, 16, 3, selection="head", counters=good_counters)
+
+
+@pytest.mark.parametrize(
+    "selection,reduction,heads,split",
+    [(*mode, heads, False) for mode in FUSED_MODES for heads in HEADS] + [("kv_head", "sum", HEADS[0], True)],
+)
+def test_decode_step_fused_select_equals_unfused(selection, reduction, heads, split, monkeypatch):
+    """QuestDecodeStep(fuse_select=True) equals fuse_select=False bit for bit (scores, selection,
+    output), with and without per-sequence budgets, on the Triton backend (fused launch, or its
+    fallback where the select splits) and the torch one; and its selection is the reference's."""
+    from questkv.config import QuestConfig
+    from questkv.decode import QuestDecodeStep
+    from questkv.ops import LayerPages
+
+    _force_split_select(monkeypatch, split)
+    _blocks(monkeypatch, 4, 2)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages = 16, 10
+    q, k_pages, v_pages, table, lens = _attention_case(torch.float16, heads, [150, 140, 60], max_pages, page_size, gen)
+    live_min = torch.where(k_pages.isnan(), float("inf"), k_pages.float()).amin(1).to(k_pages.dtype)
+    live_max = torch.where(k_pages.isnan(), float("-inf"), k_pages.float()).amax(1).to(k_pages.dtype)
+    layer = LayerPages(k_pages, v_pages, live_min, live_max)
+    budgets = torch.tensor([96, 32, 64], dtype=torch.int32)
+    for backend in ("triton", "torch"):
+        config = QuestConfig(token_budget=96, sink_pages=1, recent_pages=1, selection=selection,
+                             group_reduction=reduction, backend=backend)
+        steps = {fuse: QuestDecodeStep(config, 3, *heads, max_pages, q.dtype, q.device, fuse_select=fuse) for fuse in (False, True)}
+        assert steps[False].select_counters is None
+        assert (steps[True].select_counters is None) == (backend == "torch")
+        pages = table if backend == "triton" else _readable(table)
+        for row_budgets in (budgets, None):  # the second call finds the counters the first left
+            got = {fuse: (step(q, layer, pages, lens, budgets=row_budgets).clone(), step.scores.clone(), step.selected.clone())
+                   for fuse, step in steps.items()}
+            for a, b in zip(got[True], got[False]):
+                assert torch.equal(a, b)
+            want = reference.select_pages(got[True][1], lens, page_size, config.budget_pages, 1, 1, row_budgets)
+            assert torch.equal(got[True][2], want)
+            if backend == "triton":
+                assert not steps[True].select_counters.any()
+    with pytest.raises(ValueError, match="fuse_select"):
+        steps[False].estimate_select(q, layer, _readable(table), lens)

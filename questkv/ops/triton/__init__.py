@@ -12,12 +12,21 @@ from questkv.ops.triton.attention import (
     paged_decode_attention_into,
     plan_splits,
 )
-from questkv.ops.triton.estimate import page_scores, page_scores_into
+from questkv.ops.triton.estimate import (
+    estimate_select_counters,
+    estimate_select_into,
+    fuses_select,
+    page_scores,
+    page_scores_into,
+)
 from questkv.ops.triton.select import select_buffers, select_pages, select_pages_into
 
 __all__ = [
     "append_kv",
     "attention_buffers",
+    "estimate_select_counters",
+    "estimate_select_into",
+    "fuses_select",
     "page_scores",
     "page_scores_into",
     "paged_decode_attention",

@@ -41,10 +41,11 @@ def _row_pages(lens_ptr, budgets_ptr, seq, max_pages,
 
 
 @triton.jit
-def _page_keys(row_ptr, i, num_pages, max_pages, SINK: tl.constexpr, RECENT: tl.constexpr):
-    """Validity and 32-bit order-preserving key (uint32) of pages ``i`` of the score row at ``row_ptr``."""
+def _page_keys(row_ptr, i, num_pages, max_pages, SINK: tl.constexpr, RECENT: tl.constexpr, CACHE: tl.constexpr):
+    """Validity and 32-bit order-preserving key (uint32) of pages ``i`` of the score row at ``row_ptr``;
+    ``CACHE`` is the loads' cache modifier (``""``; ``".cg"`` reads scores that other programs just wrote from L2)."""
     valid = (i < max_pages) & (i < num_pages)
-    score = tl.load(row_ptr + i, mask=valid, other=0.0)
+    score = tl.load(row_ptr + i, mask=valid, other=0.0, cache_modifier=CACHE)
     forced = valid & ((i < SINK) | (i >= num_pages - 1 - RECENT))
     score = tl.where(forced, float("inf"), tl.where(score == 0.0, 0.0, score))  # -0.0 ties +0.0
     bits = score.to(tl.int32, bitcast=True)
@@ -62,28 +63,23 @@ def _pick(hist, bins, remaining):
 
 
 @triton.jit
-def _select_pages_kernel(
-    scores_ptr, lens_ptr, budgets_ptr, out_ptr,
-    max_pages,
-    stride_sb, stride_sh,
-    stride_ob, stride_oh,
-    PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BUDGETS: tl.constexpr,
-):
-    """One program per (head, sequence): radix select of the ``BUDGET``-th largest key, then an
-    order-preserving compaction (no sort).
+def _select_row(scores_row_ptr, out_row_ptr, num_pages, remaining, max_pages,
+                BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr):
+    """Select one row in one program: the ``remaining`` (``<= BUDGET``) top pages of the float32 score
+    row at ``scores_row_ptr`` (``max_pages <= BLOCK_N`` columns, ``num_pages`` of them valid), forced
+    pages first, written to the int32 row at ``out_row_ptr`` as ascending logical pages with ``-1``
+    padding up to ``BUDGET`` (``BLOCK_K >= BUDGET``); ``CACHE``: the score loads' cache modifier.
 
-    Each valid page gets a 32-bit key that orders like its score (forced pages score ``+inf``).
-    Four 8-bit histogram passes find the threshold key ``T`` and how many pages equal to ``T`` still
-    fit; pages above ``T`` and the first such ties (lowest index first) are kept, and an exclusive
-    prefix sum writes their indices in ascending order: the reference's choice exactly. With
-    ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``).
+    Radix select of the threshold key, then an order-preserving compaction (no sort). Each valid page
+    gets a 32-bit key that orders like its score (forced pages score ``+inf``). Four 8-bit histogram
+    passes find the threshold key ``T`` and how many pages equal to ``T`` still fit; pages above ``T``
+    and the first such ties (lowest index first) are kept, and an exclusive prefix sum writes their
+    indices in ascending order: the reference's choice exactly. Shared by :func:`_select_pages_kernel`
+    and the estimate kernel's fused select.
     """
-    head = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
-    num_pages, remaining = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     i = tl.arange(0, BLOCK_N)
-    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT)
+    valid, key = _page_keys(scores_row_ptr, i, num_pages, max_pages, SINK, RECENT, CACHE)
 
     threshold = tl.zeros([], tl.uint32)
     match = valid
@@ -99,10 +95,27 @@ def _select_pages_kernel(
     chosen = valid & ((key > threshold) | ((tie == 1) & (tl.cumsum(tie, axis=0) - tie < remaining)))
     flag = chosen.to(tl.int32)
     position = tl.cumsum(flag, axis=0) - flag
-    row = out_ptr + seq * stride_ob + head * stride_oh
-    tl.store(row + position, i, mask=chosen)
+    tl.store(out_row_ptr + position, i, mask=chosen)
     j = tl.arange(0, BLOCK_K)
-    tl.store(row + j, tl.full([BLOCK_K], -1, tl.int32), mask=(j >= tl.sum(flag, axis=0)) & (j < BUDGET))
+    tl.store(out_row_ptr + j, tl.full([BLOCK_K], -1, tl.int32), mask=(j >= tl.sum(flag, axis=0)) & (j < BUDGET))
+
+
+@triton.jit
+def _select_pages_kernel(
+    scores_ptr, lens_ptr, budgets_ptr, out_ptr,
+    max_pages,
+    stride_sb, stride_sh,
+    stride_ob, stride_oh,
+    PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BUDGETS: tl.constexpr,
+):
+    """One program per (head, sequence) selects its row (:func:`_select_row`). With ``HAS_BUDGETS``
+    the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``)."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
+    _select_row(scores_ptr + seq * stride_sb + head * stride_sh, out_ptr + seq * stride_ob + head * stride_oh,
+                num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK_N, BLOCK_K, "")
 
 
 @triton.jit
@@ -133,7 +146,7 @@ def _chunk_keys(scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_
     row = seq * tl.num_programs(1) + head
     num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     i = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT)
+    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT, "")
     return chunk, seq, head, row, i, valid & (to_pick > 0), key, to_pick
 
 
@@ -310,6 +323,39 @@ def _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pag
     )
 
 
+def takes_split_path(batch: int, num_sel_heads: int, max_pages: int, split: Optional[bool] = None) -> bool:
+    """Whether a select of ``[batch, num_sel_heads, max_pages]`` scores runs the split path: ``split``
+    when given, else ``max_pages >= _SPLIT_MIN_PAGES`` and ``batch * num_sel_heads <= _SPLIT_MAX_ROWS``."""
+    if split is not None:
+        return bool(split)
+    return max_pages >= _SPLIT_MIN_PAGES and batch * num_sel_heads <= _SPLIT_MAX_ROWS
+
+
+def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets,
+                      out_name: str = "out") -> None:
+    """The checks of a select's arguments other than the scores (``ValueError`` on the first failure);
+    ``out_name``: what the error messages call ``out``."""
+    check_shape("seq_lens", seq_lens, (batch,))
+    check_shape(out_name, out, (batch, heads, budget_pages))
+    if out.dtype != torch.int32:
+        raise ValueError(f"{out_name} must be int32, got {out.dtype}")
+    if budget_pages < 1 or sink_pages < 0 or recent_pages < 0:
+        raise ValueError(f"need budget_pages >= 1 and sink/recent >= 0, got {budget_pages}/{sink_pages}/{recent_pages}")
+    check_last_dim_contiguous(**{out_name: out})
+    if budgets is not None:
+        check_shape("budgets", budgets, (batch,))
+        if budgets.dtype != torch.int32:
+            raise ValueError(f"budgets must be int32, got {budgets.dtype}")
+
+
+def row_launch(max_pages: int, budget_pages: int) -> dict:
+    """Block sizes and warps of the one-program select of a row of ``max_pages`` pages (also the estimate
+    kernel's fused select)."""
+    block_n = next_pow2(max_pages)
+    return dict(BLOCK_N=block_n, BLOCK_K=next_pow2(budget_pages),
+                num_warps=min(_MAX_WARPS, max(_MIN_WARPS, block_n // (32 * _KEYS_PER_THREAD))))
+
+
 def select_pages_into(
     out: torch.Tensor,
     scores: torch.Tensor,
@@ -335,34 +381,22 @@ def select_pages_into(
             Both give the same result.
     """
     batch, heads, max_pages = scores.shape
-    check_shape("seq_lens", seq_lens, (batch,))
-    check_shape("out", out, (batch, heads, budget_pages))
-    if scores.dtype != torch.float32 or out.dtype != torch.int32:
-        raise ValueError(f"scores must be float32 and out int32, got {scores.dtype} and {out.dtype}")
-    if budget_pages < 1 or sink_pages < 0 or recent_pages < 0:
-        raise ValueError(f"need budget_pages >= 1 and sink/recent >= 0, got {budget_pages}/{sink_pages}/{recent_pages}")
-    check_last_dim_contiguous(scores=scores, out=out)
-    if budgets is not None:
-        check_shape("budgets", budgets, (batch,))
-        if budgets.dtype != torch.int32:
-            raise ValueError(f"budgets must be int32, got {budgets.dtype}")
-    if split is None:
-        split = max_pages >= _SPLIT_MIN_PAGES and batch * heads <= _SPLIT_MAX_ROWS
-    if split:
+    check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets)
+    if scores.dtype != torch.float32:
+        raise ValueError(f"scores must be float32, got {scores.dtype}")
+    check_last_dim_contiguous(scores=scores)
+    if takes_split_path(batch, heads, max_pages, split):
         if buffers is None:
             buffers = select_buffers(batch, heads, max_pages, scores.device)
         _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pages, sink_pages, recent_pages)
         return out
-    block_n = next_pow2(max_pages)
-    num_warps = min(_MAX_WARPS, max(_MIN_WARPS, block_n // (32 * _KEYS_PER_THREAD)))
     _select_pages_kernel[(heads, batch)](
         scores, seq_lens, seq_lens if budgets is None else budgets, out,
         max_pages,
         scores.stride(0), scores.stride(1),
         out.stride(0), out.stride(1),
         PAGE_SIZE=page_size, BUDGET=budget_pages, SINK=sink_pages, RECENT=recent_pages,
-        BLOCK_N=block_n, BLOCK_K=next_pow2(budget_pages), HAS_BUDGETS=budgets is not None,
-        num_warps=num_warps,
+        HAS_BUDGETS=budgets is not None, **row_launch(max_pages, budget_pages),
     )
     return out
 
