@@ -129,7 +129,7 @@ def test_page_scores_codes_matches_reference(bits, heads, selection, reduction, 
     lens = [page_size * 9 + 5, 1, page_size * 4]
     q, k_pages, kmin, kmax, table, seq_lens = _case(heads, lens, page_size, max_pages, dtype, gen)
     codes = _random_codes(k_pages.shape[0], page_size, num_kv, head_dim, bits, gen)
-    tk.encode_page_keys(codes, k_pages, kmin, kmax, _full_pages(table, seq_lens, page_size), bits)
+    reference.encode_page_keys(codes, k_pages, kmin, kmax, _full_pages(table, seq_lens, page_size), bits)
     want = reference.page_scores_codes(q, codes, kmin, kmax, _readable(table), seq_lens, page_size, bits, selection,
                                        reduction)
     got = tk.page_scores_codes(q, codes, kmin, kmax, table, seq_lens, page_size, bits, selection, reduction)
@@ -199,7 +199,7 @@ def test_code_scores_approach_exact_max_logit(heads, selection, reduction):
     errors = {}
     for bits in BITS:
         codes = _random_codes(k_pages.shape[0], page_size, num_kv, head_dim, bits, gen)
-        tk.encode_page_keys(codes, k_pages, kmin, kmax, torch.unique(readable).int(), bits)
+        reference.encode_page_keys(codes, k_pages, kmin, kmax, torch.unique(readable).int(), bits)
         got = tk.page_scores_codes(q, codes, kmin, kmax, table, seq_lens, page_size, bits, selection, reduction)
         assert torch.equal(torch.isfinite(got), finite)
         errors[bits] = ((got[finite] - exact[finite]).norm() / exact[finite].norm()).item()
