@@ -154,6 +154,27 @@ def test_page_scores_codes_matches_reference(bits, heads, selection, reduction, 
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("heads", HEADS)
+def test_page_scores_codes_two_term_dot_matches_reference(bits, heads, monkeypatch):
+    """The GPU path for 16-bit queries (each decoded key as two 16-bit dot operands), run under the
+    interpreter with float16 (whose dot the interpreter computes correctly, unlike bf16's)."""
+    monkeypatch.setattr(codes_kernels, "interpreting", lambda: False)
+    gen = _gen()
+    num_q, num_kv, head_dim = heads
+    page_size, max_pages = 16, 6
+    q, k_pages, kmin, kmax, table, seq_lens = _case(heads, [page_size * 5 + 9, 20], page_size, max_pages,
+                                                    torch.float16, gen)
+    codes = _random_codes(k_pages.shape[0], page_size, num_kv, head_dim, bits, gen)
+    reference.encode_page_keys(codes, k_pages, kmin, kmax, torch.unique(_readable(table)).int(), bits)
+    want = reference.page_scores_codes(q, codes, kmin, kmax, _readable(table), seq_lens, page_size, bits)
+    got = tk.page_scores_codes(q, codes, kmin, kmax, table, seq_lens, page_size, bits)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    err = ((got[finite] - want[finite]).double().norm() / want[finite].double().norm()).item()
+    assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("selection,reduction", MODES)
 def test_codes_selection_equals_quest_rerank_policy(bits, heads, selection, reduction):
     """With the codes of every full page written, page_scores_codes + select_pages selects what
