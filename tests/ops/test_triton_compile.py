@@ -136,7 +136,7 @@ _SCRIPT = textwrap.dedent(
             {"PAGE_SIZE": page_size, "PS_PAD": page_size, "GROUP": group, "BLOCK_G": 16, "HEAD_DIM": 128,
              "BLOCK_D": 128, "BLOCK_P": max(codes._BLOCK_P, 16 // page_size), "BITS": bits, "MODE": mode,
              "DOT_FP32": q_dtype == "fp32"},
-            num_warps=codes._NUM_WARPS,
+            num_warps=codes.scores_num_warps(q_dtype == "fp32"),
         )
     print("all kernels compiled for sm_90")
     """

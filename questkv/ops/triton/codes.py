@@ -14,10 +14,18 @@ from questkv.ops import reference
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2
 
 _MODE_Q_HEAD, _MODE_SUM, _MODE_MAX = 0, 1, 2
-# Launch configuration of the scores kernel (unmeasured): pages per program and warps. A program
-# decodes BLOCK_P * page_size keys of head_dim channels in registers (64 x 128 float32 at page 16).
-_BLOCK_P = 4
+# Launch configuration of the scores kernel (untimed): pages per program and warps. A program decodes
+# BLOCK_P * page_size keys of head_dim channels in registers (32 x 128 at page 16). Chosen from ptxas -v
+# for sm_90 at head_dim 128, GQA 4: 147 registers and no spills with 4 warps for 16-bit queries (4 pages
+# and 4 warps spilled at 255 registers); float32 queries (IEEE dots) need 8 warps not to spill.
+_BLOCK_P = 2
 _NUM_WARPS = 4
+_NUM_WARPS_FP32 = 8
+
+
+def scores_num_warps(dot_fp32: bool) -> int:
+    """Warps of the scores kernel: :data:`_NUM_WARPS`, or :data:`_NUM_WARPS_FP32` for float32 dot operands."""
+    return _NUM_WARPS_FP32 if dot_fp32 else _NUM_WARPS
 
 
 @triton.jit
@@ -218,6 +226,7 @@ def page_scores_codes_into(
     ps_pad = next_pow2(page_size)
     block_p = max(_BLOCK_P, 16 // ps_pad)  # tl.dot needs at least 16 tokens
     grid = (num_kv_heads, triton.cdiv(max_pages, block_p), batch)
+    dot_fp32 = interpreting() or q.dtype == torch.float32
     _page_scores_codes_kernel[grid](
         q, codes, kmin, kmax, page_table, seq_lens, out,
         max_pages,
@@ -228,8 +237,8 @@ def page_scores_codes_into(
         out.stride(0), out.stride(1),
         PAGE_SIZE=page_size, PS_PAD=ps_pad, GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_P=block_p, BITS=bits, MODE=mode,
-        DOT_FP32=interpreting() or q.dtype == torch.float32,
-        num_warps=_NUM_WARPS,
+        DOT_FP32=dot_fp32,
+        num_warps=scores_num_warps(dot_fp32),
     )
     return out
 
