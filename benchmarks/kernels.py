@@ -7,6 +7,8 @@ random data, this script times under CUDA graphs (medians of many graph replays 
   selection for comparison with the Triton top-K;
 * the same step with the select fused into the estimate kernel (``QuestDecodeStep(fuse_select=True)``,
   opt-in; where the select would take its split path the step falls back to the separate launches);
+* the page estimate from 2-bit key codes (``page_scores_codes``, the opt-in low-bit key copy of
+  ``quest-rerank``'s ``key_bits`` estimator; not wired into the step), next to the Quest estimate;
 * questkv dense paged decode (the same attention kernel over every page);
 * FlashInfer dense paged decode (``BatchDecodeWithPagedKVCacheWrapper``), with and without tensor
   cores where both are asked for; the faster one is the baseline;
@@ -63,6 +65,7 @@ TARGETS = [  # (label, model, batch, context, budget, minimum speedup vs FlashIn
     ("B=32, L=32k, budget 2048", "llama3.1-8b", 32, 32768, 2048, 6.5),
 ]
 DENSE_TARGET = 1.15  # questkv dense time / FlashInfer dense time, at most
+CODE_BITS = 2  # width of the key codes timed ("estimate from 2-bit codes")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +221,8 @@ def _check_kernels() -> list[dict]:
         out_ref = reference.paged_decode_attention(q, k_pages, v_pages, table, lens)
         out = kernels.paged_decode_attention(q, k_pages, v_pages, table, lens)
         record(f"{model} dense attention", _rel_err(out, out_ref), 1e-2)
+        for name, err, tol in key_codes_checks(q, k_pages, kmin, kmax, table, lens):
+            record(f"{model} {name}", err, tol)
         config = QuestConfig(token_budget=1024, sink_pages=1, recent_pages=1, backend="triton")
         step = QuestDecodeStep(config, batch, hq, hkv, d, max_pages, DTYPE, DEVICE)
         layer = LayerPages(k_pages, v_pages, kmin, kmax)
@@ -237,6 +242,29 @@ def _check_kernels() -> list[dict]:
         same = all(torch.equal(a, b) for a, b in ((fused.scores, step.scores), (fused.selected, step.selected), (got_fused, got)))
         record(f"{model} QuestDecodeStep fused select == unfused (exact)", float(not same), 0.0)
     return results
+
+
+def key_codes_checks(q, k_pages, kmin, kmax, table, lens) -> list[tuple[str, float, float]]:
+    """(name, error, tolerance) of the low-bit key codes at every width: ``encode_page_keys`` of every page
+    of ``table`` exactly the reference's, and ``page_scores_codes`` against the reference on those codes in
+    each selection mode (bf16 queries: each decoded key enters the dots as two bf16 terms, ~16 bits)."""
+    num_pages, _, hkv, d = k_pages.shape
+    pages = table.flatten().contiguous()
+    checks = []
+    for bits in reference.KEY_CODE_BITS:
+        codes, ref_codes = (torch.full((num_pages, PAGE_SIZE, hkv, reference.key_code_bytes(d, bits)), 0xA5,
+                                       dtype=torch.uint8, device=k_pages.device) for _ in range(2))
+        kernels.encode_page_keys(codes, k_pages, kmin, kmax, pages, bits)
+        reference.encode_page_keys(ref_codes, k_pages, kmin, kmax, pages, bits)
+        checks.append((f"encode_page_keys {bits}-bit (exact)", float(not torch.equal(codes, ref_codes)), 0.0))
+        for selection, reduction in (("kv_head", "sum"), ("kv_head", "max"), ("q_head", "sum")):
+            want = reference.page_scores_codes(q, ref_codes, kmin, kmax, table, lens, PAGE_SIZE, bits, selection, reduction)
+            got = kernels.page_scores_codes(q, codes, kmin, kmax, table, lens, PAGE_SIZE, bits, selection, reduction)
+            finite = torch.isfinite(want)
+            same_mask = torch.equal(finite, torch.isfinite(got))
+            checks.append((f"page_scores_codes {bits}-bit {selection}/{reduction}",
+                           _rel_err(got[finite], want[finite]) if same_mask else 1.0, 1e-4))
+    return checks
 
 
 def _fused_estimate_select_ok(q, kmin, kmax, table, lens, selection, reduction, scores) -> bool:
@@ -299,6 +327,12 @@ def flashinfer_wrappers(batch, hq, hkv, d, table, tensor_core_modes):
 # one benchmark point
 
 
+def codes_estimate_bytes(batch: int, npages: int, hkv: int, d: int, bits: int, elt: int) -> int:
+    """Bytes the estimate from ``bits``-bit key codes must read for one layer: the codes of every page
+    (``PAGE_SIZE * hkv * d * bits / 8`` per page) plus both bounds (``2 * hkv * d * elt`` per page)."""
+    return batch * npages * (PAGE_SIZE * hkv * reference.key_code_bytes(d, bits) + 2 * hkv * d * elt)
+
+
 def point_data(model: str, batch: int, context: int, min_budget: int, max_gb: float) -> dict:
     """Random pools for one point: ``n_layers`` independent layers (enough that one graph replay touches
     ``ROTATE_BYTES`` of the smallest Quest step's bytes, within ``max_gb``), a shuffled page table, full
@@ -323,6 +357,26 @@ def point_data(model: str, batch: int, context: int, min_budget: int, max_gb: fl
         "gen": gen, "n_layers": n_layers, "npages": npages, "elt": elt, "kv_bytes": kv_bytes,
         "bound_bytes": bound_bytes, "pool_bytes": pool_bytes,
     }
+
+
+def time_codes_estimate(q, layers, table, lens, timer: Callable[[Callable[[int], object]], float]) -> dict:
+    """The 'estimate from 2-bit codes' fields of a point: every page of every layer encoded once (outside the
+    timing), then ``timer(enqueue)`` (:func:`time_graph` on the GPU) of ``page_scores_codes_into`` (kv_head/sum)
+    on layer ``i``: ``estimate_codes2_us``, ``estimate_codes2_bytes`` (codes + bounds), ``estimate_codes2_tbps``."""
+    batch, max_pages = table.shape
+    num_pages, _, hkv, d = layers[0].k_pages.shape
+    all_pages = torch.arange(num_pages, dtype=torch.int32, device=q.device)
+    codes = []
+    for layer in layers:
+        codes.append(torch.empty((num_pages, PAGE_SIZE, hkv, reference.key_code_bytes(d, CODE_BITS)),
+                                 dtype=torch.uint8, device=q.device))
+        kernels.encode_page_keys(codes[-1], layer.k_pages, layer.kmin, layer.kmax, all_pages, CODE_BITS)
+    out = torch.empty((batch, hkv, max_pages), dtype=torch.float32, device=q.device)
+    micros = timer(lambda i: kernels.page_scores_codes_into(out, q, codes[i], layers[i].kmin, layers[i].kmax, table,
+                                                            lens, PAGE_SIZE, CODE_BITS))
+    nbytes = codes_estimate_bytes(batch, max_pages, hkv, d, CODE_BITS, layers[0].k_pages.element_size())
+    return {"estimate_codes2_us": micros, "estimate_codes2_bytes": nbytes,
+            "estimate_codes2_tbps": nbytes / (micros * 1e-6) / 1e12}
 
 
 def other_pdl(enqueue: Callable[[int], object], n_layers: int, reps: int, warmup: int) -> float:
@@ -365,6 +419,8 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
             lambda i: F.scaled_dot_product_attention(q4, sdpa_k[i], sdpa_v[i], enable_gqa=True), n_layers, reps, warmup
         )
         del sdpa_k, sdpa_v
+
+    point.update(time_codes_estimate(q, layers, table, lens, lambda enqueue: time_graph(enqueue, n_layers, reps, warmup)))
 
     point["sparse"] = []
     for budget in budgets:
@@ -457,6 +513,20 @@ def table_lines(points: list[dict]) -> list[str]:
                 f"{_fmt(r.get('speedup_vs_flashinfer'), 2)} | {_fmt(r['ideal_speedup'], 2)} | {_fmt(r['step_tbps'], 2)} "
                 f"| {ratio} | {r.get('graph_equals_eager', '-')} |"
             )
+    return lines
+
+
+def codes_lines(points: list[dict]) -> list[str]:
+    """The 'estimate from 2-bit codes' table: its time, bytes (codes + bounds) and TB/s at each point,
+    next to the Quest estimate (bounds only) of the point's first budget."""
+    lines = ["| model | B | L | estimate from 2-bit codes µs | codes + bounds MB | TB/s | Quest estimate µs |",
+             "|---|---|---|---|---|---|---|"]
+    for p in points:
+        if "estimate_codes2_us" not in p:
+            continue
+        quest = p["sparse"][0]["estimate_us"] if p["sparse"] else None
+        lines.append(f"| {p['model']} | {p['batch']} | {p['context'] // 1024}k | {_fmt(p['estimate_codes2_us'])} "
+                     f"| {_fmt(p['estimate_codes2_bytes'] / 1e6)} | {_fmt(p['estimate_codes2_tbps'], 2)} | {_fmt(quest)} |")
     return lines
 
 
@@ -571,9 +641,13 @@ def main() -> int:
         "",
         *table_lines(points),
         "",
+        f"## Estimate from {CODE_BITS}-bit key codes (opt-in, not in the step)",
+        "",
+        *codes_lines(points),
+        "",
     ]
     (out_dir / f"kernels-{args.tag}.md").write_text("\n".join(md))
-    print("\n".join(["", *target_lines(points), "", *table_lines(points)]))
+    print("\n".join(["", *target_lines(points), "", *table_lines(points), "", *codes_lines(points)]))
     return 0 if all(c["ok"] for c in checks) else 1
 
 

@@ -15,6 +15,16 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
 * Page selections are *logical* page indices (positions in a page-table row), ``[batch,
   num_sel_heads, k]`` int32 sorted ascending with ``-1`` padding at the end; ``num_sel_heads`` is
   ``num_kv_heads`` (one set per KV head, shared by its query group) or ``num_q_heads``.
+* ``codes`` (the opt-in low-bit key copy, see :func:`encode_page_keys`): ``[num_pages, page_size,
+  num_kv_heads, head_dim * bits // 8]`` uint8, ``bits`` in :data:`KEY_CODE_BITS`. Channel ``d`` of a
+  key is the index ``c = clamp(floor((k_d - kmin_d) / w_d), 0, 2**bits - 1)`` of the one of
+  ``2**bits`` equal cells ``w_d = (kmax_d - kmin_d) / 2**bits`` of its page's bounds that holds it
+  (``c = 0`` where ``w_d = 0``), decoded to the cell's centre ``kmin_d + (c + 0.5) w_d`` (``kmin_d``
+  where ``w_d = 0``): :func:`questkv.policies.paged.quantize_within_bounds`. Codes are packed
+  little-end first along ``head_dim``: element ``d`` lives in byte ``d * bits // 8`` at bit offset
+  ``(d * bits) % 8`` (``bits = 8``: one byte per element). ``head_dim * bits`` must be a multiple of
+  8. A page's codes are written once, when it is full and its bounds final; those of the current,
+  partial page may be stale, which is harmless because the selection always keeps the current page.
 * ``budgets``: ``[batch]`` int32 token budget of each sequence (a multiple of ``page_size``, at most
   ``budget_pages * page_size`` and at least the forced pages plus the current one); ``None`` gives every
   sequence ``budget_pages``. Callers validate the values on the host (the ops never synchronise).
@@ -30,6 +40,11 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+
+from questkv.config import GROUP_REDUCTIONS, SELECTIONS
+
+KEY_CODE_BITS: tuple[int, ...] = (1, 2, 4, 8)
+"""Widths of the low-bit key codes (``codes``, see the module docstring)."""
 
 
 def append_kv(
@@ -366,3 +381,180 @@ def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:
     order = rank[..., 1].argsort(dim=-1, descending=True, stable=True)
     primary = rank[..., 0].gather(-1, order)
     return order.gather(-1, primary.argsort(dim=-1, descending=True, stable=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# low-bit key codes (opt-in; layout in the module docstring)
+
+
+def key_code_bytes(head_dim: int, bits: int) -> int:
+    """Bytes of one key's codes, ``head_dim * bits // 8``; ``ValueError`` unless ``bits`` is one of
+    :data:`KEY_CODE_BITS` and ``head_dim * bits`` a multiple of 8."""
+    if isinstance(bits, bool) or bits not in KEY_CODE_BITS:
+        raise ValueError(f"bits must be one of {KEY_CODE_BITS}, got {bits!r}")
+    if head_dim < 1 or (head_dim * bits) % 8:
+        raise ValueError(f"head_dim * bits must be a positive multiple of 8, got head_dim={head_dim}, bits={bits}")
+    return head_dim * bits // 8
+
+
+def check_key_codes(codes: torch.Tensor, num_kv_heads: int, head_dim: int, bits: int, page_size: Optional[int] = None,
+                    num_pages: Optional[int] = None) -> None:
+    """``ValueError`` unless ``codes`` is uint8 ``[num_pages, page_size, num_kv_heads, key_code_bytes(head_dim, bits)]``
+    (``num_pages`` and ``page_size`` checked when given)."""
+    nbytes = key_code_bytes(head_dim, bits)
+    if codes.dtype != torch.uint8 or codes.dim() != 4:
+        raise ValueError(f"codes must be a 4-D uint8 tensor, got {codes.dtype} of shape {tuple(codes.shape)}")
+    want = (codes.shape[0] if num_pages is None else num_pages, codes.shape[1] if page_size is None else page_size,
+            num_kv_heads, nbytes)
+    if tuple(codes.shape) != want:
+        raise ValueError(f"codes must have shape {want} for bits={bits}, got {tuple(codes.shape)}")
+
+
+def quantize_key_codes(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """Cell indices (unpacked) of ``keys`` ``[..., page_size, H, D]`` within their pages' bounds ``[..., H, D]``:
+    ``[..., page_size, H, D]`` uint8 in ``[0, 2**bits)``, computed in float32 as the module docstring says
+    (a NaN key, i.e. an unwritten slot, gets code 0)."""
+    low = kmin.float().unsqueeze(-3)
+    cells = 2**bits
+    width = (kmax.float().unsqueeze(-3) - low) * (1.0 / cells)  # exact: a power of two
+    safe = torch.where(width > 0, width, 1.0)
+    cell = torch.floor((keys.float() - low) / safe)
+    cell = torch.where(cell > 0, cell, 0.0)  # NaN -> 0
+    cell = torch.where(cell < cells - 1, cell, float(cells - 1))
+    return torch.where(width > 0, cell, 0.0).to(torch.uint8)
+
+
+def pack_key_codes(cells: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., D]`` cell indices (integers in ``[0, 2**bits)``) -> ``[..., D * bits // 8]`` uint8, packed
+    little-end first (module docstring)."""
+    per = 8 // bits
+    head_dim = cells.shape[-1]
+    key_code_bytes(head_dim, bits)
+    grouped = cells.to(torch.int32).reshape(*cells.shape[:-1], head_dim // per, per)
+    shifts = torch.arange(per, device=cells.device, dtype=torch.int32) * bits
+    return (grouped << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_key_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_key_codes`: ``[..., D * bits // 8]`` uint8 -> ``[..., D]`` int32 cell indices."""
+    per = 8 // bits
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    cells = (codes.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
+    return cells.flatten(-2)
+
+
+def decode_key_codes(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """Decoded keys, float32 ``[..., page_size, H, D]``, from packed ``codes`` ``[..., page_size, H, D * bits // 8]``
+    and the pages' bounds ``[..., H, D]``: ``kmin + (c + 0.5) * w``, or ``kmin`` where ``w = 0``."""
+    low = kmin.float().unsqueeze(-3)
+    width = (kmax.float().unsqueeze(-3) - low) * (1.0 / 2**bits)
+    cells = unpack_key_codes(codes, bits).float()
+    return torch.where(width > 0, low + (cells + 0.5) * width, low)
+
+
+def encode_page_keys(
+    codes: torch.Tensor,
+    k_pages: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    pages: torch.Tensor,
+    bits: int,
+) -> None:
+    """Write the low-bit codes of the physical ``pages`` from their keys and bounds, in place (what a
+    cache does once per page, when the page fills and its bounds are final).
+
+    Args:
+        codes: ``[num_pages, page_size, num_kv_heads, head_dim * bits // 8]`` uint8 (layout: module docstring).
+        k_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``, any float dtype.
+        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, dtype of ``k_pages``.
+        pages: ``[n]`` int32 physical pages (distinct); every slot of each is encoded (a slot holding
+            NaN gets code 0).
+        bits: one of :data:`KEY_CODE_BITS`.
+    """
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    check_key_codes(codes, num_kv_heads, head_dim, bits, page_size, num_pages)
+    if pages.dim() != 1:
+        raise ValueError(f"pages must be 1-D, got shape {tuple(pages.shape)}")
+    index = pages.long()
+    cells = quantize_key_codes(k_pages[index], kmin[index], kmax[index], bits)
+    codes[index] = pack_key_codes(cells, bits)
+
+
+def page_scores_codes(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    bits: int,
+    selection: str = "kv_head",
+    group_reduction: str = "sum",
+) -> torch.Tensor:
+    """Page scores from the low-bit key codes: for every query head ``h`` and page ``p``, the largest
+    logit ``max_t q_h . k_t`` over the page's written tokens, ``k_t`` decoded from ``codes``
+    (:func:`decode_key_codes`); under ``kv_head`` selection each KV head's query group is combined
+    with ``group_reduction`` (``"sum"`` or ``"max"``), under ``q_head`` kept per query head. With
+    codes written from the pages' final bounds this is
+    :class:`questkv.policies.paged.QuestRerankPolicy`'s ``rerank="max"`` score at ``key_bits=bits``
+    with a shortlist covering every page. The current, partial page's codes may be stale, so its score
+    is meaningless; :func:`select_pages` always keeps that page.
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``.
+        codes: ``[num_pages, page_size, num_kv_heads, head_dim * bits // 8]`` uint8.
+        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``.
+        page_table: ``[batch, max_pages]`` int32. seq_lens: ``[batch]`` int32.
+        bits: the codes' width, one of :data:`KEY_CODE_BITS`.
+
+    Returns:
+        ``[batch, num_sel_heads, max_pages]`` float32 (float32 math); pages past a sequence's length are ``-inf``.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = kmin.shape[1]
+    check_key_codes(codes, num_kv_heads, head_dim, bits, page_size)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    _check_mode(selection, group_reduction)
+    group = num_q_heads // num_kv_heads
+    max_pages = page_table.shape[1]
+    table = page_table.long()
+    keys = decode_key_codes(codes[table], kmin[table], kmax[table], bits)  # [B, P, ps, Hkv, D]
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    logits = torch.einsum("bkgd,bptkd->bkgpt", qg, keys).reshape(batch, num_q_heads, max_pages, page_size)
+    position = torch.arange(max_pages * page_size, device=q.device).view(max_pages, page_size)
+    written = position[None] < seq_lens.long()[:, None, None]  # [B, P, ps]
+    per_q = logits.masked_fill(~written[:, None], float("-inf")).amax(-1)  # [B, Hq, P]
+    if selection == "q_head":
+        scores = per_q
+    else:
+        grouped = per_q.view(batch, num_kv_heads, group, max_pages)
+        scores = grouped.sum(2) if group_reduction == "sum" else grouped.amax(2)
+    valid = valid_pages(seq_lens, page_size, max_pages)
+    return scores.masked_fill(~valid[:, None, :], float("-inf")).contiguous()
+
+
+def page_scores_codes_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    bits: int,
+    selection: str = "kv_head",
+    group_reduction: str = "sum",
+) -> torch.Tensor:
+    """:func:`page_scores_codes` into ``out`` ``[batch, num_sel_heads, max_pages]`` float32; returns ``out``."""
+    return out.copy_(page_scores_codes(q, codes, kmin, kmax, page_table, seq_lens, page_size, bits, selection,
+                                       group_reduction))
+
+
+def _check_mode(selection: str, group_reduction: str) -> None:
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+    if group_reduction not in GROUP_REDUCTIONS:
+        raise ValueError(f"group_reduction must be one of {GROUP_REDUCTIONS}, got {group_reduction!r}")

@@ -23,7 +23,7 @@ _SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from questkv.ops.triton import append, attention, estimate, select
+    from questkv.ops.triton import append, attention, codes, estimate, select
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -116,6 +116,28 @@ _SCRIPT = textwrap.dedent(
         for p in range(passes):
             compile_kernel(select._split_histogram_kernel, split_pointers, {**split, "PASS": p})
         compile_kernel(select._split_compact_kernel, split_pointers, {**split, "BLOCK_C": 16, "PAD_BLOCK": 256})
+    # low-bit key codes (opt-in): the encoder at every width, the scores kernel for every mode and
+    # width, bf16 queries (two 16-bit dots) and fp32 (IEEE), pages of 16 and 8 tokens
+    for bits in (1, 2, 4, 8):
+        nbytes = 128 * bits // 8
+        compile_kernel(
+            codes._encode_page_keys_kernel,
+            {"codes_ptr": "u8", "k_pages_ptr": "bf16", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "pages_ptr": "i32"},
+            {"PAGE_SIZE": 16, "BLOCK_T": 16, "NBYTES": nbytes, "BLOCK_B": nbytes, "BITS": bits},
+            num_warps=1 if 16 * nbytes <= 1024 else 4,
+        )
+    for q_dtype, mode, group, bits, page_size in (("bf16", 1, 4, 2, 16), ("bf16", 2, 4, 1, 16), ("bf16", 0, 4, 4, 16),
+                                                  ("bf16", 1, 4, 8, 16), ("bf16", 1, 1, 2, 16), ("bf16", 1, 8, 2, 8),
+                                                  ("fp32", 1, 4, 2, 16)):
+        compile_kernel(
+            codes._page_scores_codes_kernel,
+            {"q_ptr": q_dtype, "codes_ptr": "u8", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
+             "lens_ptr": "i32", "out_ptr": "fp32"},
+            {"PAGE_SIZE": page_size, "PS_PAD": page_size, "GROUP": group, "BLOCK_G": 16, "HEAD_DIM": 128,
+             "BLOCK_D": 128, "BLOCK_P": max(codes._BLOCK_P, 16 // page_size), "BITS": bits, "MODE": mode,
+             "DOT_FP32": q_dtype == "fp32"},
+            num_warps=codes.scores_num_warps(q_dtype == "fp32"),
+        )
     print("all kernels compiled for sm_90")
     """
 )

@@ -12,6 +12,7 @@ from questkv.ops.triton.attention import (
     paged_decode_attention_into,
     plan_splits,
 )
+from questkv.ops.triton.codes import encode_page_keys, page_scores_codes, page_scores_codes_into
 from questkv.ops.triton.estimate import (
     estimate_select_counters,
     estimate_select_into,
@@ -24,10 +25,13 @@ from questkv.ops.triton.select import select_buffers, select_pages, select_pages
 __all__ = [
     "append_kv",
     "attention_buffers",
+    "encode_page_keys",
     "estimate_select_counters",
     "estimate_select_into",
     "fuses_select",
     "page_scores",
+    "page_scores_codes",
+    "page_scores_codes_into",
     "page_scores_into",
     "paged_decode_attention",
     "paged_decode_attention_into",
