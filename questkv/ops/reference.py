@@ -20,7 +20,7 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
   key is the index ``c = clamp(floor((k_d - kmin_d) / w_d), 0, 2**bits - 1)`` of the one of
   ``2**bits`` equal cells ``w_d = (kmax_d - kmin_d) / 2**bits`` of its page's bounds that holds it
   (``c = 0`` where ``w_d = 0``), decoded to the cell's centre ``kmin_d + (c + 0.5) w_d`` (``kmin_d``
-  where ``w_d = 0``): :func:`questkv.policies.paged.quantize_within_bounds`. Codes are packed
+  where ``w_d = 0``): :func:`quantize_key_codes` and :func:`decode_key_cells`. Codes are packed
   little-end first along ``head_dim``: element ``d`` lives in byte ``d * bits // 8`` at bit offset
   ``(d * bits) % 8`` (``bits = 8``: one byte per element). ``head_dim * bits`` must be a multiple of
   8. A page's codes are written once, when it is full and its bounds final; those of the current,
@@ -443,13 +443,19 @@ def unpack_key_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return cells.flatten(-2)
 
 
-def decode_key_codes(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
-    """Decoded keys, float32 ``[..., page_size, H, D]``, from packed ``codes`` ``[..., page_size, H, D * bits // 8]``
-    and the pages' bounds ``[..., H, D]``: ``kmin + (c + 0.5) * w``, or ``kmin`` where ``w = 0``."""
+def decode_key_cells(cells: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """Decoded keys, float32 ``[..., page_size, H, D]``, from unpacked cell indices ``[..., page_size, H, D]``
+    (:func:`quantize_key_codes`) and the pages' bounds ``[..., H, D]``: ``kmin + (c + 0.5) * w``, or
+    ``kmin`` where ``w = 0``."""
     low = kmin.float().unsqueeze(-3)
     width = (kmax.float().unsqueeze(-3) - low) * (1.0 / 2**bits)
-    cells = unpack_key_codes(codes, bits).float()
-    return torch.where(width > 0, low + (cells + 0.5) * width, low)
+    return torch.where(width > 0, low + (cells.float() + 0.5) * width, low)
+
+
+def decode_key_codes(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """Decoded keys, float32 ``[..., page_size, H, D]``, from packed ``codes`` ``[..., page_size, H, D * bits // 8]``
+    and the pages' bounds ``[..., H, D]`` (:func:`decode_key_cells` of the unpacked codes)."""
+    return decode_key_cells(unpack_key_codes(codes, bits), kmin, kmax, bits)
 
 
 def encode_page_keys(

@@ -260,7 +260,7 @@ class QuestTopPPolicy(PagePolicy):
 
 RERANKS: tuple[str, ...] = ("max", "mass")
 """How :class:`QuestRerankPolicy` scores a shortlisted page from its keys."""
-KEY_BITS: tuple[int, ...] = (1, 2, 4, 8)
+KEY_BITS: tuple[int, ...] = reference.KEY_CODE_BITS
 """Widths of :class:`QuestRerankPolicy`'s low-bit key codes (``key_bits``; ``None``: exact keys)."""
 
 
@@ -270,19 +270,15 @@ def quantize_within_bounds(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.T
     Channel ``i`` of a key in a page with bounds ``[kmin_i, kmax_i]`` is stored as the index ``c`` of
     the one of ``2**bits`` equal cells of that interval that holds it, and decoded to the cell's
     centre ``kmin_i + (c + 0.5) (kmax_i - kmin_i) / 2**bits`` (``kmin_i`` where the interval is a
-    point). Only ``c`` is new per token: the bounds are Quest's, read for the estimate anyway.
+    point): the codes of :func:`questkv.ops.reference.encode_page_keys`, unpacked. Only ``c`` is new
+    per token: the bounds are Quest's, read for the estimate anyway.
 
     Args:
         keys: ``[..., page_size, H, D]``, each page's keys.
         kmin, kmax: ``[..., H, D]``, the same pages' bounds (the page dimension broadcast in).
         bits: one of :data:`KEY_BITS`.
     """
-    keys, low, high = keys.float(), kmin.float().unsqueeze(-3), kmax.float().unsqueeze(-3)
-    cells = 2**bits
-    width = (high - low) / cells
-    safe = torch.where(width > 0, width, 1.0)
-    code = torch.floor((keys - low) / safe).clamp(0, cells - 1)
-    return torch.where(width > 0, low + (code + 0.5) * width, low)
+    return reference.decode_key_cells(reference.quantize_key_codes(keys, kmin, kmax, bits), kmin, kmax, bits)
 
 
 class QuestRerankPolicy(PagePolicy):
