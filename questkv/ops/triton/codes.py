@@ -12,8 +12,7 @@ import triton.language as tl
 
 from questkv.ops import reference
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2
-
-_MODE_Q_HEAD, _MODE_SUM, _MODE_MAX = 0, 1, 2
+from questkv.ops.triton.estimate import _MODE_Q_HEAD, _mode, _store_page_scores
 # Launch configuration of the scores kernel (untimed): pages per program and warps. A program decodes
 # BLOCK_P * page_size keys of head_dim channels in registers (32 x 128 at page 16). Chosen from ptxas -v
 # for sm_90 at head_dim 128, GQA 4: 147 registers and no spills with 4 warps for 16-bit queries (4 pages
@@ -172,23 +171,7 @@ def _page_scores_codes_kernel(
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     in_row = p < max_pages
     valid = in_row & (p < num_pages)
-    if MODE == 0:
-        tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + p[None, :],
-                 tl.where(valid[None, :], per_q, float("-inf")), mask=gmask[:, None] & in_row[None, :])
-    else:
-        if MODE == 1:
-            combined = tl.sum(tl.where(gmask[:, None], per_q, 0.0), axis=0)
-        else:
-            combined = tl.max(tl.where(gmask[:, None], per_q, float("-inf")), axis=0)
-        tl.store(out_ptr + seq * stride_ob + head * stride_oh + p, tl.where(valid, combined, float("-inf")),
-                 mask=in_row)
-
-
-def _mode(selection: str, group_reduction: str) -> int:
-    reference._check_mode(selection, group_reduction)
-    if selection == "q_head":
-        return _MODE_Q_HEAD
-    return _MODE_SUM if group_reduction == "sum" else _MODE_MAX
+    _store_page_scores(out_ptr, seq, head, rows, p, per_q, valid, in_row, gmask, stride_ob, stride_oh, MODE)
 
 
 def page_scores_codes_into(

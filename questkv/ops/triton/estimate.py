@@ -36,6 +36,26 @@ _NOT_FUSED = dict(FUSED_SELECT=False, BUDGET=1, SINK=0, RECENT=0, HAS_BUDGETS=Fa
 
 
 @triton.jit
+def _store_page_scores(out_ptr, seq, head, rows, p, per_q, valid, in_row, gmask, stride_ob, stride_oh,
+                       MODE: tl.constexpr):
+    """Store one KV head's page scores ``per_q`` ``[BLOCK_G, BLOCK_P]`` (its query group's rows
+    ``rows``, pages ``p``) into the score rows of sequence ``seq``: per query head (``MODE`` 0), or
+    the group's sum (1) / max (2) in the KV head's row; ``-inf`` at pages past the sequence
+    (``~valid``), nothing past the table (``~in_row``) or for padding query rows (``~gmask``).
+    Shared by the bound estimate and the key-code estimate (:mod:`questkv.ops.triton.codes`)."""
+    if MODE == 0:
+        tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + p[None, :],
+                 tl.where(valid[None, :], per_q, float("-inf")), mask=gmask[:, None] & in_row[None, :])
+    else:
+        if MODE == 1:
+            combined = tl.sum(tl.where(gmask[:, None], per_q, 0.0), axis=0)
+        else:
+            combined = tl.max(tl.where(gmask[:, None], per_q, float("-inf")), axis=0)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + p, tl.where(valid, combined, float("-inf")),
+                 mask=in_row)
+
+
+@triton.jit
 def _page_scores_kernel(
     q_ptr, kmin_ptr, kmax_ptr, table_ptr, lens_ptr, out_ptr,
     budgets_ptr, counter_ptr, sel_ptr,
@@ -102,16 +122,7 @@ def _page_scores_kernel(
             hi = hi.to(tl.float32)
         score = tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
         score += tl.dot(q_neg, tl.trans(lo), input_precision="ieee")  # [BLOCK_G, BLOCK_P]
-        if MODE == 0:
-            tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + p[None, :],
-                     tl.where(valid[None, :], score, float("-inf")), mask=gmask[:, None] & in_row[None, :])
-        else:
-            if MODE == 1:
-                combined = tl.sum(tl.where(gmask[:, None], score, 0.0), axis=0)
-            else:
-                combined = tl.max(tl.where(gmask[:, None], score, float("-inf")), axis=0)
-            tl.store(out_ptr + seq * stride_ob + head * stride_oh + p, tl.where(valid, combined, float("-inf")),
-                     mask=in_row)
+        _store_page_scores(out_ptr, seq, head, rows, p, score, valid, in_row, gmask, stride_ob, stride_oh, MODE)
     if USE_PDL:
         gdc_launch_dependents()  # the next kernel's griddepcontrol.wait still waits for the selection
 
