@@ -527,11 +527,7 @@ def page_scores_codes(
     max_pages = page_table.shape[1]
     table = page_table.long()
     keys = decode_key_codes(codes[table], kmin[table], kmax[table], bits)  # [B, P, ps, Hkv, D]
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    logits = torch.einsum("bkgd,bptkd->bkgpt", qg, keys).reshape(batch, num_q_heads, max_pages, page_size)
-    position = torch.arange(max_pages * page_size, device=q.device).view(max_pages, page_size)
-    written = position[None] < seq_lens.long()[:, None, None]  # [B, P, ps]
-    per_q = logits.masked_fill(~written[:, None], float("-inf")).amax(-1)  # [B, Hq, P]
+    per_q = page_logits(q, keys, seq_lens).amax(-1)  # [B, Hq, P]
     if selection == "q_head":
         scores = per_q
     else:
@@ -539,6 +535,25 @@ def page_scores_codes(
         scores = grouped.sum(2) if group_reduction == "sum" else grouped.amax(2)
     valid = valid_pages(seq_lens, page_size, max_pages)
     return scores.masked_fill(~valid[:, None, :], float("-inf")).contiguous()
+
+
+def page_logits(q: torch.Tensor, keys: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Every page token's logit ``q_h . k_t`` (no softmax scale): ``[batch, num_q_heads, max_pages,
+    page_size]`` float32, ``-inf`` at slots past a sequence's length.
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``.
+        keys: ``[batch, max_pages, page_size, num_kv_heads, head_dim]``, each sequence's pages in
+            page-table order (gathered keys, or keys decoded from codes).
+        seq_lens: ``[batch]`` int32.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, max_pages, page_size, num_kv_heads, _ = keys.shape
+    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    logits = torch.einsum("bkgd,bptkd->bkgpt", qg, keys.float()).reshape(batch, num_q_heads, max_pages, page_size)
+    position = torch.arange(max_pages * page_size, device=q.device).view(max_pages, page_size)
+    written = position[None] < seq_lens.long()[:, None, None]  # [B, P, ps]
+    return logits.masked_fill(~written[:, None], float("-inf"))
 
 
 def page_scores_codes_into(

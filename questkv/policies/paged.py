@@ -355,18 +355,14 @@ class QuestRerankPolicy(PagePolicy):
             shortlisted: ``[batch, num_sel_heads, max_pages]`` bool, the pages of
                 :meth:`shortlist_pages` (a row's other pages are never scored).
         """
-        batch, num_q_heads, head_dim = q.shape
-        max_pages, num_kv_heads = page_table.shape[1], layer.kmin.shape[1]
+        num_q_heads, head_dim = q.shape[1:]
+        num_kv_heads = layer.kmin.shape[1]
         group = num_q_heads // num_kv_heads
-        keys = layer.k_pages[page_table.long()].float()  # [B, P, ps, Hkv, D]
+        table = page_table.long()
+        keys = layer.k_pages[table]  # [B, P, ps, Hkv, D]
         if self.key_bits is not None:
-            table = page_table.long()
             keys = quantize_within_bounds(keys, layer.kmin[table], layer.kmax[table], self.key_bits)
-        qg = q.float().view(batch, num_kv_heads, group, head_dim)
-        logits = torch.einsum("bkgd,bptkd->bkgpt", qg, keys).reshape(batch, num_q_heads, max_pages, self.page_size)
-        position = torch.arange(max_pages * self.page_size, device=q.device).view(max_pages, self.page_size)
-        written = position[None] < seq_lens.long()[:, None, None]  # [B, P, ps]
-        logits = logits.masked_fill(~written[:, None], float("-inf"))
+        logits = reference.page_logits(q, keys, seq_lens)  # [B, Hq, P, ps]
         per_q_shortlist = shortlisted if self.config.selection == "q_head" else shortlisted.repeat_interleave(group, 1)
         if self.rerank == "max":
             per_q = logits.amax(-1)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.config import GROUP_REDUCTIONS, SELECTIONS
+from questkv.ops import reference
 from questkv.ops.reference import SelectBuffers
 from questkv.ops.triton import select as _select
 from questkv.ops.triton.select import _row_pages, _select_row
@@ -143,10 +143,7 @@ def _page_scores_kernel(
 
 
 def _mode(selection: str, group_reduction: str) -> int:
-    if selection not in SELECTIONS:
-        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
-    if group_reduction not in GROUP_REDUCTIONS:
-        raise ValueError(f"group_reduction must be one of {GROUP_REDUCTIONS}, got {group_reduction!r}")
+    reference._check_mode(selection, group_reduction)
     if selection == "q_head":
         return _MODE_Q_HEAD
     return _MODE_SUM if group_reduction == "sum" else _MODE_MAX
