@@ -215,9 +215,10 @@ def main(argv=None) -> int:
     result = check(cells, args.selector)
     command = "python benchmarks/eval_targets.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "sources": [path for path, _ in sources], **result}, indent=1))
+    # the stem may hold dots (qwen2.5-...), so the suffix is appended, never substituted
+    Path(f"{out}.json").write_text(json.dumps({"command": command, "sources": [path for path, _ in sources], **result}, indent=1))
     text = markdown(result, command, cells)
-    out.with_suffix(".md").write_text(text)
+    Path(f"{out}.md").write_text(text)
     print(text.split("## Retrieval")[0])
     return 0
 

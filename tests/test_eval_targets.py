@@ -70,6 +70,6 @@ def test_main_rejects_a_cell_in_two_inputs(tmp_path):
 def test_main_writes_json_and_markdown(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps({"cells": [_cell("vt", "full", None, 0.8),
                                                            _cell("vt", "quest", 2048, 0.75)]}))
-    eval_targets.main([str(tmp_path / "a.json"), "--out", str(tmp_path / "t")])
-    assert json.loads((tmp_path / "t.json").read_text())["summary"]["aggregation_vs_full"] == {"met": 1, "total": 1}
-    assert "| vt | 16384 | quest | 2048 | 75% |" in (tmp_path / "t.md").read_text()
+    eval_targets.main([str(tmp_path / "a.json"), "--out", str(tmp_path / "t-0.5b")])
+    assert json.loads((tmp_path / "t-0.5b.json").read_text())["summary"]["aggregation_vs_full"] == {"met": 1, "total": 1}
+    assert "| vt | 16384 | quest | 2048 | 75% |" in (tmp_path / "t-0.5b.md").read_text()
