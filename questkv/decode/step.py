@@ -8,6 +8,7 @@ whole model's decode step captures in a CUDA graph. :func:`quest_decode` is a on
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -18,6 +19,19 @@ from questkv.ops.pages import LayerPages
 
 if TYPE_CHECKING:
     from questkv.cache.paged import PagedKVCache
+
+
+def _fuse_select_from_env() -> bool:
+    value = os.environ.get("QUESTKV_FUSE_SELECT", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"QUESTKV_FUSE_SELECT must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+FUSE_SELECT = _fuse_select_from_env()
+"""The default of :class:`QuestDecodeStep`'s ``fuse_select``: the environment variable
+``QUESTKV_FUSE_SELECT`` (``"0"`` or ``"1"``, read at import), so that a benchmark can run a whole engine
+both ways."""
 
 
 class QuestDecodeStep:
@@ -38,7 +52,7 @@ class QuestDecodeStep:
         max_pages: page-table width (``page_table.shape[1]``).
         dtype, device: of ``q`` and the page pool.
         num_splits: split count of the attention kernel (default: one wave of a few programs per SM).
-        fuse_select: opt-in (default ``False``; not yet measured on a GPU): :meth:`sparse` runs
+        fuse_select: ``None`` takes :data:`FUSE_SELECT` (``False`` unless ``QUESTKV_FUSE_SELECT=1``); ``True``: :meth:`sparse` runs
             :meth:`estimate_select`, the Triton estimate kernel with the one-program select fused in
             (one launch instead of two) wherever the select would not take its split path; elsewhere,
             and on the torch backend, the same separate ops. Same selection, bit for bit.
@@ -61,14 +75,14 @@ class QuestDecodeStep:
         dtype: torch.dtype,
         device: torch.device | str,
         num_splits: Optional[int] = None,
-        fuse_select: bool = False,
+        fuse_select: Optional[bool] = None,
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         device = torch.device(device)
         self.config = config
         self.batch, self.max_pages = batch, max_pages
-        self.fuse_select = bool(fuse_select)
+        self.fuse_select = FUSE_SELECT if fuse_select is None else bool(fuse_select)
         self.backend = ops.resolve_backend(torch.empty(0, device=device), config.backend)
         sel_heads = num_q_heads if config.selection == "q_head" else num_kv_heads
         self.out = torch.empty((batch, num_q_heads, head_dim), dtype=dtype, device=device)
