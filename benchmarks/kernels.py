@@ -59,6 +59,10 @@ DEVICE = "cuda"
 DTYPE = torch.bfloat16
 ROTATE_BYTES = 512 * 2**20  # bytes touched per graph replay at least (about 8x the H200's L2)
 MAX_LAYERS = 32
+# Calls per graph replay at least (whole cycles over the layers): a replay of one short kernel (the select at
+# B=32/32k, ~16 us, n_layers=1) is shorter than the host's replay + event records, so the GPU idles between
+# replays and start -> end includes the graph's launch latency (27.4 us measured vs 15.7 with n_layers=2).
+MIN_CALLS_PER_REPLAY = 8
 TARGETS = [  # (label, model, batch, context, budget, minimum speedup vs FlashInfer dense)
     ("B=1, L=32k, budget 2048", "llama3.1-8b", 1, 32768, 2048, 5.0),
     ("B=1, L=128k, budget 4096", "llama3.1-8b", 1, 131072, 4096, 8.0),
@@ -73,8 +77,10 @@ CODE_BITS = 2  # width of the key codes timed ("estimate from 2-bit codes")
 
 
 def time_graph(enqueue: Callable[[int], object], n_layers: int, reps: int, warmup: int) -> float:
-    """Median GPU time in microseconds of ``enqueue(layer)``, captured once per layer in a CUDA
-    graph and replayed ``reps`` times after ``warmup`` replays (per-call time = replay / n_layers)."""
+    """Median GPU time in microseconds of ``enqueue(layer)``, captured in a CUDA graph once per layer,
+    the layers cycled ``ceil(MIN_CALLS_PER_REPLAY / n_layers)`` times (so that a replay outlasts the host's
+    launch of it), and replayed ``reps`` times after ``warmup`` replays (per-call time = replay / calls)."""
+    cycles = -(-MIN_CALLS_PER_REPLAY // n_layers)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -84,8 +90,9 @@ def time_graph(enqueue: Callable[[int], object], n_layers: int, reps: int, warmu
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for layer in range(n_layers):
-            enqueue(layer)
+        for _ in range(cycles):
+            for layer in range(n_layers):
+                enqueue(layer)
     for _ in range(warmup):
         graph.replay()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
@@ -95,7 +102,7 @@ def time_graph(enqueue: Callable[[int], object], n_layers: int, reps: int, warmu
         end.record()
     torch.cuda.synchronize()
     del graph
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / n_layers
+    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / (cycles * n_layers)
 
 
 def graph_equals_eager(fn: Callable[[], torch.Tensor]) -> bool:
