@@ -30,7 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from questkv.config import QuestConfig  # noqa: E402
-from questkv.decode import step as decode_step  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
 from questkv.engine.sampling_params import SamplingParams  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
@@ -320,8 +319,7 @@ def main() -> None:
     parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
     args = parser.parse_args()
     record = {"provenance": provenance("cuda"), "page_size": PAGE, "dense_layers": DENSE_LAYERS, "dtype": "bfloat16",
-              "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS, "pdl": triton_common.PDL,
-              "fuse_select": decode_step.FUSE_SELECT, "points": []}
+              "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS, "pdl": triton_common.PDL, "points": []}
     record["bandwidth_bytes_per_s"] = bandwidth = measure_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     if not args.skip_checks:

@@ -5,8 +5,6 @@ random data, this script times under CUDA graphs (medians of many graph replays 
 
 * the questkv Quest step (estimate + select + attend) and each part alone, plus a ``torch.topk``
   selection for comparison with the Triton top-K;
-* the same step with the select fused into the estimate kernel (``QuestDecodeStep(fuse_select=True)``,
-  opt-in; where the select would take its split path the step falls back to the separate launches);
 * the page estimate from 2-bit key codes (``page_scores_codes``, the opt-in low-bit key copy of
   ``quest-rerank``'s ``key_bits`` estimator; not wired into the step), next to the Quest estimate;
 * questkv dense paged decode (the same attention kernel over every page);
@@ -223,8 +221,6 @@ def _check_kernels() -> list[dict]:
             out_ref = reference.paged_decode_attention(q, k_pages, v_pages, table, lens, sel)
             out = kernels.paged_decode_attention(q, k_pages, v_pages, table, lens, sel)
             record(f"{model} sparse attention {selection}", _rel_err(out, out_ref), 1e-2)
-            record(f"{model} estimate_select_into (fused) {selection}/{reduction} (exact)",
-                   float(not _fused_estimate_select_ok(q, kmin, kmax, table, lens, selection, reduction, got)), 0.0)
         out_ref = reference.paged_decode_attention(q, k_pages, v_pages, table, lens)
         out = kernels.paged_decode_attention(q, k_pages, v_pages, table, lens)
         record(f"{model} dense attention", _rel_err(out, out_ref), 1e-2)
@@ -239,15 +235,6 @@ def _check_kernels() -> list[dict]:
             reference.select_pages(step.scores, lens, PAGE_SIZE, config.budget_pages, 1, 1),
         )
         record(f"{model} QuestDecodeStep budget 1024", _rel_err(got, want), 1e-2)
-        fused = QuestDecodeStep(config, batch, hq, hkv, d, max_pages, DTYPE, DEVICE, fuse_select=True)
-        got_fused = fused(q, layer, table, lens)
-        want_fused = reference.paged_decode_attention(
-            q, k_pages, v_pages, table, lens,
-            reference.select_pages(fused.scores, lens, PAGE_SIZE, config.budget_pages, 1, 1),
-        )
-        record(f"{model} QuestDecodeStep fused select budget 1024", _rel_err(got_fused, want_fused), 1e-2)
-        same = all(torch.equal(a, b) for a, b in ((fused.scores, step.scores), (fused.selected, step.selected), (got_fused, got)))
-        record(f"{model} QuestDecodeStep fused select == unfused (exact)", float(not same), 0.0)
     return results
 
 
@@ -272,25 +259,6 @@ def key_codes_checks(q, k_pages, kmin, kmax, table, lens) -> list[tuple[str, flo
             checks.append((f"page_scores_codes {bits}-bit {selection}/{reduction}",
                            _rel_err(got[finite], want[finite]) if same_mask else 1.0, 1e-4))
     return checks
-
-
-def _fused_estimate_select_ok(q, kmin, kmax, table, lens, selection, reduction, scores) -> bool:
-    """``estimate_select_into`` (the fused launch where it applies) twice on the same buffers, with one budget
-    for every sequence and with per-sequence budgets: its scores equal the unfused kernel's ``scores`` and its
-    selection the reference's on them, bit for bit, and its tickets come back to zero."""
-    batch, sel_heads, _ = scores.shape
-    counters = kernels.estimate_select_counters(batch, kmin.shape[1], DEVICE)
-    ok = True
-    for budget_pages, sink, recent, budgets in ((64, 1, 2, None), (128, 0, 0, [128, 64, 8, 100])):
-        budgets = None if budgets is None else torch.tensor(budgets, dtype=torch.int32, device=DEVICE) * PAGE_SIZE
-        want = reference.select_pages(scores, lens, PAGE_SIZE, budget_pages, sink, recent, budgets)
-        for _ in range(2):
-            fused_scores = torch.full_like(scores, float("nan"))
-            selected = torch.full_like(want, 12345)
-            kernels.estimate_select_into(fused_scores, selected, q, kmin, kmax, table, lens, PAGE_SIZE, budget_pages,
-                                         sink, recent, selection, reduction, budgets, counters)
-            ok &= torch.equal(fused_scores, scores) and torch.equal(selected, want) and not counters.any()
-    return bool(ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,17 +404,12 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
         config = QuestConfig(token_budget=budget, backend="triton")
         step = QuestDecodeStep(config, batch, hq, hkv, d, npages, DTYPE, DEVICE)
         step(q, layers[0], table, lens)  # warm-up
-        fused = QuestDecodeStep(config, batch, hq, hkv, d, npages, DTYPE, DEVICE, fuse_select=True)
-        fused(q, layers[0], table, lens)
         sparse_bytes = bound_bytes + batch * hkv * budget * d * 2 * elt
         row = {
             "budget": budget,
             "ideal_speedup": context / (context / PAGE_SIZE + budget),
             "step_us": time_graph(lambda i: step(q, layers[i], table, lens), n_layers, reps, warmup),
             "step_other_pdl_us": other_pdl(lambda i: step(q, layers[i], table, lens), n_layers, reps, warmup),
-            "step_fused_select_us": time_graph(lambda i: fused(q, layers[i], table, lens), n_layers, reps, warmup),
-            # False: the select would take its split path here, so the "fused" step ran the separate launches
-            "fused_select": kernels.fuses_select(batch, hkv, npages),
             "estimate_us": time_graph(lambda i: step.estimate(q, layers[i], table, lens), n_layers, reps, warmup),
             "select_us": time_graph(lambda i: step.select(lens), n_layers, reps, warmup),
             "select_single_us": time_graph(lambda i: step.select(lens, split=False), n_layers, reps, warmup),
@@ -458,8 +421,6 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
             "step_bytes": sparse_bytes,
             "launches": count_launches(lambda: step(q, layers[0], table, lens)),
             "graph_equals_eager": graph_equals_eager(lambda: step(q, layers[0], table, lens)),
-            "launches_fused_select": count_launches(lambda: fused(q, layers[0], table, lens)),
-            "graph_equals_eager_fused_select": graph_equals_eager(lambda: fused(q, layers[0], table, lens)),
         }
         row["step_tbps"] = sparse_bytes / (row["step_us"] * 1e-6) / 1e12
         row["estimate_tbps"] = bound_bytes / (row["estimate_us"] * 1e-6) / 1e12
@@ -483,21 +444,9 @@ def _fmt(value, digits=1):
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _fused_cell(row: dict) -> str:
-    """The 'step, fused select' cell: its time, marked where the step fell back to the separate launches
-    (the select's split path) or where a graph replay did not equal the eager call."""
-    cell = _fmt(row.get("step_fused_select_us"))
-    if row.get("fused_select") is False:
-        cell += " (not fused: split select)"
-    if row.get("graph_equals_eager_fused_select") is False:
-        cell += " (graph ≠ eager)"
-    return cell
-
-
 def table_lines(points: list[dict]) -> list[str]:
     head = (
-        "| model | B | L | budget | Quest step µs | step, PDL switched | step, fused select | estimate | select "
-        "| select single / split "
+        "| model | B | L | budget | Quest step µs | step, PDL switched | estimate | select | select single / split "
         "| select torch.topk | attend | "
         "questkv dense µs | dense, PDL switched | FlashInfer dense µs | SDPA µs | speedup vs FI | ideal | step TB/s "
         "| dense/FI | graph = eager |"
@@ -509,12 +458,12 @@ def table_lines(points: list[dict]) -> list[str]:
                  _fmt(p.get("flashinfer_dense_us")), _fmt(p.get("sdpa_dense_us"))]
         ratio = _fmt(p.get("dense_ratio_vs_flashinfer"), 2)
         if not p["sparse"]:
-            lines.append(f"| {p['model']} | {p['batch']} | {ctx} | - | - | - | - | - | - | - | - | - | {' | '.join(dense)} "
+            lines.append(f"| {p['model']} | {p['batch']} | {ctx} | - | - | - | - | - | - | - | - | {' | '.join(dense)} "
                          f"| - | - | - | {ratio} | - |")
         for r in p["sparse"]:
             lines.append(
                 f"| {p['model']} | {p['batch']} | {ctx} | {r['budget']} | {_fmt(r['step_us'])} "
-                f"| {_fmt(r.get('step_other_pdl_us'))} | {_fused_cell(r)} | {_fmt(r['estimate_us'])} | "
+                f"| {_fmt(r.get('step_other_pdl_us'))} | {_fmt(r['estimate_us'])} | "
                 f"{_fmt(r['select_us'])} | {_fmt(r.get('select_single_us'))} / {_fmt(r.get('select_split_us'))} "
                 f"| {_fmt(r['select_torch_topk_us'])} | {_fmt(r['attend_us'])} | {' | '.join(dense)} | "
                 f"{_fmt(r.get('speedup_vs_flashinfer'), 2)} | {_fmt(r['ideal_speedup'], 2)} | {_fmt(r['step_tbps'], 2)} "
@@ -637,8 +586,7 @@ def main() -> int:
         f"- programmatic dependent launch (PDL) {'on' if info['pdl'] else 'off'} by default; the 'PDL switched' "
         "columns time the same graph with it the other way",
         "- times: median GPU µs per call under CUDA graphs; speedup = FlashInfer dense / Quest step; "
-        "ideal = L / (L/16 + budget); step TB/s = (bounds + selected K/V bytes) / step time; "
-        "'step, fused select' = the step with QuestDecodeStep(fuse_select=True) (opt-in)",
+        "ideal = L / (L/16 + budget); step TB/s = (bounds + selected K/V bytes) / step time",
         "",
         "## Targets",
         "",

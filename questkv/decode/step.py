@@ -8,7 +8,6 @@ whole model's decode step captures in a CUDA graph. :func:`quest_decode` is a on
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -19,19 +18,6 @@ from questkv.ops.pages import LayerPages
 
 if TYPE_CHECKING:
     from questkv.cache.paged import PagedKVCache
-
-
-def _fuse_select_from_env() -> bool:
-    value = os.environ.get("QUESTKV_FUSE_SELECT", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"QUESTKV_FUSE_SELECT must be '0' or '1', got {value!r}")
-    return value == "1"
-
-
-FUSE_SELECT = _fuse_select_from_env()
-"""The default of :class:`QuestDecodeStep`'s ``fuse_select``: the environment variable
-``QUESTKV_FUSE_SELECT`` (``"0"`` or ``"1"``, read at import), so that a benchmark can run a whole engine
-both ways."""
 
 
 class QuestDecodeStep:
@@ -52,16 +38,10 @@ class QuestDecodeStep:
         max_pages: page-table width (``page_table.shape[1]``).
         dtype, device: of ``q`` and the page pool.
         num_splits: split count of the attention kernel (default: one wave of a few programs per SM).
-        fuse_select: ``None`` takes :data:`FUSE_SELECT` (``False`` unless ``QUESTKV_FUSE_SELECT=1``); ``True``: :meth:`sparse` runs
-            :meth:`estimate_select`, the Triton estimate kernel with the one-program select fused in
-            (one launch instead of two) wherever the select would not take its split path; elsewhere,
-            and on the torch backend, the same separate ops. Same selection, bit for bit.
 
     Buffers: ``scores`` ``[batch, num_sel_heads, max_pages]`` float32, ``selected`` ``[batch,
     num_sel_heads, budget_pages]`` int32, ``out`` ``[batch, num_q_heads, head_dim]`` in ``dtype``,
-    and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`); with
-    ``fuse_select``, the fused kernel's tickets ``select_counters`` ``[batch, num_kv_heads]`` int32
-    (zero; :func:`questkv.ops.triton.estimate_select_counters`, ``None`` on the torch backend).
+    and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`).
     """
 
     def __init__(
@@ -75,14 +55,12 @@ class QuestDecodeStep:
         dtype: torch.dtype,
         device: torch.device | str,
         num_splits: Optional[int] = None,
-        fuse_select: Optional[bool] = None,
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         device = torch.device(device)
         self.config = config
         self.batch, self.max_pages = batch, max_pages
-        self.fuse_select = FUSE_SELECT if fuse_select is None else bool(fuse_select)
         self.backend = ops.resolve_backend(torch.empty(0, device=device), config.backend)
         sel_heads = num_q_heads if config.selection == "q_head" else num_kv_heads
         self.out = torch.empty((batch, num_q_heads, head_dim), dtype=dtype, device=device)
@@ -90,14 +68,12 @@ class QuestDecodeStep:
             batch, num_q_heads, heads, head_dim, items, config.page_size, dense, device, num_splits
         )
         self._dense_buffers = buffers(num_kv_heads, max_pages, True)
-        self.scores = self.selected = self.select_buffers = self._sparse_buffers = self.select_counters = None
+        self.scores = self.selected = self.select_buffers = self._sparse_buffers = None
         if not config.is_dense:
             self.scores = torch.empty((batch, sel_heads, max_pages), dtype=torch.float32, device=device)
             self.selected = torch.empty((batch, sel_heads, config.budget_pages), dtype=torch.int32, device=device)
             self.select_buffers = self.backend.select_buffers(batch, sel_heads, max_pages, device)
             self._sparse_buffers = buffers(sel_heads, config.budget_pages, False)
-            if self.fuse_select:
-                self.select_counters = self.backend.estimate_select_counters(batch, num_kv_heads, device)
 
     @classmethod
     def for_cache(
@@ -136,27 +112,6 @@ class QuestDecodeStep:
             budgets, self.select_buffers, split,
         )
 
-    def estimate_select(
-        self,
-        q: torch.Tensor,
-        layer: LayerPages,
-        page_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        budgets: Optional[torch.Tensor] = None,
-        split: Optional[bool] = None,
-    ) -> torch.Tensor:
-        """:meth:`estimate` then :meth:`select` through the backend's ``estimate_select_into``: on the
-        Triton backend one fused launch where the one-program select applies (``split`` as in
-        :meth:`select`), the separate launches elsewhere. Needs ``fuse_select=True`` (its tickets)."""
-        if not self.fuse_select or self.selected is None:
-            raise ValueError("QuestDecodeStep.estimate_select needs fuse_select=True and a sparse config")
-        cfg = self.config
-        return self.backend.estimate_select_into(
-            self.scores, self.selected, q, layer.kmin, layer.kmax, page_table, seq_lens, cfg.page_size,
-            cfg.budget_pages, cfg.sink_pages, cfg.recent_pages, cfg.selection, cfg.group_reduction,
-            budgets, self.select_counters, self.select_buffers, split,
-        )
-
     def dense(
         self,
         q: torch.Tensor,
@@ -190,11 +145,8 @@ class QuestDecodeStep:
         """
         if self.selected is None:
             raise ValueError("QuestDecodeStep.sparse needs a sparse config (token_budget set)")
-        if self.fuse_select:
-            self.estimate_select(q, layer, page_table, seq_lens, budgets)
-        else:
-            self.estimate(q, layer, page_table, seq_lens)
-            self.select(seq_lens, budgets)
+        self.estimate(q, layer, page_table, seq_lens)
+        self.select(seq_lens, budgets)
         return self.attend(q, layer, page_table, seq_lens, sm_scale)
 
     def attend(

@@ -322,44 +322,6 @@ def select_pages_into(
     return out.copy_(select_pages(scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages, budgets))
 
 
-def estimate_select_counters(batch: int, num_kv_heads: int, device: torch.device) -> None:
-    """The reference's estimate and select need no tickets: ``None``."""
-    return None
-
-
-def fuses_select(batch: int, num_sel_heads: int, max_pages: int, split: Optional[bool] = None) -> bool:
-    """The reference never fuses: ``False``."""
-    return False
-
-
-def estimate_select_into(
-    scores: torch.Tensor,
-    selected: torch.Tensor,
-    q: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-    budget_pages: int,
-    sink_pages: int = 0,
-    recent_pages: int = 0,
-    selection: str = "kv_head",
-    group_reduction: str = "sum",
-    budgets: Optional[torch.Tensor] = None,
-    counters: Optional[torch.Tensor] = None,
-    buffers: Optional[SelectBuffers] = None,
-    split: Optional[bool] = None,
-) -> torch.Tensor:
-    """:func:`page_scores_into` into ``scores`` ``[batch, num_sel_heads, max_pages]`` float32, then
-    :func:`select_pages_into` into ``selected`` ``[batch, num_sel_heads, budget_pages]`` int32 (the
-    Triton entry point fuses both in one kernel); ``counters``, ``buffers`` and ``split`` are unused
-    here. Returns ``selected``."""
-    page_scores_into(scores, q, kmin, kmax, page_table, seq_lens, page_size, selection, group_reduction)
-    return select_pages_into(selected, scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages,
-                             budgets, buffers, split)
-
-
 def paged_decode_attention_into(
     out: torch.Tensor,
     buffers: AttentionBuffers,

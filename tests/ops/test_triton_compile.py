@@ -65,31 +65,19 @@ _SCRIPT = textwrap.dedent(
         {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128},
         num_warps=1,
     )
-    def compile_estimate(q_dtype, mode, group, blocks, pdl, fused=None, num_warps=4):
-        select_constexprs = dict(estimate._NOT_FUSED) if fused is None else {
-            "FUSED_SELECT": True, "SINK": 1, "RECENT": 2, **fused}
+    def compile_estimate(q_dtype, mode, group, blocks, pdl):
         compile_kernel(
             estimate._page_scores_kernel,
             {"q_ptr": q_dtype, "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
-             "lens_ptr": "i32", "out_ptr": "fp32", "budgets_ptr": "i32", "counter_ptr": "i32", "sel_ptr": "i32"},
+             "lens_ptr": "i32", "out_ptr": "fp32"},
             {"PAGE_SIZE": 16, "GROUP": group, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
              "BLOCK_D": 128, "MODE": mode, "DOT_FP32": q_dtype == "fp32", "BLOCKS": blocks, "NUM_STAGES": 2,
-             "USE_PDL": pdl, **select_constexprs},
-            num_warps=num_warps,
+             "USE_PDL": pdl},
         )
 
 
     for mode, group, pdl in ((0, 4, False), (1, 4, False), (2, 4, False), (1, 1, False), (1, 4, True)):
         compile_estimate("bf16", mode, group, 2, pdl)
-    # the fused select (estimate_select_into): every mode, per-sequence budgets or not, PDL, the
-    # select's warps for long rows (row_launch: 8 warps from 2048 pages, 16 from 4096)
-    for mode, group, pdl, n, k, has_budgets in ((0, 4, False, 64, 64, True), (1, 4, False, 1024, 128, False),
-                                                (2, 4, True, 2048, 128, True), (1, 1, False, 256, 16, True),
-                                                (0, 8, True, 512, 64, False), (1, 4, False, 4096, 256, True)):
-        fused = {"BUDGET": k, "HAS_BUDGETS": has_budgets, "BLOCK_N": n, "BLOCK_K": k}
-        warps = max(estimate._NUM_WARPS, select.row_launch(n, k)["num_warps"])  # as estimate._launch
-        compile_estimate("bf16", mode, group, 2, pdl, fused, num_warps=warps)
-    compile_estimate("fp32", 1, 4, 1, False, {"BUDGET": 64, "HAS_BUDGETS": False, "BLOCK_N": 128, "BLOCK_K": 64})
     for dense, group, sel_per_kv in ((False, 4, 1), (True, 4, 1), (False, 1, 1), (False, 1, 4)):
         compile_attention("bf16", dense, group, sel_per_kv)
     compile_attention("bf16", False, 4, 1, pdl=True)

@@ -13,22 +13,13 @@ from questkv.ops.triton.attention import (
     plan_splits,
 )
 from questkv.ops.triton.codes import encode_page_keys, page_scores_codes, page_scores_codes_into
-from questkv.ops.triton.estimate import (
-    estimate_select_counters,
-    estimate_select_into,
-    fuses_select,
-    page_scores,
-    page_scores_into,
-)
+from questkv.ops.triton.estimate import page_scores, page_scores_into
 from questkv.ops.triton.select import select_buffers, select_pages, select_pages_into
 
 __all__ = [
     "append_kv",
     "attention_buffers",
     "encode_page_keys",
-    "estimate_select_counters",
-    "estimate_select_into",
-    "fuses_select",
     "page_scores",
     "page_scores_codes",
     "page_scores_codes_into",

@@ -41,11 +41,10 @@ def _row_pages(lens_ptr, budgets_ptr, seq, max_pages,
 
 
 @triton.jit
-def _page_keys(row_ptr, i, num_pages, max_pages, SINK: tl.constexpr, RECENT: tl.constexpr, CACHE: tl.constexpr):
-    """Validity and 32-bit order-preserving key (uint32) of pages ``i`` of the score row at ``row_ptr``;
-    ``CACHE`` is the loads' cache modifier (``""``; ``".cg"`` reads scores that other programs just wrote from L2)."""
+def _page_keys(row_ptr, i, num_pages, max_pages, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Validity and 32-bit order-preserving key (uint32) of pages ``i`` of the score row at ``row_ptr``."""
     valid = (i < max_pages) & (i < num_pages)
-    score = tl.load(row_ptr + i, mask=valid, other=0.0, cache_modifier=CACHE)
+    score = tl.load(row_ptr + i, mask=valid, other=0.0)
     forced = valid & ((i < SINK) | (i >= num_pages - 1 - RECENT))
     score = tl.where(forced, float("inf"), tl.where(score == 0.0, 0.0, score))  # -0.0 ties +0.0
     bits = score.to(tl.int32, bitcast=True)
@@ -65,21 +64,20 @@ def _pick(hist, bins, remaining):
 @triton.jit
 def _select_row(scores_row_ptr, out_row_ptr, num_pages, remaining, max_pages,
                 BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Select one row in one program: the ``remaining`` (``<= BUDGET``) top pages of the float32 score
     row at ``scores_row_ptr`` (``max_pages <= BLOCK_N`` columns, ``num_pages`` of them valid), forced
     pages first, written to the int32 row at ``out_row_ptr`` as ascending logical pages with ``-1``
-    padding up to ``BUDGET`` (``BLOCK_K >= BUDGET``); ``CACHE``: the score loads' cache modifier.
+    padding up to ``BUDGET`` (``BLOCK_K >= BUDGET``).
 
     Radix select of the threshold key, then an order-preserving compaction (no sort). Each valid page
     gets a 32-bit key that orders like its score (forced pages score ``+inf``). Four 8-bit histogram
     passes find the threshold key ``T`` and how many pages equal to ``T`` still fit; pages above ``T``
     and the first such ties (lowest index first) are kept, and an exclusive prefix sum writes their
-    indices in ascending order: the reference's choice exactly. Shared by :func:`_select_pages_kernel`
-    and the estimate kernel's fused select.
+    indices in ascending order: the reference's choice exactly. The body of :func:`_select_pages_kernel`.
     """
     i = tl.arange(0, BLOCK_N)
-    valid, key = _page_keys(scores_row_ptr, i, num_pages, max_pages, SINK, RECENT, CACHE)
+    valid, key = _page_keys(scores_row_ptr, i, num_pages, max_pages, SINK, RECENT)
 
     threshold = tl.zeros([], tl.uint32)
     match = valid
@@ -115,7 +113,7 @@ def _select_pages_kernel(
     seq = tl.program_id(1).to(tl.int64)
     num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     _select_row(scores_ptr + seq * stride_sb + head * stride_sh, out_ptr + seq * stride_ob + head * stride_oh,
-                num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK_N, BLOCK_K, "")
+                num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -146,7 +144,7 @@ def _chunk_keys(scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_
     row = seq * tl.num_programs(1) + head
     num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     i = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT, "")
+    valid, key = _page_keys(scores_ptr + seq * stride_sb + head * stride_sh, i, num_pages, max_pages, SINK, RECENT)
     return chunk, seq, head, row, i, valid & (to_pick > 0), key, to_pick
 
 
@@ -331,17 +329,15 @@ def takes_split_path(batch: int, num_sel_heads: int, max_pages: int, split: Opti
     return max_pages >= _SPLIT_MIN_PAGES and batch * num_sel_heads <= _SPLIT_MAX_ROWS
 
 
-def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets,
-                      out_name: str = "out") -> None:
-    """The checks of a select's arguments other than the scores (``ValueError`` on the first failure);
-    ``out_name``: what the error messages call ``out``."""
+def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets) -> None:
+    """The checks of a select's arguments other than the scores (``ValueError`` on the first failure)."""
     check_shape("seq_lens", seq_lens, (batch,))
-    check_shape(out_name, out, (batch, heads, budget_pages))
+    check_shape("out", out, (batch, heads, budget_pages))
     if out.dtype != torch.int32:
-        raise ValueError(f"{out_name} must be int32, got {out.dtype}")
+        raise ValueError(f"out must be int32, got {out.dtype}")
     if budget_pages < 1 or sink_pages < 0 or recent_pages < 0:
         raise ValueError(f"need budget_pages >= 1 and sink/recent >= 0, got {budget_pages}/{sink_pages}/{recent_pages}")
-    check_last_dim_contiguous(**{out_name: out})
+    check_last_dim_contiguous(out=out)
     if budgets is not None:
         check_shape("budgets", budgets, (batch,))
         if budgets.dtype != torch.int32:
@@ -349,8 +345,7 @@ def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, rec
 
 
 def row_launch(max_pages: int, budget_pages: int) -> dict:
-    """Block sizes and warps of the one-program select of a row of ``max_pages`` pages (also the estimate
-    kernel's fused select)."""
+    """Block sizes and warps of the one-program select of a row of ``max_pages`` pages."""
     block_n = next_pow2(max_pages)
     return dict(BLOCK_N=block_n, BLOCK_K=next_pow2(budget_pages),
                 num_warps=min(_MAX_WARPS, max(_MIN_WARPS, block_n // (32 * _KEYS_PER_THREAD))))
