@@ -8,6 +8,9 @@ random data, this script times under CUDA graphs (medians of many graph replays 
 * the page estimate from 2-bit key codes (``page_scores_codes``, the opt-in low-bit key copy of
   ``quest-rerank``'s ``key_bits`` estimator; not wired into the step), next to the Quest estimate;
 * questkv dense paged decode (the same attention kernel over every page);
+* the attention kernel (dense, and the Quest step's attend) over a head-major copy of the same pools
+  (storage ``[num_pages, num_kv_heads, page_size, head_dim]``, :func:`head_major`): what a head-major page
+  pool would gain, measured before the cache adopts one;
 * FlashInfer dense paged decode (``BatchDecodeWithPagedKVCacheWrapper``), with and without tensor
   cores where both are asked for; the faster one is the baseline;
 * torch SDPA (``enable_gqa=True``) over contiguous K/V.
@@ -221,9 +224,14 @@ def _check_kernels() -> list[dict]:
             out_ref = reference.paged_decode_attention(q, k_pages, v_pages, table, lens, sel)
             out = kernels.paged_decode_attention(q, k_pages, v_pages, table, lens, sel)
             record(f"{model} sparse attention {selection}", _rel_err(out, out_ref), 1e-2)
+            out_hm = kernels.paged_decode_attention(q, head_major(k_pages), head_major(v_pages), table, lens, sel)
+            record(f"{model} sparse attention {selection}, head-major pool == page-major (exact)",
+                   float(not torch.equal(out_hm, out)), 0.0)
         out_ref = reference.paged_decode_attention(q, k_pages, v_pages, table, lens)
         out = kernels.paged_decode_attention(q, k_pages, v_pages, table, lens)
         record(f"{model} dense attention", _rel_err(out, out_ref), 1e-2)
+        out_hm = kernels.paged_decode_attention(q, head_major(k_pages), head_major(v_pages), table, lens)
+        record(f"{model} dense attention, head-major pool == page-major (exact)", float(not torch.equal(out_hm, out)), 0.0)
         for name, err, tol in key_codes_checks(q, k_pages, kmin, kmax, table, lens):
             record(f"{model} {name}", err, tol)
         config = QuestConfig(token_budget=1024, sink_pages=1, recent_pages=1, backend="triton")
@@ -308,6 +316,13 @@ def codes_estimate_bytes(batch: int, npages: int, hkv: int, d: int, bits: int, e
     return batch * npages * (PAGE_SIZE * hkv * reference.key_code_bytes(d, bits) + 2 * hkv * d * elt)
 
 
+def head_major(pages: torch.Tensor) -> torch.Tensor:
+    """``pages`` ``[num_pages, page_size, num_kv_heads, head_dim]`` copied into head-major storage
+    ``[num_pages, num_kv_heads, page_size, head_dim]`` and returned as a view of the original shape: the same
+    values, so every op reads it unchanged, while one (page, KV head) is one contiguous block."""
+    return pages.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def point_data(model: str, batch: int, context: int, min_budget: int, max_gb: float) -> dict:
     """Random pools for one point: ``n_layers`` independent layers (enough that one graph replay touches
     ``ROTATE_BYTES`` of the smallest Quest step's bytes, within ``max_gb``), a shuffled page table, full
@@ -354,6 +369,27 @@ def time_codes_estimate(q, layers, table, lens, timer: Callable[[Callable[[int],
             "estimate_codes2_tbps": nbytes / (micros * 1e-6) / 1e12}
 
 
+def time_head_major(point, dense, dense_out, steps, q, layers, table, lens, timer) -> None:
+    """The head-major fields of a point, on :func:`head_major` copies of ``layers`` (skipped, with
+    ``head_major_skipped``, when the copies would not fit in free GPU memory): ``questkv_dense_hm_us`` and,
+    per budget row (``steps`` in ``point["sparse"]``'s order), ``attend_hm_us`` and ``step_hm_us``; each output
+    must equal the page-major one bit for bit (``head_major_equal``: same kernel, same values)."""
+    need = sum(2 * layer.k_pages.numel() * layer.k_pages.element_size() for layer in layers)
+    if need > 0.9 * torch.cuda.mem_get_info()[0]:
+        point["head_major_skipped"] = f"{need / 2**30:.1f} GiB of copies over free memory"
+        return
+    hm = [LayerPages(head_major(layer.k_pages), head_major(layer.v_pages), layer.kmin, layer.kmax) for layer in layers]
+    point["questkv_dense_hm_us"] = timer(lambda i: dense.dense(q, hm[i], table, lens))
+    equal = torch.equal(dense.dense(q, hm[0], table, lens), dense_out)
+    for row, step in zip(point["sparse"], steps):
+        row["attend_hm_us"] = timer(lambda i: step.attend(q, hm[i], table, lens))
+        row["step_hm_us"] = timer(lambda i: step(q, hm[i], table, lens))
+        want = step(q, layers[0], table, lens).clone()
+        equal = equal and torch.equal(step(q, hm[0], table, lens), want)
+    point["head_major_equal"] = equal
+    del hm
+
+
 def other_pdl(enqueue: Callable[[int], object], n_layers: int, reps: int, warmup: int) -> float:
     """:func:`time_graph` with programmatic dependent launch switched from its default."""
     with programmatic_launch(not triton_common.PDL):
@@ -397,12 +433,13 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
 
     point.update(time_codes_estimate(q, layers, table, lens, lambda enqueue: time_graph(enqueue, n_layers, reps, warmup)))
 
-    point["sparse"] = []
+    point["sparse"], steps = [], []
     for budget in budgets:
         if budget >= context:
             continue
         config = QuestConfig(token_budget=budget, backend="triton")
         step = QuestDecodeStep(config, batch, hq, hkv, d, npages, DTYPE, DEVICE)
+        steps.append(step)
         step(q, layers[0], table, lens)  # warm-up
         sparse_bytes = bound_bytes + batch * hkv * budget * d * 2 * elt
         row = {
@@ -428,6 +465,7 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
         if "flashinfer_dense_us" in point:
             row["speedup_vs_flashinfer"] = point["flashinfer_dense_us"] / row["step_us"]
         point["sparse"].append(row)
+    time_head_major(point, dense, dense_out, steps, q, layers, table, lens, lambda enqueue: time_graph(enqueue, n_layers, reps, warmup))
     for key in ("questkv_dense_us", "flashinfer_dense_us", "sdpa_dense_us"):
         if key in point:
             point[key.replace("_us", "_tbps")] = kv_bytes / (point[key] * 1e-6) / 1e12
@@ -483,6 +521,21 @@ def codes_lines(points: list[dict]) -> list[str]:
         quest = p["sparse"][0]["estimate_us"] if p["sparse"] else None
         lines.append(f"| {p['model']} | {p['batch']} | {p['context'] // 1024}k | {_fmt(p['estimate_codes2_us'])} "
                      f"| {_fmt(p['estimate_codes2_bytes'] / 1e6)} | {_fmt(p['estimate_codes2_tbps'], 2)} | {_fmt(quest)} |")
+    return lines
+
+
+def head_major_lines(points: list[dict]) -> list[str]:
+    """The head-major pool table: dense, attend and step times on page-major and head-major pools."""
+    lines = ["| model | B | L | dense µs | dense, head-major | budget | attend µs | attend, head-major | step µs "
+             "| step, head-major | outputs equal |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        if "questkv_dense_hm_us" not in p:
+            continue
+        for r in p["sparse"]:
+            lines.append(f"| {p['model']} | {p['batch']} | {p['context'] // 1024}k | {_fmt(p['questkv_dense_us'])} "
+                         f"| {_fmt(p['questkv_dense_hm_us'])} | {r['budget']} | {_fmt(r['attend_us'])} "
+                         f"| {_fmt(r.get('attend_hm_us'))} | {_fmt(r['step_us'])} | {_fmt(r.get('step_hm_us'))} "
+                         f"| {p['head_major_equal']} |")
     return lines
 
 
@@ -600,9 +653,14 @@ def main() -> int:
         "",
         *codes_lines(points),
         "",
+        "## Attention over a head-major copy of the pools (storage [num_pages, num_kv_heads, page_size, head_dim])",
+        "",
+        *head_major_lines(points),
+        "",
     ]
     (out_dir / f"kernels-{args.tag}.md").write_text("\n".join(md))
-    print("\n".join(["", *target_lines(points), "", *table_lines(points), "", *codes_lines(points)]))
+    print("\n".join(["", *target_lines(points), "", *table_lines(points), "", *codes_lines(points), "",
+                     *head_major_lines(points)]))
     return 0 if all(c["ok"] for c in checks) else 1
 
 

@@ -183,6 +183,23 @@ def test_paged_decode_attention_matches_reference(dtype, heads, selection):
     assert _rel_err(got, want) < _tol(dtype)
 
 
+@pytest.mark.parametrize("selection", ["kv_head", None])
+def test_paged_decode_attention_reads_a_head_major_pool(selection):
+    """The kernel takes the pools' strides: the same values stored head-major ([pages, kv heads, page
+    size, head_dim], viewed as the usual shape) give the same output bit for bit."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages, heads = 16, 8, (8, 2, 32)
+    q, k_pages, v_pages, table, lens = _attention_case(torch.float32, heads, [115, 60], max_pages, page_size, gen)
+    selected = None
+    if selection is not None:
+        scores = torch.randn(2, heads[1], max_pages, generator=gen)
+        selected = reference.select_pages(scores, lens, page_size, 4, 0, 0)
+    head_major = [pages.transpose(1, 2).contiguous().transpose(1, 2) for pages in (k_pages, v_pages)]
+    assert not head_major[0].is_contiguous()  # same values (unused slots hold NaN: no torch.equal here)
+    want = tk.paged_decode_attention(q, k_pages, v_pages, table, lens, selected)
+    assert torch.equal(tk.paged_decode_attention(q, *head_major, table, lens, selected), want)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_attention_split_merge_and_scale(num_splits):
     """Explicit split counts (a short sequence leaves whole splits empty), a custom scale, and two
