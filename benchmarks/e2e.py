@@ -19,7 +19,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import time
