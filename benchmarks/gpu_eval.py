@@ -234,7 +234,7 @@ def sweep(alias: str, name: str, commit: str, seconds: int, resume: str, args: l
     except subprocess.TimeoutExpired:
         print(f"sweep stopped after {seconds} s; run the same call again to resume", flush=True)
         code = 0
-    for produced in results.glob(f"{name}.json*"):
+    for produced in results.glob(f"{name}.*"):  # the JSON with its .md table and .png plot
         shutil.copyfile(produced, Path(os.environ["OUT"]) / produced.name)
     return code
 

@@ -106,7 +106,7 @@ def test_sweep_arguments_after_the_double_dash_pass_through(monkeypatch):
         gpu_eval.main(["stage", "toy", "1", "--", "--tasks", "ppl"])
 
 
-def test_sweep_copies_its_json_to_out_even_when_stopped(monkeypatch, tmp_path):
+def test_sweep_copies_its_json_table_and_plot_to_out_even_when_stopped(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_eval, "WORK", tmp_path / "work")
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     (tmp_path / "out").mkdir()
@@ -114,7 +114,11 @@ def test_sweep_copies_its_json_to_out_even_when_stopped(monkeypatch, tmp_path):
 
     def stopped(command, env, timeout):
         seen.update(command=command, env=env)
-        Path(command[command.index("--json") + 1]).write_text("{}")
+        json_path = Path(command[command.index("--json") + 1])
+        json_path.write_text("{}")
+        json_path.with_suffix(".md").write_text("table")
+        json_path.with_suffix(".png").write_bytes(b"png")
+        (json_path.parent / "run10.json").write_text("another run's")
         raise gpu_eval.subprocess.TimeoutExpired(command, timeout)
 
     monkeypatch.setattr(gpu_eval.subprocess, "run", stopped)
@@ -124,3 +128,4 @@ def test_sweep_copies_its_json_to_out_even_when_stopped(monkeypatch, tmp_path):
     assert seen["env"]["QUESTKV_COMMIT"] == "abc"
     assert seen["env"]["QUESTKV_CACHE_DIR"] == str(tmp_path / "work" / "cache")
     assert (tmp_path / "out" / "run1.json").read_text() == "{}"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["run1.json", "run1.md", "run1.png"]
