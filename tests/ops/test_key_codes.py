@@ -118,11 +118,16 @@ def test_reference_decoded_keys_equal_quantize_within_bounds(bits, page_size):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("selection,reduction", MODES)
-@pytest.mark.parametrize("dtype,page_size,block_p", [(torch.float32, 16, 4), (torch.bfloat16, 8, 1)])
-def test_page_scores_codes_matches_reference(bits, heads, selection, reduction, dtype, page_size, block_p, monkeypatch):
+@pytest.mark.parametrize("dtype,page_size,block_p,per_program", [(torch.float32, 16, 4, 2), (torch.bfloat16, 8, 1, 3)])
+def test_page_scores_codes_matches_reference(bits, heads, selection, reduction, dtype, page_size, block_p, per_program,
+                                             monkeypatch):
     """Ragged lengths (a partial last page, a one-token sequence, a row of full pages), padding in the page
-    table, several programs per row; -inf past each sequence; scores to 1e-5 (float32 math)."""
+    table, several programs per row, each looping over several blocks (10 pages: blocks of 4 pages, 2 a
+    program, the last block past the table; or of 1 page, 3 a program, the last program with 1); -inf past
+    each sequence; scores to 1e-5 (float32 math)."""
     monkeypatch.setattr(codes_kernels, "_BLOCK_P", block_p)
+    monkeypatch.setattr(codes_kernels, "_BLOCKS_PER_PROGRAM", per_program)
+    monkeypatch.setattr(codes_kernels, "_MIN_PROGRAMS_PER_SM", 0)
     gen = _gen()
     num_q, num_kv, head_dim = heads
     max_pages = 10
@@ -171,6 +176,29 @@ def test_page_scores_codes_two_term_dot_matches_reference(bits, heads, monkeypat
     finite = torch.isfinite(want)
     err = ((got[finite] - want[finite]).double().norm() / want[finite].double().norm()).item()
     assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("pad", [1, 2])
+def test_page_scores_codes_unaligned_codes(bits, pad):
+    """Codes whose rows are not 4-byte aligned (a view of wider rows) are read in 1- or 2-byte words, with the
+    same scores, bit for bit, as contiguous codes (read in 4-byte words)."""
+    gen = _gen()
+    heads = (8, 2, 32)
+    page_size, max_pages = 16, 5
+    q, k_pages, kmin, kmax, table, seq_lens = _case(heads, [page_size * 4 + 3, 9], page_size, max_pages,
+                                                    torch.float32, gen)
+    nbytes = reference.key_code_bytes(heads[2], bits)
+    wide = _random_codes(k_pages.shape[0], page_size, heads[1], 8 * (nbytes + pad) // bits, bits, gen)
+    codes = wide[..., :nbytes]
+    reference.encode_page_keys(codes, k_pages, kmin, kmax, torch.unique(_readable(table)).int(), bits)
+    assert codes_kernels._code_unit(codes, nbytes) == pad and codes_kernels._code_unit(codes.contiguous(), nbytes) == 4
+    want = reference.page_scores_codes(q, codes, kmin, kmax, _readable(table), seq_lens, page_size, bits)
+    got = tk.page_scores_codes(q, codes, kmin, kmax, table, seq_lens, page_size, bits)
+    assert torch.equal(got, tk.page_scores_codes(q, codes.contiguous(), kmin, kmax, table, seq_lens, page_size, bits))
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bits", BITS)

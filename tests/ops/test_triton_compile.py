@@ -18,8 +18,13 @@ pytest.importorskip("triton")
 
 _SCRIPT = textwrap.dedent(
     """
+    import os
+    import subprocess
     import sys
+    import tempfile
+
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -28,7 +33,9 @@ _SCRIPT = textwrap.dedent(
     TARGET = GPUTarget("cuda", 90, 32)
 
 
-    def compile_kernel(kernel, pointers, constexprs, floats=(), num_warps=4):
+    def compile_kernel(kernel, pointers, constexprs, floats=(), num_warps=4, maxnreg=None, divisible=()):
+        # divisible: integer arguments known to be multiples of 16 (with every pointer, as a launch with
+        # such values specializes them), so that loads vectorize as they do at run time
         signature = {}
         for name in kernel.arg_names:
             if name in constexprs:
@@ -37,9 +44,26 @@ _SCRIPT = textwrap.dedent(
                 signature[name] = "*" + pointers[name]
             else:
                 signature[name] = "fp32" if name in floats else "i32"
-        src = ASTSource(kernel, signature, constexprs=constexprs)
-        compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+        attrs = {}
+        if divisible:
+            attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *divisible)}
+        src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg})}
+        compiled = triton.compile(src, target=TARGET, options=options)
         print(kernel.__name__, sorted(constexprs.items()), "smem", compiled.metadata.shared)
+        return compiled
+
+
+    def ptxas_info(compiled):
+        # ptxas -v's register and spill lines for a compiled kernel (Triton's bundled ptxas)
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = os.path.join(tmp, "kernel.ptx")
+            with open(ptx, "w") as f:
+                f.write(compiled.asm["ptx"])
+            result = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name", "sm_90a", ptx, "-o",
+                                     os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True)
+        lines = [line for line in result.stderr.splitlines() if "spill" in line or "Used" in line]
+        return " ".join(line.split("info    : ")[-1] for line in lines)
 
 
     def compile_attention(dtype, dense, group, sel_per_kv, pdl=False):
@@ -105,27 +129,41 @@ _SCRIPT = textwrap.dedent(
             compile_kernel(select._split_histogram_kernel, split_pointers, {**split, "PASS": p})
         compile_kernel(select._split_compact_kernel, split_pointers, {**split, "BLOCK_C": 16, "PAD_BLOCK": 256})
     # low-bit key codes (opt-in): the encoder at every width, the scores kernel for every mode and
-    # width, bf16 queries (two 16-bit dots) and fp32 (IEEE), pages of 16 and 8 tokens
+    # width, bf16 / fp16 queries (16-bit dots) and fp32 (IEEE), groups of 1 to 16, pages of 16 and 8,
+    # 1- and 2-byte code words, several blocks per program; with the launcher's block size, warps and
+    # register cap (codes.scores_block_pages, codes.scores_max_registers). Llama-3.1-8B's shape (bf16,
+    # group 4, head_dim 128, pages of 16, 2-bit codes) must not spill.
     for bits in (1, 2, 4, 8):
-        nbytes = 128 * bits // 8
         compile_kernel(
             codes._encode_page_keys_kernel,
             {"codes_ptr": "u8", "k_pages_ptr": "bf16", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "pages_ptr": "i32"},
-            {"PAGE_SIZE": 16, "BLOCK_T": 16, "NBYTES": nbytes, "BLOCK_B": nbytes, "BITS": bits},
-            num_warps=1 if 16 * nbytes <= 1024 else 4,
+            {"PAGE_SIZE": 16, "BLOCK_T": 16, "HEAD_DIM": 128, "NBYTES": 128 * bits // 8, "BLOCK_B": 128 * bits // 8,
+             "BITS": bits},
+            num_warps=4,
         )
-    for q_dtype, mode, group, bits, page_size in (("bf16", 1, 4, 2, 16), ("bf16", 2, 4, 1, 16), ("bf16", 0, 4, 4, 16),
-                                                  ("bf16", 1, 4, 8, 16), ("bf16", 1, 1, 2, 16), ("bf16", 1, 8, 2, 8),
-                                                  ("fp32", 1, 4, 2, 16)):
-        compile_kernel(
+    for q_dtype, mode, group, bits, page_size, unit in (
+            ("bf16", 1, 4, 2, 16, 4), ("bf16", 2, 4, 1, 16, 4), ("bf16", 0, 4, 4, 16, 4), ("bf16", 1, 4, 8, 16, 4),
+            ("bf16", 1, 1, 2, 16, 4), ("bf16", 1, 8, 2, 8, 4), ("bf16", 0, 16, 2, 16, 4), ("fp16", 1, 4, 2, 16, 4),
+            ("fp16", 1, 4, 8, 16, 4), ("bf16", 1, 4, 2, 16, 2), ("bf16", 1, 4, 2, 16, 1), ("fp32", 1, 4, 2, 16, 4),
+            ("fp32", 0, 8, 8, 16, 4)):
+        dot_fp32 = q_dtype == "fp32"
+        nbytes = 128 * bits // 8
+        block_p = codes.scores_block_pages(page_size, 128, group, bits, dot_fp32)
+        compiled = compile_kernel(
             codes._page_scores_codes_kernel,
             {"q_ptr": q_dtype, "codes_ptr": "u8", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
              "lens_ptr": "i32", "out_ptr": "fp32"},
-            {"PAGE_SIZE": page_size, "PS_PAD": page_size, "GROUP": group, "BLOCK_G": 16, "HEAD_DIM": 128,
-             "BLOCK_D": 128, "BLOCK_P": max(codes._BLOCK_P, 16 // page_size), "BITS": bits, "MODE": mode,
-             "DOT_FP32": q_dtype == "fp32"},
-            num_warps=codes.scores_num_warps(q_dtype == "fp32"),
+            {"PAGE_SIZE": page_size, "PS_PAD": page_size, "GROUP": group, "BLOCK_G": group, "HEAD_DIM": 128,
+             "BLOCK_D": 128, "BITS": bits, "UNIT": unit, "NUM_UNITS": nbytes // unit, "BLOCK_U": nbytes // unit,
+             "BLOCK_P": block_p, "BLOCKS": 4, "MODE": mode, "DOT_FP32": dot_fp32, "FP16": q_dtype == "fp16"},
+            num_warps=codes._NUM_WARPS, maxnreg=codes.scores_max_registers(group, dot_fp32),
+            divisible=("max_pages", "magic", "stride_qb", "stride_qh", "stride_cp", "stride_ct", "stride_bp",
+                       "stride_bh", "stride_tb", "stride_ob", "stride_oh", *(("stride_ch",) if unit == 4 else ())),
         )
+        if (q_dtype, mode, group, bits, page_size, unit) == ("bf16", 1, 4, 2, 16, 4):
+            info = ptxas_info(compiled)
+            print("page_scores_codes llama-3.1-8b:", info)
+            assert "0 bytes spill stores" in info, info
     print("all kernels compiled for sm_90")
     """
 )
