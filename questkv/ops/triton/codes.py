@@ -17,7 +17,7 @@ import triton.language as tl
 
 from questkv.ops import reference
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2, num_sms
-from questkv.ops.triton.estimate import _MODE_Q_HEAD, _mode, _store_page_scores
+from questkv.ops.triton.estimate import _store_page_scores, check_page_scores_args
 # Launch configuration of the scores kernel (chosen from ptxas -v and SASS instruction counts for sm_90,
 # not timed). A block of pages is decoded in registers for one batched dot: at most _BLOCK_P pages, with
 # decoded cells + 2 x code bytes (the block's words and the next block's, prefetched) at most
@@ -353,23 +353,11 @@ def page_scores_codes_into(
     """:func:`page_scores_codes` into a preallocated ``out`` ``[batch, num_sel_heads, max_pages]``
     float32 (one launch, no host synchronisation; the grid depends on the shapes only, so the launch
     can be captured in a CUDA graph). Returns ``out``."""
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = kmin.shape[1]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    mode = _mode(selection, group_reduction)
+    batch, _, head_dim = q.shape
+    num_kv_heads, max_pages = kmin.shape[1], page_table.shape[1]
+    mode, group = check_page_scores_args(out, q, kmin, kmax, page_table, seq_lens, selection, group_reduction)
     reference.check_key_codes(codes, num_kv_heads, head_dim, bits, page_size)
-    max_pages = page_table.shape[1]
-    sel_heads = num_q_heads if mode == _MODE_Q_HEAD else num_kv_heads
-    check_shape("kmin", kmin, (kmin.shape[0], num_kv_heads, head_dim))
-    check_shape("kmax", kmax, kmin.shape)
-    check_shape("page_table", page_table, (batch, max_pages))
-    check_shape("seq_lens", seq_lens, (batch,))
-    check_shape("out", out, (batch, sel_heads, max_pages))
-    if out.dtype != torch.float32 or kmin.stride() != kmax.stride():
-        raise ValueError("out must be float32 and kmin/kmax must share strides")
-    check_last_dim_contiguous(q=q, codes=codes, kmin=kmin, page_table=page_table, out=out)
-    group = num_q_heads // num_kv_heads
+    check_last_dim_contiguous(codes=codes)
     nbytes = reference.key_code_bytes(head_dim, bits)
     unit = _code_unit(codes, nbytes)
     num_units = nbytes // unit

@@ -114,19 +114,18 @@ def _mode(selection: str, group_reduction: str) -> int:
     return _MODE_SUM if group_reduction == "sum" else _MODE_MAX
 
 
-def page_scores_into(
+def check_page_scores_args(
     out: torch.Tensor,
     q: torch.Tensor,
     kmin: torch.Tensor,
     kmax: torch.Tensor,
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    page_size: int,
-    selection: str = "kv_head",
-    group_reduction: str = "sum",
-) -> torch.Tensor:
-    """:func:`page_scores` into a preallocated ``out`` ``[batch, num_sel_heads, max_pages]`` float32
-    (one launch, no host synchronisation). Returns ``out``."""
+    selection: str,
+    group_reduction: str,
+) -> tuple[int, int]:
+    """The checks every page-score launcher (bounds or key codes) makes on its shared arguments;
+    returns ``(mode, group)``: the kernel's ``MODE`` and the query heads per KV head."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
     if num_q_heads % num_kv_heads:
@@ -142,7 +141,25 @@ def page_scores_into(
     if out.dtype != torch.float32 or kmin.stride() != kmax.stride():
         raise ValueError("out must be float32 and kmin/kmax must share strides")
     check_last_dim_contiguous(q=q, kmin=kmin, page_table=page_table, out=out)
-    group = num_q_heads // num_kv_heads
+    return mode, num_q_heads // num_kv_heads
+
+
+def page_scores_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    selection: str = "kv_head",
+    group_reduction: str = "sum",
+) -> torch.Tensor:
+    """:func:`page_scores` into a preallocated ``out`` ``[batch, num_sel_heads, max_pages]`` float32
+    (one launch, no host synchronisation). Returns ``out``."""
+    batch, _, head_dim = q.shape
+    num_kv_heads, max_pages = kmin.shape[1], page_table.shape[1]
+    mode, group = check_page_scores_args(out, q, kmin, kmax, page_table, seq_lens, selection, group_reduction)
     blocks = triton.cdiv(max_pages, _BLOCK_P)
     per_program = _BLOCKS_PER_PROGRAM if num_kv_heads * blocks * batch >= _MIN_PROGRAMS_PER_SM * num_sms(q.device) else 1
     grid = (num_kv_heads, triton.cdiv(blocks, per_program), batch)
