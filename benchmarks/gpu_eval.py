@@ -191,7 +191,8 @@ def stage(alias: str, index: int) -> None:
 
 def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=f"{WORK / 'site'}:{REPO}", QUESTKV_CACHE_DIR=str(WORK / "cache"),
-               PYTHONUNBUFFERED="1", TQDM_MININTERVAL="20")
+               PYTHONUNBUFFERED="1", TQDM_MININTERVAL="20",
+               PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")  # less fragmentation for sweeps side by side
     return env
 
 

@@ -132,18 +132,39 @@ def _forward(model, cache, input_ids: torch.Tensor, **kwargs):
     return model(input_ids=input_ids, use_cache=True, **{cache_argument(model): cache}, **kwargs)
 
 
+PREFILL_CHUNK_ELEMENTS = 2**33
+"""The most ``rows x chunk x width`` elements of one prefill forward's attention mask (:func:`prefill`
+splits longer prefills into chunks of columns): 8 GiB as bool, what a 20-row 16k prefill takes in one
+forward; a 20-row 32k prefill runs in 3 chunks."""
+
+
+def prefill_chunks(rows: int, width: int, max_elements: int = PREFILL_CHUNK_ELEMENTS) -> list[tuple[int, int]]:
+    """``(start, end)`` column ranges of a prefill of ``rows`` x ``width`` tokens: as few chunks of
+    near-equal width as keep ``rows x chunk x width <= max_elements``, each of at least 2 columns
+    (a one-column forward over a non-empty cache would be a decode step); one chunk if ``width < 4``."""
+    chunk = max(2, max_elements // max(1, rows * width))
+    count = max(1, min(-(-width // chunk), width // 2))
+    bounds = [round(i * width / count) for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 @torch.inference_mode()
 def prefill(
-    model, contexts: Sequence[Sequence[int]], page_size: int, collect_prefill_attention: bool = False, cache=None
+    model, contexts: Sequence[Sequence[int]], page_size: int, collect_prefill_attention: bool = False, cache=None,
+    max_elements: int = PREFILL_CHUNK_ELEMENTS,
 ):
     """Dense prefill of a batch of contexts (left-padded) into a QuestCache.
 
     The model must be :func:`questkv.enable`-d (any setting: prefill is dense under all of them).
+    A batch whose ``rows x width**2`` exceeds ``max_elements`` is prefilled in chunks of columns
+    (:func:`prefill_chunks`), each a dense forward over the tokens stored before it, so that the
+    attention mask and activations of one forward stay bounded; the cache holds the same tokens.
 
     Args:
         contexts: token ids per row, each non-empty.
         collect_prefill_attention: record the prefill attention (needed by ``h2o``).
         cache: an empty QuestCache (or subclass) to fill; default a new one.
+        max_elements: see above (:data:`PREFILL_CHUNK_ELEMENTS`).
 
     Returns:
         ``(cache, next_positions)``: the cache and ``[batch]`` int64, each row's token count (the
@@ -164,9 +185,11 @@ def prefill(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     if cache is None:
         cache = QuestCache(model.config, page_size, collect_prefill_attention=collect_prefill_attention)
-    # Without padding, no mask: SDPA then takes its causal fast path instead of a materialised mask.
-    _forward(model, cache, input_ids, attention_mask=None if bool(mask.all()) else mask, position_ids=positions,
-             logits_to_keep=1)
+    padded = not bool(mask.all())
+    for start, end in prefill_chunks(len(contexts), width, max_elements):
+        # Without padding, no mask: SDPA then takes its causal fast path instead of a materialised mask.
+        _forward(model, cache, input_ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
+                 position_ids=positions[:, start:end], logits_to_keep=1)
     return cache, mask.sum(-1)
 
 

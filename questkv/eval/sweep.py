@@ -224,10 +224,19 @@ def run_sweep(
                 if on_cell is not None:
                     on_cell(cell)
             del cache  # frees its page pool now (a QuestCache holds no reference cycle)
+            _release_cuda_memory(model)
             bar.update(1)
         del prefilled
+        _release_cuda_memory(model)
     bar.close()
     return cells
+
+
+def _release_cuda_memory(model) -> None:
+    """Hand the CUDA caching allocator's free blocks back to the driver, so that sweeps sharing one GPU
+    (each a process) see each other's freed memory."""
+    if torch.device(model.device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class _TaskBatch:

@@ -164,6 +164,55 @@ def test_snapshots_are_independent(tiny_model, setting):
     assert harness.decode_greedy(tiny_model, cache, positions, tails, [5, 5], None) == out_first
 
 
+@pytest.mark.parametrize("rows, width, limit", [(20, 32768, 2**33), (20, 16384, 2**33), (3, 57, 3 * 57 * 10),
+                                               (2, 5, 1), (1, 3, 1), (1, 1, 1)])
+def test_prefill_chunks_cover_the_columns_within_the_limit(rows, width, limit):
+    chunks = harness.prefill_chunks(rows, width, limit)
+    assert chunks[0][0] == 0 and chunks[-1][1] == width
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    assert all(end - start >= 2 for start, end in chunks) or len(chunks) == 1
+    if rows * 2 * width <= limit:  # chunks of 2 columns fit: every chunk does
+        assert all(rows * (end - start) * width <= limit for start, end in chunks)
+    if rows * width * width <= limit:
+        assert chunks == [(0, width)]
+
+
+@pytest.mark.parametrize("setting", [Setting("full", None), Setting("quest", 16), Setting("h2o", 12)],
+                         ids=lambda s: s.label)
+def test_a_chunked_prefill_decodes_as_one_forward(tiny_model, setting):
+    rng = random.Random()
+    vocab = tiny_model.config.vocab_size
+    contexts = random_rows(rng, vocab, [61, 38, 50])
+    tails = random_rows(rng, vocab, [2, 4, 1])
+    harness.enable_setting(tiny_model, setting, PAGE, DENSE_LAYERS)
+    collect = setting.policy == "h2o"
+    whole, positions = harness.prefill(tiny_model, contexts, PAGE, collect_prefill_attention=collect)
+    limit = 3 * 61 * 15  # chunks of at most 15 columns: 5 of them
+    assert len(harness.prefill_chunks(3, 61, limit)) == 5
+    chunked, chunked_positions = harness.prefill(tiny_model, contexts, PAGE, collect_prefill_attention=collect,
+                                                 max_elements=limit)
+    assert torch.equal(positions, chunked_positions)
+    def stored(cache, layer):  # [rows, stored tokens, kv heads, head_dim] keys and values, in order
+        pages = cache.paged.layer(layer)
+        table, lens = cache.paged.batch(cache.seq_ids)
+        out = []
+        for source in (pages.k_pages, pages.v_pages):
+            tokens = source[table.long()].flatten(1, 2)
+            out.append([tokens[row, : int(n)] for row, n in enumerate(lens)])
+        return out
+
+    for layer in range(tiny_model.config.num_hidden_layers):
+        for rows_a, rows_b in zip(stored(whole, layer), stored(chunked, layer)):
+            for a, b in zip(rows_a, rows_b):
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        if collect:
+            torch.testing.assert_close(chunked.prefill_attention[layer], whole.prefill_attention[layer],
+                                       atol=1e-5, rtol=1e-5)
+    max_new = [5, 3, 4]
+    assert (harness.decode_greedy(tiny_model, chunked, positions, tails, max_new, None)
+            == harness.decode_greedy(tiny_model, whole, positions, tails, max_new, None))
+
+
 def test_prefill_rejects_empty_rows(tiny_model):
     harness.enable_setting(tiny_model, Setting("full", None), PAGE, DENSE_LAYERS)
     with pytest.raises(ValueError, match="no empty context"):
