@@ -59,11 +59,16 @@ def test_eviction_and_topp_with_options_and_missing_cells():
     assert {"task": "fwe", "length": L, "cell": "quest-topp (vs quest@2048)"} in result["missing"]
 
 
-def test_main_rejects_a_cell_in_two_inputs(tmp_path):
-    cells = [_cell("vt", "full", None, 0.8)]
-    for name in ("a", "b"):
+def test_main_counts_a_repeated_cell_once_and_rejects_one_with_other_scores(tmp_path):
+    full = dict(_cell("vt", "full", None, 0.8), scores=[1.0, 0.6])
+    quest = dict(_cell("vt", "quest", 2048, 0.75), scores=[1.0, 0.5])
+    for name, cells in (("a", [full, quest]), ("b", [dict(full)])):
         (tmp_path / f"{name}.json").write_text(json.dumps({"cells": cells}))
-    with pytest.raises(SystemExit, match="in both"):
+    eval_targets.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "t")])
+    assert json.loads((tmp_path / "t.json").read_text())["summary"]["aggregation_vs_full"] == {"met": 1, "total": 1}
+    other = dict(full, scores=[1.0 - s for s in full["scores"]])
+    (tmp_path / "b.json").write_text(json.dumps({"cells": [other]}))
+    with pytest.raises(SystemExit, match="in both .* other scores"):
         eval_targets.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "t")])
 
 
