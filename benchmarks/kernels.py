@@ -6,7 +6,8 @@ random data, this script times under CUDA graphs (medians of many graph replays 
 * the questkv Quest step (estimate + select + attend) and each part alone, plus a ``torch.topk``
   selection for comparison with the Triton top-K;
 * the page estimate from 2-bit key codes (``page_scores_codes``, the opt-in low-bit key copy of
-  ``quest-rerank``'s ``key_bits`` estimator; not wired into the step), next to the Quest estimate;
+  ``quest-rerank``'s ``key_bits`` estimator; not wired into the step), ranked by max logit and by attention
+  mass, next to the Quest estimate;
 * questkv dense paged decode (the same attention kernel over every page);
 * the attention kernel (dense, and the Quest step's attend) over a head-major copy of the same pools
   (storage ``[num_pages, num_kv_heads, page_size, head_dim]``, :func:`head_major`): what a head-major page
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from questkv.ops import LayerPages  # noqa: E402
-from questkv.config import QuestConfig  # noqa: E402
+from questkv.config import RERANKS, QuestConfig  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as kernels  # noqa: E402
 from questkv.ops.triton import _common as triton_common  # noqa: E402
@@ -249,7 +250,8 @@ def _check_kernels() -> list[dict]:
 def key_codes_checks(q, k_pages, kmin, kmax, table, lens) -> list[tuple[str, float, float]]:
     """(name, error, tolerance) of the low-bit key codes at every width: ``encode_page_keys`` of every page
     of ``table`` exactly the reference's, and ``page_scores_codes`` against the reference on those codes in
-    each selection mode (bf16 queries: each decoded key enters the dots as two bf16 terms, ~16 bits)."""
+    each selection mode and rerank (``max``, ``mass``; bf16 queries: each decoded key enters the dots as two
+    bf16 terms, ~16 bits)."""
     num_pages, _, hkv, d = k_pages.shape
     pages = table.flatten().contiguous()
     checks = []
@@ -260,12 +262,14 @@ def key_codes_checks(q, k_pages, kmin, kmax, table, lens) -> list[tuple[str, flo
         reference.encode_page_keys(ref_codes, k_pages, kmin, kmax, pages, bits)
         checks.append((f"encode_page_keys {bits}-bit (exact)", float(not torch.equal(codes, ref_codes)), 0.0))
         for selection, reduction in (("kv_head", "sum"), ("kv_head", "max"), ("q_head", "sum")):
-            want = reference.page_scores_codes(q, ref_codes, kmin, kmax, table, lens, PAGE_SIZE, bits, selection, reduction)
-            got = kernels.page_scores_codes(q, codes, kmin, kmax, table, lens, PAGE_SIZE, bits, selection, reduction)
-            finite = torch.isfinite(want)
-            same_mask = torch.equal(finite, torch.isfinite(got))
-            checks.append((f"page_scores_codes {bits}-bit {selection}/{reduction}",
-                           _rel_err(got[finite], want[finite]) if same_mask else 1.0, 1e-4))
+            for rerank in RERANKS:
+                args = (table, lens, PAGE_SIZE, bits, selection, reduction, rerank)
+                want = reference.page_scores_codes(q, ref_codes, kmin, kmax, *args)
+                got = kernels.page_scores_codes(q, codes, kmin, kmax, *args)
+                finite = torch.isfinite(want)
+                same_mask = torch.equal(finite, torch.isfinite(got))
+                checks.append((f"page_scores_codes {bits}-bit {selection}/{reduction} {rerank}",
+                               _rel_err(got[finite], want[finite]) if same_mask else 1.0, 1e-4))
     return checks
 
 
@@ -352,7 +356,9 @@ def point_data(model: str, batch: int, context: int, min_budget: int, max_gb: fl
 def time_codes_estimate(q, layers, table, lens, timer: Callable[[Callable[[int], object]], float]) -> dict:
     """The 'estimate from 2-bit codes' fields of a point: every page of every layer encoded once (outside the
     timing), then ``timer(enqueue)`` (:func:`time_graph` on the GPU) of ``page_scores_codes_into`` (kv_head/sum)
-    on layer ``i``: ``estimate_codes2_us``, ``estimate_codes2_bytes`` (codes + bounds), ``estimate_codes2_tbps``."""
+    on layer ``i``, ranked by max logit: ``estimate_codes2_us``, ``estimate_codes2_bytes`` (codes + bounds),
+    ``estimate_codes2_tbps``; and ranked by attention mass (the kernel's lse, then the torch softmax and group
+    sum): ``estimate_codes2_mass_us``, ``estimate_codes2_mass_tbps`` (the same bytes)."""
     batch, max_pages = table.shape
     num_pages, _, hkv, d = layers[0].k_pages.shape
     all_pages = torch.arange(num_pages, dtype=torch.int32, device=q.device)
@@ -362,11 +368,14 @@ def time_codes_estimate(q, layers, table, lens, timer: Callable[[Callable[[int],
                                  dtype=torch.uint8, device=q.device))
         kernels.encode_page_keys(codes[-1], layer.k_pages, layer.kmin, layer.kmax, all_pages, CODE_BITS)
     out = torch.empty((batch, hkv, max_pages), dtype=torch.float32, device=q.device)
-    micros = timer(lambda i: kernels.page_scores_codes_into(out, q, codes[i], layers[i].kmin, layers[i].kmax, table,
-                                                            lens, PAGE_SIZE, CODE_BITS))
     nbytes = codes_estimate_bytes(batch, max_pages, hkv, d, CODE_BITS, layers[0].k_pages.element_size())
-    return {"estimate_codes2_us": micros, "estimate_codes2_bytes": nbytes,
-            "estimate_codes2_tbps": nbytes / (micros * 1e-6) / 1e12}
+    fields = {"estimate_codes2_bytes": nbytes}
+    for rerank, prefix in (("max", "estimate_codes2"), ("mass", "estimate_codes2_mass")):
+        micros = timer(lambda i, rerank=rerank: kernels.page_scores_codes_into(
+            out, q, codes[i], layers[i].kmin, layers[i].kmax, table, lens, PAGE_SIZE, CODE_BITS, rerank=rerank))
+        fields[f"{prefix}_us"] = micros
+        fields[f"{prefix}_tbps"] = nbytes / (micros * 1e-6) / 1e12
+    return fields
 
 
 def time_head_major(point, dense, dense_out, steps, q, layers, table, lens, timer) -> None:
@@ -511,16 +520,19 @@ def table_lines(points: list[dict]) -> list[str]:
 
 
 def codes_lines(points: list[dict]) -> list[str]:
-    """The 'estimate from 2-bit codes' table: its time, bytes (codes + bounds) and TB/s at each point,
-    next to the Quest estimate (bounds only) of the point's first budget."""
-    lines = ["| model | B | L | estimate from 2-bit codes µs | codes + bounds MB | TB/s | Quest estimate µs |",
-             "|---|---|---|---|---|---|---|"]
+    """The 'estimate from 2-bit codes' table: its time, bytes (codes + bounds) and TB/s at each point, ranked
+    by max logit and by attention mass, next to the Quest estimate (bounds only) of the point's first budget."""
+    lines = ["| model | B | L | estimate from 2-bit codes µs | codes + bounds MB | TB/s | ranked by mass µs | mass TB/s "
+             "| Quest estimate µs |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         if "estimate_codes2_us" not in p:
             continue
         quest = p["sparse"][0]["estimate_us"] if p["sparse"] else None
         lines.append(f"| {p['model']} | {p['batch']} | {p['context'] // 1024}k | {_fmt(p['estimate_codes2_us'])} "
-                     f"| {_fmt(p['estimate_codes2_bytes'] / 1e6)} | {_fmt(p['estimate_codes2_tbps'], 2)} | {_fmt(quest)} |")
+                     f"| {_fmt(p['estimate_codes2_bytes'] / 1e6)} | {_fmt(p['estimate_codes2_tbps'], 2)} "
+                     f"| {_fmt(p.get('estimate_codes2_mass_us'))} | {_fmt(p.get('estimate_codes2_mass_tbps'), 2)} "
+                     f"| {_fmt(quest)} |")
     return lines
 
 

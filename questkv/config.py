@@ -17,10 +17,14 @@ from questkv.validation import check_choice, check_int
 Selection = Literal["kv_head", "q_head"]
 GroupReduction = Literal["sum", "max"]
 Backend = Literal["auto", "torch", "triton"]
+Rerank = Literal["max", "mass"]
 
 SELECTIONS: tuple[str, ...] = get_args(Selection)
 GROUP_REDUCTIONS: tuple[str, ...] = get_args(GroupReduction)
 BACKENDS: tuple[str, ...] = get_args(Backend)
+RERANKS: tuple[str, ...] = get_args(Rerank)
+"""How a page is scored from its keys (``QuestRerankPolicy``'s ``rerank``, ``page_scores_codes``'s ``rerank``):
+its best logit or its attention mass."""
 
 
 def _knob(default, help: str, flag: str, minimum: Optional[int] = None, choices: tuple[str, ...] = (),

@@ -71,10 +71,10 @@ def encode_page_keys(codes, k_pages, kmin, kmax, pages, bits, backend: str = "au
 
 
 def page_scores_codes(q, codes, kmin, kmax, page_table, seq_lens, page_size, bits, selection="kv_head",
-                      group_reduction="sum", backend="auto"):
+                      group_reduction="sum", rerank="max", sm_scale=None, backend="auto"):
     """See :func:`questkv.ops.reference.page_scores_codes`."""
     return resolve_backend(q, backend).page_scores_codes(
-        q, codes, kmin, kmax, page_table, seq_lens, page_size, bits, selection, group_reduction
+        q, codes, kmin, kmax, page_table, seq_lens, page_size, bits, selection, group_reduction, rerank, sm_scale
     )
 
 

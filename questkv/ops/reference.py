@@ -41,7 +41,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from questkv.config import GROUP_REDUCTIONS, SELECTIONS
+from questkv.config import GROUP_REDUCTIONS, RERANKS, SELECTIONS
 
 KEY_CODE_BITS: tuple[int, ...] = (1, 2, 4, 8)
 """Widths of the low-bit key codes (``codes``, see the module docstring)."""
@@ -459,15 +459,24 @@ def page_scores_codes(
     bits: int,
     selection: str = "kv_head",
     group_reduction: str = "sum",
+    rerank: str = "max",
+    sm_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Page scores from the low-bit key codes: for every query head ``h`` and page ``p``, the largest
-    logit ``max_t q_h . k_t`` over the page's written tokens, ``k_t`` decoded from ``codes``
-    (:func:`decode_key_codes`); under ``kv_head`` selection each KV head's query group is combined
-    with ``group_reduction`` (``"sum"`` or ``"max"``), under ``q_head`` kept per query head. With
-    codes written from the pages' final bounds this is
-    :class:`questkv.policies.paged.QuestRerankPolicy`'s ``rerank="max"`` score at ``key_bits=bits``
-    with a shortlist covering every page. The current, partial page's codes may be stale, so its score
-    is meaningless; :func:`select_pages` always keeps that page.
+    """Page scores from the low-bit key codes, ``k_t`` decoded from ``codes`` (:func:`decode_key_codes`),
+    for every query head ``h`` and page ``p``:
+
+    * ``rerank="max"``: the largest logit ``max_t q_h . k_t`` over the page's written tokens;
+    * ``rerank="mass"``: the page's attention mass among the sequence's pages, the softmax over pages of
+      ``lse_hp = logsumexp_t(sm_scale * q_h . k_t)`` (:func:`page_mass_from_lse`).
+
+    Under ``kv_head`` selection each KV head's query group is combined with ``group_reduction``
+    (``"sum"`` or ``"max"``, :func:`combine_group`), under ``q_head`` kept per query head. With codes
+    written from the pages' final bounds this is :class:`questkv.policies.paged.QuestRerankPolicy`'s
+    score for the same ``rerank`` at ``key_bits=bits`` with a shortlist covering every page. The
+    current, partial page's codes may be stale, so its score is meaningless (:func:`select_pages` always
+    keeps that page); under ``"mass"`` it also takes part in each query head's normalisation, a factor
+    common to that head's pages, which leaves a query head's ranking unchanged but not always a ``kv_head``
+    group's combination.
 
     Args:
         q: ``[batch, num_q_heads, head_dim]``.
@@ -475,9 +484,12 @@ def page_scores_codes(
         kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``.
         page_table: ``[batch, max_pages]`` int32. seq_lens: ``[batch]`` int32.
         bits: the codes' width, one of :data:`KEY_CODE_BITS`.
+        rerank: ``"max"`` or ``"mass"`` (:data:`questkv.config.RERANKS`).
+        sm_scale: the softmax scale of ``"mass"`` (``head_dim**-0.5`` when ``None``); unused by ``"max"``.
 
     Returns:
-        ``[batch, num_sel_heads, max_pages]`` float32 (float32 math); pages past a sequence's length are ``-inf``.
+        ``[batch, num_sel_heads, max_pages]`` float32 (float32 math); pages past a sequence's length are
+        ``-inf`` (in both modes, so that :func:`select_pages` ranks them last alike).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
@@ -485,18 +497,54 @@ def page_scores_codes(
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     _check_mode(selection, group_reduction)
-    group = num_q_heads // num_kv_heads
+    check_rerank(rerank, sm_scale)
     max_pages = page_table.shape[1]
     table = page_table.long()
     keys = decode_key_codes(codes[table], kmin[table], kmax[table], bits)  # [B, P, ps, Hkv, D]
-    per_q = page_logits(q, keys, seq_lens).amax(-1)  # [B, Hq, P]
-    if selection == "q_head":
-        scores = per_q
-    else:
-        grouped = per_q.view(batch, num_kv_heads, group, max_pages)
-        scores = grouped.sum(2) if group_reduction == "sum" else grouped.amax(2)
+    logits = page_logits(q, keys, seq_lens)  # [B, Hq, P, ps]
     valid = valid_pages(seq_lens, page_size, max_pages)
+    if rerank == "mass":
+        scale = head_dim**-0.5 if sm_scale is None else sm_scale
+        sel_heads = num_q_heads if selection == "q_head" else num_kv_heads
+        pages = valid[:, None, :].expand(batch, sel_heads, max_pages)
+        return page_mass_from_lse(torch.logsumexp(logits * scale, dim=-1), pages, num_kv_heads, selection,
+                                  group_reduction).contiguous()
+    scores = combine_group(logits.amax(-1), num_kv_heads, selection, group_reduction)
     return scores.masked_fill(~valid[:, None, :], float("-inf")).contiguous()
+
+
+def combine_group(per_q_head: torch.Tensor, num_kv_heads: int, selection: str, group_reduction: str) -> torch.Tensor:
+    """``[batch, num_q_heads, P]`` -> ``[batch, num_sel_heads, P]``: kept per query head (``q_head``), or
+    each KV head's query group reduced with ``group_reduction`` (``"sum"`` or ``"max"``) under ``kv_head``."""
+    if selection == "q_head":
+        return per_q_head
+    batch, num_q_heads, max_pages = per_q_head.shape
+    grouped = per_q_head.view(batch, num_kv_heads, num_q_heads // num_kv_heads, max_pages)  # [B, Hkv, G, P]
+    return grouped.sum(2) if group_reduction == "sum" else grouped.amax(2)
+
+
+def page_mass_from_lse(
+    lse: torch.Tensor, pages: torch.Tensor, num_kv_heads: int, selection: str, group_reduction: str
+) -> torch.Tensor:
+    """Attention mass of each page among a row's ``pages``, from the per-query-head page log-partition
+    sums: ``softmax_p(lse_hp)`` over the pages of the row, then :func:`combine_group`. Shared by
+    :func:`page_scores_codes` (``rerank="mass"``, both backends) and
+    :class:`questkv.policies.paged.QuestRerankPolicy` (``rerank="mass"``, ``pages`` its shortlist).
+
+    Args:
+        lse: ``[batch, num_q_heads, max_pages]`` float32, ``logsumexp_t(sm_scale * q_h . k_t)`` over each
+            page's written tokens (values outside ``pages`` are ignored).
+        pages: ``[batch, num_sel_heads, max_pages]`` bool, the pages competing for each row's mass (under
+            ``kv_head`` a KV head's set is its whole query group's).
+
+    Returns:
+        ``[batch, num_sel_heads, max_pages]`` float32, each query head's masses summing to 1 over ``pages``
+        before the group combines them; ``-inf`` outside ``pages``.
+    """
+    group = lse.shape[1] // num_kv_heads
+    per_q_pages = pages if selection == "q_head" else pages.repeat_interleave(group, 1)  # [B, Hq, P]
+    mass = torch.softmax(lse.masked_fill(~per_q_pages, float("-inf")), dim=-1)
+    return combine_group(mass, num_kv_heads, selection, group_reduction).masked_fill(~pages, float("-inf"))
 
 
 def page_logits(q: torch.Tensor, keys: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -530,10 +578,12 @@ def page_scores_codes_into(
     bits: int,
     selection: str = "kv_head",
     group_reduction: str = "sum",
+    rerank: str = "max",
+    sm_scale: Optional[float] = None,
 ) -> torch.Tensor:
     """:func:`page_scores_codes` into ``out`` ``[batch, num_sel_heads, max_pages]`` float32; returns ``out``."""
     return out.copy_(page_scores_codes(q, codes, kmin, kmax, page_table, seq_lens, page_size, bits, selection,
-                                       group_reduction))
+                                       group_reduction, rerank, sm_scale))
 
 
 def _check_mode(selection: str, group_reduction: str) -> None:
@@ -541,3 +591,12 @@ def _check_mode(selection: str, group_reduction: str) -> None:
         raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
     if group_reduction not in GROUP_REDUCTIONS:
         raise ValueError(f"group_reduction must be one of {GROUP_REDUCTIONS}, got {group_reduction!r}")
+
+
+def check_rerank(rerank: str, sm_scale: Optional[float]) -> None:
+    """``ValueError`` unless ``rerank`` is one of :data:`questkv.config.RERANKS` and ``sm_scale`` is ``None``
+    or a positive finite number."""
+    if rerank not in RERANKS:
+        raise ValueError(f"rerank must be one of {RERANKS}, got {rerank!r}")
+    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and 0 < sm_scale < math.inf):
+        raise ValueError(f"sm_scale must be None or a positive finite number, got {sm_scale!r}")

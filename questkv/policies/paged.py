@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
+from questkv.config import PAGE_POLICY_OPTIONS, RERANKS, QuestConfig
 from questkv.ops import LayerPages, reference
 from questkv.policies.attention import masked_decode_attention
 from questkv.policies.base import DecodeOutput, DecodePolicy
@@ -99,13 +99,9 @@ class PagePolicy(DecodePolicy):
         return DecodeOutput(out, selection.num_pages * self.page_size, selection.pages)
 
     def _combine_group(self, per_q_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-        """``[batch, num_q_heads, P]`` -> ``[batch, num_sel_heads, P]`` per ``selection``: kept per
-        query head, or each KV head's query group reduced with ``group_reduction``."""
-        if self.config.selection == "q_head":
-            return per_q_head
-        batch, num_q_heads, max_pages = per_q_head.shape
-        grouped = per_q_head.view(batch, num_kv_heads, num_q_heads // num_kv_heads, max_pages)
-        return grouped.sum(2) if self.config.group_reduction == "sum" else grouped.amax(2)
+        """``[batch, num_q_heads, P]`` -> ``[batch, num_sel_heads, P]`` per ``selection`` and
+        ``group_reduction`` (:func:`questkv.ops.reference.combine_group`)."""
+        return reference.combine_group(per_q_head, num_kv_heads, self.config.selection, self.config.group_reduction)
 
 
 class FullPolicy(PagePolicy):
@@ -258,8 +254,6 @@ class QuestTopPPolicy(PagePolicy):
         return pages.to(torch.int32)
 
 
-RERANKS: tuple[str, ...] = ("max", "mass")
-"""How :class:`QuestRerankPolicy` scores a shortlisted page from its keys."""
 KEY_BITS: tuple[int, ...] = reference.KEY_CODE_BITS
 """Widths of :class:`QuestRerankPolicy`'s low-bit key codes (``key_bits``; ``None``: exact keys)."""
 
@@ -294,7 +288,7 @@ class QuestRerankPolicy(PagePolicy):
       whose bound is loose, because its keys are mixed, drops to its true best key);
     * ``rerank="mass"``: the page's attention mass within the shortlist, ``Z_hp / sum_j Z_hj`` with
       ``Z_hp = sum_t exp(s q_h . k_t)`` (``s`` the softmax scale) and ``j`` over the shortlist: the
-      oracle's ranking restricted to the shortlist.
+      oracle's ranking restricted to the shortlist (:func:`questkv.ops.reference.page_mass_from_lse`).
 
     Under ``kv_head`` selection the query group's scores combine with ``group_reduction`` as Quest's
     do. The top ``budget_pages`` shortlisted pages by that score are attended, the forced pages
@@ -355,22 +349,18 @@ class QuestRerankPolicy(PagePolicy):
             shortlisted: ``[batch, num_sel_heads, max_pages]`` bool, the pages of
                 :meth:`shortlist_pages` (a row's other pages are never scored).
         """
-        num_q_heads, head_dim = q.shape[1:]
+        head_dim = q.shape[2]
         num_kv_heads = layer.kmin.shape[1]
-        group = num_q_heads // num_kv_heads
         table = page_table.long()
         keys = layer.k_pages[table]  # [B, P, ps, Hkv, D]
         if self.key_bits is not None:
             keys = quantize_within_bounds(keys, layer.kmin[table], layer.kmax[table], self.key_bits)
         logits = reference.page_logits(q, keys, seq_lens)  # [B, Hq, P, ps]
-        per_q_shortlist = shortlisted if self.config.selection == "q_head" else shortlisted.repeat_interleave(group, 1)
         if self.rerank == "max":
-            per_q = logits.amax(-1)
-        else:
-            scale = head_dim**-0.5 if sm_scale is None else sm_scale
-            lse = torch.logsumexp(logits * scale, dim=-1).masked_fill(~per_q_shortlist, float("-inf"))
-            per_q = torch.softmax(lse, dim=-1)
-        return self._combine_group(per_q, num_kv_heads).masked_fill(~shortlisted, float("-inf"))
+            return self._combine_group(logits.amax(-1), num_kv_heads).masked_fill(~shortlisted, float("-inf"))
+        scale = head_dim**-0.5 if sm_scale is None else sm_scale
+        return reference.page_mass_from_lse(torch.logsumexp(logits * scale, dim=-1), shortlisted, num_kv_heads,
+                                            self.config.selection, self.config.group_reduction)
 
     def _select(self, q, layer, page_table, seq_lens, sm_scale):
         config = self.config

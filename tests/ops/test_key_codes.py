@@ -1,5 +1,6 @@
-"""Low-bit key codes (encode_page_keys, page_scores_codes): Triton (interpreter) == reference, the
-reference == QuestRerankPolicy's key_bits estimator, and the codes' scores converge to the exact max logit.
+"""Low-bit key codes (encode_page_keys, page_scores_codes, both reranks): Triton (interpreter) == reference,
+the reference == QuestRerankPolicy's key_bits estimator, the codes' scores converge to the exact max logit, and
+the mass rerank finds a page that holds the mass without the best logit.
 
 Every test draws fresh random inputs (never zeros); shapes stay tiny (the interpreter is slow).
 """
@@ -19,6 +20,7 @@ from questkv.policies.paged import QuestRerankPolicy, quantize_within_bounds  # 
 
 BITS = [1, 2, 4, 8]
 HEADS = [(8, 2, 32), (4, 4, 64)]  # (num_q_heads, num_kv_heads, head_dim): GQA 8/2 and MHA 4/4
+MASS_HEADS = HEADS + [(8, 1, 32)]  # and MQA 8/1
 MODES = [("kv_head", "sum"), ("kv_head", "max"), ("q_head", "sum")]
 PAD = 10**6  # page-table padding: never read
 
@@ -282,3 +284,145 @@ def test_key_codes_reject_bad_arguments(backend):
         backend.page_scores_codes(q, codes, kmin, kmax, table, lens, 16, 2, "kv_head", "mean")
     with pytest.raises(ValueError, match="multiple"):
         backend.page_scores_codes(q[:, :7], codes, kmin, kmax, table, lens, 16, 2)
+    with pytest.raises(ValueError, match=r"rerank must be one of \('max', 'mass'\), got 'sum'"):
+        backend.page_scores_codes(q, codes, kmin, kmax, table, lens, 16, 2, "kv_head", "sum", "sum")
+    with pytest.raises(ValueError, match="sm_scale"):
+        backend.page_scores_codes(q, codes, kmin, kmax, table, lens, 16, 2, "kv_head", "sum", "mass", -1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# rerank="mass"
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("heads", MASS_HEADS)
+@pytest.mark.parametrize("selection,reduction", MODES)
+def test_page_scores_codes_mass_matches_reference(bits, heads, selection, reduction, monkeypatch):
+    """rerank="mass": ragged lengths (a partial last page, a one-token sequence, a row of full pages), padding
+    in the page table, several programs per row looping over several blocks; -inf past each sequence, every
+    query head's masses summing to 1 over its pages; masses to 1e-5; the *_into forms and the dispatch point."""
+    monkeypatch.setattr(codes_kernels, "_BLOCK_P", 4)
+    monkeypatch.setattr(codes_kernels, "_BLOCKS_PER_PROGRAM", 2)
+    monkeypatch.setattr(codes_kernels, "_MIN_PROGRAMS_PER_SM", 0)
+    gen = _gen()
+    num_q, num_kv, head_dim = heads
+    page_size, max_pages = 16, 10
+    lens = [page_size * 9 + 5, 1, page_size * 4]
+    q, k_pages, kmin, kmax, table, seq_lens = _case(heads, lens, page_size, max_pages, torch.float32, gen)
+    q = q * 4  # logits of a few units: masses far from uniform
+    codes = _random_codes(k_pages.shape[0], page_size, num_kv, head_dim, bits, gen)
+    reference.encode_page_keys(codes, k_pages, kmin, kmax, _full_pages(table, seq_lens, page_size), bits)
+    args = (q, codes, kmin, kmax, _readable(table), seq_lens, page_size, bits, selection, reduction, "mass")
+    want = reference.page_scores_codes(*args)
+    got = tk.page_scores_codes(q, codes, kmin, kmax, table, *args[5:])
+    sel_heads = num_q if selection == "q_head" else num_kv
+    assert got.shape == want.shape == (3, sel_heads, max_pages) and got.dtype == torch.float32
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    assert torch.equal(torch.isneginf(want), ~reference.valid_pages(seq_lens, page_size, max_pages)[:, None].expand_as(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    if selection == "q_head" or reduction == "sum":
+        per_head = 1 if selection == "q_head" else num_q // num_kv
+        masses = want.masked_fill(~finite, 0.0).sum(-1)
+        torch.testing.assert_close(masses, torch.full_like(masses, float(per_head)))
+    out = torch.full_like(want, float("nan"))
+    assert tk.page_scores_codes_into(out, q, codes, kmin, kmax, table, *args[5:]) is out
+    assert torch.equal(out, got)
+    ref_out = torch.full_like(want, float("nan"))
+    assert reference.page_scores_codes_into(ref_out, *args) is ref_out and torch.equal(ref_out, want)
+    assert torch.equal(ops.page_scores_codes(*args), want)
+    # an explicit softmax scale reaches both backends
+    sharp = reference.page_scores_codes(*args, sm_scale=1.0)
+    assert not torch.allclose(sharp[finite], want[finite])
+    torch.testing.assert_close(tk.page_scores_codes(q, codes, kmin, kmax, table, *args[5:], sm_scale=1.0)[finite],
+                               sharp[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+@pytest.mark.parametrize("selection,reduction", MODES)
+def test_page_scores_codes_mass_16_bit_paths_match_reference(bits, selection, reduction, monkeypatch):
+    """rerank="mass" with bfloat16 pools and pages of 8 (float32 dots under the interpreter), one page per
+    block and three blocks per program; and the two-term 16-bit dot path (float16 under the interpreter)."""
+    monkeypatch.setattr(codes_kernels, "_BLOCK_P", 1)
+    monkeypatch.setattr(codes_kernels, "_BLOCKS_PER_PROGRAM", 3)
+    monkeypatch.setattr(codes_kernels, "_MIN_PROGRAMS_PER_SM", 0)
+    gen = _gen()
+    heads = (8, 2, 32)
+    page_size, max_pages = 8, 7
+    for dtype, interpreting in ((torch.bfloat16, True), (torch.float16, False)):
+        monkeypatch.setattr(codes_kernels, "interpreting", lambda: interpreting)
+        q, k_pages, kmin, kmax, table, seq_lens = _case(heads, [page_size * 6 + 3, 11], page_size, max_pages, dtype,
+                                                        gen)
+        codes = _random_codes(k_pages.shape[0], page_size, heads[1], heads[2], bits, gen)
+        reference.encode_page_keys(codes, k_pages, kmin, kmax, torch.unique(_readable(table)).int(), bits)
+        want = reference.page_scores_codes(q, codes, kmin, kmax, _readable(table), seq_lens, page_size, bits,
+                                           selection, reduction, "mass")
+        got = tk.page_scores_codes(q, codes, kmin, kmax, table, seq_lens, page_size, bits, selection, reduction,
+                                   "mass")
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8])
+@pytest.mark.parametrize("heads", MASS_HEADS)
+@pytest.mark.parametrize("selection,reduction", MODES)
+def test_codes_mass_equals_quest_rerank_policy_mass(bits, heads, selection, reduction):
+    """page_scores_codes(rerank="mass") == QuestRerankPolicy(rerank="mass", key_bits=bits).rerank_scores with
+    the shortlist covering every page, exactly (the reference) and to 1e-5 (Triton), and the same selection.
+    Every page's codes are written from its final bounds: under "mass" a stale current page would also change
+    each query head's normalisation (see page_scores_codes)."""
+    gen = _gen()
+    num_q, num_kv, head_dim = heads
+    page_size, max_pages, budget_pages = 16, 12, 5
+    lens = [page_size * 11 + 7, page_size * 8, page_size * 3 + 1]  # partial, exactly full, shorter than the budget
+    q, k_pages, kmin, kmax, table, seq_lens = _case(heads, lens, page_size, max_pages, torch.float32, gen)
+    q = q * 4
+    readable = _readable(table)
+    codes = _random_codes(k_pages.shape[0], page_size, num_kv, head_dim, bits, gen)
+    ops.encode_page_keys(codes, k_pages, kmin, kmax, torch.unique(readable).int(), bits)
+    sm_scale = [None, 0.5][int(torch.randint(0, 2, (1,), generator=gen))]
+    policy = QuestRerankPolicy(budget_pages * page_size, page_size, shortlist=max_pages, rerank="mass", key_bits=bits,
+                               selection=selection, group_reduction=reduction, sink_pages=1, recent_pages=1)
+    layer = LayerPages(k_pages, k_pages, kmin, kmax)
+    sel_heads = num_q if selection == "q_head" else num_kv
+    valid = reference.valid_pages(seq_lens, page_size, max_pages)[:, None].expand(len(lens), sel_heads, max_pages)
+    want = policy.rerank_scores(q, layer, readable, seq_lens, valid, sm_scale)
+    ref = reference.page_scores_codes(q, codes, kmin, kmax, readable, seq_lens, page_size, bits, selection, reduction,
+                                      "mass", sm_scale)
+    assert torch.equal(ref, want)
+    got = tk.page_scores_codes(q, codes, kmin, kmax, table, seq_lens, page_size, bits, selection, reduction, "mass",
+                               sm_scale)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    pages = policy.select(q, layer, readable, seq_lens, sm_scale).pages
+    assert torch.equal(reference.select_pages(ref, seq_lens, page_size, budget_pages, 1, 1), pages)
+
+
+@pytest.mark.parametrize("backend", [reference, tk])
+@pytest.mark.parametrize("selection,reduction", MODES)
+def test_mass_ranks_first_the_page_holding_the_mass_without_the_best_logit(backend, selection, reduction):
+    """Page 0 holds the best logit (one key at ~6, the rest at -10), page 1 the mass (eight keys at 5:
+    8 e^5 > e^6 at sm_scale 1), page 2 little of either, page 3 is the current page: "mass" ranks page 1
+    first and selects it with a budget of two pages, "max" ranks page 0 first and selects that."""
+    gen = _gen()
+    num_q, num_kv, head_dim, page_size, bits = 2, 1, 16, 8, 8
+    noise = 0.01
+    perm = torch.randperm(5, generator=gen)[:4].int()  # logical page j is physical page perm[j]
+    k_pages = torch.randn(5, page_size, num_kv, head_dim, generator=gen)
+    k_pages[:, :, :, 0] = -10.0
+    k_pages[perm[0], 3, :, 0] = 6.0
+    k_pages[perm[1], :, :, 0] = 5.0
+    k_pages[perm[2], :, :, 0] = torch.rand(page_size, num_kv, generator=gen) - 2.0
+    kmin, kmax = k_pages.amin(1), k_pages.amax(1)
+    q = noise * torch.randn(1, num_q, head_dim, generator=gen)
+    q[:, :, 0] = 1.0 + noise * torch.rand(1, num_q, generator=gen)
+    table, seq_lens = perm[None], torch.tensor([3 * page_size + 2], dtype=torch.int32)
+    codes = _random_codes(5, page_size, num_kv, head_dim, bits, gen)
+    reference.encode_page_keys(codes, k_pages, kmin, kmax, perm, bits)
+    for rerank, best in (("mass", 1), ("max", 0)):
+        scores = backend.page_scores_codes(q, codes, kmin, kmax, table, seq_lens, page_size, bits, selection,
+                                           reduction, rerank, 1.0)
+        assert (scores[0, :, :3].argmax(-1) == best).all(), (rerank, scores)
+        pages = reference.select_pages(scores, seq_lens, page_size, 2)
+        assert (pages[0] == torch.tensor([best, 3], dtype=torch.int32)).all(), (rerank, pages)

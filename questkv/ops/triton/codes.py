@@ -1,7 +1,9 @@
 """Low-bit key codes (opt-in): encode full pages' keys, and score pages from the codes.
 
-Layout and code definition: :mod:`questkv.ops.reference` (``codes``). Not wired into the cache or the
-decode step yet. The scores kernel's structure (blocks of pages per program, code words unpacked in
+Layout and code definition: :mod:`questkv.ops.reference` (``codes``). The scores rank pages by best logit
+(``rerank="max"``: the kernel writes the scores) or by attention mass (``"mass"``: the same kernel writes
+each page's log-sum-exp per query head into a scratch, and :func:`questkv.ops.reference.page_mass_from_lse`,
+shared with the policy, normalises and combines it). Not wired into the cache or the decode step yet. The scores kernel's structure (blocks of pages per program, code words unpacked in
 registers, one batched dot per block) has not been timed on a GPU yet; the H200 numbers in
 ``benchmarks/results/kernels-h200.md`` are the previous kernel's (one tiny program per two pages, byte
 gathers per channel).
@@ -17,7 +19,7 @@ import triton.language as tl
 
 from questkv.ops import reference
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2, num_sms
-from questkv.ops.triton.estimate import _store_page_scores, check_page_scores_args
+from questkv.ops.triton.estimate import _MODE_Q_HEAD, _store_page_scores, check_page_scores_args
 # Launch configuration of the scores kernel (chosen from ptxas -v and SASS instruction counts for sm_90,
 # not timed). A block of pages is decoded in registers for one batched dot: at most _BLOCK_P pages, with
 # decoded cells + 2 x code bytes (the block's words and the next block's, prefetched) at most
@@ -151,7 +153,7 @@ def _code_cells(words, words_hi, magic, FIRST: tl.constexpr, STRIDE: tl.constexp
 @triton.jit
 def _page_scores_codes_kernel(
     q_ptr, codes_ptr, kmin_ptr, kmax_ptr, table_ptr, lens_ptr, out_ptr,
-    max_pages, magic,
+    max_pages, magic, sm_scale,
     stride_qb, stride_qh,
     stride_cp, stride_ct, stride_ch,
     stride_bp, stride_bh,
@@ -160,7 +162,7 @@ def _page_scores_codes_kernel(
     PAGE_SIZE: tl.constexpr, PS_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr,
     NUM_UNITS: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_P: tl.constexpr, BLOCKS: tl.constexpr,
-    MODE: tl.constexpr, DOT_FP32: tl.constexpr, FP16: tl.constexpr,
+    MODE: tl.constexpr, DOT_FP32: tl.constexpr, FP16: tl.constexpr, MASS: tl.constexpr,
 ):
     """One program per (KV head, ``BLOCKS`` consecutive blocks of ``BLOCK_P`` pages, sequence), heads
     fastest (the programs reading one page's codes and bounds run together); a loop over the blocks
@@ -175,9 +177,13 @@ def _page_scores_codes_kernel(
     and each word is unpacked in the registers of the thread that loaded it (:func:`_code_cells`: an
     AND-OR, one LOP3 with ``magic`` = ``2**23`` kept in a register, and one FMA per cell, exact); one
     batched ``tl.dot`` (batch = page: ``[page_size, head_dim] x [head_dim, group]``) gives
-    ``(c + 0.5) . (q * w)`` for every token and query head of the block. The maximum over each page's
-    written tokens (the others masked to ``-inf``), plus ``q . kmin``, is stored per query head
-    (``MODE`` 0) or as the group's sum (1) / max (2) (``_store_page_scores``).
+    ``(c + 0.5) . (q * w)`` for every token and query head of the block. The maximum ``m`` over each
+    page's written tokens (the others masked to ``-inf``), plus ``q . kmin``, is stored per query head
+    (``MODE`` 0) or as the group's sum (1) / max (2) (``_store_page_scores``). With ``MASS`` (launched
+    with ``MODE`` 0 into an lse scratch) the page's ``lse = s (m + q . kmin) + ln sum_t exp(s (l_t - m))``
+    over its written tokens' logits ``l_t`` (``s = sm_scale``) is stored instead, the sum in base 2 (one
+    ``exp2`` per token, one ``log2`` per page and query head); nothing else changes, and ``sm_scale`` is
+    unused without ``MASS``.
 
     With ``DOT_FP32`` (float32 queries, queries and bounds of different dtypes, or the interpreter)
     the dots take float32 operands (IEEE). Otherwise 16-bit operands on the tensor cores (bfloat16, or
@@ -257,7 +263,15 @@ def _page_scores_codes_kernel(
             both = tl.dot(cells.to(OP_DTYPE), pair)  # [BLOCK_P, PS_PAD, 2 * BLOCK_G]
             logits = tl.sum(tl.reshape(both, (BLOCK_P, PS_PAD, BLOCK_G, 2)), axis=3)
         logits = tl.where(written[:, :, None], logits, float("-inf"))
-        per_q = tl.trans(tl.max(logits, axis=1) + base)  # [BLOCK_G, BLOCK_P]
+        best = tl.max(logits, axis=1)  # [BLOCK_P, BLOCK_G]
+        if MASS:
+            live = best > float("-inf")  # pages past the sequence: lse -inf, no NaN
+            qk_scale = sm_scale * 1.4426950408889634  # log2(e)
+            total = tl.sum(tl.exp2((logits - tl.where(live, best, 0.0)[:, None, :]) * qk_scale), axis=1)
+            lse = (best + base) * sm_scale + tl.log2(tl.where(live, total, 1.0)) * 0.6931471805599453  # ln 2
+            per_q = tl.trans(lse)  # [BLOCK_G, BLOCK_P]
+        else:
+            per_q = tl.trans(best + base)  # [BLOCK_G, BLOCK_P]
         _store_page_scores(out_ptr, seq, head, rows, p, per_q, valid, in_row, gmask, stride_ob, stride_oh, MODE)
 
 
@@ -349,13 +363,19 @@ def page_scores_codes_into(
     bits: int,
     selection: str = "kv_head",
     group_reduction: str = "sum",
+    rerank: str = "max",
+    sm_scale: Optional[float] = None,
 ) -> torch.Tensor:
     """:func:`page_scores_codes` into a preallocated ``out`` ``[batch, num_sel_heads, max_pages]``
-    float32 (one launch, no host synchronisation; the grid depends on the shapes only, so the launch
-    can be captured in a CUDA graph). Returns ``out``."""
-    batch, _, head_dim = q.shape
+    float32 (no host synchronisation; the grid depends on the shapes only, so the launch can be
+    captured in a CUDA graph). ``"max"``: one launch. ``"mass"``: the kernel writes the lse of every
+    (sequence, query head, page) into a scratch ``[batch, num_q_heads, max_pages]`` float32, and
+    :func:`questkv.ops.reference.page_mass_from_lse` (a few small torch ops) turns it into ``out``.
+    Returns ``out``."""
+    batch, num_q_heads, head_dim = q.shape
     num_kv_heads, max_pages = kmin.shape[1], page_table.shape[1]
     mode, group = check_page_scores_args(out, q, kmin, kmax, page_table, seq_lens, selection, group_reduction)
+    reference.check_rerank(rerank, sm_scale)
     reference.check_key_codes(codes, num_kv_heads, head_dim, bits, page_size)
     check_last_dim_contiguous(codes=codes)
     nbytes = reference.key_code_bytes(head_dim, bits)
@@ -366,20 +386,25 @@ def page_scores_codes_into(
     block_p = scores_block_pages(page_size, head_dim, group, bits, dot_fp32)
     grid, per_program = scores_launch(batch, num_kv_heads, max_pages, block_p, q.device)
     maxnreg = scores_max_registers(group, dot_fp32)
+    mass = rerank == "mass"
+    scores = torch.empty((batch, num_q_heads, max_pages), dtype=torch.float32, device=q.device) if mass else out
     _page_scores_codes_kernel[grid](
-        q, codes, kmin, kmax, page_table, seq_lens, out,
-        max_pages, _MAGIC,
+        q, codes, kmin, kmax, page_table, seq_lens, scores,
+        max_pages, _MAGIC, head_dim**-0.5 if sm_scale is None else sm_scale,
         q.stride(0), q.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
         kmin.stride(0), kmin.stride(1),
         page_table.stride(0),
-        out.stride(0), out.stride(1),
+        scores.stride(0), scores.stride(1),
         PAGE_SIZE=page_size, PS_PAD=next_pow2(page_size), GROUP=group, BLOCK_G=next_pow2(group),
         HEAD_DIM=head_dim, BLOCK_D=block_u * unit * 8 // bits, BITS=bits, UNIT=unit, NUM_UNITS=num_units,
-        BLOCK_U=block_u, BLOCK_P=block_p, BLOCKS=per_program, MODE=mode, DOT_FP32=dot_fp32,
-        FP16=q.dtype == torch.float16,
+        BLOCK_U=block_u, BLOCK_P=block_p, BLOCKS=per_program, MODE=_MODE_Q_HEAD if mass else mode,
+        DOT_FP32=dot_fp32, FP16=q.dtype == torch.float16, MASS=mass,
         num_warps=_NUM_WARPS, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
+    if mass:
+        pages = reference.valid_pages(seq_lens, page_size, max_pages)[:, None, :].expand(out.shape)
+        out.copy_(reference.page_mass_from_lse(scores, pages, num_kv_heads, selection, group_reduction))
     return out
 
 
@@ -394,6 +419,8 @@ def page_scores_codes(
     bits: int,
     selection: str = "kv_head",
     group_reduction: str = "sum",
+    rerank: str = "max",
+    sm_scale: Optional[float] = None,
 ) -> torch.Tensor:
     """Triton :func:`questkv.ops.reference.page_scores_codes`.
 
@@ -403,6 +430,8 @@ def page_scores_codes(
         kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``.
         page_table: ``[batch, max_pages]`` int32 (entries past a sequence's pages are never read).
         seq_lens: ``[batch]`` int32.
+        rerank: ``"max"`` (best logit) or ``"mass"`` (attention mass; see :func:`page_scores_codes_into`).
+        sm_scale: the softmax scale of ``"mass"`` (``head_dim**-0.5`` when ``None``).
 
     Returns:
         ``[batch, num_sel_heads, max_pages]`` float32, ``-inf`` past each sequence's pages. Float32
@@ -413,4 +442,4 @@ def page_scores_codes(
     sel_heads = q.shape[1] if selection == "q_head" else kmin.shape[1]
     out = torch.empty((q.shape[0], sel_heads, page_table.shape[1]), dtype=torch.float32, device=q.device)
     return page_scores_codes_into(out, q, codes, kmin, kmax, page_table, seq_lens, page_size, bits, selection,
-                                  group_reduction)
+                                  group_reduction, rerank, sm_scale)
