@@ -294,7 +294,7 @@ def test_key_codes_reject_bad_arguments(backend):
 # rerank="mass"
 
 
-@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("bits", [2, 8])  # the max-mode tests cover every width's decoding; the interpreter is slow
 @pytest.mark.parametrize("heads", MASS_HEADS)
 @pytest.mark.parametrize("selection,reduction", MODES)
 def test_page_scores_codes_mass_matches_reference(bits, heads, selection, reduction, monkeypatch):
@@ -364,8 +364,8 @@ def test_page_scores_codes_mass_16_bit_paths_match_reference(bits, selection, re
         torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 8])
-@pytest.mark.parametrize("heads", MASS_HEADS)
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("heads", [(8, 2, 32), (8, 1, 32)])
 @pytest.mark.parametrize("selection,reduction", MODES)
 def test_codes_mass_equals_quest_rerank_policy_mass(bits, heads, selection, reduction):
     """page_scores_codes(rerank="mass") == QuestRerankPolicy(rerank="mass", key_bits=bits).rerank_scores with
