@@ -7,9 +7,10 @@ allowed, and returns the value unchanged, so a check reads ``check_int("LLM.seed
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Iterable, Optional
 
-__all__ = ["check_bool", "check_choice", "check_float", "check_int", "check_optional_int"]
+__all__ = ["check_bool", "check_choice", "check_float", "check_int", "check_optional_int", "check_text"]
 
 
 def check_int(name: str, value: Any, minimum: Optional[int] = None, maximum: Optional[int] = None) -> int:
@@ -63,4 +64,17 @@ def check_bool(name: str, value: Any) -> bool:
     """``value`` must be ``True`` or ``False``."""
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(name: str, value: str) -> str:
+    """``value`` must be text that UTF-8 can encode: no lone surrogate (``"\\ud800"``, which JSON's ``\\u``
+    escapes can spell and a tokenizer cannot encode). A ``str`` is assumed; returns it unchanged."""
+    bad = _SURROGATE.search(value)
+    if bad is not None:
+        raise ValueError(f"{name} is not valid Unicode: a lone surrogate {bad.group()!r} at character "
+                         f"{bad.start()}; text must be encodable as UTF-8 (send a surrogate pair as one character)")
     return value

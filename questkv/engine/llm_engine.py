@@ -147,7 +147,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; a dummy-weight model takes token-id prompts only")
-            token_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            from questkv.validation import check_text
+
+            check_text("prompt", prompt)  # a lone surrogate: the tokenizer would raise TypeError
+            try:
+                token_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            except (TypeError, ValueError, UnicodeError) as error:
+                raise ValueError(f"prompt: the tokenizer cannot encode this text: {error}") from None
             text = prompt
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids, text = list(prompt), None

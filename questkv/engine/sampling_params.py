@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional, Union
 
-from questkv.validation import check_bool, check_float, check_int, check_optional_int
+from questkv.validation import check_bool, check_float, check_int, check_optional_int, check_text
 
-__all__ = ["SamplingParams"]
+__all__ = ["GREEDY_BELOW", "SamplingParams"]
 
 _MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
+GREEDY_BELOW = 1e-5  # a temperature below it is stored as 0 (greedy), as vLLM does: dividing logits by a tiny
+# (float32-subnormal) temperature makes them infinite, and the sample would not be the argmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +27,8 @@ class SamplingParams:
 
     Attributes:
         temperature: logits are divided by it before sampling; ``0`` means greedy (argmax), in which case
-            ``top_k``, ``top_p`` and ``seed`` have no effect. Must be >= 0.
+            ``top_k``, ``top_p`` and ``seed`` have no effect. Must be >= 0; a positive temperature below
+            :data:`GREEDY_BELOW` (``1e-5``) is stored as ``0``: greedy, as vLLM treats it.
         top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability reaches
             ``top_p`` (after ``top_k``); in ``(0, 1]``, ``1`` keeps all.
         top_k: keep the ``top_k`` most likely tokens; ``0`` keeps all. ``-1`` is accepted as vLLM's spelling
@@ -56,7 +59,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalised values are written once, here
-        set_(self, "temperature", check_float("SamplingParams.temperature", self.temperature, low=0.0))
+        temperature = check_float("SamplingParams.temperature", self.temperature, low=0.0)
+        set_(self, "temperature", 0.0 if temperature < GREEDY_BELOW else temperature)
         set_(self, "top_p", check_float("SamplingParams.top_p", self.top_p, low=0.0, high=1.0, low_open=True))
         if type(self.top_k) is int and self.top_k == -1:
             set_(self, "top_k", 0)
@@ -89,6 +93,7 @@ def _stop_strings(stop) -> tuple[str, ...]:
     for item in stop:
         if not isinstance(item, str) or not item:
             raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {item!r} in {list(stop)!r}")
+        check_text("SamplingParams.stop", item)
     return tuple(stop)
 
 

@@ -4,6 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 the pool and queue counts while serving, 503 once stopping), ``GET /metrics`` (Prometheus text). The lifespan
 starts the engine loop's thread and, on shutdown, stops it (``shutdown_grace`` seconds for open requests,
 then they are aborted). FastAPI's own validation errors and unknown routes come out as OpenAI error objects.
+The completion routes answer every exception themselves (:func:`~questkv.server.serving.to_request_error`),
+so that a 500 keeps the client's connection; the app's last-resort handler serves the other routes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from starlette.responses import JSONResponse, Response
 
 from questkv.server import protocol
 from questkv.server.engine_loop import EngineLoop
-from questkv.server.serving import OpenAIServing, error_response
+from questkv.server.serving import (
+    DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, OpenAIServing, error_response, to_request_error,
+)
 
 __all__ = ["build_app"]
 
@@ -26,7 +30,8 @@ logger = logging.getLogger("questkv.server")
 
 
 def build_app(engine_loop: EngineLoop, served_model_name: str, request_timeout: float = 600.0,
-              shutdown_grace: float = 30.0) -> FastAPI:
+              shutdown_grace: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT) -> FastAPI:
     """The server's app over ``engine_loop`` (started by the app's lifespan if it is not yet).
 
     Args:
@@ -34,8 +39,10 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, request_timeout: 
         served_model_name: the ``model`` requests give, and ``/v1/models`` lists.
         request_timeout: seconds after which an unfinished request is aborted (504).
         shutdown_grace: seconds the lifespan's shutdown lets open requests finish before aborting them.
+        max_request_bytes: the largest request body (413 beyond it).
+        body_read_timeout: seconds a client may take to send a body once its headers are in (408 beyond them).
     """
-    serving = OpenAIServing(engine_loop, served_model_name, request_timeout)
+    serving = OpenAIServing(engine_loop, served_model_name, request_timeout, max_request_bytes, body_read_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -43,6 +50,7 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, request_timeout: 
             engine_loop.start()
         yield
         await engine_loop.shutdown(shutdown_grace)
+        serving.close()
 
     app = FastAPI(title="questkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
@@ -61,9 +69,8 @@ def build_app(engine_loop: EngineLoop, served_model_name: str, request_timeout: 
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, error: Exception) -> Response:
-        logger.exception("internal error serving %s %s", request.method, request.url.path)
-        return JSONResponse(protocol.error_body(f"internal error: {error!r}", "internal_error", None, "internal_error"),
-                            status_code=500)
+        logger.error("internal error serving %s %s", request.method, request.url.path)
+        return error_response(to_request_error(error, None))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -17,6 +17,7 @@ import signal
 import sys
 
 from questkv.cli_args import add_engine_args, add_quest_args, engine_kwargs, int_at_least, quest_config, seconds
+from questkv.server import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
 __all__ = ["add_serve_args", "run_server"]
 
@@ -39,6 +40,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="the most requests waiting for admission; beyond it 503 with Retry-After (default: 256)")
     server.add_argument("--request-timeout", type=seconds(), default=600.0,
                         help="seconds after which an unfinished request is aborted with 504 (default: 600)")
+    server.add_argument("--max-request-bytes", type=int_at_least(1), default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="the largest request body in bytes; a larger one is answered 413 and its connection "
+                        f"closed (default: {DEFAULT_MAX_REQUEST_BYTES}, {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB)")
+    server.add_argument("--body-read-timeout", type=seconds(), default=DEFAULT_BODY_READ_TIMEOUT,
+                        help="seconds a client may take to send a request body once its headers are in; then 408 "
+                        f"and the connection closed (default: {DEFAULT_BODY_READ_TIMEOUT:g})")
     server.add_argument("--served-model-name", default=None,
                         help="the model name requests give and /v1/models lists (default: MODEL as given)")
     server.add_argument("--shutdown-grace", type=seconds(allow_zero=True), default=30.0,
@@ -93,7 +100,8 @@ def _serve(engine, args: argparse.Namespace) -> int:
 
     engine_loop = EngineLoop(engine, max_waiting=args.max_waiting)
     app = build_app(engine_loop, args.served_model_name or args.model, request_timeout=args.request_timeout,
-                    shutdown_grace=args.shutdown_grace)
+                    shutdown_grace=args.shutdown_grace, max_request_bytes=args.max_request_bytes,
+                    body_read_timeout=args.body_read_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                             timeout_graceful_shutdown=args.shutdown_grace, lifespan="on")
 

@@ -4,7 +4,10 @@ This module owns what a request may say without knowing the engine: types (stric
 ranges, ``n == 1``, the fields of ``quest`` and the no-op values of the OpenAI fields we do not implement.
 Checks that need the engine (the model's name, the prompt's length, the budget against the engine's page size
 and maximum) are :mod:`questkv.server.serving`'s. Every refusal is a :class:`RequestError` naming the field
-(``param``), rendered by :func:`error_body` as ``{"error": {"message", "type", "param", "code"}}``.
+(``param``), rendered by :func:`error_body` as ``{"error": {"message", "type", "param", "code"}}``. Before the
+fields, :func:`parse_request` refuses a body nested deeper than :data:`MAX_JSON_DEPTH` levels and any string
+(key or value) that is not valid Unicode (a lone surrogate such as ``"\\ud800"``), with the wording of
+:func:`questkv.validation.check_text`, which the engine uses for its prompts and stop strings too.
 
 OpenAI fields accepted but not implemented, each only at a value that changes nothing (else 400 naming it):
 ``logprobs`` (``null``/``false``/``0``), ``top_logprobs`` (``null``/``0``), ``echo`` (``false``), ``best_of``
@@ -25,6 +28,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from pydantic import field_validator, model_validator
+
+from questkv.validation import check_text
 
 __all__ = [
     "ChatCompletionRequest",
@@ -270,14 +275,51 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError(f"the body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:  # Python's parser recurses once per level: [[[[...]]]] beyond its stack
+        raise RequestError(f"the body nests JSON arrays and objects too deeply (at most {MAX_JSON_DEPTH} levels)",
+                           code="invalid_json") from None
     if not isinstance(data, dict):
         raise RequestError(f"the body must be a JSON object, got {type(data).__name__}", code="invalid_type")
+    _check_tree(data)
     try:
         return model.model_validate(data)
     except _Refusal as refusal:  # raised directly by a model validator of the top-level model
         raise RequestError(str(refusal), param=refusal.param) from None
     except ValidationError as error:
         raise _from_validation_error(error) from None
+
+
+MAX_JSON_DEPTH = 32  # a request nests 5 levels (messages[0].content[0].text); metadata may take a few more
+
+
+def _check_tree(data: dict) -> None:
+    """Refuse a body nested deeper than :data:`MAX_JSON_DEPTH` or holding a string that is not valid Unicode
+    (a lone surrogate, which JSON's ``\\ud800`` can spell); walked without recursion, keys included."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                check_text(path or "the body", value)
+            except ValueError as error:
+                raise RequestError(str(error), param=path or None) from None
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(f"the body nests JSON arrays and objects too deeply at {path or 'its top'} "
+                               f"(at most {MAX_JSON_DEPTH} levels)", param=path or None, code="invalid_json")
+        if isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)
+                         if isinstance(item, (str, dict, list)))  # not once per token id
+        else:
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else key
+                try:
+                    check_text("a key", key)
+                except ValueError as error:
+                    raise RequestError(f"{path or 'the body'}: {error}", param=path or None) from None
+                stack.append((item, name, depth + 1))
 
 
 def _from_validation_error(error: ValidationError) -> RequestError:

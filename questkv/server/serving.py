@@ -4,9 +4,16 @@
 tokens and length, ``max_tokens`` against ``max_model_len`` — refused, never clamped —, the Quest budget), on
 the event loop with its own copy of the tokenizer and without touching the engine's state; the engine thread
 then runs ``LLMEngine.add_request`` (which checks again, the KV pool included) and its ``ValueError`` comes back
-as a 400 too. Errors are translated here only: :class:`~questkv.server.protocol.RequestError` and engine
-``ValueError`` -> 4xx, :class:`~questkv.server.engine_loop.QueueFull` -> 503 with ``Retry-After``, a failed
-step -> 500, the request timeout -> 504; each with OpenAI's error object.
+as a 400 too. Errors become HTTP answers in one place, :func:`to_request_error`:
+:class:`~questkv.server.protocol.RequestError` as it says, any other ``ValueError`` (the engine's, naming the
+field) -> 400, :class:`~questkv.server.engine_loop.QueueFull` -> 503 with ``Retry-After``, a failed step and
+any other exception -> 500 (logged; that request only, the connection kept), the request timeout -> 504;
+each with OpenAI's error object, and each request counted once in ``questkv_requests_total``.
+
+The event loop only moves bytes: the body is read within ``max_request_bytes`` (else 413) and
+``body_read_timeout`` seconds (else 408; both close the connection), then parsed, validated and tokenised
+on one worker thread of its own (the tokenizer copy is not shared), so a multi-megabyte prompt never stalls
+``/health`` or the other streams.
 
 Streams are server-sent events as OpenAI sends them: ``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``. The
 streamed text is always a prefix of the final text: while a request runs, the last ``len(longest stop) - 1``
@@ -17,8 +24,10 @@ goes away aborts its request (streaming: the response is cancelled; otherwise ``
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import json
+import logging
 import time
 import uuid
 from typing import AsyncIterator, Optional, Union
@@ -28,12 +37,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.sequence import RequestOutput
-from questkv.server import protocol
+from questkv.server import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, protocol
 from questkv.server.engine_loop import ACCEPTED, EngineFailure, EngineLoop, QueueFull, RequestStream, ShuttingDown
 from questkv.server.protocol import ChatCompletionRequest, CompletionRequest, QuestOptions, RequestError
+from questkv.validation import check_float, check_int, check_text
 
-__all__ = ["OpenAIServing", "error_response"]
+__all__ = ["DEFAULT_BODY_READ_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "OpenAIServing", "error_response",
+           "to_request_error"]
 
+logger = logging.getLogger("questkv.server")
 _POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
@@ -55,6 +67,32 @@ def _timeout(seconds: float) -> RequestError:
 def _unavailable(message: str) -> RequestError:
     return RequestError(message, status=503, type="overloaded_error", code="server_overloaded",
                         headers={"Retry-After": "1"})
+
+
+def to_request_error(error: BaseException, prompt_param: Optional[str] = "prompt") -> RequestError:
+    """The one translation of an exception into an HTTP error (anything unexpected is logged, and a 500)."""
+    if isinstance(error, RequestError):
+        return error
+    if isinstance(error, (QueueFull, ShuttingDown)):
+        return _unavailable(str(error))
+    if isinstance(error, ValueError):  # the engine's or SamplingParams' refusal, naming the field
+        param = getattr(error, "param", None) or _engine_param(str(error), prompt_param)
+        return RequestError(str(error), param=param)
+    if isinstance(error, EngineFailure):
+        return _internal(str(error))
+    logger.error("internal error serving a request: %r", error, exc_info=error)
+    return _internal(f"internal error: {error!r}")
+
+
+def request_status(error: RequestError) -> str:
+    """The ``questkv_requests_total`` status of a request answered with ``error``."""
+    if error.status == 499:
+        return "abort"
+    if error.status == 503:
+        return "rejected"
+    if error.status == 504:
+        return "timeout"
+    return "invalid" if error.status < 500 else "error"
 
 
 class _Outcome:
@@ -95,11 +133,16 @@ class OpenAIServing:
         request_timeout: seconds from arrival after which an unfinished request is aborted (504).
     """
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str, request_timeout: float = 600.0) -> None:
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, request_timeout: float = 600.0,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT) -> None:
         if not isinstance(served_model_name, str) or not served_model_name:
             raise ValueError(f"OpenAIServing.served_model_name must be a non-empty str, got {served_model_name!r}")
-        if not isinstance(request_timeout, (int, float)) or not request_timeout > 0:
-            raise ValueError(f"OpenAIServing.request_timeout must be > 0 seconds, got {request_timeout!r}")
+        check_float("OpenAIServing.request_timeout", request_timeout, low=0.0, low_open=True)
+        check_int("OpenAIServing.max_request_bytes", max_request_bytes, minimum=1)
+        check_float("OpenAIServing.body_read_timeout", body_read_timeout, low=0.0, low_open=True)
+        self.max_request_bytes = max_request_bytes
+        self.body_read_timeout = float(body_read_timeout)
         self.loop = engine_loop
         self.metrics = engine_loop.metrics
         engine = engine_loop.engine
@@ -117,32 +160,70 @@ class OpenAIServing:
         # The engine thread detokenises with the engine's tokenizer; the event loop encodes with its own copy.
         self.tokenizer = None if engine.tokenizer is None else copy.deepcopy(engine.tokenizer)
         self.created = protocol.now()
+        # Parsing, validation and tokenisation run here, one request at a time, off the event loop.
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="questkv-prepare")
+
+    def close(self) -> None:
+        """Stop the preparing thread (requests being prepared finish; none is started after)."""
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- endpoints ---------------------------------------------------------------------------------------------
 
     async def create_completion(self, request: Request) -> Response:
-        outcome = _Outcome(self.metrics)
-        try:
-            body = protocol.parse_request(CompletionRequest, await _body(request))
-            self._check_model(body.model)
-            token_ids = self._prompt_ids(body.prompt)
-            params = self._sampling_params(body, len(token_ids), _DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-        except RequestError as error:
-            outcome.finish("invalid")
-            return error_response(error)
-        return await self._serve(request, body, token_ids, params, "cmpl", "prompt", outcome)
+        return await self._handle(request, self._prepare_completion, "cmpl", "prompt")
 
     async def create_chat_completion(self, request: Request) -> Response:
+        return await self._handle(request, self._prepare_chat, "chatcmpl", "messages")
+
+    async def _handle(self, request: Request, prepare, prefix: str, prompt_param: str) -> Response:
+        """Read, prepare (on the preparing thread) and serve one request; every exception ends here."""
         outcome = _Outcome(self.metrics)
         try:
-            body = protocol.parse_request(ChatCompletionRequest, await _body(request))
-            self._check_model(body.model)
-            token_ids = self._chat_ids(body)
-            params = self._sampling_params(body, len(token_ids), None, "messages")
-        except RequestError as error:
-            outcome.finish("invalid")
-            return error_response(error)
-        return await self._serve(request, body, token_ids, params, "chatcmpl", "messages", outcome)
+            raw = await self._read_body(request)
+            body, token_ids, params = await asyncio.get_running_loop().run_in_executor(
+                self._prepare_pool, prepare, raw)
+            return await self._serve(request, body, token_ids, params, prefix, prompt_param, outcome)
+        except Exception as error:  # the one place an exception becomes an HTTP answer
+            answer = to_request_error(error, prompt_param)
+            outcome.finish(request_status(answer))
+            return error_response(answer)
+
+    def _prepare_completion(self, raw: bytes):
+        body = protocol.parse_request(CompletionRequest, raw)
+        self._check_model(body.model)
+        token_ids = self._prompt_ids(body.prompt)
+        return body, token_ids, self._sampling_params(body, len(token_ids), _DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+
+    def _prepare_chat(self, raw: bytes):
+        body = protocol.parse_request(ChatCompletionRequest, raw)
+        self._check_model(body.model)
+        token_ids = self._chat_ids(body)
+        return body, token_ids, self._sampling_params(body, len(token_ids), None, "messages")
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, within ``max_request_bytes`` (413) and ``body_read_timeout`` seconds (408)."""
+        limit = self.max_request_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise _too_large(f"{int(length)} bytes", limit)
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(f"more than {limit} bytes", limit)
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(read(), self.body_read_timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the body did not arrive within --body-read-timeout {self.body_read_timeout:g} s",
+                               status=408, code="request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise RequestError("the client went away while sending the body", status=499,
+                               code="client_disconnected") from None
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.served_model_name, "object": "model", "created": self.created,
@@ -164,7 +245,11 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise RequestError("a text prompt needs a tokenizer, and this model (dummy weights) has none: send token ids",
                                param="prompt")
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])  # as LLMEngine tokenises
+        check_text("prompt", text)  # as LLMEngine._tokenize checks and tokenises
+        try:
+            return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        except (TypeError, ValueError, UnicodeError) as error:
+            raise RequestError(f"prompt: the tokenizer cannot encode this text: {error}", param="prompt") from None
 
     def _prompt_ids(self, prompt: Union[str, list[int]]) -> list[int]:
         token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -215,15 +300,12 @@ class OpenAIServing:
                                    param="quest.token_budget") from None
         if body.stop_list and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this model (dummy weights) has none", param="stop")
-        try:
-            return SamplingParams(
-                temperature=1.0 if body.temperature is None else float(body.temperature),
-                top_p=1.0 if body.top_p is None else float(body.top_p),
-                seed=body.seed, max_tokens=max_tokens, stop=body.stop_list,
-                token_budget=quest.token_budget, dense=quest.dense, ignore_eos=body.ignore_eos,
-            )
-        except ValueError as error:
-            raise RequestError(str(error), param=_engine_param(str(error), prompt_param)) from None
+        return SamplingParams(  # its ValueError names the field (to_request_error maps it to a 400)
+            temperature=1.0 if body.temperature is None else float(body.temperature),
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            seed=body.seed, max_tokens=max_tokens, stop=body.stop_list,
+            token_budget=quest.token_budget, dense=quest.dense, ignore_eos=body.ignore_eos,
+        )
 
     def _quest_echo(self, params: SamplingParams, mean_tokens_attended: Optional[float]) -> dict:
         engine_sparse = self.engine_quest is not None and not self.engine_quest.is_dense
@@ -237,11 +319,7 @@ class OpenAIServing:
                      prompt_param: str, outcome: _Outcome) -> Response:
         deadline = time.monotonic() + self.request_timeout
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        try:
-            stream = self.loop.submit(request_id, token_ids, params)
-        except (QueueFull, ShuttingDown) as error:
-            outcome.finish("rejected")
-            return error_response(_unavailable(str(error)))
+        stream = self.loop.submit(request_id, token_ids, params)  # QueueFull, ShuttingDown: 503
         try:
             first = await stream.get(max(deadline - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
@@ -254,7 +332,7 @@ class OpenAIServing:
             raise
         if first != ACCEPTED:
             error = self._event_error(first, prompt_param)
-            outcome.finish("invalid" if error.status < 500 else ("rejected" if error.status == 503 else "error"))
+            outcome.finish(request_status(error))
             return error_response(error)
         run = _Run(self, body, request_id, stream, params, len(token_ids), deadline, outcome, prefix == "chatcmpl")
         if body.stream:
@@ -263,20 +341,14 @@ class OpenAIServing:
         return await run.collect(request)
 
     def _event_error(self, event, prompt_param: str) -> RequestError:
-        if isinstance(event, ShuttingDown):
-            return _unavailable(str(event))
-        if isinstance(event, ValueError):
-            return RequestError(str(event), param=_engine_param(str(event), prompt_param))
-        if isinstance(event, EngineFailure):
-            return _internal(str(event))
+        if isinstance(event, BaseException):
+            return to_request_error(event, prompt_param)
         return _internal(f"unexpected engine event {event!r}")
 
 
-async def _body(request: Request) -> bytes:
-    try:
-        return await request.body()
-    except ClientDisconnect:
-        raise RequestError("the client went away while sending the body", status=499, code="client_disconnected") from None
+def _too_large(size: str, limit: int) -> RequestError:
+    return RequestError(f"the body has {size}; this server takes at most --max-request-bytes {limit}", status=413,
+                        code="request_too_large", headers={"Connection": "close"})
 
 
 def _engine_param(message: str, prompt_param: str) -> Optional[str]:
@@ -310,7 +382,7 @@ class _Run:
 
     def _fail(self, event) -> RequestError:
         error = self.serving._event_error(event, "prompt")
-        self.outcome.finish("rejected" if error.status == 503 else "error")
+        self.outcome.finish(request_status(error) if error.status >= 500 else "error")
         return error
 
     async def collect(self, request: Request) -> Response:
@@ -336,10 +408,10 @@ class _Run:
                     return error_response(self._fail(event))
                 if isinstance(event, RequestOutput) and event.finished:
                     return self._response(event)
-        finally:
-            if not self.stream.finished:  # cancelled
-                self.stream.close()
-                self.outcome.finish("abort")
+        except BaseException as error:  # cancelled (the client went away), or a bug: a 500 from _handle
+            self.stream.close()
+            self.outcome.finish("error" if isinstance(error, Exception) else "abort")
+            raise
 
     def _response(self, output: RequestOutput) -> Response:
         if output.finish_reason == "abort":
@@ -411,6 +483,9 @@ class _Run:
                 self.outcome.finish(event.finish_reason)
                 yield "data: [DONE]\n\n"
                 return
+        except Exception as error:  # a bug: this stream ends with a 500 error event, the connection kept
+            self.stream.close()
+            yield self._error_event(self._fail(error))
         finally:
             if not self.stream.finished:  # cancelled by a client that went away
                 self.stream.close()
