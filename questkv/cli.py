@@ -1,4 +1,10 @@
-"""The ``questkv`` command line."""
+"""The ``questkv`` command line.
+
+Each subcommand imports its code only when it runs: :func:`main` builds in full only the parser of the command
+named on the command line (the others are stubs holding their one-line help), so that ``questkv --help`` and
+``questkv bench latency --help`` never import the evaluation stack (``wonderwords``, ``matplotlib``: the
+``eval`` extra) nor the server's (``fastapi``, ``uvicorn``: the ``server`` extra).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from questkv.cli_args import (
     add_engine_args, add_quest_args, engine_kwargs, int_at_least, quest_config, quest_options, resolve_dtype,
@@ -21,7 +27,7 @@ def _add_demo(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "demo",
-        help="a passkey prompt answered by the engine dense and with Quest (what `make demo` runs)",
+        help=_HELP["demo"],
         description="Hide a pass key in a few thousand tokens of filler, answer greedily with the engine dense and "
         "with Quest, and print both answers, whether each found the key, decode tokens/s and the share of the KV "
         f"cache each decode step read. Quest keeps QuestConfig's default of {QuestConfig().dense_layers} dense layers.",
@@ -59,7 +65,7 @@ def _run_demo(args) -> int:
 def _add_demo_tensors(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo-tensors",
-        help="Quest vs dense decode attention on random tensors (no model needed)",
+        help=_HELP["demo-tensors"],
         description="Build a paged KV cache of random keys in which a few pages are relevant to the query, "
         "then compare Quest attention at several token budgets with dense attention.",
     )
@@ -109,7 +115,7 @@ def _add_generate(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "generate",
-        help="generate text on the engine, dense or with Quest, streaming, with prefill/decode speed",
+        help=_HELP["generate"],
         description="Prefill the prompt densely, decode with Quest selection (dense without --budget), stream the "
         "text to stdout, then print prompt tokens, prefill and decode tokens per second and the mean KV tokens "
         "each decode step attended (to stderr).",
@@ -160,7 +166,7 @@ def _add_bench(subparsers) -> None:
     from questkv.models import DEFAULT_MODEL
     from questkv.models.shapes import DUMMY_SHAPES
 
-    parser = subparsers.add_parser("bench", help="benchmarks of the engine (latency)",
+    parser = subparsers.add_parser("bench", help=_HELP["bench"],
                                    description="Benchmarks of the engine.")
     commands = parser.add_subparsers(dest="bench_command", required=True)
     latency = commands.add_parser(
@@ -273,7 +279,7 @@ def _add_eval(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "eval",
-        help="accuracy / perplexity of KV-selection policies by budget (RULER tasks, passkey, ppl) with plots",
+        help=_HELP["eval"],
         description="Evaluate KV-selection policies under Quest's protocol: each context is prefilled densely once, "
         "then every policy and budget decodes the question tail one token at a time and answers greedily (ppl: scores "
         "the window's last tokens through decode steps). `questkv eval TASK` runs one task, `questkv eval sweep` "
@@ -397,16 +403,35 @@ def _run_eval_report(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+_HELP = {
+    "demo": "a passkey prompt answered by the engine dense and with Quest (what `make demo` runs)",
+    "demo-tensors": "Quest vs dense decode attention on random tensors (no model needed)",
+    "generate": "generate text on the engine, dense or with Quest, streaming, with prefill/decode speed",
+    "bench": "benchmarks of the engine (latency)",
+    "serve": "OpenAI-compatible HTTP server on the engine, with per-request Quest budgets",
+    "eval": "accuracy / perplexity of KV-selection policies by budget (RULER tasks, passkey, ppl) with plots",
+}
+
+
+def build_parser(commands: Optional[Iterable[str]] = None) -> argparse.ArgumentParser:
+    """The ``questkv`` parser with the subcommands ``commands`` (default: all) built in full; the others are
+    stubs holding their one-line help (building a subcommand imports its code)."""
+    builders = {"demo": _add_demo, "demo-tensors": _add_demo_tensors, "generate": _add_generate, "bench": _add_bench,
+                "serve": _add_serve, "eval": _add_eval}
+    full = set(builders if commands is None else commands)
     parser = argparse.ArgumentParser(prog="questkv", description="Query-aware KV-cache page sparsity (Quest) for long-context decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_demo(subparsers)
-    _add_demo_tensors(subparsers)
-    _add_generate(subparsers)
-    _add_bench(subparsers)
-    _add_serve(subparsers)
-    _add_eval(subparsers)
+    for name, build in builders.items():
+        if name in full:
+            build(subparsers)
+        else:
+            subparsers.add_parser(name, help=_HELP[name])
     return parser
+
+
+def _command(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand ``argv`` names (its first word that is not an option), if any."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def _add_serve(subparsers) -> None:
@@ -414,7 +439,7 @@ def _add_serve(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "serve",
-        help="OpenAI-compatible HTTP server on the engine, with per-request Quest budgets",
+        help=_HELP["serve"],
         description="Serve MODEL over HTTP with OpenAI's /v1/completions and /v1/chat/completions (streaming too), "
         "/v1/models, /health and /metrics. A request may pick its own Quest budget with the body field "
         '"quest": {"token_budget": N} (up to --budget) or {"dense": true}.',
@@ -424,7 +449,8 @@ def _add_serve(subparsers) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser([name for name in [_command(argv)] if name in _HELP])
     args = parser.parse_args(argv)
     try:
         return args.func(args)
