@@ -67,3 +67,15 @@ def test_there_is_no_n_field():
 def test_every_invalid_field_raises_a_value_error_naming_it(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-6, 9.99e-6])
+def test_a_positive_temperature_below_1e_5_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature, top_p=0.5, seed=3)
+    assert params.greedy and params.temperature == 0.0  # dividing logits by it would overflow float32
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_a_stop_string_that_is_not_valid_unicode_is_refused():
+    with pytest.raises(ValueError, match="SamplingParams.stop is not valid Unicode: a lone surrogate"):
+        SamplingParams(stop=["ok", "x\ud800"])
