@@ -16,6 +16,7 @@ model; decode reads the same bytes either way. Prefill is timed for real, separa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -109,36 +110,53 @@ def synthetic_prefill(engine) -> None:
 
 
 def time_engine(cfg, quest, batch, context, seed=0) -> dict:
-    """Median ms per decode step of ``batch`` sequences at ``context`` tokens (synthetic prefill)."""
+    """ms per decode step of ``batch`` sequences at ``context`` tokens (synthetic prefill), with the host loop
+    synchronous and asynchronous (``EngineConfig.async_scheduling``), on one engine, side by side; the GPU time
+    of one graph replay; the kernels of one decode step (torch profiler over a replay).
+
+    Each mode's time is the median host wall time of one ``engine.step()`` call in a steady run of steps (no
+    synchronisation between calls: a synchronous step waits for its own tokens, an asynchronous one for the
+    step launched before it)."""
     steps = WARMUP_STEPS + TIMED_STEPS
-    need = batch * (context + steps + 2 * PAGE) * kv_bytes_per_token(cfg) * (2 * PAGE + 2) // (2 * PAGE)
+    total = 2 * steps + 2
+    need = batch * (context + total + 2 * PAGE) * kv_bytes_per_token(cfg) * (2 * PAGE + 2) // (2 * PAGE)
     llm = LLM(cfg, quest=quest, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
               max_model_len=context + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed)
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=total + 4, ignore_eos=True)
     gen = torch.Generator().manual_seed(seed)
     # The prompt leaves room for the timed steps: every step's KV length stays within ``context``.
     for _ in range(batch):
-        engine.add_request(torch.randint(0, cfg.vocab_size, (context - steps - 2,), generator=gen).tolist(), params)
+        engine.add_request(torch.randint(0, cfg.vocab_size, (context - total - 2,), generator=gen).tolist(), params)
     synthetic_prefill(engine)
-    times = []
-    for i in range(steps):
+    result = {}
+    for mode in ("sync", "async"):
+        # The engine reads the mode at every step: switching it between the runs times both on one engine.
+        engine.config = dataclasses.replace(engine.config, async_scheduling=mode == "async")
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        outputs = engine.step()
-        times.append(time.perf_counter() - start)
-        if len(outputs) != batch or outputs[0].finished:
-            raise RuntimeError(f"decode step {i} returned {len(outputs)} outputs")
+        times = []
+        for i in range(steps):
+            start = time.perf_counter()
+            outputs = engine.step()
+            times.append(time.perf_counter() - start)
+            if (mode == "sync" or i > 0) and (len(outputs) != batch or outputs[0].finished):
+                raise RuntimeError(f"{mode} decode step {i} returned {len(outputs)} outputs")
+        timed = times[WARMUP_STEPS:]
+        ms = statistics.median(timed) * 1e3
+        result[mode] = {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3,
+                        "spread_ms": [min(timed) * 1e3, max(timed) * 1e3]}
     attended = engine.scheduler.running[0].metrics().mean_tokens_attended if engine.scheduler.running else None
     graphs = engine.runner.cached_graphs()
     graph_ms = replay_ms(engine.runner)
+    kernels = profile_replay(engine.runner)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     del llm, engine, outputs
     gc.collect()
     torch.cuda.empty_cache()
-    ms = statistics.median(times[WARMUP_STEPS:]) * 1e3
-    return {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "mean_tokens_attended": attended,
-            "graphs": graphs, "weight_bytes": weight_bytes, "graph_replay_ms": graph_ms, "spread_ms": [min(times[WARMUP_STEPS:]) * 1e3, max(times[WARMUP_STEPS:]) * 1e3]}
+    for mode in result.values():
+        mode["exposed_host_ms"] = mode["ms_per_token"] - graph_ms
+    return {**result["async"], "sync": result["sync"], "mean_tokens_attended": attended, "graphs": graphs,
+            "weight_bytes": weight_bytes, "graph_replay_ms": graph_ms, "kernels": kernels}
 
 
 def replay_ms(runner) -> float:
@@ -154,6 +172,29 @@ def replay_ms(runner) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times[5:])
+
+
+def profile_replay(runner, top: int = 12) -> dict:
+    """The kernels of one replay of the last captured decode graph (torch profiler, CUDA activity): their
+    count, summed GPU µs, and the ``top`` names by time with their count and µs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = list(runner._graphs.values())[-1][0]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    by_name: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.name.startswith(("Memcpy", "Memset")):
+            continue
+        entry = by_name.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])
+    return {"count": sum(n for n, _ in by_name.values()), "us": sum(us for _, us in by_name.values()),
+            "top": [{"name": name[:90], "count": n, "us": us} for name, (n, us) in ranked[:top]]}
 
 
 def time_prefill(cfg, quest, context) -> float:
@@ -289,7 +330,7 @@ def check_8b_against_hf(cfg) -> dict:
         for step in range(16):
             batch = engine.scheduler.schedule()
             with torch.inference_mode():
-                row = engine.runner._prefill(batch) if batch.is_prefill else engine.runner._decode(batch.seqs)
+                row = engine.runner._prefill(batch) if batch.is_prefill else engine.runner._decode(batch)
             if step in (0, 8):
                 logits.append(row[0].float().clone())
             got.append(int(row[0].argmax()))
@@ -337,10 +378,12 @@ def main() -> None:
         dense_floor, quest_floor = floor_ms(cfg, weight_bytes, batch, context, budget, bandwidth)
         point.update(floor_dense_ms=dense_floor, floor_quest_ms=quest_floor, ideal_speedup=dense_floor / quest_floor)
         point["speedup"] = point["engine_dense"]["ms_per_token"] / point["engine_quest"]["ms_per_token"]
-        print(f"{name} B={batch} L={context} budget={budget}: dense {point['engine_dense']['ms_per_token']:.2f} ms "
-              f"(graph {point['engine_dense']['graph_replay_ms']:.2f}), quest {point['engine_quest']['ms_per_token']:.2f} ms "
-              f"(graph {point['engine_quest']['graph_replay_ms']:.2f}), x{point['speedup']:.2f} "
-              f"(floor {dense_floor:.2f}/{quest_floor:.2f}, target {target})", flush=True)
+        line = [f"{name} B={batch} L={context} budget={budget}:"]
+        for kind in ("dense", "quest"):
+            run = point[f"engine_{kind}"]
+            line.append(f"{kind} {run['ms_per_token']:.2f} ms (sync {run['sync']['ms_per_token']:.2f}, graph "
+                        f"{run['graph_replay_ms']:.2f}, {run['kernels']['count']} kernels),")
+        print(*line, f"x{point['speedup']:.2f} (floor {dense_floor:.2f}/{quest_floor:.2f}, target {target})", flush=True)
         record["points"].append(point)
         _write(args, record)
     if not args.skip_hf:

@@ -179,6 +179,38 @@ def where_time_goes(record: dict) -> list[str]:
     return lines + [""]
 
 
+def host_overlap_section(record: dict) -> list[str]:
+    """Synchronous vs asynchronous host loop and the kernels of one decode step, for the points that have them."""
+    points = [p for p in record["points"] if "sync" in p["engine_dense"]]
+    if not points:
+        return []
+    lines = ["## Host overlap (async scheduling) and kernels per step", "",
+             "ms = median wall time of one `engine.step()` in a steady run; graph = GPU time of one replay of the "
+             "decode graph; host = ms − graph (the host time the GPU waits for; target ≤ 0.1 ms); kernels = kernels "
+             "in one replay (torch profiler), per layer = kernels ÷ layers. Pairs are dense / Quest.", "",
+             "| model | B | context | budget | sync ms | async ms | graph ms | host ms sync | host ms async | "
+             "host ≤ 0.1 ms | kernels | kernels per layer |",
+             "|" + "---|" * 12]
+    for p in points:
+        d, q = p["engine_dense"], p["engine_quest"]
+        layers = _num_layers(p["model"])
+        host = [r["ms_per_token"] - r["graph_replay_ms"] for r in (d, q)]
+        per_layer = " / ".join(_f(r["kernels"]["count"] / layers, 1) if layers else "–" for r in (d, q))
+        lines.append(
+            f"| {p['model']} | {p['batch']} | {_k(p['context'])} | {p['budget']} | "
+            f"{d['sync']['ms_per_token']:.2f} / {q['sync']['ms_per_token']:.2f} | "
+            f"{d['ms_per_token']:.2f} / {q['ms_per_token']:.2f} | {d['graph_replay_ms']:.2f} / {q['graph_replay_ms']:.2f} | "
+            f"{d['sync']['ms_per_token'] - d['graph_replay_ms']:.2f} / {q['sync']['ms_per_token'] - q['graph_replay_ms']:.2f} | "
+            f"{host[0]:.2f} / {host[1]:.2f} | {'yes' if max(host) <= 0.1 else 'NO'} | "
+            f"{d['kernels']['count']} / {q['kernels']['count']} | {per_layer} |")
+    lines += ["", "Kernels of one decode step by GPU time (first point; µs summed over the step, count in brackets):", ""]
+    for kind in ("engine_dense", "engine_quest"):
+        kernels = points[0][kind]["kernels"]
+        top = "; ".join(f"`{k['name']}` {k['us']:.0f} ({k['count']})" for k in kernels["top"])
+        lines.append(f"- {kind.split('_')[1]} ({_name(points[0])}, {kernels['count']} kernels, {kernels['us']:.0f} µs): {top}")
+    return lines + [""]
+
+
 def render_markdown(record: dict) -> str:
     prov = record.get("provenance", {})
     bw = record["bandwidth_bytes_per_s"]
@@ -218,7 +250,8 @@ def render_markdown(record: dict) -> str:
         lines.append("")
     if not fp32 and not b8:
         lines += ["(not run)", ""]
-    lines += targets_section(record) + all_points_section(record) + where_time_goes(record)
+    lines += (targets_section(record) + all_points_section(record) + host_overlap_section(record)
+              + where_time_goes(record))
     return "\n".join(lines)
 
 

@@ -253,6 +253,9 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
         group.add_argument("--max-model-len", type=int_at_least(2), default=None,
                            help="the most tokens per sequence, prompt and output (default: the model's)")
     group.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule and launch each decode step before reading the previous step's tokens, so the "
+                       "host's work overlaps the GPU's (default: on with CUDA graphs, off on CPU)")
     group.add_argument("--seed", type=int_at_least(0), default=0, help=f"{seed_help} (default: 0)")
     if serving:
         group.add_argument("--max-num-seqs", type=int_at_least(1), default=32,
@@ -292,6 +295,8 @@ def engine_kwargs(args) -> dict:
     device = None if args.device == "auto" else args.device
     on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
     kwargs = {"device": device, "dtype": resolve_dtype(args.dtype, on_cuda), "enforce_eager": args.enforce_eager}
+    if getattr(args, "async_scheduling", None) is not None:
+        kwargs["async_scheduling"] = args.async_scheduling
     if getattr(args, "max_model_len", None) is not None:
         kwargs["max_model_len"] = args.max_model_len
     for name in _SERVING_FIELDS:

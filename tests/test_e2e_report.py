@@ -48,3 +48,22 @@ def test_report(tmp_path):
     assert "Quest ≥ 12× faster than HF eager" in md and "6.00× (30.00 / 5.00 ms) | NO (missed by 50.0 %)" in md
     assert "3 of 16" in md and "FakeGPU" in md
     assert (tmp_path / "e2e-fake.png").stat().st_size > 1000
+    assert "## Host overlap" not in md  # no point carries both scheduling modes
+
+
+def test_report_of_both_scheduling_modes_and_kernel_counts(tmp_path):
+    point = _point(32768, 6.0, 5.0, 1.5)
+    for kind, sync_ms, count in (("engine_dense", 6.4, 430), ("engine_quest", 5.5, 490)):
+        run = point[kind]
+        run["graph_replay_ms"] = run["ms_per_token"] - 0.05
+        run["sync"] = {"ms_per_token": sync_ms}
+        run["kernels"] = {"count": count, "us": 5000.0, "top": [{"name": "nvjet_gemv", "count": 224, "us": 3900.0}]}
+    record = {"provenance": {}, "page_size": 16, "dense_layers": 2, "bandwidth_bytes_per_s": 4e12, "points": [point]}
+    path = tmp_path / "e2e-modes.json"
+    path.write_text(json.dumps(record))
+    e2e_report.main([str(path)])
+    md = (tmp_path / "e2e-modes.md").read_text()
+    # sync 6.40 / 5.50, async 6.00 / 5.00, graph 5.95 / 4.95: host 0.45 / 0.55 sync, 0.05 / 0.05 async
+    assert ("| llama3.1-8b | 1 | 32k | 2048 | 6.40 / 5.50 | 6.00 / 5.00 | 5.95 / 4.95 | 0.45 / 0.55 | 0.05 / 0.05 | "
+            "yes | 430 / 490 | 13.4 / 15.3 |") in md
+    assert "`nvjet_gemv` 3900 (224)" in md

@@ -179,11 +179,18 @@ class PagedKVCache:
                 pages.append(owned[-1])
             self._lens[seq_id] += count
         if pages:
-            index = torch.tensor([rows, cols], dtype=torch.long).to(self.device)
-            self.page_table.index_put_((index[0], index[1]), torch.tensor(pages, dtype=torch.int32).to(self.device))
+            index = self._to_device(torch.tensor([rows, cols, pages], dtype=torch.long))
+            self.page_table.index_put_((index[0], index[1]), index[2].to(torch.int32))
         if seq_ids:
-            lens = torch.tensor([[s, self._lens[s]] for s in seq_ids], dtype=torch.long).to(self.device)
+            lens = self._to_device(torch.tensor([[s, self._lens[s]] for s in seq_ids], dtype=torch.long))
             self.seq_lens[lens[:, 0]] = lens[:, 1].to(torch.int32)
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the cache's device without waiting for the device's queued work (a pinned copy on CUDA:
+        a blocking copy would wait for every step already launched, defeating asynchronous scheduling)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def reserve(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> torch.Tensor:
         """:meth:`allocate`, then the slots of the new tokens.

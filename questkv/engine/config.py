@@ -48,6 +48,11 @@ class EngineConfig:
             step that needs one (quick to start; that step waits seconds), or ``"startup"``, all of them
             when the engine starts (what a server wants: no request waits for a capture). A dense
             request inside a Quest batch uses graphs of its own, captured lazily either way.
+        async_scheduling: schedule and launch step N+1 before reading step N's tokens, so that the host's work
+            (scheduling, staging, detokenising, stop checks) overlaps the device's; the next step's input tokens
+            stay on the device. ``None``: on with CUDA graphs, off otherwise (the CPU runs each step to its end
+            anyway). Same tokens as the synchronous loop; a request that stops on a token or a stop string costs
+            at most one discarded step.
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
@@ -64,6 +69,7 @@ class EngineConfig:
     enforce_eager: bool = False
     compile_elementwise: bool = True
     graph_capture: str = "lazy"
+    async_scheduling: Optional[bool] = None
     seed: int = 0
     load_format: str = "auto"
 
@@ -83,6 +89,8 @@ class EngineConfig:
         check_bool("EngineConfig.enforce_eager", self.enforce_eager)
         check_bool("EngineConfig.compile_elementwise", self.compile_elementwise)
         check_choice("EngineConfig.graph_capture", self.graph_capture, GRAPH_CAPTURE)
+        if self.async_scheduling is not None:
+            check_bool("EngineConfig.async_scheduling", self.async_scheduling)
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")
@@ -111,6 +119,11 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return self.torch_device.type == "cuda" and not self.enforce_eager
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """:attr:`async_scheduling`, its default resolved."""
+        return self.use_cuda_graphs if self.async_scheduling is None else self.async_scheduling
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes with a captured graph: 1, 2, 4, 8, 16, then multiples of 16, up to

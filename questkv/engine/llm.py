@@ -38,11 +38,33 @@ class LLM:
         if "dtype" in kwargs:
             kwargs["dtype"] = dtype_name(kwargs["dtype"])
         self.config = EngineConfig(model=model, quest=quest, **kwargs)
-        self.engine = LLMEngine(self.config)
+        self._engine: Optional[LLMEngine] = None
+        self._engine = LLMEngine(self.config)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine; ``RuntimeError`` once :meth:`close` has run."""
+        if self._engine is None:
+            raise RuntimeError("this LLM was closed (LLM.close); build a new one")
+        return self._engine
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Free this LLM's device memory now: the KV pool, the CUDA graphs and the weights (queued requests are
+        aborted). Idempotent; the LLM is unusable afterwards. Dropping the last reference to the LLM (and its
+        engine) does the same, and ``with LLM(...) as llm:`` closes it at the end of the block."""
+        engine, self._engine = getattr(self, "_engine", None), None
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def generate(
         self,

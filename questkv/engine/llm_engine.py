@@ -16,7 +16,7 @@ import torch
 from questkv.decode.layer_decoder import sparse_tokens_attended
 from questkv.engine.config import EngineConfig
 from questkv.engine.detokenizer import IncrementalDetokenizer
-from questkv.engine.model_runner import ModelRunner
+from questkv.engine.model_runner import ModelRunner, SampledTokens
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
@@ -66,6 +66,8 @@ class LLMEngine:
             max_model_len=max_model_len,
         )
         self._ids = itertools.count()
+        self._in_flight: Optional[tuple[ScheduledBatch, SampledTokens]] = None  # launched, not yet processed
+        self._closed = False
         self._sparse_layers = (
             0 if config.quest is None or config.quest.is_dense
             else sum(config.quest.is_sparse_layer(i) for i in range(loaded.spec.num_layers))
@@ -120,16 +122,31 @@ class LLMEngine:
             )
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns an output for every sequence the step touched (finished or not)."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        tokens = self.runner.execute(batch)
+        """Schedule and launch one step, then return an output for every live sequence of the step processed:
+        that one (synchronous), or the one launched before it (:attr:`EngineConfig.async_scheduling`: the
+        device runs the new step while the host appends the tokens, detokenises and checks stops)."""
+        try:
+            batch = self.scheduler.schedule()
+            launched = None if batch is None else (batch, self.runner.execute(batch))
+            if self.config.use_async_scheduling:
+                launched, self._in_flight = self._in_flight, launched
+            return [] if launched is None else self._process(*launched)
+        except BaseException:
+            self._in_flight = None  # its tokens are lost: the caller fails the requests with tokens in flight
+            raise
+
+    def _process(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
+        """Append a launched step's tokens (waiting for them), apply the stops and build the outputs of the
+        sequences that were live (finished ones: their tokens are discarded)."""
+        tokens = sampled.token_ids()
+        live = [not seq.is_finished for seq in batch.seqs]
         if not batch.is_prefill:
-            self._account_attention(batch)
+            self._account_attention(batch, live)
         finished = set(map(id, self.scheduler.update(batch, tokens)))
         outputs = []
-        for seq in batch.seqs:
+        for seq, was_live in zip(batch.seqs, live):
+            if not was_live:
+                continue
             text = self._detokenize(seq)
             if seq.sampling_params.stop and (not seq.is_finished or id(seq) in finished):
                 text = self._apply_stop_strings(seq, text)
@@ -140,8 +157,24 @@ class LLMEngine:
         """Abort a waiting or running request and free its pages at once; False if it is unknown."""
         return self.scheduler.abort(request_id)
 
+    def close(self) -> None:
+        """Abort every request and free the engine's device memory (pool, graphs, weights) now; idempotent.
+        The engine is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self._in_flight = None
+        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self.scheduler.abort(seq.request_id)
+        self.runner.release()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_closed"):  # a constructor that raised built no runner
+            self.close()
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request waits or runs, or a launched step's tokens are still to be processed."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def _tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -181,10 +214,10 @@ class LLMEngine:
         self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
         return text[:position]
 
-    def _account_attention(self, batch: ScheduledBatch) -> None:
-        """Add each sequence's KV tokens attended in this decode step, averaged over layers and heads
+    def _account_attention(self, batch: ScheduledBatch, live: list[bool]) -> None:
+        """Add each live sequence's KV tokens attended in this decode step, averaged over layers and heads
         (dense layers and dense requests: the whole context; Quest layers: Quest's page accounting)."""
-        contexts = [seq.num_tokens for seq in batch.seqs]  # the new token included
+        contexts = list(batch.seq_lens)  # the new token included
         attended = list(map(float, contexts))
         quest = self.config.quest
         sparse_rows = [i for i, seq in enumerate(batch.seqs) if self._sparse_layers and not seq.sampling_params.dense]
@@ -196,6 +229,7 @@ class LLMEngine:
             layers = self.spec.num_layers
             for i, tokens in zip(sparse_rows, sparse):
                 attended[i] = ((layers - self._sparse_layers) * contexts[i] + self._sparse_layers * tokens) / layers
-        for seq, tokens in zip(batch.seqs, attended):
-            seq.tokens_attended_sum += tokens
-            seq.decode_steps += 1
+        for seq, tokens, was_live in zip(batch.seqs, attended, live):
+            if was_live:
+                seq.tokens_attended_sum += tokens
+                seq.decode_steps += 1

@@ -10,8 +10,8 @@ the scheduler allocates pages and updates sequences, the runner reads them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import types
 from typing import Optional
 
 import torch
@@ -35,8 +35,9 @@ _MIN_GRAPH_PAGES = 64
 # Memory kept free for activations beside the KV cache on CUDA (weights are already loaded).
 _ACTIVATION_RESERVE_BYTES = 2 << 30
 _CPU_KV_CACHE_BYTES = 1 << 30
-# Rows of the packed decode inputs: token ids, positions, sequence lengths, token budgets, page-table rows.
-_IDS, _POS, _LENS, _BUDGETS, _ROWS = range(5)
+# Rows of the packed decode inputs: token ids, positions, sequence lengths, token budgets, page-table rows, and
+# the row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS).
+_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC = range(6)
 
 
 def table_width(pages: int, limit: int) -> int:
@@ -80,6 +81,25 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
     return CacheSpec(num_pages=int(num_pages), max_pages_per_seq=max_pages_per_seq, max_model_len=max_model_len)
 
 
+@dataclasses.dataclass(frozen=True)
+class SampledTokens:
+    """The tokens one launched step samples: a host copy in flight and the event that completes it.
+
+    Attributes:
+        host: ``[batch]`` int64 on the host (pinned on CUDA), valid once ``done`` has completed.
+        done: the CUDA event recorded after the copy, ``None`` on CPU (the copy is already done).
+    """
+
+    host: torch.Tensor
+    done: Optional[torch.cuda.Event]
+
+    def token_ids(self) -> list[int]:
+        """Wait for the step and return its tokens, in batch order."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 class ModelRunner:
     """Runs prefill and decode steps of one model over one page pool and samples their tokens.
 
@@ -112,22 +132,41 @@ class ModelRunner:
         self.graph_sizes = config.graph_batch_sizes() if config.use_cuda_graphs else ()
         rows = max(self.graph_sizes, default=config.max_num_seqs)
         pin = self.device.type == "cuda"
-        self._host_inputs = torch.zeros((5, rows), dtype=torch.int64, pin_memory=pin)
-        self._inputs = torch.zeros((5, rows), dtype=torch.int64, device=self.device)
+        # Two pinned staging buffers, used in turn: a step is staged while the copy of the one before may
+        # still be queued behind the GPU (asynchronous scheduling).
+        self._host_inputs = [torch.zeros((6, rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._flip = self._tokens_flip = 0
+        self._inputs = torch.zeros((6, rows), dtype=torch.int64, device=self.device)
+        # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
+        self._sampled = torch.zeros(max(rows, config.max_num_seqs), dtype=torch.int64, device=self.device)
+        self._sampled_rows: dict[str, int] = {}
         self._steps: dict[tuple[int, int], QuestDecodeStep] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graph_sizes else None
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """Run one prefill or decode step for ``batch`` (its pages already allocated by the scheduler)
-        and sample one token per sequence.
+    def execute(self, batch: ScheduledBatch) -> SampledTokens:
+        """Launch one prefill or decode step for ``batch`` (its pages already allocated by the scheduler) and
+        its sampling, without waiting for the device. An input token still in flight (sampled by the step
+        launched just before, see the scheduler) is read from that step's tokens on the device.
 
         Returns:
-            ``len(batch.seqs)`` token ids, in batch order.
+            The sampled tokens: one per sequence, in batch order, read by :meth:`SampledTokens.token_ids`.
         """
-        logits = self._prefill(batch) if batch.is_prefill else self._decode(batch.seqs)
-        return self._sample(logits, batch.seqs).tolist()
+        logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)
+        tokens = self._sample(logits, batch)  # [batch] int64 on the device
+        count = len(batch.seqs)
+        self._sampled[:count].copy_(tokens)
+        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs)}
+        host = self._host_tokens[self._tokens_flip][:count]
+        self._tokens_flip ^= 1
+        host.copy_(tokens, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return SampledTokens(host, done)
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[batch, vocab]`` float32 logits of each sequence's last token."""
@@ -141,19 +180,19 @@ class ModelRunner:
         page_table, seq_lens = self.cache.batch(seq_ids)
         ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts)
         tokens = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        last = torch.tensor(starts[1:], dtype=torch.int64).to(self.device, non_blocking=True) - 1
         hidden = self.model(tokens[0], tokens[1], ctx)
-        last = torch.tensor(starts[1:], device=self.device) - 1
         return self.model.compute_logits(hidden[last])
 
-    def _decode(self, seqs: tuple[Sequence, ...]) -> torch.Tensor:
-        """``[len(seqs), vocab]`` float32 logits of one decode step of every sequence."""
-        batch = len(seqs)
-        padded = next((size for size in self.graph_sizes if size >= batch), batch)
-        longest = max(self.cache.pages_for_tokens(seq.num_tokens) for seq in seqs)
-        width = self._table_width(longest)
+    def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
+        """``[len(batch.seqs), vocab]`` float32 logits of one decode step of every sequence."""
+        seqs = batch.seqs
+        size = len(seqs)
+        padded = next((graph_size for graph_size in self.graph_sizes if graph_size >= size), size)
+        width = self._table_width(self.cache.pages_for_tokens(max(batch.seq_lens)))
         # A dense request in a Quest batch: the step selects up to every column, a dense row all its pages.
         all_pages = self.budget is not None and any(seq.sampling_params.dense for seq in seqs)
-        self._stage_inputs(seqs, padded, width)
+        self._stage_inputs(batch, padded, width)
         key = (padded, width, all_pages)
         if padded in self.graph_sizes:
             if key not in self._graphs:
@@ -162,23 +201,28 @@ class ModelRunner:
             graph.replay()
         else:
             logits = self._decode_body(*key)
-        return logits[:batch]
+        return logits[:size]
 
-    def _stage_inputs(self, seqs: tuple[Sequence, ...], padded: int, width: int) -> None:
-        """Copy the packed decode inputs of ``seqs`` to the device; rows past them (up to ``padded``) read
+    def _stage_inputs(self, batch: Optional[ScheduledBatch], padded: int, width: int) -> None:
+        """Copy the packed decode inputs of ``batch`` to the device; rows past it (up to ``padded``) read
         and write one token of the scratch sequence."""
-        host = self._host_inputs[:, :padded]
+        host = self._host_inputs[self._flip][:, :padded]
+        self._flip ^= 1
         host[_IDS].zero_()
         host[_POS].zero_()
         host[_LENS].fill_(1)
         host[_BUDGETS].fill_(self.budget or 0)
         host[_ROWS].fill_(self.scratch_seq)
-        if seqs:
-            host[:, :len(seqs)] = torch.tensor(
-                [[seq.last_token, seq.num_tokens - 1, seq.num_tokens, self._budget_of(seq, width), seq.cache_id]
-                 for seq in seqs],
-                dtype=torch.int64,
-            ).T
+        host[_SRC].fill_(-1)
+        if batch is not None:
+            rows = []
+            for seq, seq_len in zip(batch.seqs, batch.seq_lens):
+                position = seq_len - 1
+                known = position == seq.num_tokens - 1  # else the input is the token in flight from the last step
+                rows.append([seq.last_token if known else 0, position, seq_len,
+                             self._budget_of(seq, width), seq.cache_id,
+                             -1 if known else self._sampled_rows[seq.request_id]])
+            host[:, :len(rows)] = torch.tensor(rows, dtype=torch.int64).T
         self._inputs[:, :padded].copy_(host, non_blocking=True)
 
     @torch.inference_mode()
@@ -195,13 +239,15 @@ class ModelRunner:
         keys = [(batch, width, False) for batch in sorted(self.graph_sizes, reverse=True)
                 for width in graph_widths(self.cache.max_pages_per_seq) if (batch, width, False) not in self._graphs]
         for key in tqdm(keys, desc="capturing decode graphs", disable=not progress):
-            self._stage_inputs((), key[0], key[1])
+            self._stage_inputs(None, key[0], key[1])
             self._graphs[key] = self._capture(*key)
         return len(keys)
 
     def _decode_body(self, batch: int, width: int, all_pages: bool) -> torch.Tensor:
         """One decode step over the packed inputs (graph-capturable: device ops only)."""
         inputs = self._inputs[:, :batch]
+        source = inputs[_SRC]
+        ids = torch.where(source >= 0, self._sampled[source.clamp(min=0)], inputs[_IDS])
         positions = inputs[_POS]
         page_table = self.cache.page_table.index_select(0, inputs[_ROWS])[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
@@ -211,7 +257,7 @@ class ModelRunner:
             False, slots, page_table, inputs[_LENS].to(torch.int32), decode_step=self._step(batch, width, all_pages),
             budgets=budgets,
         )
-        hidden = self.model(inputs[_IDS], positions, ctx)
+        hidden = self.model(ids, positions, ctx)
         return self.model.compute_logits(hidden)
 
     def _capture(self, batch: int, width: int, all_pages: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -252,14 +298,16 @@ class ModelRunner:
             return width * self.cache.page_size
         return self.budget if params.token_budget is None else params.token_budget
 
-    def _sample(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
-        """``[batch]`` int64 sampled tokens (greedy rows by argmax)."""
-        params = [seq.sampling_params for seq in seqs]
+    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+        """``[batch]`` int64 sampled tokens (greedy rows by argmax). A request draws with its seed and the
+        index of the token it samples, so a preempted and recomputed request draws as it would have."""
+        params = [seq.sampling_params for seq in batch.seqs]
         if all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
         floats = torch.tensor([[p.temperature, p.top_p] for p in params], dtype=torch.float32)
         ints = torch.tensor(
-            [[p.top_k, self.seed_of(seq), seq.num_output_tokens] for p, seq in zip(params, seqs)], dtype=torch.int64
+            [[p.top_k, self.seed_of(seq), seq_len - seq.num_prompt_tokens]
+             for p, seq, seq_len in zip(params, batch.seqs, batch.seq_lens)], dtype=torch.int64
         )
         floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
         filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort
@@ -277,6 +325,24 @@ class ModelRunner:
         """Decode graphs captured so far."""
         return len(self._graphs)
 
+    def release(self) -> None:
+        """Free the device memory of the page pool, the decode graphs and the weights now; the runner is unusable
+        afterwards. Storages are emptied in place, so that no reference left elsewhere (a view, a cycle that
+        only the garbage collector would break) keeps them alive."""
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._steps.clear()
+        self._graph_pool = None
+        cache = self.cache
+        tensors = [cache.k_pages, cache.v_pages, cache.kmin, cache.kmax, self._sampled, self._inputs,
+                   *self.model.parameters(), *self.model.buffers()]
+        for tensor in tensors:
+            tensor.untyped_storage().resize_(0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
 
 def fuse_elementwise(model: LlamaForCausalLM) -> None:
     """Swap the model's RMSNorm, SiLU-and-multiply and RoPE functions for ``torch.compile``d ones (one
@@ -292,12 +358,17 @@ def fuse_elementwise(model: LlamaForCausalLM) -> None:
             module.rotate = rotate
 
 
-@functools.lru_cache(maxsize=None)
 def _compiled(function):
+    """``function`` compiled for one engine. It compiles a copy with a code object of its own: torch.compile
+    keys its cache and its recompile limit on the code object, so engines of other models built in the same
+    process (other ranks, dtypes, head counts) never add up to the limit (fullgraph raises when it is hit)."""
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
     # emulate_precision_casts: round where the eager code rounds (e.g. to bf16 before the norm's weight),
     # so the fused kernels give the eager (and transformers') numbers; without it the engine's bf16
     # logits drifted 6 % from HF's on the 8B shape (benchmarks/e2e.py's check).
-    return torch.compile(function, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+    return torch.compile(copy, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
 
 
 def _stable_hash(text: str) -> int:

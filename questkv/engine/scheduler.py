@@ -4,14 +4,14 @@ The scheduler owns the waiting queue and the running batch and asks ``PagedKVCac
 never touches a tensor (the runner computes slots and writes K/V) and never sees text (stop strings are the
 engine's, through :meth:`Scheduler.finish`).
 
-Cache invariant, for every running sequence ``seq``:
-
-* between steps (after :meth:`Scheduler.update`, before the next :meth:`Scheduler.schedule`):
-  ``cache.seq_len(seq.cache_id) == seq.num_tokens - 1``. The cache holds every token but the last sampled one,
-  which is the next step's input;
-* between :meth:`Scheduler.schedule` and :meth:`Scheduler.update`, the scheduled sequences hold one token
-  more, ``seq.num_tokens``: schedule has allocated the positions of the step's inputs
-  (``seq.num_tokens - num_new_tokens[i]`` to ``seq.num_tokens - 1``) and the runner writes their K/V there.
+Cache invariant, for every running sequence ``seq``: ``cache.seq_len(seq.cache_id) == seq.num_tokens +
+seq.num_in_flight - 1``. :meth:`Scheduler.schedule` allocates the positions of a step's input tokens and counts
+the token the step will sample as in flight; :meth:`Scheduler.update` appends it. Synchronously (update right after
+each step) that is ``seq.num_tokens - 1`` between steps: the cache holds every token but the last sampled one,
+which is the next step's input. Under asynchronous scheduling the engine schedules step N+1 before it updates
+step N, so a decode input may be a token still in flight (the runner reads it on the device); a sequence whose
+in-flight tokens will surely end it by length is not scheduled again, and one that stops on a token or a stop
+string costs at most one discarded step.
 
 A sequence therefore caches at most ``min(num_prompt_tokens + max_tokens, max_model_len) - 1`` tokens.
 """
@@ -39,12 +39,15 @@ class ScheduledBatch:
         seqs: the sequences, in batch order (the order of the sampled tokens).
         num_new_tokens: per sequence, the step's input tokens: on prefill all of its tokens (the prompt, plus
             the tokens generated before a preemption when recomputing), on decode 1 each (``seq.last_token``).
-        is_prefill: prefill step (new or recomputed sequences only) or decode step (every running sequence).
+        is_prefill: prefill step (new or recomputed sequences only) or decode step (the running sequences).
+        seq_lens: per sequence, the tokens it caches once the step's inputs are written (its KV length in the
+            step); the step's inputs are positions ``seq_lens[i] - num_new_tokens[i]`` to ``seq_lens[i] - 1``.
     """
 
     seqs: tuple[Sequence, ...]
     num_new_tokens: tuple[int, ...]
     is_prefill: bool
+    seq_lens: tuple[int, ...]
 
     @property
     def seq_ids(self) -> tuple[int, ...]:
@@ -168,7 +171,7 @@ class Scheduler:
         if batch is not None:
             return batch
         if not self.running:
-            if self.waiting:
+            if self.waiting and not self.waiting[0].num_in_flight:
                 seq = self.waiting[0]
                 raise RuntimeError(
                     f"request {seq.request_id!r} ({seq.num_tokens} tokens) waits with nothing running but cannot "
@@ -179,9 +182,11 @@ class Scheduler:
         return self._schedule_decode()
 
     def update(self, batch: ScheduledBatch, token_ids: Iterable[int]) -> list[Sequence]:
-        """Append one sampled token to each sequence of ``batch``, apply the token stops (end-of-sequence
-        unless ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``) and free the pages of
-        the finished sequences at once. Sequences finished since :meth:`schedule` (aborted) are skipped.
+        """Append the token each sequence of ``batch`` sampled, apply the token stops (end-of-sequence unless
+        ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``) and free the pages of the finished
+        sequences at once. Sequences finished since :meth:`schedule` (aborted, or stopped by the update of the
+        step before) are skipped: their tokens are discarded. A sequence preempted since :meth:`schedule` gets
+        its token (it was sampled from its whole context) and may finish while waiting.
 
         Returns:
             The sequences that finished in this update, in batch order.
@@ -198,12 +203,17 @@ class Scheduler:
                 raise ValueError(f"update: token_ids[{i}] must be >= 0, got {tokens[i]}")
         live = [(seq, token) for seq, token in zip(batch.seqs, tokens) if not seq.is_finished]
         for seq, _ in live:
-            if seq.status is not SequenceStatus.RUNNING or self.cache.seq_len(seq.cache_id) != seq.num_tokens:
-                cached = None if seq.cache_id is None else self.cache.seq_len(seq.cache_id)
+            cached = None if seq.cache_id is None else self.cache.seq_len(seq.cache_id)
+            running_ok = seq.status is SequenceStatus.RUNNING and cached == seq.num_tokens + seq.num_in_flight - 1
+            preempted_ok = seq.status is SequenceStatus.WAITING and cached is None
+            if seq.num_in_flight < 1 or not (running_ok or preempted_ok):
                 raise RuntimeError(
-                    f"request {seq.request_id!r} in the batch has status {seq.status.name}, {seq.num_tokens} tokens "
-                    f"and {cached} cached; a scheduled sequence must be running with all its tokens cached"
+                    f"request {seq.request_id!r} in the batch has status {seq.status.name}, {seq.num_tokens} tokens, "
+                    f"{seq.num_in_flight} in flight and {cached} cached; a scheduled sequence must be running with "
+                    f"its tokens and in-flight inputs cached (or preempted since)"
                 )
+        for seq in batch.seqs:
+            seq.num_in_flight -= 1
         now = time.perf_counter()
         finished = []
         for seq, token in live:
@@ -260,6 +270,8 @@ class Scheduler:
         counts: list[int] = []
         while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs and len(seqs) < free_slots:
             seq = self.waiting[0]
+            if seq.num_in_flight:  # preempted with a token in flight: recomputed once the token is known
+                break
             count = seq.num_tokens
             if seqs and sum(counts) + count > self.max_num_batched_tokens:
                 break
@@ -275,11 +287,15 @@ class Scheduler:
         cache.allocate(ids, counts)
         for seq, cache_id in zip(seqs, ids):
             seq.cache_id, seq.status = cache_id, SequenceStatus.RUNNING
+            seq.num_in_flight = 1
             self.running.append(seq)
-        return ScheduledBatch(tuple(seqs), tuple(counts), is_prefill=True)
+        return ScheduledBatch(tuple(seqs), tuple(counts), is_prefill=True, seq_lens=tuple(counts))
 
-    def _schedule_decode(self) -> ScheduledBatch:
-        while not self.cache.can_reserve([seq.cache_id for seq in self.running], [1] * len(self.running)):
+    def _schedule_decode(self) -> Optional[ScheduledBatch]:
+        def decoding() -> list[Sequence]:
+            return [seq for seq in self.running if not self._ends_in_flight(seq)]
+
+        while not self.cache.can_reserve([seq.cache_id for seq in decoding()], [1] * len(decoding())):
             if len(self.running) == 1:
                 seq = self.running[0]
                 raise RuntimeError(
@@ -289,9 +305,22 @@ class Scheduler:
                     f"{self.cache.max_pages_per_seq}); check_fits should have refused it"
                 )
             self._preempt(self.running.pop())
-        ones = [1] * len(self.running)
-        self.cache.allocate([seq.cache_id for seq in self.running], ones)
-        return ScheduledBatch(tuple(self.running), tuple(ones), is_prefill=False)
+        seqs = decoding()
+        if not seqs:  # every running sequence ends with its in-flight token
+            return None
+        ones = [1] * len(seqs)
+        self.cache.allocate([seq.cache_id for seq in seqs], ones)
+        for seq in seqs:
+            seq.num_in_flight += 1
+        return ScheduledBatch(tuple(seqs), tuple(ones), is_prefill=False,
+                              seq_lens=tuple(self.cache.seq_len(seq.cache_id) for seq in seqs))
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Whether the tokens in flight for ``seq`` surely finish it by length (no further step is needed)."""
+        return bool(seq.num_in_flight) and (
+            seq.num_output_tokens + seq.num_in_flight >= seq.sampling_params.max_tokens
+            or seq.num_tokens + seq.num_in_flight >= self.max_model_len
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)

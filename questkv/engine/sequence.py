@@ -58,6 +58,9 @@ class Sequence:
             an end-of-sequence token included (as in vLLM).
         first_token_time, finished_time: when the first output token was appended and when it finished.
         num_preemptions: how often it lost its pages and went back to the waiting queue.
+        num_in_flight: tokens that launched steps will sample for it and :meth:`Scheduler.update` has not yet
+            appended: 0 between synchronous steps, at most 2 under asynchronous scheduling (the step being
+            processed and the one launched after it).
         tokens_attended_sum, decode_steps: the engine adds the tokens one decode step attended (mean over
             layers and heads) and counts the steps; their ratio is ``mean_tokens_attended``.
         detokenizer: the engine's :class:`~questkv.engine.detokenizer.IncrementalDetokenizer` of the
@@ -76,6 +79,7 @@ class Sequence:
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
+    num_in_flight: int = 0
     tokens_attended_sum: float = 0.0
     decode_steps: int = 0
     detokenizer: Optional[Any] = None

@@ -326,13 +326,13 @@ class EngineLoop:
             live.attended_sum, live.decode_steps = seq.tokens_attended_sum, seq.decode_steps
 
     def _fail_step(self, error: Exception) -> None:
-        """Fail the requests of the step that raised: those holding a step's input beyond the between-steps
-        invariant (``seq_len == num_tokens``, see the scheduler), else every running request (and the head of
-        the waiting queue when nothing runs), so that a failure that repeats still drains the queue."""
+        """Fail the requests of the steps that raised or were in flight: those with tokens in flight (the engine
+        dropped those steps, see :meth:`LLMEngine.step`), else every running request (and the head of the
+        waiting queue when nothing runs), so that a failure that repeats still drains the queue."""
         logger.error("a step failed: %r; failing its requests", error, exc_info=error)
-        scheduler, cache = self.engine.scheduler, self.engine.cache
+        scheduler = self.engine.scheduler
         running = list(scheduler.running)
-        failed = [seq for seq in running if seq.cache_id is not None and cache.seq_len(seq.cache_id) == seq.num_tokens]
+        failed = [seq for seq in running + list(scheduler.waiting) if seq.num_in_flight]
         if not failed:
             failed = running or list(scheduler.waiting)[:1]
         streams = []

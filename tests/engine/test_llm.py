@@ -398,3 +398,47 @@ def test_stop_strings_and_stop_token_ids_on_the_default_model(smollm):
     assert by_token.token_ids == ref.token_ids[: k + 1] and by_token.stop_reason == ref.token_ids[k]
     with pytest.raises(ValueError, match="prompt is empty"):
         smollm.generate([""], greedy(4), use_tqdm=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Closing and several engines in one process
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_close_frees_the_pool_and_weights_at_once_is_idempotent_and_later_use_is_a_clear_error(model_dir):
+    llm = make_llm(model_dir, SMALL)
+    llm.generate([prompt(20)], greedy(4), use_tqdm=False)
+    pool, weight = llm.engine.cache.k_pages, next(llm.engine.runner.model.parameters())
+    assert pool.untyped_storage().nbytes() > 0 and weight.untyped_storage().nbytes() > 0
+    llm.close()
+    assert pool.untyped_storage().nbytes() == 0 and weight.untyped_storage().nbytes() == 0
+    llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([prompt(5)], greedy(2), use_tqdm=False)
+
+
+def test_a_with_block_closes_the_llm_and_dropping_the_last_reference_frees_it_without_the_garbage_collector(
+        model_dir):
+    with make_llm(model_dir) as llm:
+        out = llm.generate([prompt(10)], greedy(3), use_tqdm=False)[0]
+        pool = llm.engine.cache.k_pages
+    assert len(out.token_ids) == 3 and pool.untyped_storage().nbytes() == 0
+    import gc
+    gc.disable()  # only reference counting: a cycle would keep the pool alive
+    try:
+        llm = make_llm(model_dir, SMALL)
+        llm.generate([prompt(10)], greedy(3), use_tqdm=False)
+        pool = llm.engine.cache.k_pages
+        del llm
+        assert pool.untyped_storage().nbytes() == 0
+    finally:
+        gc.enable()
+
+
+def test_engines_built_one_after_another_each_give_the_tokens_of_an_engine_built_alone(model_dir):
+    prompts = [prompt(random.randint(5, 40)) for _ in range(3)]
+    alone = {name: run(make_llm(model_dir, quest), prompts, greedy(8)) for name, quest in ENGINES.items()}
+    for name, quest in list(ENGINES.items()) * 2:
+        llm = make_llm(model_dir, quest)
+        assert run(llm, prompts, greedy(8)) == alone[name]
+        del llm

@@ -226,14 +226,32 @@ def test_execute_samples_one_token_per_sequence_in_batch_order(model_dir):
         engine.add_request(p, greedy(2))
     batch = engine.scheduler.schedule()
     assert batch.is_prefill and [list(seq.prompt_token_ids) for seq in batch.seqs] == prompts[::-1]
-    tokens = engine.runner.execute(batch)
+    tokens = engine.runner.execute(batch).token_ids()
     assert isinstance(tokens, list) and all(type(t) is int for t in tokens)
     assert tokens == [a[0] for a in alone[::-1]]
     engine.scheduler.update(batch, tokens)
     batch = engine.scheduler.schedule()
-    assert not batch.is_prefill and engine.runner.execute(batch) == [a[1] for a in alone[::-1]]
+    assert not batch.is_prefill and engine.runner.execute(batch).token_ids() == [a[1] for a in alone[::-1]]
     engine.scheduler.update(batch, [a[1] for a in alone[::-1]])
     assert not engine.has_unfinished_requests()
+
+
+def test_a_decode_step_scheduled_before_the_last_update_reads_the_token_in_flight(model_dir):
+    llm = make_llm(model_dir, FULL)
+    engine = llm.engine
+    prompts = [prompt(random.randint(1, 30)) for _ in range(3)]
+    alone = [llm.generate([p], greedy(3), use_tqdm=False)[0].token_ids for p in prompts]
+    for p in prompts:
+        engine.add_request(p, greedy(3))
+    prefill = engine.scheduler.schedule()
+    first = engine.runner.execute(prefill)
+    decode = engine.scheduler.schedule()  # before the prefill's tokens are appended: they are in flight
+    assert not decode.is_prefill and all(seq.num_in_flight == 2 for seq in decode.seqs)
+    assert decode.seq_lens == tuple(len(p) + 1 for p in prompts)
+    second = engine.runner.execute(decode)
+    engine.scheduler.update(prefill, first.token_ids())
+    engine.scheduler.update(decode, second.token_ids())
+    assert [list(seq.output_token_ids) for seq in decode.seqs] == [list(a[:2]) for a in alone]
 
 
 def test_a_requests_own_seed_wins_and_others_derive_theirs_from_the_engine_seed_and_request_id(model_dir):

@@ -393,5 +393,5 @@ def test_scheduler_arguments_are_validated(kwargs, message):
 
 
 def test_scheduled_batch_is_plain_data():
-    batch = ScheduledBatch((), (), is_prefill=False)
+    batch = ScheduledBatch((), (), is_prefill=False, seq_lens=())
     assert batch.seq_ids == () and batch.num_tokens == 0
