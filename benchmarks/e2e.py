@@ -146,7 +146,7 @@ def time_engine(cfg, quest, batch, context, seed=0) -> dict:
         result[mode] = {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3,
                         "spread_ms": [min(timed) * 1e3, max(timed) * 1e3]}
     attended = engine.scheduler.running[0].metrics().mean_tokens_attended if engine.scheduler.running else None
-    graphs = engine.runner.cached_graphs()
+    graphs = len(engine.runner.graphs)
     graph_ms = replay_ms(engine.runner)
     kernels = profile_replay(engine.runner)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
@@ -162,7 +162,7 @@ def time_engine(cfg, quest, batch, context, seed=0) -> dict:
 def replay_ms(runner) -> float:
     """GPU time of one replay of the last captured decode graph (CUDA events, median of 20): the decode
     step without the host's scheduling, input copy and sampling."""
-    graph = list(runner._graphs.values())[-1][0]
+    graph = runner.graphs.latest()
     times = []
     for _ in range(25):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -179,7 +179,7 @@ def profile_replay(runner, top: int = 12) -> dict:
     count, summed GPU µs, and the ``top`` names by time with their count and µs."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = list(runner._graphs.values())[-1][0]
+    graph = runner.graphs.latest()
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

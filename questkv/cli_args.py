@@ -263,10 +263,11 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
         group.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
                            help="the most prompt tokens per prefill step (default: max(max-model-len, 8192))")
         group.add_argument("--kv-cache-memory", type=byte_size, default=None,
-                           help="KV-cache size, e.g. 4GiB (default: --gpu-memory-utilization of the free GPU "
-                           "memory, or 1 GiB on CPU)")
+                           help="KV-cache size, e.g. 4GiB (default: what --gpu-memory-utilization leaves, or 1 GiB "
+                           "on CPU)")
         group.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
-                           help="fraction of the free GPU memory the KV cache may take (default: 0.9)")
+                           help="fraction of the GPU's whole memory this engine may occupy: weights, activations "
+                           "and KV cache, as vLLM; the KV cache never takes more than is free (default: 0.9)")
         group.add_argument("--graph-capture", default="startup", choices=["startup", "lazy"],
                            help="startup: capture every decode CUDA graph (and compile its kernels) before serving, "
                            "so that no request waits for one; lazy: at the first step that needs each "

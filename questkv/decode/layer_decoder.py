@@ -31,7 +31,7 @@ from typing import Any, Callable, Literal, Optional
 import torch
 
 from questkv.config import QuestConfig
-from questkv.decode.step import QuestDecodeStep
+from questkv.decode.step import QuestDecodeStep, sparse_tokens_attended
 from questkv.ops.pages import LayerPages
 from questkv.policies.base import DecodePolicy
 from questkv.validation import check_int
@@ -297,18 +297,3 @@ class LayerDecoder:
                 )
         elif self.policy_key != state.policy_key:
             state.policy_states = {}  # stateless policies: the next one starts afresh
-
-
-def sparse_tokens_attended(seq_lens: torch.Tensor, budgets: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Tokens one Quest layer's decode step attends per sequence, Quest's accounting: its pages up to
-    the budget, each page counted in full (the current, partial one too).
-
-    Args:
-        seq_lens: ``[batch]`` integer, the current token included.
-        budgets: ``[batch]`` integer token budgets (multiples of ``page_size``).
-
-    Returns:
-        ``[batch]`` float64 on ``seq_lens``' device (no host synchronisation).
-    """
-    num_pages = (seq_lens.long() + page_size - 1) // page_size  # [B]
-    return torch.minimum(num_pages, budgets.long() // page_size).double() * page_size

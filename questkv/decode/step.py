@@ -204,3 +204,18 @@ def quest_decode(
         config, batch, num_q_heads, layer.k_pages.shape[2], head_dim, page_table.shape[1], q.dtype, q.device
     )
     return step(q, layer, page_table, seq_lens, sm_scale, budgets)
+
+
+def sparse_tokens_attended(seq_lens: torch.Tensor, budgets: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Tokens one Quest layer's decode step attends per sequence, Quest's accounting: its pages up to
+    the budget, each page counted in full (the current, partial one too).
+
+    Args:
+        seq_lens: ``[batch]`` integer, the current token included.
+        budgets: ``[batch]`` integer token budgets (multiples of ``page_size``).
+
+    Returns:
+        ``[batch]`` float64 on ``seq_lens``' device (no host synchronisation).
+    """
+    num_pages = (seq_lens.long() + page_size - 1) // page_size  # [B]
+    return torch.minimum(num_pages, budgets.long() // page_size).double() * page_size

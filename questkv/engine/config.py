@@ -18,8 +18,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("cpu", "cuda")
 GRAPH_CAPTURE = ("lazy", "startup")
-# Batch sizes with a captured decode graph: these, then every multiple of 16 up to max_num_seqs.
-_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +35,15 @@ class EngineConfig:
             ``max_position_embeddings``.
         max_num_batched_tokens: the most prompt tokens per prefill step (a longer prompt runs alone);
             ``None``: ``max(max_model_len, 8192)``.
-        kv_cache_memory: bytes of KV cache; ``None``: ``gpu_memory_utilization`` of the free GPU memory
-            after loading the weights (CUDA) or 1 GiB (CPU).
-        gpu_memory_utilization: fraction in (0, 1] of the free GPU memory the KV cache may take.
+        kv_cache_memory: bytes of KV cache; ``None``: what ``gpu_memory_utilization`` leaves (CUDA) or 1 GiB (CPU).
+        gpu_memory_utilization: fraction in (0, 1] of the GPU's whole memory this engine may occupy: weights,
+            activations and KV cache (vLLM's meaning; not a fraction of what is free). The KV cache never takes
+            more than is free when the engine starts, so that engines in one process or on one GPU can share
+            it by their fractions.
         enforce_eager: never capture CUDA graphs (always true on CPU).
         compile_elementwise: with CUDA graphs, fuse RMSNorm, SiLU-and-multiply and RoPE with
             ``torch.compile`` (one kernel each instead of several).
-        graph_capture: when the decode graphs (one per batch size of :meth:`graph_batch_sizes` and
+        graph_capture: when the decode graphs (one per batch size of ``cuda_graphs.graph_batch_sizes`` and
             power-of-two page-table width) are captured and their kernels compiled: ``"lazy"``, at the first
             step that needs one (quick to start; that step waits seconds), or ``"startup"``, all of them
             when the engine starts (what a server wants: no request waits for a capture). A dense
@@ -124,13 +124,6 @@ class EngineConfig:
     def use_async_scheduling(self) -> bool:
         """:attr:`async_scheduling`, its default resolved."""
         return self.use_cuda_graphs if self.async_scheduling is None else self.async_scheduling
-
-    def graph_batch_sizes(self) -> tuple[int, ...]:
-        """Decode batch sizes with a captured graph: 1, 2, 4, 8, 16, then multiples of 16, up to
-        ``max_num_seqs`` (which is always one of them)."""
-        sizes = [b for b in _GRAPH_BATCH_SIZES if b < self.max_num_seqs]
-        sizes += list(range(32, self.max_num_seqs, 16))
-        return tuple(sorted(set(sizes + [self.max_num_seqs])))
 
 
 @dataclasses.dataclass(frozen=True)

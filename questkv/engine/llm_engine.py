@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from questkv.decode.layer_decoder import sparse_tokens_attended
+from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import EngineConfig
 from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.engine.model_runner import ModelRunner, SampledTokens

@@ -1,17 +1,16 @@
-"""The runner: tensors for one scheduled step — the page pool, model inputs, decode CUDA graphs, sampling.
+"""The runner: one scheduled step in tensors — stage the inputs, run the model, sample.
 
-It owns the :class:`~questkv.cache.paged.PagedKVCache` (sized from the memory budget), one
-:class:`~questkv.decode.step.QuestDecodeStep` per decode shape (shared by every layer), and on CUDA one
-graph per (batch size, page-table width) that replays a whole decode step: input copy, K/V append,
-every layer's attention, the LM head. It never changes a :class:`~questkv.engine.sequence.Sequence`:
-the scheduler allocates pages and updates sequences, the runner reads them.
+It owns the :class:`~questkv.cache.paged.PagedKVCache` (sized by :func:`~questkv.engine.kv_pool.plan_cache`),
+one :class:`~questkv.decode.step.QuestDecodeStep` per decode shape (shared by every layer), the static decode
+inputs and, on CUDA, the :class:`~questkv.engine.cuda_graphs.DecodeGraphs` that replay a whole decode step
+(K/V append, every layer's attention, the LM head) over them. It never changes a
+:class:`~questkv.engine.sequence.Sequence`: the scheduler allocates pages and updates sequences, the runner reads
+them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
 from typing import Optional
 
 import torch
@@ -19,66 +18,19 @@ import torch
 from questkv.cache.paged import PagedKVCache
 from questkv.decode.context import StepContext
 from questkv.decode.step import QuestDecodeStep
-from questkv.engine.config import CacheSpec, EngineConfig
+from questkv.engine.config import EngineConfig
+from questkv.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from questkv.engine.kv_pool import plan_cache
 from questkv.engine.scheduler import ScheduledBatch
 from questkv.engine.sequence import Sequence
 from questkv.layers.attention import bind_cache
 from questkv.layers.sampler import Sampler
-from questkv.layers.activation import SiluAndMul, silu_and_mul
-from questkv.layers.norm import RMSNorm, rms_norm
-from questkv.layers.rotary import apply_rotary
-from questkv.models.llama import LlamaAttention, LlamaForCausalLM, ModelSpec
+from questkv.models.fusion import fuse_elementwise
+from questkv.models.llama import LlamaForCausalLM, ModelSpec
 
-# Page-table widths with a decode graph: powers of two from this up to max_pages_per_seq, so that
-# estimate and select scan at most twice the pages the longest sequence of the batch holds.
-_MIN_GRAPH_PAGES = 64
-# Memory kept free for activations beside the KV cache on CUDA (weights are already loaded).
-_ACTIVATION_RESERVE_BYTES = 2 << 30
-_CPU_KV_CACHE_BYTES = 1 << 30
 # Rows of the packed decode inputs: token ids, positions, sequence lengths, token budgets, page-table rows, and
 # the row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS).
 _IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC = range(6)
-
-
-def table_width(pages: int, limit: int) -> int:
-    """Page-table columns of a captured decode step whose longest sequence holds ``pages`` pages: the next
-    power of two, at least ``_MIN_GRAPH_PAGES``, at most ``limit`` (the pages a sequence may hold)."""
-    return min(limit, max(_MIN_GRAPH_PAGES, 1 << (pages - 1).bit_length()))
-
-
-def graph_widths(limit: int) -> list[int]:
-    """Every :func:`table_width` of 1 to ``limit`` pages, descending."""
-    return sorted({table_width(min(1 << k, limit), limit) for k in range(limit.bit_length() + 1)}, reverse=True)
-
-
-def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device: torch.device) -> CacheSpec:
-    """How many pages fit the memory budget (see :attr:`EngineConfig.kv_cache_memory`).
-
-    Raises:
-        ValueError: the budget cannot hold one sequence of ``max_model_len`` tokens.
-    """
-    page_size = config.page_size
-    element = torch.empty(0, dtype=config.torch_dtype).element_size()
-    # K and V of page_size tokens plus the page's min and max key, in every layer.
-    page_bytes = spec.num_layers * (2 * page_size + 2) * spec.num_kv_heads * spec.head_dim * element
-    budget = config.kv_cache_memory
-    if budget is None and device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        tokens = config.max_num_batched_tokens or max(max_model_len, 8192)
-        activations = tokens * (6 * spec.hidden_size + 4 * spec.intermediate_size) * element
-        budget = int(free * config.gpu_memory_utilization) - activations - _ACTIVATION_RESERVE_BYTES
-    elif budget is None:
-        budget = _CPU_KV_CACHE_BYTES
-    max_pages_per_seq = math.ceil(max_model_len / page_size)
-    num_pages = budget // page_bytes
-    if num_pages < max_pages_per_seq + 1:  # one full-length sequence and the scratch page
-        raise ValueError(
-            f"the KV cache budget of {budget / 2**30:.2f} GiB holds {max(num_pages, 0)} pages of {page_size} tokens "
-            f"({page_bytes} bytes each), fewer than one sequence of max_model_len={max_model_len} tokens needs "
-            f"({max_pages_per_seq + 1} with the scratch page); raise kv_cache_memory / gpu_memory_utilization "
-            f"or lower max_model_len"
-        )
-    return CacheSpec(num_pages=int(num_pages), max_pages_per_seq=max_pages_per_seq, max_model_len=max_model_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +67,8 @@ class ModelRunner:
         self.model = model
         self.spec = spec
         self.device = config.torch_device
-        self.cache_spec = plan_cache(config, spec, max_model_len, self.device)
+        weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+        self.cache_spec = plan_cache(config, spec, max_model_len, self.device, weight_bytes)
         self.cache = PagedKVCache(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_spec.num_pages, config.page_size,
             max_seqs=config.max_num_seqs + 1, max_pages_per_seq=self.cache_spec.max_pages_per_seq,
@@ -129,8 +82,9 @@ class ModelRunner:
         self.cache.allocate([self.scratch_seq], [1])
         self.budget = config.quest.token_budget if config.quest is not None else None
         self.sampler = Sampler()
-        self.graph_sizes = config.graph_batch_sizes() if config.use_cuda_graphs else ()
-        rows = max(self.graph_sizes, default=config.max_num_seqs)
+        batch_sizes = graph_batch_sizes(config.max_num_seqs) if config.use_cuda_graphs else ()
+        self.graphs = DecodeGraphs(batch_sizes, self.cache.max_pages_per_seq, self.device)
+        rows = max(batch_sizes, default=config.max_num_seqs)
         pin = self.device.type == "cuda"
         # Two pinned staging buffers, used in turn: a step is staged while the copy of the one before may
         # still be queued behind the GPU (asynchronous scheduling).
@@ -141,9 +95,7 @@ class ModelRunner:
         # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
         self._sampled = torch.zeros(max(rows, config.max_num_seqs), dtype=torch.int64, device=self.device)
         self._sampled_rows: dict[str, int] = {}
-        self._steps: dict[tuple[int, int], QuestDecodeStep] = {}
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._graph_pool = torch.cuda.graph_pool_handle() if self.graph_sizes else None
+        self._steps: dict[tuple[int, int, bool], QuestDecodeStep] = {}
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SampledTokens:
@@ -188,20 +140,12 @@ class ModelRunner:
         """``[len(batch.seqs), vocab]`` float32 logits of one decode step of every sequence."""
         seqs = batch.seqs
         size = len(seqs)
-        padded = next((graph_size for graph_size in self.graph_sizes if graph_size >= size), size)
-        width = self._table_width(self.cache.pages_for_tokens(max(batch.seq_lens)))
+        padded = self.graphs.padded(size)
+        width = self.graphs.width(self.cache.pages_for_tokens(max(batch.seq_lens)))
         # A dense request in a Quest batch: the step selects up to every column, a dense row all its pages.
         all_pages = self.budget is not None and any(seq.sampling_params.dense for seq in seqs)
         self._stage_inputs(batch, padded, width)
-        key = (padded, width, all_pages)
-        if padded in self.graph_sizes:
-            if key not in self._graphs:
-                self._graphs[key] = self._capture(*key)
-            graph, logits = self._graphs[key]
-            graph.replay()
-        else:
-            logits = self._decode_body(*key)
-        return logits[:size]
+        return self.graphs.run((padded, width, all_pages), self._decode_body)[:size]
 
     def _stage_inputs(self, batch: Optional[ScheduledBatch], padded: int, width: int) -> None:
         """Copy the packed decode inputs of ``batch`` to the device; rows past it (up to ``padded``) read
@@ -227,20 +171,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_decode_graphs(self, progress: bool = False) -> int:
-        """Capture the decode graph of every batch size of :attr:`graph_sizes` at every page-table width a
-        step can use (compiling their kernels), largest first; those already captured are kept. What
-        ``graph_capture="startup"`` runs at start. Only the scratch sequence's token is written.
+        """Capture the decode graph of every batch size and page-table width a step can use (compiling their
+        kernels), largest first; those already captured are kept. What ``graph_capture="startup"`` runs at
+        start. Only the scratch sequence's token is written.
 
         Returns:
             The number of graphs captured by this call.
         """
         from tqdm.auto import tqdm
 
-        keys = [(batch, width, False) for batch in sorted(self.graph_sizes, reverse=True)
-                for width in graph_widths(self.cache.max_pages_per_seq) if (batch, width, False) not in self._graphs]
+        keys = self.graphs.missing()
         for key in tqdm(keys, desc="capturing decode graphs", disable=not progress):
             self._stage_inputs(None, key[0], key[1])
-            self._graphs[key] = self._capture(*key)
+            self.graphs.capture(key, self._decode_body)
         return len(keys)
 
     def _decode_body(self, batch: int, width: int, all_pages: bool) -> torch.Tensor:
@@ -260,19 +203,6 @@ class ModelRunner:
         hidden = self.model(ids, positions, ctx)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, batch: int, width: int, all_pages: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture the decode step of ``batch`` rows over ``width`` page-table columns. The current
-        inputs are only read: warm-up and capture write K/V to the slots they name (this step's)."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._decode_body(batch, width, all_pages)  # compiles the kernels outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._decode_body(batch, width, all_pages)
-        return graph, logits
-
     def _step(self, batch: int, width: int, all_pages: bool) -> QuestDecodeStep:
         key = (batch, width, all_pages)
         if key not in self._steps:
@@ -281,12 +211,6 @@ class ModelRunner:
                 quest = dataclasses.replace(quest, token_budget=max(width * self.cache.page_size, quest.token_budget))
             self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.spec.num_q_heads, width)
         return self._steps[key]
-
-    def _table_width(self, pages: int) -> int:
-        """Page-table columns of a decode step whose longest sequence holds ``pages`` pages."""
-        if not self.graph_sizes:
-            return pages
-        return table_width(pages, self.cache.max_pages_per_seq)
 
     def _budget_of(self, seq: Sequence, width: int) -> int:
         """The sequence's token budget: 0 on a dense engine (no layer reads it), every column of the
@@ -321,19 +245,12 @@ class ModelRunner:
             return seq.sampling_params.seed
         return (self.config.seed * 0x9E3779B1 + _stable_hash(seq.request_id)) % (1 << 62)
 
-    def cached_graphs(self) -> int:
-        """Decode graphs captured so far."""
-        return len(self._graphs)
-
     def release(self) -> None:
         """Free the device memory of the page pool, the decode graphs and the weights now; the runner is unusable
         afterwards. Storages are emptied in place, so that no reference left elsewhere (a view, a cycle that
         only the garbage collector would break) keeps them alive."""
-        for graph, _ in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
+        self.graphs.release()
         self._steps.clear()
-        self._graph_pool = None
         cache = self.cache
         tensors = [cache.k_pages, cache.v_pages, cache.kmin, cache.kmax, self._sampled, self._inputs,
                    *self.model.parameters(), *self.model.buffers()]
@@ -342,33 +259,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-
-
-def fuse_elementwise(model: LlamaForCausalLM) -> None:
-    """Swap the model's RMSNorm, SiLU-and-multiply and RoPE functions for ``torch.compile``d ones (one
-    compiled function each, shared by every layer, dynamic in the token count): each becomes one fused
-    kernel instead of several small ones, which is most of a decode step's launch count."""
-    norm, act, rotate = _compiled(rms_norm), _compiled(silu_and_mul), _compiled(apply_rotary)
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.kernel = norm
-        elif isinstance(module, SiluAndMul):
-            module.kernel = act
-        elif isinstance(module, LlamaAttention):
-            module.rotate = rotate
-
-
-def _compiled(function):
-    """``function`` compiled for one engine. It compiles a copy with a code object of its own: torch.compile
-    keys its cache and its recompile limit on the code object, so engines of other models built in the same
-    process (other ranks, dtypes, head counts) never add up to the limit (fullgraph raises when it is hit)."""
-    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
-    copy.__kwdefaults__ = function.__kwdefaults__
-    # emulate_precision_casts: round where the eager code rounds (e.g. to bf16 before the norm's weight),
-    # so the fused kernels give the eager (and transformers') numbers; without it the engine's bf16
-    # logits drifted 6 % from HF's on the 8B shape (benchmarks/e2e.py's check).
-    return torch.compile(copy, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
 
 
 def _stable_hash(text: str) -> int:

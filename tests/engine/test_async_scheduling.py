@@ -13,11 +13,15 @@ import pytest
 
 from questkv import QuestConfig
 from questkv.engine.sampling_params import SamplingParams
-from tests.engine.test_llm import (  # noqa: F401 (model_dir: the module's fixture)
-    PAGE, VOCAB, greedy, make_llm, model_dir, pool_memory, prompt, reference_with_new_token,
-)
+from tests.engine.test_llm import PAGE, VOCAB, greedy, make_llm, pool_memory, prompt, reference_with_new_token
+from tests.helpers import save_tiny_model
 
 QUEST = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), VOCAB, seed=random.randrange(1 << 16))
 
 
 def outcome(out) -> tuple:

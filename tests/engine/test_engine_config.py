@@ -60,18 +60,6 @@ def test_engine_config_is_frozen_and_reports_its_derived_values():
     assert quest.page_size == QUEST.page_size and quest.dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("max_num_seqs,sizes", [
-    (1, (1,)),
-    (3, (1, 2, 3)),
-    (16, (1, 2, 4, 8, 16)),
-    (40, (1, 2, 4, 8, 16, 32, 40)),
-    (64, (1, 2, 4, 8, 16, 32, 48, 64)),
-])
-def test_graph_batch_sizes_are_powers_of_two_then_multiples_of_sixteen_up_to_max_num_seqs(max_num_seqs, sizes):
-    config = EngineConfig(model="smollm2-135m", max_num_seqs=max_num_seqs, device="cpu")
-    assert config.graph_batch_sizes() == sizes
-
-
 def test_dtype_name_takes_names_and_torch_dtypes_and_refuses_the_rest():
     assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name("float16") == "float16"
     for bad in ("int8", torch.int8, None):

@@ -10,14 +10,12 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from questkv import QuestConfig
 from questkv.decode.step import QuestDecodeStep
 from questkv.engine.config import EngineConfig
 from questkv.engine.llm import LLM
-from questkv.engine.model_runner import graph_widths, plan_cache, table_width
+from questkv.engine.kv_pool import plan_cache
 from questkv.engine.sampling_params import SamplingParams
 from questkv.layers.attention import Attention
 from questkv.models.llama import ModelSpec
@@ -120,10 +118,10 @@ def test_plan_cache_takes_one_gib_on_cpu_by_default_and_refuses_a_budget_below_o
 def test_a_cpu_runner_never_captures_graphs_and_decodes_at_the_batchs_own_width(model_dir):
     llm = make_llm(model_dir, FULL, enforce_eager=False)
     runner = llm.engine.runner
-    assert runner.graph_sizes == ()
+    assert runner.graphs.batch_sizes == ()
     llm.generate([prompt(9), prompt(30)], greedy(4), use_tqdm=False)
-    assert runner.cached_graphs() == 0
-    assert runner._table_width(3) == 3  # no padding of the page table without graphs
+    assert len(runner.graphs) == 0
+    assert runner.graphs.width(3) == 3  # no padding of the page table without graphs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -275,13 +273,3 @@ def test_a_bfloat16_engine_keeps_its_pool_in_bfloat16_and_samples_from_float32_l
     (out,) = llm.generate([prompt(random.randint(20, 60))], greedy(5), use_tqdm=False)
     assert len(out.token_ids) == 5 and all(0 <= t < VOCAB for t in out.token_ids)
     assert all(step.dtype is torch.float32 and torch.isfinite(step).all() for step in logits)
-
-
-@settings(max_examples=50, deadline=None)
-@given(limit=st.integers(1, 5000))
-def test_startup_capture_covers_the_width_of_every_sequence_length(limit):
-    widths = graph_widths(limit)
-    assert widths == sorted(set(widths), reverse=True) and max(widths) == limit
-    for pages in range(1, limit + 1):
-        width = table_width(pages, limit)
-        assert width in widths and pages <= width <= limit

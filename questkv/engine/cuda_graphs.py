@@ -1,0 +1,116 @@
+"""The decode step's CUDA graphs and their key policy: which batch sizes and page-table widths get a graph, and
+capture, replay and release of the graphs.
+
+A graph is keyed by ``(batch, width, all_pages)``: the padded batch size, the page-table columns the step scans
+(a power of two, so that estimate and select scan at most twice the pages of the longest sequence), and whether
+a dense request shares a Quest batch (its step may select every column). The step's body and its static
+inputs are the runner's (:class:`~questkv.engine.model_runner.ModelRunner`); this module only knows the keys.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["DecodeGraphs", "graph_batch_sizes", "graph_widths", "table_width"]
+
+# Batch sizes with a captured decode graph: these, then every multiple of 16 up to max_num_seqs.
+_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
+# Page-table widths with a decode graph: powers of two from this up to max_pages_per_seq.
+_MIN_GRAPH_PAGES = 64
+
+GraphKey = tuple[int, int, bool]
+Body = Callable[[int, int, bool], torch.Tensor]
+
+
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Decode batch sizes with a captured graph: 1, 2, 4, 8, 16, then multiples of 16, up to ``max_num_seqs``
+    (which is always one of them)."""
+    sizes = [b for b in _GRAPH_BATCH_SIZES if b < max_num_seqs]
+    sizes += list(range(32, max_num_seqs, 16))
+    return tuple(sorted(set(sizes + [max_num_seqs])))
+
+
+def table_width(pages: int, limit: int) -> int:
+    """Page-table columns of a captured decode step whose longest sequence holds ``pages`` pages: the next
+    power of two, at least ``_MIN_GRAPH_PAGES``, at most ``limit`` (the pages a sequence may hold)."""
+    return min(limit, max(_MIN_GRAPH_PAGES, 1 << (pages - 1).bit_length()))
+
+
+def graph_widths(limit: int) -> list[int]:
+    """Every :func:`table_width` of 1 to ``limit`` pages, descending."""
+    return sorted({table_width(min(1 << k, limit), limit) for k in range(limit.bit_length() + 1)}, reverse=True)
+
+
+class DecodeGraphs:
+    """One CUDA graph per key, captured on first use (or all at once by the runner), in one memory pool.
+
+    Args:
+        batch_sizes: the batch sizes that get graphs (empty: every step runs eagerly, e.g. on CPU).
+        max_pages_per_seq: the widest page table.
+        device: the CUDA device.
+
+    ``body(batch, width, all_pages)``, passed to :meth:`run` and :meth:`capture`, runs one decode step over the
+    runner's static inputs and returns its ``[batch, vocab]`` float32 logits; device ops only (capturable).
+    """
+
+    def __init__(self, batch_sizes: tuple[int, ...], max_pages_per_seq: int, device: torch.device) -> None:
+        self.batch_sizes = batch_sizes
+        self.max_pages_per_seq = max_pages_per_seq
+        self._device = device
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if batch_sizes else None
+
+    def padded(self, batch: int) -> int:
+        """The captured batch size a step of ``batch`` sequences runs at (``batch`` itself past the largest)."""
+        return next((size for size in self.batch_sizes if size >= batch), batch)
+
+    def width(self, pages: int) -> int:
+        """Page-table columns of a step whose longest sequence holds ``pages`` pages (``pages`` without graphs)."""
+        return table_width(pages, self.max_pages_per_seq) if self.batch_sizes else pages
+
+    def run(self, key: GraphKey, body: Body) -> torch.Tensor:
+        """The step's ``[batch, vocab]`` logits: a replay of its graph (captured now if new), or ``body`` run
+        eagerly for a batch size without graphs."""
+        if key[0] not in self.batch_sizes:
+            return body(*key)
+        if key not in self._graphs:
+            self.capture(key, body)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits
+
+    def missing(self) -> list[GraphKey]:
+        """The keys a server captures at start (every batch size and width, no dense request), largest first,
+        that have no graph yet."""
+        keys = [(batch, width, False) for batch in sorted(self.batch_sizes, reverse=True)
+                for width in graph_widths(self.max_pages_per_seq)]
+        return [key for key in keys if key not in self._graphs]
+
+    def capture(self, key: GraphKey, body: Body) -> None:
+        """Capture the step of ``key``. The current static inputs are only read: warm-up and capture write K/V to
+        the slots they name."""
+        stream = torch.cuda.Stream(self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            body(*key)  # compiles the kernels outside the capture
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = body(*key)
+        self._graphs[key] = (graph, logits)
+
+    def latest(self) -> torch.cuda.CUDAGraph:
+        """The graph captured last (what a benchmark replays)."""
+        return list(self._graphs.values())[-1][0]
+
+    def release(self) -> None:
+        """Drop every graph and the pool."""
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._pool = None
+
+    def __len__(self) -> int:
+        return len(self._graphs)

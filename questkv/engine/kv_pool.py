@@ -1,0 +1,56 @@
+"""How many KV pages an engine gets: its memory budget, in pages (:func:`plan_cache`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from questkv.engine.config import CacheSpec, EngineConfig
+from questkv.models.llama import ModelSpec
+
+__all__ = ["plan_cache"]
+
+# Memory kept free for activations beside the KV cache on CUDA (weights are already loaded).
+_ACTIVATION_RESERVE_BYTES = 2 << 30
+_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device: torch.device,
+               weight_bytes: int = 0) -> CacheSpec:
+    """How many pages fit the memory budget (see :attr:`EngineConfig.kv_cache_memory`).
+
+    On CUDA without ``kv_cache_memory``, the engine may occupy ``gpu_memory_utilization`` of the GPU's whole
+    memory (as vLLM): the KV cache gets that share less the engine's weights (``weight_bytes``, already loaded),
+    its activations and a reserve, and never more than is free now (less the activations and the reserve).
+
+    Raises:
+        ValueError: the budget cannot hold one sequence of ``max_model_len`` tokens.
+    """
+    page_size = config.page_size
+    element = torch.empty(0, dtype=config.torch_dtype).element_size()
+    # K and V of page_size tokens plus the page's min and max key, in every layer.
+    page_bytes = spec.num_layers * (2 * page_size + 2) * spec.num_kv_heads * spec.head_dim * element
+    budget = config.kv_cache_memory
+    where = "kv_cache_memory"
+    if budget is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        tokens = config.max_num_batched_tokens or max(max_model_len, 8192)
+        activations = tokens * (6 * spec.hidden_size + 4 * spec.intermediate_size) * element
+        share = int(total * config.gpu_memory_utilization) - weight_bytes
+        budget = min(share, free) - activations - _ACTIVATION_RESERVE_BYTES
+        where = (f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / 2**30:.1f} GiB less "
+                 f"{weight_bytes / 2**30:.2f} GiB of weights, {free / 2**30:.1f} GiB free")
+    elif budget is None:
+        budget = _CPU_KV_CACHE_BYTES
+        where = "the CPU default of 1 GiB"
+    max_pages_per_seq = math.ceil(max_model_len / page_size)
+    num_pages = budget // page_bytes
+    if num_pages < max_pages_per_seq + 1:  # one full-length sequence and the scratch page
+        raise ValueError(
+            f"the KV cache budget of {budget / 2**30:.2f} GiB ({where}) holds {max(num_pages, 0)} pages of "
+            f"{page_size} tokens ({page_bytes} bytes each), fewer than one sequence of max_model_len={max_model_len} "
+            f"tokens needs ({max_pages_per_seq + 1} with the scratch page); raise kv_cache_memory / "
+            f"gpu_memory_utilization, free GPU memory or lower max_model_len"
+        )
+    return CacheSpec(num_pages=int(num_pages), max_pages_per_seq=max_pages_per_seq, max_model_len=max_model_len)
