@@ -1,0 +1,252 @@
+"""Weight-only quantized linear layers and the swap of a model's ``nn.Linear`` s for them.
+
+Owns :class:`QuantizedLinear` (packed weight, scales and zero points as buffers; ``forward`` through
+:func:`quant_matmul`), :class:`QuantizedMergedLinear` (the same, keeping a fused QKV or gate/up projection's
+shards and ``split``), :func:`quantize_linears` (round-to-nearest, in place, after the weights are loaded) and
+the backend choice of :func:`quant_matmul`. The formats and the torch reference live in
+:mod:`questkv.ops.quant_reference`, the CUDA kernels in :mod:`questkv.ops.triton.quant_matmul`; which models
+get quantized, and when, is the engine's business.
+
+Embeddings always stay in the model dtype. The LM head stays too by default (``skip=("lm_head",)``): its error
+lands directly on the logits (the layer most sensitive to rounding, kept in 16 bits by GPTQ and AWQ as well), a
+tied head shares the embedding's weight, and at batch 1 it is ~6% of an 8B model's linear time in bf16.
+``skip=()`` quantizes it too (a tied head then gets its own quantized copy; the embedding is untouched).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from questkv.layers.linear import MergedLinear
+from questkv.ops import quant_reference
+from questkv.ops.quant_reference import DEFAULT_GROUP_SIZE, METHODS, check_method, dequantize, quantize_weight
+from questkv.validation import check_choice, check_int
+
+__all__ = [
+    "BACKENDS",
+    "METHODS",
+    "QuantizedLinear",
+    "QuantizedMergedLinear",
+    "quant_matmul",
+    "quantize_linears",
+]
+
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm")
+"""How a quantized layer multiplies. ``auto``: ``triton`` for CUDA tensors, ``torch`` otherwise; ``torch``: the
+reference (dequantize to float32, float32 matmul); ``triton``: :mod:`questkv.ops.triton.quant_matmul`;
+``dequant``: dequantize to ``x``'s dtype with torch ops, then ``F.linear`` (a large-``M`` candidate);
+``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16; layers only, it needs its own copy
+of the weight)."""
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                 method: str, group_size: int = DEFAULT_GROUP_SIZE, bias: Optional[torch.Tensor] = None,
+                 backend: str = "auto") -> torch.Tensor:
+    """``y = x @ w.T + bias`` for a quantized weight, on the backend chosen by ``backend``.
+
+    Args:
+        x: ``[M, K]`` float. qweight, scales, zeros, method, group_size: the weight
+            (:mod:`questkv.ops.quant_reference`). bias: ``[N]`` or ``None``.
+        backend: one of :data:`BACKENDS` except ``tinygemm``.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    """
+    check_choice("quant_matmul backend", backend, BACKENDS[:-1])
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend == "torch":
+        return quant_reference.quant_matmul(x, qweight, scales, zeros, method, group_size, bias)
+    if backend == "dequant":
+        quant_reference.check_quant_args(x, qweight, scales, zeros, method, group_size)
+        return F.linear(x, dequantize(qweight, scales, zeros, method, group_size, dtype=x.dtype), bias)
+    from questkv.ops.triton import quant_matmul as kernels  # needs triton; CPU-only installs never get here
+
+    return kernels.quant_matmul(x, qweight, scales, zeros, method, group_size, bias)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ w.T + bias`` with ``w`` stored quantized (``int4`` groups or ``int8`` rows).
+
+    Buffers (format: :mod:`questkv.ops.quant_reference`): ``qweight`` (``int4``: ``[N, K // 2]`` uint8; ``int8``:
+    ``[N, K]`` int8), ``scales`` (``int4``: ``[K // group_size, N]``; ``int8``: ``[N]``), ``zeros`` (``int4``:
+    ``[K // group_size, N]``; ``int8``: ``None``), all in the state dict; ``bias`` ``[N]`` is a frozen parameter.
+    Built empty (fill the buffers) or by :meth:`from_float`.
+
+    Args:
+        in_features (``K``), out_features (``N``): as ``nn.Linear``.
+        method: one of :data:`METHODS`. bias: whether there is a bias.
+        group_size: ``int4`` group (:data:`questkv.ops.quant_reference.GROUP_SIZES`, dividing ``in_features``).
+        dtype: dtype of scales, zero points, bias and output (default: torch's default dtype). device: where.
+        backend: one of :data:`BACKENDS` (:meth:`set_backend`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, method: str = "int4", bias: bool = False,
+                 group_size: int = DEFAULT_GROUP_SIZE, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device | str] = None, backend: str = "auto") -> None:
+        check_int(f"{type(self).__name__}.in_features", in_features, minimum=1)
+        check_int(f"{type(self).__name__}.out_features", out_features, minimum=1)
+        check_method(method, group_size, in_features, owner=type(self).__name__)
+        if method == "int8" and in_features % 4:
+            raise ValueError(f"{type(self).__name__}.in_features must be a multiple of 4 for int8 (int32 words), "
+                             f"got {in_features}")
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.method, self.group_size = method, group_size
+        dtype = dtype or torch.get_default_dtype()
+        n, k = out_features, in_features
+        if method == "int4":
+            self.register_buffer("qweight", torch.zeros((n, k // 2), dtype=torch.uint8, device=device))
+            self.register_buffer("scales", torch.ones((k // group_size, n), dtype=dtype, device=device))
+            self.register_buffer("zeros", torch.zeros((k // group_size, n), dtype=dtype, device=device))
+        else:
+            self.register_buffer("qweight", torch.zeros((n, k), dtype=torch.int8, device=device))
+            self.register_buffer("scales", torch.ones((n,), dtype=dtype, device=device))
+            self.register_buffer("zeros", None)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(n, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.backend = "auto"
+        self.set_backend(backend)
+
+    @classmethod
+    @torch.no_grad()
+    def from_float(cls, linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,
+                   backend: str = "auto") -> "QuantizedLinear":
+        """A quantized copy of ``linear`` (round to nearest; a :class:`~questkv.layers.linear.MergedLinear` gives a
+        :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype."""
+        weight = linear.weight
+        kwargs = dict(method=method, bias=linear.bias is not None, group_size=group_size, dtype=weight.dtype,
+                      device=weight.device)
+        if isinstance(linear, MergedLinear):
+            layer = QuantizedMergedLinear(linear.in_features, linear.shard_sizes, **kwargs)
+        else:
+            layer = QuantizedLinear(linear.in_features, linear.out_features, **kwargs)
+        quantized = quantize_weight(weight, method, group_size)
+        layer.qweight.copy_(quantized.qweight)
+        layer.scales.copy_(quantized.scales)
+        if quantized.zeros is not None:
+            layer.zeros.copy_(quantized.zeros)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias)
+        layer.set_backend(backend)
+        return layer
+
+    def set_backend(self, backend: str) -> None:
+        """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`). ``tinygemm`` converts the weight
+        into a second, non-persistent copy now (call it outside CUDA graph capture); others drop that copy."""
+        check_choice(f"{type(self).__name__}.backend", backend, BACKENDS)
+        if backend == "tinygemm":
+            if self.method != "int4" or self.qweight.device.type != "cuda" or self.scales.dtype != torch.bfloat16:
+                raise ValueError(f"{type(self).__name__}.backend 'tinygemm' needs int4 bf16 weights on CUDA, got "
+                                 f"{self.method} {self.scales.dtype} on {self.qweight.device.type}")
+            from questkv.ops.triton.quant_matmul import tinygemm_pack
+
+            packed, scales_and_zeros = tinygemm_pack(self.qweight, self.scales, self.zeros, self.group_size)
+            self.register_buffer("tinygemm_packed", packed, persistent=False)
+            self.register_buffer("tinygemm_scales_and_zeros", scales_and_zeros, persistent=False)
+        else:
+            for name in ("tinygemm_packed", "tinygemm_scales_and_zeros"):
+                self._buffers.pop(name, None)
+        self.backend = backend
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight ``[out_features, in_features]`` this layer multiplies by (a new tensor)."""
+        return dequantize(self.qweight, self.scales, self.zeros, self.method, self.group_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in_features]`` (usually ``[T, in_features]``) → ``[..., out_features]`` in ``x.dtype``."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [T, K]
+        if self.backend == "tinygemm":
+            from questkv.ops.triton.quant_matmul import tinygemm_matmul
+
+            y = tinygemm_matmul(x2, self.tinygemm_packed, self.tinygemm_scales_and_zeros, self.group_size, self.bias)
+        else:
+            y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias,
+                             self.backend)
+        return y.reshape(*lead, self.out_features)  # [..., N]
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.method == "int4" else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"method={self.method}{group}, backend={self.backend}")
+
+
+class QuantizedMergedLinear(QuantizedLinear):
+    """A :class:`QuantizedLinear` whose output features are named shards back to back, as
+    :class:`~questkv.layers.linear.MergedLinear` (``shard_sizes``, ``shard_offsets``, :meth:`split`). Checkpoint
+    shards cannot be loaded into it: quantize after loading."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], **kwargs) -> None:
+        if not shard_sizes:
+            raise ValueError("QuantizedMergedLinear.shard_sizes must name at least one shard, got {}")
+        for shard, size in shard_sizes.items():
+            check_int(f"QuantizedMergedLinear.shard_sizes[{shard!r}]", size, minimum=1)
+        super().__init__(in_features, sum(shard_sizes.values()), **kwargs)
+        self.shard_sizes = dict(shard_sizes)
+        self.shard_offsets: dict[str, int] = {}
+        offset = 0
+        for shard, size in self.shard_sizes.items():
+            self.shard_offsets[shard] = offset
+            offset += size
+
+    def load_shard(self, name: str, shard: str, param_name: str, loaded: torch.Tensor) -> None:
+        raise RuntimeError(f"cannot load {name!r} into a quantized layer: load the float weights, then quantize")
+
+    def split(self, out: torch.Tensor) -> Sequence[torch.Tensor]:
+        """Split ``out`` ``[T, out_features]`` (this layer's output) into one ``[T, size]`` view per shard."""
+        return out.split(tuple(self.shard_sizes.values()), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, shards={self.shard_sizes}"
+
+
+def _skipped(name: str, skip: Iterable[str]) -> bool:
+    return any(name == s or name.endswith("." + s) for s in skip)
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_head",),
+                     group_size: int = DEFAULT_GROUP_SIZE, backend: str = "auto") -> list[str]:
+    """Swap every ``nn.Linear`` of ``model`` (``MergedLinear`` included) for a :class:`QuantizedLinear`, in place.
+
+    Call it after the float weights are loaded; embeddings and norms are untouched. Every layer is checked before
+    any is swapped, so a ``ValueError`` leaves ``model`` as it was.
+
+    Args:
+        model: any module. method: one of :data:`METHODS` (``ValueError`` naming ``quantization`` otherwise).
+        skip: module names (or their last dotted parts) left in float; ``("lm_head",)`` by default (module docstring).
+        group_size: ``int4`` group; it must divide every quantized layer's ``in_features``.
+        backend: one of :data:`BACKENDS` for every new layer.
+
+    Returns:
+        The dotted names of the swapped modules, in ``named_modules`` order.
+    """
+    check_choice("quantization", method, METHODS)
+    check_choice("quantize_linears backend", backend, BACKENDS)
+    targets = []  # (parent, attribute, full name, linear)
+    for parent_name, parent in model.named_modules():
+        for attr, child in parent.named_children():
+            name = f"{parent_name}.{attr}" if parent_name else attr
+            if isinstance(child, nn.Linear) and not _skipped(name, skip):
+                targets.append((parent, attr, name, child))
+    for _, _, name, linear in targets:
+        try:
+            check_method(method, group_size, linear.in_features, owner="quantize_linears")
+        except ValueError as error:
+            raise ValueError(f"{error} (layer {name})") from None
+        if method == "int8" and linear.in_features % 4:
+            raise ValueError(f"quantize_linears: int8 needs in_features divisible by 4, layer {name} has "
+                             f"{linear.in_features}")
+    done: dict[int, QuantizedLinear] = {}  # a module reachable under two names is quantized once
+    for parent, attr, _, linear in targets:
+        if id(linear) not in done:
+            done[id(linear)] = QuantizedLinear.from_float(linear, method, group_size, backend)
+        setattr(parent, attr, done[id(linear)])
+    return [name for _, _, name, _ in targets]

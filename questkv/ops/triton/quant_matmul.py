@@ -1,0 +1,392 @@
+"""Weight-only quantized matmul on CUDA: one Triton kernel with two inner loops, and torch's int4 kernel.
+
+Formats: :mod:`questkv.ops.quant_reference` (same signature as its ``quant_matmul``). The kernel reads the
+packed weight as int32 words (8 int4 or 4 int8 values each) and never writes a dequantized weight:
+
+* ``use_dot=False`` (small ``M``, a GEMV): each program loads a ``[BLOCK_N, groups_per_iter, words per group]``
+  tile of words (128-bit loads along ``K``), turns every 4- or 8-bit field into a float with a shift, one
+  ``lop3`` and one add (``(field ^ 0x4B000000)`` is the float ``2**23 + field``, exact), multiplies by ``x`` in
+  float32 and reduces each group; the group's scale and zero point apply once per group:
+  ``s * (sum(q * x) - z * sum(x))``. Costs ~4 instructions per weight plus one FMA per row of ``x``.
+* ``use_dot=True`` (more rows, and prefill): per group, the integers ``q`` (exact in bf16 / fp16) go through
+  ``tl.dot`` with the ``x`` tile (fp32 accumulation), then the same per-group scale and zero correction.
+
+Both split the reduction over ``K`` across ``split_k`` programs per output tile (many programs for a GEMV on
+132 SMs): each writes a float32 partial, and the last one to arrive (an ``acq_rel`` ticket per tile) sums the
+partials in split order (deterministic), adds the bias, writes the output in ``x``'s dtype and resets its
+ticket, so one launch does everything and graphs need no memset. The tickets live in one int32 buffer per
+device shared by every launch: launches must not run concurrently on two streams.
+
+``tinygemm_pack`` / ``tinygemm_matmul`` convert an ``int4`` weight for ``torch.ops.aten._weight_int4pack_mm``
+(bf16 only), a second CUDA backend for the benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from questkv.ops.quant_reference import check_quant_args, unpack_int4
+from questkv.ops.triton._common import interpreting, next_pow2, num_sms
+
+__all__ = [
+    "FMA_MAX_M",
+    "QuantMatmulConfig",
+    "plan_quant_matmul",
+    "quant_matmul",
+    "tinygemm_matmul",
+    "tinygemm_pack",
+]
+
+FMA_MAX_M = 4
+"""Rows of ``x`` up to which :func:`plan_quant_matmul` picks the FMA loop (above: the ``tl.dot`` loop)."""
+
+INT8_CHUNK = 128
+"""``int8`` (one scale per row) is reduced in chunks of this many input features, as ``int4`` in its groups."""
+
+PROGRAMS_PER_SM = 4
+"""Split-K aims at this many programs per SM."""
+
+_MAGIC = tl.constexpr(0x4B000000)  # float32 2**23: its low mantissa bits take the integer field exactly
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantMatmulConfig:
+    """One launch's tiling. ``block_m`` rows of ``x`` and ``block_n`` outputs per program; ``groups_per_iter``
+    groups (``int8``: chunks of :data:`INT8_CHUNK`) per loop iteration (1 with ``use_dot``); ``split_k``
+    programs share one output tile's reduction."""
+
+    block_m: int
+    block_n: int
+    groups_per_iter: int
+    split_k: int
+    use_dot: bool
+    num_warps: int = 4
+    num_stages: int = 2
+    swap_ab: bool = False
+
+
+@triton.jit
+def _quant_matmul_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, counter_ptr, out_ptr,
+    M, N, K, k_words, words_per_split,
+    stride_xm, stride_wn, stride_sg, stride_om,
+    BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_ITER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    MAGIC16: tl.constexpr, OFFSET16: tl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M))``; ``w_ptr`` int32 words ``[N, k_words]``;
+    ``s_ptr`` / ``z_ptr`` ``[K // GROUP, N]`` (``BITS == 4``) or ``s_ptr`` ``[N]`` (``BITS == 8``, ``GROUP``
+    the chunk); ``part_ptr`` float32 ``[split_k, M, N]``; ``counter_ptr`` one zeroed int32 per output tile."""
+    EPW: tl.constexpr = 32 // BITS  # values per word
+    WPG: tl.constexpr = GROUP // EPW  # words per group
+    FIELD: tl.constexpr = (1 << BITS) - 1
+    # int8 fields are two's complement: flipping bit 7 makes them q + 128, which the offset removes
+    MAGIC: tl.constexpr = _MAGIC | (128 if BITS == 8 else 0)
+    OFFSET: tl.constexpr = 8388608.0 + (128.0 if BITS == 8 else 0.0)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = rm < M
+    kw_start = pid_s * words_per_split
+    kw_end = tl.minimum(kw_start + words_per_split, k_words)
+    e = tl.arange(0, EPW)
+    shifts = e * BITS
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+    if USE_DOT:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # SWAP_AB's accumulator
+        kk = tl.arange(0, GROUP)
+        wi = tl.arange(0, WPG)
+        for kw in range(kw_start, kw_end, WPG):
+            words_idx = kw + wi  # [WPG]
+            wmask = nmask[:, None]
+            xmask = mmask[:, None]
+            if not EVEN_K:
+                wmask = wmask & (words_idx < kw_end)[None, :]
+                xmask = xmask & (kw * EPW + kk < K)[None, :]
+            words = tl.load(w_ptr + rn[:, None] * stride_wn + words_idx[None, :], mask=wmask, other=0)  # [BN, WPG]
+            xt = tl.load(x_ptr + rm[:, None] * stride_xm + (kw * EPW + kk)[None, :], mask=xmask, other=0.0)
+            fields = (words[:, :, None] >> shifts[None, None, :]) & FIELD  # [BN, WPG, EPW]
+            if MAGIC16 != 0:
+                # 16-bit floats straight from the bits: (field | MAGIC16) is OFFSET16 + q exactly (bf16: 128 + q,
+                # fp16: 1024 + q); the zero-point correction below removes OFFSET16
+                b = tl.reshape((fields | MAGIC16).to(tl.int16).to(xt.dtype, bitcast=True), [BLOCK_N, GROUP])
+                a = xt
+            else:
+                q = tl.reshape((fields ^ MAGIC).to(tl.float32, bitcast=True) - OFFSET, [BLOCK_N, GROUP])
+                if UPCAST or IEEE:
+                    a = xt.to(tl.float32)
+                    b = q
+                else:
+                    a = xt
+                    b = q.to(xt.dtype)
+            if BITS == 4:
+                group = kw // WPG
+                s = tl.load(s_ptr + group * stride_sg + rn, mask=nmask, other=0.0).to(tl.float32)  # [BN]
+                z = tl.load(z_ptr + group * stride_sg + rn, mask=nmask, other=0.0).to(tl.float32)
+                xs = tl.sum(xt.to(tl.float32), axis=1)  # [BM]
+                z = z + OFFSET16
+            if SWAP_AB:  # the weight tile is the MMA's A operand (rows = outputs), x the narrow B
+                if UPCAST or IEEE:
+                    d = tl.dot(b, tl.trans(a), input_precision="ieee")  # [BN, BM]
+                else:
+                    d = tl.dot(b, tl.trans(a))
+                if BITS == 4:
+                    d = (d - z[:, None] * xs[None, :]) * s[:, None]
+                acc_t += d
+            else:
+                if UPCAST or IEEE:
+                    d = tl.dot(a, tl.trans(b), input_precision="ieee")  # [BM, BN]
+                else:
+                    d = tl.dot(a, tl.trans(b))
+                if BITS == 4:
+                    d = (d - xs[:, None] * z[None, :]) * s[None, :]
+                acc += d
+        if SWAP_AB:
+            acc += tl.trans(acc_t)
+    else:
+        g = tl.arange(0, GROUPS_PER_ITER)
+        wi = tl.arange(0, WPG)
+        word_off = g[:, None] * WPG + wi[None, :]  # [G, WPG]
+        rows = tl.arange(0, BLOCK_M)
+        acc_g = tl.zeros([BLOCK_N, GROUPS_PER_ITER], dtype=tl.float32)  # BLOCK_M == 1: reduced once, at the end
+        STEP: tl.constexpr = GROUPS_PER_ITER * WPG
+        w_ptrs = w_ptr + rn[:, None, None] * stride_wn + word_off[None, :, :]  # [BN, G, WPG]
+        wmask = nmask[:, None, None] & (kw_start + word_off < kw_end)[None, :, :]
+        next_words = tl.load(w_ptrs + kw_start, mask=wmask, other=0)
+        for kw in range(kw_start, kw_end, STEP):
+            words = next_words  # [BN, G, WPG], loaded one iteration ahead
+            wmask = nmask[:, None, None] & (kw + STEP + word_off < kw_end)[None, :, :]
+            next_words = tl.load(w_ptrs + (kw + STEP), mask=wmask, other=0)
+            words_idx = kw + word_off  # [G, WPG]
+            kidx = words_idx[:, :, None] * EPW + e[None, None, :]  # [G, WPG, EPW] input feature of each value
+            # one float tensor per field position, each in the words' own layout (no [.., EPW] axis to reduce)
+            q0 = _field(words, 0, BITS, MAGIC, OFFSET)
+            q1 = _field(words, 1, BITS, MAGIC, OFFSET)
+            q2 = _field(words, 2, BITS, MAGIC, OFFSET)
+            q3 = _field(words, 3, BITS, MAGIC, OFFSET)
+            if EPW == 8:
+                q4 = _field(words, 4, BITS, MAGIC, OFFSET)
+                q5 = _field(words, 5, BITS, MAGIC, OFFSET)
+                q6 = _field(words, 6, BITS, MAGIC, OFFSET)
+                q7 = _field(words, 7, BITS, MAGIC, OFFSET)
+            if BITS == 4:
+                group = kw // WPG + g  # [G]
+                smask = nmask[:, None]
+                if not EVEN_K:
+                    smask = smask & (group * WPG < kw_end)[None, :]
+                sptrs = group[None, :] * stride_sg + rn[:, None]  # [BN, G]
+                s = tl.load(s_ptr + sptrs, mask=smask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + sptrs, mask=smask, other=0.0).to(tl.float32)
+            for i in tl.static_range(BLOCK_M):
+                row = pid_m * BLOCK_M + i
+                xmask = (kidx < K) & (row < M)
+                xv = tl.load(x_ptr + row * stride_xm + kidx, mask=xmask, other=0.0).to(tl.float32)  # [G, WPG, EPW]
+                # x of field position p: split the EPW axis by its bits (p = 4a + 2b + c)
+                if EPW == 8:
+                    xc0, xc1 = tl.split(tl.reshape(xv, [GROUPS_PER_ITER, WPG, 2, 2, 2]))  # c = 0 / 1
+                    x_04, x_26 = tl.split(xc0)
+                    x_15, x_37 = tl.split(xc1)
+                    x0, x4 = tl.split(x_04)
+                    x2, x6 = tl.split(x_26)
+                    x1, x5 = tl.split(x_15)
+                    x3, x7 = tl.split(x_37)
+                    prod = (q0 * x0[None] + q1 * x1[None] + q2 * x2[None] + q3 * x3[None]
+                            + q4 * x4[None] + q5 * x5[None] + q6 * x6[None] + q7 * x7[None])  # [BN, G, WPG]
+                else:
+                    xb0, xb1 = tl.split(tl.reshape(xv, [GROUPS_PER_ITER, WPG, 2, 2]))  # b = 0 / 1
+                    x0, x2 = tl.split(xb0)
+                    x1, x3 = tl.split(xb1)
+                    prod = q0 * x0[None] + q1 * x1[None] + q2 * x2[None] + q3 * x3[None]
+                d = tl.sum(prod, axis=2)  # [BN, G]
+                if BITS == 4:
+                    if EPW == 8:
+                        xs = tl.sum(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, axis=1)  # [G]
+                    else:
+                        xs = tl.sum(x0 + x1 + x2 + x3, axis=1)
+                    d = (d - z * xs[None, :]) * s
+                if BLOCK_M == 1:
+                    acc_g += d
+                else:
+                    acc += tl.where(rows[:, None] == i, tl.sum(d, axis=1)[None, :], 0.0)
+        if BLOCK_M == 1:
+            acc += tl.sum(acc_g, axis=1)[None, :]
+
+    if BITS == 8:
+        s = tl.load(s_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+        acc = acc * s[None, :]
+    omask = mmask[:, None] & nmask[None, :]
+    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    if SPLIT_K:
+        part_off = rm[:, None] * N + rn[None, :]  # [BM, BN] inside one split's [M, N]
+        tl.store(part_ptr + pid_s * M * N + part_off, acc, mask=omask)
+        num_splits = tl.num_programs(1)
+        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+        tl.debug_barrier()  # every thread's partial stores happen before the (releasing) ticket
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for sp in range(0, num_splits):
+                total += tl.load(part_ptr + sp * M * N + part_off, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(counter, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _field(words, pos: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr):
+    """The ``pos``-th ``BITS``-wide field of every int32 word, as an exact float32 (``int8``: signed)."""
+    return (((words >> (pos * BITS)) & ((1 << BITS) - 1)) ^ MAGIC).to(tl.float32, bitcast=True) - OFFSET
+
+
+def _group(method: str, group_size: int) -> int:
+    return group_size if method == "int4" else INT8_CHUNK
+
+
+def plan_quant_matmul(m: int, n: int, k: int, method: str, group_size: int = 128,
+                      device: Optional[torch.device] = None, use_dot: Optional[bool] = None) -> QuantMatmulConfig:
+    """The tiling :func:`quant_matmul` launches for ``x`` ``[m, k]`` and a weight of ``n`` outputs (not tuned on a
+    GPU yet: ``benchmarks/linear.py`` times alternatives). ``device`` sets the SM count the split aims at (``None``
+    or a CPU: an H200's 132); ``use_dot`` forces a loop (default: FMA up to :data:`FMA_MAX_M` rows)."""
+    group = _group(method, group_size)
+    if use_dot is None:
+        use_dot = m > FMA_MAX_M
+    if use_dot:
+        block_m = min(max(16, next_pow2(m)), 64 if m <= 64 else 128)
+        block_n = 64 if m <= 64 else 128
+        groups_per_iter, num_warps, num_stages = 1, 4, 3
+        if m > 64:
+            num_warps = 8
+    else:
+        block_m = next_pow2(m)
+        block_n = 32 if block_m <= 2 else 16
+        groups_per_iter = max(1, 256 // group)
+        num_warps, num_stages = 4, 2
+    iters = math.ceil(k / (group * groups_per_iter))
+    tiles = math.ceil(n / block_n) * math.ceil(m / block_m)
+    split = 1
+    if m <= 64:
+        split = min(iters, max(1, math.ceil(PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
+    # swap_ab: the weight tile as the MMA's 64-row A operand and x as a narrow B (wgmma m64nBMk16) while M is small
+    return QuantMatmulConfig(block_m, block_n, groups_per_iter, split, use_dot, num_warps, num_stages,
+                             swap_ab=use_dot and block_m <= 64)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """The device's zeroed tickets (at least ``size``; every launch leaves them zero)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < size:
+        counters = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                 method: str, group_size: int = 128, bias: Optional[torch.Tensor] = None,
+                 config: Optional[QuantMatmulConfig] = None) -> torch.Tensor:
+    """``y = x @ w.T + bias`` for a quantized ``w`` (:func:`questkv.ops.quant_reference.quant_matmul`'s
+    signature), in one launch; ``config`` overrides :func:`plan_quant_matmul`.
+
+    Args:
+        x: ``[M, K]`` bf16 / fp16 / fp32, last dimension contiguous.
+        qweight, scales, zeros, method, group_size: the weight (contiguous).
+        bias: ``[N]`` or ``None``.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    """
+    n, k = check_quant_args(x, qweight, scales, zeros, method, group_size)
+    m = x.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if k % 4:
+        raise ValueError(f"quant_matmul (triton) needs in_features divisible by 4 (int32 words), got {k}")
+    cfg = config or plan_quant_matmul(m, n, k, method, group_size, x.device)
+    bits = 4 if method == "int4" else 8
+    group = _group(method, group_size)
+    words = qweight.view(torch.int32)  # [N, K * bits // 32] little-endian words
+    k_words = k * bits // 32
+    step_words = cfg.groups_per_iter * group * bits // 32
+    iters = math.ceil(k_words / step_words)
+    per_split = math.ceil(iters / cfg.split_k)
+    split = math.ceil(iters / per_split)  # no empty split
+    words_per_split = per_split * step_words
+    even_k = k_words % step_words == 0
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, grid[0] * grid[2])
+    else:
+        part = counters = out  # never read
+    upcast = interpreting() and x.dtype == torch.bfloat16  # the interpreter's bf16 dot is wrong; fp16's is right
+    magic16, offset16 = 0, 0.0
+    if cfg.use_dot and bits == 4 and not upcast:
+        magic16, offset16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(x.dtype, (0, 0.0))
+    _quant_matmul_kernel[grid](
+        x, words, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, part,
+        counters, out,
+        m, n, k, k_words, words_per_split,
+        x.stride(0), words.stride(0), scales.stride(0) if method == "int4" else 0, out.stride(0),
+        BITS=bits, GROUP=group, GROUPS_PER_ITER=cfg.groups_per_iter, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split > 1, USE_DOT=cfg.use_dot,
+        UPCAST=upcast, IEEE=x.dtype == torch.float32, EVEN_K=even_k, SWAP_AB=cfg.swap_ab,
+        MAGIC16=magic16, OFFSET16=offset16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch's int4 kernel (tinygemm), CUDA and bf16 only
+
+
+def tinygemm_pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 128,
+                  inner_k_tiles: Optional[int] = None, high_nibble_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``int4`` weight (:mod:`questkv.ops.quant_reference` format) in ``_weight_int4pack_mm``'s layout.
+
+    tinygemm computes ``w = (q - 8) * s + z'``; ours ``(q - z) * s``, so ``z' = (8 - z) * s`` (rounded to bf16).
+    Its packer takes ``uint8 [N, K // 2]`` with element ``2j`` in the high nibble (torchao's order;
+    ``high_nibble_first=False`` keeps ours, for a check of that order on the GPU).
+
+    Returns:
+        ``(packed, scales_and_zeros)``: the packer's output and ``[K // group_size, N, 2]`` bf16.
+    """
+    q = unpack_int4(qweight)  # [N, K]
+    k = q.shape[1]
+    if high_nibble_first:
+        pairs = (q[:, 0::2] << 4) | q[:, 1::2]
+    else:
+        pairs = q[:, 0::2] | (q[:, 1::2] << 4)
+    if inner_k_tiles is None:
+        inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+    packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
+    s = scales.float()
+    scales_and_zeros = torch.stack((s, (8 - zeros.float()) * s), dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_and_zeros
+
+
+def tinygemm_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int = 128,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` ``[M, K]`` bf16 through ``torch.ops.aten._weight_int4pack_mm`` → ``[M, N]`` bf16."""
+    y = torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
+    return y if bias is None else y + bias

@@ -1,0 +1,157 @@
+"""Weight-only quantized matmul: the storage format against an independent unpack, round-to-nearest quantization,
+the torch reference, and the Triton kernel (under ``TRITON_INTERPRET=1``) against the reference.
+
+Tolerances: float32 inputs 1e-5 relative to the largest output (float32 sums in another order); float16 inputs
+2e-3 (one float16 rounding of the output, the 1024-offset trick of the ``tl.dot`` loop); bfloat16 inputs one
+bfloat16 step of the largest output (the interpreter truncates float32 to bfloat16 instead of rounding).
+"""
+
+import dataclasses
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from questkv.layers.quantized_linear import quant_matmul as dispatch
+from questkv.ops import quant_reference as ref
+
+qk = pytest.importorskip("questkv.ops.triton.quant_matmul")
+
+N_ODD, K = 37, 384  # odd outputs; K = 3 groups of 128 (not a multiple of the FMA loop's 256: a tail iteration)
+
+
+def _weight(method, n, k, seed, dtype=torch.float32, group_size=128):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn((n, k), generator=gen) * (0.5 + torch.rand((n, 1), generator=gen))
+    return ref.quantize_weight(w, method, group_size, dtype=dtype)
+
+
+def _inputs(m, k, n, seed, dtype):
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randn((m, k), generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the format
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_unpack_matches_an_independent_byte_and_word_reading():
+    gen = torch.Generator().manual_seed(3)
+    qweight = torch.randint(0, 256, (5, 64), generator=gen, dtype=torch.uint8)
+    got = ref.unpack_int4(qweight).numpy()
+    raw = qweight.numpy()
+    for n in range(raw.shape[0]):
+        for j, byte in enumerate(raw[n].tolist()):
+            assert got[n, 2 * j] == byte % 16 and got[n, 2 * j + 1] == byte // 16
+        # the kernels' view: little-endian int32 words, value 8j + i in bits 4i .. 4i + 3
+        words = np.frombuffer(raw[n].tobytes(), dtype="<u4")
+        for j, word in enumerate(words.tolist()):
+            assert [(word >> (4 * i)) & 15 for i in range(8)] == got[n, 8 * j : 8 * j + 8].tolist()
+    assert torch.equal(ref.pack_int4(ref.unpack_int4(qweight)), qweight)
+
+
+@pytest.mark.parametrize("method", ref.METHODS)
+def test_round_to_nearest_stays_within_half_a_step_and_zero_groups_stay_zero(method):
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn((6, 256), generator=gen)
+    w[2, :128] = 0.0  # a whole int4 group of zeros
+    w[4] = 0.0  # a whole int8 row of zeros
+    qw = ref.quantize_weight(w, method)
+    back = ref.dequantize(*qw, method)
+    if method == "int4":
+        assert qw.qweight.dtype == torch.uint8 and qw.qweight.shape == (6, 128) and qw.scales.shape == (2, 6)
+        step = qw.scales.t().repeat_interleave(128, dim=1)  # [N, K]
+        assert torch.all((qw.zeros == qw.zeros.round()) & (qw.zeros >= 0) & (qw.zeros <= 15))
+    else:
+        assert qw.qweight.dtype == torch.int8 and qw.zeros is None and qw.scales.shape == (6,)
+        step = qw.scales[:, None].expand_as(w)
+    assert torch.all((back - w).abs() <= step / 2 + 1e-6)
+    assert torch.all(back[2, :128] == 0) and torch.all(back[4] == 0)
+
+
+@pytest.mark.parametrize("method", ref.METHODS)
+def test_reference_is_the_float_matmul_of_the_dequantized_weight(method):
+    qw = _weight(method, N_ODD, K, seed=7)
+    x, bias = _inputs(3, K, N_ODD, seed=7, dtype=torch.float32)
+    want = x @ ref.dequantize(*qw, method).t() + bias
+    torch.testing.assert_close(ref.quant_matmul(x, *qw, method, bias=bias), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_raise_value_errors_naming_them():
+    qw = _weight("int4", 8, 256, seed=1)
+    x = torch.randn(2, 256)
+    with pytest.raises(ValueError, match="quantization must be one of 'int4', 'int8'; got 'int3'"):
+        ref.quant_matmul(x, *qw, "int3")
+    with pytest.raises(ValueError, match="in_features must be a multiple of the int4 group size 128, got 200"):
+        ref.quantize_weight(torch.randn(4, 200), "int4")
+    with pytest.raises(ValueError, match="group_size must be one of 32, 64, 128, 256; got 100"):
+        ref.quantize_weight(torch.randn(4, 200), "int4", group_size=100)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        ref.quant_matmul(x, qw.qweight, qw.scales.t(), qw.zeros, "int4")
+    with pytest.raises(ValueError, match="quant_matmul backend must be one of"):
+        dispatch(x, *qw, "int4", backend="cutlass")
+
+
+def test_dispatch_picks_the_reference_on_cpu_and_dequant_agrees():
+    qw = _weight("int4", N_ODD, K, seed=11)
+    x, bias = _inputs(4, K, N_ODD, seed=11, dtype=torch.float32)
+    want = ref.quant_matmul(x, *qw, "int4", bias=bias)
+    assert torch.equal(dispatch(x, *qw, "int4", bias=bias), want)
+    torch.testing.assert_close(dispatch(x, *qw, "int4", bias=bias, backend="dequant"), want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the Triton kernel (interpreter)
+# ---------------------------------------------------------------------------------------------------------------
+
+_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2 ** -7}
+
+
+def _check_kernel(method, m, dtype, use_dot, seed, n=N_ODD, k=K, group_size=128, bias=True, swap_ab=None):
+    qw = _weight(method, n, k, seed, dtype, group_size)
+    x, b = _inputs(m, k, n, seed, dtype)
+    b = b if bias else None
+    cfg = qk.plan_quant_matmul(m, n, k, method, group_size, torch.device("cpu"), use_dot=use_dot)
+    if swap_ab is not None:
+        cfg = dataclasses.replace(cfg, swap_ab=swap_ab)
+    got = qk.quant_matmul(x, *qw, method, group_size, bias=b, config=cfg)
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    want = ref.quant_matmul(x.float(), qw.qweight, qw.scales.float(), f32(qw.zeros), method, group_size, f32(b))
+    assert got.dtype == dtype and got.shape == (m, n)
+    err = (got.float() - want).abs().max().item() / want.abs().max().item()
+    assert err <= _TOL[dtype], (method, m, dtype, use_dot, cfg, err)
+    return cfg
+
+
+@pytest.mark.parametrize("method", ref.METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, use_dot", [(1, False), (3, False), (16, False), (1, True), (16, True), (33, True)])
+def test_kernel_matches_the_reference(method, dtype, m, use_dot):
+    seed = zlib.crc32(f"{method} {dtype} {m} {use_dot}".encode()) % 1000  # fresh per test, reproducible
+    cfg = _check_kernel(method, m, dtype, use_dot, seed)
+    assert cfg.split_k > 1  # a small N gets several programs per output tile: the ticket path is exercised
+
+
+@pytest.mark.parametrize("method, m, use_dot, swap_ab", [("int4", 2, False, None), ("int4", 5, True, True),
+                                                         ("int8", 1, False, None), ("int4", 16, True, False)])
+def test_kernel_matches_the_reference_in_bfloat16(method, m, use_dot, swap_ab):
+    _check_kernel(method, m, torch.bfloat16, use_dot, seed=m + 17, swap_ab=swap_ab)
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_kernel_with_group_32_no_bias_and_one_split(use_dot):
+    cfg = _check_kernel("int4", 3, torch.float32, use_dot, seed=23, n=16, k=256, group_size=32, bias=False)
+    qw = _weight("int4", 16, 256, 29, torch.float32, group_size=32)
+    x, _ = _inputs(3, 256, 16, 29, torch.float32)
+    one = qk.quant_matmul(x, *qw, "int4", 32, config=dataclasses.replace(cfg, split_k=1))
+    torch.testing.assert_close(one, ref.quant_matmul(x, *qw, "int4", 32), rtol=1e-5, atol=1e-5)
+
+
+def test_split_k_tickets_reset_themselves_and_results_repeat_bit_for_bit():
+    qw = _weight("int8", N_ODD, K, seed=31)
+    x, bias = _inputs(2, K, N_ODD, seed=31, dtype=torch.float32)
+    first = qk.quant_matmul(x, *qw, "int8", bias=bias)
+    assert int(qk._COUNTERS[x.device].abs().sum()) == 0
+    assert torch.equal(qk.quant_matmul(x, *qw, "int8", bias=bias), first)
