@@ -13,7 +13,7 @@ step N, so a decode input may be a token still in flight (the runner reads it on
 in-flight tokens will surely end it by length is not scheduled again, and one that stops on a token or a stop
 string costs at most one discarded step.
 
-A sequence therefore caches at most ``min(num_prompt_tokens + max_tokens, max_model_len) - 1`` tokens.
+A sequence therefore caches at most ``num_prompt_tokens + max_tokens - 1 <= max_model_len - 1`` tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from questkv.cache.paged import PagedKVCache
 from questkv.engine.sequence import Sequence, SequenceStatus
 from questkv.validation import check_int
 
-__all__ = ["ScheduledBatch", "Scheduler"]
+__all__ = ["ScheduledBatch", "Scheduler", "check_length"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,25 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         """All input tokens of the step."""
         return sum(self.num_new_tokens)
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt: str = "prompt") -> None:
+    """Raise ``ValueError`` unless ``num_prompt_tokens`` and ``max_tokens`` fit ``max_model_len``: the prompt
+    leaves room for one generated token and ``max_tokens`` does not run past the context (refused, never
+    clamped). The engine's and the server's one rule; ``prompt`` names the prompt in the message (the server's
+    ``messages``)."""
+    check_int("num_prompt_tokens", num_prompt_tokens, minimum=1)
+    check_int("SamplingParams.max_tokens", max_tokens, minimum=1)
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"the {prompt} has {num_prompt_tokens} tokens but max_model_len={max_model_len} allows at most "
+            f"{max_model_len - 1}, leaving room for one generated token"
+        )
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"max_tokens={max_tokens} with the {prompt}'s {num_prompt_tokens} tokens exceeds "
+            f"max_model_len={max_model_len}: max_tokens may be at most {max_model_len - num_prompt_tokens}"
+        )
 
 
 class Scheduler:
@@ -122,18 +141,12 @@ class Scheduler:
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``ValueError`` unless a request of this size can run (alone, if need be).
 
-        The prompt must leave room for one generated token within ``max_model_len``, and the most tokens the
-        sequence ever caches (``min(num_prompt_tokens + max_tokens, max_model_len) - 1``) must fit one
-        sequence's page-table row and the pages available to requests (free or held by running sequences).
+        The request must fit ``max_model_len`` (:func:`check_length`), and the most tokens the sequence ever
+        caches (``num_prompt_tokens + max_tokens - 1``) must fit one sequence's page-table row and the pages
+        available to requests (free or held by running sequences).
         """
-        check_int("num_prompt_tokens", num_prompt_tokens, minimum=1)
-        check_int("SamplingParams.max_tokens", max_tokens, minimum=1)
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt_tokens} tokens but max_model_len={self.max_model_len} allows at most "
-                f"{self.max_model_len - 1}, leaving room for one generated token"
-            )
-        cached = min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
+        check_length(num_prompt_tokens, max_tokens, self.max_model_len)
+        cached = num_prompt_tokens + max_tokens - 1
         need = self.cache.pages_for_tokens(cached)
         usable = self._usable_pages()
         if need > min(usable, self.cache.max_pages_per_seq):

@@ -35,6 +35,7 @@ from typing import AsyncIterator, Optional, Union
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from questkv.engine.scheduler import check_length
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.sequence import RequestOutput
 from questkv.server import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, protocol
@@ -277,20 +278,15 @@ class OpenAIServing:
     def _sampling_params(self, body, num_prompt_tokens: int, default_max_tokens: Optional[int],
                          prompt_param: str) -> SamplingParams:
         limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise RequestError(
-                f"the {prompt_param} has {num_prompt_tokens} tokens but max_model_len={limit} allows at most "
-                f"{limit - 1} (room for one generated token)", param=prompt_param)
-        room = limit - num_prompt_tokens
         if body.max_tokens is None:
-            room = max(min(room, self.max_cached_tokens + 1 - num_prompt_tokens), 1)  # the engine refuses what can't fit
+            room = max(min(limit, self.max_cached_tokens + 1) - num_prompt_tokens, 1)  # the engine refuses the rest
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-        elif body.max_tokens > room:
-            raise RequestError(
-                f"max_tokens={body.max_tokens} with the {prompt_param}'s {num_prompt_tokens} tokens exceeds "
-                f"max_model_len={limit}: max_tokens may be at most {room}", param="max_tokens")
         else:
             max_tokens = body.max_tokens
+        try:  # the engine's own rule
+            check_length(num_prompt_tokens, max_tokens, limit, prompt=prompt_param)
+        except ValueError as error:
+            raise RequestError(str(error), param="max_tokens" if "max_tokens" in str(error) else prompt_param) from None
         quest = body.quest or QuestOptions()
         if quest.token_budget is not None:
             try:

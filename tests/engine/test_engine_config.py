@@ -190,8 +190,11 @@ def test_a_prompt_of_max_model_len_tokens_is_refused_and_one_token_shorter_runs(
     with pytest.raises(ValueError, match=re.escape(f"the prompt has {MAX_LEN} tokens but max_model_len={MAX_LEN} "
                                                    f"allows at most {MAX_LEN - 1}")):
         llm.generate([prompt(MAX_LEN)], greedy(), use_tqdm=False)
-    (out,) = llm.generate([prompt(MAX_LEN - 1)], greedy(8), use_tqdm=False)
-    assert len(out.token_ids) == 1 and out.finish_reason == "length"  # max_model_len reached
+    with pytest.raises(ValueError, match=re.escape(f"max_tokens=8 with the prompt's {MAX_LEN - 1} tokens exceeds "
+                                                   f"max_model_len={MAX_LEN}: max_tokens may be at most 1")):
+        llm.generate([prompt(MAX_LEN - 1)], greedy(8), use_tqdm=False)  # refused, never clamped
+    (out,) = llm.generate([prompt(MAX_LEN - 1)], greedy(1), use_tqdm=False)
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("quest,budget,message", [

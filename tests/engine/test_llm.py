@@ -279,10 +279,12 @@ def test_stop_token_ids_and_max_tokens_finish_with_their_reasons(model_dir):
     assert short.token_ids == ref[:k] and short.finish_reason == "length" and short.stop_reason is None
 
 
-def test_a_request_reaching_max_model_len_finishes_with_length(model_dir):
+def test_a_request_reaching_max_model_len_finishes_with_length_and_one_past_it_is_refused(model_dir):
     llm = make_llm(model_dir, max_model_len=40)
     p = prompt(random.randint(10, 30))
-    (out,) = llm.generate([p], greedy(100), use_tqdm=False)
+    with pytest.raises(ValueError, match=f"max_tokens may be at most {40 - len(p)}"):
+        llm.generate([p], greedy(41 - len(p)), use_tqdm=False)
+    (out,) = llm.generate([p], greedy(40 - len(p)), use_tqdm=False)
     assert len(out.token_ids) == 40 - len(p) and out.finish_reason == "length"
     assert out.token_ids == run(make_llm(model_dir), [p], greedy(40 - len(p)))[0]
 

@@ -60,8 +60,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         seq = request(self.next_id, prompt_len, max_tokens=max_tokens, ignore_eos=ignore_eos,
                       stop_token_ids=[] if stop_token is None else [stop_token])
         self.next_id += 1
-        cached = min(prompt_len + max_tokens, self.MAX_MODEL_LEN) - 1
-        fits = prompt_len < self.MAX_MODEL_LEN and -(-cached // PAGE) <= self.POOL
+        cached = prompt_len + max_tokens - 1
+        fits = prompt_len + max_tokens <= self.MAX_MODEL_LEN and -(-cached // PAGE) <= self.POOL
         if not fits:
             with pytest.raises(ValueError):
                 self.scheduler.add(seq)
@@ -194,13 +194,13 @@ def test_preemption_takes_the_newest_sequence_and_puts_it_first_in_the_queue():
         ({"stop_token_ids": [9]}, [5, 9, 5], SequenceStatus.FINISHED_STOPPED, 9, 2),
         ({"stop_token_ids": [9], "ignore_eos": True}, [EOS, 9, 5], SequenceStatus.FINISHED_STOPPED, 9, 2),
         ({"max_tokens": 2}, [5, 6, 7], SequenceStatus.FINISHED_LENGTH, None, 2),
-        ({"max_tokens": 100}, [5] * 10, SequenceStatus.FINISHED_LENGTH, None, 4),  # max_model_len = 10
+        ({"max_tokens": 4}, [5] * 10, SequenceStatus.FINISHED_LENGTH, None, 4),  # max_model_len = 10 too
         ({"max_tokens": 2}, [5, EOS], SequenceStatus.FINISHED_STOPPED, None, 2),  # a stop wins over length
     ],
 )
 def test_token_stops_finish_with_their_reason_and_free_the_pages(params, tokens, status, reason, num_output):
     scheduler = make_scheduler(num_pages=10, max_model_len=10)
-    seq = request("r", 6, **params)
+    seq = request("r", 6, **{"max_tokens": 4, **params})
     scheduler.add(seq)
     for token in tokens:
         batch = scheduler.schedule()
@@ -264,7 +264,9 @@ def test_check_fits_refuses_requests_that_cannot_run_alone(prompt, max_tokens, m
         scheduler.add(request("r", prompt, max_tokens=max_tokens))
     assert not scheduler.has_unfinished()
     scheduler.check_fits(8, 1)  # 8 tokens cached at most: exactly 2 pages
-    make_scheduler(num_pages=2, max_model_len=9).check_fits(5, 100)  # max_model_len caps it at 8 cached tokens
+    make_scheduler(num_pages=2, max_model_len=9).check_fits(5, 4)  # 8 cached tokens: max_model_len's last
+    with pytest.raises(ValueError, match="max_tokens=5 with the prompt's 5 tokens exceeds max_model_len=9"):
+        make_scheduler(num_pages=2, max_model_len=9).check_fits(5, 5)  # refused, never clamped
 
 
 def test_check_fits_names_the_per_sequence_page_limit_and_bad_arguments():
