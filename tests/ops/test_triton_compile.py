@@ -110,14 +110,26 @@ _SCRIPT = textwrap.dedent(
     compile_attention("fp32", False, 4, 1)
     compile_attention("fp32", True, 4, 1)
     compile_estimate("fp32", 1, 4, 1, False)
-    for block_n, block_k, has_budgets in ((2048, 128, True), (8192, 256, False), (64, 64, True)):
-        compile_kernel(
+    # the one-program select: chunks and warps as the launcher picks them (select.row_launch) for tables of
+    # 64 pages, of the default chunk and wider, and chunks of 512 / 2048; budgets up to a dense row's 4096 pages;
+    # no spills at the default chunk
+    default_row_block = select._ROW_BLOCK
+    for max_pages, row_block, budget, has_budgets in ((4096, None, 128, True), (8192, None, 4096, False),
+                                                      (64, None, 64, True), (4096, 512, 256, True),
+                                                      (4096, 2048, 128, False)):
+        select._ROW_BLOCK = row_block or default_row_block
+        launch = select.row_launch(max_pages)
+        compiled = compile_kernel(
             select._select_pages_kernel,
             {"scores_ptr": "fp32", "lens_ptr": "i32", "budgets_ptr": "i32", "out_ptr": "i32"},
-            {"PAGE_SIZE": 16, "BUDGET": block_k, "SINK": 1, "RECENT": 2, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            {"PAGE_SIZE": 16, "BUDGET": budget, "SINK": 1, "RECENT": 2, "BLOCK": launch["BLOCK"],
              "HAS_BUDGETS": has_budgets},
-            num_warps=8,
+            num_warps=launch["num_warps"],
         )
+        if row_block is None and max_pages == 4096:
+            info = ptxas_info(compiled)
+            print("select row path, default chunk:", info)
+            assert "0 bytes spill stores" in info, info
     split_pointers = {"scores_ptr": "fp32", "lens_ptr": "i32", "budgets_ptr": "i32", "hist_ptr": "i32",
                       "chunk_hist_ptr": "i32", "chunk_above_ptr": "i32", "counter_ptr": "i32", "out_ptr": "i32"}
     for digit_bits, chunk, has_budgets in ((8, 512, True), (11, 1024, False)):

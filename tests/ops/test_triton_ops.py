@@ -111,6 +111,29 @@ def test_page_scores_matches_reference(dtype, heads, selection, reduction, block
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("selection,reduction", [("kv_head", "sum"), ("q_head", "sum")])
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_page_scores_in_a_wide_table_match_reference(selection, reduction, blocks, monkeypatch):
+    """A table far wider than every row (programs wholly past a sequence only store -inf, one of
+    two blocks may be past it): the scores equal the reference's, -inf at exactly its columns, into
+    an output full of garbage."""
+    monkeypatch.setattr(estimate, "_BLOCK_P", 4)
+    monkeypatch.setattr(estimate, "_BLOCKS_PER_PROGRAM", blocks)
+    monkeypatch.setattr(estimate, "_MIN_PROGRAMS_PER_SM", 0)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_q, num_kv, head_dim = HEADS[0]
+    page_size, num_pages, max_pages = 16, 40, 30
+    _, _, kmin, kmax = _pool(num_pages, page_size, num_kv, head_dim, torch.float32, gen)
+    table, lens = _batch([85, 1], page_size, num_pages, max_pages, gen)  # 6 pages and 1 of 30 columns
+    q = torch.randn(2, num_q, head_dim, generator=gen)
+    want = reference.page_scores(q, kmin, kmax, _readable(table), lens, page_size, selection, reduction)
+    got = torch.full_like(want, float("nan"))
+    tk.page_scores_into(got, q, kmin, kmax, table, lens, page_size, selection, reduction)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "lens,budget,sink,recent",
     [([250, 37], 5, 1, 1), ([256, 100], 8, 0, 0), ([40, 17], 6, 2, 1), ([16, 1], 3, 0, 2), ([130, 33], 11, 1, 3)],

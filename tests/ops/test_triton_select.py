@@ -1,9 +1,14 @@
-"""The split select (several programs per row, global histograms) against the torch reference,
-under the Triton interpreter (CPU).
+"""Both select paths against the torch reference, bit for bit, under the Triton interpreter (CPU).
 
-Chunks of 2 or 4 pages give up to 7 programs per row, the last one often partial; both digit
-widths run (8 bits x 4 passes, 11 / 11 / 10). Every launch must leave the merged histograms and
-counters zeroed, and a second launch on the same buffers must still match.
+The one-program path loops over chunks of its row, as many as the row's own pages fill: chunks of
+2 to 16 pages (``_ROW_BLOCK`` made small) give rows of one chunk, of several, and of a power of two
+plus one (17, 33, 65 pages), in tables much wider than every row, with ties across chunk boundaries
+and budgets at or above the row's pages (padding over several chunks).
+
+The split select (several programs per row, global histograms): chunks of 2 or 4 pages give up to
+7 programs per row, the last one often partial; both digit widths run (8 bits x 4 passes, 11 / 11 /
+10). Every launch must leave the merged histograms and counters zeroed, and a second launch on the
+same buffers must still match.
 """
 
 from __future__ import annotations
@@ -30,6 +35,82 @@ def _row(kind: str, max_pages: int, gen: torch.Generator) -> torch.Tensor:
         values = torch.tensor([float("-inf"), -1.0, -0.0, 0.0, 2.0])
         return values[torch.randint(len(values), (max_pages,), generator=gen)]
     return torch.full((max_pages,), 0.5)
+
+
+def _check_row(scores, lens, budget_pages, sink, recent, budgets=None):
+    """The one-program path into ``out`` full of garbage equals the reference."""
+    want = reference.select_pages(scores, lens, PAGE_SIZE, budget_pages, sink, recent, budgets)
+    out = torch.full(want.shape, 12345, dtype=torch.int32)
+    select.select_pages_into(out, scores, lens, PAGE_SIZE, budget_pages, sink, recent, budgets, split=False)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize(
+    "pages,max_pages,block",
+    [((17, 3), 64, 16), ((33, 1), 64, 16), ((65, 16), 80, 16), ((9, 16), 64, 8), ((16, 5), 16, 16)],
+)
+def test_row_select_follows_each_rows_pages(pages, max_pages, block, monkeypatch):
+    """Rows of very different lengths in one batch (one page past a power of two, a single page,
+    exactly one chunk), tables much wider than every row, partial last pages: every kind of score per
+    row, forced sink / recent pages, budgets below, at and above the rows' pages, with and without
+    per-row budgets (one of them 0), equal to the reference."""
+    monkeypatch.setattr(select, "_ROW_BLOCK", block)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    lens = torch.tensor([n * PAGE_SIZE - (3 if n > 1 else 0) for n in pages], dtype=torch.int32)
+    rows = [_row(KINDS[(seq + head) % len(KINDS)], max_pages, gen) for seq in range(2) for head in range(2)]
+    scores = torch.stack(rows).view(2, 2, max_pages)
+    budget_cases = ((5, 1, 2), (min(pages) + 1, 0, 1), (max(pages), 2, 0), (max(pages) + 2 * block, 0, 0))
+    for budget_pages, sink, recent in budget_cases:
+        _check_row(scores, lens, budget_pages, sink, recent)
+    budgets = torch.tensor([budget_pages * PAGE_SIZE, 0], dtype=torch.int32)
+    _check_row(scores, lens, budget_pages, 1, 1, budgets)
+    _check_row(scores, lens, budget_pages, 1, 1, budgets.flip(0))
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_row_select_breaks_ties_across_chunks_lowest_page_first(block, monkeypatch):
+    """Ties at the threshold spread over several chunks: the first ones by page index are kept,
+    whatever chunk holds them (few distinct values, -inf and both zeros among them; all equal)."""
+    monkeypatch.setattr(select, "_ROW_BLOCK", block)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    max_pages = 32
+    values = torch.tensor([float("-inf"), -0.0, 0.0, 1.0])
+    scores = torch.stack([values[torch.randint(len(values), (max_pages,), generator=gen)],
+                          torch.full((max_pages,), 0.25)]).view(2, 1, max_pages)
+    lens = torch.tensor([27 * PAGE_SIZE - 1, 13 * PAGE_SIZE], dtype=torch.int32)
+    for budget_pages in (3, 2 * block + 1, 12):
+        _check_row(scores, lens, budget_pages, 1, 1)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    max_pages=st.integers(1, 20),
+    block=st.sampled_from([2, 4, 8]),
+    budget_pages=st.integers(1, 12),
+    sink=st.integers(0, 2),
+    recent=st.integers(0, 2),
+    with_budgets=st.booleans(),
+    data=st.data(),
+)
+def test_row_select_property(batch, max_pages, block, budget_pages, sink, recent, with_budgets, data):
+    """Any shape, lengths (0 and past the table included), chunk size, budgets and score kinds: the
+    one-program path equals the reference."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    lengths = st.lists(st.integers(0, (max_pages + 2) * PAGE_SIZE), min_size=batch, max_size=batch)
+    lens = torch.tensor(data.draw(lengths), dtype=torch.int32)
+    kinds = data.draw(st.lists(st.sampled_from(KINDS), min_size=batch, max_size=batch))
+    scores = torch.stack([_row(kind, max_pages, gen) for kind in kinds]).view(batch, 1, max_pages)
+    budgets = None
+    if with_budgets:
+        pages = data.draw(st.lists(st.integers(0, budget_pages), min_size=batch, max_size=batch))
+        budgets = torch.tensor(pages, dtype=torch.int32) * PAGE_SIZE
+    old_block = select._ROW_BLOCK
+    select._ROW_BLOCK = block  # hypothesis forbids function-scoped fixtures (monkeypatch)
+    try:
+        _check_row(scores, lens, budget_pages, sink, recent, budgets)
+    finally:
+        select._ROW_BLOCK = old_block
 
 
 def _check_split(scores, lens, budget_pages, sink, recent, budgets, buffers):

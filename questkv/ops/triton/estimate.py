@@ -49,6 +49,39 @@ def _store_page_scores(out_ptr, seq, head, rows, p, per_q, valid, in_row, gmask,
 
 
 @triton.jit
+def _score_block(q_pos, q_neg, kmin_ptr, kmax_ptr, table_ptr, out_ptr, seq, head, rows, p, d, dmask, gmask,
+                 num_pages, max_pages, stride_bp, stride_bh, stride_tb, stride_ob, stride_oh,
+                 MODE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Score pages ``p`` (one block) of sequence ``seq`` for one KV head's query group (``q`` split by
+    sign into ``q_pos`` and ``q_neg``) and store them (:func:`_store_page_scores`)."""
+    in_row = p < max_pages
+    valid = in_row & (p < num_pages)
+    physical = tl.load(table_ptr + seq * stride_tb + p, mask=valid, other=0).to(tl.int64)
+    bound = physical[:, None] * stride_bp + head * stride_bh + d[None, :]
+    bmask = valid[:, None] & dmask[None, :]
+    lo = tl.load(kmin_ptr + bound, mask=bmask, other=0.0)
+    hi = tl.load(kmax_ptr + bound, mask=bmask, other=0.0)
+    if DOT_FP32:
+        lo = lo.to(tl.float32)
+        hi = hi.to(tl.float32)
+    score = tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
+    score += tl.dot(q_neg, tl.trans(lo), input_precision="ieee")  # [BLOCK_G, BLOCK_P]
+    _store_page_scores(out_ptr, seq, head, rows, p, score, valid, in_row, gmask, stride_ob, stride_oh, MODE)
+
+
+@triton.jit
+def _store_past_pages(out_ptr, seq, head, rows, p, in_row, gmask, stride_ob, stride_oh, MODE: tl.constexpr):
+    """Store ``-inf`` at pages ``p`` (all past the sequence) of the score rows :func:`_store_page_scores`
+    would write."""
+    if MODE == 0:
+        tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + p[None, :],
+                 tl.full([rows.shape[0], p.shape[0]], float("-inf"), tl.float32), mask=gmask[:, None] & in_row[None, :])
+    else:
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + p, tl.full([p.shape[0]], float("-inf"), tl.float32),
+                 mask=in_row)
+
+
+@triton.jit
 def _page_scores_kernel(
     q_ptr, kmin_ptr, kmax_ptr, table_ptr, lens_ptr, out_ptr,
     max_pages,
@@ -66,7 +99,9 @@ def _page_scores_kernel(
     once for every query head of the KV head's group, and the scores come from two matrix
     products on the tensor cores: ``max(q*lo, q*hi) = max(q, 0)*hi + min(q, 0)*lo`` element-wise,
     so ``score = max(q, 0) @ kmax^T + min(q, 0) @ kmin^T``. Splitting ``q`` by sign is exact in
-    any float dtype and products accumulate in float32. With ``USE_PDL`` it waits for the kernels before
+    any float dtype and products accumulate in float32. A program whose pages all lie past the
+    sequence (up to ``max_pages``, the table width) only stores ``-inf``: no reads, no products, so
+    the work follows each sequence's pages. With ``USE_PDL`` it waits for the kernels before
     it only at its first read, and lets the next kernel launch once its loop is done."""
     head = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -79,30 +114,23 @@ def _page_scores_kernel(
     g = tl.arange(0, BLOCK_G)
     gmask = g < GROUP
     rows = head * GROUP + g
-
-    q = tl.load(q_ptr + seq * stride_qb + rows[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    zero = tl.zeros_like(q)
-    q_pos = tl.maximum(q, zero).to(q.dtype)  # exact; Triton computes a 16-bit maximum in float32
-    q_neg = tl.minimum(q, zero).to(q.dtype)
-
-    for blk in tl.range(0, BLOCKS, num_stages=NUM_STAGES):
-        p = (pid_p * BLOCKS + blk) * BLOCK_P + tl.arange(0, BLOCK_P)
-        in_row = p < max_pages
-        valid = in_row & (p < num_pages)
-        physical = tl.load(table_ptr + seq * stride_tb + p, mask=valid, other=0).to(tl.int64)
-        bound = physical[:, None] * stride_bp + head * stride_bh + d[None, :]
-        bmask = valid[:, None] & dmask[None, :]
-        lo = tl.load(kmin_ptr + bound, mask=bmask, other=0.0)
-        hi = tl.load(kmax_ptr + bound, mask=bmask, other=0.0)
+    first = pid_p * BLOCKS * BLOCK_P  # the program's first page
+    if first >= num_pages:  # every page of the program is past the sequence: -inf, no reads, no products
+        for blk in tl.static_range(BLOCKS):
+            p = first + blk * BLOCK_P + tl.arange(0, BLOCK_P)
+            _store_past_pages(out_ptr, seq, head, rows, p, p < max_pages, gmask, stride_ob, stride_oh, MODE)
+    else:
+        q = tl.load(q_ptr + seq * stride_qb + rows[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
         if DOT_FP32:
-            lo = lo.to(tl.float32)
-            hi = hi.to(tl.float32)
-        score = tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
-        score += tl.dot(q_neg, tl.trans(lo), input_precision="ieee")  # [BLOCK_G, BLOCK_P]
-        _store_page_scores(out_ptr, seq, head, rows, p, score, valid, in_row, gmask, stride_ob, stride_oh, MODE)
+            q = q.to(tl.float32)
+        zero = tl.zeros_like(q)
+        q_pos = tl.maximum(q, zero).to(q.dtype)  # exact; Triton computes a 16-bit maximum in float32
+        q_neg = tl.minimum(q, zero).to(q.dtype)
+        for blk in tl.range(0, BLOCKS, num_stages=NUM_STAGES):
+            p = first + blk * BLOCK_P + tl.arange(0, BLOCK_P)
+            _score_block(q_pos, q_neg, kmin_ptr, kmax_ptr, table_ptr, out_ptr, seq, head, rows, p, d, dmask, gmask,
+                         num_pages, max_pages, stride_bp, stride_bh, stride_tb, stride_ob, stride_oh, MODE, DOT_FP32)
     if USE_PDL:
         gdc_launch_dependents()
 

@@ -1,7 +1,9 @@
 """Select kernels: top-K pages per (sequence, head) with forced sink / recent / current pages.
 
-Two paths with the same result: one program per (sequence, head) row for short rows, and for
-long rows a split radix select over chunks of the row (several launches, global histograms).
+Two paths with the same result: one program per (sequence, head) row, which loops over chunks of
+the row as many as the row's own pages fill (its cost follows each row's length, not the
+page-table width), and for long rows a split radix select over chunks of the row (several
+launches, global histograms).
 """
 
 from __future__ import annotations
@@ -19,11 +21,20 @@ from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, n
 # more keys per thread cost registers (measured on an H200, docs/gpu-kernels.md).
 _KEYS_PER_THREAD = 8
 _MIN_WARPS, _MAX_WARPS = 4, 16
-# Split path: taken (unless forced) from this many page-table columns on, for at most
+# One-program path: pages per chunk of its loop over a row (a power of two; not yet timed against
+# 512 or 2048, see benchmarks/select_cliff.py), so that a row of n pages costs ceil(n / _ROW_BLOCK)
+# chunks, and keys per thread in a chunk (the first chunk stays in registers beside the one being
+# read: 8 keys per thread spilled at 1024 pages in an sm_90 compile, 4 do not).
+_ROW_BLOCK = 1024
+_ROW_KEYS_PER_THREAD = 4
+# Split path: taken (unless forced) from this many page-table columns on (raised from 4096 when the
+# one-program path's cost began to follow the real pages: the engine's widths are powers of two, so a
+# 4096-column table holds rows of 2049-4096 pages, where the split path measured about as slow as the
+# old 4096-page block, docs/gpu-kernels.md; not yet re-timed, see benchmarks/select_cliff.py), for at most
 # _SPLIT_MAX_ROWS (sequence, head) rows (more rows already fill the GPU with one program each),
 # over chunks of _SPLIT_CHUNK_PAGES pages (a power of two), with digits of _DIGIT_BITS bits:
 # ceil(32 / bits) histogram passes, the last over the low bits left (8 -> 4 x 8, 11 -> 11/11/10).
-_SPLIT_MIN_PAGES = 4096
+_SPLIT_MIN_PAGES = 8192
 _SPLIT_MAX_ROWS = 32
 _SPLIT_CHUNK_PAGES = 512
 _DIGIT_BITS = 8
@@ -62,40 +73,75 @@ def _pick(hist, bins, remaining):
 
 
 @triton.jit
+def _digit_histogram(key, match, threshold, P: tl.constexpr):
+    """Histogram ``[256]`` int32 of digit ``P`` (bits ``31 - 8P`` to ``24 - 8P``) of the keys in ``match``
+    that share the threshold's top ``P`` digits."""
+    if P > 0:
+        match = match & ((key >> (32 - 8 * P)) == (threshold >> (32 - 8 * P)))
+    return tl.histogram(((key >> (24 - 8 * P)) & 255).to(tl.int32), 256, mask=match)
+
+
+@triton.jit
+def _compact_chunk(out_row_ptr, i, valid, key, threshold, ties, offset):
+    """Write the kept pages ``i`` of one chunk (keys above ``threshold``, then the first ``ties`` keys
+    equal to it) in ascending order from column ``offset``; returns ``(ties, offset)`` for the next chunk."""
+    tie = (valid & (key == threshold)).to(tl.int32)
+    chosen = valid & ((key > threshold) | ((tie == 1) & (tl.cumsum(tie, axis=0) - tie < ties)))
+    flag = chosen.to(tl.int32)
+    tl.store(out_row_ptr + offset + tl.cumsum(flag, axis=0) - flag, i, mask=chosen)
+    return ties - tl.sum(tie, axis=0), offset + tl.sum(flag, axis=0)
+
+
+@triton.jit
 def _select_row(scores_row_ptr, out_row_ptr, num_pages, remaining, max_pages,
-                BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr):
     """Select one row in one program: the ``remaining`` (``<= BUDGET``) top pages of the float32 score
-    row at ``scores_row_ptr`` (``max_pages <= BLOCK_N`` columns, ``num_pages`` of them valid), forced
-    pages first, written to the int32 row at ``out_row_ptr`` as ascending logical pages with ``-1``
-    padding up to ``BUDGET`` (``BLOCK_K >= BUDGET``).
+    row at ``scores_row_ptr`` (``max_pages`` columns, ``num_pages`` of them valid), forced pages first,
+    written to the int32 row at ``out_row_ptr`` as ascending logical pages with ``-1`` padding up to
+    ``BUDGET``.
 
     Radix select of the threshold key, then an order-preserving compaction (no sort). Each valid page
     gets a 32-bit key that orders like its score (forced pages score ``+inf``). Four 8-bit histogram
     passes find the threshold key ``T`` and how many pages equal to ``T`` still fit; pages above ``T``
     and the first such ties (lowest index first) are kept, and an exclusive prefix sum writes their
     indices in ascending order: the reference's choice exactly. The body of :func:`_select_pages_kernel`.
+
+    The row is read in chunks of ``BLOCK`` pages, as many as the row's pages fill
+    (``ceil(min(num_pages, max_pages) / BLOCK)``, none when it picks nothing), so the work follows the
+    row's length, not ``max_pages``. The first chunk stays in registers; every pass reloads the others
+    (from cache) and adds their histograms (not when the row keeps all its pages); the compaction
+    carries the output offset and the ties still to keep from chunk to chunk. The padding covers only
+    the columns past the kept pages.
     """
-    i = tl.arange(0, BLOCK_N)
-    valid, key = _page_keys(scores_row_ptr, i, num_pages, max_pages, SINK, RECENT)
+    row_pages = tl.minimum(num_pages, max_pages)
+    num_chunks = tl.where(remaining > 0, tl.cdiv(row_pages, BLOCK), 0)
+    keep_all = remaining >= row_pages  # the row keeps every valid page: its other chunks skip the passes
+    i0 = tl.arange(0, BLOCK)
+    valid0, key0 = _page_keys(scores_row_ptr, i0, num_pages, max_pages, SINK, RECENT)
+    valid0 = valid0 & (remaining > 0)
 
     threshold = tl.zeros([], tl.uint32)
-    match = valid
     bins = tl.arange(0, 256)
     for p in tl.static_range(4):
-        digit = ((key >> (24 - 8 * p)) & 255).to(tl.int32)
-        pick, above = _pick(tl.histogram(digit, 256, mask=match), bins, remaining)
+        hist = _digit_histogram(key0, valid0, threshold, p)
+        for c in tl.range(1, tl.where(keep_all, 0, num_chunks)):
+            valid, key = _page_keys(scores_row_ptr, c * BLOCK + i0, num_pages, max_pages, SINK, RECENT)
+            hist += _digit_histogram(key, valid, threshold, p)
+        pick, above = _pick(hist, bins, remaining)
         remaining -= above
         threshold = threshold | (pick.to(tl.uint32) << (24 - 8 * p))
-        match = match & (digit == pick)
+    # keeping every valid page: every key is above 0 or a tie at 0 within the quota
+    threshold = tl.where(keep_all, tl.zeros([], tl.uint32), threshold)
+    remaining = tl.where(keep_all, row_pages, remaining)
 
-    tie = (valid & (key == threshold)).to(tl.int32)
-    chosen = valid & ((key > threshold) | ((tie == 1) & (tl.cumsum(tie, axis=0) - tie < remaining)))
-    flag = chosen.to(tl.int32)
-    position = tl.cumsum(flag, axis=0) - flag
-    tl.store(out_row_ptr + position, i, mask=chosen)
-    j = tl.arange(0, BLOCK_K)
-    tl.store(out_row_ptr + j, tl.full([BLOCK_K], -1, tl.int32), mask=(j >= tl.sum(flag, axis=0)) & (j < BUDGET))
+    ties, offset = _compact_chunk(out_row_ptr, i0, valid0, key0, threshold, remaining, tl.zeros([], tl.int32))
+    for c in tl.range(1, num_chunks):
+        i = c * BLOCK + i0
+        valid, key = _page_keys(scores_row_ptr, i, num_pages, max_pages, SINK, RECENT)
+        ties, offset = _compact_chunk(out_row_ptr, i, valid, key, threshold, ties, offset)
+    for c in tl.range(offset // BLOCK, (BUDGET + BLOCK - 1) // BLOCK):
+        j = c * BLOCK + i0
+        tl.store(out_row_ptr + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= offset) & (j < BUDGET))
 
 
 @triton.jit
@@ -105,15 +151,15 @@ def _select_pages_kernel(
     stride_sb, stride_sh,
     stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BUDGETS: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_BUDGETS: tl.constexpr,
 ):
-    """One program per (head, sequence) selects its row (:func:`_select_row`). With ``HAS_BUDGETS``
-    the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``)."""
+    """One program per (head, sequence) selects its row (:func:`_select_row`) in chunks of ``BLOCK``
+    pages. With ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``)."""
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     _select_row(scores_ptr + seq * stride_sb + head * stride_sh, out_ptr + seq * stride_ob + head * stride_oh,
-                num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK_N, BLOCK_K)
+                num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK)
 
 
 @triton.jit
@@ -344,11 +390,11 @@ def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, rec
             raise ValueError(f"budgets must be int32, got {budgets.dtype}")
 
 
-def row_launch(max_pages: int, budget_pages: int) -> dict:
-    """Block sizes and warps of the one-program select of a row of ``max_pages`` pages."""
-    block_n = next_pow2(max_pages)
-    return dict(BLOCK_N=block_n, BLOCK_K=next_pow2(budget_pages),
-                num_warps=min(_MAX_WARPS, max(_MIN_WARPS, block_n // (32 * _KEYS_PER_THREAD))))
+def row_launch(max_pages: int) -> dict:
+    """Chunk size and warps of the one-program select of rows of ``max_pages`` columns: chunks of
+    ``_ROW_BLOCK`` pages, or one chunk of ``next_pow2(max_pages)`` when the table is narrower."""
+    block = min(_ROW_BLOCK, next_pow2(max_pages))
+    return dict(BLOCK=block, num_warps=min(_MAX_WARPS, max(_MIN_WARPS, block // (32 * _ROW_KEYS_PER_THREAD))))
 
 
 def select_pages_into(
@@ -391,7 +437,7 @@ def select_pages_into(
         scores.stride(0), scores.stride(1),
         out.stride(0), out.stride(1),
         PAGE_SIZE=page_size, BUDGET=budget_pages, SINK=sink_pages, RECENT=recent_pages,
-        HAS_BUDGETS=budgets is not None, **row_launch(max_pages, budget_pages),
+        HAS_BUDGETS=budgets is not None, **row_launch(max_pages),
     )
     return out
 
