@@ -361,7 +361,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 
 def tinygemm_pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 128,
-                  inner_k_tiles: Optional[int] = None, high_nibble_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  inner_k_tiles: Optional[int] = None,
+                  high_nibble_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """An ``int4`` weight (:mod:`questkv.ops.quant_reference` format) in ``_weight_int4pack_mm``'s layout.
 
     tinygemm computes ``w = (q - 8) * s + z'``; ours ``(q - z) * s``, so ``z' = (8 - z) * s`` (rounded to bf16).
