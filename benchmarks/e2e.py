@@ -109,19 +109,20 @@ def synthetic_prefill(engine) -> None:
         engine.scheduler.update(batch, [1] * len(batch.seqs))
 
 
-def time_engine(cfg, quest, batch, context, seed=0) -> dict:
+def time_engine(cfg, quest, batch, context, seed=0, quantization=None) -> dict:
     """ms per decode step of ``batch`` sequences at ``context`` tokens (synthetic prefill), with the host loop
     synchronous and asynchronous (``EngineConfig.async_scheduling``), on one engine, side by side; the GPU time
     of one graph replay; the kernels of one decode step (torch profiler over a replay).
 
-    Each mode's time is the median host wall time of one ``engine.step()`` call in a steady run of steps (no
+    Each mode's time is the wall time of the timed window of ``engine.step()`` calls over its steps (no
     synchronisation between calls: a synchronous step waits for its own tokens, an asynchronous one for the
-    step launched before it)."""
+    step launched before it); the median call is kept beside it."""
     steps = WARMUP_STEPS + TIMED_STEPS
     total = 2 * steps + 2
     need = batch * (context + total + 2 * PAGE) * kv_bytes_per_token(cfg) * (2 * PAGE + 2) // (2 * PAGE)
     llm = LLM(cfg, quest=quest, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
-              max_model_len=context + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed)
+              max_model_len=context + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed,
+              quantization=quantization)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=total + 4, ignore_eos=True)
     gen = torch.Generator().manual_seed(seed)
@@ -142,15 +143,18 @@ def time_engine(cfg, quest, batch, context, seed=0) -> dict:
             if (mode == "sync" or i > 0) and (len(outputs) != batch or outputs[0].finished):
                 raise RuntimeError(f"{mode} decode step {i} returned {len(outputs)} outputs")
         timed = times[WARMUP_STEPS:]
-        ms = statistics.median(timed) * 1e3
+        ms = sum(timed) / len(timed) * 1e3  # the timed window's wall time per step: calls run back to back
         result[mode] = {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3,
+                        "median_call_ms": statistics.median(timed) * 1e3,
                         "spread_ms": [min(timed) * 1e3, max(timed) * 1e3]}
     attended = engine.scheduler.running[0].metrics().mean_tokens_attended if engine.scheduler.running else None
     graphs = len(engine.runner.graphs)
     graph_ms = replay_ms(engine.runner)
     kernels = profile_replay(engine.runner)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    del llm, engine, outputs
+    model = engine.runner.model  # quantized layers keep their packed weights as buffers (RoPE tables: not weights)
+    weights = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.endswith("_cache"))]
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights)
+    del llm, engine, outputs, model
     gc.collect()
     torch.cuda.empty_cache()
     for mode in result.values():
@@ -159,19 +163,20 @@ def time_engine(cfg, quest, batch, context, seed=0) -> dict:
             "weight_bytes": weight_bytes, "graph_replay_ms": graph_ms, "kernels": kernels}
 
 
-def replay_ms(runner) -> float:
-    """GPU time of one replay of the last captured decode graph (CUDA events, median of 20): the decode
-    step without the host's scheduling, input copy and sampling."""
+def replay_ms(runner, replays: int = 20) -> float:
+    """GPU time of one replay of the last captured decode graph: ``replays`` replays back to back between two
+    CUDA events (after 5 untimed), divided by their number. The decode step without the host's scheduling, input
+    copy and sampling; back to back, as the engine's steps run, so no replay pays an idle GPU's launch latency."""
     graph = runner.graphs.latest()
-    times = []
-    for _ in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    for _ in range(5):
         graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[5:])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def profile_replay(runner, top: int = 12) -> dict:
@@ -357,9 +362,12 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="leave out the HF baselines")
     parser.add_argument("--skip-checks", action="store_true", help="leave out the correctness checks")
     parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
+    parser.add_argument("--quantization", choices=["int4", "int8"], default=None,
+                        help="weight-only quantization of both engines' linears (default: bf16)")
     args = parser.parse_args()
     record = {"provenance": provenance("cuda"), "page_size": PAGE, "dense_layers": DENSE_LAYERS, "dtype": "bfloat16",
-              "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS, "pdl": triton_common.PDL, "points": []}
+              "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS, "pdl": triton_common.PDL,
+              "quantization": args.quantization, "points": []}
     record["bandwidth_bytes_per_s"] = bandwidth = measure_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     if not args.skip_checks:
@@ -372,8 +380,8 @@ def main() -> None:
         cfg = dummy_config(name, max_position_embeddings=max(context + 1024, 4096))
         quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
         point = {"model": name, "batch": batch, "context": context, "budget": budget, "target": target}
-        point["engine_dense"] = time_engine(cfg, None, batch, context)
-        point["engine_quest"] = time_engine(cfg, quest, batch, context)
+        point["engine_dense"] = time_engine(cfg, None, batch, context, quantization=args.quantization)
+        point["engine_quest"] = time_engine(cfg, quest, batch, context, quantization=args.quantization)
         weight_bytes = point["engine_dense"]["weight_bytes"]
         dense_floor, quest_floor = floor_ms(cfg, weight_bytes, batch, context, budget, bandwidth)
         point.update(floor_dense_ms=dense_floor, floor_quest_ms=quest_floor, ideal_speedup=dense_floor / quest_floor)

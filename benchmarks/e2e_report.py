@@ -117,7 +117,8 @@ def targets_section(record: dict) -> list[str]:
 
 def all_points_section(record: dict) -> list[str]:
     lines = ["## All points", "",
-             "ms = median host wall time per decode step; graph = GPU time of one replay of the decode CUDA graph; "
+             "ms = host wall time per decode step (the timed window of back-to-back steps); graph = GPU time of one "
+             "replay of the decode CUDA graph (replays back to back); "
              "host = ms − graph; floors = bytes read ÷ copy bandwidth. Pairs are dense / Quest.", "",
              "| model | B | context | budget | dense ms | Quest ms | speedup | ideal | dense floor ms | Quest floor ms | "
              "dense/floor | Quest/floor | graph ms | host ms | tokens/s | Quest tokens attended | HF eager ms | "
@@ -185,8 +186,8 @@ def host_overlap_section(record: dict) -> list[str]:
     if not points:
         return []
     lines = ["## Host overlap (async scheduling) and kernels per step", "",
-             "ms = median wall time of one `engine.step()` in a steady run; graph = GPU time of one replay of the "
-             "decode graph; host = ms − graph (the host time the GPU waits for; target ≤ 0.1 ms); kernels = kernels "
+             "ms = wall time per `engine.step()` over a steady window of back-to-back steps; graph = GPU time of one "
+             "replay of the decode graph (replays back to back); host = ms − graph (the host time the GPU waits for; target ≤ 0.1 ms); kernels = kernels "
              "in one replay (torch profiler), per layer = kernels ÷ layers. Pairs are dense / Quest.", "",
              "| model | B | context | budget | sync ms | async ms | graph ms | host ms sync | host ms async | "
              "host ≤ 0.1 ms | kernels | kernels per layer |",
@@ -221,8 +222,8 @@ def render_markdown(record: dict) -> str:
              f"- torch {prov.get('torch', '?')}, transformers {prov.get('transformers', '?')}, python {prov.get('python', '?')}",
              "", "## Settings", "",
              f"- dtype {record.get('dtype', '?')}, page size {record['page_size']}, dense_layers {record['dense_layers']}",
-             f"- {record.get('warmup_steps', '?')} warm-up + {record.get('timed_steps', '?')} timed decode steps per point "
-             "(median); contexts filled synthetically (random K/V), prefill timed separately",
+             f"- {record.get('warmup_steps', '?')} warm-up + {record.get('timed_steps', '?')} timed decode steps per point"
+             "; contexts filled synthetically (random K/V), prefill timed separately",
              f"- device-to-device copy bandwidth {bw / 1e12:.2f} TB/s (used for the bytes floors)", ""]
     lines += ["## Correctness checks", ""]
     fp32 = record.get("check_fp32")

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 PAGE_SIZE = 16
 HEADS = 8
 BUDGET_TOKENS = 2048

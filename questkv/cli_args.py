@@ -256,6 +256,9 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch each decode step before reading the previous step's tokens, so the "
                        "host's work overlaps the GPU's (default: on with CUDA graphs, off on CPU)")
+    group.add_argument("--quantization", default=None, choices=["int4", "int8"],
+                       help="weight-only quantization of the linear layers after loading: int4 (groups of 128) or "
+                       "int8 (per row), round to nearest (default: none, the checkpoint's dtype)")
     group.add_argument("--seed", type=int_at_least(0), default=0, help=f"{seed_help} (default: 0)")
     if serving:
         group.add_argument("--max-num-seqs", type=int_at_least(1), default=32,
@@ -296,8 +299,9 @@ def engine_kwargs(args) -> dict:
     device = None if args.device == "auto" else args.device
     on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
     kwargs = {"device": device, "dtype": resolve_dtype(args.dtype, on_cuda), "enforce_eager": args.enforce_eager}
-    if getattr(args, "async_scheduling", None) is not None:
-        kwargs["async_scheduling"] = args.async_scheduling
+    for name in ("async_scheduling", "quantization"):
+        if getattr(args, name, None) is not None:
+            kwargs[name] = getattr(args, name)
     if getattr(args, "max_model_len", None) is not None:
         kwargs["max_model_len"] = args.max_model_len
     for name in _SERVING_FIELDS:

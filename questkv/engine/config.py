@@ -18,6 +18,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("cpu", "cuda")
 GRAPH_CAPTURE = ("lazy", "startup")
+QUANTIZATIONS = ("int4", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,9 @@ class EngineConfig:
             stay on the device. ``None``: on with CUDA graphs, off otherwise (the CPU runs each step to its end
             anyway). Same tokens as the synchronous loop; a request that stops on a token or a stop string costs
             at most one discarded step.
+        quantization: weight-only quantization of the linear layers after loading: ``"int4"`` (groups of 128,
+            asymmetric, round to nearest), ``"int8"`` (per output row), or ``None`` (the checkpoint's dtype).
+            Embeddings and the LM head stay in ``dtype``. On CPU the torch reference, on CUDA the Triton kernels.
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
@@ -70,6 +74,7 @@ class EngineConfig:
     compile_elementwise: bool = True
     graph_capture: str = "lazy"
     async_scheduling: Optional[bool] = None
+    quantization: Optional[str] = None
     seed: int = 0
     load_format: str = "auto"
 
@@ -91,6 +96,8 @@ class EngineConfig:
         check_choice("EngineConfig.graph_capture", self.graph_capture, GRAPH_CAPTURE)
         if self.async_scheduling is not None:
             check_bool("EngineConfig.async_scheduling", self.async_scheduling)
+        if self.quantization is not None:
+            check_choice("EngineConfig.quantization", self.quantization, QUANTIZATIONS)
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")

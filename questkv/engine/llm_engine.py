@@ -17,6 +17,7 @@ from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import EngineConfig
 from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.engine.model_runner import ModelRunner, SampledTokens
+from questkv.layers.quantized_linear import quantize_linears
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
@@ -53,6 +54,10 @@ class LLMEngine:
                     f"QuestConfig.dense_layers={config.quest.dense_layers} leaves no sparse layer in a model of "
                     f"{loaded.spec.num_layers} layers"
                 )
+        if config.quantization is not None:
+            quantize_linears(loaded.model, config.quantization)
+            if config.torch_device.type == "cuda":
+                torch.cuda.empty_cache()  # the float weights' blocks: the KV pool is sized from what is free
         self.runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len)
         if config.use_cuda_graphs and config.graph_capture == "startup":
             self.runner.capture_decode_graphs(progress=True)

@@ -67,7 +67,8 @@ class ModelRunner:
         self.model = model
         self.spec = spec
         self.device = config.torch_device
-        weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+        # Quantized layers keep their packed weights as buffers.
+        weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         self.cache_spec = plan_cache(config, spec, max_model_len, self.device, weight_bytes)
         self.cache = PagedKVCache(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_spec.num_pages, config.page_size,

@@ -197,10 +197,10 @@ def test_no_page_leaks_after_many_requests_with_preemptions_stops_and_aborts(mod
     # then a dozen random requests that may stop early on a token.
     prompts = [prompt(random.randint(1, 8)) for _ in range(4)] + [prompt(random.randint(1, 40)) for _ in range(12)]
     params = [greedy(random.randint(30, 40), token_budget=random.choice([None, 8])) for _ in range(4)] + [
-        SamplingParams(temperature=random.choice([0, 1.0]), max_tokens=random.randint(1, 30),
+        SamplingParams(temperature=random.choice([0, 1.0]), max_tokens=random.randint(1, min(30, 64 - len(p))),
                        ignore_eos=random.random() < 0.5, stop_token_ids=random.sample(range(VOCAB), 2),
                        token_budget=random.choice([None, 8, 12]))
-        for _ in range(12)
+        for p in prompts[4:]
     ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(out.finished for out in outputs)
