@@ -152,7 +152,9 @@ def time_engine(cfg, quest, batch, context, seed=0, quantization=None) -> dict:
     graph_ms = replay_ms(engine.runner)
     kernels = profile_replay(engine.runner)
     model = engine.runner.model  # quantized layers keep their packed weights as buffers (RoPE tables: not weights)
-    weights = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.endswith("_cache"))]
+    # (the tinygemm copy of an int4 weight is a second copy of it: a step reads one of the two)
+    weights = [*model.parameters(), *(b for name, b in model.named_buffers()
+                                      if not name.endswith("_cache") and "tinygemm" not in name)]
     weight_bytes = sum(t.numel() * t.element_size() for t in weights)
     del llm, engine, outputs, model
     gc.collect()

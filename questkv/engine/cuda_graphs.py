@@ -9,6 +9,7 @@ inputs are the runner's (:class:`~questkv.engine.model_runner.ModelRunner`); thi
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -41,6 +42,13 @@ def table_width(pages: int, limit: int) -> int:
 def graph_widths(limit: int) -> list[int]:
     """Every :func:`table_width` of 1 to ``limit`` pages, descending."""
     return sorted({table_width(min(1 << k, limit), limit) for k in range(limit.bit_length() + 1)}, reverse=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture of the process: cuBLAS keeps a workspace (32 MiB on Hopper)
+    per stream it ever ran on, so a new stream per engine would leave one behind each time."""
+    return torch.cuda.Stream(device)
 
 
 class DecodeGraphs:
@@ -91,7 +99,7 @@ class DecodeGraphs:
     def capture(self, key: GraphKey, body: Body) -> None:
         """Capture the step of ``key``. The current static inputs are only read: warm-up and capture write K/V to
         the slots they name."""
-        stream = torch.cuda.Stream(self._device)
+        stream = _capture_stream(self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
             body(*key)  # compiles the kernels outside the capture

@@ -35,8 +35,16 @@ __all__ = [
     "quantize_linears",
 ]
 
+# ``auto`` on CUDA, by rows M (benchmarks/results/linear-h200.md, all linears of one llama3.1-8b token): int4 bf16 takes
+# torch's tinygemm up to 4 rows (2.43 / 2.55 / 3.30 ms at M = 1 / 2 / 4, against 3.36 / 6.44 / 14.0 for the Triton
+# kernel), the Triton kernel up to 64 rows (4.63 ms at M = 8 against 5.22), and above that (prefill) dequantizes
+# into a float weight for one GEMM, whose cost is shared by the prompt's rows.
+TINYGEMM_MAX_M = 4
+TRITON_MAX_M = 64
+
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm")
-"""How a quantized layer multiplies. ``auto``: ``triton`` for CUDA tensors, ``torch`` otherwise; ``torch``: the
+"""How a quantized layer multiplies. ``auto``: on CUDA by rows, ``tinygemm`` (int4 bf16) up to
+:data:`TINYGEMM_MAX_M`, ``triton`` up to :data:`TRITON_MAX_M`, ``dequant`` above; ``torch`` otherwise; ``torch``: the
 reference (dequantize to float32, float32 matmul); ``triton``: :mod:`questkv.ops.triton.quant_matmul`;
 ``dequant``: dequantize to ``x``'s dtype with torch ops, then ``F.linear`` (a large-``M`` candidate);
 ``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16; layers only, it needs its own copy
@@ -58,7 +66,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     """
     check_choice("quant_matmul backend", backend, BACKENDS[:-1])
     if backend == "auto":
-        backend = "triton" if x.is_cuda else "torch"
+        backend = ("triton" if x.shape[0] <= TRITON_MAX_M else "dequant") if x.is_cuda else "torch"
     if backend == "torch":
         return quant_reference.quant_matmul(x, qweight, scales, zeros, method, group_size, bias)
     if backend == "dequant":
@@ -141,7 +149,9 @@ class QuantizedLinear(nn.Module):
         """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`). ``tinygemm`` converts the weight
         into a second, non-persistent copy now (call it outside CUDA graph capture); others drop that copy."""
         check_choice(f"{type(self).__name__}.backend", backend, BACKENDS)
-        if backend == "tinygemm":
+        if backend == "auto" and self._tinygemm_fits():  # small batches take tinygemm: keep its copy too
+            self.set_backend("tinygemm")
+        elif backend == "tinygemm":
             if self.method != "int4" or self.qweight.device.type != "cuda" or self.scales.dtype != torch.bfloat16:
                 raise ValueError(f"{type(self).__name__}.backend 'tinygemm' needs int4 bf16 weights on CUDA, got "
                                  f"{self.method} {self.scales.dtype} on {self.qweight.device.type}")
@@ -155,6 +165,9 @@ class QuantizedLinear(nn.Module):
                 self._buffers.pop(name, None)
         self.backend = backend
 
+    def _tinygemm_fits(self) -> bool:
+        return self.method == "int4" and self.qweight.device.type == "cuda" and self.scales.dtype == torch.bfloat16
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[out_features, in_features]`` this layer multiplies by (a new tensor)."""
         return dequantize(self.qweight, self.scales, self.zeros, self.method, self.group_size, dtype)
@@ -163,7 +176,9 @@ class QuantizedLinear(nn.Module):
         """``x`` ``[..., in_features]`` (usually ``[T, in_features]``) → ``[..., out_features]`` in ``x.dtype``."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, K]
-        if self.backend == "tinygemm":
+        tinygemm = self.backend == "tinygemm" or (
+            self.backend == "auto" and "tinygemm_packed" in self._buffers and x2.shape[0] <= TINYGEMM_MAX_M)
+        if tinygemm:
             from questkv.ops.triton.quant_matmul import tinygemm_matmul
 
             y = tinygemm_matmul(x2, self.tinygemm_packed, self.tinygemm_scales_and_zeros, self.group_size, self.bias)
