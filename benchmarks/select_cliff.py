@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -178,11 +177,9 @@ def table_lines(rows: list[dict], unit: str) -> list[str]:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    from questkv.eval.provenance import git_commit  # $QUESTKV_COMMIT on the GPU machine, whose .git may be stale
+
+    return git_commit()
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,7 @@ _ROW_KEYS_PER_THREAD = 4
 # _SPLIT_MAX_ROWS (sequence, head) rows (more rows already fill the GPU with one program each),
 # over chunks of _SPLIT_CHUNK_PAGES pages (a power of two), with digits of _DIGIT_BITS bits:
 # ceil(32 / bits) histogram passes, the last over the low bits left (8 -> 4 x 8, 11 -> 11/11/10).
-_SPLIT_MIN_PAGES = 8192
+_SPLIT_MIN_PAGES = 4096
 _SPLIT_MAX_ROWS = 32
 _SPLIT_CHUNK_PAGES = 512
 _DIGIT_BITS = 8
