@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import math
 import platform
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.graph_timing import graph_replay_us  # noqa: E402
 from questkv.ops import LayerPages  # noqa: E402
 from questkv.config import RERANKS, QuestConfig  # noqa: E402
 from questkv.ops import reference  # noqa: E402
@@ -82,29 +84,8 @@ def time_graph(enqueue: Callable[[int], object], n_layers: int, reps: int, warmu
     """Median GPU time in microseconds of ``enqueue(layer)``, captured in a CUDA graph once per layer,
     the layers cycled ``ceil(MIN_CALLS_PER_REPLAY / n_layers)`` times (so that a replay outlasts the host's
     launch of it), and replayed ``reps`` times after ``warmup`` replays (per-call time = replay / calls)."""
-    cycles = -(-MIN_CALLS_PER_REPLAY // n_layers)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(n_layers):  # compile and autotune outside the capture
-            enqueue(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(cycles):
-            for layer in range(n_layers):
-                enqueue(layer)
-    for _ in range(warmup):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    del graph
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / (cycles * n_layers)
+    calls = [functools.partial(enqueue, layer) for layer in range(n_layers)]
+    return graph_replay_us(calls, reps, warmup, cycles=-(-MIN_CALLS_PER_REPLAY // n_layers))
 
 
 def graph_equals_eager(fn: Callable[[], torch.Tensor]) -> bool:

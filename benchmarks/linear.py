@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.graph_timing import graph_replay_us  # noqa: E402
 from questkv.ops import quant_reference as ref  # noqa: E402
 
 GROUP = 128
@@ -71,29 +72,7 @@ CHECK_TOL = 2e-2  # relative (norm) error vs the float32 reference on the dequan
 def time_cuda(fns: list[Callable[[], object]], reps: int, warmup: int) -> float:
     """Median GPU microseconds per call of the ``fns`` (one per weight copy), captured in one CUDA graph cycling
     over them (at least :data:`MIN_CALLS_PER_REPLAY` calls per replay) and replayed ``reps`` times."""
-    cycles = -(-MIN_CALLS_PER_REPLAY // len(fns))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:  # compile outside the capture; first-call allocations (split-K tickets) too
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(cycles):
-            for fn in fns:
-                fn()
-    for _ in range(warmup):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    del graph
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / (cycles * len(fns))
+    return graph_replay_us(fns, reps, warmup, cycles=-(-MIN_CALLS_PER_REPLAY // len(fns)))
 
 
 def time_cpu(fns: list[Callable[[], object]], reps: int, warmup: int) -> float:

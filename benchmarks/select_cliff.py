@@ -78,28 +78,9 @@ def make_case(batch: int, heads: int, pages: int, width: int, device, gen):
 def time_cuda(call: Callable[[], object], iters: int, warmup: int, calls: int) -> float:
     """Median GPU microseconds of ``call()``: ``calls`` calls captured in one CUDA graph (after an eager
     call that compiles), ``iters`` replays timed with CUDA events after ``warmup`` replays."""
-    import torch
+    from benchmarks.graph_timing import graph_replay_us
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    for _ in range(warmup):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    del graph
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / calls
+    return graph_replay_us([call], iters, warmup, cycles=calls)
 
 
 def time_cpu(call: Callable[[], object], iters: int) -> float:
