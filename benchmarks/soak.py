@@ -22,13 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -39,9 +34,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.serve_load import Server as ServeLoadServer, percentile  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
 
-START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 600.0
 WORDS = ("the river ran past old stone houses while people talked about weather markets music and small boats "
          "near a harbour in early spring light").split()
@@ -51,39 +46,9 @@ KINDS = {  # kind: weight
 }
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """``python -m questkv.server ARGS`` on a free port, ready once ``/health`` answers; stopped with SIGTERM."""
-
-    def __init__(self, args: list[str], threads: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "questkv.server", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.log = tempfile.NamedTemporaryFile("w+b", prefix="soak-", suffix=".log", delete=False)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(self.command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server was not ready within {START_TIMEOUT_S:.0f} s:\n{self.tail()}")
-            time.sleep(0.5)
-
-    def tail(self, chars: int = 4000) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-chars:]
+class Server(ServeLoadServer):
+    """serve_load's server process (``python -m questkv.server ARGS`` on a free port, ready once ``/health``
+    answers, stopped with SIGTERM), with its resident memory."""
 
     def rss_bytes(self) -> Optional[int]:
         try:
@@ -93,16 +58,6 @@ class Server:
         except OSError:
             pass
         return None
-
-    def stop(self, timeout: float = 60.0) -> Optional[int]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,13 +203,6 @@ def idle_state(server: Server, timeout: float = 300.0) -> dict:
         time.sleep(0.5)
 
 
-def percentile(values: list[float], q: float) -> Optional[float]:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
-
-
 def markdown(document: dict) -> str:
     p, s, r = document["provenance"], document["settings"], document["result"]
     mib = lambda b: "n/a" if b is None else f"{b / 2**20:.0f} MiB"  # noqa: E731
@@ -327,8 +275,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
             "client_outcomes": dict(Counter(f"{kind}: {outcome}" for kind, outcome in result["outcomes"])),
             "server_statuses": statuses, "server_counted": counted, "expected_counted": expected,
             "counted_once": counted == expected,
-            "health": {"samples": len(latencies), "p50_s": percentile(latencies, 0.5),
-                       "p99_s": percentile(latencies, 0.99), "max_s": max(latencies, default=None),
+            "health": {"samples": len(latencies), "p50_s": percentile(latencies, 50),
+                       "p99_s": percentile(latencies, 99), "max_s": max(latencies, default=None),
                        "failures": dict(Counter(result["health_failures"]))},
             "start": start, "end": end, "exit_code": code,
         },
