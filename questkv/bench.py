@@ -11,7 +11,6 @@ the report; the engine is :class:`~questkv.engine.llm.LLM`'s.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import random
 import statistics
 import time
@@ -92,9 +91,10 @@ def measure(engine, spec: LatencySpec, progress: bool = True, desc: str = "") ->
         _synchronize(device)
         start = time.perf_counter()
         while engine.has_unfinished_requests():
+            # No synchronisation per step: a step returns once the tokens it reports are on the host, so the calls
+            # time the steps back to back (under asynchronous scheduling, one step behind the one it launches).
             before = time.perf_counter()
             outputs = engine.step()
-            _synchronize(device)
             (decode if len(started) == len(ids) else prefill).append(time.perf_counter() - before)
             started |= {out.request_id for out in outputs if out.token_ids}
             attended += [out.metrics.mean_tokens_attended for out in outputs
@@ -152,11 +152,7 @@ def run_latency(
         try:
             results[run] = measure(engine, spec, progress=progress, desc=run)
         finally:
-            device = engine.config.torch_device
-            del engine
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            engine.close()  # its pool, graphs and weights, before the next engine sizes its pool
     dense, sparse = (results.get(run, {}).get("decode_ms_per_step") for run in ("dense", "quest"))
     return {"results": results, "speedup": dense / sparse if dense and sparse else None}
 
