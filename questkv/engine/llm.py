@@ -97,9 +97,14 @@ class LLM:
         order = {self.engine.add_request(prompt, param): i for i, (prompt, param) in enumerate(zip(prompts, params))}
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished and output.request_id in order:
-                        results[output.request_id] = output
-                        bar.update(1)
+            try:
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        if output.finished and output.request_id in order:
+                            results[output.request_id] = output
+                            bar.update(1)
+            except BaseException:  # a failed step (or Ctrl-C): abort this call's requests, leave the engine usable
+                for request_id in order:
+                    self.engine.abort_request(request_id)
+                raise
         return [results[rid] for rid, _ in sorted(order.items(), key=lambda item: item[1])]

@@ -142,3 +142,26 @@ def test_async_scheduling_is_on_by_default_only_with_cuda_graphs(model_dir):
     assert make_llm(model_dir, async_scheduling=True).config.use_async_scheduling
     with pytest.raises(ValueError, match="EngineConfig.async_scheduling"):
         make_llm(model_dir, async_scheduling="yes")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failing_step_aborts_the_calls_requests_and_the_engine_serves_the_next_call(model_dir, async_scheduling):
+    llm = make_llm(model_dir, QUEST, async_scheduling=async_scheduling)
+    execute, calls = llm.engine.runner.execute, []
+
+    def failing_third(batch):
+        calls.append(batch)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return execute(batch)
+
+    llm.engine.runner.execute = failing_third
+    prompts = [prompt(random.randint(5, 30)) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="injected fault"):
+        llm.generate(prompts, greedy(8), use_tqdm=False)
+    cache = llm.engine.cache
+    assert not llm.engine.has_unfinished_requests() and cache.sequences == [llm.engine.runner.scratch_seq]
+    llm.engine.runner.execute = execute
+    fresh = make_llm(model_dir, QUEST, async_scheduling=async_scheduling)
+    assert [o.token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)] == [
+        o.token_ids for o in fresh.generate(prompts, greedy(8), use_tqdm=False)]
