@@ -248,6 +248,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--out", required=True, help="output prefix: writes <out>.json and <out>.md")
     args = parser.parse_args(argv)
 
+    # Taken before the server starts: the commit and date of the code it runs, not of the checkout at the end.
+    origin = provenance("cpu", command="python benchmarks/soak.py " + " ".join(sys.argv[1:] if argv is None else argv))
     server_args = [args.model, *args.server_args.split(), "--max-request-bytes", str(args.max_request_bytes)]
     server = Server(server_args, args.threads)
     try:
@@ -266,8 +268,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     counted = sum(statuses.values())
     latencies = result["health_latencies"]
     document = {
-        "provenance": provenance("cpu", command="python benchmarks/soak.py " + " ".join(sys.argv[1:] if argv is None
-                                                                                         else argv)),
+        "provenance": origin,
         "settings": {**{k: v for k, v in vars(args).items() if k != "out"}, "server_command": server.command,
                      "mix": KINDS},
         "result": {
