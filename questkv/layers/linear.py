@@ -13,7 +13,7 @@ from torch import nn
 
 from questkv.validation import check_choice, check_int
 
-__all__ = ["MergedLinear", "copy_param"]
+__all__ = ["MergedLinear", "copy_param", "shard_offsets"]
 
 
 def copy_param(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -25,6 +25,19 @@ def copy_param(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
         raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(loaded)
+
+
+def shard_offsets(owner: str, shard_sizes: dict[str, int]) -> dict[str, int]:
+    """Each shard's first row in a fused projection whose output rows are ``shard_sizes`` back to back, after
+    checking that there is at least one shard and each has a row (``ValueError`` naming ``owner``'s field)."""
+    if not shard_sizes:
+        raise ValueError(f"{owner}.shard_sizes must name at least one shard, got {{}}")
+    offsets, offset = {}, 0
+    for shard, size in shard_sizes.items():
+        check_int(f"{owner}.shard_sizes[{shard!r}]", size, minimum=1)
+        offsets[shard] = offset
+        offset += size
+    return offsets
 
 
 class MergedLinear(nn.Linear):
@@ -41,17 +54,10 @@ class MergedLinear(nn.Linear):
     """
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
-        if not shard_sizes:
-            raise ValueError("MergedLinear.shard_sizes must name at least one shard, got {}")
-        for shard, size in shard_sizes.items():
-            check_int(f"MergedLinear.shard_sizes[{shard!r}]", size, minimum=1)
+        offsets = shard_offsets("MergedLinear", shard_sizes)
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
         self.shard_sizes = dict(shard_sizes)
-        self.shard_offsets: dict[str, int] = {}
-        offset = 0
-        for shard, size in self.shard_sizes.items():
-            self.shard_offsets[shard] = offset
-            offset += size
+        self.shard_offsets = offsets
 
     def load_shard(self, name: str, shard: str, param_name: str, loaded: torch.Tensor) -> None:
         """Copy checkpoint tensor ``loaded`` (``[shard_size, in_features]`` for ``"weight"``,

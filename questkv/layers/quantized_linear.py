@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from questkv.layers.linear import MergedLinear
+from questkv.layers.linear import MergedLinear, shard_offsets
 from questkv.ops import quant_reference
 from questkv.ops.quant_reference import DEFAULT_GROUP_SIZE, METHODS, check_method, dequantize, quantize_weight
 from questkv.validation import check_choice, check_int
@@ -199,17 +199,10 @@ class QuantizedMergedLinear(QuantizedLinear):
     shards cannot be loaded into it: quantize after loading."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], **kwargs) -> None:
-        if not shard_sizes:
-            raise ValueError("QuantizedMergedLinear.shard_sizes must name at least one shard, got {}")
-        for shard, size in shard_sizes.items():
-            check_int(f"QuantizedMergedLinear.shard_sizes[{shard!r}]", size, minimum=1)
+        offsets = shard_offsets("QuantizedMergedLinear", shard_sizes)
         super().__init__(in_features, sum(shard_sizes.values()), **kwargs)
         self.shard_sizes = dict(shard_sizes)
-        self.shard_offsets: dict[str, int] = {}
-        offset = 0
-        for shard, size in self.shard_sizes.items():
-            self.shard_offsets[shard] = offset
-            offset += size
+        self.shard_offsets = offsets
 
     def load_shard(self, name: str, shard: str, param_name: str, loaded: torch.Tensor) -> None:
         raise RuntimeError(f"cannot load {name!r} into a quantized layer: load the float weights, then quantize")
