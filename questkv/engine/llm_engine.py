@@ -22,6 +22,7 @@ from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from questkv.models.engine_model import load_engine_model
+from questkv.validation import check_text
 
 Prompt = Union[str, list[int]]
 
@@ -185,8 +186,6 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; a dummy-weight model takes token-id prompts only")
-            from questkv.validation import check_text
-
             check_text("prompt", prompt)  # a lone surrogate: the tokenizer would raise TypeError
             try:
                 token_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]

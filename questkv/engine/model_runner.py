@@ -94,7 +94,7 @@ class ModelRunner:
         self._flip = self._tokens_flip = 0
         self._inputs = torch.zeros((6, rows), dtype=torch.int64, device=self.device)
         # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
-        self._sampled = torch.zeros(max(rows, config.max_num_seqs), dtype=torch.int64, device=self.device)
+        self._sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._sampled_rows: dict[str, int] = {}
         self._steps: dict[tuple[int, int, bool], QuestDecodeStep] = {}
 

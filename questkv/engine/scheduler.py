@@ -308,7 +308,8 @@ class Scheduler:
         def decoding() -> list[Sequence]:
             return [seq for seq in self.running if not self._ends_in_flight(seq)]
 
-        while not self.cache.can_reserve([seq.cache_id for seq in decoding()], [1] * len(decoding())):
+        seqs = decoding()
+        while not self.cache.can_reserve([seq.cache_id for seq in seqs], [1] * len(seqs)):
             if len(self.running) == 1:
                 seq = self.running[0]
                 raise RuntimeError(
@@ -318,7 +319,7 @@ class Scheduler:
                     f"{self.cache.max_pages_per_seq}); check_fits should have refused it"
                 )
             self._preempt(self.running.pop())
-        seqs = decoding()
+            seqs = decoding()
         if not seqs:  # every running sequence ends with its in-flight token
             return None
         ones = [1] * len(seqs)

@@ -129,8 +129,9 @@ class QuantizedLinear(nn.Module):
         """A quantized copy of ``linear`` (round to nearest; a :class:`~questkv.layers.linear.MergedLinear` gives a
         :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype."""
         weight = linear.weight
+        # Built on the torch backend: a tinygemm copy of the still-empty weight would be packed for nothing.
         kwargs = dict(method=method, bias=linear.bias is not None, group_size=group_size, dtype=weight.dtype,
-                      device=weight.device)
+                      device=weight.device, backend="torch")
         if isinstance(linear, MergedLinear):
             layer = QuantizedMergedLinear(linear.in_features, linear.shard_sizes, **kwargs)
         else:
