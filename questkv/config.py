@@ -55,6 +55,11 @@ class QuestConfig:
             The current page is always attended in addition.
         backend: ``"auto"`` (Triton kernels for CUDA tensors, the torch reference otherwise),
             ``"torch"`` or ``"triton"``.
+        selection_interval: decode steps per page selection of a sequence (LServe's reuse): a sequence
+            estimates and selects on its first decode step and every ``selection_interval``-th one after
+            it, and in between attends the pages it selected last plus every page begun since (at most
+            :attr:`reuse_extra_pages` more). ``1`` selects every step (the paper). Engine only
+            (:class:`questkv.LLM`); a request may lower it.
     """
 
     token_budget: Optional[int] = _knob(
@@ -80,6 +85,10 @@ class QuestConfig:
     backend: Backend = _knob(
         "auto", "kernels: Triton for CUDA tensors and the torch reference otherwise (auto), or one of them",
         "--backend", choices=BACKENDS,
+    )
+    selection_interval: int = _knob(
+        1, "decode steps per page selection of a sequence; in between it attends its last selection plus the pages "
+        "begun since (1: select every step, the paper)", "--selection-interval", minimum=1,
     )
 
     def __post_init__(self) -> None:
@@ -118,6 +127,12 @@ class QuestConfig:
         if self.token_budget is None:
             raise ValueError("QuestConfig.budget_pages is undefined for a dense config (token_budget=None)")
         return self.token_budget // self.page_size
+
+    @property
+    def reuse_extra_pages(self) -> int:
+        """Pages a reused selection may attend beyond the budget: those begun in the
+        ``selection_interval - 1`` steps since it was made, ``ceil((selection_interval - 1) / page_size)``."""
+        return -(-(self.selection_interval - 1) // self.page_size)
 
     @property
     def forced_pages(self) -> int:

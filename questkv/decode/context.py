@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from questkv.cache.paged import PagedKVCache
+from questkv.decode.reuse import ReuseRows
 from questkv.decode.step import QuestDecodeStep
 
 
@@ -35,6 +36,9 @@ class StepContext:
             uses in turn (dense layers call ``.dense``, sparse layers ``.sparse``).
         budgets: ``[batch]`` int32 token budget of each sequence for sparse layers, or ``None``
             for the decode step's configured budget.
+        reuse: decode only, selection reuse: the rows that select in this step and every sparse layer's
+            selections (sparse layer ``i``, the model's layer ``dense_layers + i``, reads ``reuse.selected[i]``);
+            ``None``: every row selects.
     """
 
     is_prefill: bool
@@ -44,6 +48,7 @@ class StepContext:
     query_starts: Optional[list[int]] = None
     decode_step: Optional[QuestDecodeStep] = None
     budgets: Optional[torch.Tensor] = None
+    reuse: Optional[ReuseRows] = None
 
     @classmethod
     def prefill(cls, cache: PagedKVCache, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> "StepContext":

@@ -40,8 +40,12 @@ class QuestDecodeStep:
         num_splits: split count of the attention kernel (default: one wave of a few programs per SM).
 
     Buffers: ``scores`` ``[batch, num_sel_heads, max_pages]`` float32, ``selected`` ``[batch,
-    num_sel_heads, budget_pages]`` int32, ``out`` ``[batch, num_q_heads, head_dim]`` in ``dtype``,
+    num_sel_heads, budget_pages + config.reuse_extra_pages]`` int32 (the extra columns, for a reused
+    selection's pages begun since, are ``-1``), ``out`` ``[batch, num_q_heads, head_dim]`` in ``dtype``,
     and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`).
+
+    Selection reuse (:mod:`questkv.decode.reuse`): :meth:`sparse` given ``active`` and ``selected`` estimates
+    and selects only the active rows, into ``selected``, and attends every row's ``selected``.
     """
 
     def __init__(
@@ -70,10 +74,12 @@ class QuestDecodeStep:
         self._dense_buffers = buffers(num_kv_heads, max_pages, True)
         self.scores = self.selected = self.select_buffers = self._sparse_buffers = None
         if not config.is_dense:
+            width = config.budget_pages + config.reuse_extra_pages
             self.scores = torch.empty((batch, sel_heads, max_pages), dtype=torch.float32, device=device)
-            self.selected = torch.empty((batch, sel_heads, config.budget_pages), dtype=torch.int32, device=device)
+            # The extra columns stay -1 here; a reused selection (decode/reuse.py) brings its own.
+            self.selected = torch.full((batch, sel_heads, width), -1, dtype=torch.int32, device=device)
             self.select_buffers = self.backend.select_buffers(batch, sel_heads, max_pages, device)
-            self._sparse_buffers = buffers(sel_heads, config.budget_pages, False)
+            self._sparse_buffers = buffers(sel_heads, width, False)
 
     @classmethod
     def for_cache(
@@ -93,23 +99,30 @@ class QuestDecodeStep:
         max_pages = cache.max_pages_per_seq if max_pages is None else max_pages
         return cls(config, batch, num_q_heads, cache.num_kv_heads, cache.head_dim, max_pages, cache.dtype, cache.device)
 
-    def estimate(self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Page scores of ``q`` ``[batch, num_q_heads, head_dim]`` into ``self.scores``."""
+    def estimate(
+        self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor,
+        active: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Page scores of ``q`` ``[batch, num_q_heads, head_dim]`` into ``self.scores``, for the rows whose
+        ``active`` ``[batch]`` int32 flag is nonzero (``None``: every row)."""
         cfg = self.config
         return self.backend.page_scores_into(
-            self.scores, q, layer.kmin, layer.kmax, page_table, seq_lens, cfg.page_size, cfg.selection, cfg.group_reduction
+            self.scores, q, layer.kmin, layer.kmax, page_table, seq_lens, cfg.page_size, cfg.selection,
+            cfg.group_reduction, active=active,
         )
 
     def select(
-        self, seq_lens: torch.Tensor, budgets: Optional[torch.Tensor] = None, split: Optional[bool] = None
+        self, seq_lens: torch.Tensor, budgets: Optional[torch.Tensor] = None, split: Optional[bool] = None,
+        active: Optional[torch.Tensor] = None, selected: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Top pages of ``self.scores`` into ``self.selected``; ``budgets`` ``[batch]`` int32 token
-        budgets (``None``: the config's for every sequence); ``split`` forces the Triton select's
-        split (``True``) or one-program-per-row (``False``) path, ``None`` picks by ``max_pages``."""
+        """Top pages of ``self.scores`` into the first ``budget_pages`` columns of ``selected`` (default
+        ``self.selected``) for the ``active`` rows (``None``: every row); ``budgets`` ``[batch]`` int32 token
+        budgets (``None``: the config's for every sequence); ``split`` forces the Triton select's split
+        (``True``) or one-program-per-row (``False``) path, ``None`` picks by ``max_pages``."""
         cfg = self.config
         return self.backend.select_pages_into(
-            self.selected, self.scores, seq_lens, cfg.page_size, cfg.budget_pages, cfg.sink_pages, cfg.recent_pages,
-            budgets, self.select_buffers, split,
+            self.selected if selected is None else selected, self.scores, seq_lens, cfg.page_size, cfg.budget_pages,
+            cfg.sink_pages, cfg.recent_pages, budgets, self.select_buffers, split, active=active,
         )
 
     def dense(
@@ -133,6 +146,8 @@ class QuestDecodeStep:
         seq_lens: torch.Tensor,
         sm_scale: Optional[float] = None,
         budgets: Optional[torch.Tensor] = None,
+        active: Optional[torch.Tensor] = None,
+        selected: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Quest attention (estimate, select, attend) into ``self.out``; returns ``self.out``.
 
@@ -142,12 +157,18 @@ class QuestDecodeStep:
             page_table: ``[batch, max_pages]`` int32; seq_lens: ``[batch]`` int32, current token included.
             budgets: ``[batch]`` int32 token budgets, each a multiple of ``page_size`` in
                 ``[page_size * (forced pages + 1), config.token_budget]`` (not checked here: no host sync).
+            active, selected: selection reuse (both or neither): ``[batch]`` int32 flags of the rows that
+                select in this step, and the ``[batch, num_sel_heads, budget_pages + reuse_extra_pages]`` int32
+                selections that every row attends (an inactive row's as given, see
+                :class:`~questkv.decode.reuse.ReuseRows`).
         """
         if self.selected is None:
             raise ValueError("QuestDecodeStep.sparse needs a sparse config (token_budget set)")
-        self.estimate(q, layer, page_table, seq_lens)
-        self.select(seq_lens, budgets)
-        return self.attend(q, layer, page_table, seq_lens, sm_scale)
+        if (active is None) != (selected is None):
+            raise ValueError("QuestDecodeStep.sparse takes active and selected together (selection reuse) or neither")
+        self.estimate(q, layer, page_table, seq_lens, active)
+        self.select(seq_lens, budgets, active=active, selected=selected)
+        return self.attend(q, layer, page_table, seq_lens, sm_scale, selected)
 
     def attend(
         self,
@@ -156,10 +177,13 @@ class QuestDecodeStep:
         page_table: torch.Tensor,
         seq_lens: torch.Tensor,
         sm_scale: Optional[float] = None,
+        selected: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Attention over the pages in ``self.selected`` into ``self.out`` (the last part of :meth:`sparse`)."""
+        """Attention over the pages in ``selected`` (default ``self.selected``) into ``self.out`` (the last
+        part of :meth:`sparse`)."""
+        selected = self.selected if selected is None else selected
         return self.backend.paged_decode_attention_into(
-            self.out, self._sparse_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, self.selected, sm_scale
+            self.out, self._sparse_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected, sm_scale
         )
 
     def __call__(

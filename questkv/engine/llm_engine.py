@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from questkv.decode.reuse import selection_seq_len
 from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import EngineConfig
 from questkv.engine.detokenizer import IncrementalDetokenizer
@@ -106,6 +107,7 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         self.check_budget(params.token_budget)
+        self.check_selection_interval(params.selection_interval)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; a dummy-weight model has none (use stop_token_ids)")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
@@ -125,6 +127,22 @@ class LLMEngine:
             raise ValueError(
                 f"SamplingParams.token_budget must be a multiple of page_size={quest.page_size} in "
                 f"[{lowest}, {quest.token_budget}] (the engine's budget), got {token_budget}"
+            )
+
+    def check_selection_interval(self, interval: Optional[int]) -> None:
+        """Raise ``ValueError`` unless a request may carry ``selection_interval`` on this engine."""
+        if interval is None:
+            return
+        quest = self.config.quest
+        if quest is None or quest.is_dense:
+            raise ValueError(
+                f"SamplingParams.selection_interval={interval} needs an engine with Quest "
+                "(quest=QuestConfig(token_budget=...))"
+            )
+        if interval > quest.selection_interval:
+            raise ValueError(
+                f"SamplingParams.selection_interval must be in [1, {quest.selection_interval}] (the engine's "
+                f"QuestConfig.selection_interval, which sizes the reused selections), got {interval}"
             )
 
     def step(self) -> list[RequestOutput]:
@@ -227,9 +245,12 @@ class LLMEngine:
         sparse_rows = [i for i, seq in enumerate(batch.seqs) if self._sparse_layers and not seq.sampling_params.dense]
         if sparse_rows:
             budgets = [batch.seqs[i].sampling_params.token_budget or quest.token_budget for i in sparse_rows]
-            sparse = sparse_tokens_attended(
-                torch.tensor([contexts[i] for i in sparse_rows]), torch.tensor(budgets), quest.page_size
-            ).tolist()  # host tensors: no device sync
+            # A reused selection, made at a shorter length, attends the pages begun since it in full too.
+            made_at = [selection_seq_len(contexts[i], batch.seqs[i].num_prompt_tokens,
+                                         self.runner.selection_interval_of(batch.seqs[i])) for i in sparse_rows]
+            begun = [-(-contexts[i] // quest.page_size) - -(-at // quest.page_size) for i, at in zip(sparse_rows, made_at)]
+            sparse = sparse_tokens_attended(torch.tensor(made_at), torch.tensor(budgets), quest.page_size).tolist()
+            sparse = [tokens + pages * quest.page_size for tokens, pages in zip(sparse, begun)]  # host: no device sync
             layers = self.spec.num_layers
             for i, tokens in zip(sparse_rows, sparse):
                 attended[i] = ((layers - self._sparse_layers) * contexts[i] + self._sparse_layers * tokens) / layers

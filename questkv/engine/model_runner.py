@@ -17,6 +17,7 @@ import torch
 
 from questkv.cache.paged import PagedKVCache
 from questkv.decode.context import StepContext
+from questkv.decode.reuse import SelectionMemory, is_due
 from questkv.decode.step import QuestDecodeStep
 from questkv.engine.config import EngineConfig
 from questkv.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -28,9 +29,11 @@ from questkv.layers.sampler import Sampler
 from questkv.models.fusion import fuse_elementwise
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 
-# Rows of the packed decode inputs: token ids, positions, sequence lengths, token budgets, page-table rows, and
-# the row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS).
-_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC = range(6)
+# Rows of the packed decode inputs: token ids, positions, sequence lengths, token budgets, page-table rows, the
+# row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS), and whether
+# the row's phase makes it select (selection reuse).
+_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE = range(7)
+_NUM_INPUTS = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +70,21 @@ class ModelRunner:
         self.model = model
         self.spec = spec
         self.device = config.torch_device
-        # Quantized layers keep their packed weights as buffers.
+        quest = config.quest
+        max_seqs = config.max_num_seqs + 1
+        sel_heads = spec.num_q_heads if quest is not None and quest.selection == "q_head" else spec.num_kv_heads
+        # Quantized layers keep their packed weights as buffers; the selection memory is sized like them, up front.
         weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-        self.cache_spec = plan_cache(config, spec, max_model_len, self.device, weight_bytes)
+        memory_bytes = 0 if quest is None else SelectionMemory.nbytes(quest, spec.num_layers, sel_heads, max_seqs)
+        self.cache_spec = plan_cache(config, spec, max_model_len, self.device, weight_bytes + memory_bytes)
         self.cache = PagedKVCache(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_spec.num_pages, config.page_size,
-            max_seqs=config.max_num_seqs + 1, max_pages_per_seq=self.cache_spec.max_pages_per_seq,
+            max_seqs=max_seqs, max_pages_per_seq=self.cache_spec.max_pages_per_seq,
             dtype=config.torch_dtype, device=self.device,
         )
+        self.memory = None
+        if memory_bytes:
+            self.memory = SelectionMemory(quest, spec.num_layers, sel_heads, max_seqs, self.device)
         bind_cache(model, self.cache)
         if config.use_cuda_graphs and config.compile_elementwise:
             fuse_elementwise(model)
@@ -89,10 +99,10 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         # Two pinned staging buffers, used in turn: a step is staged while the copy of the one before may
         # still be queued behind the GPU (asynchronous scheduling).
-        self._host_inputs = [torch.zeros((6, rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host_inputs = [torch.zeros((_NUM_INPUTS, rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._flip = self._tokens_flip = 0
-        self._inputs = torch.zeros((6, rows), dtype=torch.int64, device=self.device)
+        self._inputs = torch.zeros((_NUM_INPUTS, rows), dtype=torch.int64, device=self.device)
         # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
         self._sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._sampled_rows: dict[str, int] = {}
@@ -134,6 +144,8 @@ class ModelRunner:
         ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts)
         tokens = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
         last = torch.tensor(starts[1:], dtype=torch.int64).to(self.device, non_blocking=True) - 1
+        if self.memory is not None:  # the slots' selections were their previous sequences'
+            self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         hidden = self.model(tokens[0], tokens[1], ctx)
         return self.model.compute_logits(hidden[last])
 
@@ -159,6 +171,7 @@ class ModelRunner:
         host[_BUDGETS].fill_(self.budget or 0)
         host[_ROWS].fill_(self.scratch_seq)
         host[_SRC].fill_(-1)
+        host[_DUE].fill_(1)
         if batch is not None:
             rows = []
             for seq, seq_len in zip(batch.seqs, batch.seq_lens):
@@ -166,7 +179,8 @@ class ModelRunner:
                 known = position == seq.num_tokens - 1  # else the input is the token in flight from the last step
                 rows.append([seq.last_token if known else 0, position, seq_len,
                              self._budget_of(seq, width), seq.cache_id,
-                             -1 if known else self._sampled_rows[seq.request_id]])
+                             -1 if known else self._sampled_rows[seq.request_id],
+                             is_due(seq_len, seq.num_prompt_tokens, self.selection_interval_of(seq))])
             host[:, :len(rows)] = torch.tensor(rows, dtype=torch.int64).T
         self._inputs[:, :padded].copy_(host, non_blocking=True)
 
@@ -197,11 +211,20 @@ class ModelRunner:
         page_size = self.cache.page_size
         slots = page_table.gather(1, (positions // page_size)[:, None])[:, 0].long() * page_size + positions % page_size
         budgets = inputs[_BUDGETS].to(torch.int32) if self.budget is not None else None
+        seq_lens = inputs[_LENS].to(torch.int32)
+        reuse = None
+        if self.memory is not None:
+            if all_pages:  # a dense request's budget outgrows the memory's columns: every row selects, none keeps it
+                self.memory.forget(inputs[_ROWS])
+            else:
+                reuse = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens)
         ctx = StepContext(
-            False, slots, page_table, inputs[_LENS].to(torch.int32), decode_step=self._step(batch, width, all_pages),
-            budgets=budgets,
+            False, slots, page_table, seq_lens, decode_step=self._step(batch, width, all_pages), budgets=budgets,
+            reuse=reuse,
         )
         hidden = self.model(ids, positions, ctx)
+        if reuse is not None:
+            self.memory.store(inputs[_ROWS], reuse)
         return self.model.compute_logits(hidden)
 
     def _step(self, batch: int, width: int, all_pages: bool) -> QuestDecodeStep:
@@ -212,6 +235,12 @@ class ModelRunner:
                 quest = dataclasses.replace(quest, token_budget=max(width * self.cache.page_size, quest.token_budget))
             self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.spec.num_q_heads, width)
         return self._steps[key]
+
+    def selection_interval_of(self, seq: Sequence) -> int:
+        """The request's selection interval, or the engine's (1 on a dense engine)."""
+        quest = self.config.quest
+        interval = seq.sampling_params.selection_interval
+        return interval if interval is not None else (1 if quest is None else quest.selection_interval)
 
     def _budget_of(self, seq: Sequence, width: int) -> int:
         """The sequence's token budget: 0 on a dense engine (no layer reads it), every column of the
@@ -255,6 +284,8 @@ class ModelRunner:
         cache = self.cache
         tensors = [cache.k_pages, cache.v_pages, cache.kmin, cache.kmax, self._sampled, self._inputs,
                    *self.model.parameters(), *self.model.buffers()]
+        if self.memory is not None:
+            tensors += [self.memory.pages, self.memory.selected_at]
         for tensor in tensors:
             tensor.untyped_storage().resize_(0)
         if self.device.type == "cuda":

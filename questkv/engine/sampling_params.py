@@ -43,7 +43,11 @@ class SamplingParams:
         ignore_eos: keep generating past the model's end-of-sequence tokens.
         token_budget: this request's Quest token budget per decode step (>= 1); ``None`` uses the engine's.
             The engine refuses a budget above its own configuration's.
-        dense: attend every page on every layer (no Quest) even on a Quest engine; excludes ``token_budget``.
+        dense: attend every page on every layer (no Quest) even on a Quest engine; excludes ``token_budget``
+            and ``selection_interval``.
+        selection_interval: this request's decode steps per page selection (>= 1, see
+            :attr:`questkv.QuestConfig.selection_interval`); ``None`` uses the engine's. The engine refuses one
+            above its configuration's (whose extra page columns bound how long a selection may be reused).
     """
 
     temperature: float = 1.0
@@ -56,6 +60,7 @@ class SamplingParams:
     ignore_eos: bool = False
     token_budget: Optional[int] = None
     dense: bool = False
+    selection_interval: Optional[int] = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalised values are written once, here
@@ -72,10 +77,12 @@ class SamplingParams:
         check_bool("SamplingParams.ignore_eos", self.ignore_eos)
         check_optional_int("SamplingParams.token_budget", self.token_budget, minimum=1)
         check_bool("SamplingParams.dense", self.dense)
-        if self.dense and self.token_budget is not None:
-            raise ValueError(
-                f"SamplingParams.dense=True attends every page; it excludes token_budget={self.token_budget}"
-            )
+        check_optional_int("SamplingParams.selection_interval", self.selection_interval, minimum=1)
+        for name in ("token_budget", "selection_interval"):
+            if self.dense and getattr(self, name) is not None:
+                raise ValueError(
+                    f"SamplingParams.dense=True attends every page; it excludes {name}={getattr(self, name)}"
+                )
 
     @property
     def greedy(self) -> bool:

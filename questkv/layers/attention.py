@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.sm_scale = sm_scale
         self.sparse = quest is not None and quest.is_sparse_layer(layer_idx)
+        self.sparse_index = layer_idx - quest.dense_layers if self.sparse else None  # among the sparse layers
         self._decode = self._sparse_decode if self.sparse else self._dense_decode
         self.pages: Optional[LayerPages] = None
         self.backend = "auto"
@@ -90,7 +91,11 @@ class Attention(nn.Module):
         return ctx.decode_step.dense(q, self.pages, ctx.page_table, ctx.seq_lens, self.sm_scale)
 
     def _sparse_decode(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return ctx.decode_step.sparse(q, self.pages, ctx.page_table, ctx.seq_lens, self.sm_scale, ctx.budgets)
+        reuse = ctx.reuse
+        active, selected = (None, None) if reuse is None else (reuse.active, reuse.selected[self.sparse_index])
+        return ctx.decode_step.sparse(
+            q, self.pages, ctx.page_table, ctx.seq_lens, self.sm_scale, ctx.budgets, active, selected
+        )
 
 
 def bind_cache(model: nn.Module, cache: PagedKVCache) -> None:

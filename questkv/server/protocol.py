@@ -68,18 +68,24 @@ class _Strict(BaseModel):
 
 class QuestOptions(_Strict):
     """Our extension: ``{"token_budget": 512}`` (a Quest budget, a multiple of the page size up to the engine's),
-    ``{"dense": true}`` (attend every page), or ``{}`` (the engine's default)."""
+    ``{"selection_interval": 2}`` (decode steps per page selection, up to the engine's), both, ``{"dense": true}``
+    (attend every page), or ``{}`` (the engine's default)."""
 
     token_budget: Optional[StrictInt] = None
     dense: StrictBool = False
+    selection_interval: Optional[StrictInt] = None
 
     @model_validator(mode="after")
     def _exclusive(self) -> QuestOptions:
         if self.token_budget is not None and self.token_budget < 1:
             _refuse("quest.token_budget",
                     f"quest.token_budget must be a positive multiple of the page size, got {self.token_budget}")
-        if self.dense and self.token_budget is not None:
-            _refuse("quest", f"quest.dense=true attends every page; it excludes token_budget={self.token_budget}")
+        if self.selection_interval is not None and self.selection_interval < 1:
+            _refuse("quest.selection_interval",
+                    f"quest.selection_interval must be a positive integer, got {self.selection_interval}")
+        for name in ("token_budget", "selection_interval"):
+            if self.dense and getattr(self, name) is not None:
+                _refuse("quest", f"quest.dense=true attends every page; it excludes {name}={getattr(self, name)}")
         return self
 
 
@@ -373,10 +379,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def quest_echo(token_budget: Optional[int], dense: bool, mean_tokens_attended: Optional[float]) -> dict:
-    """Our extension in each final response: the budget used (``None`` when dense) and the KV tokens one decode
-    step attended, averaged over the request's decode steps (``0.0`` when it had none: one output token)."""
-    return {"token_budget": token_budget, "dense": dense,
+def quest_echo(token_budget: Optional[int], dense: bool, selection_interval: Optional[int],
+               mean_tokens_attended: Optional[float]) -> dict:
+    """Our extension in each final response: the budget and the selection interval used (``None`` when dense) and
+    the KV tokens one decode step attended, averaged over the request's decode steps (``0.0`` when it had none:
+    one output token)."""
+    return {"token_budget": token_budget, "dense": dense, "selection_interval": selection_interval,
             "mean_tokens_attended": float(mean_tokens_attended or 0.0)}
 
 

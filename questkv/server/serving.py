@@ -154,6 +154,7 @@ class OpenAIServing:
         self.vocab_size = engine.spec.vocab_size
         self.engine_quest = engine.config.quest
         self._check_budget = engine.check_budget  # reads the engine's configuration only
+        self._check_selection_interval = engine.check_selection_interval
         # Tokens one request may cache (the pool as built, before any request; capped by a page-table row): a
         # request that leaves max_tokens out gets the rest of the context, within this.
         cache = engine.cache
@@ -294,6 +295,12 @@ class OpenAIServing:
             except ValueError as error:
                 raise RequestError(str(error).replace("SamplingParams.token_budget", "quest.token_budget"),
                                    param="quest.token_budget") from None
+        if quest.selection_interval is not None:
+            try:
+                self._check_selection_interval(quest.selection_interval)
+            except ValueError as error:
+                raise RequestError(str(error).replace("SamplingParams.", "quest."),
+                                   param="quest.selection_interval") from None
         if body.stop_list and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this model (dummy weights) has none", param="stop")
         return SamplingParams(  # its ValueError names the field (to_request_error maps it to a 400)
@@ -301,13 +308,15 @@ class OpenAIServing:
             top_p=1.0 if body.top_p is None else float(body.top_p),
             seed=body.seed, max_tokens=max_tokens, stop=body.stop_list,
             token_budget=quest.token_budget, dense=quest.dense, ignore_eos=body.ignore_eos,
+            selection_interval=quest.selection_interval,
         )
 
     def _quest_echo(self, params: SamplingParams, mean_tokens_attended: Optional[float]) -> dict:
         engine_sparse = self.engine_quest is not None and not self.engine_quest.is_dense
         dense = params.dense or not engine_sparse
         budget = None if dense else (params.token_budget or self.engine_quest.token_budget)
-        return protocol.quest_echo(budget, dense, mean_tokens_attended)
+        interval = None if dense else (params.selection_interval or self.engine_quest.selection_interval)
+        return protocol.quest_echo(budget, dense, interval, mean_tokens_attended)
 
     # ---- running a request -------------------------------------------------------------------------------------
 
@@ -349,7 +358,8 @@ def _too_large(size: str, limit: int) -> RequestError:
 
 def _engine_param(message: str, prompt_param: str) -> Optional[str]:
     """The request field an engine ``ValueError`` is about."""
-    for word, param in (("token_budget", "quest.token_budget"), ("max_tokens", "max_tokens"), ("top_p", "top_p"),
+    for word, param in (("token_budget", "quest.token_budget"), ("selection_interval", "quest.selection_interval"),
+                        ("max_tokens", "max_tokens"), ("top_p", "top_p"),
                         ("temperature", "temperature"), ("seed", "seed"), ("stop", "stop"), ("prompt", prompt_param)):
         if word in message:
             return param

@@ -7,6 +7,7 @@ sequences finished by length not scheduled again, discarded steps after stops, p
 tokens in flight. The tiny random model and prompts of ``test_llm.py``; fp32, so tokens match exactly.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -53,7 +54,8 @@ def mixed_requests(quest) -> tuple[list, list]:
     return prompts, params
 
 
-@pytest.mark.parametrize("quest", [None, QUEST], ids=["dense", "quest"])
+@pytest.mark.parametrize("quest", [None, QUEST, dataclasses.replace(QUEST, selection_interval=3)],
+                         ids=["dense", "quest", "quest reusing selections"])
 def test_async_scheduling_gives_the_synchronous_outputs_for_ragged_mixed_requests(model_dir, quest):
     prompts, params = mixed_requests(quest)
     sync = make_llm(model_dir, quest, async_scheduling=False).generate(prompts, params, use_tqdm=False)

@@ -235,6 +235,8 @@ def test_bad_configs_are_rejected():
         questkv.enable(model, {"token_budget": 64})
     with pytest.raises(ValueError, match="dense_layers=3 leaves no sparse layer"):
         questkv.enable(model, questkv.QuestConfig(token_budget=64, dense_layers=3))
+    with pytest.raises(ValueError, match="selection_interval=2: selection reuse runs in the engine"):
+        questkv.enable(model, questkv.QuestConfig(token_budget=64, selection_interval=2))
     assert not hf.is_enabled(model)
 
 

@@ -37,7 +37,7 @@ def params(quest, **kwargs) -> SamplingParams:
     if quest is not None and quest.get("dense"):
         kwargs["dense"] = True
     elif quest is not None:
-        kwargs["token_budget"] = quest["token_budget"]
+        kwargs.update(quest)  # token_budget, selection_interval
     return SamplingParams(**kwargs)
 
 
@@ -54,13 +54,15 @@ def chat_prompt(llm, messages) -> str:
 def expected_quest(quest) -> dict:
     """What the response's ``quest`` object echoes for a request's ``quest`` field (without the mean)."""
     if quest is not None and quest.get("dense"):
-        return {"token_budget": None, "dense": True}
-    return {"token_budget": BUDGET if quest is None else quest["token_budget"], "dense": False}
+        return {"token_budget": None, "dense": True, "selection_interval": None}
+    quest = quest or {}
+    return {"token_budget": quest.get("token_budget", BUDGET), "dense": False,
+            "selection_interval": quest.get("selection_interval", 1)}
 
 
 def check_quest_echo(echo, quest, ref) -> None:
     assert echo is not None, "the final response carries no quest object"
-    assert {k: echo[k] for k in ("token_budget", "dense")} == expected_quest(quest)
+    assert {k: echo[k] for k in ("token_budget", "dense", "selection_interval")} == expected_quest(quest)
     if ref.metrics.mean_tokens_attended is None:  # the first token ended it: no decode step, documented as 0.0
         assert echo["mean_tokens_attended"] == 0.0, echo
     else:
