@@ -106,6 +106,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
+        bad = [t for t in params.forced_token_ids if t >= self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.forced_token_ids must be in [0, {self.spec.vocab_size}), got {bad[:5]}")
         self.check_budget(params.token_budget)
         self.check_selection_interval(params.selection_interval)
         if params.stop and self.tokenizer is None:
@@ -166,13 +169,16 @@ class LLMEngine:
         live = [not seq.is_finished for seq in batch.seqs]
         if not batch.is_prefill:
             self._account_attention(batch, live)
-        finished = set(map(id, self.scheduler.update(batch, tokens)))
+        finished = set(map(id, self.scheduler.update(batch, tokens, sampled.forced_logprobs())))
         outputs = []
         for seq, was_live in zip(batch.seqs, live):
             if not was_live:
                 continue
             text = self._detokenize(seq)
-            if seq.sampling_params.stop and (not seq.is_finished or id(seq) in finished):
+            if seq.forced_text_len is None and seq.num_output_tokens == seq.num_forced_tokens:
+                seq.forced_text_len = len(text)  # stop strings are searched past the forced tokens' text
+            if (seq.sampling_params.stop and seq.forced_text_len is not None
+                    and (not seq.is_finished or id(seq) in finished)):
                 text = self._apply_stop_strings(seq, text)
             outputs.append(RequestOutput.from_sequence(seq, text))
         return outputs
@@ -228,8 +234,9 @@ class LLMEngine:
         return seq.detokenizer.update(seq.output_token_ids, final=seq.is_finished)
 
     def _apply_stop_strings(self, seq: Sequence, text: str) -> str:
-        """Cut ``text`` at the first stop string and finish the request there."""
-        hits = [(text.find(stop), stop) for stop in seq.sampling_params.stop if stop in text]
+        """Cut ``text`` at the first stop string past the forced tokens' text and finish the request there."""
+        start = seq.forced_text_len or 0
+        hits = [(text.find(stop, start), stop) for stop in seq.sampling_params.stop if stop in text[start:]]
         if not hits:
             return text
         position, stop = min(hits)
@@ -254,7 +261,11 @@ class LLMEngine:
             layers = self.spec.num_layers
             for i, tokens in zip(sparse_rows, sparse):
                 attended[i] = ((layers - self._sparse_layers) * contexts[i] + self._sparse_layers * tokens) / layers
-        for seq, tokens, was_live in zip(batch.seqs, attended, live):
+            sparse_of = dict(zip(sparse_rows, sparse))
+        else:
+            sparse_of = {}
+        for i, (seq, tokens, was_live) in enumerate(zip(batch.seqs, attended, live)):
             if was_live:
                 seq.tokens_attended_sum += tokens
+                seq.sparse_tokens_attended_sum += sparse_of.get(i, 0.0)
                 seq.decode_steps += 1

@@ -42,17 +42,29 @@ class SampledTokens:
 
     Attributes:
         host: ``[batch]`` int64 on the host (pinned on CUDA), valid once ``done`` has completed.
-        done: the CUDA event recorded after the copy, ``None`` on CPU (the copy is already done).
+        done: the CUDA event recorded after the copies, ``None`` on CPU (the copies are already done).
+        logprobs: ``[batch]`` float32 on the host (pinned on CUDA), each row's log-probability of its forced
+            token (``SamplingParams.forced_token_ids``; rows without one hold junk), valid once ``done`` has
+            completed; ``None`` when no row of the step is at a forced output.
     """
 
     host: torch.Tensor
     done: Optional[torch.cuda.Event]
+    logprobs: Optional[torch.Tensor] = None
 
     def token_ids(self) -> list[int]:
         """Wait for the step and return its tokens, in batch order."""
         if self.done is not None:
             self.done.synchronize()
         return self.host.tolist()
+
+    def forced_logprobs(self) -> Optional[list[float]]:
+        """Wait for the step and return :attr:`logprobs` as a list (``None`` without forced rows)."""
+        if self.logprobs is None:
+            return None
+        if self.done is not None:
+            self.done.synchronize()
+        return self.logprobs.tolist()
 
 
 class ModelRunner:
@@ -101,6 +113,10 @@ class ModelRunner:
         # still be queued behind the GPU (asynchronous scheduling).
         self._host_inputs = [torch.zeros((_NUM_INPUTS, rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # Teacher forcing: each row's forced token in, its log-probability out (steps with a forced row only).
+        self._host_forced = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host_logprobs = [torch.zeros(rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._forced = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._flip = self._tokens_flip = 0
         self._inputs = torch.zeros((_NUM_INPUTS, rows), dtype=torch.int64, device=self.device)
         # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
@@ -122,14 +138,38 @@ class ModelRunner:
         count = len(batch.seqs)
         self._sampled[:count].copy_(tokens)
         self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs)}
-        host = self._host_tokens[self._tokens_flip][:count]
+        flip = self._tokens_flip
         self._tokens_flip ^= 1
+        host = self._host_tokens[flip][:count]
         host.copy_(tokens, non_blocking=True)
+        logprobs = self._forced_logprobs(logits, batch, flip)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return SampledTokens(host, done)
+        return SampledTokens(host, done, logprobs)
+
+    def _forced_logprobs(self, logits: torch.Tensor, batch: ScheduledBatch, flip: int) -> Optional[torch.Tensor]:
+        """Launch the copy of each row's log-probability of its forced token (``[batch]`` float32 on the host,
+        valid once the step's event completes), from the step's ``logits`` (``[batch, vocab]`` float32, after
+        the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
+        targets, any_forced = [], False
+        for seq, seq_len in zip(batch.seqs, batch.seq_lens):
+            index = seq_len - seq.num_prompt_tokens  # the output this step samples for the row
+            forced = seq.is_forced(index)
+            targets.append(seq.sampling_params.forced_token_ids[index] if forced else 0)
+            any_forced |= forced
+        if not any_forced:
+            return None
+        count = len(targets)
+        staged = self._host_forced[flip][:count]
+        staged.copy_(torch.tensor(targets, dtype=torch.int64))
+        forced = self._forced[:count]
+        forced.copy_(staged, non_blocking=True)
+        log_probs = torch.log_softmax(logits.float(), dim=-1)  # [batch, vocab] float32
+        host = self._host_logprobs[flip][:count]
+        host.copy_(log_probs.gather(1, forced[:, None])[:, 0], non_blocking=True)
+        return host
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[batch, vocab]`` float32 logits of each sequence's last token."""
@@ -176,8 +216,12 @@ class ModelRunner:
             rows = []
             for seq, seq_len in zip(batch.seqs, batch.seq_lens):
                 position = seq_len - 1
+                token = seq.last_token
                 known = position == seq.num_tokens - 1  # else the input is the token in flight from the last step
-                rows.append([seq.last_token if known else 0, position, seq_len,
+                if not known and seq.is_forced(position - seq.num_prompt_tokens):
+                    # A forced output in flight: its token is known here (the in-flight one is the sampler's choice).
+                    token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True
+                rows.append([token if known else 0, position, seq_len,
                              self._budget_of(seq, width), seq.cache_id,
                              -1 if known else self._sampled_rows[seq.request_id],
                              is_due(seq_len, seq.num_prompt_tokens, self.selection_interval_of(seq))])
@@ -282,7 +326,7 @@ class ModelRunner:
         self.graphs.release()
         self._steps.clear()
         cache = self.cache
-        tensors = [cache.k_pages, cache.v_pages, cache.kmin, cache.kmax, self._sampled, self._inputs,
+        tensors = [cache.k_pages, cache.v_pages, cache.kmin, cache.kmax, self._sampled, self._inputs, self._forced,
                    *self.model.parameters(), *self.model.buffers()]
         if self.memory is not None:
             tensors += [self.memory.pages, self.memory.selected_at]

@@ -1,4 +1,4 @@
-"""What one request asks of the engine: how to sample, when to stop, and its Quest token budget.
+"""What one request asks of the engine: how to sample, when to stop, its Quest token budget and its forced outputs.
 
 This module only validates and normalises; the scheduler applies the stops on token ids, the engine the
 stop strings (it owns detokenisation), the sampler (``questkv.layers.sampler``) the sampling fields.
@@ -48,6 +48,14 @@ class SamplingParams:
         selection_interval: this request's decode steps per page selection (>= 1, see
             :attr:`questkv.QuestConfig.selection_interval`); ``None`` uses the engine's. The engine refuses one
             above its configuration's (whose extra page columns bound how long a selection may be reused).
+        forced_token_ids: teacher forcing: the request's first outputs are these tokens instead of sampled ones
+            (each fed back through its own decode step, as a generated token is, so under Quest it goes through
+            page selection); generation continues after them up to ``max_tokens``, which counts them too
+            (``max_tokens >= len(forced_token_ids)``). At each forced position the request's sampler still
+            runs: :class:`~questkv.engine.sequence.RequestOutput` returns what it chose there
+            (``forced_choices``: the argmax when greedy, a seeded draw otherwise) and the log-probability of
+            the forced token (``forced_logprobs``). Stops (end-of-sequence, ``stop_token_ids``, ``stop``)
+            apply only after the forced tokens. The engine checks the ids against the vocabulary.
     """
 
     temperature: float = 1.0
@@ -61,6 +69,7 @@ class SamplingParams:
     token_budget: Optional[int] = None
     dense: bool = False
     selection_interval: Optional[int] = None
+    forced_token_ids: Union[tuple[int, ...], Iterable[int], None] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalised values are written once, here
@@ -73,7 +82,7 @@ class SamplingParams:
         check_optional_int("SamplingParams.seed", self.seed, minimum=0, maximum=_MAX_SEED)
         check_int("SamplingParams.max_tokens", self.max_tokens, minimum=1)
         set_(self, "stop", _stop_strings(self.stop))
-        set_(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        set_(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         check_bool("SamplingParams.ignore_eos", self.ignore_eos)
         check_optional_int("SamplingParams.token_budget", self.token_budget, minimum=1)
         check_bool("SamplingParams.dense", self.dense)
@@ -83,6 +92,12 @@ class SamplingParams:
                 raise ValueError(
                     f"SamplingParams.dense=True attends every page; it excludes {name}={getattr(self, name)}"
                 )
+        set_(self, "forced_token_ids", _token_ids("forced_token_ids", self.forced_token_ids))
+        if len(self.forced_token_ids) > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.max_tokens must be >= len(forced_token_ids)={len(self.forced_token_ids)} (it counts "
+                f"the forced tokens too), got {self.max_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -104,11 +119,11 @@ def _stop_strings(stop) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _stop_token_ids(ids) -> tuple[int, ...]:
+def _token_ids(name: str, ids) -> tuple[int, ...]:
     if ids is None:
         return ()
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, got {ids!r}")
+        raise ValueError(f"SamplingParams.{name} must be a list of token ids, got {ids!r}")
     for i, item in enumerate(ids):
-        check_int(f"SamplingParams.stop_token_ids[{i}]", item, minimum=0)
+        check_int(f"SamplingParams.{name}[{i}]", item, minimum=0)
     return tuple(ids)

@@ -194,12 +194,22 @@ class Scheduler:
             return None
         return self._schedule_decode()
 
-    def update(self, batch: ScheduledBatch, token_ids: Iterable[int]) -> list[Sequence]:
+    def update(
+        self, batch: ScheduledBatch, token_ids: Iterable[int], forced_logprobs: Optional[Iterable[float]] = None
+    ) -> list[Sequence]:
         """Append the token each sequence of ``batch`` sampled, apply the token stops (end-of-sequence unless
         ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``) and free the pages of the finished
         sequences at once. Sequences finished since :meth:`schedule` (aborted, or stopped by the update of the
         step before) are skipped: their tokens are discarded. A sequence preempted since :meth:`schedule` gets
         its token (it was sampled from its whole context) and may finish while waiting.
+
+        At a forced output (``SamplingParams.forced_token_ids``) the forced token is appended instead: the
+        sampled token goes to ``seq.forced_choices`` and the row of ``forced_logprobs`` to
+        ``seq.forced_logprobs``; only ``max_tokens`` and ``max_model_len`` stop there.
+
+        Args:
+            forced_logprobs: per sequence of ``batch``, the log-probability of its forced token (any value in
+                rows without one); needed when a live sequence is at a forced output.
 
         Returns:
             The sequences that finished in this update, in batch order.
@@ -207,6 +217,9 @@ class Scheduler:
         tokens = list(token_ids)
         if len(tokens) != len(batch.seqs):
             raise ValueError(f"update got {len(tokens)} token ids for a batch of {len(batch.seqs)} sequences")
+        logprobs = None if forced_logprobs is None else list(forced_logprobs)
+        if logprobs is not None and len(logprobs) != len(batch.seqs):
+            raise ValueError(f"update got {len(logprobs)} forced log-probabilities for a batch of {len(batch.seqs)}")
         for i, token in enumerate(tokens):
             try:
                 tokens[i] = operator.index(token)
@@ -214,8 +227,10 @@ class Scheduler:
                 raise ValueError(f"update: token_ids[{i}] must be an int, got {token!r}") from None
             if tokens[i] < 0:
                 raise ValueError(f"update: token_ids[{i}] must be >= 0, got {tokens[i]}")
-        live = [(seq, token) for seq, token in zip(batch.seqs, tokens) if not seq.is_finished]
-        for seq, _ in live:
+        live = [(i, seq, token) for i, (seq, token) in enumerate(zip(batch.seqs, tokens)) if not seq.is_finished]
+        if logprobs is None and any(seq.is_forced(seq.num_output_tokens) for _, seq, _ in live):
+            raise ValueError("update: a sequence is at a forced output but no forced_logprobs were given")
+        for _, seq, _ in live:
             cached = None if seq.cache_id is None else self.cache.seq_len(seq.cache_id)
             running_ok = seq.status is SequenceStatus.RUNNING and cached == seq.num_tokens + seq.num_in_flight - 1
             preempted_ok = seq.status is SequenceStatus.WAITING and cached is None
@@ -229,11 +244,16 @@ class Scheduler:
             seq.num_in_flight -= 1
         now = time.perf_counter()
         finished = []
-        for seq, token in live:
+        for i, seq, token in live:
+            forced = seq.is_forced(seq.num_output_tokens)
+            if forced:
+                seq.forced_choices.append(token)
+                seq.forced_logprobs.append(float(logprobs[i]))
+                token = seq.sampling_params.forced_token_ids[seq.num_output_tokens]
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            stop = self._token_stop(seq, token)
+            stop = self._token_stop(seq, token, forced)
             if stop is not None:
                 self.finish(seq, *stop)
                 finished.append(seq)
@@ -352,11 +372,13 @@ class Scheduler:
     def _usable_pages(self) -> int:
         return self.cache.num_free_pages + sum(len(self.cache.pages_of(seq.cache_id)) for seq in self.running)
 
-    def _token_stop(self, seq: Sequence, token: int) -> Optional[tuple[SequenceStatus, Optional[int]]]:
+    def _token_stop(
+        self, seq: Sequence, token: int, forced: bool = False
+    ) -> Optional[tuple[SequenceStatus, Optional[int]]]:
         params = seq.sampling_params
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if not forced and not params.ignore_eos and token in self.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED, None
-        if token in params.stop_token_ids:
+        if not forced and token in params.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED, token
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH, None

@@ -63,6 +63,13 @@ class Sequence:
             processed and the one launched after it).
         tokens_attended_sum, decode_steps: the engine adds the tokens one decode step attended (mean over
             layers and heads) and counts the steps; their ratio is ``mean_tokens_attended``.
+        sparse_tokens_attended_sum: the same for the tokens one Quest (sparse) layer attended, mean over its
+            heads; stays 0 for a dense request or engine.
+        forced_choices, forced_logprobs: per forced output (``sampling_params.forced_token_ids``) so far, the
+            token the sampler chose there and the log-probability of the forced token; the scheduler appends
+            them with the outputs (kept across preemptions, as the outputs are).
+        forced_text_len: the length of the output text once every forced token is in it (the engine searches
+            stop strings only past it); ``None`` until then, 0 without forced tokens.
         detokenizer: the engine's :class:`~questkv.engine.detokenizer.IncrementalDetokenizer` of the
             output, ``None`` without a tokenizer.
     """
@@ -82,6 +89,10 @@ class Sequence:
     num_in_flight: int = 0
     tokens_attended_sum: float = 0.0
     decode_steps: int = 0
+    sparse_tokens_attended_sum: float = 0.0
+    forced_choices: list[int] = dataclasses.field(default_factory=list)
+    forced_logprobs: list[float] = dataclasses.field(default_factory=list)
+    forced_text_len: Optional[int] = None
     detokenizer: Optional[Any] = None
 
     def __post_init__(self) -> None:
@@ -97,6 +108,8 @@ class Sequence:
             raise ValueError(f"Sequence.sampling_params must be a SamplingParams, got {self.sampling_params!r}")
         self.prompt_token_ids = tuple(ids)  # immutable: outputs share it instead of copying it every step
         self.output_token_ids = list(self.output_token_ids)
+        if self.forced_text_len is None and not self.sampling_params.forced_token_ids:
+            self.forced_text_len = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,6 +128,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         """Prompt then generated tokens (a new list)."""
         return list(self.prompt_token_ids) + self.output_token_ids
+
+    @property
+    def num_forced_tokens(self) -> int:
+        """``len(sampling_params.forced_token_ids)``."""
+        return len(self.sampling_params.forced_token_ids)
+
+    def is_forced(self, index: int) -> bool:
+        """Whether output ``index`` (0-based) is a forced token."""
+        return index < len(self.sampling_params.forced_token_ids)
 
     @property
     def last_token(self) -> int:
@@ -138,7 +160,9 @@ class Sequence:
             elapsed = self.finished_time - self.first_token_time
             decode_tps = (self.num_output_tokens - 1) / elapsed if elapsed > 0 else None
         mean_attended = self.tokens_attended_sum / self.decode_steps if self.decode_steps else None
-        return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions)
+        sparse = self.sparse_tokens_attended_sum / self.decode_steps if self.decode_steps else None
+        sparse = None if self.sampling_params.dense or not self.sparse_tokens_attended_sum else sparse
+        return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions, sparse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,12 +176,16 @@ class RequestMetrics:
         mean_tokens_attended: KV tokens one decode step attended, averaged over the request's decode steps
             (and over layers and heads): the context length when dense, about the budget with Quest.
         num_preemptions: how often the request lost its pages and was recomputed.
+        mean_sparse_tokens_attended: KV tokens one decode step attended in each Quest (sparse) layer, averaged
+            over the request's decode steps and those layers' heads (what the HF drop-in's
+            ``QuestCache.mean_tokens_attended`` measures); ``None`` for a dense request or engine.
     """
 
     time_to_first_token: Optional[float]
     decode_tokens_per_s: Optional[float]
     mean_tokens_attended: Optional[float]
     num_preemptions: int
+    mean_sparse_tokens_attended: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +200,10 @@ class RequestOutput:
         stop_reason: the stop string or stop token id that matched, else ``None``.
         finished: whether the request is done.
         metrics: see :class:`RequestMetrics`.
+        forced_choices: per forced output so far (``SamplingParams.forced_token_ids``), the token the request's
+            sampler chose there (greedy: the argmax); empty without forced tokens.
+        forced_logprobs: per forced output so far, the natural log-probability of the forced token
+            (``log_softmax`` of the float32 logits the sampler saw); empty without forced tokens.
     """
 
     request_id: str
@@ -183,6 +215,8 @@ class RequestOutput:
     stop_reason: Union[int, str, None]
     finished: bool
     metrics: RequestMetrics
+    forced_choices: tuple[int, ...] = ()
+    forced_logprobs: tuple[float, ...] = ()
 
     @classmethod
     def from_sequence(cls, seq: Sequence, text: str) -> RequestOutput:
@@ -197,4 +231,6 @@ class RequestOutput:
             stop_reason=seq.stop_reason,
             finished=seq.is_finished,
             metrics=seq.metrics(),
+            forced_choices=tuple(seq.forced_choices),
+            forced_logprobs=tuple(seq.forced_logprobs),
         )
