@@ -281,7 +281,9 @@ def check_tiny_fp32() -> dict:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = {}
     for name, quest in (("dense", None), ("quest-256", QuestConfig(token_budget=256)),
-                        ("quest-full", QuestConfig(token_budget=2048))):
+                        ("quest-256-reuse-4", QuestConfig(token_budget=256, selection_interval=4)),
+                        ("quest-full", QuestConfig(token_budget=2048)),
+                        ("quest-full-reuse-4", QuestConfig(token_budget=2048, selection_interval=4))):
         tokens = {}
         for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
             q = quest if quest is None or path == "cuda-graphs" else QuestConfig(**{**quest.to_dict(), "backend": "torch"})
@@ -303,8 +305,8 @@ def check_tiny_fp32() -> dict:
                                              for a, b in zip(x, y)), "tokens": 3 * 24}
         if name == "dense":
             results["dense_tokens"] = tokens["cuda-graphs"]
-        if name == "quest-full":
-            results["quest-full"]["equals_dense"] = tokens["cuda-graphs"] == results["dense_tokens"]
+        if name.startswith("quest-full"):
+            results[name]["equals_dense"] = tokens["cuda-graphs"] == results["dense_tokens"]
     results.pop("dense_tokens")
     return results
 
@@ -366,10 +368,19 @@ def main() -> None:
     parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
     parser.add_argument("--quantization", choices=["int4", "int8"], default=None,
                         help="weight-only quantization of both engines' linears (default: bf16)")
+    parser.add_argument("--selection-intervals", default="",
+                        help="comma-separated C >= 2: also time a Quest engine that selects every C decode steps "
+                        "(QuestConfig.selection_interval) per C (default: none)")
     args = parser.parse_args()
+    try:
+        intervals = [int(c) for c in args.selection_intervals.split(",") if c]
+    except ValueError:
+        parser.error(f"--selection-intervals takes comma-separated ints, got {args.selection_intervals!r}")
+    if any(c < 2 for c in intervals):
+        parser.error(f"--selection-intervals must be >= 2 each, got {args.selection_intervals}")
     record = {"provenance": provenance("cuda"), "page_size": PAGE, "dense_layers": DENSE_LAYERS, "dtype": "bfloat16",
               "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS, "pdl": triton_common.PDL,
-              "quantization": args.quantization, "points": []}
+              "quantization": args.quantization, "selection_intervals": intervals, "points": []}
     record["bandwidth_bytes_per_s"] = bandwidth = measure_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     if not args.skip_checks:
@@ -388,12 +399,21 @@ def main() -> None:
         dense_floor, quest_floor = floor_ms(cfg, weight_bytes, batch, context, budget, bandwidth)
         point.update(floor_dense_ms=dense_floor, floor_quest_ms=quest_floor, ideal_speedup=dense_floor / quest_floor)
         point["speedup"] = point["engine_dense"]["ms_per_token"] / point["engine_quest"]["ms_per_token"]
+        runs = {"dense": point["engine_dense"], "quest": point["engine_quest"]}
+        if intervals:
+            point["engine_quest_reuse"], point["speedup_reuse"] = {}, {}
+        for c in intervals:  # JSON keys: C as a string
+            reuse = dataclasses.replace(quest, selection_interval=c)
+            runs[f"quest C={c}"] = point["engine_quest_reuse"][str(c)] = time_engine(
+                cfg, reuse, batch, context, quantization=args.quantization)
+            point["speedup_reuse"][str(c)] = point["engine_dense"]["ms_per_token"] / runs[f"quest C={c}"]["ms_per_token"]
         line = [f"{name} B={batch} L={context} budget={budget}:"]
-        for kind in ("dense", "quest"):
-            run = point[f"engine_{kind}"]
+        for kind, run in runs.items():
             line.append(f"{kind} {run['ms_per_token']:.2f} ms (sync {run['sync']['ms_per_token']:.2f}, graph "
                         f"{run['graph_replay_ms']:.2f}, {run['kernels']['count']} kernels),")
-        print(*line, f"x{point['speedup']:.2f} (floor {dense_floor:.2f}/{quest_floor:.2f}, target {target})", flush=True)
+        reused = "".join(f", C={c} x{x:.2f}" for c, x in point.get("speedup_reuse", {}).items())
+        print(*line, f"x{point['speedup']:.2f}{reused} (floor {dense_floor:.2f}/{quest_floor:.2f}, target {target})",
+              flush=True)
         record["points"].append(point)
         _write(args, record)
     if not args.skip_hf:

@@ -212,6 +212,29 @@ def host_overlap_section(record: dict) -> list[str]:
     return lines + [""]
 
 
+def reuse_section(record: dict) -> list[str]:
+    """Quest selecting every step vs every C steps (``QuestConfig.selection_interval``), for the points timed with
+    reuse (``--selection-intervals``)."""
+    points = [p for p in record["points"] if "engine_quest_reuse" in p]
+    if not points:
+        return []
+    lines = ["## Selection reuse", "",
+             "Quest selecting its pages every decode step (C = 1) vs every C steps (in between: the last selection plus "
+             "the pages begun since); ms = wall per step, graph = one replay; speedups over the engine dense.", "",
+             "| model | B | context | budget | C | dense ms | Quest ms (graph) | speedup | target | met |",
+             "|" + "---|" * 10]
+    for p in points:
+        runs = {"1": (p["engine_quest"], p["speedup"]),
+                **{c: (run, p["speedup_reuse"][c]) for c, run in p["engine_quest_reuse"].items()}}
+        target = p.get("target")
+        for c, (run, speedup) in runs.items():
+            lines.append(
+                f"| {p['model']} | {p['batch']} | {_k(p['context'])} | {p['budget']} | {c} | "
+                f"{p['engine_dense']['ms_per_token']:.2f} | {run['ms_per_token']:.2f} ({run['graph_replay_ms']:.2f}) | "
+                f"{speedup:.2f}× | {_f(target)}{'×' if target else ''} | {_met(speedup, target) if target else '–'} |")
+    return lines + [""]
+
+
 def render_markdown(record: dict) -> str:
     prov = record.get("provenance", {})
     bw = record["bandwidth_bytes_per_s"]
@@ -252,8 +275,8 @@ def render_markdown(record: dict) -> str:
         lines.append("")
     if not fp32 and not b8:
         lines += ["(not run)", ""]
-    lines += (targets_section(record) + all_points_section(record) + host_overlap_section(record)
-              + where_time_goes(record))
+    lines += (targets_section(record) + all_points_section(record) + reuse_section(record)
+              + host_overlap_section(record) + where_time_goes(record))
     return "\n".join(lines)
 
 

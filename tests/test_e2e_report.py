@@ -67,3 +67,20 @@ def test_report_of_both_scheduling_modes_and_kernel_counts(tmp_path):
     assert ("| llama3.1-8b | 1 | 32k | 2048 | 6.40 / 5.50 | 6.00 / 5.00 | 5.95 / 4.95 | 0.45 / 0.55 | 0.05 / 0.05 | "
             "yes | 430 / 490 | 13.4 / 15.3 |") in md
     assert "`nvjet_gemv` 3900 (224)" in md
+
+
+def test_report_of_selection_reuse(tmp_path):
+    point = _point(131072, 9.0, 6.0, 1.6)
+    point["engine_quest_reuse"] = {"4": _engine(5.0, 4.8, 4100)}
+    point["speedup_reuse"] = {"4": 9.0 / 5.0}
+    plain = _point(32768, 6.0, 5.0, None)  # timed without reuse: not in the section
+    record = {"provenance": {}, "page_size": 16, "dense_layers": 2, "bandwidth_bytes_per_s": 4e12,
+              "selection_intervals": [4], "points": [point, plain]}
+    path = tmp_path / "e2e-reuse.json"
+    path.write_text(json.dumps(record))
+    e2e_report.main([str(path)])
+    md = (tmp_path / "e2e-reuse.md").read_text()
+    assert "## Selection reuse" in md
+    assert "| llama3.1-8b | 1 | 128k | 2048 | 1 | 9.00 | 6.00 (5.80) | 1.50× | 1.60× | NO (missed by 6.3 %) |" in md
+    assert "| llama3.1-8b | 1 | 128k | 2048 | 4 | 9.00 | 5.00 (4.80) | 1.80× | 1.60× | yes |" in md
+    assert "| llama3.1-8b | 1 | 32k | 2048 | 1 |" not in md
