@@ -185,6 +185,21 @@ class PagedKVCache:
             lens = self._to_device(torch.tensor([[s, self._lens[s]] for s in seq_ids], dtype=torch.long))
             self.seq_lens[lens[:, 0]] = lens[:, 1].to(torch.int32)
 
+    def copy_tokens(self, src_id: int, dst_id: int) -> None:
+        """Copy what sequence ``src_id`` stores (K/V and page bounds, every layer) into the pages of ``dst_id``,
+        which holds as many tokens (:meth:`allocate` d, nothing written yet): the same prompt computed once
+        serves both. A partial last page is copied whole: its bounds cover the written tokens only, and the
+        slots past them are written before they are read."""
+        self._check_seq(src_id)
+        self._check_seq(dst_id)
+        if self._lens[src_id] != self._lens[dst_id]:
+            raise ValueError(f"copy_tokens: sequence {src_id} holds {self._lens[src_id]} tokens, "
+                             f"sequence {dst_id} {self._lens[dst_id]}; they must hold as many")
+        src = self._to_device(torch.tensor(self._pages[src_id], dtype=torch.long))
+        dst = self._to_device(torch.tensor(self._pages[dst_id], dtype=torch.long))
+        for pool in (self.k_pages, self.v_pages, self.kmin, self.kmax):  # [num_layers, num_pages, ...]
+            pool.index_copy_(1, dst, pool.index_select(1, src))
+
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the cache's device without waiting for the device's queued work (a pinned copy on CUDA:
         a blocking copy would wait for every step already launched, defeating asynchronous scheduling)."""

@@ -172,22 +172,35 @@ class ModelRunner:
         return host
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
-        """``[batch, vocab]`` float32 logits of each sequence's last token."""
+        """``[batch, vocab]`` float32 logits of each sequence's last token. A sequence that shares an earlier
+        one's prefill (:attr:`ScheduledBatch.prefill_from`) gets a copy of its K/V and its logits."""
+        sources = batch.prefill_from or tuple(range(len(batch.seqs)))
+        computed = [i for i, source in enumerate(sources) if source == i]
         ids, positions, starts = [], [], [0]
-        for seq, count in zip(batch.seqs, batch.num_new_tokens):
-            ids.extend(seq.all_token_ids[:count])
+        for i in computed:
+            count = batch.num_new_tokens[i]
+            ids.extend(batch.seqs[i].all_token_ids[:count])
             positions.extend(range(count))
             starts.append(starts[-1] + count)
         seq_ids = batch.seq_ids
-        slots = self.cache.slots(seq_ids, [0] * len(seq_ids), batch.num_new_tokens)
-        page_table, seq_lens = self.cache.batch(seq_ids)
+        computed_ids = [seq_ids[i] for i in computed]
+        slots = self.cache.slots(computed_ids, [0] * len(computed), [batch.num_new_tokens[i] for i in computed])
+        page_table, seq_lens = self.cache.batch(computed_ids)
         ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts)
         tokens = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
         last = torch.tensor(starts[1:], dtype=torch.int64).to(self.device, non_blocking=True) - 1
         if self.memory is not None:  # the slots' selections were their previous sequences'
             self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         hidden = self.model(tokens[0], tokens[1], ctx)
-        return self.model.compute_logits(hidden[last])
+        logits = self.model.compute_logits(hidden[last])  # [len(computed), vocab]
+        if len(computed) == len(sources):
+            return logits
+        for i, source in enumerate(sources):
+            if source != i:
+                self.cache.copy_tokens(seq_ids[source], seq_ids[i])
+        row = {i: r for r, i in enumerate(computed)}
+        rows = torch.tensor([row[source] for source in sources], dtype=torch.int64).to(self.device, non_blocking=True)
+        return logits.index_select(0, rows)
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[len(batch.seqs), vocab]`` float32 logits of one decode step of every sequence."""

@@ -42,12 +42,17 @@ class ScheduledBatch:
         is_prefill: prefill step (new or recomputed sequences only) or decode step (the running sequences).
         seq_lens: per sequence, the tokens it caches once the step's inputs are written (its KV length in the
             step); the step's inputs are positions ``seq_lens[i] - num_new_tokens[i]`` to ``seq_lens[i] - 1``.
+        prefill_from: on prefill, per sequence the batch index of the sequence whose prefill it shares: its own
+            index, or that of an earlier sequence of the batch with the very same tokens, whose K/V and last
+            logits it copies instead of computing them again (a prompt sent with several settings); ``()``:
+            every sequence its own (decode steps).
     """
 
     seqs: tuple[Sequence, ...]
     num_new_tokens: tuple[int, ...]
     is_prefill: bool
     seq_lens: tuple[int, ...]
+    prefill_from: tuple[int, ...] = ()
 
     @property
     def seq_ids(self) -> tuple[int, ...]:
@@ -84,8 +89,9 @@ class Scheduler:
 
     Each :meth:`schedule` is either a prefill of waiting sequences (admitted in arrival order while the batch
     has fewer than ``max_num_seqs`` running, the prefill tokens stay within ``max_num_batched_tokens`` (the
-    first one is always admitted, however long) and the pool holds their tokens plus one decode step of
-    every running sequence), or else one decode step of every running sequence. When the pool cannot hold
+    first one is always admitted, however long; a sequence whose tokens equal an earlier one's in the batch
+    costs none: it shares that prefill, see :attr:`ScheduledBatch.prefill_from`) and the pool holds their
+    tokens plus one decode step of every running sequence), or else one decode step of every running sequence. When the pool cannot hold
     the decode step, the newest running sequence is preempted: its pages are freed, it returns to the front
     of the waiting queue and is later prefilled again with its prompt and generated tokens.
 
@@ -301,19 +307,28 @@ class Scheduler:
         free_slots = cache.max_seqs - len(cache.sequences)
         seqs: list[Sequence] = []
         counts: list[int] = []
+        sources: list[int] = []
+        first_of: dict[tuple[int, ...], int] = {}  # tokens -> the batch index that computes their prefill
+        computed = 0
         while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs and len(seqs) < free_slots:
             seq = self.waiting[0]
             if seq.num_in_flight:  # preempted with a token in flight: recomputed once the token is known
                 break
             count = seq.num_tokens
-            if seqs and sum(counts) + count > self.max_num_batched_tokens:
+            tokens = tuple(seq.all_token_ids)
+            source = first_of.get(tokens, len(seqs))
+            cost = count if source == len(seqs) else 0
+            if seqs and computed + cost > self.max_num_batched_tokens:
                 break
             need = cache.pages_for_tokens(min(count + 1, self._max_cached_tokens(seq)))
             if reserved + need > cache.num_free_pages:
                 break
             reserved += need
+            computed += cost
+            first_of.setdefault(tokens, source)
             seqs.append(self.waiting.popleft())
             counts.append(count)
+            sources.append(source)
         if not seqs:
             return None
         ids = [cache.add_sequence() for _ in seqs]
@@ -322,7 +337,8 @@ class Scheduler:
             seq.cache_id, seq.status = cache_id, SequenceStatus.RUNNING
             seq.num_in_flight = 1
             self.running.append(seq)
-        return ScheduledBatch(tuple(seqs), tuple(counts), is_prefill=True, seq_lens=tuple(counts))
+        return ScheduledBatch(tuple(seqs), tuple(counts), is_prefill=True, seq_lens=tuple(counts),
+                              prefill_from=tuple(sources))
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
         def decoding() -> list[Sequence]:

@@ -130,6 +130,30 @@ def test_a_single_prompt_may_be_given_as_token_ids_or_text(model_dir):
     assert by_text.text == llm.tokenizer.decode(list(by_text.token_ids), skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("quest", [None, dataclasses.replace(SMALL, selection_interval=3)], ids=["dense", "quest"])
+def test_identical_prompts_in_one_prefill_step_are_computed_once_and_give_each_requests_outputs(model_dir, quest):
+    llm = make_llm(model_dir, quest, max_num_batched_tokens=60)
+    p, q = prompt(50), prompt(30)
+    seeded = SamplingParams(temperature=0.9, seed=random.randrange(1 << 30), max_tokens=12, ignore_eos=True)
+    forced = greedy(12, forced_token_ids=prompt(5))
+    sparse = {} if quest is None else {"token_budget": 8}
+    prompts = [p, p, p, q, p]
+    params = [greedy(12), seeded, forced, greedy(12), greedy(10, **sparse)]
+    launched, execute = [], llm.engine.runner.execute
+    llm.engine.runner.execute = lambda batch: launched.append(batch) or execute(batch)
+    computed = []
+    hook = llm.engine.runner.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    hook.remove()
+    # One step prefills p once for its three copies; q (30 more tokens) waits: 50 + 30 > max_num_batched_tokens.
+    assert launched[0].is_prefill and launched[0].prefill_from == (0, 0, 0) and computed[0] == 50
+    assert [(out.token_ids, out.forced_choices) for out in outputs] == [
+        (o.token_ids, o.forced_choices) for o in (llm.generate([x], sp, use_tqdm=False)[0]
+                                                  for x, sp in zip(prompts, params))]
+    cache = llm.engine.cache
+    assert cache.sequences == [llm.engine.runner.scratch_seq] and cache.num_free_pages == cache.num_pages - 1
+
+
 @pytest.mark.parametrize("name", ["dense", "quest small budget"])
 def test_requests_joining_and_leaving_mid_run_change_no_other_requests_tokens(model_dir, name):
     llm = make_llm(model_dir, ENGINES[name])
