@@ -5,6 +5,10 @@ random data, this script times under CUDA graphs (medians of many graph replays 
 
 * the questkv Quest step (estimate + select + attend) and each part alone, plus a ``torch.topk``
   selection for comparison with the Triton top-K;
+* the Quest step amortized over ``C`` decode steps (selection reuse, ``QuestConfig.selection_interval``) for
+  each ``C`` of ``--selection-intervals``: a window of ``C`` steps as the engine runs them, step 0 with every
+  sequence active, steps 1..C-1 with the estimate and select launched on all-zero ``active`` flags (they exit
+  early) and the attend over the last selection plus the pages begun since (:func:`time_amortized`);
 * the page estimate from 2-bit key codes (``page_scores_codes``, the opt-in low-bit key copy of
   ``quest-rerank``'s ``key_bits`` estimator; not wired into the step), ranked by max logit and by attention
   mass, next to the Quest estimate;
@@ -73,6 +77,11 @@ TARGETS = [  # (label, model, batch, context, budget, minimum speedup vs FlashIn
     ("B=32, L=32k, budget 2048", "llama3.1-8b", 32, 32768, 2048, 6.5),
 ]
 DENSE_TARGET = 1.15  # questkv dense time / FlashInfer dense time, at most
+AMORTIZED_TARGETS = [  # (label, model, batch, context, budget, µs per step at most, Quest step µs before reuse)
+    ("B=1, L=128k, budget 4096", "llama3.1-8b", 1, 131072, 4096, 20.0, 43.4),
+    ("B=1, L=32k, budget 2048", "llama3.1-8b", 1, 32768, 2048, 12.0, 23.8),
+    ("B=32, L=32k, budget 2048", "llama3.1-8b", 32, 32768, 2048, 110.0, 159.3),
+]
 CODE_BITS = 2  # width of the key codes timed ("estimate from 2-bit codes")
 
 
@@ -84,8 +93,16 @@ def time_graph(enqueue: Callable[[int], object], n_layers: int, reps: int, warmu
     """Median GPU time in microseconds of ``enqueue(layer)``, captured in a CUDA graph once per layer,
     the layers cycled ``ceil(MIN_CALLS_PER_REPLAY / n_layers)`` times (so that a replay outlasts the host's
     launch of it), and replayed ``reps`` times after ``warmup`` replays (per-call time = replay / calls)."""
-    calls = [functools.partial(enqueue, layer) for layer in range(n_layers)]
-    return graph_replay_us(calls, reps, warmup, cycles=-(-MIN_CALLS_PER_REPLAY // n_layers))
+    return time_steps(lambda step, layer: enqueue(layer), 1, n_layers, reps, warmup)
+
+
+def time_steps(enqueue: Callable[[int, int], object], steps: int, n_layers: int, reps: int, warmup: int) -> float:
+    """:func:`time_graph` of a window of ``steps`` decode steps: ``enqueue(step, layer)`` captured in the
+    engine's order (every layer of step 0, then every layer of step 1, ...), the window cycled
+    ``ceil(MIN_CALLS_PER_REPLAY / (steps * n_layers))`` times; the median time per call, which is the window's
+    time per layer over ``steps``."""
+    calls = [functools.partial(enqueue, step, layer) for step in range(steps) for layer in range(n_layers)]
+    return graph_replay_us(calls, reps, warmup, cycles=-(-MIN_CALLS_PER_REPLAY // len(calls)))
 
 
 def graph_equals_eager(fn: Callable[[], torch.Tensor]) -> bool:
@@ -216,6 +233,8 @@ def _check_kernels() -> list[dict]:
         record(f"{model} dense attention, head-major pool == page-major (exact)", float(not torch.equal(out_hm, out)), 0.0)
         for name, err, tol in key_codes_checks(q, k_pages, kmin, kmax, table, lens):
             record(f"{model} {name}", err, tol)
+        for name, err, tol in active_flag_checks(q, kmin, kmax, table, lens, gen):
+            record(f"{model} {name}", err, tol)
         config = QuestConfig(token_budget=1024, sink_pages=1, recent_pages=1, backend="triton")
         step = QuestDecodeStep(config, batch, hq, hkv, d, max_pages, DTYPE, DEVICE)
         layer = LayerPages(k_pages, v_pages, kmin, kmax)
@@ -251,6 +270,43 @@ def key_codes_checks(q, k_pages, kmin, kmax, table, lens) -> list[tuple[str, flo
                 same_mask = torch.equal(finite, torch.isfinite(got))
                 checks.append((f"page_scores_codes {bits}-bit {selection}/{reduction} {rerank}",
                                _rel_err(got[finite], want[finite]) if same_mask else 1.0, 1e-4))
+    return checks
+
+
+def active_flag_checks(q, kmin, kmax, table, lens, gen) -> list[tuple[str, float, float]]:
+    """(name, error, tolerance) of the ``active`` flags of ``page_scores_into`` and ``select_pages_into``
+    (selection reuse) against the reference, into outputs full of random sentinels, for mixed, all-zero and
+    all-nonzero flags: the estimate's scores (flagged rows to 1e-5, the others' sentinels exactly, ``-inf`` at
+    the same places) and both select paths (split over chunks of 64 pages) with per-row budgets into an output
+    3 columns wider than the budget, exactly; the split scratch left zeroed."""
+    batch, max_pages = table.shape
+    hkv = kmin.shape[1]
+    budget_pages, sink, recent = 64, 1, 2
+    budgets = torch.tensor([64, 16, 48, 32], dtype=torch.int32, device=DEVICE)[:batch] * PAGE_SIZE
+    buffers = kernels.select_buffers(batch, hkv, max_pages, DEVICE, chunk_pages=64)
+    flags = {"mixed": torch.tensor([1, 0, 3, 0], dtype=torch.int32, device=DEVICE)[:batch],
+             "all-zero": torch.zeros(batch, dtype=torch.int32, device=DEVICE),
+             "all-one": torch.ones(batch, dtype=torch.int32, device=DEVICE)}
+    checks = []
+    for kind, active in flags.items():
+        sentinel = torch.randn(batch, hkv, max_pages, device=DEVICE, generator=gen)
+        got, want = sentinel.clone(), sentinel.clone()
+        kernels.page_scores_into(got, q, kmin, kmax, table, lens, PAGE_SIZE, active=active)
+        reference.page_scores_into(want, q, kmin, kmax, table, lens, PAGE_SIZE, active=active)
+        finite = torch.isfinite(want)
+        same = torch.equal(finite, torch.isfinite(got)) and torch.equal(got[active == 0], sentinel[active == 0])
+        checks.append((f"page_scores_into active {kind}", _rel_err(got[finite], want[finite]) if same else 1.0, 1e-5))
+        for split in (False, True):
+            sel_sentinel = torch.randint(-(2**31), 2**31 - 1, (batch, hkv, budget_pages + 3), device=DEVICE,
+                                         dtype=torch.int32, generator=gen)
+            sel, sel_ref = sel_sentinel.clone(), sel_sentinel.clone()
+            kernels.select_pages_into(sel, want, lens, PAGE_SIZE, budget_pages, sink, recent, budgets, buffers,
+                                      split=split, active=active)
+            reference.select_pages_into(sel_ref, want, lens, PAGE_SIZE, budget_pages, sink, recent, budgets,
+                                        active=active)
+            exact = torch.equal(sel, sel_ref) and not buffers.hist.any() and not buffers.counters.any()
+            checks.append((f"select_pages_into active {kind}, {'split' if split else 'one-program'} path (exact)",
+                           float(not exact), 0.0))
     return checks
 
 
@@ -380,6 +436,53 @@ def time_head_major(point, dense, dense_out, steps, q, layers, table, lens, time
     del hm
 
 
+def time_amortized(budget: int, intervals: list[int], q, layers, table, lens,
+                   timer: Callable[[Callable[[int, int], object], int], float]) -> dict:
+    """The Quest step amortized over ``C`` decode steps, for each ``C`` in ``intervals``: ``{str(C): µs per step
+    per layer}``, ``timer(enqueue, C)`` (:func:`time_steps` on the GPU) of a window of ``C`` steps as the engine
+    runs them with selection reuse, through :meth:`QuestDecodeStep.sparse` of a step built for
+    ``QuestConfig(token_budget=budget, selection_interval=C)`` (its attention planned for ``budget_pages +
+    reuse_extra_pages`` columns). Step 0: every sequence active, the estimate and select write the first
+    ``budget_pages`` columns of the layer's selection and the attend reads them (the engine's extra columns are
+    ``-1`` on a selecting step: the same grid, nothing read there). Steps 1..C-1: all-zero ``active`` flags (the
+    estimate and select launch and exit early) and the attend over the selection of step 0 plus the
+    ``reuse_extra_pages`` columns, which hold valid page ids (the sequences' last pages, standing for the pages
+    begun since). Each layer keeps its own selection across the window, as the engine's ``SelectionMemory``
+    does; the step's other buffers are shared by the layers."""
+    batch, npages = table.shape
+    hkv = layers[0].kmin.shape[1]
+    active = torch.ones(batch, dtype=torch.int32, device=q.device)
+    reusing = torch.zeros_like(active)
+    results = {}
+    for interval in intervals:
+        config = QuestConfig(token_budget=budget, selection_interval=interval, backend="triton")
+        step = QuestDecodeStep(config, batch, q.shape[1], hkv, q.shape[2], npages, q.dtype, q.device)
+        budget_pages, extra = config.budget_pages, config.reuse_extra_pages
+        selected = step.selected.new_empty((len(layers), *step.selected.shape))  # [L, B, Hs, budget_pages + extra]
+        selected[..., budget_pages:] = torch.arange(npages - extra, npages, dtype=torch.int32, device=q.device)
+
+        def enqueue(when: int, layer: int, step=step, selected=selected, budget_pages=budget_pages) -> None:
+            if when == 0:
+                step.sparse(q, layers[layer], table, lens, active=active, selected=selected[layer, ..., :budget_pages])
+            else:
+                step.sparse(q, layers[layer], table, lens, active=reusing, selected=selected[layer])
+
+        results[str(interval)] = timer(enqueue, interval)
+        del step, selected
+    return results
+
+
+def amortized_target(amortized: dict, limit: float) -> Optional[tuple[int, float, bool]]:
+    """``(C, µs, met)`` of a budget row's ``amortized_step_us`` against ``limit``: the smallest ``C`` whose
+    amortized step is at most ``limit``, else the ``C`` with the fastest step; ``None`` when nothing was timed."""
+    timed = sorted((int(c), us) for c, us in amortized.items())
+    if not timed:
+        return None
+    met = [(c, us) for c, us in timed if us <= limit]
+    c, us = met[0] if met else min(timed, key=lambda item: item[1])
+    return c, us, bool(met)
+
+
 def other_pdl(enqueue: Callable[[int], object], n_layers: int, reps: int, warmup: int) -> float:
     """:func:`time_graph` with programmatic dependent launch switched from its default."""
     with programmatic_launch(not triton_common.PDL):
@@ -449,6 +552,9 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
             "launches": count_launches(lambda: step(q, layers[0], table, lens)),
             "graph_equals_eager": graph_equals_eager(lambda: step(q, layers[0], table, lens)),
         }
+        row["amortized_step_us"] = time_amortized(
+            budget, args.intervals, q, layers, table, lens,
+            lambda enqueue, interval: time_steps(enqueue, interval, n_layers, reps, warmup))
         row["step_tbps"] = sparse_bytes / (row["step_us"] * 1e-6) / 1e12
         row["estimate_tbps"] = bound_bytes / (row["estimate_us"] * 1e-6) / 1e12
         row["attend_tbps"] = (sparse_bytes - bound_bytes) / (row["attend_us"] * 1e-6) / 1e12
@@ -532,6 +638,25 @@ def head_major_lines(points: list[dict]) -> list[str]:
     return lines
 
 
+def amortized_lines(points: list[dict], intervals: list[int]) -> list[str]:
+    """The 'Quest step amortized over C' table: per point and budget, the Quest step (every step selects) and
+    the µs per step of a window of ``C`` steps that selects once (:func:`time_amortized`) for each ``C``."""
+    head = "| model | B | L | budget | Quest step µs | " + " | ".join(f"C={c} µs/step" for c in intervals) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for p in points:
+        for r in p["sparse"]:
+            amortized = r.get("amortized_step_us", {})
+            cells = " | ".join(_fmt(amortized.get(str(c))) for c in intervals)
+            lines.append(f"| {p['model']} | {p['batch']} | {p['context'] // 1024}k | {r['budget']} | {_fmt(r['step_us'])} "
+                         f"| {cells} |")
+    return lines
+
+
+def _budget_row(points: list[dict], model: str, batch: int, context: int, budget: int) -> Optional[dict]:
+    return next((r for p in points if (p["model"], p["batch"], p["context"]) == (model, batch, context)
+                 for r in p["sparse"] if r["budget"] == budget), None)
+
+
 def target_lines(points: list[dict]) -> list[str]:
     lines = ["| target | required | measured | met |", "|---|---|---|---|"]
     for label, model, batch, context, budget, need in TARGETS:
@@ -547,7 +672,28 @@ def target_lines(points: list[dict]) -> list[str]:
         where = f"worst {p['model']} B={p['batch']} L={p['context'] // 1024}k"
         lines.append(f"| questkv dense / FlashInfer dense, all points | ≤ {DENSE_TARGET}× | {worst:.2f}× ({where}) | "
                      f"{'yes' if worst <= DENSE_TARGET else 'NO'} |")
+    for label, model, batch, context, budget, limit, before in AMORTIZED_TARGETS:
+        row = _budget_row(points, model, batch, context, budget)
+        found = amortized_target(row.get("amortized_step_us", {}), limit) if row else None
+        required = f"≤ {limit:.1f} µs/step (was {before:.1f})"
+        if found is None:
+            lines.append(f"| amortized Quest step, {label} ({model}) | {required} | - | - |")
+            continue
+        interval, micros, met = found
+        measured = f"{micros:.1f} µs at C={interval}{'' if met else ' (best)'}; every-step {_fmt(row['step_us'])}"
+        lines.append(f"| amortized Quest step, {label} ({model}) | {required} | {measured} | {'yes' if met else 'NO'} |")
     return lines
+
+
+def parse_intervals(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--selection-intervals`` as sorted distinct positive ints (``parser.error`` otherwise)."""
+    try:
+        intervals = sorted({int(c) for c in text.split(",")})
+    except ValueError:
+        intervals = []
+    if not intervals or intervals[0] < 1:
+        parser.error(f"--selection-intervals must be positive integers separated by commas, got {text!r}")
+    return intervals
 
 
 def main() -> int:
@@ -556,12 +702,15 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="8192,32768,131072")
     parser.add_argument("--budgets", default="1024,2048,4096")
+    parser.add_argument("--selection-intervals", default="1,2,4,8",
+                        help="C values: the Quest step amortized over C decode steps that select once")
     parser.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--max-gb", type=float, default=100.0, help="GPU memory for pools (+ SDPA copies) per point")
     parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--tag", default="h200")
     args = parser.parse_args()
+    args.intervals = parse_intervals(parser, args.selection_intervals)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -580,6 +729,7 @@ def main() -> int:
         "dtype": str(DTYPE),
         "page_size": PAGE_SIZE,
         "pdl": triton_common.PDL,
+        "selection_intervals": args.intervals,
     }
     try:
         import flashinfer
@@ -613,7 +763,9 @@ def main() -> int:
                     partial = Path(args.out_dir) / f"kernels-{args.tag}.partial.json"
                     partial.parent.mkdir(parents=True, exist_ok=True)
                     partial.write_text(json.dumps({"info": info, "checks": checks, "points": points}, indent=1))
-                    steps = ", ".join(f"budget {r['budget']}: {r['step_us']:.1f}" for r in point["sparse"])
+                    steps = ", ".join(f"budget {r['budget']}: {r['step_us']:.1f} (amortized "
+                                      + ", ".join(f"C={c} {us:.1f}" for c, us in r["amortized_step_us"].items()) + ")"
+                                      for r in point["sparse"])
                     print(f"{model} B={batch} L={context}: dense questkv {point['questkv_dense_us']:.1f} / "
                           f"FlashInfer {point.get('flashinfer_dense_us', float('nan')):.1f} µs; Quest step {steps} µs", flush=True)
 
@@ -642,6 +794,17 @@ def main() -> int:
         "",
         *table_lines(points),
         "",
+        "## Quest step amortized over C",
+        "",
+        "Selection reuse (`QuestConfig.selection_interval` C): a CUDA graph of C consecutive steps per layer, in the "
+        "engine's order; step 0 estimates, selects (every sequence active) and attends; steps 1..C-1 launch the "
+        "estimate and select with all-zero `active` flags (they exit early) and attend the last selection plus "
+        f"`reuse_extra_pages` = ceil((C-1)/{PAGE_SIZE}) page columns begun since (`QuestDecodeStep.sparse` with "
+        "`active` and `selected`, as the engine). µs per step = window time / C (per layer, like the Quest step "
+        "column).",
+        "",
+        *amortized_lines(points, args.intervals),
+        "",
         f"## Estimate from {CODE_BITS}-bit key codes (opt-in, not in the step)",
         "",
         *codes_lines(points),
@@ -652,8 +815,8 @@ def main() -> int:
         "",
     ]
     (out_dir / f"kernels-{args.tag}.md").write_text("\n".join(md))
-    print("\n".join(["", *target_lines(points), "", *table_lines(points), "", *codes_lines(points), "",
-                     *head_major_lines(points)]))
+    print("\n".join(["", *target_lines(points), "", *table_lines(points), "", *amortized_lines(points, args.intervals),
+                     "", *codes_lines(points), "", *head_major_lines(points)]))
     return 0 if all(c["ok"] for c in checks) else 1
 
 

@@ -28,6 +28,10 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
 * ``budgets``: ``[batch]`` int32 token budget of each sequence (a multiple of ``page_size``, at most
   ``budget_pages * page_size`` and at least the forced pages plus the current one); ``None`` gives every
   sequence ``budget_pages``. Callers validate the values on the host (the ops never synchronise).
+* ``active``: ``[batch]`` int32 flags of :func:`page_scores_into` and :func:`select_pages_into`
+  (selection reuse: a sequence re-estimates and re-selects only every ``selection_interval``-th step),
+  or ``None`` for every sequence. A sequence whose flag is 0 leaves its rows of ``out`` untouched;
+  the flags are read on the device, so one CUDA graph serves every pattern (:func:`check_active`).
 
 Every op also has an ``*_into`` form writing into preallocated outputs, with the same signature as
 the Triton kernels' (:mod:`questkv.ops.triton`), so :class:`questkv.decode.QuestDecodeStep` calls
@@ -300,9 +304,17 @@ def page_scores_into(
     page_size: int,
     selection: str = "kv_head",
     group_reduction: str = "sum",
+    active: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """:func:`page_scores` into ``out`` ``[batch, num_sel_heads, max_pages]`` float32; returns ``out``."""
-    return out.copy_(page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection, group_reduction))
+    """:func:`page_scores` into ``out`` ``[batch, num_sel_heads, max_pages]`` float32; returns ``out``.
+
+    ``active``: ``None`` (every sequence) or ``[batch]`` int32 on ``out``'s device (:func:`check_active`);
+    sequences with ``active[b] == 0`` leave ``out[b]`` untouched. Every row is computed and the active
+    ones copied, with no host synchronisation."""
+    if active is not None:
+        check_active(active, out.shape[0], out.device)
+    scores = page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection, group_reduction)
+    return out.copy_(scores if active is None else _where_active(active, scores, out))
 
 
 def select_pages_into(
@@ -316,10 +328,22 @@ def select_pages_into(
     budgets: Optional[torch.Tensor] = None,
     buffers: Optional[SelectBuffers] = None,
     split: Optional[bool] = None,
+    active: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """:func:`select_pages` into ``out`` ``[batch, num_sel_heads, budget_pages]`` int32; ``buffers``
-    and ``split`` (the kernel's scratch and path) are unused here. Returns ``out``."""
-    return out.copy_(select_pages(scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages, budgets))
+    """:func:`select_pages` into columns ``[0, budget_pages)`` of ``out`` ``[batch, num_sel_heads, width]``
+    int32 (``width >= budget_pages``; the columns past ``budget_pages`` are never touched); ``buffers``
+    and ``split`` (the kernel's scratch and path) are unused here. Returns ``out``.
+
+    ``active``: ``None`` (every sequence) or ``[batch]`` int32 on ``out``'s device (:func:`check_active`);
+    sequences with ``active[b] == 0`` leave ``out[b]`` untouched (no host synchronisation)."""
+    batch, heads, _ = scores.shape
+    check_select_out(out, batch, heads, budget_pages)
+    if active is not None:
+        check_active(active, batch, out.device)
+    chosen = select_pages(scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages, budgets)
+    columns = out[..., :budget_pages]  # a view: copying into it writes out
+    columns.copy_(chosen if active is None else _where_active(active, chosen, columns))
+    return out
 
 
 def paged_decode_attention_into(
@@ -584,6 +608,32 @@ def page_scores_codes_into(
     """:func:`page_scores_codes` into ``out`` ``[batch, num_sel_heads, max_pages]`` float32; returns ``out``."""
     return out.copy_(page_scores_codes(q, codes, kmin, kmax, page_table, seq_lens, page_size, bits, selection,
                                        group_reduction, rerank, sm_scale))
+
+
+def check_active(active: torch.Tensor, batch: int, device: torch.device) -> None:
+    """``ValueError`` unless ``active`` (the ``*_into`` ops' per-sequence flags) is a contiguous ``[batch]``
+    int32 tensor on ``device``."""
+    if not isinstance(active, torch.Tensor):
+        raise ValueError(f"active must be None or a [batch] int32 tensor, got {type(active).__name__}")
+    if (tuple(active.shape) != (batch,) or active.dtype != torch.int32 or active.device != torch.device(device)
+            or not active.is_contiguous()):
+        raise ValueError(f"active must be a contiguous int32 tensor of shape ({batch},) on {device}, got shape "
+                         f"{tuple(active.shape)}, {active.dtype} on {active.device}"
+                         f"{'' if active.is_contiguous() else ', not contiguous'}")
+
+
+def check_select_out(out: torch.Tensor, batch: int, num_sel_heads: int, budget_pages: int) -> None:
+    """``ValueError`` unless ``out`` is ``[batch, num_sel_heads, width]`` with ``width >= budget_pages``
+    (the selection fills its first ``budget_pages`` columns)."""
+    if out.dim() != 3 or tuple(out.shape[:2]) != (batch, num_sel_heads) or out.shape[2] < budget_pages:
+        raise ValueError(f"out must have shape ({batch}, {num_sel_heads}, >= budget_pages={budget_pages}), "
+                         f"got {tuple(out.shape)}")
+
+
+def _where_active(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` ``[batch, ...]`` in the rows of sequences with a nonzero ``active`` flag, ``old`` elsewhere
+    (no host synchronisation)."""
+    return torch.where(active.view(-1, *([1] * (new.dim() - 1))) != 0, new, old)
 
 
 def _check_mode(selection: str, group_reduction: str) -> None:

@@ -159,3 +159,26 @@ def test_custom_softmax_scale():
     out = reference.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens, sm_scale=0.5)
     expected = sdpa_decode(q * 0.5 * math.sqrt(16), cache.keys, cache.values)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_active_flags_keep_inactive_rows_and_all_ones_equal_no_flags():
+    """The reference ``*_into`` ops with ``active``: all ones (any nonzero) give the output without flags bit for
+    bit; sequences flagged 0 keep their rows of ``out`` as they were; the selection fills only the first
+    ``budget_pages`` columns of a wider ``out``."""
+    page_size, lens = 4, [29, 6, 17]
+    cache = random_cache(lens, num_kv_heads=2, head_dim=16, page_size=page_size)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(3, 4, 16)
+    max_pages = page_table.shape[1]
+    scores = reference.page_scores(q, layer.kmin, layer.kmax, page_table, seq_lens, page_size)
+    selected = reference.select_pages(scores, seq_lens, page_size, 3, 1, 1)
+    for active in (torch.ones(3, dtype=torch.int32), torch.tensor([0, 7, 0], dtype=torch.int32)):
+        keep = active == 0
+        old = torch.randn(3, 2, max_pages)
+        out = reference.page_scores_into(old.clone(), q, layer.kmin, layer.kmax, page_table, seq_lens, page_size,
+                                         active=active)
+        assert torch.equal(out[keep], old[keep]) and torch.equal(out[~keep], scores[~keep])
+        old_sel = torch.randint(-100, 100, (3, 2, 5), dtype=torch.int32)
+        sel = reference.select_pages_into(old_sel.clone(), scores, seq_lens, page_size, 3, 1, 1, active=active)
+        assert torch.equal(sel[..., 3:], old_sel[..., 3:]) and torch.equal(sel[keep], old_sel[keep])
+        assert torch.equal(sel[~keep][..., :3], selected[~keep])

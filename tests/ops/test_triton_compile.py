@@ -89,19 +89,22 @@ _SCRIPT = textwrap.dedent(
         {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128},
         num_warps=1,
     )
-    def compile_estimate(q_dtype, mode, group, blocks, pdl):
+    def compile_estimate(q_dtype, mode, group, blocks, pdl, active=False):
         compile_kernel(
             estimate._page_scores_kernel,
             {"q_ptr": q_dtype, "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
-             "lens_ptr": "i32", "out_ptr": "fp32"},
+             "lens_ptr": "i32", "active_ptr": "i32", "out_ptr": "fp32"},
             {"PAGE_SIZE": 16, "GROUP": group, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
              "BLOCK_D": 128, "MODE": mode, "DOT_FP32": q_dtype == "fp32", "BLOCKS": blocks, "NUM_STAGES": 2,
-             "USE_PDL": pdl},
+             "HAS_ACTIVE": active, "USE_PDL": pdl},
         )
 
 
     for mode, group, pdl in ((0, 4, False), (1, 4, False), (2, 4, False), (1, 1, False), (1, 4, True)):
         compile_estimate("bf16", mode, group, 2, pdl)
+    # per-sequence active flags (selection reuse): programs of inactive sequences return early
+    compile_estimate("bf16", 1, 4, 2, True, active=True)
+    compile_estimate("bf16", 0, 4, 1, False, active=True)
     for dense, group, sel_per_kv in ((False, 4, 1), (True, 4, 1), (False, 1, 1), (False, 1, 4)):
         compile_attention("bf16", dense, group, sel_per_kv)
     compile_attention("bf16", False, 4, 1, pdl=True)
@@ -114,29 +117,30 @@ _SCRIPT = textwrap.dedent(
     # 64 pages, of the default chunk and wider, and chunks of 512 / 2048; budgets up to a dense row's 4096 pages;
     # no spills at the default chunk
     default_row_block = select._ROW_BLOCK
-    for max_pages, row_block, budget, has_budgets in ((4096, None, 128, True), (8192, None, 4096, False),
-                                                      (64, None, 64, True), (4096, 512, 256, True),
-                                                      (4096, 2048, 128, False)):
+    for max_pages, row_block, budget, has_budgets, active in (
+            (4096, None, 128, True, False), (8192, None, 4096, False, False), (64, None, 64, True, False),
+            (4096, 512, 256, True, False), (4096, 2048, 128, False, False), (4096, None, 128, True, True)):
         select._ROW_BLOCK = row_block or default_row_block
         launch = select.row_launch(max_pages)
         compiled = compile_kernel(
             select._select_pages_kernel,
-            {"scores_ptr": "fp32", "lens_ptr": "i32", "budgets_ptr": "i32", "out_ptr": "i32"},
+            {"scores_ptr": "fp32", "lens_ptr": "i32", "budgets_ptr": "i32", "active_ptr": "i32", "out_ptr": "i32"},
             {"PAGE_SIZE": 16, "BUDGET": budget, "SINK": 1, "RECENT": 2, "BLOCK": launch["BLOCK"],
-             "HAS_BUDGETS": has_budgets},
+             "HAS_BUDGETS": has_budgets, "HAS_ACTIVE": active},
             num_warps=launch["num_warps"],
         )
         if row_block is None and max_pages == 4096:
             info = ptxas_info(compiled)
             print("select row path, default chunk:", info)
             assert "0 bytes spill stores" in info, info
-    split_pointers = {"scores_ptr": "fp32", "lens_ptr": "i32", "budgets_ptr": "i32", "hist_ptr": "i32",
-                      "chunk_hist_ptr": "i32", "chunk_above_ptr": "i32", "counter_ptr": "i32", "out_ptr": "i32"}
-    for digit_bits, chunk, has_budgets in ((8, 512, True), (11, 1024, False)):
+    split_pointers = {"scores_ptr": "fp32", "lens_ptr": "i32", "budgets_ptr": "i32", "active_ptr": "i32",
+                      "hist_ptr": "i32", "chunk_hist_ptr": "i32", "chunk_above_ptr": "i32", "counter_ptr": "i32",
+                      "out_ptr": "i32"}
+    for digit_bits, chunk, has_budgets, active in ((8, 512, True, False), (11, 1024, False, False), (8, 512, True, True)):
         passes = -(-32 // digit_bits)
         split = {"PAGE_SIZE": 16, "BUDGET": 4096, "SINK": 1, "RECENT": 2, "HAS_BUDGETS": has_budgets, "CHUNK": chunk,
                  "DIGIT_BITS": digit_bits, "BINS": 1 << digit_bits, "LAST_BINS": 1 << (32 - (passes - 1) * digit_bits),
-                 "NUM_PASSES": passes}
+                 "NUM_PASSES": passes, "HAS_ACTIVE": active}
         for p in range(passes):
             compile_kernel(select._split_histogram_kernel, split_pointers, {**split, "PASS": p})
         compile_kernel(select._split_compact_kernel, split_pointers, {**split, "BLOCK_C": 16, "PAD_BLOCK": 256})

@@ -134,6 +134,62 @@ def test_page_scores_in_a_wide_table_match_reference(selection, reduction, block
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
 
 
+def _active(kind: str, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """``[batch]`` int32 flags: ``"mixed"`` (random, at least one 0 and one nonzero), ``"none"``, ``"all"``."""
+    if kind == "none":
+        return torch.zeros(batch, dtype=torch.int32)
+    if kind == "all":
+        return torch.randint(1, 5, (batch,), generator=gen, dtype=torch.int32)  # any nonzero value is active
+    flags = torch.randint(0, 2, (batch,), generator=gen, dtype=torch.int32)
+    rows = torch.randperm(batch, generator=gen)[:2]
+    flags[rows[0]], flags[rows[1]] = 0, 3
+    return flags
+
+
+@pytest.mark.parametrize("kind", ["mixed", "none", "all"])
+@pytest.mark.parametrize("selection,reduction", [("kv_head", "sum"), ("q_head", "sum")])
+def test_page_scores_of_inactive_sequences_are_left_untouched(kind, selection, reduction, monkeypatch):
+    """With ``active`` flags (several programs per row, a row past some blocks): the rows of sequences
+    flagged 0 keep their random contents bit for bit, the others equal the launch without flags bit for
+    bit (and the reference); the reference's ``active`` does the same."""
+    monkeypatch.setattr(estimate, "_BLOCK_P", 4)
+    monkeypatch.setattr(estimate, "_MIN_PROGRAMS_PER_SM", 0)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_q, num_kv, head_dim = HEADS[0]
+    page_size, num_pages, max_pages = 16, 40, 12
+    _, _, kmin, kmax = _pool(num_pages, page_size, num_kv, head_dim, torch.float32, gen)
+    table, lens = _batch([150, 17, 64], page_size, num_pages, max_pages, gen)
+    q = torch.randn(3, num_q, head_dim, generator=gen)
+    active = _active(kind, 3, gen)
+    sentinel = torch.randn(3, num_q if selection == "q_head" else num_kv, max_pages, generator=gen)
+    full = tk.page_scores(q, kmin, kmax, table, lens, page_size, selection, reduction)
+    want = torch.where(active[:, None, None] != 0, full, sentinel)
+    got = tk.page_scores_into(sentinel.clone(), q, kmin, kmax, table, lens, page_size, selection, reduction, active)
+    assert torch.equal(got, want)
+    ref = reference.page_scores(q, kmin, kmax, _readable(table), lens, page_size, selection, reduction)
+    ref_got = reference.page_scores_into(sentinel.clone(), q, kmin, kmax, _readable(table), lens, page_size,
+                                         selection, reduction, active)
+    assert torch.equal(ref_got, torch.where(active[:, None, None] != 0, ref, sentinel))
+    finite = torch.isfinite(ref_got)
+    assert torch.equal(finite, torch.isfinite(got))
+    torch.testing.assert_close(got[finite], ref_got[finite], rtol=1e-5, atol=1e-4)
+
+
+def test_page_scores_refuse_bad_active_flags():
+    """``active`` of the wrong length, dtype, device or layout: ValueError naming it, in both backends."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    _, _, kmin, kmax = _pool(8, 4, 2, 16, torch.float32, gen)
+    table, lens = _batch([9, 4], 4, 8, 3, gen)
+    q = torch.randn(2, 4, 16, generator=gen)
+    out = torch.empty(2, 2, 3)
+    bad = (torch.ones(3, dtype=torch.int32), torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.int64),
+           torch.ones(2, dtype=torch.int32, device="meta"), torch.ones(2, 2, dtype=torch.int32)[:, 0])
+    for module in (tk, reference):
+        for active in bad:
+            with pytest.raises(ValueError, match="active"):
+                module.page_scores_into(out, q, kmin, kmax, table, lens, 4, active=active)
+
+
 @pytest.mark.parametrize(
     "lens,budget,sink,recent",
     [([250, 37], 5, 1, 1), ([256, 100], 8, 0, 0), ([40, 17], 6, 2, 1), ([16, 1], 3, 0, 2), ([130, 33], 11, 1, 3)],

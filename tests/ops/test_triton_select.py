@@ -168,6 +168,79 @@ def test_split_select_property(batch, heads, max_pages, chunk_pages, digit_bits,
     _check_split(scores, lens, budget_pages, sink, recent, budgets, buffers)
 
 
+def _flags(kind: str, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """``[batch]`` int32 ``active`` flags: ``"mixed"`` (random, at least one 0 and one nonzero), ``"none"``, ``"all"``."""
+    if kind == "none":
+        return torch.zeros(batch, dtype=torch.int32)
+    if kind == "all":
+        return torch.randint(1, 5, (batch,), generator=gen, dtype=torch.int32)
+    flags = torch.randint(0, 2, (batch,), generator=gen, dtype=torch.int32)
+    rows = torch.randperm(batch, generator=gen)[:2]
+    flags[rows[0]], flags[rows[1]] = 0, 2
+    return flags
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_select_of_inactive_sequences_leaves_their_rows_and_the_extra_columns_untouched(split, monkeypatch):
+    """Both paths into an ``out`` wider than the budget (a strided view of a larger tensor full of random
+    sentinels), with per-row budgets and forced sink / recent pages, under mixed, all-zero and all-nonzero
+    ``active`` flags, several launches on the same split scratch: active rows equal the select without flags
+    (the reference's) in their first ``budget_pages`` columns; the columns past them, the rows of inactive
+    sequences and everything around ``out`` keep their sentinel; the split scratch ends zeroed. The reference
+    op does the same."""
+    monkeypatch.setattr(select, "_ROW_BLOCK", 4)  # one-program path: rows of several chunks
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    batch, heads, max_pages, budget_pages, sink, recent = 4, 2, 13, 6, 1, 1
+    lens = torch.tensor([max_pages * PAGE_SIZE - 5, 4 * PAGE_SIZE + 1, 1, 9 * PAGE_SIZE], dtype=torch.int32)
+    budgets = torch.tensor([6, 3, 4, 5], dtype=torch.int32) * PAGE_SIZE
+    buffers = select.select_buffers(batch, heads, max_pages, lens.device, chunk_pages=4)
+    for kind, row_budgets in (("mixed", budgets), ("none", budgets), ("all", None), ("mixed", None)):
+        rows = [_row(KINDS[(seq + head) % len(KINDS)], max_pages, gen) for seq in range(batch) for head in range(heads)]
+        scores = torch.stack(rows).view(batch, heads, max_pages)
+        active = _flags(kind, batch, gen)
+        want = reference.select_pages(scores, lens, PAGE_SIZE, budget_pages, sink, recent, row_budgets)
+        sentinel = torch.randint(-(2**31), 2**31 - 1, (batch, heads, budget_pages + 7), generator=gen, dtype=torch.int32)
+        expected = sentinel.clone()
+        expected[:, :, 2 : 2 + budget_pages] = torch.where(active[:, None, None] != 0, want,
+                                                           sentinel[:, :, 2 : 2 + budget_pages])
+        for backend in (select, reference):
+            big = sentinel.clone()
+            out = big[:, :, 2 : 2 + budget_pages + 3]  # 3 columns past the budget; rows strided
+            backend.select_pages_into(out, scores, lens, PAGE_SIZE, budget_pages, sink, recent, row_budgets,
+                                      buffers, split=split, active=active)
+            assert torch.equal(big, expected), backend.__name__
+        assert not buffers.hist.any() and not buffers.counters.any()
+
+
+def test_select_without_flags_is_unchanged_and_checks_its_output_and_flags():
+    """``active=None`` and all-nonzero flags give the same output as before, bit for bit; an ``out`` narrower
+    than the budget and bad ``active`` flags (length, dtype, device, layout) are refused with a ValueError
+    naming them, by both backends and both paths."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    scores = torch.randn(2, 2, 9, generator=gen)
+    lens = torch.tensor([9 * PAGE_SIZE, 3 * PAGE_SIZE - 2], dtype=torch.int32)
+    want = reference.select_pages(scores, lens, PAGE_SIZE, 4, 1, 1)
+    for split in (False, True):
+        for active in (None, torch.ones(2, dtype=torch.int32)):
+            out = torch.full_like(want, 12345)
+            select.select_pages_into(out, scores, lens, PAGE_SIZE, 4, 1, 1, split=split, active=active)
+            assert torch.equal(out, want)
+    bad = (torch.ones(3, dtype=torch.int32), torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.int64),
+           torch.ones(2, dtype=torch.int32, device="meta"), torch.ones(2, 2, dtype=torch.int32)[:, 0])
+    for backend in (select, reference):
+        for split in (False, True):
+            with pytest.raises(ValueError, match=r"out must have shape \(2, 2, >= budget_pages=4\), got \(2, 2, 3\)"):
+                backend.select_pages_into(torch.empty(2, 2, 3, dtype=torch.int32), scores, lens, PAGE_SIZE, 4,
+                                          split=split)
+            with pytest.raises(ValueError, match="out must have shape"):
+                backend.select_pages_into(torch.empty(2, 3, 4, dtype=torch.int32), scores, lens, PAGE_SIZE, 4,
+                                          split=split)
+            for active in bad:
+                with pytest.raises(ValueError, match="active"):
+                    backend.select_pages_into(torch.empty_like(want), scores, lens, PAGE_SIZE, 4, split=split,
+                                              active=active)
+
+
 def test_split_path_choice_and_buffer_checks(monkeypatch):
     """``split=None`` follows ``_SPLIT_MIN_PAGES`` and ``_SPLIT_MAX_ROWS`` (the split path
     allocates its own buffers when given none); buffers of another shape are refused."""

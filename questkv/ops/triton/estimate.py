@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from questkv.ops import reference
+from questkv.ops.reference import check_active
 from questkv.ops.triton._common import (
     check_last_dim_contiguous,
     check_shape,
@@ -83,7 +86,7 @@ def _store_past_pages(out_ptr, seq, head, rows, p, in_row, gmask, stride_ob, str
 
 @triton.jit
 def _page_scores_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, table_ptr, lens_ptr, out_ptr,
+    q_ptr, kmin_ptr, kmax_ptr, table_ptr, lens_ptr, active_ptr, out_ptr,
     max_pages,
     stride_qb, stride_qh,
     stride_bp, stride_bh,
@@ -91,7 +94,7 @@ def _page_scores_kernel(
     stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_ACTIVE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (KV head, ``BLOCKS`` page blocks, sequence), heads fastest so that the
     programs reading one page's bounds (``num_kv_heads`` adjacent rows) run together; the loop over
@@ -101,13 +104,18 @@ def _page_scores_kernel(
     so ``score = max(q, 0) @ kmax^T + min(q, 0) @ kmin^T``. Splitting ``q`` by sign is exact in
     any float dtype and products accumulate in float32. A program whose pages all lie past the
     sequence (up to ``max_pages``, the table width) only stores ``-inf``: no reads, no products, so
-    the work follows each sequence's pages. With ``USE_PDL`` it waits for the kernels before
-    it only at its first read, and lets the next kernel launch once its loop is done."""
+    the work follows each sequence's pages. With ``HAS_ACTIVE`` a program of a sequence whose
+    ``active`` flag is 0 returns after reading it, before any other read or write. With ``USE_PDL``
+    it waits for the kernels before it only at its first read (the flag's, or the length's), and lets
+    the next kernel launch once its loop is done."""
     head = tl.program_id(0)
     pid_p = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     if USE_PDL:
         gdc_wait()
+    if HAS_ACTIVE:
+        if tl.load(active_ptr + seq) == 0:  # the sequence reuses its last selection: out[seq] stays as it is
+            return
     num_pages = tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
@@ -182,17 +190,25 @@ def page_scores_into(
     page_size: int,
     selection: str = "kv_head",
     group_reduction: str = "sum",
+    active: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`page_scores` into a preallocated ``out`` ``[batch, num_sel_heads, max_pages]`` float32
-    (one launch, no host synchronisation). Returns ``out``."""
+    (one launch, no host synchronisation). Returns ``out``.
+
+    Args:
+        active: ``None`` (every sequence) or ``[batch]`` int32 on ``out``'s device: sequences with
+            ``active[b] == 0`` leave ``out[b]`` untouched (their programs exit after reading the flag).
+    """
     batch, _, head_dim = q.shape
     num_kv_heads, max_pages = kmin.shape[1], page_table.shape[1]
     mode, group = check_page_scores_args(out, q, kmin, kmax, page_table, seq_lens, selection, group_reduction)
+    if active is not None:
+        check_active(active, batch, out.device)
     blocks = triton.cdiv(max_pages, _BLOCK_P)
     per_program = _BLOCKS_PER_PROGRAM if num_kv_heads * blocks * batch >= _MIN_PROGRAMS_PER_SM * num_sms(q.device) else 1
     grid = (num_kv_heads, triton.cdiv(blocks, per_program), batch)
     _page_scores_kernel[grid](
-        q, kmin, kmax, page_table, seq_lens, out,
+        q, kmin, kmax, page_table, seq_lens, seq_lens if active is None else active, out,
         max_pages,
         q.stride(0), q.stride(1),
         kmin.stride(0), kmin.stride(1),
@@ -203,7 +219,7 @@ def page_scores_into(
         # float32 products when 16-bit operands would lose bits (or under the interpreter, whose
         # bf16 dot is wrong); 16-bit operands are exact as they are
         DOT_FP32=interpreting() or q.dtype == torch.float32 or q.dtype != kmin.dtype,
-        BLOCKS=per_program, NUM_STAGES=_NUM_STAGES, USE_PDL=use_pdl(q.device),
+        BLOCKS=per_program, NUM_STAGES=_NUM_STAGES, HAS_ACTIVE=active is not None, USE_PDL=use_pdl(q.device),
         num_warps=_NUM_WARPS, launch_pdl=use_pdl(q.device),
     )
     return out

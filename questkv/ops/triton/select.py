@@ -3,7 +3,10 @@
 Two paths with the same result: one program per (sequence, head) row, which loops over chunks of
 the row as many as the row's own pages fill (its cost follows each row's length, not the
 page-table width), and for long rows a split radix select over chunks of the row (several
-launches, global histograms).
+launches, global histograms). With per-sequence ``active`` flags every program of an inactive
+sequence, in every launch, returns after reading its flag (the one-program kernel reads its row's
+length and budget beside it) and before reading a score: its output row and its scratch are left
+as they are (the scratch of a row is its own, so nothing it skips is shared with another row).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from questkv.ops.reference import SelectBuffers
+from questkv.ops.reference import SelectBuffers, check_active, check_select_out
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2
 
 # Keys each thread holds, and the warp range: fewer warps make the block-wide reductions cheaper,
@@ -146,18 +149,27 @@ def _select_row(scores_row_ptr, out_row_ptr, num_pages, remaining, max_pages,
 
 @triton.jit
 def _select_pages_kernel(
-    scores_ptr, lens_ptr, budgets_ptr, out_ptr,
+    scores_ptr, lens_ptr, budgets_ptr, active_ptr, out_ptr,
     max_pages,
     stride_sb, stride_sh,
     stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-    BLOCK: tl.constexpr, HAS_BUDGETS: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_BUDGETS: tl.constexpr, HAS_ACTIVE: tl.constexpr,
 ):
     """One program per (head, sequence) selects its row (:func:`_select_row`) in chunks of ``BLOCK``
-    pages. With ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``)."""
+    pages. With ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``).
+    With ``HAS_ACTIVE`` the program of a sequence whose flag is 0 reads no score and writes nothing: it
+    loads its flag beside its length and budget (independent loads, one round trip) and returns. (The
+    flag tested before those two loads made ptxas cap the kernel at 64 registers and spill at the default
+    chunk in an sm_90 compile, tests/ops/test_triton_compile.py; this order keeps 78 and no spill.)"""
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
+    active = 1
+    if HAS_ACTIVE:
+        active = tl.load(active_ptr + seq)
     num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
+    if active == 0:  # the sequence keeps its last selection
+        return
     _select_row(scores_ptr + seq * stride_sb + head * stride_sh, out_ptr + seq * stride_ob + head * stride_oh,
                 num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK)
 
@@ -196,12 +208,12 @@ def _chunk_keys(scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_
 
 @triton.jit
 def _split_histogram_kernel(
-    scores_ptr, lens_ptr, budgets_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr,
+    scores_ptr, lens_ptr, budgets_ptr, active_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr,
     max_pages,
     stride_sb, stride_sh,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     HAS_BUDGETS: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr, BINS: tl.constexpr,
-    LAST_BINS: tl.constexpr, NUM_PASSES: tl.constexpr, PASS: tl.constexpr,
+    LAST_BINS: tl.constexpr, NUM_PASSES: tl.constexpr, HAS_ACTIVE: tl.constexpr, PASS: tl.constexpr,
 ):
     """Histogram pass ``PASS`` of the split select, one program per (chunk, head, sequence).
 
@@ -209,8 +221,12 @@ def _split_histogram_kernel(
     passes, the threshold's top ``PASS`` digits; it histograms digit ``PASS`` of the chunk's keys
     that share them. Every pass but the last adds the histogram into the row's merged one (global
     atomics); the last pass (the low bits) stores it per chunk with the count of the chunk's keys
-    whose prefix is larger, which is what the compaction needs to place every chunk.
+    whose prefix is larger, which is what the compaction needs to place every chunk. A program of an
+    inactive sequence (``HAS_ACTIVE``, flag 0) returns at once: its row's histograms stay as they are.
     """
+    if HAS_ACTIVE:
+        if tl.load(active_ptr + tl.program_id(2)) == 0:
+            return
     chunk, seq, head, row, i, valid, key, to_pick = _chunk_keys(
         scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_sh,
         PAGE_SIZE, BUDGET, SINK, RECENT, HAS_BUDGETS, CHUNK)
@@ -231,13 +247,14 @@ def _split_histogram_kernel(
 
 @triton.jit
 def _split_compact_kernel(
-    scores_ptr, lens_ptr, budgets_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, counter_ptr, out_ptr,
+    scores_ptr, lens_ptr, budgets_ptr, active_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr, counter_ptr, out_ptr,
     max_pages,
     stride_sb, stride_sh,
     stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     HAS_BUDGETS: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr, BINS: tl.constexpr,
-    LAST_BINS: tl.constexpr, NUM_PASSES: tl.constexpr, BLOCK_C: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    LAST_BINS: tl.constexpr, NUM_PASSES: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLOCK_C: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
 ):
     """Last launch of the split select, one program per (chunk, head, sequence).
 
@@ -246,8 +263,12 @@ def _split_compact_kernel(
     at ``T``; ties go to the lowest chunks first, so the chunk's output offset is the sum of the
     earlier chunks' kept pages and its own tie quota follows. It writes its kept pages in ascending
     order and its share of the ``-1`` padding, then takes a ticket: the row's last program zeroes
-    the merged histograms and the counter for the next launch.
+    the merged histograms and the counter for the next launch. A program of an inactive sequence
+    (``HAS_ACTIVE``, flag 0) returns at once: no output, no ticket (its row's scratch was never touched).
     """
+    if HAS_ACTIVE:
+        if tl.load(active_ptr + tl.program_id(2)) == 0:
+            return
     chunk, seq, head, row, i, valid, key, to_pick = _chunk_keys(
         scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_sh,
         PAGE_SIZE, BUDGET, SINK, RECENT, HAS_BUDGETS, CHUNK)
@@ -330,7 +351,8 @@ def select_buffers(
     )
 
 
-def _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pages, sink_pages, recent_pages):
+def _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pages, sink_pages, recent_pages,
+                  active=None):
     """The split path's ``P`` histogram launches and its compaction, after checking ``buffers``."""
     batch, heads, max_pages = scores.shape
     hist, chunk_hist, chunk_above, counters, chunk_pages = buffers
@@ -350,18 +372,19 @@ def _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pag
     common = dict(
         PAGE_SIZE=page_size, BUDGET=budget_pages, SINK=sink_pages, RECENT=recent_pages,
         HAS_BUDGETS=budgets is not None, CHUNK=chunk_pages, DIGIT_BITS=digit_bits, BINS=bins,
-        LAST_BINS=last_bins, NUM_PASSES=passes,
+        LAST_BINS=last_bins, NUM_PASSES=passes, HAS_ACTIVE=active is not None,
         num_warps=min(_MAX_WARPS, max(_MIN_WARPS, chunk_pages // (32 * _KEYS_PER_THREAD))),
     )
     budgets = seq_lens if budgets is None else budgets
+    active = seq_lens if active is None else active  # not read without HAS_ACTIVE
     for p in range(passes):
         _split_histogram_kernel[grid](
-            scores, seq_lens, budgets, hist, chunk_hist, chunk_above,
+            scores, seq_lens, budgets, active, hist, chunk_hist, chunk_above,
             max_pages, scores.stride(0), scores.stride(1),
             PASS=p, **common,
         )
     _split_compact_kernel[grid](
-        scores, seq_lens, budgets, hist, chunk_hist, chunk_above, counters, out,
+        scores, seq_lens, budgets, active, hist, chunk_hist, chunk_above, counters, out,
         max_pages, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         BLOCK_C=next_pow2(num_chunks), PAD_BLOCK=next_pow2(triton.cdiv(budget_pages, num_chunks)), **common,
     )
@@ -375,10 +398,12 @@ def takes_split_path(batch: int, num_sel_heads: int, max_pages: int, split: Opti
     return max_pages >= _SPLIT_MIN_PAGES and batch * num_sel_heads <= _SPLIT_MAX_ROWS
 
 
-def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets) -> None:
-    """The checks of a select's arguments other than the scores (``ValueError`` on the first failure)."""
+def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets,
+                      active=None) -> None:
+    """The checks of a select's arguments other than the scores (``ValueError`` on the first failure):
+    ``out`` ``[batch, heads, >= budget_pages]`` int32, contiguous in its last dimension (any row strides)."""
     check_shape("seq_lens", seq_lens, (batch,))
-    check_shape("out", out, (batch, heads, budget_pages))
+    check_select_out(out, batch, heads, budget_pages)
     if out.dtype != torch.int32:
         raise ValueError(f"out must be int32, got {out.dtype}")
     if budget_pages < 1 or sink_pages < 0 or recent_pages < 0:
@@ -388,6 +413,8 @@ def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, rec
         check_shape("budgets", budgets, (batch,))
         if budgets.dtype != torch.int32:
             raise ValueError(f"budgets must be int32, got {budgets.dtype}")
+    if active is not None:
+        check_active(active, batch, out.device)
 
 
 def row_launch(max_pages: int) -> dict:
@@ -408,9 +435,11 @@ def select_pages_into(
     budgets: Optional[torch.Tensor] = None,
     buffers: Optional[SelectBuffers] = None,
     split: Optional[bool] = None,
+    active: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """:func:`select_pages` into a preallocated ``out`` ``[batch, num_sel_heads, budget_pages]``
-    int32, with no host synchronisation. Returns ``out``.
+    """:func:`select_pages` into columns ``[0, budget_pages)`` of a preallocated ``out`` ``[batch,
+    num_sel_heads, width]`` int32 (``width >= budget_pages``, contiguous in its last dimension, any row
+    strides; columns past ``budget_pages`` are never touched), with no host synchronisation. Returns ``out``.
 
     Args:
         budgets: ``[batch]`` int32 token budgets or ``None`` (see :mod:`questkv.ops.reference`).
@@ -420,24 +449,28 @@ def select_pages_into(
             _SPLIT_MIN_PAGES`` and ``batch * num_sel_heads <= _SPLIT_MAX_ROWS``, the
             one-program-per-row kernel (one launch) otherwise; ``True`` / ``False`` force one.
             Both give the same result.
+        active: ``None`` (every sequence) or ``[batch]`` int32 on ``out``'s device: sequences with
+            ``active[b] == 0`` leave ``out[b]`` and their rows of ``buffers`` untouched (on either path
+            every program of theirs returns after reading the flag, before reading a score).
     """
     batch, heads, max_pages = scores.shape
-    check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets)
+    check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets, active)
     if scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32, got {scores.dtype}")
     check_last_dim_contiguous(scores=scores)
     if takes_split_path(batch, heads, max_pages, split):
         if buffers is None:
             buffers = select_buffers(batch, heads, max_pages, scores.device)
-        _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pages, sink_pages, recent_pages)
+        _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pages, sink_pages, recent_pages,
+                      active)
         return out
     _select_pages_kernel[(heads, batch)](
-        scores, seq_lens, seq_lens if budgets is None else budgets, out,
+        scores, seq_lens, seq_lens if budgets is None else budgets, seq_lens if active is None else active, out,
         max_pages,
         scores.stride(0), scores.stride(1),
         out.stride(0), out.stride(1),
         PAGE_SIZE=page_size, BUDGET=budget_pages, SINK=sink_pages, RECENT=recent_pages,
-        HAS_BUDGETS=budgets is not None, **row_launch(max_pages),
+        HAS_BUDGETS=budgets is not None, HAS_ACTIVE=active is not None, **row_launch(max_pages),
     )
     return out
 
