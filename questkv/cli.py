@@ -15,8 +15,8 @@ import sys
 from typing import Iterable, Optional, Sequence
 
 from questkv.cli_args import (
-    add_engine_args, add_quest_args, engine_kwargs, int_at_least, quest_config, quest_options, resolve_dtype,
-    unit_interval,
+    add_engine_args, add_quest_args, byte_size, engine_kwargs, fraction, int_at_least, quest_config, quest_options,
+    resolve_dtype, unit_interval,
 )
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 
@@ -274,16 +274,19 @@ def _policy_list(text: str) -> list[str]:
 
 
 def _add_eval(subparsers) -> None:
+    from questkv.eval.harness import EVAL_BACKENDS
     from questkv.eval.sweep import ALL_TASKS
     from questkv.policies import POLICIES
 
     parser = subparsers.add_parser(
         "eval",
         help=_HELP["eval"],
-        description="Evaluate KV-selection policies under Quest's protocol: each context is prefilled densely once, "
+        description="Evaluate KV-selection policies under Quest's protocol: each context is prefilled densely, "
         "then every policy and budget decodes the question tail one token at a time and answers greedily (ppl: scores "
-        "the window's last tokens through decode steps). `questkv eval TASK` runs one task, `questkv eval sweep` "
-        "several; results are resumable JSON, a markdown table and a PNG plot.",
+        "the window's last tokens through decode steps; agreement_book/agreement_code: the share of positions where "
+        "each setting's argmax is dense's greedy token over real text, engine only). full and quest run on the "
+        "engine by default, the other policies on the HF drop-in (--eval-backend). `questkv eval TASK` runs one "
+        "task, `questkv eval sweep` several; results are resumable JSON, a markdown table and a PNG plot.",
     )
     commands = parser.add_subparsers(dest="eval_command", required=True, metavar="{sweep,report," + ",".join(ALL_TASKS) + "}")
     for name in ("sweep",) + ALL_TASKS:
@@ -300,7 +303,8 @@ def _add_eval(subparsers) -> None:
         sub.add_argument("--policies", type=_policy_list, default=["full", "quest"],
                          help=f"comma-separated policies: {', '.join(POLICIES)}, each optionally with options of its "
                          "own that override the flags below, NAME:option=value:... (e.g. quest:selection=q_head, "
-                         "quest:page_size=8, quest-topp:top_p=0.9:min_budget=128, quest-rerank:shortlist=4:rerank=max, "
+                         "quest:page_size=8, quest:selection_interval=4 (engine only), "
+                         "quest-topp:top_p=0.9:min_budget=128, quest-rerank:shortlist=4:rerank=max, "
                          "quest-rerank:shortlist=16:key_bits=2) "
                          "(default: full,quest)")
         add_quest_args(sub, ["token_budget", "page_size", "dense_layers"], plural=["token_budget"],
@@ -316,6 +320,25 @@ def _add_eval(subparsers) -> None:
                          help="ppl: tokens scored at the end of every window, each through a decode step (default: 256)")
         sub.add_argument("--text-file", default=None,
                          help="ppl: UTF-8 text to score (default: the Python stdlib's pydoc_data.topics)")
+        sub.add_argument("--agreement-tokens", type=int_at_least(1), default=128,
+                         help="agreement_*: positions scored per window, each a token dense attention decoded "
+                         "greedily (default: 128)")
+        sub.add_argument("--code-commit", default=None,
+                         help="agreement_code: the commit of questkv's source to read with git (default: the "
+                         "tree's; where git is missing, the tree itself)")
+        backend = sub.add_argument_group("backend")
+        backend.add_argument("--eval-backend", choices=list(EVAL_BACKENDS), default="auto",
+                             help="what decodes the settings: engine (questkv.LLM: full and quest, selection_interval "
+                             "included), hf (the HF drop-in: every policy but selection_interval > 1), auto (the engine "
+                             "where it runs the policy, else hf) (default: auto)")
+        backend.add_argument("--max-num-seqs", type=int_at_least(1), default=256,
+                             help="engine: the most requests decoded together (default: 256)")
+        backend.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                             help="engine: share of the GPU's whole memory it may occupy (default: 0.9)")
+        backend.add_argument("--kv-cache-memory", type=byte_size, default=None,
+                             help="engine: KV-cache size, e.g. 40GiB (default: what --gpu-memory-utilization "
+                             "leaves, 1 GiB on CPU)")
+        backend.add_argument("--enforce-eager", action="store_true", help="engine: never capture CUDA graphs")
         sub.add_argument("--json", metavar="PATH",
                          help="write the cells to PATH after every setting, plus PATH's .md table and .png plot; an "
                          "existing PATH with the same settings is resumed (its finished cells are skipped)")
@@ -331,6 +354,7 @@ def _run_eval(args) -> int:
     from pathlib import Path
 
     from questkv.eval import sweep
+    from questkv.eval.engine_backend import EngineSource
     from questkv.eval.provenance import provenance
 
     quest = quest_options(args, sweep.QUEST_FIELDS)
@@ -344,6 +368,9 @@ def _run_eval(args) -> int:
         top_p=args.top_p,
         score_tokens=args.score_tokens,
         text_file=args.text_file,
+        eval_backend=args.eval_backend,
+        agreement_tokens=args.agreement_tokens,
+        code_commit=args.code_commit,
         **quest,
     )
 
@@ -354,11 +381,21 @@ def _run_eval(args) -> int:
 
         return load_model(args.model, device=args.device, dtype=dtype)
 
+    def load_tokenizer():
+        from questkv.models.loader import load_tokenizer
+
+        return load_tokenizer(args.model)
+
     def run_info() -> dict:
         return {**provenance(args.device, command="questkv " + " ".join(sys.argv[1:])), "dtype": dtype}
 
+    engine = EngineSource(args.model, {
+        "device": args.device.split(":")[0], "dtype": dtype, "enforce_eager": args.enforce_eager,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_memory": args.kv_cache_memory,
+    }, max_num_seqs=args.max_num_seqs)
     path = Path(args.json) if args.json else None
-    document = sweep.resume_sweep(path, args.model, spec, load, run_info, fresh=args.fresh)
+    document = sweep.resume_sweep(path, args.model, spec, load, run_info, fresh=args.fresh, engine=engine,
+                                  load_tokenizer=load_tokenizer)
     _write_reports(document, path, args.plot, args.no_plot)
     return 0
 

@@ -7,7 +7,9 @@ different lengths share every forward without padding, and every decode step of 
 through the setting under test. :func:`score_tokens` does the same with teacher forcing for
 perplexity. A :class:`Setting` names what decodes the sparse layers: ``full`` and ``quest`` run
 questkv's production path (:class:`~questkv.QuestConfig`, the Triton kernels on CUDA), every other
-policy its :mod:`questkv.policies` reference.
+policy its :mod:`questkv.policies` reference. This module is the HF path; ``full`` and ``quest`` also
+run through the engine (:mod:`questkv.eval.engine_backend`, the same protocol), which
+:meth:`Setting.backend` picks by default.
 """
 
 from __future__ import annotations
@@ -23,13 +25,22 @@ from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 from questkv.policies import POLICIES, DecodePolicy, make_policy
 from questkv.validation import check_choice
 
+EVAL_BACKENDS: tuple[str, ...] = ("auto", "engine", "hf")
+"""What decodes a setting: ``engine`` (:class:`questkv.LLM`, ``full`` and ``quest`` only), ``hf`` (the HF
+drop-in, every policy) or ``auto`` (the engine where it runs the setting, else HF)."""
+ENGINE_POLICIES: tuple[str, ...] = ("full", "quest")
+"""The policies the engine backend runs."""
+ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {"quest": ("selection_interval",)}
+"""Policy options that only the engine backend runs (the HF drop-in selects pages every step)."""
+
 
 def parse_policy(text: str, name: str = "policy") -> tuple[str, tuple[tuple[str, object], ...]]:
     """A policy string, ``NAME`` or ``NAME:option=value:option=value``, as ``(NAME, options)``.
 
     ``NAME`` is a key of :data:`questkv.policies.POLICIES`; the options are its own (see
-    :func:`questkv.policies.make_policy`) or ``page_size`` (the page size of that setting's cache,
-    instead of the evaluation's); ``full`` takes none. A value reads as an int, else a float, else
+    :func:`questkv.policies.make_policy`), ``page_size`` (the page size of that setting's cache,
+    instead of the evaluation's) or, for ``quest``, ``selection_interval`` (decode steps per page
+    selection, :attr:`questkv.QuestConfig.selection_interval`: engine backend only); ``full`` takes none. A value reads as an int, else a float, else
     stays a string: ``"quest-rerank:shortlist=4:rerank=mass"`` -> ``("quest-rerank", (("rerank",
     "mass"), ("shortlist", 4)))``, options sorted by name (:func:`format_policy` writes it back).
 
@@ -39,7 +50,7 @@ def parse_policy(text: str, name: str = "policy") -> tuple[str, tuple[tuple[str,
     """
     policy, *items = text.split(":")
     check_choice(name, policy, POLICIES)
-    allowed = () if policy == "full" else ("page_size",) + POLICIES[policy].options
+    allowed = () if policy == "full" else ("page_size",) + POLICIES[policy].options + ENGINE_OPTIONS.get(policy, ())
     options: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -108,17 +119,43 @@ class Setting:
         if self.policy in ("full", "quest"):
             if (self.policy == "full") != (self.budget is None):
                 raise ValueError(f"policy {self.policy!r}: budget {self.budget!r} (full takes none, quest needs one)")
-            unknown = sorted(set(options) - set(PAGE_POLICY_OPTIONS))
+            unknown = sorted(set(options) - set(PAGE_POLICY_OPTIONS) - set(ENGINE_OPTIONS["quest"]))
             if unknown:
                 raise ValueError(f"policy {self.policy!r} takes no option(s) {', '.join(unknown)}")
             return QuestConfig(token_budget=self.budget, page_size=page_size, dense_layers=dense_layers, **options)
         return make_policy(self.policy, self.budget, page_size, **options)
+
+    @property
+    def selection_interval(self) -> int:
+        """Decode steps per page selection (1 unless the policy string sets ``selection_interval``)."""
+        return dict(self.options).get("selection_interval", 1)
+
+    def backend(self, eval_backend: str = "auto") -> str:
+        """``"engine"`` or ``"hf"``: what runs this setting under ``eval_backend`` (:data:`EVAL_BACKENDS`).
+
+        Raises:
+            ValueError: ``engine`` for a policy the engine does not run, ``hf`` for a setting that reuses
+                selections (``selection_interval`` > 1), or an unknown ``eval_backend``.
+        """
+        check_choice("eval backend", eval_backend, EVAL_BACKENDS)
+        on_engine = self.policy in ENGINE_POLICIES
+        if eval_backend == "auto":
+            return "engine" if on_engine else "hf"
+        if eval_backend == "engine" and not on_engine:
+            raise ValueError(f"policy {self.name!r} runs on the HF path only (the engine runs "
+                             f"{', '.join(ENGINE_POLICIES)}); use --eval-backend auto or hf")
+        if eval_backend == "hf" and self.selection_interval > 1:
+            raise ValueError(f"policy {self.name!r} reuses page selections (selection_interval="
+                             f"{self.selection_interval}), which only the engine runs: the HF path selects every "
+                             "decode step; use --eval-backend auto or engine")
+        return eval_backend
 
 
 def enable_setting(model, setting: Setting, page_size: int, dense_layers: int) -> None:
     """:func:`questkv.enable` the model with ``setting`` (``page_size``: as in :meth:`Setting.build`)."""
     from questkv.integrations.hf import enable
 
+    setting.backend("hf")  # a setting that only the engine runs is refused here, with its name
     built = setting.build(page_size, dense_layers)
     if isinstance(built, QuestConfig):
         enable(model, built)

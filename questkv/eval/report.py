@@ -10,24 +10,28 @@ key                       meaning
 ``length``                context length in tokens
 ``policy``                KV-selection policy, e.g. ``"quest"``; ``"full"`` is dense attention
 ``budget``                token budget (``None`` for ``"full"``); the cap for ``"quest-topp"``
-``metric``                ``"accuracy"`` (a fraction in [0, 1]) or ``"ppl"`` (lower is better)
-``value``                 mean score over the samples, or the perplexity
+``metric``                ``"accuracy"`` (a fraction in [0, 1]), ``"ppl"`` (lower is better) or
+                          ``"agreement"`` (a fraction in [0, 1]: top-1 agreement with dense)
+``value``                 mean score over the samples, the perplexity, or the agreement
 ``mean_tokens_attended``  optional: mean tokens attended per decode step (``None`` for ``"full"``)
 ``kv_bytes_fraction``     optional: KV bytes one decode step reads, over full attention's
+``backend``               optional: ``"engine"`` or ``"hf"`` (cells without it: ``"hf"``)
+``ppl``                   optional, agreement cells: the perplexity of dense's tokens
 ========================  ========================================================================
 
 A policy may be a policy string with options (``"quest:selection=q_head"``, see
 :func:`questkv.eval.harness.parse_policy`): each string is its own row and line, and sorts after
 its base policy. ``"quest-topp"`` (with options or not) picks its budget per step, below its cap:
 the plot puts its points at its ``mean_tokens_attended`` and the table appends that mean in
-parentheses. :func:`markdown` adds a second table, the KV bytes per step as a share of full
-attention (:func:`format_bytes_table`), to compare settings at equal bytes.
+parentheses. Agreement reads as a percentage with one decimal (``"97.7%"``). :func:`markdown` adds the
+backend of each policy, a table of the agreement cells' perplexities when there are any, and the KV bytes
+per step as a share of full attention (:func:`format_bytes_table`), to compare settings at equal bytes.
 """
 
 from __future__ import annotations
 
 import json
-
+import re
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -37,7 +41,7 @@ if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn: tables need no
     from matplotlib.lines import Line2D
 
 REQUIRED_KEYS = ("task", "length", "policy", "budget", "metric", "value")
-METRICS = ("accuracy", "ppl")
+METRICS = ("accuracy", "ppl", "agreement")
 FULL = "full"
 ADAPTIVE = "quest-topp"
 ADAPTIVE_SUFFIX = " (at mean tokens attended)"
@@ -53,6 +57,7 @@ POLICY_COLORS = {
 OTHER_COLORS = ("tab:brown", "tab:pink", "tab:olive", "darkblue", "darkgoldenrod", "teal")
 FULL_COLOR = "tab:gray"
 PPL_LABEL = "perplexity (lower is better)"
+AGREEMENT_LABEL = "top-1 agreement with dense"
 COLUMNS = 4
 PANEL_SIZE = (4.0, 3.2)
 DPI = 120
@@ -180,7 +185,7 @@ def _draw_panel(axes, task: str, length: int, cells: list[dict]) -> dict[str, Li
     if cells[0]["metric"] == "ppl":
         axes.set_ylabel(PPL_LABEL)
     else:
-        axes.set_ylabel("accuracy")
+        axes.set_ylabel(AGREEMENT_LABEL if cells[0]["metric"] == "agreement" else "accuracy")
         axes.set_ylim(0, 1.05)
     axes.set_title(f"{task} @ {_length_label(length)}")
     axes.grid(alpha=0.3)
@@ -205,7 +210,9 @@ def _validate(cells: Sequence[dict]) -> None:
 def _format_cell(cell: dict) -> str:
     """A cell's value as text: accuracy as ``"90%"``, perplexity as ``"12.34"``, plus the mean
     tokens attended in parentheses for ``"quest-topp"``."""
-    text = f"{cell['value']:.0%}" if cell["metric"] == "accuracy" else f"{cell['value']:.2f}"
+    metric = cell["metric"]
+    text = f"{cell['value']:.0%}" if metric == "accuracy" else f"{cell['value']:.1%}" if metric == "agreement" else (
+        f"{cell['value']:.2f}")
     used = cell.get("mean_tokens_attended")
     if _base(cell["policy"]) == ADAPTIVE and used is not None:
         text += f" ({round(used)})"
@@ -223,7 +230,8 @@ def _policy_key(policy: str) -> tuple:
     """Sort key of a policy string: by its base policy (full, quest, quest-topp, oracle, then the
     rest alphabetically), then the plain name before its variants, the variants alphabetically."""
     base = _base(policy)
-    return (0, POLICY_ORDER.index(base), policy) if base in POLICY_ORDER else (1, 0, policy)
+    natural = tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", policy))
+    return (0, POLICY_ORDER.index(base), natural) if base in POLICY_ORDER else (1, 0, natural)
 
 
 def _base(policy: str) -> str:
@@ -264,9 +272,22 @@ def markdown(document: dict, plot_name: str | None = None) -> str:
     lines += [f"Settings: `{json.dumps(document['spec'])}`", ""]
     if document.get("text"):
         lines += [f"Text (ppl): `{json.dumps(document['text'])}`", ""]
+    for task, record in (document.get("agreement_texts") or {}).items():
+        lines += [f"Text ({task}): `{json.dumps(record)}`", ""]
+    backends: dict[str, list[str]] = {}
+    for cell in document["cells"]:
+        backends.setdefault(cell.get("backend", "hf"), [])
+        if cell["policy"] not in backends[cell.get("backend", "hf")]:
+            backends[cell.get("backend", "hf")].append(cell["policy"])
+    lines += ["Backend: " + "; ".join(f"{name} ({', '.join(sorted(policies, key=_policy_key))})"
+                                      for name, policies in sorted(backends.items())), ""]
     if plot_name:
         lines += [f"![accuracy and perplexity by token budget]({plot_name})", ""]
     lines.append(format_table(document["cells"]))
+    agreeing = [cell for cell in document["cells"] if cell["metric"] == "agreement" and cell.get("ppl") is not None]
+    if agreeing:
+        lines += ["", "Perplexity of dense's greedy tokens under each setting (agreement tasks):", "",
+                  _table(agreeing, lambda cell: f"{cell['ppl']:.3f}")]
     if any(cell.get("kv_bytes_fraction") is not None for cell in document["cells"]):
         lines += ["", "KV bytes one decode step reads per sequence, all layers, as a share of full attention "
                   "(questkv.policies.cost at each cell's length, with its mean tokens attended):", "",

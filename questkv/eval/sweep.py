@@ -1,30 +1,39 @@
-"""Accuracy and perplexity over tasks x lengths x policies x budgets, resumable (``questkv eval``).
+"""Accuracy, perplexity and agreement over tasks x lengths x policies x budgets, resumable (``questkv eval``).
 
-A :class:`SweepSpec` is the grid plus the settings every cell shares. :func:`run_sweep` walks it one
-context length at a time: all accuracy tasks' samples of that length form one batch, prefilled
-densely once; every decode setting runs from its own copy of that prefill (so every setting sees
-exactly the same prompts), and yields one cell per task. ``ppl`` windows form a second batch per
-length. Finished cells (from an earlier, interrupted run) are skipped: :func:`resume_sweep` runs a
-spec against the JSON document of an earlier run (:func:`document`), adding only what it lacks.
+A :class:`SweepSpec` is the grid plus the settings every cell shares. Each setting runs on a backend
+(:meth:`SweepSpec.backend`): by default ``full`` and ``quest`` on the engine
+(:mod:`questkv.eval.engine_backend`: every (setting, sample) a request of its own, one engine per
+engine-level config serving all of its settings, a prompt's copies sharing one prefill) and every other
+policy on the HF path. :func:`run_sweep` runs the engine's cells first, then walks the HF path's one
+context length at a time: all accuracy tasks' samples of that length form one batch, prefilled densely
+once; every decode setting runs from its own copy of that prefill (so every setting sees exactly the
+same prompts), and yields one cell per task. ``ppl`` windows form a second batch per length. Both paths
+follow Quest's protocol (dense prefill, the question tail decoded a token per step, a greedy answer) and
+make the same prompts. The ``agreement_*`` tasks (:mod:`questkv.eval.agreement`) run on the engine only.
+Finished cells (from an earlier, interrupted run) are skipped: :func:`resume_sweep` runs a spec against
+the JSON document of an earlier run (:func:`document`), adding only what it lacks.
 
 A policy of the grid is a policy string (:func:`questkv.eval.harness.parse_policy`): a name of
 :data:`questkv.policies.POLICIES`, optionally with its own options, e.g. ``quest:selection=q_head``,
-``quest:page_size=8``, ``quest-topp:min_budget=128:top_p=0.9`` or ``quest-rerank:shortlist=4``. Its
-own options override the spec's (``selection``, ``top_p``, ...); a ``page_size`` of its own gets its
-own dense prefill (same prompts), so one sweep compares page sizes too.
+``quest:page_size=8``, ``quest:selection_interval=4`` (engine only), ``quest-topp:min_budget=128:top_p=0.9``
+or ``quest-rerank:shortlist=4``. Its own options override the spec's (``selection``, ``top_p``, ...); a
+``page_size`` of its own gets its own dense prefill (same prompts), so one sweep compares page sizes too.
 
 A cell::
 
     {"task", "length", "policy" (the policy string, options sorted), "budget",
-     "metric": "accuracy" | "ppl", "value", "samples",
+     "metric": "accuracy" | "ppl" | "agreement", "value", "samples",
      "scores" (per sample; ppl: per window), "mean_tokens_attended" (the task's rows' mean tokens
      attended per sparse layer and decode step; None for full),
      "kv_bytes_per_step" (KV-cache bytes one decode step of one sequence reads over all layers at
      the cell's length, :func:`questkv.policies.cost.model_kv_bytes_per_step` with the measured
      mean tokens attended), "kv_bytes_fraction" (that over full attention's),
-     "seconds" (decode wall time of the whole batch), "outputs" (accuracy tasks)}
+     "seconds" (HF: decode wall time of the whole batch; engine: wall time of the pass that ran the
+     cell, prefills included, shared by the settings of that pass), "backend" ("engine" or "hf"),
+     "outputs" (accuracy tasks), "preemptions" (engine: requests recomputed, 0 by design),
+     "ppl" and "ppl_scores" (agreement: the perplexity of dense's tokens, overall and per window)}
 
-Documents of earlier versions (cells without the ``kv_bytes_*`` keys) resume as they are.
+Documents of earlier versions (cells without the ``kv_bytes_*`` or ``backend`` keys: HF) resume as they are.
 """
 
 from __future__ import annotations
@@ -39,18 +48,21 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
-from questkv.eval import harness, perplexity, tasks
-from questkv.eval.harness import Setting
+from questkv.eval import agreement, engine_backend, harness, perplexity, tasks
+from questkv.eval.harness import EVAL_BACKENDS, Setting
 from questkv.policies import POLICIES
 from questkv.policies.cost import model_kv_bytes_per_step
 from questkv.validation import check_choice, check_int
 
 PPL = "ppl"
-ALL_TASKS: tuple[str, ...] = tasks.TASKS + (PPL,)
+ALL_TASKS: tuple[str, ...] = tasks.TASKS + (PPL,) + agreement.TASKS
 QUEST_FIELDS: tuple[str, ...] = ("page_size", "dense_layers") + PAGE_POLICY_OPTIONS
 """The :class:`~questkv.QuestConfig` fields of a :class:`SweepSpec` (its budgets are the grid's)."""
 # Settings shared by every cell: a resumed run must match them (the grid itself may grow).
-_SHARED = ("samples", "seed", "top_p", *QUEST_FIELDS, "score_tokens", "text_file")
+_SHARED = ("samples", "seed", "top_p", *QUEST_FIELDS, "score_tokens", "text_file", "eval_backend",
+           "agreement_tokens", "code_commit")
+# What a document written before a shared setting existed ran with, where that is not the field's default.
+_LEGACY = {"eval_backend": "hf"}
 # The options a spec gives the policies that take them (see SweepSpec.settings).
 _POLICY_OPTIONS = PAGE_POLICY_OPTIONS + ("top_p",)
 # Tasks share one batched prefill while rows x length^2 stays under this (the padding mask SDPA
@@ -75,6 +87,11 @@ class SweepSpec:
             :class:`questkv.QuestConfig` (the forced pages count against the budget).
         score_tokens: ``ppl``: tokens scored per window (the window's last ones).
         text_file: ``ppl``: the text (``None``: the stdlib's ``pydoc_data.topics``).
+        eval_backend: what decodes each setting (:data:`questkv.eval.harness.EVAL_BACKENDS`): ``auto`` runs
+            ``full`` and ``quest`` on the engine and the other policies on the HF path, ``engine`` or ``hf``
+            everything there (refusing what that path does not run).
+        agreement_tokens: ``agreement_*``: positions scored per window (:mod:`questkv.eval.agreement`).
+        code_commit: ``agreement_code``: the commit of questkv's source to read (``None``: the tree's).
     """
 
     tasks: tuple[str, ...]
@@ -92,6 +109,9 @@ class SweepSpec:
     recent_pages: int = QuestConfig.recent_pages
     score_tokens: int = 256
     text_file: Optional[str] = None
+    eval_backend: str = "auto"
+    agreement_tokens: int = 128
+    code_commit: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("tasks", "lengths", "policies", "budgets"):
@@ -117,8 +137,24 @@ class SweepSpec:
                     f"SweepSpec.score_tokens must be <= {min(self.lengths) - 2} (the shortest length, "
                     f"{min(self.lengths)}, minus a prefilled token and the first target), got {self.score_tokens}"
                 )
+        check_choice("SweepSpec.eval_backend", self.eval_backend, EVAL_BACKENDS)
+        measured = [task for task in self.tasks if task in agreement.TASKS]
+        if measured:
+            check_int("SweepSpec.agreement_tokens", self.agreement_tokens, minimum=1)
+            if self.agreement_tokens > min(self.lengths) - 2:
+                raise ValueError(
+                    f"SweepSpec.agreement_tokens must be <= {min(self.lengths) - 2} (the shortest length, "
+                    f"{min(self.lengths)}, minus a context token and dense's first token), got {self.agreement_tokens}"
+                )
         for setting in self.settings():
             setting.build(self.page_size, self.dense_layers)  # raises ValueError on a bad combination
+            if setting.backend(self.eval_backend) != "engine" and measured:  # raises for what no path runs
+                raise ValueError(f"task {measured[0]!r} runs on the engine backend only, and policy "
+                                 f"{setting.name!r} on the HF path: sweep it apart")
+
+    def backend(self, setting: Setting) -> str:
+        """``"engine"`` or ``"hf"``: what decodes ``setting`` (:meth:`questkv.eval.harness.Setting.backend`)."""
+        return setting.backend(self.eval_backend)
 
     def settings(self) -> list[Setting]:
         """Every decode setting: ``full`` once, every other policy string at every budget."""
@@ -166,27 +202,83 @@ def run_sweep(
     done: Iterable[dict] = (),
     on_cell: Optional[Callable[[dict], None]] = None,
     progress: bool = True,
+    engine: Optional[engine_backend.EngineSource] = None,
 ) -> list[dict]:
     """Run every cell of ``spec`` not in ``done``; returns all cells (``done`` ones first).
 
+    The engine's cells run first, length by length, each engine closed before the next is built; then the
+    HF path's.
+
     Args:
-        model: a causal LM that :func:`questkv.enable` supports (enabled here, left enabled).
+        model: a causal LM that :func:`questkv.enable` supports (enabled here, left enabled), or a function
+            that loads it, called once if an HF cell is pending, after the engines are closed.
+        tokenizer: the model's tokenizer (it makes the prompts of both paths).
         done: cells of an earlier run with the same shared settings; not rerun.
         on_cell: called with every new cell as soon as it exists (e.g. to save progress).
-    """
-    from tqdm.auto import tqdm
+        engine: how to build the engines (needed when a pending setting runs on the engine).
 
+    Raises:
+        ValueError: an engine cell is pending and ``engine`` is ``None``.
+    """
     cells = list(done)
     finished = {cell_key(cell) for cell in cells}
+
+    def emit(cell: dict) -> None:
+        cells.append(cell)
+        finished.add(cell_key(cell))
+        if on_cell is not None:
+            on_cell(cell)
+
+    _run_engine_cells(tokenizer, spec, finished, emit, engine, progress)
+    _run_hf_cells(model, tokenizer, spec, finished, emit, progress)
+    return cells
+
+
+def _run_engine_cells(tokenizer, spec: SweepSpec, finished: set, emit, engine, progress: bool) -> None:
+    settings = [s for s in spec.settings() if spec.backend(s) == "engine"]
+    todo = {length: [(task, s) for task in spec.tasks for s in settings
+                     if (task, length, s.name, s.budget) not in finished] for length in spec.lengths}
+    if not any(todo.values()):
+        return
+    if engine is None:
+        raise ValueError("cells on the engine backend are pending but no engine was given (run_sweep(engine=...)); "
+                         "or use eval_backend='hf'")
+    tasks_due = {task for pairs in todo.values() for task, _ in pairs}
+    ppl_text = perplexity.load_text(spec.text_file) if PPL in tasks_due else None
+    texts = {task: agreement.load_text(task, spec.code_commit)[0] for task in agreement.TASKS if task in tasks_due}
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
+    for length, pairs in todo.items():
+        if not pairs:
+            continue
+        inputs = engine_backend.Inputs(tokenizer, length, spec.samples, spec.seed, spec.score_tokens,
+                                       spec.agreement_tokens, ppl_text, texts)
+
+        def add(task, setting, result, seconds, shape, page_size, length=length):
+            emit({"task": task, "length": length, "policy": setting.name, "budget": setting.budget, **result,
+                  **kv_bytes(setting, length, page_size, spec.dense_layers, shape, result["mean_tokens_attended"]),
+                  "seconds": seconds, "backend": "engine"})
+
+        engine_backend.run_length(engine, inputs, pairs, spec.page_size, spec.dense_layers, add,
+                                  tokenizer.eos_token_id, say)
+
+
+def _run_hf_cells(model, tokenizer, spec: SweepSpec, finished: set, emit, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
     plan = []  # (length, task group, page size, pending settings of that page size)
-    accuracy_tasks = [task for task in spec.tasks if task != PPL]
+    settings = [s for s in spec.settings() if spec.backend(s) == "hf"]
+    accuracy_tasks = [task for task in spec.tasks if task in tasks.TASKS]
     for length in spec.lengths:
         groups = task_groups(accuracy_tasks, spec.samples, length) + ([[PPL]] if PPL in spec.tasks else [])
         for group in groups:
-            pending = [s for s in spec.settings() if any((t, length, s.name, s.budget) not in finished for t in group)]
+            pending = [s for s in settings if any((t, length, s.name, s.budget) not in finished for t in group)]
             for page_size in dict.fromkeys(s.page_size or spec.page_size for s in pending):
                 same = [s for s in pending if (s.page_size or spec.page_size) == page_size]
                 plan.append((length, group, page_size, same))
+    if not plan:
+        return
+    if callable(model) and not isinstance(model, torch.nn.Module):
+        model = model()
     bar = tqdm(total=sum(len(p) for *_, p in plan), desc="eval", unit="setting", disable=not progress)
     text = perplexity.load_text(spec.text_file) if any(group == [PPL] for _, group, _, _ in plan) else None
     shape = model_shape(model)
@@ -210,7 +302,7 @@ def run_sweep(
             for task, result in results.items():
                 if (task, length, setting.name, setting.budget) in finished:
                     continue
-                cell = {
+                emit({
                     "task": task,
                     "length": length,
                     "policy": setting.name,
@@ -218,18 +310,14 @@ def run_sweep(
                     **result,
                     **kv_bytes(setting, length, page_size, spec.dense_layers, shape, result["mean_tokens_attended"]),
                     "seconds": seconds,
-                }
-                cells.append(cell)
-                finished.add(cell_key(cell))
-                if on_cell is not None:
-                    on_cell(cell)
+                    "backend": "hf",
+                })
             del cache  # frees its page pool now (a QuestCache holds no reference cycle)
             _release_cuda_memory(model)
             bar.update(1)
         del prefilled
         _release_cuda_memory(model)
     bar.close()
-    return cells
 
 
 def _release_cuda_memory(model) -> None:
@@ -336,11 +424,16 @@ def pending_settings(spec: SweepSpec, done: Iterable[dict]) -> list[tuple[int, s
     ]
 
 
-def document(model_name: str, spec: SweepSpec, cells: list[dict], runs: list[dict], text: Optional[dict] = None) -> dict:
-    """The JSON document of a sweep: ``{"model", "spec", "text", "runs", "cells"}``. ``runs`` holds
-    the provenance (command, commit, machine, date) of every invocation that added cells; a cell's
-    ``"run"`` is its index there."""
-    return {"model": model_name, "spec": spec.to_dict(), "text": text, "runs": runs, "cells": cells}
+def document(model_name: str, spec: SweepSpec, cells: list[dict], runs: list[dict], text: Optional[dict] = None,
+             agreement_texts: Optional[dict] = None) -> dict:
+    """The JSON document of a sweep: ``{"model", "spec", "text", "runs", "cells"}``, plus
+    ``"agreement_texts"`` (each agreement task's text record: source, SHA-256, the code's commit) when it has
+    agreement tasks. ``runs`` holds the provenance (command, commit, machine, date) of every invocation that
+    added cells; a cell's ``"run"`` is its index there."""
+    out = {"model": model_name, "spec": spec.to_dict(), "text": text, "runs": runs, "cells": cells}
+    if agreement_texts:
+        out["agreement_texts"] = agreement_texts
+    return out
 
 
 def load_document(path: Path, model_name: str, spec: SweepSpec) -> Optional[dict]:
@@ -355,7 +448,7 @@ def load_document(path: Path, model_name: str, spec: SweepSpec) -> Optional[dict
     with open(path) as handle:
         previous = json.load(handle)
     old = previous.get("spec", {})
-    defaults = {field.name: field.default for field in dataclasses.fields(SweepSpec)}
+    defaults = {field.name: field.default for field in dataclasses.fields(SweepSpec)} | _LEGACY
     mismatched = [name for name in _SHARED if old.get(name, defaults[name]) != getattr(spec, name)]
     if previous.get("model") != model_name or mismatched:
         raise ValueError(
@@ -374,44 +467,68 @@ def resume_sweep(
     run_info: Callable[[], dict],
     fresh: bool = False,
     progress: bool = True,
+    engine: Optional[engine_backend.EngineSource] = None,
+    load_tokenizer: Optional[Callable[[], Any]] = None,
 ) -> dict:
     """Run the cells of ``spec`` that the document at ``path`` lacks, saving it after every new cell.
 
     An existing ``path`` (unless ``fresh``) must hold a run of ``model_name`` with ``spec``'s shared
     settings (:func:`load_document`); its grid may differ. Its cells are kept and not rerun, its
-    ``runs`` and ppl ``text`` record kept; new cells are appended. Only when a cell is pending is the
-    model loaded (``load_model()`` returns ``(model, tokenizer)``) and this invocation's provenance
-    (``run_info()``) appended to ``runs``; every new cell's ``"run"`` is its index there. With
-    ``path=None`` every cell runs and nothing is saved.
+    ``runs`` and ppl ``text`` record kept; new cells are appended. Only when a cell is pending is
+    this invocation's provenance (``run_info()``) appended to ``runs`` and the model loaded: the HF model
+    (``load_model()`` returns ``(model, tokenizer)``) only if an HF cell is pending, after the engine's cells
+    (``engine``) have run; the prompts' tokenizer from ``load_tokenizer()`` when given (else from
+    ``load_model``). Every new cell's ``"run"`` is its index there. With ``path=None`` every cell runs and
+    nothing is saved.
 
     Returns:
         The :func:`document` of every cell, the earlier ones first.
 
     Raises:
-        ValueError: ``path`` holds a run with another model or other shared settings.
+        ValueError: ``path`` holds a run with another model or other shared settings, or an agreement text
+            that is not the one this run would score (the code text of another commit).
     """
     previous = None if path is None or fresh else load_document(path, model_name, spec)
     cells = list(previous["cells"]) if previous else []
     runs = list(previous["runs"]) if previous else []
     text = previous.get("text") if previous else None
+    texts = dict(previous.get("agreement_texts") or {}) if previous else {}
     if cells and progress:
         print(f"resuming: {len(cells)} cells found in {path}", file=sys.stderr)
     if PPL in spec.tasks and text is None:
         loaded = perplexity.load_text(spec.text_file)
         text = {"source": loaded.source, "sha256": loaded.sha256, "python": loaded.python,
                 "characters": len(loaded.text)}
-    if pending_settings(spec, cells):
-        model, tokenizer = load_model()
+    pending = pending_settings(spec, cells)
+    for task in dict.fromkeys(task for _, task, _ in pending if task in agreement.TASKS):
+        record = agreement.load_text(task, spec.code_commit)[1]
+        if task in texts and texts[task]["sha256"] != record["sha256"]:
+            raise ValueError(f"{path} scored another {task} text ({texts[task]}) than this run would ({record}); "
+                             "use its --code-commit or another --json path")
+        texts.setdefault(task, record)
+    if pending:
+        loaded_model: list = []
+
+        def hf_model():
+            if not loaded_model:
+                loaded_model.extend(load_model())
+            return loaded_model[0]
+
+        if load_tokenizer is not None:
+            tokenizer = load_tokenizer()
+        else:
+            hf_model()
+            tokenizer = loaded_model[1]
         run = len(runs)
         runs.append(run_info())
 
         def save_cell(cell: dict) -> None:
             cells.append({**cell, "run": run})
             if path is not None:
-                save(path, document(model_name, spec, cells, runs, text))
+                save(path, document(model_name, spec, cells, runs, text, texts))
 
-        run_sweep(model, tokenizer, spec, done=list(cells), on_cell=save_cell, progress=progress)
-    return document(model_name, spec, cells, runs, text)
+        run_sweep(hf_model, tokenizer, spec, done=list(cells), on_cell=save_cell, progress=progress, engine=engine)
+    return document(model_name, spec, cells, runs, text, texts)
 
 
 def save(path: Path, document: dict) -> None:

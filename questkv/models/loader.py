@@ -212,6 +212,16 @@ def resolve_model_path(name_or_path: str) -> Path:
     )
 
 
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """The tokenizer :func:`load_model` would return, without the weights."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     device: Union[str, torch.device] = "cpu",

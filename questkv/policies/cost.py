@@ -44,13 +44,16 @@ def kv_bytes_per_step(
     pages as the budget counts them)::
 
         full                      2 n H r                       K and V of every token
-        quest, quest-topp         2 P H r + 2 S A r             kmin/kmax of every page + K,V attended
+        quest, quest-topp         2 P H r / C + 2 S A r         kmin/kmax of every page + K,V attended
         quest-rerank              as quest + S min(L K, P) page_size c    + keys of the shortlist (L = shortlist),
                                                                         c = r (exact keys) or head_dim * key_bits / 8
         oracle                    n H r + 2 S A r               every key (true attention) + K,V attended
         streaming, h2o, tova      2 H A r                       A = min(token_budget, n) unless given
 
     ``quest-topp``'s ``A`` is adaptive (at most the cap ``K * page_size``): pass its measured mean.
+    ``C`` is ``quest``'s ``selection_interval`` (default 1): a sequence reads the bounds on one decode
+    step in ``C`` and reuses that selection in between (a mean over steps; the pages begun since a
+    selection, which a reusing step attends too, belong in a measured ``A``).
     The rerank shortlist's keys are counted apart from the attended pages' keys (two passes, as
     the torch reference runs them). Sink and recent pages change what is read, not how much.
 
@@ -60,9 +63,9 @@ def kv_bytes_per_step(
         token_budget: the policy's budget in tokens (``None`` for ``full`` only).
         page_size, head_dim, num_kv_heads, num_q_heads: the cache's and model's shape.
         dtype_bytes: bytes per element of the KV cache (2 for bf16/fp16, 4 for fp32).
-        options: the policy's options; only ``selection`` (default ``"kv_head"``), and
-            ``shortlist`` (default 4) and ``key_bits`` (default ``None``: exact keys) of
-            ``quest-rerank``, matter.
+        options: the policy's options; only ``selection`` (default ``"kv_head"``), ``selection_interval``
+            of ``quest`` (default 1), and ``shortlist`` (default 4) and ``key_bits`` (default ``None``: exact
+            keys) of ``quest-rerank``, matter.
         tokens_attended: ``A`` above, instead of the budget's count.
 
     Returns:
@@ -94,7 +97,8 @@ def kv_bytes_per_step(
     read = 2 * sel_heads * attended * row
     if policy == "oracle":
         return float(context * num_kv_heads * row + read)
-    read += 2 * pages * num_kv_heads * row
+    interval = check_int("kv_bytes_per_step selection_interval", options.get("selection_interval", 1), minimum=1)
+    read += 2 * pages * num_kv_heads * row / interval
     if policy == "quest-rerank":
         shortlist = check_int("kv_bytes_per_step shortlist", options.get("shortlist", 4), minimum=1)
         key_bits = options.get("key_bits")

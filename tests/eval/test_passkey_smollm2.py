@@ -24,7 +24,8 @@ def smollm2():
 
 def test_passkey_2k_budget_128_and_full(smollm2):
     model, tokenizer = smollm2
-    spec = SweepSpec(tasks=["passkey"], lengths=[2048], policies=["full", "quest"], budgets=[128], samples=3)
+    spec = SweepSpec(tasks=["passkey"], lengths=[2048], policies=["full", "quest"], budgets=[128], samples=3,
+                     eval_backend="hf")
     cells = {cell["policy"]: cell for cell in run_sweep(model, tokenizer, spec, progress=False)}
     # Full attention finds the key at depths 0% and 50%; at 100% (the key line right before the
     # question) this 135M model often answers with words instead, so one miss is allowed.

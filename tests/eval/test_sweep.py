@@ -24,7 +24,7 @@ SCORE_TOKENS = 8
 POLICIES = ["full", "quest", "streaming", "h2o", "quest-topp"]
 BUDGETS = [16, 32]
 CELL_KEYS = {"task", "length", "policy", "budget", "metric", "value", "samples", "scores", "mean_tokens_attended",
-             "kv_bytes_per_step", "kv_bytes_fraction", "seconds"}
+             "kv_bytes_per_step", "kv_bytes_fraction", "seconds", "backend"}
 
 
 def filler_text(path, rng: random.Random, words: int = 2 * LENGTH + 40) -> str:
@@ -38,6 +38,7 @@ def make_spec(text_file, **changes):
     kwargs = dict(
         tasks=["passkey", "ppl"], lengths=[LENGTH], policies=POLICIES, budgets=BUDGETS, samples=SAMPLES,
         page_size=PAGE, dense_layers=1, seed=random.randrange(10**6), score_tokens=SCORE_TOKENS, text_file=text_file,
+        eval_backend="hf",
     )
     return sweep.SweepSpec(**{**kwargs, **changes})
 
@@ -280,13 +281,17 @@ def test_document_round_trip_and_shared_settings(tmp_path, first_run):
     # Another shared setting, or another model, is refused with its name.
     for name, value in [("samples", 3), ("page_size", 16), ("dense_layers", 2), ("seed", spec.seed + 1),
                         ("score_tokens", 9), ("top_p", 0.5), ("selection", "q_head"), ("text_file", None),
-                        ("recent_pages", 1), ("sink_pages", 1), ("group_reduction", "max")]:
+                        ("recent_pages", 1), ("sink_pages", 1), ("group_reduction", "max"),
+                        ("eval_backend", "auto"), ("agreement_tokens", 64), ("code_commit", "abc")]:
         with pytest.raises(ValueError, match=f"{name}="):
             sweep.load_document(path, "tiny", dataclasses.replace(spec, **{name: value}))
-    # A document written before a shared setting existed reads it as its default.
+    # A document written before a shared setting existed reads it as its default (its backend: the HF path).
     del document["spec"]["sink_pages"], document["spec"]["recent_pages"], document["spec"]["group_reduction"]
+    del document["spec"]["eval_backend"], document["spec"]["agreement_tokens"], document["spec"]["code_commit"]
     sweep.save(path, document)
     assert sweep.load_document(path, "tiny", spec) is not None
+    with pytest.raises(ValueError, match="eval_backend=None"):
+        sweep.load_document(path, "tiny", dataclasses.replace(spec, eval_backend="auto"))
     with pytest.raises(ValueError, match="model='tiny'"):
         sweep.load_document(path, "other", spec)
 
@@ -324,6 +329,7 @@ def patched_loader(monkeypatch, word_tokenizer):
         return tiny_llama(len(word_tokenizer)), word_tokenizer
 
     monkeypatch.setattr("questkv.models.load_model", load)
+    monkeypatch.setattr("questkv.models.loader.load_tokenizer", lambda *args, **kwargs: word_tokenizer)
     return state
 
 
@@ -332,7 +338,7 @@ def test_cli_sweep_writes_json_md_png_and_resumes(tmp_path, patched_loader, caps
     path = tmp_path / "sweep.json"
     argv = ["eval", "sweep", "--tasks", "passkey,ppl", "--lengths", "80", "--policies", "full,streaming",
             "--budgets", "12", "--samples", "1", "--page-size", "8", "--dense-layers", "1", "--score-tokens", "6",
-            "--text-file", text_file, "--json", str(path)]
+            "--text-file", text_file, "--json", str(path), "--eval-backend", "hf"]
     assert cli.main(argv) == 0
     assert patched_loader["calls"] == 1
     document = json.loads(path.read_text())
@@ -399,7 +405,8 @@ def test_cli_refuses_to_resume_other_settings(tmp_path, patched_loader, capsys):
     spec = make_spec(None, tasks=["passkey"], samples=3)
     sweep.save(path, sweep.document("smollm2-135m", spec, [], []))
     patched_loader["fail"] = True
-    argv = ["eval", "passkey", "--lengths", "96", "--samples", "2", "--seed", str(spec.seed), "--json", str(path)]
+    argv = ["eval", "passkey", "--lengths", "96", "--samples", "2", "--seed", str(spec.seed), "--json", str(path),
+            "--eval-backend", "hf"]
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2

@@ -22,6 +22,8 @@ PAGES = 16384 // 16
         # q_head: every query head reads its own 16 pages; the bounds are read once per KV head
         ("quest", 256, {"selection": "q_head"}, None, 2 * PAGES * 2 * ROW + 2 * 14 * 256 * ROW),
         ("quest-topp", 256, {"top_p": 0.9}, 100.5, 2 * PAGES * 2 * ROW + 2 * 2 * 100.5 * ROW),
+        # selection reuse: the bounds on one step in 4; a reusing step also attends the pages begun since
+        ("quest", 256, {"selection_interval": 4}, 262.0, 2 * PAGES * 2 * ROW / 4 + 2 * 2 * 262.0 * ROW),
         # + the keys of 4 x 16 shortlisted pages
         ("quest-rerank", 256, {"shortlist": 4}, None, 2 * PAGES * 2 * ROW + 2 * 2 * 256 * ROW + 2 * 64 * 16 * ROW),
         ("quest-rerank", 256, None, None, 2 * PAGES * 2 * ROW + 2 * 2 * 256 * ROW + 2 * 64 * 16 * ROW),

@@ -1,0 +1,193 @@
+"""The engine backend of ``questkv eval`` (questkv.eval.engine_backend) on CPU: the HF path's answers and scores
+where both run the same setting, selection reuse (engine only), the backend each setting takes, the agreement
+tasks, and the command line. A tiny random Llama and the passkey word tokenizer, saved as an HF folder that
+both paths load; fp32, so tokens match exactly."""
+
+import dataclasses
+import json
+import math
+import random
+import re
+
+import pytest
+import torch
+
+from questkv import cli
+from questkv.eval import agreement, engine_backend, harness, report, sweep
+from questkv.eval.harness import Setting
+from tests.helpers import tiny_llama
+
+PAGE = 8
+LENGTH = 96
+COVERING = 128  # a budget holding every token a sample ever has: Quest attends what dense attention does
+PAGE_BYTES = 3 * (2 * PAGE + 2) * 2 * 8 * 4  # one page of the tiny model: 3 layers, K, V and bounds, 2 KV heads of 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, word_tokenizer):
+    path = tmp_path_factory.mktemp("tiny-eval")
+    tiny_llama(len(word_tokenizer), seed=random.randrange(1 << 16)).save_pretrained(path)
+    word_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from questkv.models import load_model
+
+    return load_model(str(model_dir), dtype="float32")[0]
+
+
+def source(model_dir, pages: int = 4096) -> engine_backend.EngineSource:
+    """Engines on the CPU with a pool of ``pages`` pages (few: requests go in several waves)."""
+    return engine_backend.EngineSource(str(model_dir), {"device": "cpu", "dtype": "float32",
+                                                        "kv_cache_memory": pages * PAGE_BYTES})
+
+
+def make_spec(**changes):
+    kwargs = dict(tasks=["passkey", "ppl"], lengths=[LENGTH], policies=["full", "quest"], budgets=[COVERING],
+                  samples=3, page_size=PAGE, dense_layers=1, seed=random.randrange(10**6), score_tokens=8,
+                  text_file="book:newton-opticks", agreement_tokens=8)
+    return sweep.SweepSpec(**{**kwargs, **changes})
+
+
+def by_key(cells):
+    return {sweep.cell_key(cell): cell for cell in cells}
+
+
+def test_the_engine_gives_the_hf_paths_answers_and_scores_where_both_run(model_dir, hf_model, word_tokenizer):
+    """At a budget covering the context (Quest is then dense attention) and, on this model, below it too: both
+    paths run the torch reference ops on the CPU."""
+    spec = make_spec(budgets=[16, COVERING])
+    hf = by_key(sweep.run_sweep(hf_model, word_tokenizer, dataclasses.replace(spec, eval_backend="hf"),
+                                progress=False))
+    engine = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=source(model_dir, pages=40)))
+    assert hf.keys() == engine.keys() and len(engine) == 6
+    for key, cell in engine.items():
+        assert cell["backend"] == "engine" and hf[key]["backend"] == "hf" and cell["preemptions"] == 0
+        if cell["metric"] == "accuracy":
+            assert cell["outputs"] == hf[key]["outputs"] and cell["scores"] == hf[key]["scores"]
+            assert cell["value"] == hf[key]["value"]
+        else:
+            assert cell["value"] == pytest.approx(hf[key]["value"], rel=1e-4)
+            assert cell["scores"] == pytest.approx(hf[key]["scores"], rel=1e-3)
+        if cell["policy"] == "full":
+            assert cell["mean_tokens_attended"] is None and cell["kv_bytes_fraction"] == 1.0
+        elif cell["metric"] == "ppl":  # the same accounting: every page up to the budget, counted whole
+            assert cell["mean_tokens_attended"] == pytest.approx(hf[key]["mean_tokens_attended"])
+            assert cell["kv_bytes_per_step"] == pytest.approx(hf[key]["kv_bytes_per_step"])
+        else:  # the HF batch keeps stepping (and charging) rows that finished while others decode; a request stops
+            assert cell["mean_tokens_attended"] == pytest.approx(hf[key]["mean_tokens_attended"], rel=0.02)
+
+
+def test_selection_reuse_runs_on_the_engine_only(model_dir, word_tokenizer, capsys):
+    spec = make_spec(policies=["full", "quest", "quest:selection_interval=3"], budgets=[16])
+    cells = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=source(model_dir)))
+    assert cells[("passkey", LENGTH, "quest:selection_interval=3", 16)]["samples"] == 3
+    reuse, every = cells[("ppl", LENGTH, "quest:selection_interval=3", 16)], cells[("ppl", LENGTH, "quest", 16)]
+    assert reuse["backend"] == "engine" and reuse["value"] != every["value"]
+    # A reusing step attends its old selection plus the pages begun since, and reads the bounds one step in 3.
+    assert every["mean_tokens_attended"] == 16 <= reuse["mean_tokens_attended"] <= 16 + PAGE
+    assert reuse["kv_bytes_per_step"] < every["kv_bytes_per_step"] + 2 * 3 * PAGE * 8 * 4
+    with pytest.raises(ValueError, match=re.escape("policy 'quest:selection_interval=3' reuses page selections "
+                                                   "(selection_interval=3), which only the engine runs")):
+        dataclasses.replace(spec, eval_backend="hf")
+    with pytest.raises(ValueError, match="reuses page selections"):
+        harness.enable_setting(None, Setting("quest", 16, (("selection_interval", 2),), ":selection_interval=2"), 8, 1)
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "passkey", "--policies", "quest:selection_interval=2", "--eval-backend", "hf",
+                  "--budgets", "16", "--page-size", "8"])
+    assert "only the engine runs" in capsys.readouterr().err
+
+
+def test_auto_runs_full_and_quest_on_the_engine_and_the_other_policies_on_the_hf_path(
+        model_dir, hf_model, word_tokenizer):
+    spec = make_spec(tasks=["passkey"], policies=["full", "quest:selection=q_head", "streaming"], budgets=[16],
+                     samples=2)
+    assert {s.name: spec.backend(s) for s in spec.settings()} == {
+        "full": "engine", "quest:selection=q_head": "engine", "streaming": "hf"}
+    loads = []
+    cells = sweep.run_sweep(lambda: loads.append(1) or hf_model, word_tokenizer, spec, progress=False,
+                            engine=source(model_dir))
+    assert {c["policy"]: c["backend"] for c in cells} == {
+        "full": "engine", "quest:selection=q_head": "engine", "streaming": "hf"}
+    assert loads == [1]  # the HF model is loaded once, after the engine's cells
+    assert [c["backend"] for c in cells] == ["engine", "engine", "hf"]
+    document = sweep.document("tiny", spec, cells, [{"command": "test"}])
+    assert "Backend: engine (full, quest:selection=q_head); hf (streaming)" in report.markdown(document)
+    with pytest.raises(ValueError, match="policy 'streaming' runs on the HF path only"):
+        dataclasses.replace(spec, eval_backend="engine")
+    with pytest.raises(ValueError, match="no engine was given"):
+        sweep.run_sweep(hf_model, word_tokenizer, spec, progress=False)
+
+
+def test_engine_configs_group_settings_by_page_selection_with_their_largest_budget_and_interval():
+    spec = make_spec(policies=["full", "quest", "quest:selection_interval=4", "quest:selection=q_head",
+                               "quest:page_size=4"], budgets=[16, 32])
+    groups = engine_backend.engine_configs(spec.settings(), PAGE, 1)
+    assert [[s.label for s in group] for _, group in groups] == [
+        ["full", "quest@16", "quest@32", "quest:selection_interval=4@16", "quest:selection_interval=4@32"],
+        ["quest:selection=q_head@16", "quest:selection=q_head@32"], ["quest:page_size=4@16", "quest:page_size=4@32"]]
+    first, q_head, page4 = (quest for quest, _ in groups)
+    assert (first.token_budget, first.selection_interval, first.page_size, first.dense_layers) == (32, 4, PAGE, 1)
+    assert q_head.selection == "q_head" and q_head.selection_interval == 1 and page4.page_size == 4
+    assert engine_backend.engine_configs([Setting("full", None)], PAGE, 1) == [(None, [Setting("full", None)])]
+
+
+def test_agreement_is_full_for_dense_and_quest_at_a_covering_budget_and_its_perplexity_is_the_models(
+        model_dir, hf_model, word_tokenizer):
+    spec = make_spec(tasks=["agreement_book"], policies=["full", "quest"], budgets=[16, COVERING], samples=2)
+    cells = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=source(model_dir)))
+    full = cells[("agreement_book", LENGTH, "full", None)]
+    assert full["metric"] == "agreement" and full["value"] == 1.0 and full["scores"] == [1.0, 1.0]
+    assert cells[("agreement_book", LENGTH, "quest", COVERING)]["value"] == 1.0
+    small = cells[("agreement_book", LENGTH, "quest", 16)]
+    assert 0 <= small["value"] <= 1 and small["ppl"] >= 1 and small["mean_tokens_attended"] == 16
+    # The perplexity of dense's tokens: a forward of the HF model over context + tokens.
+    text, _ = agreement.load_text("agreement_book")
+    contexts = agreement.contexts(word_tokenizer, text, LENGTH, 2, 8)
+    nll = []
+    for context in contexts:
+        ids = list(context)
+        with torch.no_grad():
+            for _ in range(9):  # dense's greedy tokens, the first from the prefill
+                ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
+            log_probs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+        targets = torch.tensor(ids[len(context) + 1:])
+        nll += (-log_probs[len(context):-1].gather(1, targets[:, None])[:, 0]).tolist()
+    assert full["ppl"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-4)
+    with pytest.raises(ValueError, match="task 'agreement_book' runs on the engine backend only, and policy "
+                                         "'streaming' on the HF path"):
+        make_spec(tasks=["agreement_book", "passkey"], policies=["full", "streaming"], budgets=[16])
+    with pytest.raises(ValueError, match="SweepSpec.agreement_tokens must be <= 94"):
+        make_spec(tasks=["agreement_code"], agreement_tokens=95)
+
+
+def test_agreement_windows_are_evenly_spaced_and_the_code_text_is_recorded():
+    assert agreement.window_starts(100, 40, 1) == [0]
+    assert agreement.window_starts(100, 40, 4) == [0, 20, 40, 60]
+    assert agreement.window_starts(50, 40, 3) == [0, 5, 10]  # overlapping where the text is short
+    with pytest.raises(ValueError, match="fewer than one window of 40"):
+        agreement.window_starts(39, 40, 2)
+    assert agreement.score([5, 1, 2, 9], [-0.5, -1.0, -2.0, -3.0], [5, 1, 3, 9]) == (2 / 3, [1.0, 2.0, 3.0])
+    text, record = agreement.load_text("agreement_code")
+    assert record["source"] == "code:questkv" and record["files"] > 50 and record["characters"] == len(text)
+    assert "# file: questkv/eval/sweep.py\n" in text and record["origin"] in ("git", "tree")
+
+
+def test_the_cli_runs_the_engine_backend_and_resumes(model_dir, tmp_path):
+    path = tmp_path / "sweep.json"
+    argv = ["eval", "sweep", "--model", str(model_dir), "--tasks", "passkey,agreement_code", "--lengths", "64",
+            "--policies", "full,quest,quest:selection_interval=2", "--budgets", "16", "--samples", "2",
+            "--page-size", "8", "--dense-layers", "1", "--agreement-tokens", "6", "--dtype", "float32",
+            "--kv-cache-memory", str(4096 * PAGE_BYTES), "--json", str(path), "--no-plot"]
+    assert cli.main(argv) == 0
+    document = json.loads(path.read_text())
+    assert document["spec"]["eval_backend"] == "auto" and document["agreement_texts"]["agreement_code"]["sha256"]
+    assert {(c["task"], c["policy"], c["backend"]) for c in document["cells"]} == {
+        (task, policy, "engine") for task in ("passkey", "agreement_code")
+        for policy in ("full", "quest", "quest:selection_interval=2")}
+    assert "Backend: engine" in path.with_suffix(".md").read_text()
+    assert "Perplexity of dense's greedy tokens" in path.with_suffix(".md").read_text()
+    assert cli.main(argv) == 0  # resumed: nothing to do, nothing loaded
+    assert json.loads(path.read_text())["runs"] == document["runs"]
