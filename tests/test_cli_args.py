@@ -14,7 +14,7 @@ from questkv.config import BACKENDS, GROUP_REDUCTIONS, PAGE_POLICY_OPTIONS, SELE
 FLAGS = {
     "token_budget": "--budget", "page_size": "--page-size", "dense_layers": "--dense-layers",
     "selection": "--selection", "group_reduction": "--group-reduction", "sink_pages": "--sink-pages", "recent_pages": "--recent-pages",
-    "backend": "--backend",
+    "backend": "--backend", "selection_interval": "--selection-interval",
 }
 
 
