@@ -220,7 +220,9 @@ def reuse_section(record: dict) -> list[str]:
         return []
     lines = ["## Selection reuse", "",
              "Quest selecting its pages every decode step (C = 1) vs every C steps (in between: the last selection plus "
-             "the pages begun since); ms = wall per step, graph = one replay; speedups over the engine dense.", "",
+             "the pages begun since); ms = wall per step over the timed window (every phase), graph = one replay of the last "
+             "staged step (for C > 1 its flags are those of that one step, usually a reusing one); speedups over the "
+             "engine dense.", "",
              "| model | B | context | budget | C | dense ms | Quest ms (graph) | speedup | target | met |",
              "|" + "---|" * 10]
     for p in points:
