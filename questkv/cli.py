@@ -331,8 +331,8 @@ def _add_eval(subparsers) -> None:
                              help="what decodes the settings: engine (questkv.LLM: full and quest, selection_interval "
                              "included), hf (the HF drop-in: every policy but selection_interval > 1), auto (the engine "
                              "where it runs the policy, else hf) (default: auto)")
-        backend.add_argument("--max-num-seqs", type=int_at_least(1), default=256,
-                             help="engine: the most requests decoded together (default: 256)")
+        backend.add_argument("--max-num-seqs", type=int_at_least(1), default=128,
+                             help="engine: the most requests decoded together (default: 128)")
         backend.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                              help="engine: share of the GPU's whole memory it may occupy (default: 0.9)")
         backend.add_argument("--kv-cache-memory", type=byte_size, default=None,

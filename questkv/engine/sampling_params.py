@@ -56,6 +56,8 @@ class SamplingParams:
             (``forced_choices``: the argmax when greedy, a seeded draw otherwise) and the log-probability of
             the forced token (``forced_logprobs``). Stops (end-of-sequence, ``stop_token_ids``, ``stop``)
             apply only after the forced tokens. The engine checks the ids against the vocabulary.
+        detokenize: keep the output text (``RequestOutput.text``) up to date; ``False`` leaves it empty and saves
+            the per-step detokenisation, for callers that read ``token_ids`` only (excludes ``stop``).
     """
 
     temperature: float = 1.0
@@ -70,6 +72,7 @@ class SamplingParams:
     dense: bool = False
     selection_interval: Optional[int] = None
     forced_token_ids: Union[tuple[int, ...], Iterable[int], None] = ()
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalised values are written once, here
@@ -92,6 +95,10 @@ class SamplingParams:
                 raise ValueError(
                     f"SamplingParams.dense=True attends every page; it excludes {name}={getattr(self, name)}"
                 )
+        check_bool("SamplingParams.detokenize", self.detokenize)
+        if self.stop and not self.detokenize:
+            raise ValueError(f"SamplingParams.stop={list(self.stop)!r} is matched in the output text; it needs "
+                             "detokenize=True")
         set_(self, "forced_token_ids", _token_ids("forced_token_ids", self.forced_token_ids))
         if len(self.forced_token_ids) > self.max_tokens:
             raise ValueError(

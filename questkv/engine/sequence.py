@@ -71,7 +71,8 @@ class Sequence:
         forced_text_len: the length of the output text once every forced token is in it (the engine searches
             stop strings only past it); ``None`` until then, 0 without forced tokens.
         detokenizer: the engine's :class:`~questkv.engine.detokenizer.IncrementalDetokenizer` of the
-            output, ``None`` without a tokenizer.
+            output, ``None`` without a tokenizer or when the request asks for no text
+            (``SamplingParams.detokenize=False``).
     """
 
     request_id: str
@@ -110,6 +111,8 @@ class Sequence:
         self.output_token_ids = list(self.output_token_ids)
         if self.forced_text_len is None and not self.sampling_params.forced_token_ids:
             self.forced_text_len = 0
+        if not self.sampling_params.detokenize:
+            self.detokenizer = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,13 +50,27 @@ class EngineSource:
 
     model: str
     engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    max_num_seqs: int = 256
+    max_num_seqs: int = 128
 
     def build(self, quest: Optional[QuestConfig], max_model_len: int, max_num_seqs: int):
+        """An engine for requests of at most ``max_model_len`` tokens, decoding at most ``max_num_seqs`` (and
+        :attr:`max_num_seqs`) together.
+
+        Raises:
+            ValueError: as :class:`questkv.LLM` does; past the model's positions, with the way out.
+        """
         from questkv.engine.llm import LLM
 
-        return LLM(self.model, quest=quest, max_model_len=max_model_len,
-                   max_num_seqs=min(max_num_seqs, self.max_num_seqs), **self.engine_kwargs)
+        try:
+            return LLM(self.model, quest=quest, max_model_len=max_model_len,
+                       max_num_seqs=min(max_num_seqs, self.max_num_seqs), **self.engine_kwargs)
+        except ValueError as error:
+            if "max_position_embeddings" not in str(error):
+                raise
+            raise ValueError(f"{error}: the longest request at this length (its prompt, tail and answer) runs past "
+                             "the model's positions, which the engine does not extrapolate (the HF path does); "
+                             "choose a length that leaves room for the answer (e.g. 32640 for a 32768-position "
+                             "model and answers of up to 128 tokens)") from None
 
 
 def engine_configs(settings: Sequence[Setting], page_size: int, dense_layers: int
@@ -164,7 +178,7 @@ class EngineRun:
         results = []
         for group in (g for g in passes if g):
             start = time.perf_counter()
-            outputs = self._generate([(item, setting) for item in items for setting in group])
+            outputs = self._generate([(item, setting) for item in items for setting in group], group=len(group))
             seconds = round(time.perf_counter() - start, 3)
             for k, setting in enumerate(group):
                 mine = outputs[k :: len(group)]
@@ -182,7 +196,7 @@ class EngineRun:
         from questkv.engine.sampling_params import SamplingParams
 
         kwargs: dict[str, Any] = {"temperature": 0.0, "max_tokens": item.max_tokens, "ignore_eos": True,
-                                  "forced_token_ids": () if reference else item.forced}
+                                  "forced_token_ids": () if reference else item.forced, "detokenize": False}
         if item.sample is not None and self.eos_token_id is not None:
             kwargs["stop_token_ids"] = (self.eos_token_id,)
         if setting.policy == "full":
@@ -191,20 +205,25 @@ class EngineRun:
             kwargs.update(token_budget=setting.budget, selection_interval=setting.selection_interval)
         return SamplingParams(**kwargs)
 
-    def _generate(self, requests: list[tuple[Item, Setting]], reference: bool = False) -> list:
-        """Run ``requests`` in waves whose pages the pool holds whole (none is preempted); outputs in order."""
+    def _generate(self, requests: list[tuple[Item, Setting]], reference: bool = False, group: int = 1) -> list:
+        """Run ``requests`` in waves whose pages the pool holds whole (none is preempted), of near-equal sizes
+        that are multiples of ``group`` (a sample's requests, which share its prefill); outputs in order."""
         cache = self.llm.engine.cache
         usable = cache.num_pages - 1  # the runner's scratch page
+        need = [cache.pages_for_tokens(len(item.prompt) + item.max_tokens - 1) for item, _ in requests]
         limit = self.llm.config.max_num_seqs
+        count = max(-(-len(requests) // limit), -(-sum(need) // usable), 1)
+        size = min(limit, -(-len(requests) // count))
+        if size >= group:
+            size = min(-(-size // group) * group, limit // group * group)
         waves: list[list[tuple[Item, Setting]]] = [[]]
         pages = 0
-        for item, setting in requests:
-            need = cache.pages_for_tokens(len(item.prompt) + item.max_tokens - 1)
-            if waves[-1] and (pages + need > usable or len(waves[-1]) == limit):
+        for request, pages_of in zip(requests, need):
+            if waves[-1] and (pages + pages_of > usable or len(waves[-1]) == size):
                 waves.append([])
                 pages = 0
-            waves[-1].append((item, setting))
-            pages += need
+            waves[-1].append(request)
+            pages += pages_of
         outputs = []
         for wave in waves:
             params = [self._params(item, setting, reference) for item, setting in wave]

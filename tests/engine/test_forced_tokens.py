@@ -219,6 +219,18 @@ def test_forced_token_ids_outside_the_vocabulary_are_refused_before_anything_is_
     assert SamplingParams().forced_token_ids == () and greedy(2, forced_token_ids=[5]).forced_token_ids == (5,)
 
 
+def test_a_request_without_detokenization_gets_its_tokens_and_no_text(model_dir):
+    llm = make_llm(model_dir)
+    p = prompt(12)
+    plain, quiet = llm.generate([p, p], [greedy(8), greedy(8, detokenize=False)], use_tqdm=False)
+    assert quiet.token_ids == plain.token_ids and quiet.text == "" and plain.text
+    with pytest.raises(ValueError, match=r"SamplingParams.stop=\['x'\] is matched in the output text; it needs "
+                                         "detokenize=True"):
+        SamplingParams(stop="x", detokenize=False)
+    with pytest.raises(ValueError, match="SamplingParams.detokenize must be a bool"):
+        SamplingParams(detokenize=0)
+
+
 def test_the_sparse_metric_is_the_budget_once_the_context_exceeds_it_and_none_when_dense(model_dir):
     quest = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1)
     llm = make_llm(model_dir, quest)
