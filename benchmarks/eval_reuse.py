@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Issue 26 on the H200: accuracy through the engine, selection reuse (C = 1, 2, 4, 8) and fidelity over real text.
+
+Every sweep is a ``questkv eval sweep`` on Qwen2.5-Coder-1.5B (bf16, page 16, 2 dense layers, seed 0), the
+``full`` and ``quest`` settings on the engine (``--eval-backend auto``); :data:`SWEEPS` holds them, by results
+file, in the order they run, most wanted first (a file's later invocations resume it):
+
+(a) ``eval-reuse-qwen2.5-coder-1.5b-16k``, first invocation: C = 1 on the engine against the committed HF
+    cells (20 samples, seed 0): passkey and niah_multikey at 1024 (``eval-qwen2.5-coder-1.5b-16k-h200`` and
+    ``-16k-targets-h200``), vt at 2048 (``-16k-agg-targets-h200``); the other budget of each (which (b) needs
+    anyway) comes with them, so that one engine serves the three tasks;
+(b) the same file's second invocation and ``eval-reuse-qwen2.5-coder-1.5b-32k``: passkey, niah_single,
+    niah_multikey, passkey_essay, vt and fwe at 1/16 and 1/8 of 16k and 32k, full, quest and
+    quest:selection_interval=2,4,8, 20 samples. "32k" is 32640 tokens: the engine does not run past the model's
+    32768 positions and the niah answers take up to 128 tokens (the HF path's 32k cells ran 32768 + the answer);
+(c) ``eval-agreement-qwen2.5-coder-1.5b-16k``: teacher-forced top-1 agreement with dense and the perplexity of
+    dense's 128 greedy tokens, 4 windows of 16k of the book and of questkv's source, the same settings;
+(d) ``eval-reuse-ppl-qwen2.5-coder-1.5b-32k``: perplexity of the book's last 256 tokens of 4 windows of 32k at
+    1/8 (4096), the committed HF file's settings (``eval-qwen2.5-coder-1.5b-32k-ppl-h200``: 9.29 full, 9.65 quest).
+
+Here::
+
+    .venv/bin/python benchmarks/eval_reuse.py commands --commit SHA   # the device calls, after gpu_eval.py stage/finish
+    .venv/bin/python benchmarks/eval_reuse.py smoke                   # every sweep on the CPU, tiny model and lengths
+
+There, once the model is staged (``benchmarks/gpu_eval.py``: prepare here, stage and finish there), as often as
+needed (each call resumes where the last stopped and copies every results file to ``$OUT``)::
+
+    python3 benchmarks/eval_reuse.py run --commit SHA --seconds 560 [--resume-from benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ALIAS = "qwen2.5-coder-1.5b"
+POLICIES = "full,quest,quest:selection_interval=2,quest:selection_interval=4,quest:selection_interval=8"
+TASKS = "passkey,niah_single,niah_multikey,passkey_essay,vt,fwe"
+COMMON = ["--device", "cuda", "--no-plot", "--seed", "0"]
+
+SWEEPS: dict[str, list[list[str]]] = {
+    f"eval-reuse-{ALIAS}-16k": [
+        ["--tasks", "passkey,niah_multikey,vt", "--lengths", "16384", "--samples", "20", "--budgets", "1024,2048",
+         "--policies", "full,quest"],
+        ["--tasks", TASKS, "--lengths", "16384", "--samples", "20", "--budgets", "1024,2048", "--policies", POLICIES],
+    ],
+    f"eval-reuse-ppl-{ALIAS}-32k": [
+        ["--tasks", "ppl", "--lengths", "32768", "--samples", "4", "--budgets", "4096", "--score-tokens", "256",
+         "--text-file", "book:newton-opticks", "--policies", POLICIES],
+    ],
+    f"eval-agreement-{ALIAS}-16k": [
+        ["--tasks", "agreement_book,agreement_code", "--lengths", "16384", "--samples", "4", "--budgets", "1024,2048",
+         "--agreement-tokens", "128", "--policies", POLICIES],
+    ],
+    f"eval-reuse-{ALIAS}-32k": [
+        ["--tasks", TASKS, "--lengths", "32640", "--samples", "20", "--budgets", "2048,4096", "--policies", POLICIES],
+    ],
+}
+"""Results file name -> its ``questkv eval sweep`` arguments (besides ``--model``, ``--json`` and :data:`COMMON`),
+one list per invocation, in order."""
+
+# The CPU smoke run: tiny lengths (every task fits them), budgets of 4 and 8 pages of 4, 1 sample, few tokens.
+SMOKE_VALUES = {"--lengths": {"16384": "192", "32640": "256", "32768": "256"},
+                "--budgets": {"1024": "16", "2048": "32", "4096": "32"},
+                "--samples": {"20": "1", "4": "1"}, "--agreement-tokens": {"128": "8"}, "--score-tokens": {"256": "8"}}
+SMOKE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--page-size", "4", "--kv-cache-memory", "64MiB", "--no-plot",
+               "--seed", "0"]
+
+
+def sweep_args(name: str, args: list[str], model: str, json_path: str) -> list[str]:
+    """``questkv eval sweep`` arguments of one invocation of sweep ``name``."""
+    return ["eval", "sweep", "--model", model, "--json", json_path, *COMMON, *args]
+
+
+def commands(commit: str) -> list[str]:
+    """The device calls (command | carry), in order: each runs one invocation through ``gpu_eval.py sweep``."""
+    return [f"python3 benchmarks/gpu_eval.py sweep {ALIAS} {name} --commit {commit} -- "
+            f"{shlex.join([*COMMON, *args])} | []" for name, runs in SWEEPS.items() for args in runs]
+
+
+def _gpu_eval():
+    spec = importlib.util.spec_from_file_location("gpu_eval", REPO / "benchmarks" / "gpu_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(commit: str, seconds: int, resume_from: str = "") -> int:
+    """There: every invocation in order through ``gpu_eval.sweep`` (resumable) until ``seconds`` are spent; a
+    results file the machine lacks starts from ``resume_from/NAME.json`` when the tree has it (a machine
+    started afresh)."""
+    gpu_eval = _gpu_eval()
+    end = time.monotonic() + seconds
+    for name, runs in SWEEPS.items():
+        resume = f"{resume_from}/{name}.json" if resume_from and (REPO / resume_from / f"{name}.json").is_file() else ""
+        for args in runs:
+            left = int(end - time.monotonic())
+            if left < 30:
+                print("time is up: run the same call again to resume", flush=True)
+                return 0
+            code = gpu_eval.sweep(ALIAS, name, commit, left, resume, [*COMMON, *args])
+            if code:
+                return code
+    return 0
+
+
+def smoke_args(args: list[str]) -> list[str]:
+    """An invocation's arguments for the CPU smoke run (:data:`SMOKE_VALUES`, :data:`SMOKE_FLAGS`)."""
+    out, flags = [], dict(zip(args[::2], args[1::2]))
+    for flag, value in flags.items():
+        if flag in SMOKE_VALUES:
+            value = ",".join(SMOKE_VALUES[flag].get(v, v) for v in value.split(","))
+        out += [flag, value]
+    return out + SMOKE_FLAGS
+
+
+def tiny_model(path: Path) -> Path:
+    """A tiny random Llama with a word tokenizer (the passkey prompt's words, digits apart) saved at ``path``."""
+    import re
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from questkv.eval import passkey
+
+    words = sorted(set(re.findall(r"\w+|[^\w\s]", " ".join([passkey.HEADER, passkey.FILLER, passkey.KEY_LINE,
+                                                              passkey.QUESTION]))) | set("0123456789"))
+    vocab = {"<unk>": 0, "<eos>": 1, **{word: i + 2 for i, word in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                     pre_tokenizers.Digits(individual_digits=True)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def smoke(out_dir: Path) -> list[Path]:
+    """Here: every invocation of :data:`SWEEPS` on the CPU, on a tiny random model with tiny lengths, through
+    ``questkv.cli.main``; returns the results files."""
+    from questkv import cli
+
+    model = tiny_model(out_dir / "tiny-model")
+    paths = []
+    for name, runs in SWEEPS.items():
+        path = out_dir / f"{name}.json"
+        for args in runs:
+            argv = ["eval", "sweep", "--model", str(model), "--json", str(path), *smoke_args(args)]
+            if cli.main(argv) != 0:
+                raise SystemExit(f"smoke: questkv {shlex.join(argv)} failed")
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands_ = parser.add_subparsers(dest="command", required=True)
+    sub = commands_.add_parser("commands", help="here: print the device calls")
+    sub.add_argument("--commit", required=True)
+    sub = commands_.add_parser("run", help="there: run the sweeps in order for at most --seconds (resumable)")
+    sub.add_argument("--commit", required=True)
+    sub.add_argument("--seconds", type=int, default=560)
+    sub.add_argument("--resume-from", default="", help="a folder of the tree with results files to continue "
+                     "(e.g. benchmarks/results) when the machine has none")
+    sub = commands_.add_parser("smoke", help="here: every sweep on the CPU, tiny model and lengths")
+    sub.add_argument("--out-dir", default=None, help="where the results go (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    if args.command == "commands":
+        print("\n".join(commands(args.commit)))
+        return 0
+    if args.command == "run":
+        return run(args.commit, args.seconds, args.resume_from)
+    if args.out_dir is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            print("\n".join(map(str, smoke(Path(tmp)))))
+    else:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        print("\n".join(map(str, smoke(Path(args.out_dir)))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""benchmarks/eval_reuse.py: the GPU sweeps of issue 26 run end to end on the CPU (a tiny random model, tiny
+lengths, through ``questkv eval sweep``), and the device calls it prints."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+_SPEC = importlib.util.spec_from_file_location(
+    "eval_reuse", Path(__file__).resolve().parents[1] / "benchmarks" / "eval_reuse.py")
+eval_reuse = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(eval_reuse)
+
+
+def test_every_sweep_runs_on_a_tiny_model_on_the_cpu(tmp_path):
+    paths = eval_reuse.smoke(tmp_path)
+    assert [p.stem for p in paths] == list(eval_reuse.SWEEPS)
+    documents = {p.stem: json.loads(p.read_text()) for p in paths}
+    reuse = documents["eval-reuse-qwen2.5-coder-1.5b-16k"]
+    policies = eval_reuse.POLICIES.split(",")
+    budgets = {"full": [None]} | {p: [16, 32] for p in policies[1:]}
+    expected = {(task, p, b) for task in eval_reuse.TASKS.split(",") for p in policies for b in budgets[p]}
+    assert {(c["task"], c["policy"], c["budget"]) for c in reuse["cells"]} == expected
+    assert [c["run"] for c in reuse["cells"]].count(0) == 3 * 3  # (a): 3 tasks x full, quest@16, quest@32
+    for document in documents.values():
+        assert all(c["backend"] == "engine" and c["preemptions"] == 0 for c in document["cells"])
+    agreement = documents["eval-agreement-qwen2.5-coder-1.5b-16k"]
+    assert {c["metric"] for c in agreement["cells"]} == {"agreement"} and len(agreement["cells"]) == 2 * 9
+    assert set(agreement["agreement_texts"]) == {"agreement_book", "agreement_code"}
+    assert {c["metric"] for c in documents["eval-reuse-ppl-qwen2.5-coder-1.5b-32k"]["cells"]} == {"ppl"}
+    assert {c["length"] for c in documents["eval-reuse-qwen2.5-coder-1.5b-32k"]["cells"]} == {256}
+
+
+def test_the_device_calls_run_each_sweep_through_gpu_eval():
+    calls = eval_reuse.commands("abc123")
+    assert len(calls) == sum(len(runs) for runs in eval_reuse.SWEEPS.values())
+    assert calls[0].startswith("python3 benchmarks/gpu_eval.py sweep qwen2.5-coder-1.5b "
+                               "eval-reuse-qwen2.5-coder-1.5b-16k --commit abc123 -- --device cuda")
+    assert all(call.endswith(" | []") for call in calls)
+    assert eval_reuse.smoke_args(["--lengths", "16384", "--budgets", "1024,2048"])[:4] == [
+        "--lengths", "192", "--budgets", "16,32"]
