@@ -18,6 +18,24 @@ file, in the order they run, most wanted first (a file's later invocations resum
 (d) ``eval-reuse-ppl-qwen2.5-coder-1.5b-32k``: perplexity of the book's last 256 tokens of 4 windows of 32k at
     1/8 (4096), the committed HF file's settings (``eval-qwen2.5-coder-1.5b-32k-ppl-h200``: 9.29 full, 9.65 quest).
 
+They run in that order: (a), (b) at 16k, (d), (c), (b) at 32k. Estimated H200 time (not measured; bf16; a 16k
+prefill of the 1.5B taken as 0.12 s and a 32k one as 0.35 s, one per sample and pass since a sample's settings
+share it; decode steps of up to 128 requests as 5 ms at 16k and 8 ms at 32k; an engine build, with its model
+load, compiled elementwise kernels and lazily captured decode graphs, as 20 s, one per invocation):
+
+====================  ========  =======================  ============  ============  ======
+invocation            prefills  decode steps             engines       other         total
+====================  ========  =======================  ============  ============  ======
+(a) 16k               60: 7 s   ~360: 2 s                1: 20 s       samples 3 s   ~32 s
+(b) 16k, the rest     180: 22 s ~2700: 14 s              1: 20 s       samples 5 s   ~61 s
+(d) ppl 32k           8: 3 s    ~510: 3 s                1: 20 s       text 1 s      ~27 s
+(c) agreement 16k     24: 3 s   ~770: 4 s                1: 20 s       texts 3 s     ~30 s
+(b) 32k               240: 84 s ~2700: 22 s              1: 20 s       samples 10 s  ~136 s
+====================  ========  =======================  ============  ============  ======
+
+About 5 minutes in all, one ``run`` call; with the model's staging (19 ``stage`` calls of about 5 s and a
+``finish`` of 76 s, as measured before) about 8 minutes of H200 time.
+
 Here::
 
     .venv/bin/python benchmarks/eval_reuse.py commands --commit SHA   # the device calls, after gpu_eval.py stage/finish

@@ -118,9 +118,10 @@ class Inputs:
 
     Args:
         tokenizer: the model's tokenizer.
+        length: the prompt (or window) length.
         samples, seed, score_tokens, agreement_tokens: the sweep's.
-        texts: ``ppl``'s :class:`~questkv.eval.perplexity.Text` (``None`` without ppl) and each agreement
-            task's text by task name.
+        ppl_text: ``ppl``'s :class:`~questkv.eval.perplexity.Text` (``None`` without ppl).
+        agreement_texts: each agreement task's text, by task name.
     """
 
     def __init__(self, tokenizer, length: int, samples: int, seed: int, score_tokens: int, agreement_tokens: int,

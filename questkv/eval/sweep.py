@@ -453,7 +453,7 @@ def load_document(path: Path, model_name: str, spec: SweepSpec) -> Optional[dict
     if previous.get("model") != model_name or mismatched:
         raise ValueError(
             f"{path} holds a run with other settings (model={previous.get('model')!r}"
-            + "".join(f", {name}={old.get(name)!r}" for name in mismatched)
+            + "".join(f", {name}={old.get(name, defaults[name])!r}" for name in mismatched)
             + "); use another --json path or the same settings"
         )
     return previous

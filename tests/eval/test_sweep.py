@@ -290,7 +290,7 @@ def test_document_round_trip_and_shared_settings(tmp_path, first_run):
     del document["spec"]["eval_backend"], document["spec"]["agreement_tokens"], document["spec"]["code_commit"]
     sweep.save(path, document)
     assert sweep.load_document(path, "tiny", spec) is not None
-    with pytest.raises(ValueError, match="eval_backend=None"):
+    with pytest.raises(ValueError, match="eval_backend='hf'"):
         sweep.load_document(path, "tiny", dataclasses.replace(spec, eval_backend="auto"))
     with pytest.raises(ValueError, match="model='tiny'"):
         sweep.load_document(path, "other", spec)
