@@ -53,6 +53,11 @@ POLICY_COLORS = {
     "streaming": "tab:orange",
     "h2o": "tab:red",
     "tova": "tab:purple",
+    # selection reuse every C steps: blues darkening with C, beside plain Quest's
+    "quest:selection_interval=2": "#4f8fd0",
+    "quest:selection_interval=4": "#2a5f9e",
+    "quest:selection_interval=8": "#123a6b",
+    "quest:selection_interval=16": "#071d3a",
 }
 OTHER_COLORS = ("tab:brown", "tab:pink", "tab:olive", "darkblue", "darkgoldenrod", "teal")
 FULL_COLOR = "tab:gray"
