@@ -56,7 +56,9 @@ def load(commit: Optional[str] = None, root: Path = ROOT) -> CodeText:
     Raises:
         ValueError: ``commit`` is neither readable with git nor the tree's commit.
     """
-    resolved = _git(root, "rev-parse", "--verify", "--quiet", f"{commit or git_commit()}^{{commit}}")
+    top = _git(root, "rev-parse", "--show-toplevel")  # a copy of the tree inside another repository is not its history
+    own = top is not None and Path(top.strip()).resolve() == root.resolve()
+    resolved = _git(root, "rev-parse", "--verify", "--quiet", f"{commit or git_commit()}^{{commit}}") if own else None
     paths = None if resolved is None else _git(root, "ls-tree", "-r", "--name-only", resolved.strip(), "--", PACKAGE)
     if paths is not None:
         sha = resolved.strip()
