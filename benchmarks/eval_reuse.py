@@ -63,26 +63,32 @@ POLICIES = "full,quest,quest:selection_interval=2,quest:selection_interval=4,que
 TASKS = "passkey,niah_single,niah_multikey,passkey_essay,vt,fwe"
 COMMON = ["--device", "cuda", "--no-plot", "--seed", "0"]
 
-SWEEPS: dict[str, list[list[str]]] = {
-    f"eval-reuse-{ALIAS}-16k": [
-        ["--tasks", "passkey,niah_multikey,vt", "--lengths", "16384", "--samples", "20", "--budgets", "1024,2048",
-         "--policies", "full,quest"],
-        ["--tasks", TASKS, "--lengths", "16384", "--samples", "20", "--budgets", "1024,2048", "--policies", POLICIES],
-    ],
-    f"eval-reuse-ppl-{ALIAS}-32k": [
-        ["--tasks", "ppl", "--lengths", "32768", "--samples", "4", "--budgets", "4096", "--score-tokens", "256",
-         "--text-file", "book:newton-opticks", "--policies", POLICIES],
-    ],
-    f"eval-agreement-{ALIAS}-16k": [
-        ["--tasks", "agreement_book,agreement_code", "--lengths", "16384", "--samples", "4", "--budgets", "1024,2048",
-         "--agreement-tokens", "128", "--policies", POLICIES],
-    ],
-    f"eval-reuse-{ALIAS}-32k": [
-        ["--tasks", TASKS, "--lengths", "32640", "--samples", "20", "--budgets", "2048,4096", "--policies", POLICIES],
-    ],
-}
-"""Results file name -> its ``questkv eval sweep`` arguments (besides ``--model``, ``--json`` and :data:`COMMON`),
-one list per invocation, in order."""
+
+def sweeps(alias: str = ALIAS) -> dict[str, list[list[str]]]:
+    """Results file name -> its ``questkv eval sweep`` arguments (besides ``--model``, ``--json`` and
+    :data:`COMMON`), one list per invocation, in order, for the staged model ``alias``."""
+    return {
+        f"eval-reuse-{alias}-16k": [
+            ["--tasks", "passkey,niah_multikey,vt", "--lengths", "16384", "--samples", "20", "--budgets", "1024,2048",
+             "--policies", "full,quest"],
+            ["--tasks", TASKS, "--lengths", "16384", "--samples", "20", "--budgets", "1024,2048", "--policies", POLICIES],
+        ],
+        f"eval-reuse-ppl-{alias}-32k": [
+            ["--tasks", "ppl", "--lengths", "32768", "--samples", "4", "--budgets", "4096", "--score-tokens", "256",
+             "--text-file", "book:newton-opticks", "--policies", POLICIES],
+        ],
+        f"eval-agreement-{alias}-16k": [
+            ["--tasks", "agreement_book,agreement_code", "--lengths", "16384", "--samples", "4", "--budgets", "1024,2048",
+             "--agreement-tokens", "128", "--policies", POLICIES],
+        ],
+        f"eval-reuse-{alias}-32k": [
+            ["--tasks", TASKS, "--lengths", "32640", "--samples", "20", "--budgets", "2048,4096", "--policies", POLICIES],
+        ],
+    }
+
+
+SWEEPS = sweeps()
+"""The sweeps of :data:`ALIAS`."""
 
 # The CPU smoke run: tiny lengths (every task fits them), budgets of 4 and 8 pages of 4, 1 sample, few tokens.
 SMOKE_VALUES = {"--lengths": {"16384": "192", "32640": "256", "32768": "256"},
@@ -97,10 +103,10 @@ def sweep_args(name: str, args: list[str], model: str, json_path: str) -> list[s
     return ["eval", "sweep", "--model", model, "--json", json_path, *COMMON, *args]
 
 
-def commands(commit: str) -> list[str]:
+def commands(commit: str, alias: str = ALIAS) -> list[str]:
     """The device calls (command | carry), in order: each runs one invocation through ``gpu_eval.py sweep``."""
-    return [f"python3 benchmarks/gpu_eval.py sweep {ALIAS} {name} --commit {commit} -- "
-            f"{shlex.join([*COMMON, *args])} | []" for name, runs in SWEEPS.items() for args in runs]
+    return [f"python3 benchmarks/gpu_eval.py sweep {alias} {name} --commit {commit} -- "
+            f"{shlex.join([*COMMON, *args])} | []" for name, runs in sweeps(alias).items() for args in runs]
 
 
 def _gpu_eval():
@@ -110,20 +116,20 @@ def _gpu_eval():
     return module
 
 
-def run(commit: str, seconds: int, resume_from: str = "") -> int:
+def run(commit: str, seconds: int, resume_from: str = "", alias: str = ALIAS) -> int:
     """There: every invocation in order through ``gpu_eval.sweep`` (resumable) until ``seconds`` are spent; a
     results file the machine lacks starts from ``resume_from/NAME.json`` when the tree has it (a machine
     started afresh)."""
     gpu_eval = _gpu_eval()
     end = time.monotonic() + seconds
-    for name, runs in SWEEPS.items():
+    for name, runs in sweeps(alias).items():
         resume = f"{resume_from}/{name}.json" if resume_from and (REPO / resume_from / f"{name}.json").is_file() else ""
         for args in runs:
             left = int(end - time.monotonic())
             if left < 30:
                 print("time is up: run the same call again to resume", flush=True)
                 return 0
-            code = gpu_eval.sweep(ALIAS, name, commit, left, resume, [*COMMON, *args])
+            code = gpu_eval.sweep(alias, name, commit, left, resume, [*COMMON, *args])
             if code:
                 return code
     return 0
@@ -186,8 +192,10 @@ def main(argv=None) -> int:
     commands_ = parser.add_subparsers(dest="command", required=True)
     sub = commands_.add_parser("commands", help="here: print the device calls")
     sub.add_argument("--commit", required=True)
+    sub.add_argument("--model", default=ALIAS, help=f"the staged alias (default: {ALIAS})")
     sub = commands_.add_parser("run", help="there: run the sweeps in order for at most --seconds (resumable)")
     sub.add_argument("--commit", required=True)
+    sub.add_argument("--model", default=ALIAS, help=f"the staged alias (default: {ALIAS})")
     sub.add_argument("--seconds", type=int, default=560)
     sub.add_argument("--resume-from", default="", help="a folder of the tree with results files to continue "
                      "(e.g. benchmarks/results) when the machine has none")
@@ -195,10 +203,10 @@ def main(argv=None) -> int:
     sub.add_argument("--out-dir", default=None, help="where the results go (default: a temporary folder)")
     args = parser.parse_args(argv)
     if args.command == "commands":
-        print("\n".join(commands(args.commit)))
+        print("\n".join(commands(args.commit, args.model)))
         return 0
     if args.command == "run":
-        return run(args.commit, args.seconds, args.resume_from)
+        return run(args.commit, args.seconds, args.resume_from, args.model)
     if args.out_dir is None:
         with tempfile.TemporaryDirectory() as tmp:
             print("\n".join(map(str, smoke(Path(tmp)))))
