@@ -289,18 +289,14 @@ class OpenAIServing:
         except ValueError as error:
             raise RequestError(str(error), param="max_tokens" if "max_tokens" in str(error) else prompt_param) from None
         quest = body.quest or QuestOptions()
-        if quest.token_budget is not None:
-            try:
-                self._check_budget(quest.token_budget)
+        for name, check in (("token_budget", self._check_budget), ("selection_interval", self._check_selection_interval)):
+            value = getattr(quest, name)
+            if value is None:
+                continue
+            try:  # the engine's own rule, its message in the request's words
+                check(value)
             except ValueError as error:
-                raise RequestError(str(error).replace("SamplingParams.token_budget", "quest.token_budget"),
-                                   param="quest.token_budget") from None
-        if quest.selection_interval is not None:
-            try:
-                self._check_selection_interval(quest.selection_interval)
-            except ValueError as error:
-                raise RequestError(str(error).replace("SamplingParams.", "quest."),
-                                   param="quest.selection_interval") from None
+                raise RequestError(str(error).replace("SamplingParams.", "quest."), param=f"quest.{name}") from None
         if body.stop_list and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this model (dummy weights) has none", param="stop")
         return SamplingParams(  # its ValueError names the field (to_request_error maps it to a 400)
