@@ -18,7 +18,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("cpu", "cuda")
 GRAPH_CAPTURE = ("lazy", "startup")
-QUANTIZATIONS = ("int4", "int8")
+QUANTIZATIONS = ("int4", "int8", "gguf", "awq", "gptq", "compressed-tensors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,9 @@ class EngineConfig:
         quantization: weight-only quantization of the linear layers after loading: ``"int4"`` (groups of 128,
             asymmetric, round to nearest), ``"int8"`` (per output row), or ``None`` (the checkpoint's dtype).
             Embeddings and the LM head stay in ``dtype``. On CPU the torch reference, on CUDA the Triton kernels.
+            A packed checkpoint loads packed instead (``questkv.models.engine_model``): ``"gguf"`` for a GGUF file
+            or alias (without it, a GGUF is dequantized to ``dtype``); an HF folder with a ``quantization_config``
+            is detected, and ``"awq"``, ``"gptq"``, ``"compressed-tensors"`` may name it (any other value is refused).
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """

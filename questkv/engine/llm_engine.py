@@ -22,7 +22,7 @@ from questkv.layers.quantized_linear import quantize_linears
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
-from questkv.models.engine_model import load_engine_model
+from questkv.models.engine_model import ROUND_TO_NEAREST, load_engine_model
 from questkv.validation import check_text
 
 Prompt = Union[str, list[int]]
@@ -38,7 +38,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         loaded = load_engine_model(
-            config.model, config.quest, config.torch_dtype, config.torch_device, config.load_format, config.seed
+            config.model, config.quest, config.torch_dtype, config.torch_device, config.load_format, config.seed,
+            config.quantization,
         )
         self.model_name = loaded.name
         self.spec = loaded.spec
@@ -56,7 +57,7 @@ class LLMEngine:
                     f"QuestConfig.dense_layers={config.quest.dense_layers} leaves no sparse layer in a model of "
                     f"{loaded.spec.num_layers} layers"
                 )
-        if config.quantization is not None:
+        if config.quantization in ROUND_TO_NEAREST:  # packed formats were loaded packed
             quantize_linears(loaded.model, config.quantization)
             if config.torch_device.type == "cuda":
                 torch.cuda.empty_cache()  # the float weights' blocks: the KV pool is sized from what is free

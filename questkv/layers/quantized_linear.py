@@ -2,10 +2,11 @@
 
 Owns :class:`QuantizedLinear` (packed weight, scales and zero points as buffers; ``forward`` through
 :func:`quant_matmul`), :class:`QuantizedMergedLinear` (the same, keeping a fused QKV or gate/up projection's
-shards and ``split``), :func:`quantize_linears` (round-to-nearest, in place, after the weights are loaded) and
-the backend choice of :func:`quant_matmul`. The formats and the torch reference live in
-:mod:`questkv.ops.quant_reference`, the CUDA kernels in :mod:`questkv.ops.triton.quant_matmul`; which models
-get quantized, and when, is the engine's business.
+shards and ``split``; packed checkpoint shards load into its rows), :func:`quantize_linears` (round-to-nearest,
+in place, after the weights are loaded) and the backend choice of :func:`quant_matmul`. The formats and the torch
+reference live in :mod:`questkv.ops.quant_reference`, the CUDA kernels in :mod:`questkv.ops.triton.quant_matmul`;
+which models get quantized, and when, is the engine's business; reading packed checkpoints is
+:mod:`questkv.models.gguf_native`'s and :mod:`questkv.models.quantized_checkpoints`'.
 
 Embeddings always stay in the model dtype. The LM head stays too by default (``skip=("lm_head",)``): its error
 lands directly on the logits (the layer most sensitive to rounding, kept in 16 bits by GPTQ and AWQ as well), a
@@ -15,20 +16,29 @@ tied head shares the embedding's weight, and at batch 1 it is ~6% of an 8B model
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from questkv.layers.linear import MergedLinear, shard_offsets
+from questkv.layers.linear import MergedLinear, copy_param, shard_offsets
 from questkv.ops import quant_reference
-from questkv.ops.quant_reference import DEFAULT_GROUP_SIZE, METHODS, check_method, dequantize, quantize_weight
+from questkv.ops.quant_reference import (
+    ALL_METHODS,
+    DEFAULT_GROUP_SIZE,
+    METHODS,
+    QuantizedWeight,
+    check_method,
+    dequantize,
+    quantize_weight,
+)
 from questkv.validation import check_choice, check_int
 
 __all__ = [
     "BACKENDS",
     "METHODS",
+    "QuantLayout",
     "QuantizedLinear",
     "QuantizedMergedLinear",
     "quant_matmul",
@@ -48,7 +58,16 @@ BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm")
 reference (dequantize to float32, float32 matmul); ``triton``: :mod:`questkv.ops.triton.quant_matmul`;
 ``dequant``: dequantize to ``x``'s dtype with torch ops, then ``F.linear`` (a large-``M`` candidate);
 ``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16; layers only, it needs its own copy
-of the weight)."""
+of the weight). ``int8_grouped`` (imported checkpoints) has no kernel: ``auto`` takes ``dequant`` for it on CUDA."""
+
+
+class QuantLayout(NamedTuple):
+    """How one checkpoint weight ``[out_features, in_features]`` is stored: a format of
+    :data:`questkv.ops.quant_reference.ALL_METHODS` and its group size (ignored by ``int8``)."""
+
+    method: str
+    group_size: int
+    shape: tuple[int, int]
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -59,18 +78,19 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     Args:
         x: ``[M, K]`` float. qweight, scales, zeros, method, group_size: the weight
             (:mod:`questkv.ops.quant_reference`). bias: ``[N]`` or ``None``.
-        backend: one of :data:`BACKENDS` except ``tinygemm``.
+        backend: one of :data:`BACKENDS` except ``tinygemm`` (``triton`` only for :data:`METHODS`).
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
     check_choice("quant_matmul backend", backend, BACKENDS[:-1])
     if backend == "auto":
-        backend = ("triton" if x.shape[0] <= TRITON_MAX_M else "dequant") if x.is_cuda else "torch"
+        kernel = method in METHODS and x.shape[0] <= TRITON_MAX_M
+        backend = ("triton" if kernel else "dequant") if x.is_cuda else "torch"
     if backend == "torch":
-        return quant_reference.quant_matmul(x, qweight, scales, zeros, method, group_size, bias)
+        return quant_reference.quant_matmul(x, qweight, scales, zeros, method, group_size, bias, ALL_METHODS)
     if backend == "dequant":
-        quant_reference.check_quant_args(x, qweight, scales, zeros, method, group_size)
+        quant_reference.check_quant_args(x, qweight, scales, zeros, method, group_size, methods=ALL_METHODS)
         return F.linear(x, dequantize(qweight, scales, zeros, method, group_size, dtype=x.dtype), bias)
     from questkv.ops.triton import quant_matmul as kernels  # needs triton; CPU-only installs never get here
 
@@ -80,15 +100,17 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 class QuantizedLinear(nn.Module):
     """``y = x @ w.T + bias`` with ``w`` stored quantized (``int4`` groups or ``int8`` rows).
 
-    Buffers (format: :mod:`questkv.ops.quant_reference`): ``qweight`` (``int4``: ``[N, K // 2]`` uint8; ``int8``:
-    ``[N, K]`` int8), ``scales`` (``int4``: ``[K // group_size, N]``; ``int8``: ``[N]``), ``zeros`` (``int4``:
-    ``[K // group_size, N]``; ``int8``: ``None``), all in the state dict; ``bias`` ``[N]`` is a frozen parameter.
-    Built empty (fill the buffers) or by :meth:`from_float`.
+    Buffers (format: :mod:`questkv.ops.quant_reference`): ``qweight`` (``int4``: ``[N, K // 2]`` uint8; ``int8``,
+    ``int8_grouped``: ``[N, K]`` int8), ``scales`` (``int4``, ``int8_grouped``: ``[K // group_size, N]``; ``int8``:
+    ``[N]``), ``zeros`` (``int4``: ``[K // group_size, N]``; else ``None``), all in the state dict; ``bias`` ``[N]``
+    is a frozen parameter. Built empty (then :meth:`load_packed` or fill the buffers), by :meth:`empty_like` or by
+    :meth:`from_float`.
 
     Args:
         in_features (``K``), out_features (``N``): as ``nn.Linear``.
-        method: one of :data:`METHODS`. bias: whether there is a bias.
-        group_size: ``int4`` group (:data:`questkv.ops.quant_reference.GROUP_SIZES`, dividing ``in_features``).
+        method: one of :data:`questkv.ops.quant_reference.ALL_METHODS`. bias: whether there is a bias.
+        group_size: ``int4`` / ``int8_grouped`` group (``GROUP_SIZES`` / ``INT8_GROUP_SIZES`` of
+            :mod:`questkv.ops.quant_reference`, dividing ``in_features``).
         dtype: dtype of scales, zero points, bias and output (default: torch's default dtype). device: where.
         backend: one of :data:`BACKENDS` (:meth:`set_backend`).
     """
@@ -98,7 +120,7 @@ class QuantizedLinear(nn.Module):
                  device: Optional[torch.device | str] = None, backend: str = "auto") -> None:
         check_int(f"{type(self).__name__}.in_features", in_features, minimum=1)
         check_int(f"{type(self).__name__}.out_features", out_features, minimum=1)
-        check_method(method, group_size, in_features, owner=type(self).__name__)
+        check_method(method, group_size, in_features, owner=type(self).__name__, methods=ALL_METHODS)
         if method == "int8" and in_features % 4:
             raise ValueError(f"{type(self).__name__}.in_features must be a multiple of 4 for int8 (int32 words), "
                              f"got {in_features}")
@@ -112,8 +134,9 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", torch.ones((k // group_size, n), dtype=dtype, device=device))
             self.register_buffer("zeros", torch.zeros((k // group_size, n), dtype=dtype, device=device))
         else:
+            scale_shape = (n,) if method == "int8" else (k // group_size, n)
             self.register_buffer("qweight", torch.zeros((n, k), dtype=torch.int8, device=device))
-            self.register_buffer("scales", torch.ones((n,), dtype=dtype, device=device))
+            self.register_buffer("scales", torch.ones(scale_shape, dtype=dtype, device=device))
             self.register_buffer("zeros", None)
         if bias:
             self.bias = nn.Parameter(torch.zeros(n, dtype=dtype, device=device), requires_grad=False)
@@ -124,27 +147,62 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_float(cls, linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,
-                   backend: str = "auto") -> "QuantizedLinear":
-        """A quantized copy of ``linear`` (round to nearest; a :class:`~questkv.layers.linear.MergedLinear` gives a
-        :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype."""
+    def empty_like(cls, linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,
+                   backend: str = "torch") -> "QuantizedLinear":
+        """An empty quantized layer of ``linear``'s shape (a :class:`~questkv.layers.linear.MergedLinear` gives a
+        :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype, its bias
+        copied. The ``torch`` backend by default: a tinygemm copy of a still-empty weight would be packed for
+        nothing (call :meth:`set_backend` once the weight is filled)."""
         weight = linear.weight
-        # Built on the torch backend: a tinygemm copy of the still-empty weight would be packed for nothing.
         kwargs = dict(method=method, bias=linear.bias is not None, group_size=group_size, dtype=weight.dtype,
-                      device=weight.device, backend="torch")
+                      device=weight.device, backend=backend)
         if isinstance(linear, MergedLinear):
             layer = QuantizedMergedLinear(linear.in_features, linear.shard_sizes, **kwargs)
         else:
             layer = QuantizedLinear(linear.in_features, linear.out_features, **kwargs)
-        quantized = quantize_weight(weight, method, group_size)
-        layer.qweight.copy_(quantized.qweight)
-        layer.scales.copy_(quantized.scales)
-        if quantized.zeros is not None:
-            layer.zeros.copy_(quantized.zeros)
         if linear.bias is not None:
             layer.bias.copy_(linear.bias)
+        return layer
+
+    @classmethod
+    @torch.no_grad()
+    def from_float(cls, linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,
+                   backend: str = "auto") -> "QuantizedLinear":
+        """A quantized copy of ``linear`` (round to nearest; a :class:`~questkv.layers.linear.MergedLinear` gives a
+        :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype."""
+        check_choice("quantization", method, METHODS)
+        layer = cls.empty_like(linear, method, group_size)
+        quantized = quantize_weight(linear.weight, method, group_size)
+        layer.load_packed("weight", quantized)
         layer.set_backend(backend)
         return layer
+
+    @torch.no_grad()
+    def load_packed(self, name: str, loaded: QuantizedWeight, rows: Optional[slice] = None) -> None:
+        """Copy a packed weight in this layer's format into output rows ``rows`` (all by default), after checking
+        every shape; scales and zero points are cast to the layer's dtype (``name``, the checkpoint name, only
+        serves the error message).
+
+        Args:
+            loaded: ``qweight``, ``scales``, ``zeros`` as :mod:`questkv.ops.quant_reference` stores them for
+                ``rows.stop - rows.start`` output features, on any device.
+        """
+        rows = slice(0, self.out_features) if rows is None else rows
+        targets = {"qweight": self.qweight[rows], "scales": self.scales[..., rows],
+                   "zeros": None if self.zeros is None else self.zeros[:, rows]}
+        for part, target in targets.items():
+            tensor = getattr(loaded, part)
+            if (tensor is None) != (target is None):
+                raise ValueError(f"weight {name!r}: {part} must be {'given' if target is not None else 'None'} for "
+                                 f"{self.method}")
+            if target is None:
+                continue
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"weight {name!r}: {part} has shape {tuple(tensor.shape)}, the {self.method} layer "
+                                 f"expects {tuple(target.shape)}")
+            if part == "qweight" and tensor.dtype != target.dtype:
+                raise ValueError(f"weight {name!r}: qweight must be {target.dtype}, got {tensor.dtype}")
+            target.copy_(tensor)
 
     def set_backend(self, backend: str) -> None:
         """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`). ``tinygemm`` converts the weight
@@ -189,15 +247,16 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*lead, self.out_features)  # [..., N]
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.method == "int4" else ""
+        group = f", group_size={self.group_size}" if self.method != "int8" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"method={self.method}{group}, backend={self.backend}")
 
 
 class QuantizedMergedLinear(QuantizedLinear):
     """A :class:`QuantizedLinear` whose output features are named shards back to back, as
-    :class:`~questkv.layers.linear.MergedLinear` (``shard_sizes``, ``shard_offsets``, :meth:`split`). Checkpoint
-    shards cannot be loaded into it: quantize after loading."""
+    :class:`~questkv.layers.linear.MergedLinear` (``shard_sizes``, ``shard_offsets``, :meth:`split`). Packed
+    checkpoint shards and float bias shards load into it (:meth:`load_shard`); a float weight cannot (quantize
+    after loading)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], **kwargs) -> None:
         offsets = shard_offsets("QuantizedMergedLinear", shard_sizes)
@@ -205,8 +264,21 @@ class QuantizedMergedLinear(QuantizedLinear):
         self.shard_sizes = dict(shard_sizes)
         self.shard_offsets = offsets
 
-    def load_shard(self, name: str, shard: str, param_name: str, loaded: torch.Tensor) -> None:
-        raise RuntimeError(f"cannot load {name!r} into a quantized layer: load the float weights, then quantize")
+    def load_shard(self, name: str, shard: str, param_name: str, loaded) -> None:
+        """Copy checkpoint shard ``loaded`` into the rows of ``shard``: a :class:`QuantizedWeight` in this layer's
+        format for ``"weight"``, a ``[shard_size]`` tensor for ``"bias"`` (a float ``"weight"`` is a
+        ``RuntimeError``: load the float weights into a float layer, then quantize)."""
+        check_choice("QuantizedMergedLinear.load_shard shard", shard, tuple(self.shard_sizes))
+        params = ("weight", "bias") if self.bias is not None else ("weight",)
+        check_choice("QuantizedMergedLinear.load_shard param_name", param_name, params)
+        start = self.shard_offsets[shard]
+        rows = slice(start, start + self.shard_sizes[shard])
+        if param_name == "bias":
+            copy_param(name, self.bias[rows], loaded)
+        elif isinstance(loaded, QuantizedWeight):
+            self.load_packed(name, loaded, rows)
+        else:
+            raise RuntimeError(f"cannot load {name!r} into a quantized layer: load the float weights, then quantize")
 
     def split(self, out: torch.Tensor) -> Sequence[torch.Tensor]:
         """Split ``out`` ``[T, out_features]`` (this layer's output) into one ``[T, size]`` view per shard."""

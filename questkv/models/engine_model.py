@@ -3,6 +3,11 @@
 A name, HF folder or ``.gguf`` (as :func:`questkv.load_model` takes) gives real weights and the
 tokenizer; a ``transformers`` config with ``load_format="dummy"`` gives random weights at its shapes
 and no tokenizer (token-id prompts only).
+
+Packed checkpoints load packed: an HF folder whose ``config.json`` has a ``quantization_config`` (AWQ, GPTQ,
+compressed-tensors; :mod:`questkv.models.quantized_checkpoints`) always, a GGUF file or alias with
+``quantization="gguf"`` (:mod:`questkv.models.gguf_native`; without it transformers dequantizes the GGUF, as the
+committed evaluations did). Either way the format is checked before the model is built.
 """
 
 from __future__ import annotations
@@ -13,9 +18,21 @@ from typing import Any, Optional
 import torch
 
 from questkv.config import QuestConfig
+from questkv.layers.quantized_linear import QuantizedLinear
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 from questkv.models.loader import load_gguf, resolve_model_path
+from questkv.models.quantized_checkpoints import (
+    METHODS as CHECKPOINT_METHODS,
+    QuantizedCheckpoint,
+    checkpoint_quantization,
+)
 from questkv.models.weights import init_dummy_weights, load_safetensors_weights
+
+ROUND_TO_NEAREST = ("int4", "int8")
+"""``quantization`` values applied after loading float weights (the engine's business)."""
+
+PACKED_FORMATS = ("gguf",) + CHECKPOINT_METHODS
+"""``quantization`` values that name how a checkpoint is stored: its packed weights are loaded as they are."""
 
 
 @dataclasses.dataclass
@@ -44,28 +61,49 @@ def load_engine_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: Optional[str] = None,
 ) -> EngineModel:
     """Build :class:`LlamaForCausalLM` for ``model`` (see the module docstring).
 
+    Args:
+        quantization: the engine's: one of :data:`PACKED_FORMATS` asks for (and must match) a packed checkpoint;
+            ``None`` or one of :data:`ROUND_TO_NEAREST` loads float weights, unless the folder is packed.
+
     Raises:
         ValueError: an unsupported architecture or rope type (naming what is supported), an unknown
-            model name, or a dummy request for a name that is not a config.
+            model name, a dummy request for a name that is not a config, a ``quantization`` that contradicts
+            the checkpoint, or a packed checkpoint of an unsupported format (each before the model is built).
     """
     from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-    folder, state = None, None  # where real weights come from: a safetensors folder or a GGUF's state dict
+    folder, state, packed = None, None, None  # weights from a safetensors folder, a GGUF's state dict, or packed
     if isinstance(model, PretrainedConfig):
+        if quantization in PACKED_FORMATS:
+            raise ValueError(f"EngineConfig.quantization={quantization!r} names a checkpoint format, but the model "
+                             "is a config without weights")
         hf_config, tokenizer, name = model, None, getattr(model, "name_or_path", "") or model.model_type
+    elif quantization == "gguf":
+        from questkv.models.gguf_native import GGUFWeights, gguf_config_and_tokenizer, resolve_gguf
+
+        name = str(model)
+        path = resolve_gguf(name)
+        hf_config, tokenizer = gguf_config_and_tokenizer(path)
+        packed = GGUFWeights(path, hf_config.num_attention_heads,
+                             getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     else:
         name = str(model)
         path = resolve_model_path(name)
         if path.suffix == ".gguf":
+            if quantization in PACKED_FORMATS:
+                raise ValueError(f"EngineConfig.quantization={quantization!r} does not match {path.name}, a GGUF file; "
+                                 "use quantization='gguf' (packed) or None (dequantized)")
             hf_model, tokenizer = load_gguf(path, dtype)
             hf_config, state = hf_model.config, hf_model.state_dict()
         else:
             folder, hf_config = path, AutoConfig.from_pretrained(path)
             has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
             tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+            packed = _packed_folder(path, quantization)
     spec = ModelSpec.from_hf_config(hf_config)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters born in their dtype, on their device: no copy
@@ -75,7 +113,17 @@ def load_engine_model(
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
+        if packed is not None:
+            raise ValueError(f"load_format='dummy' gives random float weights; {name!r} is a packed checkpoint")
         init_dummy_weights(engine_model, seed)
+    elif packed is not None:
+        names = engine_model.use_packed_linears(packed.layouts)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the swapped float linears' blocks: the KV pool is sized from what is free
+        engine_model.load_weights(packed.weights(names, device))
+        for module in engine_model.modules():
+            if isinstance(module, QuantizedLinear):
+                module.set_backend("auto")  # filled now: on CUDA int4 bf16 layers pack their tinygemm copy
     elif state is not None:
         engine_model.load_weights(state.items())
     elif folder is not None:
@@ -84,6 +132,22 @@ def load_engine_model(
         raise ValueError(f"model {name!r} is a config without weights: pass load_format='dummy'")
     eos = _eos_ids(hf_config, tokenizer, folder)
     return EngineModel(engine_model.eval(), spec, tokenizer, eos, name)
+
+
+def _packed_folder(folder, quantization: Optional[str]) -> Optional[QuantizedCheckpoint]:
+    """The folder's packed checkpoint, when its ``config.json`` has a ``quantization_config``, after checking that
+    ``quantization`` is ``None`` or names the same method."""
+    config = checkpoint_quantization(folder)
+    method = None if config is None else config.get("quant_method")
+    if config is None:
+        if quantization in PACKED_FORMATS:
+            raise ValueError(f"EngineConfig.quantization={quantization!r} names a checkpoint format, but "
+                             f"{str(folder)!r} has no quantization_config in its config.json")
+        return None
+    if quantization is not None and quantization != method:
+        raise ValueError(f"EngineConfig.quantization={quantization!r} does not match the checkpoint's "
+                         f"quantization_config.quant_method={method!r}: pass None (detected) or {method!r}")
+    return QuantizedCheckpoint(folder, config)
 
 
 def _eos_ids(hf_config, tokenizer, folder) -> frozenset[int]:

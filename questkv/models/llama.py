@@ -1,8 +1,9 @@
 """questkv's own Llama-family causal LM: Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3 in one module.
 
 The families differ only by flags of :class:`ModelSpec` (QKV bias, q/k RMSNorm, rope type, tied embeddings),
-read once from a transformers config. Owns the decoder stack, the fused projections' layout and the mapping of
-HF safetensors names onto it (:meth:`LlamaForCausalLM.load_weights`). Attention itself, and so the KV cache, is
+read once from a transformers config. Owns the decoder stack, the fused projections' layout, the mapping of
+HF safetensors names onto it (:meth:`LlamaForCausalLM.load_weights`) and which linears hold a checkpoint's packed
+weights as they are stored (:meth:`LlamaForCausalLM.use_packed_linears`). Attention itself, and so the KV cache, is
 ``questkv.layers.attention.Attention``'s: the model passes it post-RoPE queries, keys and values and the step's
 ``StepContext``, and never touches the cache.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -21,7 +22,9 @@ from questkv.layers.activation import SiluAndMul
 from questkv.layers.attention import Attention
 from questkv.layers.linear import MergedLinear, copy_param
 from questkv.layers.norm import RMSNorm
+from questkv.layers.quantized_linear import QuantizedLinear, QuantLayout
 from questkv.layers.rotary import ROPE_TYPES, RopeScaling, RotaryEmbedding, apply_rotary
+from questkv.ops.quant_reference import ALL_METHODS, QuantizedWeight, check_method
 from questkv.validation import check_bool, check_choice, check_float, check_int
 
 if TYPE_CHECKING:  # transformers takes seconds to import; only from_hf_config reads a config
@@ -270,6 +273,10 @@ class LlamaModel(nn.Module):
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
 _SHARDS = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # stored by some older checkpoints, recomputed here
+_UNFUSED = ("o", "down")
+# (block, module, checkpoint projections) of each linear of a decoder layer
+_LINEARS = (("self_attn", "qkv_proj", ("q", "k", "v")), ("self_attn", "o_proj", ("o",)),
+            ("mlp", "gate_up_proj", ("gate", "up")), ("mlp", "down_proj", ("down",)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -336,18 +343,74 @@ class LlamaForCausalLM(nn.Module):
             names.append("lm_head.weight")
         return names
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def use_packed_linears(self, layouts: Mapping[str, QuantLayout]) -> frozenset[str]:
+        """Swap the decoder's linears whose checkpoint weights are all stored packed, in one format, for empty
+        :class:`~questkv.layers.quantized_linear.QuantizedLinear` s of that format, before :meth:`load_weights`.
+
+        A fused projection is swapped only when every shard has the same method and group size (GGUF Q4_K_M files
+        store ``attn_v`` as Q6_K beside Q4_K ``attn_q`` / ``attn_k``: that QKV stays float). The LM head always
+        stays float (as :func:`~questkv.layers.quantized_linear.quantize_linears` leaves it), so do embeddings.
+        Every shape is checked before anything is swapped.
+
+        Args:
+            layouts: HF weight name (``model.layers.0.self_attn.q_proj.weight``) -> how the checkpoint stores it,
+                for the packed weights of a checkpoint.
+
+        Returns:
+            The names whose packed weights :meth:`load_weights` now takes as
+            :class:`~questkv.ops.quant_reference.QuantizedWeight` s; every other weight is loaded as a float tensor.
+
+        Raises:
+            ValueError: a packed weight whose shape is not the model's, or a name the model does not have.
+        """
+        expected = set(self.expected_weight_names())
+        for name, layout in layouts.items():
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue  # load_weights skips it: the head is the embedding
+            if name not in expected:
+                raise ValueError(f"packed weight {name!r} is not a weight of this {self.spec.model_type} model")
+            want = self._weight_shape(name)
+            if tuple(layout.shape) != want:
+                raise ValueError(f"packed weight {name!r} has shape {tuple(layout.shape)}, the model expects {want}")
+            check_method(layout.method, layout.group_size, want[1], owner=f"packed weight {name!r}",
+                         methods=ALL_METHODS)
+        swaps = []  # (parent module, attribute, HF names, layout)
+        for i, layer in enumerate(self.model.layers):
+            for block, attr, projs in _LINEARS:
+                names = [f"model.layers.{i}.{block}.{proj}_proj.weight" for proj in projs]
+                found = {(layouts[n].method, layouts[n].group_size) if n in layouts else None for n in names}
+                if len(found) == 1 and None not in found:
+                    swaps.append((getattr(layer, block), attr, names, layouts[names[0]]))
+        packed = set()
+        for parent, attr, names, layout in swaps:
+            linear = getattr(parent, attr)
+            setattr(parent, attr, QuantizedLinear.empty_like(linear, layout.method, layout.group_size))
+            packed.update(names)
+        return frozenset(packed)
+
+    def _weight_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of checkpoint weight ``name`` (a shard's own rows for a fused projection)."""
+        match = _LAYER_NAME.match(name)
+        if match is None:
+            return tuple(self.get_parameter(name).shape)
+        layer, block, proj, _ = match.groups()
+        module = self.model.layers[int(layer)].get_submodule(f"{block}.{_SHARDS.get(proj, proj + '_proj')}")
+        return (module.shard_sizes[proj] if proj in _SHARDS else module.out_features, module.in_features)
+
+    def load_weights(self, weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight]]]) -> None:
         """Copy checkpoint tensors, by HF safetensors name, into this model's (fused) parameters.
 
         Args:
             weights: ``(name, tensor)`` pairs such as ``load_safetensors_weights(folder)`` or
                 ``hf_model.state_dict().items()``; any dtype and device (cast and moved on copy). With tied
                 embeddings a ``lm_head.weight`` entry is skipped (it is the embedding); ``*.rotary_emb.inv_freq``
-                entries of older checkpoints are skipped.
+                entries of older checkpoints are skipped. The weight of a linear swapped by
+                :meth:`use_packed_linears` comes as a :class:`~questkv.ops.quant_reference.QuantizedWeight`.
 
         Raises:
-            ValueError: a tensor of the wrong shape (at once), or, once all are read, names this architecture
-                does not have or expected names that never came (each listed).
+            ValueError: a tensor of the wrong shape or kind (packed for a float layer, or the reverse) at once, or,
+                once all are read, names this architecture does not have or expected names that never came (each
+                listed).
         """
         expected = set(self.expected_weight_names())
         loaded: set[str] = set()
@@ -369,14 +432,22 @@ class LlamaForCausalLM(nn.Module):
                 parts.append(f"missing weights ({len(missing)}): {_listing(missing)}")
             raise ValueError("LlamaForCausalLM.load_weights: " + "; ".join(parts))
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+    def _load_one(self, name: str, tensor: Union[torch.Tensor, QuantizedWeight]) -> None:
         match = _LAYER_NAME.match(name)
-        if match is not None and match.group(3) in _SHARDS:
-            layer, block, proj, param = match.groups()
-            module = self.model.layers[int(layer)].get_submodule(f"{block}.{_SHARDS[proj]}")
-            module.load_shard(name, proj, param, tensor)
+        if match is None or match.group(3) not in (*_SHARDS, *_UNFUSED):
+            copy_param(name, self.get_parameter(name), tensor)
             return
-        copy_param(name, self.get_parameter(name), tensor)
+        layer, block, proj, param = match.groups()
+        module = self.model.layers[int(layer)].get_submodule(f"{block}.{_SHARDS.get(proj, proj + '_proj')}")
+        if param == "weight" and isinstance(tensor, QuantizedWeight) != isinstance(module, QuantizedLinear):
+            kind = "packed" if isinstance(tensor, QuantizedWeight) else "a float tensor"
+            raise ValueError(f"weight {name!r} is {kind} but its layer is {type(module).__name__}")
+        if proj in _SHARDS:
+            module.load_shard(name, proj, param, tensor)
+        elif param == "weight" and isinstance(tensor, QuantizedWeight):
+            module.load_packed(name, tensor)
+        else:
+            copy_param(name, getattr(module, param), tensor)
 
 
 def _listing(names: list[str], limit: int = 8) -> str:

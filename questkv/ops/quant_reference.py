@@ -14,13 +14,23 @@ Formats (``method``):
     bits 4-7, ``q`` in ``0..15``. Read as little-endian int32 (``qweight.view(torch.int32)``, ``[N, K // 8]``),
     word ``(n, j)`` holds ``q[n, 8j + i]`` in bits ``4i .. 4i + 3``: the kernels load words.
   - ``scales``, ``zeros``: ``[K // group_size, N]`` (groups, then output features, as GPTQ stores them), in the
-    model's float dtype; a zero point is an integer in ``0..15`` stored as a float.
+    model's float dtype. A zero point is any float: round to nearest makes integers in ``0..15``, imported
+    checkpoints others (GGUF ``Q4_1`` / ``Q4_K`` offsets give fractions, GPTQ's v1 format ``1..16``).
   - ``w[n, k] = (q[n, k] - zeros[k // group_size, n]) * scales[k // group_size, n]``.
 
 * ``"int8"``: symmetric, one scale per output feature (row).
 
   - ``qweight``: ``[N, K]`` int8, ``q`` in ``-127..127``; ``scales``: ``[N]`` model dtype; ``zeros``: ``None``.
   - ``w[n, k] = q[n, k] * scales[n]``.
+
+* ``"int8_grouped"``: symmetric, one scale per group of ``group_size`` consecutive input features of a row
+  (:data:`INT8_GROUP_SIZES`), for checkpoints stored that way (GGUF ``Q8_0``: groups of 32, ``Q6_K``: 16). Not
+  made by :func:`quantize_weight` and not read by the Triton kernel: the torch reference multiplies on CPU,
+  dequantize-and-GEMM on CUDA (:func:`questkv.layers.quantized_linear.quant_matmul`).
+
+  - ``qweight``: ``[N, K]`` int8, ``q`` in ``-128..127``; ``scales``: ``[K // group_size, N]`` model dtype;
+    ``zeros``: ``None``.
+  - ``w[n, k] = q[n, k] * scales[k // group_size, n]``.
 
 Rounding: ``int4`` takes each group's min and max (widened to include 0), ``scale = (max - min) / 15`` rounded to
 the stored dtype, ``zero = round(-min / scale)``, ``q = clamp(round(w / scale) + zero, 0, 15)``; ``int8`` takes
@@ -37,7 +47,9 @@ import torch
 from questkv.validation import check_choice
 
 __all__ = [
+    "ALL_METHODS",
     "GROUP_SIZES",
+    "INT8_GROUP_SIZES",
     "METHODS",
     "QuantizedWeight",
     "check_quant_args",
@@ -49,10 +61,17 @@ __all__ = [
 ]
 
 METHODS: tuple[str, ...] = ("int4", "int8")
-"""Weight formats (see the module docstring)."""
+"""The formats :func:`quantize_weight` makes and the Triton kernel reads (see the module docstring)."""
+
+ALL_METHODS: tuple[str, ...] = METHODS + ("int8_grouped",)
+"""Every format a :class:`~questkv.layers.quantized_linear.QuantizedLinear` holds: :data:`METHODS` and those of
+imported checkpoints that only the torch reference reads."""
 
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 """``int4`` group sizes the kernels support (powers of two, whole int32 words)."""
+
+INT8_GROUP_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
+"""``int8_grouped`` group sizes (GGUF ``Q6_K`` scales groups of 16, ``Q8_0`` groups of 32)."""
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -65,14 +84,15 @@ class QuantizedWeight(NamedTuple):
     zeros: Optional[torch.Tensor]
 
 
-def check_method(method: str, group_size: int, in_features: int, owner: str = "QuantizedLinear") -> None:
-    """``ValueError`` unless ``method`` is one of :data:`METHODS` and, for ``int4``, ``group_size`` is one of
-    :data:`GROUP_SIZES` and divides ``in_features`` (for ``int8``, ``in_features`` must be even)."""
-    check_choice("quantization", method, METHODS)
-    if method == "int4":
-        check_choice(f"{owner}.group_size", group_size, GROUP_SIZES)
+def check_method(method: str, group_size: int, in_features: int, owner: str = "QuantizedLinear",
+                 methods: tuple[str, ...] = METHODS) -> None:
+    """``ValueError`` unless ``method`` is one of ``methods`` and, for a grouped format, ``group_size`` is one of
+    its group sizes (:data:`GROUP_SIZES`, :data:`INT8_GROUP_SIZES`) and divides ``in_features``."""
+    check_choice("quantization", method, methods)
+    if method != "int8":
+        check_choice(f"{owner}.group_size", group_size, GROUP_SIZES if method == "int4" else INT8_GROUP_SIZES)
         if in_features % group_size:
-            raise ValueError(f"{owner}.in_features must be a multiple of the int4 group size {group_size}, "
+            raise ValueError(f"{owner}.in_features must be a multiple of the {method} group size {group_size}, "
                              f"got {in_features}")
 
 
@@ -123,9 +143,10 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int = DEFAULT
 
 
 def check_quant_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                     method: str, group_size: int) -> tuple[int, int]:
-    """Check ``x`` ``[M, K]`` against a quantized weight (shapes, dtypes); returns ``(N, K)``."""
-    check_choice("quantization", method, METHODS)
+                     method: str, group_size: int, methods: tuple[str, ...] = METHODS) -> tuple[int, int]:
+    """Check ``x`` ``[M, K]`` against a quantized weight (shapes, dtypes) whose format is one of ``methods`` (the
+    kernels': :data:`METHODS`); returns ``(N, K)``."""
+    check_choice("quantization", method, methods)
     if x.dim() != 2:
         raise ValueError(f"quant_matmul x must be [M, K], got shape {tuple(x.shape)}")
     k = x.shape[1]
@@ -137,8 +158,11 @@ def check_quant_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         got = {"qweight": qweight, "scales": scales, "zeros": zeros}
     else:
         if zeros is not None:
-            raise ValueError("quant_matmul zeros must be None for int8 (symmetric)")
-        want = {"qweight": ((n, k), torch.int8), "scales": ((n,), None)}
+            raise ValueError(f"quant_matmul zeros must be None for {method} (symmetric)")
+        if method == "int8_grouped":
+            check_method(method, group_size, k, owner="quant_matmul", methods=ALL_METHODS)
+        scale_shape = (n,) if method == "int8" else (k // group_size, n)
+        want = {"qweight": ((n, k), torch.int8), "scales": (scale_shape, None)}
         got = {"qweight": qweight, "scales": scales}
     for name, (shape, dtype) in want.items():
         tensor = got[name]
@@ -152,11 +176,19 @@ def check_quant_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], method: str,
                group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float weight ``[N, K]`` in ``dtype`` that a quantized weight stands for (computed in float32)."""
-    check_choice("quantization", method, METHODS)
+    """The float weight ``[N, K]`` in ``dtype`` that a quantized weight (any of :data:`ALL_METHODS`) stands for
+    (computed in float32)."""
+    check_choice("quantization", method, ALL_METHODS)
     if method == "int8":
         w = qweight.float() * scales.float()[:, None]
         return w.to(dtype)
+    if method == "int8_grouped":
+        n, k = qweight.shape
+        # an int8 times a scale of <= 16 bits is exact in float32: computed in a 16-bit dtype that holds the scales,
+        # it rounds once, to the same value, with no float32 copy of the weight (the dequant backend's cost)
+        work = dtype if dtype in (torch.float16, torch.bfloat16) and scales.dtype == dtype else torch.float32
+        w = qweight.to(work).view(n, k // group_size, group_size) * scales.to(work).t()[:, :, None]  # [N, G, g]
+        return w.view(n, k).to(dtype)
     q = unpack_int4(qweight).float()  # [N, K]
     n, k = q.shape
     s = scales.float().t()[:, :, None]  # [N, G, 1]
@@ -166,18 +198,19 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                 method: str, group_size: int = DEFAULT_GROUP_SIZE,
-                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 method: str, group_size: int = DEFAULT_GROUP_SIZE, bias: Optional[torch.Tensor] = None,
+                 methods: tuple[str, ...] = METHODS) -> torch.Tensor:
     """``y = x @ w.T + bias`` for the quantized weight ``w``: dequantized to float32, float32 matmul.
 
     Args:
         x: ``[M, K]`` float. qweight, scales, zeros, method, group_size: the weight (module docstring).
-        bias: ``[N]`` or ``None``.
+        bias: ``[N]`` or ``None``. methods: the formats accepted (the kernels' by default; :data:`ALL_METHODS`
+            for a layer's).
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
-    check_quant_args(x, qweight, scales, zeros, method, group_size)
+    check_quant_args(x, qweight, scales, zeros, method, group_size, methods=methods)
     w = dequantize(qweight, scales, zeros, method, group_size)  # [N, K] float32
     y = x.float() @ w.t()
     if bias is not None:

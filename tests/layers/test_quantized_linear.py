@@ -18,7 +18,7 @@ from questkv.engine.sampling_params import SamplingParams
 from questkv.layers.linear import MergedLinear
 from questkv.layers.quantized_linear import QuantizedLinear, QuantizedMergedLinear, quantize_linears
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
-from questkv.ops.quant_reference import METHODS
+from questkv.ops.quant_reference import METHODS, QuantizedWeight, dequantize, pack_int4
 from tests.helpers import engine_greedy, tiny_config, tiny_hf_model
 
 MODEL_TOL = {"int8": 0.08, "int4": 0.6}
@@ -60,6 +60,46 @@ def test_a_merged_projection_keeps_its_shards_and_split():
     assert (q.shape, k.shape, v.shape) == ((3, 64), (3, 32), (3, 32))
     with pytest.raises(RuntimeError, match="load the float weights, then quantize"):
         layer.load_shard("model.layers.0.self_attn.q_proj.weight", "q", "weight", torch.zeros(64, 128))
+
+
+def test_grouped_int8_multiplies_by_its_dequantized_weight_on_every_cpu_backend():
+    gen = torch.Generator().manual_seed(4)
+    layer = QuantizedLinear(64, 24, "int8_grouped", bias=True, group_size=16, dtype=torch.float32)
+    codes = torch.randint(-128, 128, (24, 64), generator=gen, dtype=torch.int8)
+    scales = torch.rand(4, 24, generator=gen) * 1e-2
+    layer.load_packed("w", QuantizedWeight(codes, scales, None))
+    layer.bias.uniform_(-1, 1)
+    weight = codes.float() * scales.t().repeat_interleave(16, dim=1)  # [24, 64]
+    assert torch.equal(layer.dequantized_weight(), weight)
+    x = torch.randn(5, 64, generator=gen)
+    for backend in ("auto", "torch", "dequant"):
+        layer.set_backend(backend)
+        torch.testing.assert_close(layer(x), x @ weight.t() + layer.bias, rtol=1e-5, atol=1e-5)
+    assert "group_size=16" in repr(layer)
+    with pytest.raises(ValueError, match=r"group_size must be one of 16, 32, 64, 128, 256; got 8"):
+        QuantizedLinear(64, 24, "int8_grouped", group_size=8)
+
+
+def test_packed_shards_and_bias_load_into_the_rows_of_a_merged_layer_after_their_shapes_are_checked():
+    merged = MergedLinear(64, {"gate": 16, "up": 8}, bias=True)
+    layer = QuantizedLinear.empty_like(merged, "int4", group_size=32)
+    assert isinstance(layer, QuantizedMergedLinear) and layer.backend == "torch"
+    gen = torch.Generator().manual_seed(5)
+    parts = {}
+    for shard, rows in (("gate", 16), ("up", 8)):
+        q = torch.randint(0, 16, (rows, 64), generator=gen)
+        parts[shard] = QuantizedWeight(pack_int4(q), torch.rand(2, rows, generator=gen), torch.rand(2, rows) * 15)
+        layer.load_shard(f"{shard}.weight", shard, "weight", parts[shard])
+        layer.load_shard(f"{shard}.bias", shard, "bias", torch.full((rows,), float(rows)))
+    want = torch.cat([dequantize(*parts[s], "int4", 32) for s in ("gate", "up")])
+    assert torch.equal(layer.dequantized_weight(), want)
+    assert layer.bias.tolist() == [16.0] * 16 + [8.0] * 8
+    bad = QuantizedWeight(parts["up"].qweight, parts["up"].scales[:1], parts["up"].zeros)
+    with pytest.raises(ValueError, match=r"weight 'up.weight': scales has shape \(1, 8\), the int4 layer expects "
+                                         r"\(2, 8\)"):
+        layer.load_shard("up.weight", "up", "weight", bad)
+    with pytest.raises(ValueError, match="zeros must be given for int4"):
+        layer.load_shard("up.weight", "up", "weight", QuantizedWeight(bad.qweight, parts["up"].scales, None))
 
 
 def _model_pair(family: str):
@@ -122,8 +162,10 @@ def test_bad_arguments_raise_value_errors_and_leave_the_model_float():
         quantize_linears(small, "int4")
     for m in (model, small):
         assert not any(isinstance(x, QuantizedLinear) for x in m.modules())
-    with pytest.raises(ValueError, match="quantization must be one of 'int4', 'int8'; got 'int2'"):
+    with pytest.raises(ValueError, match="quantization must be one of 'int4', 'int8', 'int8_grouped'; got 'int2'"):
         QuantizedLinear(128, 8, "int2")
+    with pytest.raises(ValueError, match="quantization must be one of 'int4', 'int8'; got 'int8_grouped'"):
+        quantize_linears(model, "int8_grouped")  # a checkpoint format: nothing rounds to it
     with pytest.raises(ValueError, match="QuantizedLinear.in_features must be a multiple of the int4 group size 128"):
         QuantizedLinear(200, 8, "int4")
     with pytest.raises(ValueError, match="QuantizedLinear.backend must be one of"):
