@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from questkv.config import QuestConfig
+from questkv.engine.config import QUANTIZATIONS
 
 __all__ = ["FIELDS", "add_quest_args", "flag", "quest_config", "quest_options"]
 
@@ -256,9 +257,11 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch each decode step before reading the previous step's tokens, so the "
                        "host's work overlaps the GPU's (default: on with CUDA graphs, off on CPU)")
-    group.add_argument("--quantization", default=None, choices=["int4", "int8"],
-                       help="weight-only quantization of the linear layers after loading: int4 (groups of 128) or "
-                       "int8 (per row), round to nearest (default: none, the checkpoint's dtype)")
+    group.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                       help="weight-only quantized linears: int4 (groups of 128) or int8 (per row) rounded to nearest "
+                       "after loading, or a checkpoint's own packed weights: gguf (Q4_0/Q4_1/Q4_K/Q8_0/Q6_K of a .gguf), "
+                       "awq, gptq, compressed-tensors (detected from config.json when not given) (default: none, "
+                       "the checkpoint's dtype)")
     group.add_argument("--seed", type=int_at_least(0), default=0, help=f"{seed_help} (default: 0)")
     if serving:
         group.add_argument("--max-num-seqs", type=int_at_least(1), default=32,
