@@ -67,3 +67,24 @@ def test_codes_estimate_fields_time_both_reranks_and_fill_the_table():
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert f"| {fields['estimate_codes2_mass_us']:.1f} | {fields['estimate_codes2_mass_tbps']:.2f} |" in lines[2]
     assert "| - | - |" in lines[3]
+
+
+def test_amortized_windows_run_every_step_of_every_layer_through_the_reuse_path():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, k_pages, kmin, kmax, table, lens = _data(gen, max_pages=4)
+    layers = [LayerPages(k_pages, k_pages, kmin, kmax), LayerPages(k_pages * 2, k_pages, kmin * 2, kmax * 2)]
+    budget = 2 * kernels_bench.PAGE_SIZE
+    windows = []
+
+    def timer(enqueue, steps):
+        for step in range(steps):
+            for layer in range(len(layers)):
+                enqueue(step, layer)
+        windows.append(steps)
+        return float(10 * steps)
+
+    amortized = kernels_bench.time_amortized(budget, [1, 2, 5], q, layers, table, lens, timer)
+    assert windows == [1, 2, 5] and amortized == {"1": 10.0, "2": 20.0, "5": 50.0}
+    assert kernels_bench.amortized_target({"1": 30.0, "2": 19.0, "4": 12.0}, 20.0) == (2, 19.0, True)
+    assert kernels_bench.amortized_target({"1": 30.0, "2": 25.0, "4": 22.0}, 20.0) == (4, 22.0, False)
+    assert kernels_bench.amortized_target({}, 20.0) is None

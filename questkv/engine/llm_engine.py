@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from questkv.config import QuestConfig
 from questkv.decode.reuse import selection_seq_len
 from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import EngineConfig
@@ -121,11 +122,7 @@ class LLMEngine:
         """Raise ``ValueError`` unless a request may carry ``token_budget`` on this engine."""
         if token_budget is None:
             return
-        quest = self.config.quest
-        if quest is None or quest.is_dense:
-            raise ValueError(
-                f"SamplingParams.token_budget={token_budget} needs an engine with Quest (quest=QuestConfig(token_budget=...))"
-            )
+        quest = self._sparse_quest("token_budget", token_budget)
         lowest = quest.page_size * (quest.forced_pages + 1)
         if token_budget % quest.page_size or not lowest <= token_budget <= quest.token_budget:
             raise ValueError(
@@ -137,17 +134,19 @@ class LLMEngine:
         """Raise ``ValueError`` unless a request may carry ``selection_interval`` on this engine."""
         if interval is None:
             return
-        quest = self.config.quest
-        if quest is None or quest.is_dense:
-            raise ValueError(
-                f"SamplingParams.selection_interval={interval} needs an engine with Quest "
-                "(quest=QuestConfig(token_budget=...))"
-            )
+        quest = self._sparse_quest("selection_interval", interval)
         if interval > quest.selection_interval:
             raise ValueError(
                 f"SamplingParams.selection_interval must be in [1, {quest.selection_interval}] (the engine's "
                 f"QuestConfig.selection_interval, which sizes the reused selections), got {interval}"
             )
+
+    def _sparse_quest(self, field: str, value: int) -> QuestConfig:
+        """The engine's sparse Quest config, for a request's ``field``; ``ValueError`` on a dense engine."""
+        quest = self.config.quest
+        if quest is None or quest.is_dense:
+            raise ValueError(f"SamplingParams.{field}={value} needs an engine with Quest (quest=QuestConfig(token_budget=...))")
+        return quest
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, then return an output for every live sequence of the step processed:
