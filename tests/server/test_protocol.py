@@ -238,7 +238,7 @@ def test_ignore_eos_is_accepted_as_vllms_extension_and_must_be_a_bool():
     assert error.value.param == "ignore_eos"
 
 
-def test_a_server_without_a_tokenizer_streams_one_chunk_per_token_with_its_token_ids(engine):
+def test_a_server_without_a_tokenizer_streams_every_token_id_once_in_order(engine):
     prompt = _prompt(random.randint(5, 12))
     max_tokens = random.randint(3, 6)
     request = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -261,7 +261,9 @@ def test_a_server_without_a_tokenizer_streams_one_chunk_per_token_with_its_token
     chunks = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
               if line.startswith("data: {")]
     per_chunk = [chunk["choices"][0]["token_ids"] for chunk in chunks if chunk["choices"]]
-    assert [ids for ids in per_chunk if ids] == [[token] for token in want]
+    # A chunk carries the tokens the engine produced since the last one the client read: one each while the reader
+    # keeps up, several after a stall (which a loaded machine may cause), never a token twice or out of order.
+    assert [token for ids in per_chunk for token in ids] == want
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
