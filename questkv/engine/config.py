@@ -57,6 +57,11 @@ class EngineConfig:
         quantization: weight-only quantization of the linear layers after loading: ``"int4"`` (groups of 128,
             asymmetric, round to nearest), ``"int8"`` (per output row), or ``None`` (the checkpoint's dtype).
             Embeddings and the LM head stay in ``dtype``. On CPU the torch reference, on CUDA the Triton kernels.
+        enable_prefix_caching: automatic prefix caching (as vLLM's): full KV pages are named by a hash chain of
+            their tokens and shared read-only by every request whose tokens start with them, and kept (evictable,
+            least recently used first) after their requests finish, so that a repeated prefix (a document, the
+            earlier turns of a conversation) is not prefilled again. Same tokens as without it, up to the float
+            rounding of the prefill that attends the cached pages.
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
@@ -75,6 +80,7 @@ class EngineConfig:
     graph_capture: str = "lazy"
     async_scheduling: Optional[bool] = None
     quantization: Optional[str] = None
+    enable_prefix_caching: bool = True
     seed: int = 0
     load_format: str = "auto"
 
@@ -98,6 +104,7 @@ class EngineConfig:
             check_bool("EngineConfig.async_scheduling", self.async_scheduling)
         if self.quantization is not None:
             check_choice("EngineConfig.quantization", self.quantization, QUANTIZATIONS)
+        check_bool("EngineConfig.enable_prefix_caching", self.enable_prefix_caching)
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")
@@ -126,6 +133,13 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return self.torch_device.type == "cuda" and not self.enforce_eager
+
+    def prefix_cache_salt(self) -> bytes:
+        """What the prefix cache's hash chain starts from: the model's identity (name or config), dtype, weight
+        quantization and Quest page layout, so that pages are only ever shared by the same computation."""
+        model = self.model if isinstance(self.model, str) else repr(sorted(self.model.to_dict().items()))
+        return repr((model, self.dtype, self.quantization, self.load_format, self.seed if self.load_format == "dummy"
+                     else None, self.page_size)).encode()
 
     @property
     def use_async_scheduling(self) -> bool:
