@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from questkv import ops
 from questkv.cache.paged import PagedKVCache
@@ -93,8 +94,9 @@ class Attention(nn.Module):
         """Prefill where sequence ``i`` already holds ``ctx.cached_lens[i]`` tokens in the pool (whole prefix-cache
         pages): its new tokens attend those (gathered from the pages into contiguous K/V) and, causally, each other.
 
-        A simple, correct path rather than a fast one: the same gather and masked SDPA run on CUDA (no paged
-        prefill kernel); sequences without cached tokens take :meth:`_prefill`'s path.
+        A simple, correct path rather than a fast one: the same gather (a copy of the prefix K/V per sequence and
+        layer) and SDPA run on CUDA, no paged prefill kernel; sequences without cached tokens in the step take
+        :meth:`_prefill`'s path, and a step without any hit never enters here.
         """
         out = torch.empty_like(q)
         group = self.num_q_heads // self.num_kv_heads
@@ -109,8 +111,9 @@ class Attention(nn.Module):
             qs = q[begin:end].transpose(0, 1)[None]  # [1, Hq, T, D]
             ks = torch.cat([kp.to(k.dtype), k[begin:end]]).transpose(0, 1)[None]  # [1, Hkv, P + T, D]
             vs = torch.cat([vp.to(v.dtype), v[begin:end]]).transpose(0, 1)[None]
-            # Query t (position cached + t) sees keys 0 .. cached + t: causal, offset by the prefix.
-            mask = torch.ones(end - begin, cached + end - begin, dtype=torch.bool, device=q.device).tril(cached)
+            # Query t (position cached + t) sees keys 0 .. cached + t: causal aligned at the bottom right, which
+            # the flash and memory-efficient CUDA kernels take without a mask tensor (the CPU builds one).
+            mask = causal_lower_right(end - begin, cached + end - begin)
             if group > 1:
                 ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.sm_scale)
