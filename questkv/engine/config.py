@@ -60,8 +60,11 @@ class EngineConfig:
         enable_prefix_caching: automatic prefix caching (as vLLM's): full KV pages are named by a hash chain of
             their tokens and shared read-only by every request whose tokens start with them, and kept (evictable,
             least recently used first) after their requests finish, so that a repeated prefix (a document, the
-            earlier turns of a conversation) is not prefilled again. Same tokens as without it, up to the float
-            rounding of the prefill that attends the cached pages.
+            earlier turns of a conversation) is not prefilled again; a hit leaves at least the prompt's last
+            token to compute. Pages written by a prefill are cached, and those of decode steps when they attend
+            densely (a dense engine or request): a Quest decode step attends part of the context, so its K/V are
+            not what a prefill of the same tokens computes. Same tokens as without it, up to the float rounding of
+            the prefill that attends the cached pages (the gathered prefix K/V and SDPA, on CUDA too).
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
