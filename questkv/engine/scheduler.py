@@ -330,16 +330,19 @@ class Scheduler:
             count = seq.num_tokens
             tokens = tuple(seq.all_token_ids)
             source = first_of.get(tokens, len(seqs))
+            total = cache.pages_for_tokens(min(count + 1, self._max_cached_tokens(seq)))
+            most = (count - 1) // cache.page_size if cache.prefix_caching and source == len(seqs) else 0
+            if reserved + total - most > cache.num_free_pages:
+                break  # not even the longest hit would fit: spare the hashing (a blocked queue head waits each step)
             # A prefix-cache hit leaves at least the last token to compute (the step needs its logits); a copy
             # of an earlier sequence of the batch (prefill_from) takes private pages and computes nothing.
-            hit = cache.match_prefix(tokens, (count - 1) // cache.page_size) if source == len(seqs) else []
+            hit = cache.match_prefix(tokens, most) if source == len(seqs) else []
             new = count - len(hit) * cache.page_size
             cost = new if source == len(seqs) else 0
             if seqs and computed + cost > self.max_num_batched_tokens:
                 break
             # Hit pages cost nothing, except evictable ones (they stop counting as free); pages are taken below,
             # so `reserved` keeps only the admitted sequences' next decode page.
-            total = cache.pages_for_tokens(min(count + 1, self._max_cached_tokens(seq)))
             if reserved + total - len(hit) + cache.prefix_cost(hit) > cache.num_free_pages:
                 break
             reserved += total - cache.pages_for_tokens(count)
