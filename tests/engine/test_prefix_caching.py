@@ -31,6 +31,11 @@ def tokens(outputs):
     return [(out.token_ids, out.forced_choices) for out in outputs]
 
 
+def distinct(n):
+    """``n`` different token ids: the first tokens of questions that must not be copies of one another."""
+    return random.sample(range(2, VOCAB), n)
+
+
 def expected_hit(tokens, cached, page):
     """Tokens of ``tokens`` a prefix cache holding the token lists ``cached`` finds: the longest common prefix in
     whole pages, leaving at least one token to compute."""
@@ -76,7 +81,7 @@ def test_requests_sharing_a_prefix_give_the_tokens_of_an_engine_without_prefix_c
 def test_prompts_sharing_a_prefix_in_one_step_compute_it_once(model_dir):
     llm = make_llm(model_dir, SMALL)
     document = prompt(40)
-    prompts = [document + prompt(random.randint(1, 6)) for _ in range(4)]
+    prompts = [document + [first] + prompt(random.randint(0, 5)) for first in distinct(4)]
     computed = []
     hook = llm.engine.runner.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
     outputs = generate(llm, prompts, greedy(6))
@@ -124,7 +129,7 @@ def test_preempted_requests_sharing_pages_give_the_tokens_of_an_unconstrained_ru
     per_seq = math.ceil(64 / unconstrained.config.page_size)
     tiny = make_llm(model_dir, quest, max_model_len=64, kv_cache_memory=pool_memory(unconstrained, per_seq + 2))
     document = prompt(16)  # a whole page of either engine (16 tokens dense, 4 with Quest)
-    prompts = [document + prompt(random.randint(1, 6)) for _ in range(4)]
+    prompts = [document + [first] + prompt(random.randint(0, 5)) for first in distinct(4)]
     params = [greedy(30), greedy(36), SamplingParams(temperature=0.8, seed=random.randrange(1 << 30), max_tokens=30,
                                                      ignore_eos=True), greedy(25)]
     outputs = generate(tiny, prompts, params)
