@@ -59,6 +59,15 @@ class PagedKVCache:
     pages and advances the lengths once per forward pass, :meth:`write` stores one layer's K/V.
     :meth:`append` does both for all layers at once. A scheduler asks :meth:`pages_needed` /
     :meth:`can_reserve` and calls :meth:`allocate` (pages and lengths, no slots).
+
+    Prefix caching (``prefix_caching=True``, hashes salted with ``hash_salt``, e.g. the model's identity): a
+    scheduler calls :meth:`match_prefix` for a new sequence's tokens, :meth:`share_prefix` to start it on the
+    cached pages found, :meth:`allocate` for the rest, and :meth:`register` once the K/V of its full pages are
+    written or launched. Pages are written only at positions :meth:`allocate` added, which lie past every shared
+    (full) page, so a page is never written once shared; a page registered when it is allocated (its K/V launched
+    in the same step) may be shared by a later sequence of that step, which reads it after the step's writes.
+    :attr:`num_free_pages` counts the evictable cached pages as free. Without prefix caching every page has one
+    reference and nothing is cached.
     """
 
     def __init__(

@@ -44,19 +44,28 @@ class PrefixSchedulerMachine(SchedulerMachine):
     def step(self, data):
         if not self.scheduler.has_unfinished():
             return
+        held_before = {page for seq in self.scheduler.running for page in self.cache.pages_of(seq.cache_id)}
         batch = self.scheduler.schedule()  # never stuck: cached pages are taken back when needed
         assert batch is not None and len(batch.seqs) == len(batch.num_new_tokens) >= 1
+        shared_in_step = {}  # page -> batch indices that start on it
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             assert seq.status is SequenceStatus.RUNNING
             assert self.cache.seq_len(seq.cache_id) == seq.num_tokens == batch.seq_lens[i]
             if batch.is_prefill:
                 hit = seq.num_tokens - count
                 assert hit % PAGE == 0 and 1 <= count <= seq.num_tokens
-                pages = self.cache.pages_of(seq.cache_id)
-                assert all(self.cache.refcount(page) >= 1 for page in pages[:hit // PAGE])
-                assert all(self.cache.refcount(page) == 1 for page in pages[hit // PAGE:])  # written: private
+                for page in self.cache.pages_of(seq.cache_id)[:hit // PAGE]:
+                    shared_in_step.setdefault(page, []).append(i)
             else:
                 assert count == 1
+        if batch.is_prefill:
+            # A page a sequence writes was held by no one before the step; only later sequences of the same step
+            # share it (each layer writes the step's K/V before it attends), never an earlier or running one.
+            for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+                for page in self.cache.pages_of(seq.cache_id)[(seq.num_tokens - count) // PAGE:]:
+                    readers = shared_in_step.get(page, [])
+                    assert page not in held_before and all(j > i for j in readers)
+                    assert self.cache.refcount(page) == 1 + len(readers)
         token_ids = data.draw(st.lists(st.integers(0, 5), min_size=len(batch.seqs), max_size=len(batch.seqs)))
         self.scheduler.update(batch, token_ids)
         for seq, token in zip(batch.seqs, token_ids):
