@@ -257,6 +257,12 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch each decode step before reading the previous step's tokens, so the "
                        "host's work overlaps the GPU's (default: on with CUDA graphs, off on CPU)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="share the KV pages of a repeated prompt prefix between requests and keep them after "
+                       "the requests finish (evicted least recently used), so that a prefix is prefilled once; "
+                       "--no-enable-prefix-caching or --no-prefix-caching turns it off (default: on)")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help=argparse.SUPPRESS)
     group.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="weight-only quantized linears: int4 (groups of 128) or int8 (per row) rounded to nearest "
                        "after loading, or a checkpoint's own packed weights: gguf (Q4_0/Q4_1/Q4_K/Q8_0/Q6_K of a .gguf), "
@@ -302,7 +308,7 @@ def engine_kwargs(args) -> dict:
     device = None if args.device == "auto" else args.device
     on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
     kwargs = {"device": device, "dtype": resolve_dtype(args.dtype, on_cuda), "enforce_eager": args.enforce_eager}
-    for name in ("async_scheduling", "quantization"):
+    for name in ("async_scheduling", "quantization", "enable_prefix_caching"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     if getattr(args, "max_model_len", None) is not None:

@@ -1,14 +1,42 @@
-"""Paged KV cache with per-page key bounds, shared by many sequences of different lengths."""
+"""Paged KV cache with per-page key bounds, shared by many sequences of different lengths.
+
+With ``prefix_caching`` a full page is also named by a hash chain of its tokens (see :func:`page_hashes`) and
+shared read-only by every sequence whose tokens start with it: pages carry reference counts, and a page whose
+last reference goes keeps its K/V, bounds and hash (cached, evictable) until the pool needs it (least recently
+freed first). A full page's K/V and key bounds never change, so a sharing sequence reads exactly the bounds its
+own prefill would have written.
+"""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import collections
+import hashlib
+import struct
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from questkv import ops
 from questkv.ops.pages import LayerPages
 from questkv.validation import check_int
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, salt: bytes = b"", parent: bytes = b"",
+                start: int = 0) -> list[bytes]:
+    """The hash chain of the full pages of ``token_ids`` from page ``start`` on: page ``j``'s hash is a digest of
+    (page ``j - 1``'s hash, or ``salt`` for the first page; page ``j``'s token ids), so equal hashes mean equal
+    tokens from the start of the sequence (``parent``: the hash of page ``start - 1``, unused for ``start=0``)."""
+    hashes = []
+    for j in range(start, len(token_ids) // page_size):
+        parent = _page_hash(parent if j else salt, token_ids[j * page_size:(j + 1) * page_size])
+        hashes.append(parent)
+    return hashes
+
+
+def _page_hash(parent: bytes, page_tokens: Sequence[int]) -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(struct.pack(f"<{len(page_tokens)}q", *page_tokens))
+    return digest.digest()
 
 
 class CacheFullError(RuntimeError):
@@ -31,6 +59,15 @@ class PagedKVCache:
     pages and advances the lengths once per forward pass, :meth:`write` stores one layer's K/V.
     :meth:`append` does both for all layers at once. A scheduler asks :meth:`pages_needed` /
     :meth:`can_reserve` and calls :meth:`allocate` (pages and lengths, no slots).
+
+    Prefix caching (``prefix_caching=True``, hashes salted with ``hash_salt``, e.g. the model's identity): a
+    scheduler calls :meth:`match_prefix` for a new sequence's tokens, :meth:`share_prefix` to start it on the
+    cached pages found, :meth:`allocate` for the rest, and :meth:`register` once the K/V of its full pages are
+    written or launched. Pages are written only at positions :meth:`allocate` added, which lie past every shared
+    (full) page, so a page is never written once shared; a page registered when it is allocated (its K/V launched
+    in the same step) may be shared by a later sequence of that step, which reads it after the step's writes.
+    :attr:`num_free_pages` counts the evictable cached pages as free. Without prefix caching every page has one
+    reference and nothing is cached.
     """
 
     def __init__(
@@ -45,6 +82,8 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         backend: str = "auto",
+        prefix_caching: bool = False,
+        hash_salt: bytes = b"",
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -83,6 +122,13 @@ class PagedKVCache:
         self._free_seqs: list[int] = list(range(max_seqs - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
+        self.prefix_caching = bool(prefix_caching)
+        self.hash_salt = bytes(hash_salt)
+        self._refs: dict[int, int] = {}  # page -> sequences holding it (every allocated page)
+        self._hash_of: dict[int, bytes] = {}  # cached page -> its hash
+        self._page_of: dict[bytes, int] = {}  # hash -> cached page
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # refs 0, oldest first
+        self._seq_hashes: dict[int, list[bytes]] = {}  # sequence -> hashes of its leading full pages
 
     @property
     def num_layers(self) -> int:
@@ -106,7 +152,22 @@ class PagedKVCache:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        """Pages :meth:`allocate` can take: never used, or cached with no reference (evicted on demand)."""
+        return len(self._free_pages) + len(self._evictable)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages that hold a registered full page of tokens (shared, owned or evictable)."""
+        return len(self._hash_of)
+
+    def num_registered_pages(self, seq_id: int) -> int:
+        """Leading full pages of ``seq_id`` that :meth:`register` (or :meth:`share_prefix`) has hashed."""
+        self._check_seq(seq_id)
+        return len(self._seq_hashes[seq_id])
+
+    def refcount(self, page: int) -> int:
+        """How many sequences hold ``page`` (0: free or evictable)."""
+        return self._refs.get(page, 0)
 
     @property
     def sequences(self) -> list[int]:
@@ -151,16 +212,109 @@ class PagedKVCache:
         seq_id = self._free_seqs.pop()
         self._pages[seq_id] = []
         self._lens[seq_id] = 0
+        self._seq_hashes[seq_id] = []
         self.seq_lens[seq_id] = 0
         return seq_id
 
     def free_sequence(self, seq_id: int) -> None:
-        """Return a sequence's pages and id to the pool."""
+        """Drop a sequence's references and return its id; a page nobody holds any more goes back to the pool,
+        or, when it holds a registered full page, stays cached (evictable, the sequence's last page first)."""
         self._check_seq(seq_id)
-        self._free_pages.extend(reversed(self._pages.pop(seq_id)))
+        for page in reversed(self._pages.pop(seq_id)):
+            self._refs[page] -= 1
+            if self._refs[page]:
+                continue
+            del self._refs[page]
+            if page in self._hash_of:
+                self._evictable[page] = None
+            else:
+                self._free_pages.append(page)
         del self._lens[seq_id]
+        del self._seq_hashes[seq_id]
         self.seq_lens[seq_id] = 0
         self._free_seqs.append(seq_id)
+
+    def match_prefix(self, token_ids: Sequence[int], max_pages: Optional[int] = None) -> list[int]:
+        """The cached pages that hold the leading full pages of ``token_ids`` (at most ``max_pages``), in order;
+        ``[]`` without prefix caching. Changes nothing."""
+        if not self.prefix_caching:
+            return []
+        limit = len(token_ids) // self.page_size if max_pages is None else min(max_pages, len(token_ids) // self.page_size)
+        pages, digest, size = [], self.hash_salt, self.page_size
+        for j in range(limit):  # hash page after page: a miss ends the prefix, and the hashing
+            digest = _page_hash(digest, token_ids[j * size:(j + 1) * size])
+            page = self._page_of.get(digest)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def prefix_cost(self, pages: Iterable[int]) -> int:
+        """Free pages that sharing ``pages`` takes: the evictable ones among them."""
+        return sum(page in self._evictable for page in pages)
+
+    def share_prefix(self, seq_id: int, pages: Sequence[int]) -> None:
+        """Start the empty sequence ``seq_id`` on the cached full ``pages`` (from :meth:`match_prefix`): it holds
+        their ``len(pages) * page_size`` tokens, read-only."""
+        self._check_seq(seq_id)
+        if self._lens[seq_id]:
+            raise ValueError(f"share_prefix: sequence {seq_id} already holds {self._lens[seq_id]} tokens")
+        if len(pages) > self.max_pages_per_seq:
+            raise CacheFullError(f"share_prefix: {len(pages)} pages exceed max_pages_per_seq={self.max_pages_per_seq}")
+        for page in pages:
+            if page not in self._hash_of:
+                raise ValueError(f"share_prefix: page {page} holds no cached prefix")
+        for page in pages:
+            self._evictable.pop(page, None)
+            self._refs[page] = self._refs.get(page, 0) + 1
+        self._pages[seq_id] = list(pages)
+        self._lens[seq_id] = len(pages) * self.page_size
+        self._seq_hashes[seq_id] = [self._hash_of[page] for page in pages]
+        if pages:
+            index = self._to_device(torch.tensor(pages, dtype=torch.int32))
+            self.page_table[seq_id, :len(pages)] = index
+        self.seq_lens[seq_id] = self._lens[seq_id]
+
+    def register(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Make the full pages of ``seq_id`` shareable: ``token_ids`` are its tokens from position 0 (their K/V
+        written, or launched before any step that may read them); pages past ``min(len(token_ids),
+        seq_len)`` or partly filled are left alone. A page whose hash is already cached elsewhere stays private
+        (the same tokens computed twice). A no-op without prefix caching."""
+        if not self.prefix_caching:
+            return
+        self._check_seq(seq_id)
+        known = self._seq_hashes[seq_id]
+        full = min(len(token_ids), self._lens[seq_id]) // self.page_size
+        if full <= len(known):
+            return
+        parent = known[-1] if known else b""
+        new = page_hashes(token_ids[:full * self.page_size], self.page_size, self.hash_salt, parent, len(known))
+        pages = self._pages[seq_id]
+        for digest in new:
+            page = pages[len(known)]
+            if page not in self._hash_of and digest not in self._page_of:
+                self._hash_of[page] = digest
+                self._page_of[digest] = page
+            known.append(digest)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page (after a failed step, whose registered pages may never have been written):
+        evictable pages become free, held ones stay with their sequences but can no longer be found; a live
+        sequence's pages registered before are not offered again."""
+        self._free_pages.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._page_of.clear()
+
+    def _take_page(self) -> int:
+        """A page for a sequence: a never-used one, else the least recently freed cached one (forgetting it)."""
+        if self._free_pages:
+            page = self._free_pages.pop()
+        else:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._hash_of.pop(page)]
+        self._refs[page] = 1
+        return page
 
     def allocate(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
         """Make room for ``num_tokens[i]`` new tokens at the end of sequence ``seq_ids[i]``:
@@ -175,7 +329,7 @@ class PagedKVCache:
             for _ in range(extra):
                 rows.append(seq_id)
                 cols.append(len(owned))
-                owned.append(self._free_pages.pop())
+                owned.append(self._take_page())
                 pages.append(owned[-1])
             self._lens[seq_id] += count
         if pages:
@@ -253,9 +407,9 @@ class PagedKVCache:
                     f"sequence {seq_id} would need {need} pages, more than max_pages_per_seq={self.max_pages_per_seq}"
                 )
             new_pages.append(need - len(self._pages[seq_id]))
-        if sum(new_pages) > len(self._free_pages):
+        if sum(new_pages) > self.num_free_pages:
             raise CacheFullError(
-                f"page pool exhausted: {sum(new_pages)} pages needed, {len(self._free_pages)} free of {self.num_pages}"
+                f"page pool exhausted: {sum(new_pages)} pages needed, {self.num_free_pages} free of {self.num_pages}"
             )
         return new_pages
 

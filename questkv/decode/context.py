@@ -23,8 +23,8 @@ class StepContext:
     """What one forward step of the engine's model reads.
 
     Attributes:
-        is_prefill: every sequence starts empty and brings all its tokens (prompt, or prompt and
-            generated tokens when a preempted sequence is recomputed); else one token each.
+        is_prefill: every sequence brings all its tokens (prompt, or prompt and generated tokens when a
+            preempted sequence is recomputed) past its ``cached_lens`` (prefix-cache pages); else one token each.
         slots: ``[num_tokens]`` int64, ``page * page_size + offset`` of every new token, sequence
             after sequence (the flat token order of the step's ``input_ids``).
         page_table: ``[batch, max_pages]`` int32, the sequences' pages.
@@ -32,6 +32,9 @@ class StepContext:
             (padding rows of a captured batch too).
         query_starts: prefill only: ``batch + 1`` host ints, sequence ``i``'s tokens are
             ``[query_starts[i], query_starts[i + 1])`` of the flat batch.
+        cached_lens: prefill only: ``batch`` host ints, the tokens each sequence already holds in the pool before
+            its new ones (whole shared pages of the prefix cache), whose K/V its new tokens attend too;
+            ``None``: every sequence starts empty.
         decode_step: decode only: the step object whose buffers every layer's decode attention
             uses in turn (dense layers call ``.dense``, sparse layers ``.sparse``).
         budgets: ``[batch]`` int32 token budget of each sequence for sparse layers, or ``None``
@@ -46,6 +49,7 @@ class StepContext:
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     query_starts: Optional[list[int]] = None
+    cached_lens: Optional[list[int]] = None
     decode_step: Optional[QuestDecodeStep] = None
     budgets: Optional[torch.Tensor] = None
     reuse: Optional[ReuseRows] = None

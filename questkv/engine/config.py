@@ -60,6 +60,14 @@ class EngineConfig:
             A packed checkpoint loads packed instead (``questkv.models.engine_model``): ``"gguf"`` for a GGUF file
             or alias (without it, a GGUF is dequantized to ``dtype``); an HF folder with a ``quantization_config``
             is detected, and ``"awq"``, ``"gptq"``, ``"compressed-tensors"`` may name it (any other value is refused).
+        enable_prefix_caching: automatic prefix caching (as vLLM's): full KV pages are named by a hash chain of
+            their tokens and shared read-only by every request whose tokens start with them, and kept (evictable,
+            least recently used first) after their requests finish, so that a repeated prefix (a document, the
+            earlier turns of a conversation) is not prefilled again; a hit leaves at least the prompt's last
+            token to compute. Pages written by a prefill are cached, and those of decode steps when they attend
+            densely (a dense engine or request): a Quest decode step attends part of the context, so its K/V are
+            not what a prefill of the same tokens computes. Same tokens as without it, up to the float rounding of
+            the prefill that attends the cached pages (the gathered prefix K/V and SDPA, on CUDA too).
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
@@ -78,6 +86,7 @@ class EngineConfig:
     graph_capture: str = "lazy"
     async_scheduling: Optional[bool] = None
     quantization: Optional[str] = None
+    enable_prefix_caching: bool = True
     seed: int = 0
     load_format: str = "auto"
 
@@ -101,6 +110,7 @@ class EngineConfig:
             check_bool("EngineConfig.async_scheduling", self.async_scheduling)
         if self.quantization is not None:
             check_choice("EngineConfig.quantization", self.quantization, QUANTIZATIONS)
+        check_bool("EngineConfig.enable_prefix_caching", self.enable_prefix_caching)
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")
@@ -129,6 +139,13 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return self.torch_device.type == "cuda" and not self.enforce_eager
+
+    def prefix_cache_salt(self) -> bytes:
+        """What the prefix cache's hash chain starts from: the model's identity (name or config), dtype, weight
+        quantization and Quest page layout, so that pages are only ever shared by the same computation."""
+        model = self.model if isinstance(self.model, str) else repr(sorted(self.model.to_dict().items()))
+        return repr((model, self.dtype, self.quantization, self.load_format, self.seed if self.load_format == "dummy"
+                     else None, self.page_size)).encode()
 
     @property
     def use_async_scheduling(self) -> bool:

@@ -67,20 +67,21 @@ class LLMEngine:
             self.runner.capture_decode_graphs(progress=True)
         self.cache = self.runner.cache
         self.max_model_len = max_model_len
+        self._sparse_layers = (
+            0 if config.quest is None or config.quest.is_dense
+            else sum(config.quest.is_sparse_layer(i) for i in range(loaded.spec.num_layers))
+        )
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or max(max_model_len, 8192),
             eos_token_ids=self.eos_token_ids,
             max_model_len=max_model_len,
+            sparse_decode=self._sparse_layers > 0,
         )
         self._ids = itertools.count()
         self._in_flight: Optional[tuple[ScheduledBatch, SampledTokens]] = None  # launched, not yet processed
         self._closed = False
-        self._sparse_layers = (
-            0 if config.quest is None or config.quest.is_dense
-            else sum(config.quest.is_sparse_layer(i) for i in range(loaded.spec.num_layers))
-        )
 
     def add_request(
         self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
@@ -160,6 +161,7 @@ class LLMEngine:
             return [] if launched is None else self._process(*launched)
         except BaseException:
             self._in_flight = None  # its tokens are lost: the caller fails the requests with tokens in flight
+            self.cache.reset_prefix_cache()  # pages registered for the failed step may hold no K/V
             raise
 
     def _process(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:

@@ -93,6 +93,7 @@ class ModelRunner:
             spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_spec.num_pages, config.page_size,
             max_seqs=max_seqs, max_pages_per_seq=self.cache_spec.max_pages_per_seq,
             dtype=config.torch_dtype, device=self.device,
+            prefix_caching=config.enable_prefix_caching, hash_salt=config.prefix_cache_salt(),
         )
         self.memory = None
         if memory_bytes:
@@ -173,20 +174,22 @@ class ModelRunner:
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[batch, vocab]`` float32 logits of each sequence's last token. A sequence that shares an earlier
-        one's prefill (:attr:`ScheduledBatch.prefill_from`) gets a copy of its K/V and its logits."""
+        one's prefill (:attr:`ScheduledBatch.prefill_from`) gets a copy of its K/V and its logits; one that starts
+        on prefix-cache pages computes only the tokens past them (positions from the hit on)."""
         sources = batch.prefill_from or tuple(range(len(batch.seqs)))
         computed = [i for i, source in enumerate(sources) if source == i]
-        ids, positions, starts = [], [], [0]
+        ids, positions, starts, cached = [], [], [0], []
         for i in computed:
-            count = batch.num_new_tokens[i]
-            ids.extend(batch.seqs[i].all_token_ids[:count])
-            positions.extend(range(count))
-            starts.append(starts[-1] + count)
+            cached.append(batch.seq_lens[i] - batch.num_new_tokens[i])  # a prefix-cache hit: its pages are shared
+            ids.extend(batch.seqs[i].all_token_ids[cached[-1]:batch.seq_lens[i]])
+            positions.extend(range(cached[-1], batch.seq_lens[i]))
+            starts.append(starts[-1] + batch.num_new_tokens[i])
         seq_ids = batch.seq_ids
         computed_ids = [seq_ids[i] for i in computed]
-        slots = self.cache.slots(computed_ids, [0] * len(computed), [batch.num_new_tokens[i] for i in computed])
+        slots = self.cache.slots(computed_ids, cached, [batch.num_new_tokens[i] for i in computed])
         page_table, seq_lens = self.cache.batch(computed_ids)
-        ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts)
+        ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts,
+                          cached_lens=cached if any(cached) else None)
         tokens = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
         last = torch.tensor(starts[1:], dtype=torch.int64).to(self.device, non_blocking=True) - 1
         if self.memory is not None:  # the slots' selections were their previous sequences'

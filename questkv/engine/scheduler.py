@@ -37,8 +37,10 @@ class ScheduledBatch:
 
     Attributes:
         seqs: the sequences, in batch order (the order of the sampled tokens).
-        num_new_tokens: per sequence, the step's input tokens: on prefill all of its tokens (the prompt, plus
-            the tokens generated before a preemption when recomputing), on decode 1 each (``seq.last_token``).
+        num_new_tokens: per sequence, the step's input tokens: on prefill its tokens (the prompt, plus the tokens
+            generated before a preemption when recomputing) past those whose pages it shares from the prefix
+            cache (``seq_lens[i] - num_new_tokens[i]`` of them, whole pages, fewer than all), on decode 1 each
+            (``seq.last_token``).
         is_prefill: prefill step (new or recomputed sequences only) or decode step (the running sequences).
         seq_lens: per sequence, the tokens it caches once the step's inputs are written (its KV length in the
             step); the step's inputs are positions ``seq_lens[i] - num_new_tokens[i]`` to ``seq_lens[i] - 1``.
@@ -90,7 +92,9 @@ class Scheduler:
     Each :meth:`schedule` is either a prefill of waiting sequences (admitted in arrival order while the batch
     has fewer than ``max_num_seqs`` running, the prefill tokens stay within ``max_num_batched_tokens`` (the
     first one is always admitted, however long; a sequence whose tokens equal an earlier one's in the batch
-    costs none: it shares that prefill, see :attr:`ScheduledBatch.prefill_from`) and the pool holds their
+    costs none: it shares that prefill, see :attr:`ScheduledBatch.prefill_from`; with the cache's prefix caching, a
+    sequence starts on the cached pages of its leading full pages, which cost neither tokens nor free pages, and its
+    full pages become shareable at once, by the later sequences of the same batch too) and the pool holds their
     tokens plus one decode step of every running sequence), or else one decode step of every running sequence. When the pool cannot hold
     the decode step, the newest running sequence is preempted: its pages are freed, it returns to the front
     of the waiting queue and is later prefilled again with its prompt and generated tokens.
@@ -102,6 +106,8 @@ class Scheduler:
         max_num_batched_tokens: the most prompt tokens of one prefill step (beyond its first sequence).
         eos_token_ids: the model's end-of-sequence ids (ignored by requests with ``ignore_eos``).
         max_model_len: the most tokens (prompt plus generated) of one sequence.
+        sparse_decode: whether decode steps of non-dense requests attend sparsely (Quest layers): then only the
+            pages a prefill wrote are offered to the prefix cache.
 
     ``waiting`` (a deque) and ``running`` (a list, oldest first) are for reading; change them through the
     methods.
@@ -114,6 +120,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_ids: Iterable[int],
         max_model_len: int,
+        sparse_decode: bool = False,
     ) -> None:
         if not isinstance(cache, PagedKVCache):
             raise ValueError(f"Scheduler.cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -128,9 +135,12 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.sparse_decode = bool(sparse_decode)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._live: dict[str, Sequence] = {}
+        self.prefix_queried_tokens = 0  # prefill tokens looked up in the prefix cache, and those found (cumulative)
+        self.prefix_hit_tokens = 0
 
     @property
     def num_running(self) -> int:
@@ -259,6 +269,8 @@ class Scheduler:
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.cache_id is not None:
+                self._register(seq)  # before a finish frees its pages: a later turn may share its output
             stop = self._token_stop(seq, token, forced)
             if stop is not None:
                 self.finish(seq, *stop)
@@ -307,6 +319,7 @@ class Scheduler:
         free_slots = cache.max_seqs - len(cache.sequences)
         seqs: list[Sequence] = []
         counts: list[int] = []
+        news: list[int] = []
         sources: list[int] = []
         first_of: dict[tuple[int, ...], int] = {}  # tokens -> the batch index that computes their prefill
         computed = 0
@@ -317,27 +330,48 @@ class Scheduler:
             count = seq.num_tokens
             tokens = tuple(seq.all_token_ids)
             source = first_of.get(tokens, len(seqs))
-            cost = count if source == len(seqs) else 0
+            total = cache.pages_for_tokens(min(count + 1, self._max_cached_tokens(seq)))
+            most = (count - 1) // cache.page_size if cache.prefix_caching and source == len(seqs) else 0
+            if reserved + total - most > cache.num_free_pages:
+                break  # not even the longest hit would fit: spare the hashing (a blocked queue head waits each step)
+            # A prefix-cache hit leaves at least the last token to compute (the step needs its logits); a copy
+            # of an earlier sequence of the batch (prefill_from) takes private pages and computes nothing.
+            hit = cache.match_prefix(tokens, most) if source == len(seqs) else []
+            new = count - len(hit) * cache.page_size
+            cost = new if source == len(seqs) else 0
             if seqs and computed + cost > self.max_num_batched_tokens:
                 break
-            need = cache.pages_for_tokens(min(count + 1, self._max_cached_tokens(seq)))
-            if reserved + need > cache.num_free_pages:
+            # Hit pages cost nothing, except evictable ones (they stop counting as free); pages are taken below,
+            # so `reserved` keeps only the admitted sequences' next decode page.
+            if reserved + total - len(hit) + cache.prefix_cost(hit) > cache.num_free_pages:
                 break
-            reserved += need
+            reserved += total - cache.pages_for_tokens(count)
             computed += cost
+            if cache.prefix_caching and source == len(seqs):  # a copy of an earlier sequence looks nothing up
+                self.prefix_queried_tokens += count
+                self.prefix_hit_tokens += len(hit) * cache.page_size
             first_of.setdefault(tokens, source)
-            seqs.append(self.waiting.popleft())
+            self.waiting.popleft()
+            seq.cache_id = cache.add_sequence()
+            cache.share_prefix(seq.cache_id, hit)
+            cache.allocate([seq.cache_id], [new])
+            # Shareable at once: every layer writes the step's K/V before it attends, so a later sequence of this
+            # very batch may read these pages (the runner computes the batch in order).
+            cache.register(seq.cache_id, tokens)
+            seq.num_prefilled_tokens = count
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = len(hit) * cache.page_size
+            seqs.append(seq)
             counts.append(count)
+            news.append(new)
             sources.append(source)
         if not seqs:
             return None
-        ids = [cache.add_sequence() for _ in seqs]
-        cache.allocate(ids, counts)
-        for seq, cache_id in zip(seqs, ids):
-            seq.cache_id, seq.status = cache_id, SequenceStatus.RUNNING
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
             seq.num_in_flight = 1
             self.running.append(seq)
-        return ScheduledBatch(tuple(seqs), tuple(counts), is_prefill=True, seq_lens=tuple(counts),
+        return ScheduledBatch(tuple(seqs), tuple(news), is_prefill=True, seq_lens=tuple(counts),
                               prefill_from=tuple(sources))
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
@@ -382,11 +416,25 @@ class Scheduler:
         self.cache.free_sequence(seq.cache_id)
         seq.cache_id = None
 
+    def _register(self, seq: Sequence) -> None:
+        """Offer the sequence's newly filled pages to the prefix cache (cheap when none filled up). With sparse
+        decode steps only its prefilled pages: a token that a Quest step computed attended part of its context,
+        so its K/V are not those of a prefill of the same tokens (a dense request's are)."""
+        cache = self.cache
+        if not cache.prefix_caching:
+            return
+        known = min(cache.seq_len(seq.cache_id), seq.num_tokens)
+        if self.sparse_decode and not seq.sampling_params.dense:
+            known = min(known, seq.num_prefilled_tokens)
+        if known // cache.page_size > cache.num_registered_pages(seq.cache_id):
+            cache.register(seq.cache_id, seq.all_token_ids[:known])
+
     def _max_cached_tokens(self, seq: Sequence) -> int:
         return min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len) - 1
 
     def _usable_pages(self) -> int:
-        return self.cache.num_free_pages + sum(len(self.cache.pages_of(seq.cache_id)) for seq in self.running)
+        held = {page for seq in self.running for page in self.cache.pages_of(seq.cache_id)}  # shared pages once
+        return self.cache.num_free_pages + len(held)
 
     def _token_stop(
         self, seq: Sequence, token: int, forced: bool = False

@@ -70,6 +70,10 @@ class Sequence:
             them with the outputs (kept across preemptions, as the outputs are).
         forced_text_len: the length of the output text once every forced token is in it (the engine searches
             stop strings only past it); ``None`` until then, 0 without forced tokens.
+        num_prefilled_tokens: the tokens its latest prefill put in the KV cache (computed or shared): K/V that
+            a prefill of the same tokens reproduces, whatever its later (possibly sparse) decode steps attended.
+        num_cached_tokens: the tokens of its first prefill whose pages it shared from the prefix cache (not
+            computed); ``None`` until it is first admitted.
         detokenizer: the engine's :class:`~questkv.engine.detokenizer.IncrementalDetokenizer` of the
             output, ``None`` without a tokenizer or when the request asks for no text
             (``SamplingParams.detokenize=False``).
@@ -94,6 +98,8 @@ class Sequence:
     forced_choices: list[int] = dataclasses.field(default_factory=list)
     forced_logprobs: list[float] = dataclasses.field(default_factory=list)
     forced_text_len: Optional[int] = None
+    num_prefilled_tokens: int = 0
+    num_cached_tokens: Optional[int] = None
     detokenizer: Optional[Any] = None
 
     def __post_init__(self) -> None:
@@ -165,7 +171,7 @@ class Sequence:
         mean_attended = self.tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = self.sparse_tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = None if self.sampling_params.dense or not self.sparse_tokens_attended_sum else sparse
-        return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions, sparse)
+        return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions, sparse, self.num_cached_tokens or 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +188,8 @@ class RequestMetrics:
         mean_sparse_tokens_attended: KV tokens one decode step attended in each Quest (sparse) layer, averaged
             over the request's decode steps and those layers' heads (what the HF drop-in's
             ``QuestCache.mean_tokens_attended`` measures); ``None`` for a dense request or engine.
+        num_cached_tokens: prompt tokens whose prefill the prefix cache skipped at the request's admission (whole
+            pages, as vLLM's ``num_cached_tokens``); 0 without a hit or with prefix caching off.
     """
 
     time_to_first_token: Optional[float]
@@ -189,6 +197,7 @@ class RequestMetrics:
     mean_tokens_attended: Optional[float]
     num_preemptions: int
     mean_sparse_tokens_attended: Optional[float] = None
+    num_cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,6 +132,7 @@ class EngineLoop:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._closing = False
         self.stats: dict[str, Any] = {}
+        self._prefix_counted = (0, 0)  # the scheduler's prefix-cache counters already added to the metrics
         self._publish()
 
     # ---- asyncio side ------------------------------------------------------------------------------------------
@@ -373,5 +374,11 @@ class EngineLoop:
         self.metrics.waiting.set(waiting)
         self.metrics.pages_free.set(free)
         self.metrics.pages_used.set(total - free)
+        scheduler = engine.scheduler
+        queried, hit = scheduler.prefix_queried_tokens, scheduler.prefix_hit_tokens
+        self.metrics.prefix_cache_queries.inc(queried - self._prefix_counted[0])
+        self.metrics.prefix_cache_hits.inc(hit - self._prefix_counted[1])
+        self._prefix_counted = (queried, hit)
+        self.metrics.prefix_cache_pages.set(engine.cache.num_cached_pages)
         self.stats = {"requests_running": running, "requests_waiting": waiting, "kv_pages_free": free,
                       "kv_pages_total": total}

@@ -40,6 +40,16 @@ class ServerMetrics:
         self.waiting = Gauge("questkv_requests_waiting", "requests waiting for admission", registry=registry)
         self.pages_used = Gauge("questkv_kv_pages_used", "KV-cache pages in use", registry=registry)
         self.pages_free = Gauge("questkv_kv_pages_free", "KV-cache pages free", registry=registry)
+        self.prefix_cache_queries = Counter(
+            "questkv_prefix_cache_queries", "prefill tokens looked up in the prefix cache", registry=registry
+        )
+        self.prefix_cache_hits = Counter(
+            "questkv_prefix_cache_hits", "prefill tokens found in the prefix cache (not computed)", registry=registry
+        )
+        self.prefix_cache_pages = Gauge(
+            "questkv_prefix_cache_pages", "KV-cache pages holding a cached full page of tokens (shared, in use or "
+            "evictable)", registry=registry,
+        )
         self.mean_tokens_attended = Gauge(
             "questkv_mean_tokens_attended",
             "KV tokens one decode step attended per sequence (mean over the batch, layers and heads), latest step",

@@ -371,7 +371,21 @@ def test_metrics_expose_the_contracts_series(server):
     for name in ("questkv_requests_total", "questkv_prompt_tokens_total", "questkv_generation_tokens_total",
                  "questkv_requests_running", "questkv_requests_waiting", "questkv_kv_pages_used",
                  "questkv_kv_pages_free", "questkv_mean_tokens_attended", "questkv_time_to_first_token_seconds",
-                 "questkv_inter_token_latency_seconds"):
+                 "questkv_inter_token_latency_seconds", "questkv_prefix_cache_queries_total",
+                 "questkv_prefix_cache_hits_total", "questkv_prefix_cache_pages"):
         assert name in text, f"/metrics lacks {name}"
     values = metrics(server)
     assert values["questkv_kv_pages_used"] + values["questkv_kv_pages_free"] > 0
+
+
+def test_a_repeated_prompt_is_counted_as_prefix_cache_hits_and_gives_the_same_text(server, reference_llm):
+    prompt = token_prompt(44)
+    before = metrics(server)
+    texts = [client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0)
+             .choices[0].text for _ in range(2)]
+    after = metrics(server)
+    # The second request finds the first's ten full pages (page size 4), leaving its last page to compute.
+    assert after["questkv_prefix_cache_hits_total"] - before["questkv_prefix_cache_hits_total"] >= 40
+    assert after["questkv_prefix_cache_queries_total"] - before["questkv_prefix_cache_queries_total"] >= 88
+    assert after["questkv_prefix_cache_pages"] >= 10
+    assert texts[0] == texts[1] == reference(reference_llm, prompt, max_tokens=4).text
