@@ -109,9 +109,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
-        bad = [t for t in params.forced_token_ids if t >= self.spec.vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.forced_token_ids must be in [0, {self.spec.vocab_size}), got {bad[:5]}")
+        self._check_vocab("SamplingParams.forced_token_ids", params.forced_token_ids)
         self.check_budget(params.token_budget)
         self.check_selection_interval(params.selection_interval)
         if params.stop and self.tokenizer is None:
@@ -224,10 +222,14 @@ class LLMEngine:
             raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
+        self._check_vocab("prompt token ids", token_ids)
+        return text, token_ids
+
+    def _check_vocab(self, what: str, token_ids) -> None:
+        """``ValueError`` naming ``what`` unless every id of ``token_ids`` is in the vocabulary."""
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size}), got {bad[:5]}")
-        return text, token_ids
+            raise ValueError(f"{what} must be in [0, {self.spec.vocab_size}), got {bad[:5]}")
 
     @staticmethod
     def _detokenize(seq: Sequence) -> str:
