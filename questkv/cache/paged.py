@@ -187,6 +187,27 @@ class PagedKVCache:
         self._check_seq(seq_id)
         return list(self._pages[seq_id])
 
+    def pages_from(self, seq_id: int, start: int) -> list[int]:
+        """Physical pages of ``seq_id`` from logical page ``start`` on (a copy of those only)."""
+        self._check_seq(seq_id)
+        return self._pages[seq_id][start:]
+
+    def mirror(self, seq_id: int, start: int, pages: Sequence[int], seq_len: int) -> None:
+        """Make sequence ``seq_id`` of this pool hold ``pages`` from logical page ``start`` on (its pages before
+        ``start`` kept) and ``seq_len`` tokens: page table, lengths and the bookkeeping :meth:`slots`,
+        :meth:`batch` and :meth:`copy_tokens` read. A tensor-parallel worker's pool follows rank 0's page table so
+        (rank 0's :meth:`pages_from`); it allocates nothing, counts no reference and caches no prefix."""
+        owned = self._pages.setdefault(seq_id, [])
+        if not 0 <= start <= len(owned) or start + len(pages) > self.max_pages_per_seq:
+            raise ValueError(f"mirror: pages [{start}, {start + len(pages)}) of sequence {seq_id} do not follow its "
+                             f"{len(owned)} pages within max_pages_per_seq={self.max_pages_per_seq}")
+        del owned[start:]
+        owned.extend(pages)
+        self._lens[seq_id] = seq_len
+        if pages:
+            self.page_table[seq_id, start:start + len(pages)] = self._to_device(torch.tensor(pages, dtype=torch.int32))
+        self.seq_lens[seq_id] = seq_len
+
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Pages that hold ``num_tokens`` tokens of one sequence: ``ceil(num_tokens / page_size)``."""
         return -(-num_tokens // self.page_size)

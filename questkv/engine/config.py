@@ -68,6 +68,11 @@ class EngineConfig:
             densely (a dense engine or request): a Quest decode step attends part of the context, so its K/V are
             not what a prefill of the same tokens computes. Same tokens as without it, up to the float rounding of
             the prefill that attends the cached pages (the gathered prefix K/V and SDPA, on CUDA too).
+        tensor_parallel_size: ranks (devices) the model is sharded over by attention heads
+            (:mod:`questkv.layers.parallel`): this process is rank 0 (scheduler, sampling, its own shard) and spawns
+            ranks 1..N-1 (:mod:`questkv.engine.tp_workers`); on CUDA rank ``r`` runs on ``cuda:r`` with NCCL, on CPU
+            any N runs with gloo. The attention and KV heads and the intermediate size must be divisible by it
+            (KV heads are not replicated). 1: the single-device engine, no process and no collective.
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
@@ -87,6 +92,7 @@ class EngineConfig:
     async_scheduling: Optional[bool] = None
     quantization: Optional[str] = None
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
     seed: int = 0
     load_format: str = "auto"
 
@@ -111,6 +117,10 @@ class EngineConfig:
         if self.quantization is not None:
             check_choice("EngineConfig.quantization", self.quantization, QUANTIZATIONS)
         check_bool("EngineConfig.enable_prefix_caching", self.enable_prefix_caching)
+        check_int("EngineConfig.tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if self.torch_device.type == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size} needs as many CUDA "
+                             f"devices, but {torch.cuda.device_count()} are visible")
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")

@@ -18,15 +18,31 @@ from questkv.decode.reuse import selection_seq_len
 from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import EngineConfig
 from questkv.engine.detokenizer import IncrementalDetokenizer
+from questkv.distributed.group import TensorParallel
 from questkv.engine.model_runner import ModelRunner, SampledTokens
+from questkv.engine.tp_workers import COLLECTIVE_TIMEOUT, WorkerDiedError, WorkerPool
 from questkv.layers.quantized_linear import quantize_linears
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
-from questkv.models.engine_model import ROUND_TO_NEAREST, load_engine_model
+from questkv.models.engine_model import ROUND_TO_NEAREST, EngineModel, load_engine_model
 from questkv.validation import check_text
 
 Prompt = Union[str, list[int]]
+
+
+def load_shard(config: EngineConfig, tp: Optional[TensorParallel]) -> EngineModel:
+    """The engine's model as ``config`` asks (rank ``tp.rank``'s shard with tensor parallelism), its linears
+    quantized when ``config.quantization`` rounds to nearest: what rank 0 and every worker build alike."""
+    loaded = load_engine_model(
+        config.model, config.quest, config.torch_dtype, config.torch_device, config.load_format, config.seed,
+        config.quantization, tp,
+    )
+    if config.quantization in ROUND_TO_NEAREST:  # packed formats were loaded packed
+        quantize_linears(loaded.model, config.quantization)
+        if config.torch_device.type == "cuda":
+            torch.cuda.empty_cache()  # the float weights' blocks: the KV pool is sized from what is free
+    return loaded
 
 
 class LLMEngine:
@@ -38,10 +54,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded = load_engine_model(
-            config.model, config.quest, config.torch_dtype, config.torch_device, config.load_format, config.seed,
-            config.quantization,
-        )
+        self.workers: Optional[WorkerPool] = None
+        # Rank 0's shard first: a model that cannot be sharded (heads not divisible) fails before any process starts.
+        tp = TensorParallel(0, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        loaded = load_shard(config, tp)
         self.model_name = loaded.name
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
@@ -58,11 +74,17 @@ class LLMEngine:
                     f"QuestConfig.dense_layers={config.quest.dense_layers} leaves no sparse layer in a model of "
                     f"{loaded.spec.num_layers} layers"
                 )
-        if config.quantization in ROUND_TO_NEAREST:  # packed formats were loaded packed
-            quantize_linears(loaded.model, config.quantization)
-            if config.torch_device.type == "cuda":
-                torch.cuda.empty_cache()  # the float weights' blocks: the KV pool is sized from what is free
-        self.runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len)
+        if tp is None:
+            self.runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len)
+        else:
+            self.workers = WorkerPool(config, max_model_len)
+            try:
+                tp.connect(self.workers.store_path, config.torch_device, COLLECTIVE_TIMEOUT)
+                self.workers.watch(tp)
+                self.runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len, tp, self.workers.send)
+                self.workers.wait_ready()
+            except BaseException as error:
+                self._fail_start(error)
         if config.use_cuda_graphs and config.graph_capture == "startup":
             self.runner.capture_decode_graphs(progress=True)
         self.cache = self.runner.cache
@@ -82,6 +104,18 @@ class LLMEngine:
         self._ids = itertools.count()
         self._in_flight: Optional[tuple[ScheduledBatch, SampledTokens]] = None  # launched, not yet processed
         self._closed = False
+
+    def _fail_start(self, error: BaseException) -> None:
+        """Stop the workers of a tensor-parallel start that failed and raise: :class:`WorkerDiedError` naming the
+        rank when a worker is the cause, ``error`` otherwise."""
+        workers, self.workers = self.workers, None
+        try:
+            workers.check()
+        except WorkerDiedError as died:
+            workers.close()
+            raise died from error
+        workers.close()
+        raise error
 
     def add_request(
         self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
@@ -157,9 +191,11 @@ class LLMEngine:
             if self.config.use_async_scheduling:
                 launched, self._in_flight = self._in_flight, launched
             return [] if launched is None else self._process(*launched)
-        except BaseException:
+        except BaseException as error:
             self._in_flight = None  # its tokens are lost: the caller fails the requests with tokens in flight
             self.cache.reset_prefix_cache()  # pages registered for the failed step may hold no K/V
+            if self.workers is not None and not isinstance(error, WorkerDiedError):
+                self.workers.check()  # a dead rank explains the failed collective: say so (WorkerDiedError)
             raise
 
     def _process(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
@@ -197,10 +233,14 @@ class LLMEngine:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             self.scheduler.abort(seq.request_id)
         self.runner.release()
+        if self.workers is not None:
+            self.workers.close()
 
     def __del__(self) -> None:
         if hasattr(self, "_closed"):  # a constructor that raised built no runner
             self.close()
+        elif getattr(self, "workers", None) is not None:
+            self.workers.close()
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request waits or runs, or a launched step's tokens are still to be processed."""

@@ -6,12 +6,20 @@ inputs and, on CUDA, the :class:`~questkv.engine.cuda_graphs.DecodeGraphs` that 
 (K/V append, every layer's attention, the LM head) over them. It never changes a
 :class:`~questkv.engine.sequence.Sequence`: the scheduler allocates pages and updates sequences, the runner reads
 them.
+
+With tensor parallelism every rank has a runner over its shard of the model and its KV heads' page pool (the same
+page count on every rank: each plans, the smallest wins). Rank 0's turns each step into a :class:`StepMessage`
+(the pages its scheduler added since the last message, and the prefill tokens or the packed decode inputs: a few
+hundred bytes per decode step plus 4 bytes per new page) and sends it to the other ranks before running it
+(:class:`~questkv.engine.tp_workers.WorkerPool`); they run it with :meth:`ModelRunner.run_step`, the same code from
+the packed inputs on. Rank 0 samples from the gathered logits and broadcasts the tokens, so every rank holds them
+for an asynchronous step's inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -19,6 +27,7 @@ from questkv.cache.paged import PagedKVCache
 from questkv.decode.context import StepContext
 from questkv.decode.reuse import SelectionMemory, is_due
 from questkv.decode.step import QuestDecodeStep
+from questkv.distributed.group import TensorParallel
 from questkv.engine.config import EngineConfig
 from questkv.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from questkv.engine.kv_pool import plan_cache
@@ -34,6 +43,42 @@ from questkv.models.llama import LlamaForCausalLM, ModelSpec
 # the row's phase makes it select (selection reuse).
 _IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE = range(7)
 _NUM_INPUTS = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillInputs:
+    """A prefill step, as every rank runs it (:meth:`ModelRunner._run_prefill`).
+
+    Attributes:
+        seq_ids, num_new_tokens, seq_lens, prefill_from: the :class:`ScheduledBatch`'s (``prefill_from`` resolved:
+            each sequence's own index when the batch shares no prefill).
+        token_ids: the input tokens of the sequences that compute theirs, back to back.
+    """
+
+    seq_ids: tuple[int, ...]
+    num_new_tokens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    prefill_from: tuple[int, ...]
+    token_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMessage:
+    """What rank 0 sends the other ranks for one step (tensor parallelism), before it runs the step itself.
+
+    Attributes:
+        pages: ``(seq_id, start, pages, seq_len)`` for every sequence whose page-table row changed since the last
+            message (:meth:`~questkv.cache.paged.PagedKVCache.mirror`): the whole row on its prefill, new pages after.
+        prefill: the prefill step, or ``None``.
+        decode: the packed decode inputs ``[_NUM_INPUTS, padded]`` int64 and the graph key, or ``None``.
+        count: the sequences of the step (the sampled tokens broadcast from rank 0); 0: capture every decode graph
+            (``graph_capture="startup"``), nothing else.
+    """
+
+    pages: tuple[tuple[int, int, list[int], int], ...]
+    prefill: Optional[PrefillInputs] = None
+    decode: Optional[tuple[torch.Tensor, tuple[int, int, bool]]] = None
+    count: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,25 +117,36 @@ class ModelRunner:
 
     Args:
         config: the engine's config.
-        model: the model, weights loaded, on ``config.torch_device``.
-        spec: its shape.
+        model: the model, weights loaded, on ``config.torch_device`` (with tensor parallelism: this rank's shard).
+        spec: its shape (the whole model's).
         max_model_len: tokens per sequence the pool must hold.
+        tp: this rank's tensor-parallel group (connected), or ``None`` on one device.
+        send: rank 0's way to the other ranks (``WorkerPool.send``) with tensor parallelism, else ``None``.
     """
 
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, spec: ModelSpec, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, spec: ModelSpec, max_model_len: int,
+                 tp: Optional[TensorParallel] = None, send: Optional[Callable[[StepMessage], None]] = None) -> None:
         self.config = config
         self.model = model
         self.spec = spec
         self.device = config.torch_device
+        self.tp, self._send = tp, send
         quest = config.quest
         max_seqs = config.max_num_seqs + 1
-        sel_heads = spec.num_q_heads if quest is not None and quest.selection == "q_head" else spec.num_kv_heads
+        size = 1 if tp is None else tp.size
+        self.num_q_heads, num_kv_heads = spec.num_q_heads // size, spec.num_kv_heads // size  # this rank's
+        sel_heads = self.num_q_heads if quest is not None and quest.selection == "q_head" else num_kv_heads
         # Quantized layers keep their packed weights as buffers; the selection memory is sized like them, up front.
         weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         memory_bytes = 0 if quest is None else SelectionMemory.nbytes(quest, spec.num_layers, sel_heads, max_seqs)
-        self.cache_spec = plan_cache(config, spec, max_model_len, self.device, weight_bytes + memory_bytes)
+        local = dataclasses.replace(spec, num_q_heads=self.num_q_heads, num_kv_heads=num_kv_heads)
+        self.cache_spec = plan_cache(config, local, max_model_len, self.device, weight_bytes + memory_bytes)
+        if tp is not None:  # one page table drives every rank: each pool holds as many pages as the smallest
+            pages = tp.all_min(self.cache_spec.num_pages, self.device)
+            self.cache_spec = dataclasses.replace(self.cache_spec, num_pages=pages)
+        self._mirrored: dict[int, int] = {}  # rank 0: pages of each sequence the other ranks' page tables hold
         self.cache = PagedKVCache(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_spec.num_pages, config.page_size,
+            spec.num_layers, num_kv_heads, spec.head_dim, self.cache_spec.num_pages, config.page_size,
             max_seqs=max_seqs, max_pages_per_seq=self.cache_spec.max_pages_per_seq,
             dtype=config.torch_dtype, device=self.device,
             prefix_caching=config.enable_prefix_caching, hash_salt=config.prefix_cache_salt(),
@@ -136,6 +192,8 @@ class ModelRunner:
         """
         logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)
         tokens = self._sample(logits, batch)  # [batch] int64 on the device
+        if self.tp is not None:
+            tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
         count = len(batch.seqs)
         self._sampled[:count].copy_(tokens)
         self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs)}
@@ -177,16 +235,26 @@ class ModelRunner:
         one's prefill (:attr:`ScheduledBatch.prefill_from`) gets a copy of its K/V and its logits; one that starts
         on prefix-cache pages computes only the tokens past them (positions from the hit on)."""
         sources = batch.prefill_from or tuple(range(len(batch.seqs)))
+        ids = []
+        for i, (seq, seq_len, new) in enumerate(zip(batch.seqs, batch.seq_lens, batch.num_new_tokens)):
+            if sources[i] == i:
+                ids.extend(seq.all_token_ids[seq_len - new:seq_len])
+        inputs = PrefillInputs(batch.seq_ids, batch.num_new_tokens, batch.seq_lens, sources, ids)
+        self._publish(batch, prefill=inputs)
+        return self._run_prefill(inputs)
+
+    def _run_prefill(self, inputs: PrefillInputs) -> torch.Tensor:
+        """:meth:`_prefill` from its inputs on (every rank runs this)."""
+        sources, seq_ids = inputs.prefill_from, inputs.seq_ids
         computed = [i for i, source in enumerate(sources) if source == i]
-        ids, positions, starts, cached = [], [], [0], []
+        positions, starts, cached = [], [0], []
         for i in computed:
-            cached.append(batch.seq_lens[i] - batch.num_new_tokens[i])  # a prefix-cache hit: its pages are shared
-            ids.extend(batch.seqs[i].all_token_ids[cached[-1]:batch.seq_lens[i]])
-            positions.extend(range(cached[-1], batch.seq_lens[i]))
-            starts.append(starts[-1] + batch.num_new_tokens[i])
-        seq_ids = batch.seq_ids
+            cached.append(inputs.seq_lens[i] - inputs.num_new_tokens[i])  # a prefix-cache hit: its pages are shared
+            positions.extend(range(cached[-1], inputs.seq_lens[i]))
+            starts.append(starts[-1] + inputs.num_new_tokens[i])
+        ids = inputs.token_ids
         computed_ids = [seq_ids[i] for i in computed]
-        slots = self.cache.slots(computed_ids, cached, [batch.num_new_tokens[i] for i in computed])
+        slots = self.cache.slots(computed_ids, cached, [inputs.num_new_tokens[i] for i in computed])
         page_table, seq_lens = self.cache.batch(computed_ids)
         ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts,
                           cached_lens=cached if any(cached) else None)
@@ -213,12 +281,44 @@ class ModelRunner:
         width = self.graphs.width(self.cache.pages_for_tokens(max(batch.seq_lens)))
         # A dense request in a Quest batch: the step selects up to every column, a dense row all its pages.
         all_pages = self.budget is not None and any(seq.sampling_params.dense for seq in seqs)
-        self._stage_inputs(batch, padded, width)
+        host = self._stage_inputs(batch, padded, width)
+        self._publish(batch, decode=(host, (padded, width, all_pages)))
         return self.graphs.run((padded, width, all_pages), self._decode_body)[:size]
 
-    def _stage_inputs(self, batch: Optional[ScheduledBatch], padded: int, width: int) -> None:
+    def _publish(self, batch: ScheduledBatch, **step) -> None:
+        """Rank 0 with tensor parallelism: send the other ranks the step (``prefill=`` or ``decode=`` of
+        :class:`StepMessage`) and the page-table rows that changed for it; nothing on one device."""
+        if self._send is None:
+            return
+        updates = []
+        for seq_id in batch.seq_ids:
+            start = 0 if batch.is_prefill else self._mirrored[seq_id]  # a prefill (re)starts the sequence's row
+            pages = self.cache.pages_from(seq_id, start)
+            if pages or batch.is_prefill:
+                updates.append((seq_id, start, pages, self.cache.seq_len(seq_id)))
+            self._mirrored[seq_id] = start + len(pages)
+        self._send(StepMessage(tuple(updates), count=len(batch.seqs), **step))
+
+    def run_step(self, message: StepMessage) -> None:
+        """Run one step rank 0 sent (a rank other than 0 with tensor parallelism): follow its page table, run the
+        model over the step's inputs (the collectives meet rank 0's) and take the sampled tokens it broadcasts."""
+        for update in message.pages:
+            self.cache.mirror(*update)
+        if not message.count:
+            self.capture_decode_graphs()
+            return
+        if message.prefill is not None:
+            self._run_prefill(message.prefill)
+        else:
+            host, key = message.decode
+            self._inputs[:, :key[0]].copy_(host, non_blocking=True)
+            self.graphs.run(key, self._decode_body)
+        tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
+        self._sampled[:message.count].copy_(tokens)
+
+    def _stage_inputs(self, batch: Optional[ScheduledBatch], padded: int, width: int) -> torch.Tensor:
         """Copy the packed decode inputs of ``batch`` to the device; rows past it (up to ``padded``) read
-        and write one token of the scratch sequence."""
+        and write one token of the scratch sequence. Returns the host copy, ``[_NUM_INPUTS, padded]`` int64."""
         host = self._host_inputs[self._flip][:, :padded]
         self._flip ^= 1
         host[_IDS].zero_()
@@ -243,6 +343,7 @@ class ModelRunner:
                              is_due(seq_len, seq.num_prompt_tokens, self.selection_interval_of(seq))])
             host[:, :len(rows)] = torch.tensor(rows, dtype=torch.int64).T
         self._inputs[:, :padded].copy_(host, non_blocking=True)
+        return host
 
     @torch.inference_mode()
     def capture_decode_graphs(self, progress: bool = False) -> int:
@@ -256,6 +357,8 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         keys = self.graphs.missing()
+        if self._send is not None and keys:
+            self._send(StepMessage(()))  # the other ranks capture theirs alongside (the collectives meet)
         for key in tqdm(keys, desc="capturing decode graphs", disable=not progress):
             self._stage_inputs(None, key[0], key[1])
             self.graphs.capture(key, self._decode_body)
@@ -293,7 +396,7 @@ class ModelRunner:
             quest = self.config.quest
             if all_pages:
                 quest = dataclasses.replace(quest, token_budget=max(width * self.cache.page_size, quest.token_budget))
-            self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.spec.num_q_heads, width)
+            self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.num_q_heads, width)
         return self._steps[key]
 
     def selection_interval_of(self, seq: Sequence) -> int:

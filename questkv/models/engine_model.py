@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from questkv.config import QuestConfig
+from questkv.distributed.group import TensorParallel
 from questkv.layers.quantized_linear import QuantizedLinear
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 from questkv.models.loader import load_gguf, resolve_model_path
@@ -62,12 +63,14 @@ def load_engine_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: Optional[str] = None,
+    tp: Optional[TensorParallel] = None,
 ) -> EngineModel:
     """Build :class:`LlamaForCausalLM` for ``model`` (see the module docstring).
 
     Args:
         quantization: the engine's: one of :data:`PACKED_FORMATS` asks for (and must match) a packed checkpoint;
             ``None`` or one of :data:`ROUND_TO_NEAREST` loads float weights, unless the folder is packed.
+        tp: build rank ``tp.rank``'s tensor-parallel shard (:class:`LlamaForCausalLM`'s ``tp``), or ``None``.
 
     Raises:
         ValueError: an unsupported architecture or rope type (naming what is supported), an unknown
@@ -109,7 +112,7 @@ def load_engine_model(
     torch.set_default_dtype(dtype)  # parameters born in their dtype, on their device: no copy
     try:
         with torch.device(device):
-            engine_model = LlamaForCausalLM(spec, quest)
+            engine_model = LlamaForCausalLM(spec, quest, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":

@@ -18,10 +18,20 @@ import torch
 from torch import nn
 
 from questkv.config import QuestConfig
+from questkv.distributed.group import TensorParallel
 from questkv.layers.activation import SiluAndMul
 from questkv.layers.attention import Attention
 from questkv.layers.linear import MergedLinear, copy_param
 from questkv.layers.norm import RMSNorm
+from questkv.layers.parallel import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    mark_column_parallel,
+    mark_row_parallel,
+    row_parallel_bias,
+    shard_of,
+    shard_tensor,
+)
 from questkv.layers.quantized_linear import QuantizedLinear, QuantLayout
 from questkv.layers.rotary import ROPE_TYPES, RopeScaling, RotaryEmbedding, apply_rotary
 from questkv.ops.quant_reference import ALL_METHODS, QuantizedWeight, check_method
@@ -171,22 +181,40 @@ def _rope_from_config(config: Any) -> tuple[float, Optional[RopeScaling]]:
     )
 
 
-class LlamaAttention(nn.Module):
-    """Fused QKV projection, optional q/k norm, RoPE, ``Attention`` and the output projection."""
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
-    def __init__(self, spec: ModelSpec, layer_idx: int, quest: Optional[QuestConfig]) -> None:
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, optional q/k norm, RoPE, ``Attention`` and the output projection.
+
+    With tensor parallelism (``tp``) the layer holds ``1 / tp.size`` of the query and KV heads (QKV
+    column-parallel, the output projection row-parallel and all-reduced): each rank attends, and selects Quest
+    pages, for its own KV heads only.
+    """
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, quest: Optional[QuestConfig],
+                 tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
-        self.num_q_heads, self.num_kv_heads, self.head_dim = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
-        q_size, kv_size = spec.num_q_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        heads, kv_heads = spec.num_q_heads, spec.num_kv_heads
+        if tp is not None:
+            heads, kv_heads = tp.split("num_attention_heads", heads), tp.split("num_key_value_heads", kv_heads)
+        self.num_q_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, spec.head_dim
+        q_size, kv_size = heads * spec.head_dim, kv_heads * spec.head_dim
         self.qkv_proj = MergedLinear(spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, spec.attention_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        self.reduce = _identity if tp is None else tp.all_reduce  # chosen once: one rank runs no collective
+        if tp is not None:
+            full = spec.head_dim * spec.num_kv_heads
+            mark_column_parallel(self.qkv_proj, (spec.head_dim * spec.num_q_heads, full, full), tp)
+            mark_row_parallel(self.o_proj, tp)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
         self.rotate = apply_rotary  # the runner may swap in a compiled (fused) apply_rotary
         self.attn = Attention(
-            layer_idx, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, sm_scale=spec.head_dim**-0.5, quest=quest
+            layer_idx, heads, kv_heads, spec.head_dim, sm_scale=spec.head_dim**-0.5, quest=quest
         )
 
     def forward(
@@ -201,33 +229,39 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, k, cos, sin)
         o = self.attn(q, k, v, ctx)  # [T, Hq, D]
-        return self.o_proj(o.reshape(o.shape[0], -1))  # [T, hidden]
+        return self.reduce(self.o_proj(o.reshape(o.shape[0], -1)))  # [T, hidden]
 
 
 class LlamaMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up in one GEMM."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up in one GEMM (with ``tp``: each rank's share of the
+    intermediate features, gate/up column-parallel, down row-parallel and all-reduced)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
-        size = spec.intermediate_size
+        size = spec.intermediate_size if tp is None else tp.split("intermediate_size", spec.intermediate_size)
         self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": size, "up": size}, spec.mlp_bias)
         self.act_fn = SiluAndMul()
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+        self.reduce = _identity if tp is None else tp.all_reduce
+        if tp is not None:
+            mark_column_parallel(self.gate_up_proj, (spec.intermediate_size,) * 2, tp)
+            mark_row_parallel(self.down_proj, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden_size]`` → ``[T, hidden_size]``."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; the residual add is fused into the next norm."""
 
-    def __init__(self, spec: ModelSpec, layer_idx: int, quest: Optional[QuestConfig]) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, quest: Optional[QuestConfig],
+                 tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec, layer_idx, quest)
+        self.self_attn = LlamaAttention(spec, layer_idx, quest, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = LlamaMLP(spec)
+        self.mlp = LlamaMLP(spec, tp)
 
     def forward(
         self,
@@ -251,12 +285,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, spec: ModelSpec, quest: Optional[QuestConfig]) -> None:
+    def __init__(self, spec: ModelSpec, quest: Optional[QuestConfig], tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        if tp is None:
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta,
                                           spec.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, quest) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, quest, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
@@ -285,6 +322,9 @@ class LlamaForCausalLM(nn.Module):
     Args:
         spec: the architecture (:meth:`ModelSpec.from_hf_config`).
         quest: passed to every layer's ``Attention`` (``None``: dense decoding).
+        tp: this rank's tensor-parallel group, or ``None`` (one device): the model then holds this rank's shard
+            (:mod:`questkv.layers.parallel`), :meth:`load_weights` slices full checkpoint tensors, and ``forward``
+            runs the collectives (two all-reduces per layer, one for the embedding, an all-gather for the logits).
 
     Module names follow HF's (``model.layers.3.self_attn.o_proj``) except the fused
     ``self_attn.qkv_proj`` and ``mlp.gate_up_proj``; :meth:`load_weights` maps checkpoint names onto them.
@@ -292,15 +332,20 @@ class LlamaForCausalLM(nn.Module):
     and ``torch.set_default_dtype`` to skip a host copy.
     """
 
-    def __init__(self, spec: ModelSpec, quest: Optional[QuestConfig] = None) -> None:
+    def __init__(self, spec: ModelSpec, quest: Optional[QuestConfig] = None,
+                 tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
         if not isinstance(spec, ModelSpec):
             raise ValueError(f"LlamaForCausalLM.spec must be a ModelSpec, got {type(spec).__name__}")
         if quest is not None and not isinstance(quest, QuestConfig):
             raise ValueError(f"LlamaForCausalLM.quest must be None or a QuestConfig, got {type(quest).__name__}")
         self.spec = spec
-        self.model = LlamaModel(spec, quest)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(spec, quest, tp)
+        if tp is None:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(spec.hidden_size, spec.vocab_size, tp)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -372,8 +417,12 @@ class LlamaForCausalLM(nn.Module):
             want = self._weight_shape(name)
             if tuple(layout.shape) != want:
                 raise ValueError(f"packed weight {name!r} has shape {tuple(layout.shape)}, the model expects {want}")
-            check_method(layout.method, layout.group_size, want[1], owner=f"packed weight {name!r}",
-                         methods=ALL_METHODS)
+            in_features, match = want[1], _LAYER_NAME.match(name)
+            if self.tp is not None and match is not None and match.group(3) in _UNFUSED:
+                in_features //= self.tp.size  # a row-parallel shard holds whole groups of its input features
+            check_method(layout.method, layout.group_size, in_features, methods=ALL_METHODS,
+                         owner=f"packed weight {name!r}" + (f" (its shard of tensor_parallel_size={self.tp.size})"
+                                                            if self.tp is not None else ""))
         swaps = []  # (parent module, attribute, HF names, layout)
         for i, layer in enumerate(self.model.layers):
             for block, attr, projs in _LINEARS:
@@ -389,13 +438,17 @@ class LlamaForCausalLM(nn.Module):
         return frozenset(packed)
 
     def _weight_shape(self, name: str) -> tuple[int, ...]:
-        """The shape of checkpoint weight ``name`` (a shard's own rows for a fused projection)."""
+        """The shape of checkpoint weight ``name`` (a shard's own rows for a fused projection), unsharded."""
         match = _LAYER_NAME.match(name)
         if match is None:
-            return tuple(self.get_parameter(name).shape)
+            param = self.get_parameter(name)
+            return tuple(getattr(param, "tp_full_shape", param.shape))
         layer, block, proj, _ = match.groups()
         module = self.model.layers[int(layer)].get_submodule(f"{block}.{_SHARDS.get(proj, proj + '_proj')}")
-        return (module.shard_sizes[proj] if proj in _SHARDS else module.out_features, module.in_features)
+        size = 1 if self.tp is None else self.tp.size
+        if proj in _SHARDS:
+            return (module.shard_sizes[proj] * size, module.in_features)
+        return (module.out_features, module.in_features * size)
 
     def load_weights(self, weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight]]]) -> None:
         """Copy checkpoint tensors, by HF safetensors name, into this model's (fused) parameters.
@@ -435,9 +488,17 @@ class LlamaForCausalLM(nn.Module):
     def _load_one(self, name: str, tensor: Union[torch.Tensor, QuantizedWeight]) -> None:
         match = _LAYER_NAME.match(name)
         if match is None or match.group(3) not in (*_SHARDS, *_UNFUSED):
-            copy_param(name, self.get_parameter(name), tensor)
+            param = self.get_parameter(name)
+            copy_param(name, param, shard_of(param, tensor))
             return
         layer, block, proj, param = match.groups()
+        if self.tp is not None:  # column-parallel rows, row-parallel input columns, a row-parallel bias on rank 0
+            if proj in _SHARDS:
+                tensor = shard_tensor(name, tensor, 0, self.tp)
+            elif param == "weight":
+                tensor = shard_tensor(name, tensor, 1, self.tp)
+            else:
+                tensor = row_parallel_bias(tensor, self.tp)
         module = self.model.layers[int(layer)].get_submodule(f"{block}.{_SHARDS.get(proj, proj + '_proj')}")
         if param == "weight" and isinstance(tensor, QuantizedWeight) != isinstance(module, QuantizedLinear):
             kind = "packed" if isinstance(tensor, QuantizedWeight) else "a float tensor"

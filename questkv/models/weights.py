@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from questkv.layers.norm import RMSNorm
+from questkv.layers.parallel import shard_of
 from questkv.validation import check_int
 
 __all__ = ["init_dummy_weights", "load_safetensors_weights", "safetensors_files"]
@@ -71,7 +72,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     Linear and embedding weights are drawn from ``N(0, std^2)``, biases are zero, RMSNorm weights one:
     outputs stay finite through any depth, which is all a speed benchmark needs. Each parameter is filled in
     place by one device kernel (an 8B model on a GPU takes well under a second). Same seed, device and
-    dtype: same weights.
+    dtype: same weights, whatever the tensor-parallel size (a shard is drawn at its full shape and sliced).
     """
     check_int("init_dummy_weights.seed", seed, minimum=0)
     generators: dict[torch.device, torch.Generator] = {}
@@ -85,4 +86,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             gen = generators.get(param.device)
             if gen is None:
                 gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, std, generator=gen)
+            full_shape = getattr(param, "tp_full_shape", None)
+            if full_shape is None:
+                param.normal_(0.0, std, generator=gen)
+            else:  # a tensor-parallel shard: drawn whole and sliced, so every tensor-parallel size gets one model
+                full = torch.empty(full_shape, dtype=param.dtype, device=param.device).normal_(0.0, std, generator=gen)
+                param.copy_(shard_of(param, full))

@@ -1,0 +1,114 @@
+"""One tensor-parallel group: this process's rank, the group size and the collectives the sharded model runs.
+
+:class:`TensorParallel` is built before the model (the layers read ``rank`` and ``size`` to size their shards)
+and connected once every rank's process exists (:meth:`TensorParallel.connect`: a file store for the rendezvous,
+then a gloo backend on CPU or an NCCL one on CUDA, each collective bounded by ``timeout``). It holds the backend
+object itself, not torch's global default group, so that several engines (and the caller's own
+``torch.distributed`` use) can live in one process. A model built without it (``tp=None``) runs no collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from questkv.validation import check_int
+
+__all__ = ["TensorParallel"]
+
+
+class TensorParallel:
+    """This process's place in a tensor-parallel group of ``size`` ranks.
+
+    Args:
+        rank: this process's rank, in ``[0, size)``; rank 0 runs the scheduler and samples.
+        size: the number of ranks (``EngineConfig.tensor_parallel_size``), at least 2 (one rank needs none).
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        check_int("TensorParallel.size", size, minimum=2)
+        check_int("TensorParallel.rank", rank, minimum=0, maximum=size - 1)
+        self.rank, self.size = rank, size
+        self._backend: Optional[dist.ProcessGroup] = None
+
+    def connect(self, store_path: str, device: torch.device, timeout: float) -> None:
+        """Join the group: rendezvous in the file ``store_path`` (shared by every rank) and open a gloo
+        (``device`` CPU) or NCCL (CUDA) backend whose collectives raise after ``timeout`` seconds.
+        Blocks until every rank has joined (or raises after ``timeout``)."""
+        delta = datetime.timedelta(seconds=timeout)
+        store = dist.FileStore(store_path, self.size)
+        store.set_timeout(delta)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = delta
+            self._backend = dist.ProcessGroupNCCL(store, self.rank, self.size, options)
+        else:
+            self._backend = dist.ProcessGroupGloo(store, self.rank, self.size, delta)
+        self.barrier(device)
+
+    def _require(self) -> dist.ProcessGroup:
+        if self._backend is None:
+            raise RuntimeError(f"tensor-parallel rank {self.rank} is not connected: call TensorParallel.connect first")
+        return self._backend
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns ``x`` (row-parallel outputs, the vocab-parallel embedding)."""
+        self._require().allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., n]`` of every rank, concatenated in rank order along the last dim: ``[..., size * n]``."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._require().allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``x`` with rank 0's ``x`` (the sampled tokens), in place; returns ``x``."""
+        self._require().broadcast(x, 0).wait()
+        return x
+
+    def all_min(self, value: int, device: torch.device) -> int:
+        """The smallest ``value`` over the ranks (the page count every rank's pool can hold)."""
+        x = torch.tensor([value], dtype=torch.int64, device=device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._require().allreduce([x], options).wait()
+        return int(x.item())
+
+    def barrier(self, device: torch.device) -> None:
+        """Wait until every rank gets here (an all-reduce of one element: both backends have it)."""
+        self.all_reduce(torch.zeros(1, device=device))
+
+    def close(self) -> None:
+        """Drop the backend (its sockets or communicators); the group is unusable afterwards."""
+        backend, self._backend = self._backend, None
+        if backend is not None and hasattr(backend, "shutdown"):
+            try:
+                backend.shutdown()
+            except RuntimeError:  # a peer already gone
+                pass
+
+    def abort(self) -> None:
+        """Make the collectives in flight on this rank raise now (another rank died: waiting for it is futile).
+        Safe from another thread; the group is unusable afterwards."""
+        backend = self._backend
+        if backend is not None and hasattr(backend, "abort"):
+            try:
+                backend.abort()
+            except RuntimeError:
+                pass
+
+    def split(self, owner: str, value: int) -> int:
+        """``value // size``: one rank's share of ``owner`` (heads, features); ``ValueError`` unless ``size``
+        divides ``value``."""
+        if value % self.size:
+            raise ValueError(f"{owner}={value} is not divisible by tensor_parallel_size={self.size}; "
+                             f"tensor parallelism shards it evenly over the ranks")
+        return value // self.size
+
+    def __repr__(self) -> str:
+        return f"TensorParallel(rank={self.rank}, size={self.size})"

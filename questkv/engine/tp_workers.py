@@ -1,0 +1,219 @@
+"""Tensor parallelism's processes: rank 0 (the caller's process, which runs the scheduler) starts ranks 1..N-1
+(:class:`WorkerPool`), sends each step to them and notices when one dies; each of them runs :func:`worker_main`.
+
+A worker builds the same model shard and :class:`~questkv.engine.model_runner.ModelRunner` as rank 0, then runs
+every :class:`~questkv.engine.model_runner.StepMessage` that comes down its pipe (pickled once by rank 0, a few
+hundred bytes per decode step). The pipe, not a collective, carries the steps, so an idle engine waits on nothing
+that can time out, and a worker whose rank 0 is gone reads end-of-file and exits (on Linux the kernel also kills it
+when rank 0 dies: ``PR_SET_PDEATHSIG``).
+
+Faults: collectives give up after :data:`COLLECTIVE_TIMEOUT` seconds (a hung rank); a watchdog thread on rank 0
+waits on the workers' process sentinels and, when one exits, aborts the group so that a collective blocked on it
+returns at once. Either way the step raises :class:`WorkerDiedError` naming the rank (and the worker's own error,
+when it reported one), and the engine stays failed. :meth:`WorkerPool.close` (the engine's ``close``, its
+``__del__``, or ``atexit``) stops the workers, killing those that do not exit within seconds: none is left behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Optional
+
+import torch
+import torch.multiprocessing as mp
+
+from questkv.distributed.group import TensorParallel
+from questkv.engine.config import EngineConfig
+
+__all__ = ["COLLECTIVE_TIMEOUT", "WorkerDiedError", "WorkerPool", "worker_main"]
+
+COLLECTIVE_TIMEOUT = float(os.environ.get("QUESTKV_TP_TIMEOUT", 300.0))
+"""Seconds a collective (or the start-up rendezvous) waits for the other ranks before it raises: a bound on a hung
+rank (``$QUESTKV_TP_TIMEOUT`` overrides it). Generous, as the first step of a rank may compile kernels."""
+
+_STOP_GRACE = 10.0  # seconds a worker gets to exit after the stop message before it is killed
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot run another step (fatal)."""
+
+
+class WorkerPool:
+    """Ranks 1..N-1 of a tensor-parallel engine, as processes of the ``spawn`` start method.
+
+    Args:
+        config: the engine's config (``tensor_parallel_size`` ranks in all).
+        max_model_len: what rank 0 resolved, for the workers' page pools.
+    """
+
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        self.size = config.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="questkv-tp-")
+        self.store_path = os.path.join(self._dir, "rendezvous")
+        context = mp.get_context("spawn")
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._procs = []
+        self._failure: Optional[str] = None
+        self._closed = False
+        self._group: Optional[TensorParallel] = None
+        atexit.register(self.close)
+        for rank in range(1, self.size):
+            ours, theirs = context.Pipe()
+            proc = context.Process(target=worker_main, args=(config, rank, self.store_path, max_model_len, theirs),
+                                   name=f"questkv-tp-rank{rank}", daemon=True)
+            proc.start()
+            theirs.close()
+            self._conns.append(ours)
+            self._procs.append(proc)
+        self._wake_r, self._wake_w = os.pipe()  # close() wakes the watchdog through it
+        self._watchdog = threading.Thread(target=self._watch, name="questkv-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids, rank 1 first."""
+        return [proc.pid for proc in self._procs]
+
+    def watch(self, group: TensorParallel) -> None:
+        """Abort ``group`` (rank 0's, connected) as soon as a worker exits, so that no collective waits on it."""
+        self._group = group
+        if self._failure is not None:
+            group.abort()
+
+    def _watch(self) -> None:
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs, start=1)}
+        ready = multiprocessing.connection.wait([*sentinels, self._wake_r])
+        dead = [sentinels[s] for s in ready if s in sentinels]
+        if dead and not self._closed:
+            self._failure = self._describe(dead[0])
+            if self._group is not None:
+                self._group.abort()
+
+    def _describe(self, rank: int) -> str:
+        proc, conn = self._procs[rank - 1], self._conns[rank - 1]
+        proc.join(timeout=1.0)
+        detail = ""
+        try:
+            while conn.poll():
+                kind, text = conn.recv()
+                if kind == "error":
+                    detail = f"; its error:\n{text}"
+        except (EOFError, OSError):
+            pass
+        return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}{detail}")
+
+    def check(self) -> None:
+        """Raise :class:`WorkerDiedError` naming the rank if a worker has exited."""
+        if self._failure is None:
+            for rank, proc in enumerate(self._procs, start=1):
+                if not proc.is_alive():
+                    self._failure = self._describe(rank)
+                    break
+        if self._failure is not None:
+            raise WorkerDiedError(self._failure)
+
+    def wait_ready(self) -> None:
+        """Wait for every worker's "ready" (its shard loaded, its runner built); :class:`WorkerDiedError` if one
+        fails or dies instead, or none comes within :data:`COLLECTIVE_TIMEOUT` seconds."""
+        for rank, conn in enumerate(self._conns, start=1):
+            if not conn.poll(COLLECTIVE_TIMEOUT):
+                self.check()
+                raise WorkerDiedError(f"tensor-parallel worker rank {rank} did not start within {COLLECTIVE_TIMEOUT} s")
+            try:
+                kind, text = conn.recv()
+            except (EOFError, OSError):
+                self.check()
+                raise
+            if kind != "ready":
+                self._failure = f"tensor-parallel worker rank {rank} failed to start; its error:\n{text}"
+                raise WorkerDiedError(self._failure)
+
+    def send(self, message) -> None:
+        """Send one step to every worker (pickled once); :class:`WorkerDiedError` if one is gone."""
+        self.check()
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        except OSError:  # a broken pipe: the worker is exiting
+            self.check()
+            raise
+
+    def close(self) -> None:
+        """Stop every worker (the stop message, then a kill for those still alive after a grace period) and
+        remove the rendezvous folder. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        for conn in self._conns:
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=_STOP_GRACE)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=_STOP_GRACE)
+        for conn in self._conns:
+            conn.close()
+        os.write(self._wake_w, b"x")
+        self._watchdog.join(timeout=_STOP_GRACE)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self._group is not None:
+            self._group.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """Have the kernel kill this process when its parent dies (Linux; elsewhere the pipe's end-of-file does)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def worker_main(config: EngineConfig, rank: int, store_path: str, max_model_len: int,
+                conn: multiprocessing.connection.Connection) -> None:
+    """Rank ``rank``'s process: build its shard and runner, report ``("ready", None)`` (or ``("error", text)``
+    and exit 1), then run the steps that come down ``conn`` until the stop message or end-of-file."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops the workers
+    try:
+        from questkv.engine.llm_engine import load_shard
+        from questkv.engine.model_runner import ModelRunner
+
+        if config.torch_device.type == "cuda":
+            torch.cuda.set_device(rank)
+        tp = TensorParallel(rank, config.tensor_parallel_size)
+        loaded = load_shard(config, tp)
+        tp.connect(store_path, config.torch_device, COLLECTIVE_TIMEOUT)
+        runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len, tp=tp)
+        conn.send(("ready", None))
+        with torch.inference_mode():
+            while True:
+                payload = conn.recv_bytes()
+                if not payload:
+                    break
+                runner.run_step(pickle.loads(payload))
+    except EOFError:  # rank 0 is gone
+        pass
+    except BaseException:  # noqa: BLE001 -- reported to rank 0, then this process exits non-zero
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        sys.exit(1)
