@@ -49,6 +49,10 @@ class TensorParallel:
             self._backend = dist.ProcessGroupGloo(store, self.rank, self.size, delta)
         self.barrier(device)
 
+    def set_timeout(self, timeout: float) -> None:
+        """Bound every later collective by ``timeout`` seconds (after a start that may take longer)."""
+        self._require().set_timeout(datetime.timedelta(seconds=timeout))
+
     def _require(self) -> dist.ProcessGroup:
         if self._backend is None:
             raise RuntimeError(f"tensor-parallel rank {self.rank} is not connected: call TensorParallel.connect first")

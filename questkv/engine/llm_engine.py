@@ -20,7 +20,7 @@ from questkv.engine.config import EngineConfig
 from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.distributed.group import TensorParallel
 from questkv.engine.model_runner import ModelRunner, SampledTokens
-from questkv.engine.tp_workers import COLLECTIVE_TIMEOUT, WorkerDiedError, WorkerPool
+from questkv.engine.tp_workers import START_TIMEOUT_S, TensorParallelError, WorkerPool
 from questkv.layers.quantized_linear import quantize_linears
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
@@ -79,10 +79,11 @@ class LLMEngine:
         else:
             self.workers = WorkerPool(config, max_model_len)
             try:
-                tp.connect(self.workers.store_path, config.torch_device, COLLECTIVE_TIMEOUT)
+                tp.connect(self.workers.store_path, config.torch_device, START_TIMEOUT_S)
                 self.workers.watch(tp)
                 self.runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len, tp, self.workers.send)
                 self.workers.wait_ready()
+                tp.set_timeout(self.workers.timeout)
             except BaseException as error:
                 self._fail_start(error)
         if config.use_cuda_graphs and config.graph_capture == "startup":
@@ -106,12 +107,12 @@ class LLMEngine:
         self._closed = False
 
     def _fail_start(self, error: BaseException) -> None:
-        """Stop the workers of a tensor-parallel start that failed and raise: :class:`WorkerDiedError` naming the
+        """Stop the workers of a tensor-parallel start that failed and raise: :class:`TensorParallelError` naming the
         rank when a worker is the cause, ``error`` otherwise."""
         workers, self.workers = self.workers, None
         try:
             workers.check()
-        except WorkerDiedError as died:
+        except TensorParallelError as died:
             workers.close()
             raise died from error
         workers.close()
@@ -194,8 +195,10 @@ class LLMEngine:
         except BaseException as error:
             self._in_flight = None  # its tokens are lost: the caller fails the requests with tokens in flight
             self.cache.reset_prefix_cache()  # pages registered for the failed step may hold no K/V
-            if self.workers is not None and not isinstance(error, WorkerDiedError):
-                self.workers.check()  # a dead rank explains the failed collective: say so (WorkerDiedError)
+            if self.workers is not None and not isinstance(error, TensorParallelError):
+                failure = self.workers.fail(error)  # the ranks are out of step: the engine is done for
+                if isinstance(error, Exception):  # (Ctrl-C stays a KeyboardInterrupt)
+                    raise failure from error
             raise
 
     def _process(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:

@@ -7,11 +7,12 @@ hundred bytes per decode step). The pipe, not a collective, carries the steps, s
 that can time out, and a worker whose rank 0 is gone reads end-of-file and exits (on Linux the kernel also kills it
 when rank 0 dies: ``PR_SET_PDEATHSIG``).
 
-Faults: collectives give up after :data:`COLLECTIVE_TIMEOUT` seconds (a hung rank); a watchdog thread on rank 0
+Faults: collectives give up after :func:`collective_timeout` seconds (a hung rank); a watchdog thread on rank 0
 waits on the workers' process sentinels and, when one exits, aborts the group so that a collective blocked on it
-returns at once. Either way the step raises :class:`WorkerDiedError` naming the rank (and the worker's own error,
-when it reported one), and the engine stays failed. :meth:`WorkerPool.close` (the engine's ``close``, its
-``__del__``, or ``atexit``) stops the workers, killing those that do not exit within seconds: none is left behind.
+returns at once. Either way the step raises :class:`TensorParallelError` naming the rank (and the worker's own error,
+when it reported one), and the engine stays failed: any step that fails part-way leaves the ranks out of step, so
+every later one raises too. :meth:`WorkerPool.close` (the engine's ``close``, its ``__del__``, or ``atexit``) stops
+the workers, killing those that do not exit within seconds (at once after a failure): none is left behind.
 """
 
 from __future__ import annotations
@@ -35,16 +36,33 @@ import torch.multiprocessing as mp
 from questkv.distributed.group import TensorParallel
 from questkv.engine.config import EngineConfig
 
-__all__ = ["COLLECTIVE_TIMEOUT", "WorkerDiedError", "WorkerPool", "worker_main"]
+__all__ = ["TensorParallelError", "WorkerPool", "collective_timeout", "worker_main"]
 
-COLLECTIVE_TIMEOUT = float(os.environ.get("QUESTKV_TP_TIMEOUT", 300.0))
-"""Seconds a collective (or the start-up rendezvous) waits for the other ranks before it raises: a bound on a hung
-rank (``$QUESTKV_TP_TIMEOUT`` overrides it). Generous, as the first step of a rank may compile kernels."""
+_DEFAULT_TIMEOUT_S = 300.0
+
+
+def collective_timeout() -> float:
+    """Seconds a collective (or a rank's start) waits for the other ranks before it raises: the bound on a hung
+    rank. ``$QUESTKV_TP_TIMEOUT`` when set (a positive number), else 300: generous, as a rank's first steps may
+    compile kernels and its start loads a checkpoint."""
+    text = os.environ.get("QUESTKV_TP_TIMEOUT")
+    if text is None:
+        return _DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"QUESTKV_TP_TIMEOUT must be a positive number of seconds, got {text!r}")
+    return value
 
 _STOP_GRACE = 10.0  # seconds a worker gets to exit after the stop message before it is killed
+_EXIT_WAIT = 2.0  # seconds a failed step waits for a worker's exit that would explain it
+START_TIMEOUT_S = 900.0
+"""Seconds the ranks wait for each other while they start (each loads its shard of the checkpoint)."""
 
 
-class WorkerDiedError(RuntimeError):
+class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died or stopped answering: the engine cannot run another step (fatal)."""
 
 
@@ -58,6 +76,7 @@ class WorkerPool:
 
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         self.size = config.tensor_parallel_size
+        self.timeout = collective_timeout()
         self._dir = tempfile.mkdtemp(prefix="questkv-tp-")
         self.store_path = os.path.join(self._dir, "rendezvous")
         context = mp.get_context("spawn")
@@ -69,7 +88,8 @@ class WorkerPool:
         atexit.register(self.close)
         for rank in range(1, self.size):
             ours, theirs = context.Pipe()
-            proc = context.Process(target=worker_main, args=(config, rank, self.store_path, max_model_len, theirs),
+            proc = context.Process(target=worker_main,
+                                   args=(config, rank, self.store_path, max_model_len, self.timeout, theirs),
                                    name=f"questkv-tp-rank{rank}", daemon=True)
             proc.start()
             theirs.close()
@@ -112,23 +132,38 @@ class WorkerPool:
             pass
         return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}{detail}")
 
+    def fail(self, error: BaseException) -> TensorParallelError:
+        """Mark the group failed after ``error`` broke a step part-way (the ranks are out of step: every later
+        step raises) and return the :class:`TensorParallelError` to raise, naming the dead rank when a worker has
+        exited (a rank's death may break the collective before its process is reaped: waited for, briefly)."""
+        multiprocessing.connection.wait([proc.sentinel for proc in self._procs], timeout=_EXIT_WAIT)
+        try:
+            self.check()
+        except TensorParallelError as died:
+            return died
+        self._failure = (f"a tensor-parallel step failed on rank 0 ({type(error).__name__}: {error}); the ranks are "
+                         "out of step")
+        if self._group is not None:
+            self._group.abort()
+        return TensorParallelError(self._failure)
+
     def check(self) -> None:
-        """Raise :class:`WorkerDiedError` naming the rank if a worker has exited."""
+        """Raise :class:`TensorParallelError` naming the rank if a worker has exited (or the group failed)."""
         if self._failure is None:
             for rank, proc in enumerate(self._procs, start=1):
                 if not proc.is_alive():
                     self._failure = self._describe(rank)
                     break
         if self._failure is not None:
-            raise WorkerDiedError(self._failure)
+            raise TensorParallelError(self._failure)
 
     def wait_ready(self) -> None:
-        """Wait for every worker's "ready" (its shard loaded, its runner built); :class:`WorkerDiedError` if one
-        fails or dies instead, or none comes within :data:`COLLECTIVE_TIMEOUT` seconds."""
+        """Wait for every worker's "ready" (its shard loaded, its runner built); :class:`TensorParallelError` if one
+        fails or dies instead, or none comes within :data:`START_TIMEOUT_S` seconds."""
         for rank, conn in enumerate(self._conns, start=1):
-            if not conn.poll(COLLECTIVE_TIMEOUT):
+            if not conn.poll(START_TIMEOUT_S):
                 self.check()
-                raise WorkerDiedError(f"tensor-parallel worker rank {rank} did not start within {COLLECTIVE_TIMEOUT} s")
+                raise TensorParallelError(f"tensor-parallel worker rank {rank} did not start within {START_TIMEOUT_S} s")
             try:
                 kind, text = conn.recv()
             except (EOFError, OSError):
@@ -136,10 +171,10 @@ class WorkerPool:
                 raise
             if kind != "ready":
                 self._failure = f"tensor-parallel worker rank {rank} failed to start; its error:\n{text}"
-                raise WorkerDiedError(self._failure)
+                raise TensorParallelError(self._failure)
 
     def send(self, message) -> None:
-        """Send one step to every worker (pickled once); :class:`WorkerDiedError` if one is gone."""
+        """Send one step to every worker (pickled once); :class:`TensorParallelError` if one is gone."""
         self.check()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
@@ -162,7 +197,7 @@ class WorkerPool:
             except OSError:
                 pass
         for proc in self._procs:
-            proc.join(timeout=_STOP_GRACE)
+            proc.join(timeout=0 if self._failure is not None else _STOP_GRACE)  # a failed group: hung ranks too
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=_STOP_GRACE)
@@ -186,7 +221,7 @@ def _die_with_parent() -> None:
             pass
 
 
-def worker_main(config: EngineConfig, rank: int, store_path: str, max_model_len: int,
+def worker_main(config: EngineConfig, rank: int, store_path: str, max_model_len: int, timeout: float,
                 conn: multiprocessing.connection.Connection) -> None:
     """Rank ``rank``'s process: build its shard and runner, report ``("ready", None)`` (or ``("error", text)``
     and exit 1), then run the steps that come down ``conn`` until the stop message or end-of-file."""
@@ -200,8 +235,9 @@ def worker_main(config: EngineConfig, rank: int, store_path: str, max_model_len:
             torch.cuda.set_device(rank)
         tp = TensorParallel(rank, config.tensor_parallel_size)
         loaded = load_shard(config, tp)
-        tp.connect(store_path, config.torch_device, COLLECTIVE_TIMEOUT)
+        tp.connect(store_path, config.torch_device, START_TIMEOUT_S)
         runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len, tp=tp)
+        tp.set_timeout(timeout)
         conn.send(("ready", None))
         with torch.inference_mode():
             while True:

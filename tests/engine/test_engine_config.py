@@ -87,7 +87,7 @@ def test_max_model_len_defaults_to_the_models_max_position_embeddings():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(bogus=1), "LLM got unknown arguments ['bogus']"),
-    (dict(tensor_parallel_size=2, bogus=1), "unknown arguments ['bogus', 'tensor_parallel_size']"),
+    (dict(pipeline_parallel_size=2, bogus=1), "unknown arguments ['bogus', 'pipeline_parallel_size']"),
     (dict(dtype="int8"), "dtype must be one of bfloat16, float16, float32, got 'int8'"),
     (dict(dtype=torch.int8), "dtype must be one of"),
     (dict(device="tpu"), "EngineConfig.device must be one of 'cpu', 'cuda'; got 'tpu'"),
@@ -101,6 +101,8 @@ def test_max_model_len_defaults_to_the_models_max_position_embeddings():
     (dict(gpu_memory_utilization=1.5), "EngineConfig.gpu_memory_utilization must be in (0.0, 1.0]"),
     (dict(enforce_eager="yes"), "EngineConfig.enforce_eager must be a bool"),
     (dict(seed=-1), "EngineConfig.seed must be >= 0, got -1"),
+    (dict(tensor_parallel_size=0), "EngineConfig.tensor_parallel_size must be >= 1, got 0"),
+    (dict(tensor_parallel_size="2"), "EngineConfig.tensor_parallel_size must be an int, got '2'"),
     (dict(graph_capture="eager"), "EngineConfig.graph_capture must be one of 'lazy', 'startup'; got 'eager'"),
     (dict(load_format="pt"), "EngineConfig.load_format must be one of 'auto', 'dummy'; got 'pt'"),
     (dict(quest={"token_budget": 64}), "EngineConfig.quest must be a QuestConfig or None, got dict"),

@@ -1,0 +1,174 @@
+"""Tensor parallelism on the CPU (gloo, 2 processes): the same tokens as one device, clear errors before any
+process starts, and a dead worker turned into an error in bounded time with no process left behind.
+
+Two tiny random models saved as HF folders, so that loading slices real checkpoint tensors: a Llama with MHA and
+every bias (the row-parallel biases count once) and a vocabulary of 97 (the vocab-parallel embedding and head pad
+it to 98), and a Qwen2 with QKV biases, GQA 14:2 (one KV head per rank) and tied embeddings. fp32: greedy tokens
+and seeded samples must match exactly. The Llama engine schedules asynchronously (the sampled tokens feed the next
+step from every rank's device), the Qwen2 engine synchronously. One engine of each size is shared by the tests of a
+model (a worker takes seconds to start); their pools are tiny (18 pages of 4 tokens), so a batch preempts.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from questkv import QuestConfig
+from questkv.engine.config import EngineConfig
+from questkv.engine.llm import LLM
+from questkv.engine.sampling_params import SamplingParams
+from questkv.engine.tp_workers import TensorParallelError
+from tests.helpers import greedy_params, save_tiny_model, tiny_config
+
+PAGE, MAX_LEN, POOL_PAGES = 4, 64, 18
+QUEST = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1)
+MODELS = {"llama": dict(family="llama_mha", vocab_size=97, async_scheduling=True),
+          "qwen2": dict(family="qwen2", vocab_size=96, async_scheduling=False)}
+DEADLINE_S = 60.0  # a bound for states awaited (a worker's death noticed, processes gone); never a sleep
+
+
+def make_llm(model_dir, tensor_parallel_size: int, async_scheduling: bool, **kwargs) -> LLM:
+    """An engine whose pool holds ``POOL_PAGES`` pages on every rank (``kv_cache_memory`` is per rank)."""
+    llm_kwargs = dict(device="cpu", dtype="float32", max_model_len=MAX_LEN, max_num_seqs=8,
+                      async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size, **kwargs)
+    return LLM(str(model_dir), QUEST, kv_cache_memory=pool_bytes(model_dir, tensor_parallel_size), **llm_kwargs)
+
+
+def pool_bytes(model_dir, tensor_parallel_size: int) -> int:
+    """``kv_cache_memory`` for ``POOL_PAGES`` pages of one rank's KV heads (K, V, min and max keys, fp32)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    kv_heads = config.num_key_value_heads // tensor_parallel_size
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return POOL_PAGES * config.num_hidden_layers * (2 * PAGE + 2) * kv_heads * head_dim * 4
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def engines(request, tmp_path_factory):
+    """``(one device, two ranks)`` engines of one saved model."""
+    model = MODELS[request.param]
+    folder = save_tiny_model(tmp_path_factory.mktemp(request.param), model["vocab_size"],
+                             seed=random.randrange(1 << 16), family=model["family"])
+    single = make_llm(folder, 1, model["async_scheduling"])
+    sharded = make_llm(folder, 2, model["async_scheduling"])
+    try:
+        yield single, sharded
+    finally:
+        sharded.close()
+        single.close()
+
+
+def prompt(vocab: int, n: int) -> list[int]:
+    return torch.randint(2, vocab, (n,)).tolist()
+
+
+def tokens(llm: LLM, prompts, params) -> list[tuple[int, ...]]:
+    return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_two_ranks_give_the_tokens_of_one_device_for_ragged_quest_dense_and_sampled_requests(engines):
+    single, sharded = engines
+    vocab = single.engine.spec.vocab_size
+    first = prompt(vocab, 11)
+    prompts = [first, prompt(vocab, 3), prompt(vocab, 17), first, prompt(vocab, 6)]  # a prompt twice: one prefill
+    params = [greedy_params(9), greedy_params(14, dense=True), greedy_params(5),
+              SamplingParams(temperature=0.8, seed=random.randrange(1 << 30), max_tokens=8, ignore_eos=True),
+              greedy_params(12, token_budget=8)]
+    expected = tokens(single, prompts, params)
+    assert tokens(sharded, prompts, params) == expected
+    # Again: the prompts now start on prefix-cache pages (the ranks attend the cached K/V of their heads).
+    assert tokens(sharded, prompts, params) == expected
+    assert sharded.engine.cache.num_free_pages == POOL_PAGES - 1  # every page back but the scratch page
+
+
+def test_two_ranks_under_preemption_give_the_tokens_of_one_device(engines):
+    single, sharded = engines
+    vocab = single.engine.spec.vocab_size
+    prompts = [prompt(vocab, random.randint(10, 20)) for _ in range(4)]
+    params = [greedy_params(30), greedy_params(36), greedy_params(25), greedy_params(28)]
+    outputs = sharded.generate(prompts, params, use_tqdm=False)
+    assert sum(out.metrics.num_preemptions for out in outputs) > 0
+    assert [out.token_ids for out in outputs] == tokens(single, prompts, params)
+
+
+def children() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def wait_gone(pids) -> None:
+    """Wait (bounded) until none of ``pids`` is a live process."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"processes {alive} still alive {DEADLINE_S} s after the engine closed"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("family,size,message", [
+    ("qwen2", 4, "num_attention_heads=14 is not divisible by tensor_parallel_size=4"),
+    ("llama3", 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
+    ("llama_linear", 2, "num_key_value_heads=1 is not divisible by tensor_parallel_size=2"),
+])
+def test_heads_that_do_not_split_over_the_ranks_are_refused_before_any_process_starts(family, size, message):
+    before = children()
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_config(family), load_format="dummy", device="cpu", dtype="float32", tensor_parallel_size=size)
+    assert children() == before
+
+
+def test_more_ranks_than_cuda_devices_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs as many CUDA devices, but 1 are visible"):
+        EngineConfig(model=tiny_config("llama3"), load_format="dummy", device="cuda", tensor_parallel_size=2)
+
+
+def test_a_worker_killed_mid_run_fails_the_step_naming_it_and_leaves_no_process():
+    config = tiny_config("llama3")
+    kwargs = dict(load_format="dummy", device="cpu", dtype="float32", max_model_len=MAX_LEN, seed=3)
+    single = LLM(config, QUEST, **kwargs)
+    llm = LLM(config, QUEST, tensor_parallel_size=2, **kwargs)
+    workers = llm.engine.workers.pids
+    assert len(workers) == 1 and set(workers) <= children()
+    engine = llm.engine
+    prompts = [prompt(96, 9), prompt(96, 14)]
+    reference = dict(enumerate(tokens(single, prompts, greedy_params(40))))
+    ids = {engine.add_request(p, greedy_params(40)): i for i, p in enumerate(prompts)}
+    outputs = {}
+    for _ in range(3):  # random weights drawn whole and sliced: the shards are one model's
+        outputs.update({ids[out.request_id]: out.token_ids for out in engine.step()})
+    assert outputs == {i: reference[i][:len(toks)] for i, toks in outputs.items()} and len(outputs) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    began = time.monotonic()
+    with pytest.raises(TensorParallelError, match=rf"tensor-parallel worker rank 1 \(pid {workers[0]}\) exited"):
+        while time.monotonic() - began < DEADLINE_S:
+            engine.step()
+    with pytest.raises(TensorParallelError):  # the engine stays failed
+        engine.step()
+    llm.close()
+    wait_gone(workers)
+    single.close()
+
+
+def test_a_hung_worker_fails_the_step_within_the_collective_timeout_and_is_killed_on_close(monkeypatch):
+    monkeypatch.setenv("QUESTKV_TP_TIMEOUT", "3")
+    llm = LLM(tiny_config("llama3"), QUEST, load_format="dummy", device="cpu", dtype="float32", max_model_len=MAX_LEN,
+              tensor_parallel_size=2)
+    workers = llm.engine.workers.pids
+    llm.engine.add_request(prompt(96, 9), greedy_params(40))
+    llm.engine.step()
+    os.kill(workers[0], signal.SIGSTOP)  # alive, but never answers a collective again
+    with pytest.raises(TensorParallelError, match="a tensor-parallel step failed on rank 0"):
+        llm.engine.step()
+    llm.close()
+    wait_gone(workers)
