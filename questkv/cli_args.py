@@ -242,7 +242,8 @@ def byte_size(text: str) -> int:
 
 def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model_len: bool = True,
                     seed_help: str = "random seed", serving: bool = False) -> None:
-    """The engine's flags: ``--device``, ``--dtype``, ``--max-model-len``, ``--enforce-eager``, ``--seed``;
+    """The engine's flags: ``--device``, ``--dtype``, ``--max-model-len``, ``--enforce-eager``,
+    ``--tensor-parallel-size``, ``--seed``;
     with ``serving`` also ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-cache-memory``,
     ``--gpu-memory-utilization``, ``--graph-capture`` and ``--load-format``. :func:`engine_kwargs` reads them back."""
     group = parser.add_argument_group("engine")
@@ -268,6 +269,10 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
                        "after loading, or a checkpoint's own packed weights: gguf (Q4_0/Q4_1/Q4_K/Q8_0/Q6_K of a .gguf), "
                        "awq, gptq, compressed-tensors (detected from config.json when not given) (default: none, "
                        "the checkpoint's dtype)")
+    group.add_argument("--tensor-parallel-size", type=int_at_least(1), default=1, metavar="N",
+                       help="shard the model over N ranks by attention heads: this process and N-1 spawned workers, "
+                       "one GPU each (cuda:0..N-1, NCCL) or N CPU processes (gloo); heads, KV heads and the "
+                       "intermediate size must be divisible by N (default: 1, one device)")
     group.add_argument("--seed", type=int_at_least(0), default=0, help=f"{seed_help} (default: 0)")
     if serving:
         group.add_argument("--max-num-seqs", type=int_at_least(1), default=32,
@@ -307,7 +312,8 @@ def engine_kwargs(args) -> dict:
 
     device = None if args.device == "auto" else args.device
     on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
-    kwargs = {"device": device, "dtype": resolve_dtype(args.dtype, on_cuda), "enforce_eager": args.enforce_eager}
+    kwargs = {"device": device, "dtype": resolve_dtype(args.dtype, on_cuda), "enforce_eager": args.enforce_eager,
+              "tensor_parallel_size": args.tensor_parallel_size}
     for name in ("async_scheduling", "quantization", "enable_prefix_caching"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)

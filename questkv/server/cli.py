@@ -62,7 +62,8 @@ def _engine_config(args: argparse.Namespace):
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or SIGINT; returns the exit status (0 after a clean shutdown, 2 for bad arguments)."""
+    """Serve until SIGTERM or SIGINT; returns the exit status (0 after a clean shutdown, 2 for bad arguments, 1
+    when the engine failed for good: a tensor-parallel rank died or hung)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         config = _engine_config(args)  # bad knobs fail here, before the model loads
@@ -98,7 +99,9 @@ def _serve(engine, args: argparse.Namespace) -> int:
     from questkv.server.app import build_app
     from questkv.server.engine_loop import EngineLoop
 
-    engine_loop = EngineLoop(engine, max_waiting=args.max_waiting)
+    # A tensor-parallel rank that died ends the engine: stop serving, and exit non-zero (below).
+    engine_loop = EngineLoop(engine, max_waiting=args.max_waiting,
+                             on_fatal=lambda: setattr(server, "should_exit", True))
     app = build_app(engine_loop, args.served_model_name or args.model, request_timeout=args.request_timeout,
                     shutdown_grace=args.shutdown_grace, max_request_bytes=args.max_request_bytes,
                     body_read_timeout=args.body_read_timeout)
@@ -131,4 +134,7 @@ def _serve(engine, args: argparse.Namespace) -> int:
     server.run()
     if engine_loop.started and engine_loop.is_alive():
         logger.error("the engine thread is still alive after shutdown")
+    if engine_loop.fatal_error is not None:
+        print(f"questkv serve: error: {engine_loop.fatal_error}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1

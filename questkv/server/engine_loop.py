@@ -12,8 +12,11 @@ needs no lock; it reports, through ``loop.call_soon_threadsafe`` (once per step 
    one ``finished``; or an :class:`EngineFailure` when a step that ran it raised, after which it is aborted;
    or :class:`ShuttingDown` when the loop stops under it.
 
-An exception in a step fails the requests of that step only and the loop keeps serving. Text, protocol and
-HTTP are :mod:`questkv.server.serving`'s.
+An exception in a step fails the requests of that step only and the loop keeps serving, except a fatal one (a
+:class:`~questkv.engine.tp_workers.TensorParallelError`: a tensor-parallel rank died or hung, so no step can run
+again): then every request is answered :class:`ShuttingDown` (503), the loop takes no new request, records the error
+in :attr:`EngineLoop.fatal_error`, calls ``on_fatal`` (the server exits non-zero) and its thread ends. Text, protocol
+and HTTP are :mod:`questkv.server.serving`'s.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from questkv.engine.llm_engine import LLMEngine
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.sequence import RequestOutput, Sequence
+from questkv.engine.tp_workers import TensorParallelError
 from questkv.server.metrics import ServerMetrics
 from questkv.validation import check_int
 
@@ -116,9 +120,11 @@ class EngineLoop:
         max_waiting: the most requests queued (submitted, not yet admitted to the running batch); beyond it
             :meth:`submit` raises :class:`QueueFull`.
         metrics: where to count tokens, latencies and the pool (a fresh :class:`ServerMetrics` by default).
+        on_fatal: called (from the engine thread) once the engine failed for good (see the module docstring).
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256, metrics: Optional[ServerMetrics] = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, metrics: Optional[ServerMetrics] = None,
+                 on_fatal: Optional[Callable[[], None]] = None) -> None:
         check_int("EngineLoop.max_waiting", max_waiting, minimum=0)
         self.engine = engine
         self.max_waiting = max_waiting
@@ -131,6 +137,8 @@ class EngineLoop:
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._closing = False
+        self.on_fatal = on_fatal
+        self.fatal_error: Optional[BaseException] = None  # the error that ended the engine, if one did
         self.stats: dict[str, Any] = {}
         self._prefix_counted = (0, 0)  # the scheduler's prefix-cache counters already added to the metrics
         self._publish()
@@ -246,6 +254,8 @@ class EngineLoop:
                         self._abort(command[1])
                 if self.engine.has_unfinished_requests():
                     self._step()
+                if self.fatal_error is not None:
+                    return
                 self._publish()
             except Exception:  # never let the thread die; the failing request was answered where it failed
                 logger.exception("engine loop error (the loop keeps running)")
@@ -290,6 +300,9 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except TensorParallelError as error:
+            self._fail_engine(error)
+            return
         except Exception as error:
             self._fail_step(error)
             return
@@ -347,6 +360,20 @@ class EngineLoop:
         self._publish()
         for stream in streams:
             self._emit(stream, EngineFailure(f"the engine step running this request failed: {error!r}"))
+
+    def _fail_engine(self, error: TensorParallelError) -> None:
+        """The engine can run no step any more: refuse new requests, answer every request 503 and call
+        ``on_fatal``; the engine thread then ends."""
+        logger.critical("the engine failed for good: %s; stopping the server", error)
+        self._closing = True
+        self.fatal_error = error
+        self._abort_all(f"the engine failed and the server is stopping: {error}")
+        for command in self._drain(block=False):
+            if isinstance(command, _Add):
+                self._unqueue()
+                self._emit(command.stream, ShuttingDown("the engine failed and the server is stopping"))
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def _stop(self, commands: list) -> None:
         for command in commands:
