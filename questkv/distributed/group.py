@@ -78,10 +78,17 @@ class TensorParallel:
     def all_min(self, value: int, device: torch.device) -> int:
         """The smallest ``value`` over the ranks (the page count every rank's pool can hold)."""
         x = torch.tensor([value], dtype=torch.int64, device=device)
+        return int(self._reduce(x, dist.ReduceOp.MIN).item())
+
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of ``x`` over the ranks, in place; returns ``x``."""
+        return self._reduce(x, dist.ReduceOp.MAX)
+
+    def _reduce(self, x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
+        options.reduceOp = op
         self._require().allreduce([x], options).wait()
-        return int(x.item())
+        return x
 
     def barrier(self, device: torch.device) -> None:
         """Wait until every rank gets here (an all-reduce of one element: both backends have it)."""

@@ -21,28 +21,36 @@ from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.distributed.group import TensorParallel
 from questkv.engine.model_runner import ModelRunner, SampledTokens
 from questkv.engine.tp_workers import START_TIMEOUT_S, TensorParallelError, WorkerPool
-from questkv.layers.quantized_linear import quantize_linears
+from questkv.layers.quantized_linear import check_quantizable, quantize_linears
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from questkv.layers.parallel import row_absmax
 from questkv.models.engine_model import ROUND_TO_NEAREST, EngineModel, load_engine_model
+from questkv.models.llama import LlamaForCausalLM
 from questkv.validation import check_text
 
 Prompt = Union[str, list[int]]
 
 
 def load_shard(config: EngineConfig, tp: Optional[TensorParallel]) -> EngineModel:
-    """The engine's model as ``config`` asks (rank ``tp.rank``'s shard with tensor parallelism), its linears
-    quantized when ``config.quantization`` rounds to nearest: what rank 0 and every worker build alike."""
-    loaded = load_engine_model(
+    """The engine's model as ``config`` asks (rank ``tp.rank``'s shard with tensor parallelism), before
+    :func:`quantize_shard`: what rank 0 and every worker build alike."""
+    return load_engine_model(
         config.model, config.quest, config.torch_dtype, config.torch_device, config.load_format, config.seed,
         config.quantization, tp,
     )
-    if config.quantization in ROUND_TO_NEAREST:  # packed formats were loaded packed
-        quantize_linears(loaded.model, config.quantization)
-        if config.torch_device.type == "cuda":
-            torch.cuda.empty_cache()  # the float weights' blocks: the KV pool is sized from what is free
-    return loaded
+
+
+def quantize_shard(model: LlamaForCausalLM, config: EngineConfig, tp: Optional[TensorParallel]) -> None:
+    """Quantize ``model``'s linears when ``config.quantization`` rounds to nearest (packed formats were loaded
+    packed). With tensor parallelism ``tp`` must be connected: int8 row scales of row-parallel layers are the
+    whole rows' (one all-reduce per layer, :func:`~questkv.layers.parallel.row_absmax`)."""
+    if config.quantization not in ROUND_TO_NEAREST:
+        return
+    quantize_linears(model, config.quantization, row_absmax=None if tp is None else row_absmax(tp))
+    if config.torch_device.type == "cuda":
+        torch.cuda.empty_cache()  # the float weights' blocks: the KV pool is sized from what is free
 
 
 class LLMEngine:
@@ -75,12 +83,19 @@ class LLMEngine:
                     f"{loaded.spec.num_layers} layers"
                 )
         if tp is None:
+            quantize_shard(loaded.model, config, None)
             self.runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len)
         else:
+            if config.quantization in ROUND_TO_NEAREST:  # a shard that cannot be quantized: before any process
+                try:
+                    check_quantizable(loaded.model, config.quantization)
+                except ValueError as error:
+                    raise ValueError(f"{error}, its shard of tensor_parallel_size={tp.size}") from None
             self.workers = WorkerPool(config, max_model_len)
             try:
                 tp.connect(self.workers.store_path, config.torch_device, START_TIMEOUT_S)
                 self.workers.watch(tp)
+                quantize_shard(loaded.model, config, tp)
                 self.runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len, tp, self.workers.send)
                 self.workers.wait_ready()
                 tp.set_timeout(self.workers.timeout)
@@ -107,9 +122,13 @@ class LLMEngine:
         self._closed = False
 
     def _fail_start(self, error: BaseException) -> None:
-        """Stop the workers of a tensor-parallel start that failed and raise: :class:`TensorParallelError` naming the
-        rank when a worker is the cause, ``error`` otherwise."""
+        """Stop the workers of a tensor-parallel start that failed and raise: ``error`` itself when it is a
+        ``ValueError`` (rank 0's configuration, which every rank shares), else :class:`TensorParallelError` naming
+        the rank when a worker is the cause, else ``error``."""
         workers, self.workers = self.workers, None
+        if isinstance(error, ValueError):
+            workers.close()
+            raise error
         try:
             workers.check()
         except TensorParallelError as died:

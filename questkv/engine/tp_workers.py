@@ -228,7 +228,7 @@ def worker_main(config: EngineConfig, rank: int, store_path: str, max_model_len:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops the workers
     try:
-        from questkv.engine.llm_engine import load_shard
+        from questkv.engine.llm_engine import load_shard, quantize_shard
         from questkv.engine.model_runner import ModelRunner
 
         if config.torch_device.type == "cuda":
@@ -236,6 +236,7 @@ def worker_main(config: EngineConfig, rank: int, store_path: str, max_model_len:
         tp = TensorParallel(rank, config.tensor_parallel_size)
         loaded = load_shard(config, tp)
         tp.connect(store_path, config.torch_device, START_TIMEOUT_S)
+        quantize_shard(loaded.model, config, tp)
         runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len, tp=tp)
         tp.set_timeout(timeout)
         conn.send(("ready", None))

@@ -6,8 +6,9 @@ heads' and its intermediate features' rows, output stays sharded), the output an
 (each rank holds the matching input columns; ``LlamaAttention`` / ``LlamaMLP`` all-reduce their output; the bias is
 held by rank 0 only, zeros elsewhere, so the sum adds it once). These stay plain ``nn.Linear`` / ``MergedLinear``
 of the local shape, so weight quantization (:func:`~questkv.layers.quantized_linear.quantize_linears`) works on
-shards unchanged: a row-parallel shard's groups are the full weight's groups when the local input features are a
-multiple of the group size (else ``ValueError`` naming the layer and the group size).
+shards: a row-parallel shard's ``int4`` groups are the full weight's groups when the local input features are a
+multiple of the group size (else ``ValueError`` naming the layer and the group size), and its ``int8`` row scales
+are the whole rows' (:func:`row_absmax`), so that every tensor-parallel size quantizes to the same weights.
 
 A sharded parameter carries how to cut it from the full tensor (:func:`mark_sharded`): ``load_weights`` slices
 each checkpoint tensor as it streams by, and random weights are drawn at the full shape and sliced, so that every
@@ -17,7 +18,7 @@ way for now (each rank reads the whole checkpoint); reading only the slice from 
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from questkv.distributed.group import TensorParallel
 from questkv.ops.quant_reference import QuantizedWeight
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding", "mark_column_parallel", "mark_row_parallel", "mark_sharded",
-           "row_parallel_bias", "shard_of", "shard_tensor"]
+           "row_absmax", "row_parallel_bias", "shard_of", "shard_tensor"]
 
 Shard = Callable[[torch.Tensor], torch.Tensor]
 Weight = Union[torch.Tensor, QuantizedWeight]
@@ -152,8 +153,22 @@ def mark_row_parallel(linear: nn.Linear, tp: TensorParallel) -> None:
     the others, so that the all-reduce of the outputs adds it once)."""
     mark_sharded(linear.weight, (linear.out_features, linear.in_features * tp.size),
                  lambda full: _narrow(full, 1, tp, "row-parallel"))
+    linear.weight.tp_row_parallel = True
     if linear.bias is not None:
         mark_sharded(linear.bias, tuple(linear.bias.shape), lambda full: row_parallel_bias(full, tp))
+
+
+def row_absmax(tp: TensorParallel) -> Callable[[nn.Linear], Optional[torch.Tensor]]:
+    """For :func:`~questkv.layers.quantized_linear.quantize_linears`: a row-parallel layer's whole rows' largest
+    magnitudes (``[out_features]`` float32, the maximum over the ranks: one all-reduce per layer, every rank calling
+    for the same layers in the same order), so that its ``int8`` row scales are the unsharded layer's; ``None``
+    for a layer that holds whole rows."""
+    def absmax(linear: nn.Linear) -> Optional[torch.Tensor]:
+        if not getattr(linear.weight, "tp_row_parallel", False):
+            return None
+        return tp.all_max(linear.weight.detach().float().abs().amax(dim=1))  # [N]
+
+    return absmax
 
 
 def row_parallel_bias(full: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -16,7 +16,7 @@ tied head shares the embedding's weight, and at batch 1 it is ~6% of an 8B model
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ __all__ = [
     "QuantLayout",
     "QuantizedLinear",
     "QuantizedMergedLinear",
+    "check_quantizable",
     "quant_matmul",
     "quantize_linears",
 ]
@@ -167,12 +168,13 @@ class QuantizedLinear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_float(cls, linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,
-                   backend: str = "auto") -> "QuantizedLinear":
+                   backend: str = "auto", row_absmax: Optional[torch.Tensor] = None) -> "QuantizedLinear":
         """A quantized copy of ``linear`` (round to nearest; a :class:`~questkv.layers.linear.MergedLinear` gives a
-        :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype."""
+        :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype
+        (``row_absmax``: see :func:`~questkv.ops.quant_reference.quantize_weight`)."""
         check_choice("quantization", method, METHODS)
         layer = cls.empty_like(linear, method, group_size)
-        quantized = quantize_weight(linear.weight, method, group_size)
+        quantized = quantize_weight(linear.weight, method, group_size, row_absmax=row_absmax)
         layer.load_packed("weight", quantized)
         layer.set_backend(backend)
         return layer
@@ -292,25 +294,16 @@ def _skipped(name: str, skip: Iterable[str]) -> bool:
     return any(name == s or name.endswith("." + s) for s in skip)
 
 
-@torch.no_grad()
-def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_head",),
-                     group_size: int = DEFAULT_GROUP_SIZE, backend: str = "auto") -> list[str]:
-    """Swap every ``nn.Linear`` of ``model`` (``MergedLinear`` included) for a :class:`QuantizedLinear`, in place.
+def check_quantizable(model: nn.Module, method: str, skip: Sequence[str] = ("lm_head",),
+                      group_size: int = DEFAULT_GROUP_SIZE) -> list[tuple[nn.Module, str, str, nn.Linear]]:
+    """Every check of :func:`quantize_linears` (same arguments), changing nothing; returns its targets,
+    ``(parent, attribute, dotted name, linear)`` in ``named_modules`` order.
 
-    Call it after the float weights are loaded; embeddings and norms are untouched. Every layer is checked before
-    any is swapped, so a ``ValueError`` leaves ``model`` as it was.
-
-    Args:
-        model: any module. method: one of :data:`METHODS` (``ValueError`` naming ``quantization`` otherwise).
-        skip: module names (or their last dotted parts) left in float; ``("lm_head",)`` by default (module docstring).
-        group_size: ``int4`` group; it must divide every quantized layer's ``in_features``.
-        backend: one of :data:`BACKENDS` for every new layer.
-
-    Returns:
-        The dotted names of the swapped modules, in ``named_modules`` order.
+    Raises:
+        ValueError: ``method`` is not one of :data:`METHODS`, or a layer's ``in_features`` (a tensor-parallel
+            shard's own) does not hold whole groups, naming the layer.
     """
     check_choice("quantization", method, METHODS)
-    check_choice("quantize_linears backend", backend, BACKENDS)
     targets = []  # (parent, attribute, full name, linear)
     for parent_name, parent in model.named_modules():
         for attr, child in parent.named_children():
@@ -325,9 +318,36 @@ def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_h
         if method == "int8" and linear.in_features % 4:
             raise ValueError(f"quantize_linears: int8 needs in_features divisible by 4, layer {name} has "
                              f"{linear.in_features}")
+    return targets
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_head",),
+                     group_size: int = DEFAULT_GROUP_SIZE, backend: str = "auto",
+                     row_absmax: Optional[Callable[[nn.Linear], Optional[torch.Tensor]]] = None) -> list[str]:
+    """Swap every ``nn.Linear`` of ``model`` (``MergedLinear`` included) for a :class:`QuantizedLinear`, in place.
+
+    Call it after the float weights are loaded; embeddings and norms are untouched. Every layer is checked before
+    any is swapped, so a ``ValueError`` leaves ``model`` as it was.
+
+    Args:
+        model: any module. method: one of :data:`METHODS` (``ValueError`` naming ``quantization`` otherwise).
+        skip: module names (or their last dotted parts) left in float; ``("lm_head",)`` by default (module docstring).
+        group_size: ``int4`` group; it must divide every quantized layer's ``in_features``.
+        backend: one of :data:`BACKENDS` for every new layer.
+        row_absmax: for ``int8``, each layer's whole rows' largest magnitudes when it holds part of them
+            (:func:`questkv.layers.parallel.row_absmax`, tensor parallelism), or ``None`` for its own; called for
+            every layer in ``named_modules`` order.
+
+    Returns:
+        The dotted names of the swapped modules, in ``named_modules`` order.
+    """
+    check_choice("quantize_linears backend", backend, BACKENDS)
+    targets = check_quantizable(model, method, skip, group_size)
     done: dict[int, QuantizedLinear] = {}  # a module reachable under two names is quantized once
     for parent, attr, _, linear in targets:
         if id(linear) not in done:
-            done[id(linear)] = QuantizedLinear.from_float(linear, method, group_size, backend)
+            absmax = None if row_absmax is None or method != "int8" else row_absmax(linear)
+            done[id(linear)] = QuantizedLinear.from_float(linear, method, group_size, backend, absmax)
         setattr(parent, attr, done[id(linear)])
     return [name for _, _, name, _ in targets]

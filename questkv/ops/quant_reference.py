@@ -111,13 +111,16 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor, method: str, group_size: int = DEFAULT_GROUP_SIZE,
-                    dtype: Optional[torch.dtype] = None) -> QuantizedWeight:
+                    dtype: Optional[torch.dtype] = None, row_absmax: Optional[torch.Tensor] = None) -> QuantizedWeight:
     """Round-to-nearest quantization of a float ``weight`` ``[N, K]``.
 
     Args:
         weight: ``[N, K]`` any float dtype (quantized from its float32 values).
         method: one of :data:`METHODS`. group_size: ``int4`` group (ignored by ``int8``).
         dtype: dtype of ``scales`` / ``zeros`` (default ``weight.dtype``).
+        row_absmax: ``int8`` only: ``[N]`` float32, each row's largest magnitude when ``weight`` holds part of
+            longer rows (a tensor-parallel shard of input features): the scales are then the whole rows'.
+            ``None``: ``weight``'s own.
 
     Returns:
         A :class:`QuantizedWeight` on ``weight``'s device.
@@ -127,7 +130,8 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int = DEFAULT
     dtype = dtype or weight.dtype
     w = weight.float()
     if method == "int8":
-        scale = (w.abs().amax(dim=1) / 127).to(dtype).float()  # [N], as stored
+        absmax = w.abs().amax(dim=1) if row_absmax is None else row_absmax.float()  # [N]
+        scale = (absmax / 127).to(dtype).float()  # [N], as stored
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
         return QuantizedWeight(q.contiguous(), scale.to(dtype), None)

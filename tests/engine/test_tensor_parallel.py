@@ -1,12 +1,14 @@
 """Tensor parallelism on the CPU (gloo, 2 processes): the same tokens as one device, clear errors before any
 process starts, and a dead worker turned into an error in bounded time with no process left behind.
 
-Two tiny random models saved as HF folders, so that loading slices real checkpoint tensors: a Llama with MHA and
+Tiny random models saved as HF folders, so that loading slices real checkpoint tensors: a Llama with MHA and
 every bias (the row-parallel biases count once) and a vocabulary of 97 (the vocab-parallel embedding and head pad
-it to 98), and a Qwen2 with QKV biases, GQA 14:2 (one KV head per rank) and tied embeddings. fp32: greedy tokens
-and seeded samples must match exactly. The Llama engine schedules asynchronously (the sampled tokens feed the next
-step from every rank's device), the Qwen2 engine synchronously. One engine of each size is shared by the tests of a
-model (a worker takes seconds to start); their pools are tiny (18 pages of 4 tokens), so a batch preempts.
+it to 98), a Qwen2 with QKV biases, GQA 14:2 (one KV head per rank) and tied embeddings, and a GQA Llama quantized
+to int8 after loading (a row-parallel shard's row scales are the whole rows'). fp32 activations: greedy tokens and
+seeded samples must match exactly. The first Llama engine schedules asynchronously (the sampled tokens feed the
+next step from every rank's device), the others synchronously. One engine of each size is shared by the tests of a
+model (a worker takes seconds to start); their pools are tiny (18 pages of 4 tokens), so a batch preempts. A packed
+GPTQ checkpoint (groups of 32) shards on group boundaries too.
 """
 
 from __future__ import annotations
@@ -25,20 +27,21 @@ from questkv.engine.config import EngineConfig
 from questkv.engine.llm import LLM
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.tp_workers import TensorParallelError
-from tests.helpers import greedy_params, save_tiny_model, tiny_config
+from tests.helpers import greedy_params, save_tiny_model, tiny_config, tiny_hf_model
 
 PAGE, MAX_LEN, POOL_PAGES = 4, 64, 18
 QUEST = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1)
-MODELS = {"llama": dict(family="llama_mha", vocab_size=97, async_scheduling=True),
-          "qwen2": dict(family="qwen2", vocab_size=96, async_scheduling=False)}
+MODELS = {"llama": dict(family="llama_mha", vocab_size=97, engine=dict(async_scheduling=True)),
+          "qwen2": dict(family="qwen2", vocab_size=96, engine=dict(async_scheduling=False)),
+          "llama int8": dict(family="llama3", vocab_size=96, engine=dict(async_scheduling=False, quantization="int8"))}
 DEADLINE_S = 60.0  # a bound for states awaited (a worker's death noticed, processes gone); never a sleep
 
 
-def make_llm(model_dir, tensor_parallel_size: int, async_scheduling: bool, **kwargs) -> LLM:
+def make_llm(model_dir, tensor_parallel_size: int, **kwargs) -> LLM:
     """An engine whose pool holds ``POOL_PAGES`` pages on every rank (``kv_cache_memory`` is per rank)."""
-    llm_kwargs = dict(device="cpu", dtype="float32", max_model_len=MAX_LEN, max_num_seqs=8,
-                      async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size, **kwargs)
-    return LLM(str(model_dir), QUEST, kv_cache_memory=pool_bytes(model_dir, tensor_parallel_size), **llm_kwargs)
+    return LLM(str(model_dir), QUEST, kv_cache_memory=pool_bytes(model_dir, tensor_parallel_size), device="cpu",
+               dtype="float32", max_model_len=MAX_LEN, max_num_seqs=8, tensor_parallel_size=tensor_parallel_size,
+               **kwargs)
 
 
 def pool_bytes(model_dir, tensor_parallel_size: int) -> int:
@@ -57,8 +60,8 @@ def engines(request, tmp_path_factory):
     model = MODELS[request.param]
     folder = save_tiny_model(tmp_path_factory.mktemp(request.param), model["vocab_size"],
                              seed=random.randrange(1 << 16), family=model["family"])
-    single = make_llm(folder, 1, model["async_scheduling"])
-    sharded = make_llm(folder, 2, model["async_scheduling"])
+    single = make_llm(folder, 1, **model["engine"])
+    sharded = make_llm(folder, 2, **model["engine"])
     try:
         yield single, sharded
     finally:
@@ -99,6 +102,17 @@ def test_two_ranks_under_preemption_give_the_tokens_of_one_device(engines):
     assert [out.token_ids for out in outputs] == tokens(single, prompts, params)
 
 
+def test_an_int8_row_parallel_shard_holds_the_one_device_codes_and_row_scales(engines):
+    single, sharded = engines
+    if single.config.quantization != "int8":
+        pytest.skip("a check of the int8 engines")
+    for layer in ("self_attn.o_proj", "mlp.down_proj"):
+        whole = single.engine.runner.model.model.layers[0].get_submodule(layer)
+        shard = sharded.engine.runner.model.model.layers[0].get_submodule(layer)  # rank 0: the first input half
+        assert torch.equal(shard.scales, whole.scales), layer
+        assert torch.equal(shard.qweight, whole.qweight[:, :whole.in_features // 2]), layer
+
+
 def children() -> set[int]:
     return {child.pid for child in psutil.Process().children(recursive=True)}
 
@@ -124,6 +138,28 @@ def test_heads_that_do_not_split_over_the_ranks_are_refused_before_any_process_s
     with pytest.raises(ValueError, match=message):
         LLM(tiny_config(family), load_format="dummy", device="cpu", dtype="float32", tensor_parallel_size=size)
     assert children() == before
+
+
+def test_a_shard_that_would_cut_int4_groups_is_refused_naming_the_layer_before_any_process_starts():
+    before = children()
+    config = tiny_config("llama3", hidden_size=128, intermediate_size=256)  # o_proj: 128 inputs, 64 per rank
+    with pytest.raises(ValueError, match=r"group size 128, got 64 \(layer model\.layers\.0\.self_attn\.o_proj\), its "
+                                         r"shard of tensor_parallel_size=2"):
+        LLM(config, load_format="dummy", device="cpu", dtype="float32", quantization="int4", tensor_parallel_size=2)
+    assert children() == before
+
+
+def test_a_packed_gptq_checkpoint_shards_on_group_boundaries_and_gives_the_tokens_of_one_device(tmp_path):
+    from tests.models.test_quantized_checkpoints import write_checkpoint
+
+    float_folder = tmp_path / "float"  # every linear holds whole groups of 32 on each rank
+    tiny_hf_model(tiny_config("llama3", vocab_size=96, hidden_size=128, intermediate_size=256)).save_pretrained(
+        float_folder)
+    write_checkpoint(tmp_path / "gptq", float_folder, "gptq")
+    prompts = [prompt(96, 11), prompt(96, 4)]
+    expected = tokens(make_llm(tmp_path / "gptq", 1), prompts, greedy_params(10))
+    with make_llm(tmp_path / "gptq", 2) as sharded:
+        assert tokens(sharded, prompts, greedy_params(10)) == expected
 
 
 def test_more_ranks_than_cuda_devices_is_refused(monkeypatch):
