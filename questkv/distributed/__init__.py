@@ -1,2 +1,3 @@
-"""Tensor parallelism's process side: the ranks' communicator (:mod:`.group`) and the worker processes of ranks
-1..N-1 with their watchdog (:mod:`.workers`). The sharded layers live in :mod:`questkv.layers.parallel`."""
+"""Tensor parallelism's communicator: :class:`~questkv.distributed.group.TensorParallel`, one rank's place in the
+group and the collectives the sharded layers run. The sharded layers are :mod:`questkv.layers.parallel`'s, the
+worker processes and their watchdog :mod:`questkv.engine.tp_workers`'."""

@@ -22,7 +22,7 @@ class LLM:
         quest: Quest on decode steps (``QuestConfig(token_budget=...)``), or ``None``: the same engine dense.
         **kwargs: the other :class:`~questkv.engine.config.EngineConfig` fields (``dtype``, ``device``,
             ``max_num_seqs``, ``max_model_len``, ``kv_cache_memory``, ``gpu_memory_utilization``,
-            ``enforce_eager``, ``seed``, ``load_format``, ``max_num_batched_tokens``).
+            ``enforce_eager``, ``seed``, ``load_format``, ``max_num_batched_tokens``, ``tensor_parallel_size``).
 
     Example::
 

@@ -163,7 +163,8 @@ class WorkerPool:
         for rank, conn in enumerate(self._conns, start=1):
             if not conn.poll(START_TIMEOUT_S):
                 self.check()
-                raise TensorParallelError(f"tensor-parallel worker rank {rank} did not start within {START_TIMEOUT_S} s")
+                raise TensorParallelError(f"tensor-parallel worker rank {rank} did not start within "
+                                          f"{START_TIMEOUT_S} s")
             try:
                 kind, text = conn.recv()
             except (EOFError, OSError):

@@ -71,7 +71,8 @@ def shard_tensor(name: str, tensor: Weight, dim: int, tp: TensorParallel) -> Wei
         in_features = qweight.shape[1] * tp.size * (2 if qweight.dtype == torch.uint8 else 1)
         raise ValueError(f"weight {name!r}: {groups} quantization groups of {in_features // groups} input features "
                          f"do not split evenly over tensor_parallel_size={tp.size}; a shard must hold whole groups")
-    return QuantizedWeight(qweight, _narrow(scales, 0, tp, name), None if zeros is None else _narrow(zeros, 0, tp, name))
+    zeros = None if zeros is None else _narrow(zeros, 0, tp, name)
+    return QuantizedWeight(qweight, _narrow(scales, 0, tp, name), zeros)
 
 
 def _narrow(tensor: torch.Tensor, dim: int, tp: TensorParallel, name: str) -> torch.Tensor:
