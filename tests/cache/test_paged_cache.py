@@ -249,3 +249,25 @@ def test_copy_tokens_gives_a_sequence_the_same_keys_values_and_bounds():
     assert torch.equal(cache.kmax[:, last], before) and cache.seq_len(src) == 10 and cache.seq_len(dst) == 11
     with pytest.raises(ValueError, match="copy_tokens: sequence .* holds 10 tokens, sequence .* 11; they must hold as many"):
         cache.copy_tokens(src, dst)
+
+
+def test_a_mirror_that_follows_pages_from_holds_the_same_page_table_slots_and_lengths():
+    source = PagedKVCache(1, 1, 4, num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    mirror = PagedKVCache(1, 1, 4, num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)
+    a, b = source.add_sequence(), source.add_sequence()
+    source.allocate([a, b], [6, 9])
+    sent = {}
+    for _ in range(2):  # a whole row first, then only the pages added since
+        for seq in (a, b):
+            pages = source.pages_from(seq, sent.get(seq, 0))
+            mirror.mirror(seq, sent.get(seq, 0), pages, source.seq_len(seq))
+            sent[seq] = sent.get(seq, 0) + len(pages)
+        source.allocate([a, b], [5, 1])
+        source.allocate([a, b], [0, 0])
+    for seq in (a, b):
+        pages = source.pages_from(seq, sent[seq])
+        mirror.mirror(seq, sent[seq], pages, source.seq_len(seq))
+    assert all(torch.equal(x, y) for x, y in zip(mirror.batch([a, b]), source.batch([a, b])))
+    assert torch.equal(mirror.slots([a, b], [0, 3], [11, 7]), source.slots([a, b], [0, 3], [11, 7]))
+    with pytest.raises(ValueError, match="mirror: pages \\[5, 6\\) of sequence 0 do not follow its"):
+        mirror.mirror(a, 5, [1], 20)
