@@ -82,7 +82,8 @@ class WorkerPool:
         context = mp.get_context("spawn")
         self._conns: list[multiprocessing.connection.Connection] = []
         self._procs = []
-        self._failure: Optional[str] = None
+        self._failure: Optional[str] = None  # why the group failed, set once (under _lock)
+        self._lock = threading.Lock()
         self._closed = False
         self._group: Optional[TensorParallel] = None
         atexit.register(self.close)
@@ -111,17 +112,28 @@ class WorkerPool:
             group.abort()
 
     def _watch(self) -> None:
-        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs, start=1)}
-        ready = multiprocessing.connection.wait([*sentinels, self._wake_r])
-        dead = [sentinels[s] for s in ready if s in sentinels]
-        if dead and not self._closed:
-            self._failure = self._describe(dead[0])
-            if self._group is not None:
-                self._group.abort()
+        ready = multiprocessing.connection.wait([*self._sentinels(), self._wake_r])
+        if self._wake_r not in ready:
+            self._record_death()
+
+    def _sentinels(self) -> list[int]:
+        return [proc.sentinel for proc in self._procs]
+
+    def _record_death(self) -> bool:
+        """If a worker has exited (its sentinel is ready), record the failure naming it (once, whichever thread
+        comes first) and abort the group; returns whether the group has failed."""
+        with self._lock:
+            if self._failure is None and not self._closed:
+                dead = multiprocessing.connection.wait(self._sentinels(), timeout=0)
+                if dead:
+                    self._failure = self._describe(self._sentinels().index(dead[0]) + 1)
+                    if self._group is not None:
+                        self._group.abort()
+            return self._failure is not None
 
     def _describe(self, rank: int) -> str:
         proc, conn = self._procs[rank - 1], self._conns[rank - 1]
-        proc.join(timeout=1.0)
+        proc.join(timeout=1.0)  # its exit code
         detail = ""
         try:
             while conn.poll():
@@ -130,31 +142,24 @@ class WorkerPool:
                     detail = f"; its error:\n{text}"
         except (EOFError, OSError):
             pass
-        return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}{detail}")
+        return f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}{detail}"
 
     def fail(self, error: BaseException) -> TensorParallelError:
         """Mark the group failed after ``error`` broke a step part-way (the ranks are out of step: every later
         step raises) and return the :class:`TensorParallelError` to raise, naming the dead rank when a worker has
-        exited (a rank's death may break the collective before its process is reaped: waited for, briefly)."""
-        multiprocessing.connection.wait([proc.sentinel for proc in self._procs], timeout=_EXIT_WAIT)
-        try:
-            self.check()
-        except TensorParallelError as died:
-            return died
-        self._failure = (f"a tensor-parallel step failed on rank 0 ({type(error).__name__}: {error}); the ranks are "
-                         "out of step")
-        if self._group is not None:
-            self._group.abort()
+        exited (a rank's death may break the collective before its process has exited: waited for, briefly)."""
+        multiprocessing.connection.wait(self._sentinels(), timeout=_EXIT_WAIT)
+        if not self._record_death():
+            with self._lock:
+                self._failure = (f"a tensor-parallel step failed on rank 0 ({type(error).__name__}: {error}); the "
+                                 "ranks are out of step")
+            if self._group is not None:
+                self._group.abort()
         return TensorParallelError(self._failure)
 
     def check(self) -> None:
         """Raise :class:`TensorParallelError` naming the rank if a worker has exited (or the group failed)."""
-        if self._failure is None:
-            for rank, proc in enumerate(self._procs, start=1):
-                if not proc.is_alive():
-                    self._failure = self._describe(rank)
-                    break
-        if self._failure is not None:
+        if self._record_death():
             raise TensorParallelError(self._failure)
 
     def wait_ready(self) -> None:
@@ -171,7 +176,8 @@ class WorkerPool:
                 self.check()
                 raise
             if kind != "ready":
-                self._failure = f"tensor-parallel worker rank {rank} failed to start; its error:\n{text}"
+                with self._lock:
+                    self._failure = f"tensor-parallel worker rank {rank} failed to start; its error:\n{text}"
                 raise TensorParallelError(self._failure)
 
     def send(self, message) -> None:
@@ -190,8 +196,11 @@ class WorkerPool:
         remove the rendezvous folder. Idempotent; never raises."""
         if self._closed:
             return
-        self._closed = True
+        with self._lock:
+            self._closed = True
         atexit.unregister(self.close)
+        os.write(self._wake_w, b"x")  # the watchdog first: only this thread reaps the workers from here on
+        self._watchdog.join(timeout=_STOP_GRACE)
         for conn in self._conns:
             try:
                 conn.send_bytes(b"")
@@ -204,8 +213,6 @@ class WorkerPool:
                 proc.join(timeout=_STOP_GRACE)
         for conn in self._conns:
             conn.close()
-        os.write(self._wake_w, b"x")
-        self._watchdog.join(timeout=_STOP_GRACE)
         os.close(self._wake_r)
         os.close(self._wake_w)
         if self._group is not None:
