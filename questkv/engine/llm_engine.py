@@ -17,15 +17,15 @@ from questkv.config import QuestConfig
 from questkv.decode.reuse import selection_seq_len
 from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import EngineConfig
-from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.distributed.group import TensorParallel
+from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.engine.model_runner import ModelRunner, SampledTokens
 from questkv.engine.tp_workers import START_TIMEOUT_S, TensorParallelError, WorkerPool
+from questkv.layers.parallel import row_absmax
 from questkv.layers.quantized_linear import check_quantizable, quantize_linears
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
-from questkv.layers.parallel import row_absmax
 from questkv.models.engine_model import ROUND_TO_NEAREST, EngineModel, load_engine_model
 from questkv.models.llama import LlamaForCausalLM
 from questkv.validation import check_text
@@ -55,6 +55,12 @@ def quantize_shard(model: LlamaForCausalLM, config: EngineConfig, tp: Optional[T
 
 class LLMEngine:
     """One model, one page pool, continuous batching.
+
+    With ``config.tensor_parallel_size`` N > 1 this process is rank 0: it loads its shard first (a model whose heads
+    do not split fails before any process starts), then starts ranks 1..N-1 (:attr:`workers`, a
+    :class:`~questkv.engine.tp_workers.WorkerPool`) and runs the scheduler for all of them. A step that fails then
+    raises :class:`~questkv.engine.tp_workers.TensorParallelError` and every later one too (the ranks are out of
+    step); :meth:`close` stops the workers.
 
     Args:
         config: the engine's configuration.
@@ -122,20 +128,15 @@ class LLMEngine:
         self._closed = False
 
     def _fail_start(self, error: BaseException) -> None:
-        """Stop the workers of a tensor-parallel start that failed and raise: ``error`` itself when it is a
-        ``ValueError`` (rank 0's configuration, which every rank shares), else :class:`TensorParallelError` naming
-        the rank when a worker is the cause, else ``error``."""
+        """Kill the workers of a tensor-parallel start that failed and raise: ``error`` itself when it is a
+        ``ValueError`` (rank 0's configuration, which every rank shares) or no worker died, else
+        :class:`TensorParallelError` naming the worker that did."""
         workers, self.workers = self.workers, None
-        if isinstance(error, ValueError):
-            workers.close()
-            raise error
-        try:
-            workers.check()
-        except TensorParallelError as died:
-            workers.close()
-            raise died from error
+        failure = workers.fail(error)  # the group is failed: close() kills at once
         workers.close()
-        raise error
+        if isinstance(error, ValueError) or workers.dead_rank is None:
+            raise error
+        raise failure from error
 
     def add_request(
         self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None

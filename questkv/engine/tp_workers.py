@@ -83,6 +83,7 @@ class WorkerPool:
         self._conns: list[multiprocessing.connection.Connection] = []
         self._procs = []
         self._failure: Optional[str] = None  # why the group failed, set once (under _lock)
+        self.dead_rank: Optional[int] = None  # the worker whose exit failed the group, if one did
         self._lock = threading.Lock()
         self._closed = False
         self._group: Optional[TensorParallel] = None
@@ -126,7 +127,8 @@ class WorkerPool:
             if self._failure is None and not self._closed:
                 dead = multiprocessing.connection.wait(self._sentinels(), timeout=0)
                 if dead:
-                    self._failure = self._describe(self._sentinels().index(dead[0]) + 1)
+                    self.dead_rank = self._sentinels().index(dead[0]) + 1
+                    self._failure = self._describe(self.dead_rank)
                     if self._group is not None:
                         self._group.abort()
             return self._failure is not None
