@@ -170,3 +170,17 @@ def test_seconds_accepts_positive_numbers_and_zero_only_when_allowed(allow_zero,
     else:
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"{text!r} is not a number of seconds")):
             parse(text)
+
+
+def test_every_engine_command_takes_the_tensor_parallel_size(capsys):
+    from questkv.cli_args import engine_kwargs
+    from questkv.server.cli import add_serve_args
+
+    parser = cli.build_parser()
+    for argv in (["generate", "--prompt", "hi"], ["demo"], ["bench", "latency"]):
+        assert engine_kwargs(parser.parse_args(argv))["tensor_parallel_size"] == 1
+        assert engine_kwargs(parser.parse_args([*argv, "--tensor-parallel-size", "2"]))["tensor_parallel_size"] == 2
+    serve = argparse.ArgumentParser(prog="serve")
+    add_serve_args(serve)
+    assert engine_kwargs(serve.parse_args(["m", "--tensor-parallel-size", "4"]))["tensor_parallel_size"] == 4
+    assert "--tensor-parallel-size" in parse_error(serve, ["m", "--tensor-parallel-size", "0"], capsys)
