@@ -37,6 +37,7 @@ class EngineConfig:
         max_num_batched_tokens: the most prompt tokens per prefill step (a longer prompt runs alone);
             ``None``: ``max(max_model_len, 8192)``.
         kv_cache_memory: bytes of KV cache; ``None``: what ``gpu_memory_utilization`` leaves (CUDA) or 1 GiB (CPU).
+            With tensor parallelism, per rank (each holds its KV heads' share of every page).
         gpu_memory_utilization: fraction in (0, 1] of the GPU's whole memory this engine may occupy: weights,
             activations and KV cache (vLLM's meaning; not a fraction of what is free). The KV cache never takes
             more than is free when the engine starts, so that engines in one process or on one GPU can share
