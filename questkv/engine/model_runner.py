@@ -313,7 +313,10 @@ class ModelRunner:
             self._run_prefill(message.prefill)
         else:
             host, key = message.decode
-            self._inputs[:, :key[0]].copy_(torch.from_numpy(host), non_blocking=True)
+            staged = self._host_inputs[self._flip][:, :key[0]]  # pinned, in turn: the copy does not wait
+            self._flip ^= 1
+            staged.copy_(torch.from_numpy(host))
+            self._inputs[:, :key[0]].copy_(staged, non_blocking=True)
             self.graphs.run(key, self._decode_body)
         tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
         self._sampled[:message.count].copy_(tokens)
