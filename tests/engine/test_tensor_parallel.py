@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU (gloo, 2 processes): the same tokens as one device, clear errors before any
-process starts, and a dead worker turned into an error in bounded time with no process left behind.
+process starts, and a dead or hung worker turned into an error in bounded time with no process left behind.
 
 Tiny random models saved as HF folders, so that loading slices real checkpoint tensors: a Llama with MHA and
 every bias (the row-parallel biases count once) and a vocabulary of 97 (the vocab-parallel embedding and head pad
@@ -157,7 +157,8 @@ def test_a_packed_gptq_checkpoint_shards_on_group_boundaries_and_gives_the_token
         float_folder)
     write_checkpoint(tmp_path / "gptq", float_folder, "gptq")
     prompts = [prompt(96, 11), prompt(96, 4)]
-    expected = tokens(make_llm(tmp_path / "gptq", 1), prompts, greedy_params(10))
+    with make_llm(tmp_path / "gptq", 1) as single:
+        expected = tokens(single, prompts, greedy_params(10))
     with make_llm(tmp_path / "gptq", 2) as sharded:
         assert tokens(sharded, prompts, greedy_params(10)) == expected
 
