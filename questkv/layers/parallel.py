@@ -10,9 +10,10 @@ shards: a row-parallel shard's ``int4`` groups are the full weight's groups when
 multiple of the group size (else ``ValueError`` naming the layer and the group size), and its ``int8`` row scales
 are the whole rows' (:func:`row_absmax`), so that every tensor-parallel size quantizes to the same weights.
 
-A sharded parameter carries how to cut it from the full tensor (:func:`mark_sharded`): ``load_weights`` slices
-each checkpoint tensor as it streams by, and random weights are drawn at the full shape and sliced, so that every
-tensor-parallel size gives the same model for one seed. Reading the full tensor and keeping a slice is the simple
+``LlamaForCausalLM.load_weights`` slices each checkpoint tensor as it streams by (:func:`shard_tensor` for the
+projections, float or packed; :func:`shard_of` for the embedding and the head). A sharded parameter carries how to
+cut it from the full tensor (:func:`mark_sharded`), so that random weights are drawn at the full shape and sliced:
+every tensor-parallel size gives the same model for one seed. Reading the full tensor and keeping a slice is the simple
 way for now (each rank reads the whole checkpoint); reading only the slice from safetensors is a later step.
 """
 
