@@ -53,7 +53,7 @@ _SCRIPT = textwrap.dedent(
                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k > 1,
                           USE_DOT=cfg.use_dot, UPCAST=False, IEEE=dtype == "fp32", EVEN_K=even_k,
                           SWAP_AB=cfg.swap_ab, MAGIC16=magic16, OFFSET16=128.0 if magic16 == 0x4300 else 1024.0,
-                          USE_ASM=True)
+                          USE_ASM=True, X_PAIRS=dtype == "bf16")
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in KERNEL.arg_names}
         attrs = {(KERNEL.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *DIVISIBLE)}

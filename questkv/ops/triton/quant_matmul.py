@@ -79,7 +79,7 @@ def _quant_matmul_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, USE_ASM: tl.constexpr,
+    MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, USE_ASM: tl.constexpr, X_PAIRS: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M))``; ``w_ptr`` int32 words ``[N, k_words]``;
     ``s_ptr`` / ``z_ptr`` ``[K // GROUP, N]`` (``BITS == 4``) or ``s_ptr`` ``[N]`` (``BITS == 8``, ``GROUP``
@@ -188,18 +188,27 @@ def _quant_matmul_kernel(
             for i in tl.static_range(BLOCK_M):
                 row = pid_m * BLOCK_M + i
                 xmask = (kw + wi < kw_end) & (row < M)
-                xrow = x_ptr + row * stride_xm + kidx
-                x0 = tl.load(xrow, mask=xmask, other=0.0).to(tl.float32)  # [WPG]
-                x1 = tl.load(xrow + 1, mask=xmask, other=0.0).to(tl.float32)
-                x2 = tl.load(xrow + 2, mask=xmask, other=0.0).to(tl.float32)
-                x3 = tl.load(xrow + 3, mask=xmask, other=0.0).to(tl.float32)
+                if X_PAIRS:  # bf16 x read as int32 pairs: half the loads, and each half is a float32 by a shift
+                    xrow = x_ptr.to(tl.pointer_type(tl.int32)) + row * (stride_xm // 2) + kidx // 2
+                    x0, x1 = _bf16_pair(tl.load(xrow, mask=xmask, other=0))
+                    x2, x3 = _bf16_pair(tl.load(xrow + 1, mask=xmask, other=0))
+                else:
+                    xrow = x_ptr + row * stride_xm + kidx
+                    x0 = tl.load(xrow, mask=xmask, other=0.0).to(tl.float32)  # [WPG]
+                    x1 = tl.load(xrow + 1, mask=xmask, other=0.0).to(tl.float32)
+                    x2 = tl.load(xrow + 2, mask=xmask, other=0.0).to(tl.float32)
+                    x3 = tl.load(xrow + 3, mask=xmask, other=0.0).to(tl.float32)
                 prod = q0 * x0[None, :] + q1 * x1[None, :] + q2 * x2[None, :] + q3 * x3[None, :]  # [BN, WPG]
                 xs = x0 + x1 + x2 + x3
                 if EPW == 8:
-                    x4 = tl.load(xrow + 4, mask=xmask, other=0.0).to(tl.float32)
-                    x5 = tl.load(xrow + 5, mask=xmask, other=0.0).to(tl.float32)
-                    x6 = tl.load(xrow + 6, mask=xmask, other=0.0).to(tl.float32)
-                    x7 = tl.load(xrow + 7, mask=xmask, other=0.0).to(tl.float32)
+                    if X_PAIRS:
+                        x4, x5 = _bf16_pair(tl.load(xrow + 2, mask=xmask, other=0))
+                        x6, x7 = _bf16_pair(tl.load(xrow + 3, mask=xmask, other=0))
+                    else:
+                        x4 = tl.load(xrow + 4, mask=xmask, other=0.0).to(tl.float32)
+                        x5 = tl.load(xrow + 5, mask=xmask, other=0.0).to(tl.float32)
+                        x6 = tl.load(xrow + 6, mask=xmask, other=0.0).to(tl.float32)
+                        x7 = tl.load(xrow + 7, mask=xmask, other=0.0).to(tl.float32)
                     prod += q4 * x4[None, :] + q5 * x5[None, :] + q6 * x6[None, :] + q7 * x7[None, :]
                     xs += x4 + x5 + x6 + x7
                 if BITS == 4:
@@ -276,6 +285,12 @@ def _field16(words, pos: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr
     if EXACT:
         value -= 128.0 if BITS == 4 else 384.0
     return value
+
+
+@triton.jit
+def _bf16_pair(pair):
+    """Two bf16 values packed in an int32 (low half first) as two float32 tensors."""
+    return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
 
 
 def _group(method: str, group_size: int) -> int:
@@ -377,6 +392,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split > 1, USE_DOT=cfg.use_dot,
         UPCAST=upcast, IEEE=x.dtype == torch.float32, EVEN_K=even_k, SWAP_AB=cfg.swap_ab,
         MAGIC16=magic16, OFFSET16=offset16, USE_ASM=not interpreting(),
+        X_PAIRS=x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
