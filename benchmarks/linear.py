@@ -213,8 +213,8 @@ def sweep_configs(m: int, n: int, k: int, device: torch.device, method: str = "i
     fma = plan_quant_matmul(m, n, k, method, GROUP, device, use_dot=False)
     dot = plan_quant_matmul(m, n, k, method, GROUP, device, use_dot=True)
     if m <= 8:
-        configs += [dataclasses.replace(fma, block_n=bn, num_warps=w)
-                    for bn, w in ((32, 4), (64, 4), (128, 4), (256, 4), (128, 8), (256, 8), (512, 8))]
+        configs += [dataclasses.replace(fma, block_n=bn, groups_per_iter=g, num_warps=w)
+                    for bn, g, w in ((16, 2, 4), (32, 2, 4), (64, 2, 4), (32, 4, 4), (32, 1, 4), (64, 4, 8))]
         configs += [dataclasses.replace(fma, split_k=max(1, fma.split_k * f)) for f in (2, 4)]
         configs += [dataclasses.replace(fma, split_k=max(1, fma.split_k // 2))]
     if method == "int4":

@@ -49,11 +49,10 @@ _SCRIPT = textwrap.dedent(
         pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
                     "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         magic16 = {"bf16": 0x4300, "fp16": 0x6400}.get(dtype, 0) if cfg.use_dot and bits == 4 else 0
-        constexprs = dict(BITS=bits, GROUP=group if bits == 4 else qm.INT8_CHUNK, HAS_BIAS=bias,
-                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k > 1,
+        constexprs = dict(BITS=bits, GROUP=group if bits == 4 else qm.INT8_CHUNK, GROUPS_PER_ITER=cfg.groups_per_iter,
+                          HAS_BIAS=bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k > 1,
                           USE_DOT=cfg.use_dot, UPCAST=False, IEEE=dtype == "fp32", EVEN_K=even_k,
-                          SWAP_AB=cfg.swap_ab, MAGIC16=magic16, OFFSET16=128.0 if magic16 == 0x4300 else 1024.0,
-                          USE_ASM=True, X_PAIRS=dtype == "bf16")
+                          SWAP_AB=cfg.swap_ab, MAGIC16=magic16, OFFSET16=128.0 if magic16 == 0x4300 else 1024.0)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in KERNEL.arg_names}
         attrs = {(KERNEL.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *DIVISIBLE)}

@@ -3,13 +3,11 @@
 Formats: :mod:`questkv.ops.quant_reference` (same signature as its ``quant_matmul``). The kernel reads the
 packed weight as int32 words (8 int4 or 4 int8 values each) and never writes a dequantized weight:
 
-* ``use_dot=False`` (small ``M``, a GEMV): each iteration of a program reads one group (``int8``: a chunk of
-  :data:`INT8_CHUNK`) of ``block_n`` rows as a ``[block_n, words per group]`` tile, four consecutive words per
-  thread (one 128-bit load) and, at ``M = 1``, several rows per thread so that each ``x`` value loaded serves
-  them all. Every field becomes a float with one shift and one ``lop3`` (``_field16``: the field lands in the
-  mantissa of 128.0, or 256.0 for ``int8``), then one FMA with its ``x``: three instructions per weight, the
-  least a float-FMA GEMV can do (the H200 issues ~3.9 per weight at its HBM bandwidth). The offset and the
-  zero point come off once per group: ``s * (sum((128 + q) * x) - (z + 128) * sum(x))``.
+* ``use_dot=False`` (small ``M``, a GEMV): each program loads a ``[BLOCK_N, groups_per_iter, words per group]``
+  tile of words (128-bit loads along ``K``), turns every 4- or 8-bit field into a float with a shift, one
+  ``lop3`` and one add (``(field ^ 0x4B000000)`` is the float ``2**23 + field``, exact), multiplies by ``x`` in
+  float32 and reduces each group; the group's scale and zero point apply once per group:
+  ``s * (sum(q * x) - z * sum(x))``. Costs ~4 instructions per weight plus one FMA per row of ``x``.
 * ``use_dot=True`` (more rows, and prefill): per group, the integers ``q`` (exact in bf16 / fp16) go through
   ``tl.dot`` with the ``x`` tile (fp32 accumulation), then the same per-group scale and zero correction.
 
@@ -59,11 +57,13 @@ _MAGIC = tl.constexpr(0x4B000000)  # float32 2**23: its low mantissa bits take t
 
 @dataclasses.dataclass(frozen=True)
 class QuantMatmulConfig:
-    """One launch's tiling. ``block_m`` rows of ``x`` and ``block_n`` outputs per program, one group (``int8``: a
-    chunk of :data:`INT8_CHUNK`) per loop iteration; ``split_k`` programs share one output tile's reduction."""
+    """One launch's tiling. ``block_m`` rows of ``x`` and ``block_n`` outputs per program; ``groups_per_iter``
+    groups (``int8``: chunks of :data:`INT8_CHUNK`) per loop iteration (1 with ``use_dot``); ``split_k``
+    programs share one output tile's reduction."""
 
     block_m: int
     block_n: int
+    groups_per_iter: int
     split_k: int
     use_dot: bool
     num_warps: int = 4
@@ -76,10 +76,10 @@ def _quant_matmul_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, counter_ptr, out_ptr,
     M, N, K, k_words, words_per_split,
     stride_xm, stride_wn, stride_sg, stride_om,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_ITER: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, USE_ASM: tl.constexpr, X_PAIRS: tl.constexpr,
+    MAGIC16: tl.constexpr, OFFSET16: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M))``; ``w_ptr`` int32 words ``[N, k_words]``;
     ``s_ptr`` / ``z_ptr`` ``[K // GROUP, N]`` (``BITS == 4``) or ``s_ptr`` ``[N]`` (``BITS == 8``, ``GROUP``
@@ -155,72 +155,72 @@ def _quant_matmul_kernel(
         if SWAP_AB:
             acc += tl.trans(acc_t)
     else:
-        # One group (int8: chunk) per iteration: a [BLOCK_N, WPG] tile of words, each thread four consecutive
-        # words of a row (one 128-bit load) and, at BLOCK_N > 32 * num_warps, several rows (x reused across them).
-        # Field p of every word becomes the float OFFSET + q with one shift and one lop3 (_field16), then one FMA
-        # with x[k] for that field; OFFSET and the zero point come off once per group through sum(x).
-        # what _field16 adds to q; float32 x removes it from every field (exact), for float32's accuracy
-        FIELD_OFFSET: tl.constexpr = 0.0 if IEEE else 128.0 if BITS == 4 else 384.0
+        g = tl.arange(0, GROUPS_PER_ITER)
         wi = tl.arange(0, WPG)
+        word_off = g[:, None] * WPG + wi[None, :]  # [G, WPG]
         rows = tl.arange(0, BLOCK_M)
-        acc_w = tl.zeros([BLOCK_N, WPG], dtype=tl.float32)  # BLOCK_M == 1: reduced once, at the end
-        w_ptrs = w_ptr + rn[:, None] * stride_wn + wi[None, :]  # [BN, WPG]
-        wmask = nmask[:, None] & (kw_start + wi < kw_end)[None, :]
+        acc_g = tl.zeros([BLOCK_N, GROUPS_PER_ITER], dtype=tl.float32)  # BLOCK_M == 1: reduced once, at the end
+        STEP: tl.constexpr = GROUPS_PER_ITER * WPG
+        w_ptrs = w_ptr + rn[:, None, None] * stride_wn + word_off[None, :, :]  # [BN, G, WPG]
+        wmask = nmask[:, None, None] & (kw_start + word_off < kw_end)[None, :, :]
         next_words = tl.load(w_ptrs + kw_start, mask=wmask, other=0)
-        for kw in range(kw_start, kw_end, WPG):
-            words = next_words  # [BN, WPG], loaded one iteration ahead
-            wmask = nmask[:, None] & (kw + WPG + wi < kw_end)[None, :]
-            next_words = tl.load(w_ptrs + (kw + WPG), mask=wmask, other=0)
-            q0 = _field16(words, 0, BITS, USE_ASM, IEEE)
-            q1 = _field16(words, 1, BITS, USE_ASM, IEEE)
-            q2 = _field16(words, 2, BITS, USE_ASM, IEEE)
-            q3 = _field16(words, 3, BITS, USE_ASM, IEEE)
+        for kw in range(kw_start, kw_end, STEP):
+            words = next_words  # [BN, G, WPG], loaded one iteration ahead
+            wmask = nmask[:, None, None] & (kw + STEP + word_off < kw_end)[None, :, :]
+            next_words = tl.load(w_ptrs + (kw + STEP), mask=wmask, other=0)
+            words_idx = kw + word_off  # [G, WPG]
+            kidx = words_idx[:, :, None] * EPW + e[None, None, :]  # [G, WPG, EPW] input feature of each value
+            # one float tensor per field position, each in the words' own layout (no [.., EPW] axis to reduce)
+            q0 = _field(words, 0, BITS, MAGIC, OFFSET)
+            q1 = _field(words, 1, BITS, MAGIC, OFFSET)
+            q2 = _field(words, 2, BITS, MAGIC, OFFSET)
+            q3 = _field(words, 3, BITS, MAGIC, OFFSET)
             if EPW == 8:
-                q4 = _field16(words, 4, BITS, USE_ASM, IEEE)
-                q5 = _field16(words, 5, BITS, USE_ASM, IEEE)
-                q6 = _field16(words, 6, BITS, USE_ASM, IEEE)
-                q7 = _field16(words, 7, BITS, USE_ASM, IEEE)
+                q4 = _field(words, 4, BITS, MAGIC, OFFSET)
+                q5 = _field(words, 5, BITS, MAGIC, OFFSET)
+                q6 = _field(words, 6, BITS, MAGIC, OFFSET)
+                q7 = _field(words, 7, BITS, MAGIC, OFFSET)
             if BITS == 4:
-                group = kw // WPG
-                s = tl.load(s_ptr + group * stride_sg + rn, mask=nmask, other=0.0).to(tl.float32)  # [BN]
-                z = tl.load(z_ptr + group * stride_sg + rn, mask=nmask, other=0.0).to(tl.float32) + FIELD_OFFSET
-            kidx = (kw + wi) * EPW  # [WPG] input feature of each word's field 0
+                group = kw // WPG + g  # [G]
+                smask = nmask[:, None]
+                if not EVEN_K:
+                    smask = smask & (group * WPG < kw_end)[None, :]
+                sptrs = group[None, :] * stride_sg + rn[:, None]  # [BN, G]
+                s = tl.load(s_ptr + sptrs, mask=smask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + sptrs, mask=smask, other=0.0).to(tl.float32)
             for i in tl.static_range(BLOCK_M):
                 row = pid_m * BLOCK_M + i
-                xmask = (kw + wi < kw_end) & (row < M)
-                if X_PAIRS:  # bf16 x read as int32 pairs: half the loads, and each half is a float32 by a shift
-                    xrow = x_ptr.to(tl.pointer_type(tl.int32)) + row * (stride_xm // 2) + kidx // 2
-                    x0, x1 = _bf16_pair(tl.load(xrow, mask=xmask, other=0))
-                    x2, x3 = _bf16_pair(tl.load(xrow + 1, mask=xmask, other=0))
-                else:
-                    xrow = x_ptr + row * stride_xm + kidx
-                    x0 = tl.load(xrow, mask=xmask, other=0.0).to(tl.float32)  # [WPG]
-                    x1 = tl.load(xrow + 1, mask=xmask, other=0.0).to(tl.float32)
-                    x2 = tl.load(xrow + 2, mask=xmask, other=0.0).to(tl.float32)
-                    x3 = tl.load(xrow + 3, mask=xmask, other=0.0).to(tl.float32)
-                prod = q0 * x0[None, :] + q1 * x1[None, :] + q2 * x2[None, :] + q3 * x3[None, :]  # [BN, WPG]
-                xs = x0 + x1 + x2 + x3
+                xmask = (kidx < K) & (row < M)
+                xv = tl.load(x_ptr + row * stride_xm + kidx, mask=xmask, other=0.0).to(tl.float32)  # [G, WPG, EPW]
+                # x of field position p: split the EPW axis by its bits (p = 4a + 2b + c)
                 if EPW == 8:
-                    if X_PAIRS:
-                        x4, x5 = _bf16_pair(tl.load(xrow + 2, mask=xmask, other=0))
-                        x6, x7 = _bf16_pair(tl.load(xrow + 3, mask=xmask, other=0))
-                    else:
-                        x4 = tl.load(xrow + 4, mask=xmask, other=0.0).to(tl.float32)
-                        x5 = tl.load(xrow + 5, mask=xmask, other=0.0).to(tl.float32)
-                        x6 = tl.load(xrow + 6, mask=xmask, other=0.0).to(tl.float32)
-                        x7 = tl.load(xrow + 7, mask=xmask, other=0.0).to(tl.float32)
-                    prod += q4 * x4[None, :] + q5 * x5[None, :] + q6 * x6[None, :] + q7 * x7[None, :]
-                    xs += x4 + x5 + x6 + x7
-                if BITS == 4:
-                    d = (prod - z[:, None] * xs[None, :]) * s[:, None]
+                    xc0, xc1 = tl.split(tl.reshape(xv, [GROUPS_PER_ITER, WPG, 2, 2, 2]))  # c = 0 / 1
+                    x_04, x_26 = tl.split(xc0)
+                    x_15, x_37 = tl.split(xc1)
+                    x0, x4 = tl.split(x_04)
+                    x2, x6 = tl.split(x_26)
+                    x1, x5 = tl.split(x_15)
+                    x3, x7 = tl.split(x_37)
+                    prod = (q0 * x0[None] + q1 * x1[None] + q2 * x2[None] + q3 * x3[None]
+                            + q4 * x4[None] + q5 * x5[None] + q6 * x6[None] + q7 * x7[None])  # [BN, G, WPG]
                 else:
-                    d = prod - FIELD_OFFSET * xs[None, :]
+                    xb0, xb1 = tl.split(tl.reshape(xv, [GROUPS_PER_ITER, WPG, 2, 2]))  # b = 0 / 1
+                    x0, x2 = tl.split(xb0)
+                    x1, x3 = tl.split(xb1)
+                    prod = q0 * x0[None] + q1 * x1[None] + q2 * x2[None] + q3 * x3[None]
+                d = tl.sum(prod, axis=2)  # [BN, G]
+                if BITS == 4:
+                    if EPW == 8:
+                        xs = tl.sum(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, axis=1)  # [G]
+                    else:
+                        xs = tl.sum(x0 + x1 + x2 + x3, axis=1)
+                    d = (d - z * xs[None, :]) * s
                 if BLOCK_M == 1:
-                    acc_w += d
+                    acc_g += d
                 else:
                     acc += tl.where(rows[:, None] == i, tl.sum(d, axis=1)[None, :], 0.0)
         if BLOCK_M == 1:
-            acc += tl.sum(acc_w, axis=1)[None, :]
+            acc += tl.sum(acc_g, axis=1)[None, :]
 
     if BITS == 8:
         s = tl.load(s_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
@@ -248,49 +248,9 @@ def _quant_matmul_kernel(
 
 
 @triton.jit
-def _field16(words, pos: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, EXACT: tl.constexpr):
-    """The ``pos``-th ``BITS``-wide field ``q`` of every int32 word as an exact float32 ``offset + q``
-    (``int4``: 128 + q, ``q`` in 0..15; ``int8``: 384 + q, ``q`` signed). The field is shifted to bits 16-19
-    (``int4``) or 15-22 (``int8``), the mantissa bits of the float 128 (256) whose unit is 1, and the exponent
-    ORed in (``int8``: and the sign bit flipped, making ``q + 128``). A small offset keeps ``(offset + q) * x``
-    within float32 rounding of ``q * x`` (an offset of 2**23 would not). On a GPU one ``lop3`` does the mask and
-    the exponent (``USE_ASM``; ptxas emits two for the same expression); the interpreter runs the expression.
-    ``EXACT``: ``q`` itself (one more add), for float32 inputs."""
-    if BITS == 4:
-        shift: tl.constexpr = 16 - 4 * pos
-        mask: tl.constexpr = 0x000F0000
-        magic: tl.constexpr = 0x43000000
-    else:
-        shift: tl.constexpr = 15 - 8 * pos
-        mask: tl.constexpr = 0x007F8000
-        magic: tl.constexpr = 0x43C00000
-    if shift > 0:
-        moved = words << shift
-    elif shift < 0:
-        moved = words >> -shift
-    else:
-        moved = words
-    if USE_ASM:
-        if BITS == 4:  # (a & b) | c
-            bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 983040, 1124073472, 234;", "=r,r", [moved],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        else:  # (a & b) ^ c
-            bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 8355840, 1136656384, 106;", "=r,r", [moved],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-    elif BITS == 4:
-        bits = (moved & mask) | magic
-    else:
-        bits = (moved & mask) ^ magic
-    value = bits.to(tl.float32, bitcast=True)
-    if EXACT:
-        value -= 128.0 if BITS == 4 else 384.0
-    return value
-
-
-@triton.jit
-def _bf16_pair(pair):
-    """Two bf16 values packed in an int32 (low half first) as two float32 tensors."""
-    return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
+def _field(words, pos: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr):
+    """The ``pos``-th ``BITS``-wide field of every int32 word, as an exact float32 (``int8``: signed)."""
+    return (((words >> (pos * BITS)) & ((1 << BITS) - 1)) ^ MAGIC).to(tl.float32, bitcast=True) - OFFSET
 
 
 def _group(method: str, group_size: int) -> int:
@@ -308,22 +268,21 @@ def plan_quant_matmul(m: int, n: int, k: int, method: str, group_size: int = 128
     if use_dot:
         block_m = min(max(16, next_pow2(m)), 64 if m <= 64 else 128)
         block_n = 64 if m <= 64 else 128
-        num_warps, num_stages = 4, 3
+        groups_per_iter, num_warps, num_stages = 1, 4, 3
         if m > 64:
             num_warps = 8
     else:
         block_m = next_pow2(m)
+        block_n = 32 if block_m <= 2 else 16
+        groups_per_iter = max(1, 256 // group)
         num_warps, num_stages = 4, 2
-        threads_per_row = group * (4 if method == "int4" else 8) // 32 // 4  # four words per thread
-        rows_per_thread = 8 if m == 1 else 2 if m == 2 else 1  # more rows share x; more x rows need registers
-        block_n = 32 * num_warps // threads_per_row * rows_per_thread
-    iters = math.ceil(k / group)
+    iters = math.ceil(k / (group * groups_per_iter))
     tiles = math.ceil(n / block_n) * math.ceil(m / block_m)
     split = 1
     if m <= 64:
         split = min(iters, max(1, math.ceil(PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
     # swap_ab: the weight tile as the MMA's 64-row A operand and x as a narrow B (wgmma m64nBMk16) while M is small
-    return QuantMatmulConfig(block_m, block_n, split, use_dot, num_warps, num_stages,
+    return QuantMatmulConfig(block_m, block_n, groups_per_iter, split, use_dot, num_warps, num_stages,
                              swap_ab=use_dot and block_m <= 64)
 
 
@@ -367,7 +326,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     group = _group(method, group_size)
     words = qweight.view(torch.int32)  # [N, K * bits // 32] little-endian words
     k_words = k * bits // 32
-    step_words = group * bits // 32
+    step_words = cfg.groups_per_iter * group * bits // 32
     iters = math.ceil(k_words / step_words)
     per_split = math.ceil(iters / cfg.split_k)
     split = math.ceil(iters / per_split)  # no empty split
@@ -388,11 +347,10 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         counters, out,
         m, n, k, k_words, words_per_split,
         x.stride(0), words.stride(0), scales.stride(0) if method == "int4" else 0, out.stride(0),
-        BITS=bits, GROUP=group, HAS_BIAS=bias is not None,
+        BITS=bits, GROUP=group, GROUPS_PER_ITER=cfg.groups_per_iter, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split > 1, USE_DOT=cfg.use_dot,
         UPCAST=upcast, IEEE=x.dtype == torch.float32, EVEN_K=even_k, SWAP_AB=cfg.swap_ab,
-        MAGIC16=magic16, OFFSET16=offset16, USE_ASM=not interpreting(),
-        X_PAIRS=x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0,
+        MAGIC16=magic16, OFFSET16=offset16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
