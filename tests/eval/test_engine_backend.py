@@ -191,3 +191,29 @@ def test_the_cli_runs_the_engine_backend_and_resumes(model_dir, tmp_path):
     assert "Perplexity of dense's greedy tokens" in path.with_suffix(".md").read_text()
     assert cli.main(argv) == 0  # resumed: nothing to do, nothing loaded
     assert json.loads(path.read_text())["runs"] == document["runs"]
+
+
+def test_quantization_reaches_the_engine_and_is_refused_for_the_hf_path(model_dir, word_tokenizer):
+    built = []
+
+    class Spy(engine_backend.EngineSource):
+        def build(self, quest, max_model_len, max_num_seqs):
+            built.append(self.engine_kwargs.get("quantization"))
+            return super().build(quest, max_model_len, max_num_seqs)
+
+    base = source(model_dir)
+    spec = make_spec(tasks=["ppl"], quantization="int8")
+    quantized = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False,
+                                       engine=Spy(base.model, base.engine_kwargs)))
+    plain = by_key(sweep.run_sweep(None, word_tokenizer, dataclasses.replace(spec, quantization=None), progress=False,
+                                   engine=base))
+    assert built and set(built) == {"int8"}
+    assert quantized.keys() == plain.keys()
+    for key, cell in plain.items():  # int8 rounding moves the perplexity a little, not a lot
+        assert quantized[key]["value"] != cell["value"]
+        assert quantized[key]["value"] == pytest.approx(cell["value"], rel=0.05)
+    with pytest.raises(ValueError, match="SweepSpec.quantization='int8' runs on the engine backend only, and policy "
+                                         "'streaming' on the HF path"):
+        dataclasses.replace(spec, policies=["full", "streaming"])
+    with pytest.raises(ValueError, match="SweepSpec.quantization"):
+        dataclasses.replace(spec, quantization="int3")
