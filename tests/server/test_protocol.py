@@ -221,7 +221,8 @@ def test_the_app_answers_a_completion_and_refuses_what_the_engine_cannot_run(eng
     body = good.json()
     assert good.status_code == 200, body
     assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": body["usage"]["completion_tokens"],
-                             "total_tokens": 7 + body["usage"]["completion_tokens"]}
+                             "total_tokens": 7 + body["usage"]["completion_tokens"],
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["quest"]["token_budget"] == 4 and body["quest"]["dense"] is False
     for param, response in bad.items():
         assert response.status_code == (404 if param == "model" else 400), response.text
