@@ -35,7 +35,7 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
     where = "kv_cache_memory"
     if budget is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        tokens = config.max_num_batched_tokens or max(max_model_len, 8192)
+        tokens = config.prefill_tokens_per_step(max_model_len)
         activations = tokens * (6 * spec.hidden_size + 4 * spec.intermediate_size) * element
         share = int(total * config.gpu_memory_utilization) - weight_bytes
         budget = min(share, free) - activations - _ACTIVATION_RESERVE_BYTES

@@ -297,7 +297,7 @@ def test_update_with_the_wrong_token_count_changes_nothing():
     seq = request("r", 3)
     scheduler.add(seq)
     batch = scheduler.schedule()
-    with pytest.raises(ValueError, match="update got 2 token ids for a batch of 1 sequences"):
+    with pytest.raises(ValueError, match="update got 2 token ids for a batch of 1 sampling sequences"):
         scheduler.update(batch, [1, 2])
     with pytest.raises(ValueError, match=r"token_ids\[0\] must be >= 0, got -3"):
         scheduler.update(batch, [-3])
