@@ -263,12 +263,11 @@ class Scheduler:
         sampled token goes to ``seq.forced_choices`` and the row of ``forced_logprobs`` to
         ``seq.forced_logprobs``; only ``max_tokens`` and ``max_model_len`` stop there.
 
-            forced_logprobs: per sampling sequence of ``batch``, the log-probability of its forced token (any value in
-                rows without one); needed when a live sequence is at a forced output.
-
         Args:
             token_ids: per sequence of ``batch.seqs[:batch.num_sampled]`` (a partial prefill samples nothing),
                 the token it sampled.
+            forced_logprobs: per sampling sequence of ``batch``, the log-probability of its forced token (any value
+                in rows without one); needed when a live sequence is at a forced output.
 
         Returns:
             The sequences that finished in this update, in batch order.
@@ -405,9 +404,10 @@ class Scheduler:
             new = count - len(hit) * cache.page_size
             take = new
             if own and computed + new > self.max_num_batched_tokens:
-                if not self.chunked_prefill and seqs:
-                    break
-                if self.chunked_prefill:
+                if not self.chunked_prefill:
+                    if seqs:
+                        break
+                else:
                     take = self.max_num_batched_tokens - computed  # a first chunk; the step is then full
                     if take < 1:
                         break
@@ -463,8 +463,8 @@ class Scheduler:
         cache = self.cache
         if seq is not self._prefilling:
             return cache.pages_needed(seq.cache_id, 1)
-        return cache.pages_for_tokens(min(seq.num_tokens + 1, self._max_cached_tokens(seq))) - len(
-            cache.pages_of(seq.cache_id))
+        held = len(cache.pages_of(seq.cache_id))
+        return cache.pages_for_tokens(min(seq.num_tokens + 1, self._max_cached_tokens(seq))) - held
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
         def decoding() -> list[Sequence]:
