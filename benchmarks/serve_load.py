@@ -36,6 +36,12 @@ then the multi-turn load, about 8 minutes in all::
         --prompt-tokens 32000 --output-tokens 256 --token-range 1000,120000 --threads 4 --device cuda \
         --request-timeout 500 --out benchmarks/results/serve-load-h200-chunked
 
+(about 3.5 minutes per server: 30-50 s of startup with its graph captures, 30 s for 16 clients, 110 s for 64, 45 s
+for the multi-turn load). To stay within a shorter limit per command, split it: ``--workload single --clients
+16,64 --out ...-single`` and ``--workload multi-turn --out ...-multi-turn`` with the same other arguments. The chunk
+size is the servers' ``--max-num-batched-tokens`` (default 8192): a smaller one (2048) trades prefill throughput
+for a shorter inter-token stall while prompts arrive.
+
 ``--smoke`` runs the same set on the CPU in seconds: a tiny random Llama, short documents and prompts, chunks of 32
 tokens (what ``tests/test_serve_load.py`` runs).
 
