@@ -483,7 +483,8 @@ def compare_multi_turn(dense_run: dict, quest_run: dict) -> dict:
     dense, quest = dense_run["load"], quest_run["load"]
     return {
         "workload": "multi-turn",
-        "turns_2_on_output_ratio": ratio(quest["output_tokens_per_s_turns_2_on"], dense["output_tokens_per_s_turns_2_on"]),
+        "turns_2_on_output_ratio": ratio(quest["output_tokens_per_s_turns_2_on"],
+                                         dense["output_tokens_per_s_turns_2_on"]),
         "output_tokens_per_s_ratio": ratio(quest["output_tokens_per_s"], dense["output_tokens_per_s"]),
         "itl_p50_speedup": ratio(dense["itl_s"]["p50"], quest["itl_s"]["p50"]),
     }

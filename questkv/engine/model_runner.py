@@ -152,9 +152,9 @@ class ModelRunner:
         return SampledTokens(host, done, logprobs)
 
     def _forced_logprobs(self, logits: torch.Tensor, batch: ScheduledBatch, flip: int) -> Optional[torch.Tensor]:
-        """Launch the copy of each row's log-probability of its forced token (``[batch]`` float32 on the host,
-        valid once the step's event completes), from the step's ``logits`` (``[batch, vocab]`` float32, after
-        the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
+        """Launch the copy of each sampling row's log-probability of its forced token (``[num_sampled]`` float32 on
+        the host, valid once the step's event completes), from the step's ``logits`` (``[num_sampled, vocab]``
+        float32, after the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
         targets, any_forced = [], False
         for seq, seq_len in zip(batch.seqs[:batch.num_sampled], batch.seq_lens):
             index = seq_len - seq.num_prompt_tokens  # the output this step samples for the row
@@ -195,7 +195,8 @@ class ModelRunner:
                           cached_lens=cached if any(cached) else None)
         tokens = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
         # The partial sequence, if any, is the last computed one: its last token samples nothing.
-        last = torch.tensor(starts[1:len(starts) - batch.partial], dtype=torch.int64).to(self.device, non_blocking=True) - 1
+        ends = torch.tensor(starts[1:len(starts) - batch.partial], dtype=torch.int64)
+        last = ends.to(self.device, non_blocking=True) - 1
         if self.memory is not None:  # the slots' selections were their previous sequences'
             self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         hidden = self.model(tokens[0], tokens[1], ctx)

@@ -105,13 +105,14 @@ class Scheduler:
 
     Each :meth:`schedule` is either a prefill of waiting sequences (admitted in arrival order while the batch
     has fewer than ``max_num_seqs`` running, the prefill tokens stay within ``max_num_batched_tokens`` (without
-    chunking the first one is always admitted, however long; a sequence whose tokens equal an earlier one's in the batch
-    costs none: it shares that prefill, see :attr:`ScheduledBatch.prefill_from`; with the cache's prefix caching, a
-    sequence starts on the cached pages of its leading full pages, which cost neither tokens nor free pages, and its
-    full pages become shareable at once, by the later sequences of the same batch too) and the pool holds their
-    tokens plus one decode step of every running sequence), or else one decode step of every running sequence. When the pool cannot hold
-    the decode step, the newest running sequence is preempted: its pages are freed, it returns to the front
-    of the waiting queue and is later prefilled again with its prompt and generated tokens.
+    chunking the first one is always admitted, however long; a sequence whose tokens equal an earlier one's in the
+    batch costs none: it shares that prefill, see :attr:`ScheduledBatch.prefill_from`; with the cache's prefix
+    caching, a sequence starts on the cached pages of its leading full pages, which cost neither tokens nor free
+    pages, and its full pages become shareable at once, by the later sequences of the same batch too) and the pool
+    holds their tokens plus one decode step of every running sequence), or else one decode step of every running
+    sequence. When the pool cannot hold the decode step, the newest running sequence is preempted: its pages are
+    freed, it returns to the front of the waiting queue and is later prefilled again with its prompt and generated
+    tokens.
 
     With ``chunked_prefill`` (SGLang's policy, no decode token inside a prefill forward): a prefill step computes at
     most ``max_num_batched_tokens`` tokens, so its last sequence may take only a chunk of its tokens; that sequence
