@@ -132,13 +132,14 @@ class ModelRunner:
         launched just before, see the scheduler) is read from that step's tokens on the device.
 
         Returns:
-            The sampled tokens: one per sequence, in batch order, read by :meth:`SampledTokens.token_ids`.
+            The sampled tokens: one per sampling sequence (``batch.seqs[:batch.num_sampled]``: a partial prefill
+            samples nothing), in batch order, read by :meth:`SampledTokens.token_ids`.
         """
         logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)
-        tokens = self._sample(logits, batch)  # [batch] int64 on the device
-        count = len(batch.seqs)
+        tokens = self._sample(logits, batch)  # [num_sampled] int64 on the device
+        count = batch.num_sampled
         self._sampled[:count].copy_(tokens)
-        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs)}
+        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
         flip = self._tokens_flip
         self._tokens_flip ^= 1
         host = self._host_tokens[flip][:count]
@@ -151,11 +152,11 @@ class ModelRunner:
         return SampledTokens(host, done, logprobs)
 
     def _forced_logprobs(self, logits: torch.Tensor, batch: ScheduledBatch, flip: int) -> Optional[torch.Tensor]:
-        """Launch the copy of each row's log-probability of its forced token (``[batch]`` float32 on the host,
-        valid once the step's event completes), from the step's ``logits`` (``[batch, vocab]`` float32, after
-        the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
+        """Launch the copy of each sampling row's log-probability of its forced token (``[num_sampled]`` float32 on
+        the host, valid once the step's event completes), from the step's ``logits`` (``[num_sampled, vocab]``
+        float32, after the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
         targets, any_forced = [], False
-        for seq, seq_len in zip(batch.seqs, batch.seq_lens):
+        for seq, seq_len in zip(batch.seqs[:batch.num_sampled], batch.seq_lens):
             index = seq_len - seq.num_prompt_tokens  # the output this step samples for the row
             forced = seq.is_forced(index)
             targets.append(seq.sampling_params.forced_token_ids[index] if forced else 0)
@@ -173,14 +174,16 @@ class ModelRunner:
         return host
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
-        """``[batch, vocab]`` float32 logits of each sequence's last token. A sequence that shares an earlier
-        one's prefill (:attr:`ScheduledBatch.prefill_from`) gets a copy of its K/V and its logits; one that starts
-        on prefix-cache pages computes only the tokens past them (positions from the hit on)."""
+        """``[num_sampled, vocab]`` float32 logits of each sampling sequence's last token (a partial one, the
+        batch's last, samples nothing). A sequence that shares an earlier one's prefill
+        (:attr:`ScheduledBatch.prefill_from`) gets a copy of its K/V and its logits; one that already holds tokens
+        (prefix-cache pages, or its own earlier chunks) computes only the step's (positions from there on),
+        attending those too."""
         sources = batch.prefill_from or tuple(range(len(batch.seqs)))
         computed = [i for i, source in enumerate(sources) if source == i]
         ids, positions, starts, cached = [], [], [0], []
         for i in computed:
-            cached.append(batch.seq_lens[i] - batch.num_new_tokens[i])  # a prefix-cache hit: its pages are shared
+            cached.append(batch.seq_lens[i] - batch.num_new_tokens[i])  # a prefix-cache hit or earlier chunks
             ids.extend(batch.seqs[i].all_token_ids[cached[-1]:batch.seq_lens[i]])
             positions.extend(range(cached[-1], batch.seq_lens[i]))
             starts.append(starts[-1] + batch.num_new_tokens[i])
@@ -191,18 +194,21 @@ class ModelRunner:
         ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts,
                           cached_lens=cached if any(cached) else None)
         tokens = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
-        last = torch.tensor(starts[1:], dtype=torch.int64).to(self.device, non_blocking=True) - 1
+        # The partial sequence, if any, is the last computed one: its last token samples nothing.
+        ends = torch.tensor(starts[1:len(starts) - batch.partial], dtype=torch.int64)
+        last = ends.to(self.device, non_blocking=True) - 1
         if self.memory is not None:  # the slots' selections were their previous sequences'
             self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         hidden = self.model(tokens[0], tokens[1], ctx)
-        logits = self.model.compute_logits(hidden[last])  # [len(computed), vocab]
+        logits = self.model.compute_logits(hidden[last])  # [len(computed) - partial, vocab]
         if len(computed) == len(sources):
             return logits
         for i, source in enumerate(sources):
             if source != i:
                 self.cache.copy_tokens(seq_ids[source], seq_ids[i])
         row = {i: r for r, i in enumerate(computed)}
-        rows = torch.tensor([row[source] for source in sources], dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = torch.tensor([row[source] for source in sources[:batch.num_sampled]], dtype=torch.int64)
+        rows = rows.to(self.device, non_blocking=True)
         return logits.index_select(0, rows)
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -313,15 +319,17 @@ class ModelRunner:
         return self.budget if params.token_budget is None else params.token_budget
 
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
-        """``[batch]`` int64 sampled tokens (greedy rows by argmax). A request draws with its seed and the
-        index of the token it samples, so a preempted and recomputed request draws as it would have."""
-        params = [seq.sampling_params for seq in batch.seqs]
+        """``[num_sampled]`` int64 sampled tokens (greedy rows by argmax) from ``[num_sampled, vocab]`` ``logits``.
+        A request draws with its seed and the index of the token it samples, so a preempted and recomputed request
+        draws as it would have."""
+        seqs = batch.seqs[:batch.num_sampled]
+        params = [seq.sampling_params for seq in seqs]
         if all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
         floats = torch.tensor([[p.temperature, p.top_p] for p in params], dtype=torch.float32)
         ints = torch.tensor(
             [[p.top_k, self.seed_of(seq), seq_len - seq.num_prompt_tokens]
-             for p, seq, seq_len in zip(params, batch.seqs, batch.seq_lens)], dtype=torch.int64
+             for p, seq, seq_len in zip(params, seqs, batch.seq_lens)], dtype=torch.int64
         )
         floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
         filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort
