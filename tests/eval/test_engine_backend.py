@@ -56,13 +56,14 @@ def by_key(cells):
 
 
 def test_the_engine_gives_the_hf_paths_answers_and_scores_where_both_run(model_dir, hf_model, word_tokenizer):
-    """At a budget covering the context (Quest is then dense attention) and, on this model, below it too: both
-    paths run the torch reference ops on the CPU."""
-    spec = make_spec(budgets=[16, COVERING])
+    """At a budget covering the context (Quest is then dense attention; both paths run the torch reference ops on the
+    CPU). Below it, the two paths' scores differ in float rounding (batched vs one row), which may flip a near-tied
+    page of a random model: the GPU runs compare those cells within one sample."""
+    spec = make_spec(budgets=[COVERING])
     hf = by_key(sweep.run_sweep(hf_model, word_tokenizer, dataclasses.replace(spec, eval_backend="hf"),
                                 progress=False))
     engine = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=source(model_dir, pages=40)))
-    assert hf.keys() == engine.keys() and len(engine) == 6
+    assert hf.keys() == engine.keys() and len(engine) == 4
     for key, cell in engine.items():
         assert cell["backend"] == "engine" and hf[key]["backend"] == "hf" and cell["preemptions"] == 0
         if cell["metric"] == "accuracy":
