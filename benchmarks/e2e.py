@@ -120,9 +120,10 @@ def time_engine(cfg, quest, batch, context, seed=0, quantization=None) -> dict:
     steps = WARMUP_STEPS + TIMED_STEPS
     total = 2 * steps + 2
     need = batch * (context + total + 2 * PAGE) * kv_bytes_per_token(cfg) * (2 * PAGE + 2) // (2 * PAGE)
+    # Unchunked: the synthetic prefill admits every request before the first decode step.
     llm = LLM(cfg, quest=quest, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
               max_model_len=context + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed,
-              quantization=quantization)
+              quantization=quantization, enable_chunked_prefill=False)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=total + 4, ignore_eos=True)
     gen = torch.Generator().manual_seed(seed)
@@ -208,7 +209,7 @@ def time_prefill(cfg, quest, context) -> float:
     """Seconds of one real engine prefill of ``context`` tokens (batch 1), after a short warm-up prefill."""
     need = (context + 64) * kv_bytes_per_token(cfg) * 2
     llm = LLM(cfg, quest=quest, load_format="dummy", device="cuda", max_num_seqs=1, max_model_len=context + 64,
-              kv_cache_memory=need + (256 << 20))
+              kv_cache_memory=need + (256 << 20), enable_chunked_prefill=False)  # the prefill in one step
     engine = llm.engine
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

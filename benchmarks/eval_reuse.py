@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Issue 26 on the H200: accuracy through the engine, selection reuse (C = 1, 2, 4, 8) and fidelity over real text.
+"""Issues 26 and 20 on the H200: accuracy through the engine, selection reuse (C = 1, 2, 4, 8), fidelity over real
+text, and the model on its own 4-bit GGUF bits against its dequantized bf16 run.
 
 Every sweep is a ``questkv eval sweep`` on Qwen2.5-Coder-1.5B (bf16, page 16, 2 dense layers, seed 0), the
 ``full`` and ``quest`` settings on the engine (``--eval-backend auto``); :data:`SWEEPS` holds them, by results
@@ -18,7 +19,13 @@ file, in the order they run, most wanted first (a file's later invocations resum
 (d) ``eval-reuse-ppl-qwen2.5-coder-1.5b-32k``: perplexity of the book's last 256 tokens of 4 windows of 32k at
     1/8 (4096), the committed HF file's settings (``eval-qwen2.5-coder-1.5b-32k-ppl-h200``: 9.29 full, 9.65 quest).
 
-They run in that order: (a), (b) at 16k, (d), (c), (b) at 32k. Estimated H200 time (not measured; bf16; a 16k
+(e) ``eval-lowbit-qwen2.5-coder-1.5b-16k`` and ``eval-lowbit-ppl-qwen2.5-coder-1.5b-32k`` (issue 20): the same
+    settings with ``--quantization gguf``, the alias's Q4_K_M file on its own packed bits (Q4_K as int4 groups of 32,
+    Q6_K as int8 groups of 16) instead of dequantized to bf16: passkey and niah_single at 16k, full and Quest 1/16
+    (their bf16 pairs are (a)/(b)'s cells), and the 32k perplexity at 1/16 and 1/8 (bf16's 1/16 cell is (d)'s second
+    invocation).
+
+They run in the order (e), (a), (b) at 16k, (d), (c), (b) at 32k (finished files are skipped when resumed). Estimated H200 time (not measured; bf16; a 16k
 prefill of the 1.5B taken as 0.12 s and a 32k one as 0.35 s, one per sample and pass since a sample's settings
 share it; decode steps of up to 128 requests as 5 ms at 16k and 8 ms at 32k; an engine build, with its model
 load, compiled elementwise kernels and lazily captured decode graphs, as 20 s, one per invocation):
@@ -68,6 +75,14 @@ def sweeps(alias: str = ALIAS) -> dict[str, list[list[str]]]:
     """Results file name -> its ``questkv eval sweep`` arguments (besides ``--model``, ``--json`` and
     :data:`COMMON`), one list per invocation, in order, for the staged model ``alias``."""
     return {
+        f"eval-lowbit-{alias}-16k": [
+            ["--tasks", "passkey,niah_single", "--lengths", "16384", "--samples", "20", "--budgets", "1024",
+             "--policies", "full,quest", "--quantization", "gguf"],
+        ],
+        f"eval-lowbit-ppl-{alias}-32k": [
+            ["--tasks", "ppl", "--lengths", "32768", "--samples", "4", "--budgets", "2048,4096", "--score-tokens", "256",
+             "--text-file", "book:newton-opticks", "--policies", "full,quest", "--quantization", "gguf"],
+        ],
         f"eval-reuse-{alias}-16k": [
             ["--tasks", "passkey,niah_multikey,vt", "--lengths", "16384", "--samples", "20", "--budgets", "1024,2048",
              "--policies", "full,quest"],
@@ -76,6 +91,8 @@ def sweeps(alias: str = ALIAS) -> dict[str, list[list[str]]]:
         f"eval-reuse-ppl-{alias}-32k": [
             ["--tasks", "ppl", "--lengths", "32768", "--samples", "4", "--budgets", "4096", "--score-tokens", "256",
              "--text-file", "book:newton-opticks", "--policies", POLICIES],
+            ["--tasks", "ppl", "--lengths", "32768", "--samples", "4", "--budgets", "2048", "--score-tokens", "256",
+             "--text-file", "book:newton-opticks", "--policies", "full,quest"],
         ],
         f"eval-agreement-{alias}-16k": [
             ["--tasks", "agreement_book,agreement_code", "--lengths", "16384", "--samples", "4", "--budgets", "1024,2048",
@@ -93,7 +110,8 @@ SWEEPS = sweeps()
 # The CPU smoke run: tiny lengths (every task fits them), budgets of 4 and 8 pages of 4, 1 sample, few tokens.
 SMOKE_VALUES = {"--lengths": {"16384": "192", "32640": "256", "32768": "256"},
                 "--budgets": {"1024": "16", "2048": "32", "4096": "32"},
-                "--samples": {"20": "1", "4": "1"}, "--agreement-tokens": {"128": "8"}, "--score-tokens": {"256": "8"}}
+                "--samples": {"20": "1", "4": "1"}, "--agreement-tokens": {"128": "8"}, "--score-tokens": {"256": "8"},
+                "--quantization": {"gguf": "int8"}}  # the tiny model is an HF folder (hidden 32): rounded at load instead
 SMOKE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--page-size", "4", "--kv-cache-memory", "64MiB", "--no-plot",
                "--seed", "0"]
 

@@ -10,8 +10,9 @@ replays; each replay cycles over enough copies of the weight that no call finds 
   plan), ``tinygemm`` (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``,
   ``M >= --dequant-min-m`` only);
 * ``int8`` (per row) through ``triton``;
-* with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4``, the
-  ``--sweep-ms`` rows): the best one and its config tell how to retune ``plan_quant_matmul``.
+* with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4`` and, for the
+  GEMV rows, ``int8``; the ``--sweep-ms`` rows): the best one and its config tell how to retune
+  ``plan_quant_matmul``.
 
 Each time stands beside its bytes floor (weight + scales + x + out, at the bandwidth of a device-to-device copy
 measured in the same run). The sum over all linears of one token (layers x 4 shapes + the LM head) is reported per
@@ -202,22 +203,24 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
     return out, x
 
 
-def sweep_configs(m: int, n: int, k: int, device: torch.device):
-    """Alternative tilings of the Triton kernel for ``int4`` at ``m`` rows (the plan first)."""
+def sweep_configs(m: int, n: int, k: int, device: torch.device, method: str = "int4"):
+    """Alternative tilings of the Triton kernel for ``method`` at ``m`` rows (the plan first; ``int8``: the FMA
+    loop's only)."""
     from questkv.ops.triton.quant_matmul import plan_quant_matmul
 
-    plan = plan_quant_matmul(m, n, k, "int4", GROUP, device)
+    plan = plan_quant_matmul(m, n, k, method, GROUP, device)
     configs = [plan]
-    fma = plan_quant_matmul(m, n, k, "int4", GROUP, device, use_dot=False)
-    dot = plan_quant_matmul(m, n, k, "int4", GROUP, device, use_dot=True)
+    fma = plan_quant_matmul(m, n, k, method, GROUP, device, use_dot=False)
+    dot = plan_quant_matmul(m, n, k, method, GROUP, device, use_dot=True)
     if m <= 8:
         configs += [dataclasses.replace(fma, block_n=bn, groups_per_iter=g, num_warps=w)
                     for bn, g, w in ((16, 2, 4), (32, 2, 4), (64, 2, 4), (32, 4, 4), (32, 1, 4), (64, 4, 8))]
         configs += [dataclasses.replace(fma, split_k=max(1, fma.split_k * f)) for f in (2, 4)]
         configs += [dataclasses.replace(fma, split_k=max(1, fma.split_k // 2))]
-    configs += [dataclasses.replace(dot, block_n=bn, swap_ab=s, num_stages=st)
-                for bn, s, st in ((64, True, 3), (128, True, 3), (64, False, 3), (64, True, 4), (128, False, 4))]
-    configs += [dataclasses.replace(dot, split_k=max(1, dot.split_k * 2))]
+    if method == "int4":
+        configs += [dataclasses.replace(dot, block_n=bn, swap_ab=s, num_stages=st)
+                    for bn, s, st in ((64, True, 3), (128, True, 3), (64, False, 3), (64, True, 4), (128, False, 4))]
+        configs += [dataclasses.replace(dot, split_k=max(1, dot.split_k * 2))]
     unique = []
     for cfg in configs:
         if cfg not in unique:
@@ -275,19 +278,22 @@ def run(args) -> dict:
                 if args.sweep and sweep and (device.type == "cuda" or interp):
                     from questkv.ops.triton.quant_matmul import quant_matmul as kernel
 
-                    q = shape.q["int4"]
-                    want = ref.quant_matmul(x.float(), q[0][0], q[0][1].float(), q[0][2].float(), "int4",
-                                            GROUP).double()
-                    for i, cfg in enumerate(sweep_configs(m, n, k, device)):
-                        fns = [lambda qq=qq, cfg=cfg: kernel(x, *qq, "int4", GROUP, config=cfg) for qq in q]
-                        try:
-                            err = _rel_err(fns[0](), want)
-                            us = timer(fns, reps, warmup) if err < CHECK_TOL else float("nan")
-                        except Exception as error:  # noqa: BLE001 - a tiling that fails to compile is reported
-                            err, us = f"{type(error).__name__}: {error}"[:200], float("nan")
-                        results["sweep"].append({"model": model, "shape": name, "m": m, "planned": i == 0,
-                                                 "config": dataclasses.asdict(cfg), "us": us, "rel_err": err})
-                        print(f"  sweep {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
+                    for method in ("int4", "int8") if m <= 8 else ("int4",):
+                        q = shape.q[method]
+                        want = ref.quant_matmul(x.float(), q[0][0], q[0][1].float(),
+                                                None if q[0][2] is None else q[0][2].float(), method, GROUP).double()
+                        for i, cfg in enumerate(sweep_configs(m, n, k, device, method)):
+                            fns = [lambda qq=qq, cfg=cfg, method=method: kernel(x, *qq, method, GROUP, config=cfg)
+                                   for qq in q]
+                            try:
+                                err = _rel_err(fns[0](), want)
+                                us = timer(fns, reps, warmup) if err < CHECK_TOL else float("nan")
+                            except Exception as error:  # noqa: BLE001 - a tiling that fails to compile is reported
+                                err, us = f"{type(error).__name__}: {error}"[:200], float("nan")
+                            results["sweep"].append({"model": model, "shape": name, "m": m, "method": method,
+                                                     "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
+                                                     "rel_err": err})
+                            print(f"  sweep {method} {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
             del shape
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -298,11 +304,11 @@ def run(args) -> dict:
 
 def token_sums(results: dict) -> list[dict]:
     """Per model, M and backend: microseconds of all linears of one token (layers x 4 shapes + LM head), with the
-    LM head in bf16 and quantized (same backend); the sweep's best per shape as ``int4-triton-swept``."""
+    LM head in bf16 and quantized (same backend); the sweep's best per shape as ``<method>-triton-swept``."""
     times = {(t["model"], t["shape"], t["m"], t["backend"]): t for t in results["times"]}
     best = {}
     for s in results["sweep"]:
-        key = (s["model"], s["shape"], s["m"])
+        key = (s["model"], s["shape"], s["m"], s.get("method", "int4"))
         if isinstance(s["us"], float) and not math.isnan(s["us"]) and s["us"] < best.get(key, float("inf")):
             best[key] = s["us"]
     rows = []
@@ -312,11 +318,13 @@ def token_sums(results: dict) -> list[dict]:
         layers = next(t["layers"] for t in results["times"] if t["model"] == model and t["shape"] != "lm_head")
         for m in sorted({t["m"] for t in results["times"] if t["model"] == model}):
             backends = sorted({t["backend"] for t in results["times"] if t["model"] == model and t["m"] == m})
-            for backend in backends + (["int4-triton-swept"] if any(k[0] == model and k[2] == m for k in best) else []):
+            swept = sorted({f"{k[3]}-triton-swept" for k in best if k[0] == model and k[2] == m})
+            for backend in backends + swept:
                 def us(shape, b=backend):
-                    if b == "int4-triton-swept":
-                        return min(best.get((model, shape, m), float("inf")),
-                                   times.get((model, shape, m, "int4-triton"), {}).get("us", float("inf")))
+                    if b.endswith("-triton-swept"):
+                        meth = b.split("-")[0]
+                        return min(best.get((model, shape, m, meth), float("inf")),
+                                   times.get((model, shape, m, f"{meth}-triton"), {}).get("us", float("inf")))
                     return times.get((model, shape, m, b), {}).get("us", float("nan"))
 
                 body = sum(us(s) * layers for s in shapes if s != "lm_head")
@@ -365,10 +373,10 @@ def write(args, info: dict, results: dict, partial: bool = False) -> None:
     lines += [f"| {t['model']} | {t['shape']} | {t['m']} | {t['backend']} | {t['us']:.1f} | {t['floor_us']:.1f} | "
               f"{t['floor_us'] / t['us']:.2f} |" for t in results["times"]]
     if results["sweep"]:
-        lines += ["", "## Triton int4 tilings (sweep; planned = the launcher's choice)", "",
-                  "| model | shape | M | config | planned | µs |", "|---|---|---|---|---|---|"]
-        lines += [f"| {s['model']} | {s['shape']} | {s['m']} | `{s['config']}` | {s['planned']} | {s['us']:.1f} |"
-                  for s in results["sweep"]]
+        lines += ["", "## Triton tilings (sweep; planned = the launcher's choice)", "",
+                  "| model | shape | M | method | config | planned | µs |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {s['model']} | {s['shape']} | {s['m']} | {s.get('method', 'int4')} | `{s['config']}` | "
+                  f"{s['planned']} | {s['us']:.1f} |" for s in results["sweep"]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

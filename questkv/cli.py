@@ -18,6 +18,7 @@ from questkv.cli_args import (
     add_engine_args, add_quest_args, byte_size, engine_kwargs, fraction, int_at_least, quest_config, quest_options,
     resolve_dtype, unit_interval,
 )
+from questkv.engine.config import QUANTIZATIONS
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 
 
@@ -339,6 +340,10 @@ def _add_eval(subparsers) -> None:
                              help="engine: KV-cache size, e.g. 40GiB (default: what --gpu-memory-utilization "
                              "leaves, 1 GiB on CPU)")
         backend.add_argument("--enforce-eager", action="store_true", help="engine: never capture CUDA graphs")
+        backend.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
+                             help="engine only: its weights, as `questkv generate --quantization` (gguf: a GGUF on its "
+                             "own packed bits; int4/int8: a float checkpoint rounded at load) (default: the "
+                             "checkpoint's dtype, a GGUF dequantized)")
         sub.add_argument("--json", metavar="PATH",
                          help="write the cells to PATH after every setting, plus PATH's .md table and .png plot; an "
                          "existing PATH with the same settings is resumed (its finished cells are skipped)")
@@ -371,6 +376,7 @@ def _run_eval(args) -> int:
         eval_backend=args.eval_backend,
         agreement_tokens=args.agreement_tokens,
         code_commit=args.code_commit,
+        quantization=args.quantization,
         **quest,
     )
 

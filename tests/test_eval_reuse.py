@@ -28,13 +28,16 @@ def test_every_sweep_runs_on_a_tiny_model_on_the_cpu(tmp_path):
     assert set(agreement["agreement_texts"]) == {"agreement_book", "agreement_code"}
     assert {c["metric"] for c in documents["eval-reuse-ppl-qwen2.5-coder-1.5b-32k"]["cells"]} == {"ppl"}
     assert {c["length"] for c in documents["eval-reuse-qwen2.5-coder-1.5b-32k"]["cells"]} == {256}
+    for name in ("eval-lowbit-qwen2.5-coder-1.5b-16k", "eval-lowbit-ppl-qwen2.5-coder-1.5b-32k"):  # rounded at load
+        assert documents[name]["spec"]["quantization"] == "int8" and documents[name]["cells"]
 
 
 def test_the_device_calls_run_each_sweep_through_gpu_eval():
     calls = eval_reuse.commands("abc123")
     assert len(calls) == sum(len(runs) for runs in eval_reuse.SWEEPS.values())
     assert calls[0].startswith("python3 benchmarks/gpu_eval.py sweep qwen2.5-coder-1.5b "
-                               "eval-reuse-qwen2.5-coder-1.5b-16k --commit abc123 -- --device cuda")
+                               "eval-lowbit-qwen2.5-coder-1.5b-16k --commit abc123 -- --device cuda")
+    assert "--quantization gguf" in calls[0]
     assert all(call.endswith(" | []") for call in calls)
     assert eval_reuse.smoke_args(["--lengths", "16384", "--budgets", "1024,2048"])[:4] == [
         "--lengths", "192", "--budgets", "16,32"]

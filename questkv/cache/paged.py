@@ -61,7 +61,8 @@ class PagedKVCache:
     :meth:`can_reserve` and calls :meth:`allocate` (pages and lengths, no slots).
 
     Prefix caching (``prefix_caching=True``, hashes salted with ``hash_salt``, e.g. the model's identity): a
-    scheduler calls :meth:`match_prefix` for a new sequence's tokens, :meth:`share_prefix` to start it on the
+    scheduler calls :meth:`match_prefix` for a new sequence's tokens (with their hash chain, kept by the caller and
+    extended by :meth:`extend_hashes`), :meth:`share_prefix` to start it on the
     cached pages found, :meth:`allocate` for the rest, and :meth:`register` once the K/V of its full pages are
     written or launched. Pages are written only at positions :meth:`allocate` added, which lie past every shared
     (full) page, so a page is never written once shared; a page registered when it is allocated (its K/V launched
@@ -255,15 +256,29 @@ class PagedKVCache:
         self.seq_lens[seq_id] = 0
         self._free_seqs.append(seq_id)
 
-    def match_prefix(self, token_ids: Sequence[int], max_pages: Optional[int] = None) -> list[int]:
+    def extend_hashes(self, hashes: list[bytes], token_ids: Sequence[int]) -> None:
+        """Extend ``hashes``, the hash chain (:func:`page_hashes`, this cache's salt) of the leading full pages of
+        ``token_ids``, in place to all its full pages: a caller that keeps the chain of a growing token list (the
+        scheduler keeps one per sequence) hashes each page once, however often it asks."""
+        full = len(token_ids) // self.page_size
+        if full > len(hashes):
+            parent = hashes[-1] if hashes else b""
+            hashes.extend(page_hashes(token_ids[:full * self.page_size], self.page_size, self.hash_salt, parent,
+                                      len(hashes)))
+
+    def match_prefix(self, token_ids: Sequence[int], max_pages: Optional[int] = None,
+                     hashes: Optional[Sequence[bytes]] = None) -> list[int]:
         """The cached pages that hold the leading full pages of ``token_ids`` (at most ``max_pages``), in order;
-        ``[]`` without prefix caching. Changes nothing."""
+        ``[]`` without prefix caching. Changes nothing. ``hashes``: the chain of ``token_ids``' full pages (from
+        :meth:`extend_hashes`), else the pages are hashed here, up to the first miss."""
         if not self.prefix_caching:
             return []
         limit = len(token_ids) // self.page_size if max_pages is None else min(max_pages, len(token_ids) // self.page_size)
+        if hashes is not None and len(hashes) < limit:
+            raise ValueError(f"match_prefix: {len(hashes)} hashes for {limit} full pages of token_ids")
         pages, digest, size = [], self.hash_salt, self.page_size
-        for j in range(limit):  # hash page after page: a miss ends the prefix, and the hashing
-            digest = _page_hash(digest, token_ids[j * size:(j + 1) * size])
+        for j in range(limit):  # page after page: a miss ends the prefix, and the hashing
+            digest = _page_hash(digest, token_ids[j * size:(j + 1) * size]) if hashes is None else hashes[j]
             page = self._page_of.get(digest)
             if page is None:
                 break
@@ -296,11 +311,12 @@ class PagedKVCache:
             self.page_table[seq_id, :len(pages)] = index
         self.seq_lens[seq_id] = self._lens[seq_id]
 
-    def register(self, seq_id: int, token_ids: Sequence[int]) -> None:
+    def register(self, seq_id: int, token_ids: Sequence[int], hashes: Optional[Sequence[bytes]] = None) -> None:
         """Make the full pages of ``seq_id`` shareable: ``token_ids`` are its tokens from position 0 (their K/V
         written, or launched before any step that may read them); pages past ``min(len(token_ids),
         seq_len)`` or partly filled are left alone. A page whose hash is already cached elsewhere stays private
-        (the same tokens computed twice). A no-op without prefix caching."""
+        (the same tokens computed twice). A no-op without prefix caching. ``hashes``: the chain of
+        ``token_ids``' full pages (from :meth:`extend_hashes`), else the new pages are hashed here."""
         if not self.prefix_caching:
             return
         self._check_seq(seq_id)
@@ -308,8 +324,13 @@ class PagedKVCache:
         full = min(len(token_ids), self._lens[seq_id]) // self.page_size
         if full <= len(known):
             return
-        parent = known[-1] if known else b""
-        new = page_hashes(token_ids[:full * self.page_size], self.page_size, self.hash_salt, parent, len(known))
+        if hashes is not None and len(hashes) < full:
+            raise ValueError(f"register: {len(hashes)} hashes for {full} full pages of sequence {seq_id}")
+        if hashes is not None:
+            new = hashes[len(known):full]
+        else:
+            parent = known[-1] if known else b""
+            new = page_hashes(token_ids[:full * self.page_size], self.page_size, self.hash_salt, parent, len(known))
         pages = self._pages[seq_id]
         for digest in new:
             page = pages[len(known)]

@@ -23,8 +23,9 @@ class StepContext:
     """What one forward step of the engine's model reads.
 
     Attributes:
-        is_prefill: every sequence brings all its tokens (prompt, or prompt and generated tokens when a
-            preempted sequence is recomputed) past its ``cached_lens`` (prefix-cache pages); else one token each.
+        is_prefill: every sequence brings its tokens (prompt, or prompt and generated tokens when a preempted
+            sequence is recomputed) past its ``cached_lens`` (prefix-cache pages, earlier chunks), all of them or the
+            next chunk; else one token each.
         slots: ``[num_tokens]`` int64, ``page * page_size + offset`` of every new token, sequence
             after sequence (the flat token order of the step's ``input_ids``).
         page_table: ``[batch, max_pages]`` int32, the sequences' pages.
@@ -33,7 +34,8 @@ class StepContext:
         query_starts: prefill only: ``batch + 1`` host ints, sequence ``i``'s tokens are
             ``[query_starts[i], query_starts[i + 1])`` of the flat batch.
         cached_lens: prefill only: ``batch`` host ints, the tokens each sequence already holds in the pool before
-            its new ones (whole shared pages of the prefix cache), whose K/V its new tokens attend too;
+            its new ones (whole shared pages of the prefix cache, and its earlier chunks of a chunked prefill), whose
+            K/V its new tokens attend too;
             ``None``: every sequence starts empty.
         decode_step: decode only: the step object whose buffers every layer's decode attention
             uses in turn (dense layers call ``.dense``, sparse layers ``.sparse``).

@@ -34,8 +34,11 @@ class EngineConfig:
         max_num_seqs: the most sequences decoded together.
         max_model_len: the most tokens (prompt and output) per sequence; ``None``: the model's
             ``max_position_embeddings``.
-        max_num_batched_tokens: the most prompt tokens per prefill step (a longer prompt runs alone);
-            ``None``: ``max(max_model_len, 8192)``.
+        max_num_batched_tokens: the most prompt tokens per prefill step. With chunked prefill a longer prompt is
+            split into chunks of this size; ``None``: 8192 (vLLM's online-serving default: a chunk of 8192 tokens
+            keeps the matrix products of an 8B model compute-bound, so prefill loses little to chunking, while a
+            decode waits for at most one such chunk, a few hundred ms on an H200). Without chunking a longer prompt
+            runs alone; ``None``: ``max(max_model_len, 8192)``.
         kv_cache_memory: bytes of KV cache; ``None``: what ``gpu_memory_utilization`` leaves (CUDA) or 1 GiB (CPU).
             With tensor parallelism, per rank (each holds its KV heads' share of every page).
         gpu_memory_utilization: fraction in (0, 1] of the GPU's whole memory this engine may occupy: weights,
@@ -69,6 +72,12 @@ class EngineConfig:
             densely (a dense engine or request): a Quest decode step attends part of the context, so its K/V are
             not what a prefill of the same tokens computes. Same tokens as without it, up to the float rounding of
             the prefill that attends the cached pages (the gathered prefix K/V and SDPA, on CUDA too).
+        enable_chunked_prefill: split a prefill into chunks of at most ``max_num_batched_tokens`` tokens (as vLLM's
+            ``--enable-chunked-prefill``), so that a long prompt never stalls running decodes for seconds: prefill and
+            decode steps alternate while both have work (decode steps keep their CUDA graphs), a chunk attends the
+            sequence's earlier chunks in the pool (as a prefix-cache hit does), and the pages of each chunk are
+            offered to the prefix cache as they fill. Same tokens as unchunked, up to the float rounding of the
+            chunks' attention over the gathered K/V (see :class:`~questkv.engine.scheduler.Scheduler`).
         tensor_parallel_size: ranks (devices) the model is sharded over by attention heads
             (:mod:`questkv.layers.parallel`): this process is rank 0 (scheduler, sampling, its own shard) and spawns
             ranks 1..N-1 (:mod:`questkv.engine.tp_workers`); on CUDA rank ``r`` runs on ``cuda:r`` with NCCL, on CPU
@@ -93,6 +102,7 @@ class EngineConfig:
     async_scheduling: Optional[bool] = None
     quantization: Optional[str] = None
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     seed: int = 0
     load_format: str = "auto"
@@ -118,6 +128,7 @@ class EngineConfig:
         if self.quantization is not None:
             check_choice("EngineConfig.quantization", self.quantization, QUANTIZATIONS)
         check_bool("EngineConfig.enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("EngineConfig.enable_chunked_prefill", self.enable_chunked_prefill)
         check_int("EngineConfig.tensor_parallel_size", self.tensor_parallel_size, minimum=1)
         if self.torch_device.type == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size} needs as many CUDA "
@@ -146,6 +157,12 @@ class EngineConfig:
     def page_size(self) -> int:
         """The KV page size: Quest's, or 16 for a dense engine."""
         return 16 if self.quest is None else self.quest.page_size
+
+    def prefill_tokens_per_step(self, max_model_len: int) -> int:
+        """:attr:`max_num_batched_tokens`, its default resolved for an engine of ``max_model_len``."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if self.enable_chunked_prefill else max(max_model_len, 8192)
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -118,10 +118,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens or max(max_model_len, 8192),
+            max_num_batched_tokens=config.prefill_tokens_per_step(max_model_len),
             eos_token_ids=self.eos_token_ids,
             max_model_len=max_model_len,
             sparse_decode=self._sparse_layers > 0,
+            chunked_prefill=config.enable_chunked_prefill,
         )
         self._ids = itertools.count()
         self._in_flight: Optional[tuple[ScheduledBatch, SampledTokens]] = None  # launched, not yet processed
@@ -223,14 +224,16 @@ class LLMEngine:
 
     def _process(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
         """Append a launched step's tokens (waiting for them), apply the stops and build the outputs of the
-        sequences that were live (finished ones: their tokens are discarded)."""
+        sequences that were live (finished ones: their tokens are discarded); a partial prefill (a chunk) has no
+        token and no output."""
         tokens = sampled.token_ids()
-        live = [not seq.is_finished for seq in batch.seqs]
+        seqs = batch.seqs[:batch.num_sampled]
+        live = [not seq.is_finished for seq in seqs]
         if not batch.is_prefill:
             self._account_attention(batch, live)
         finished = set(map(id, self.scheduler.update(batch, tokens, sampled.forced_logprobs())))
         outputs = []
-        for seq, was_live in zip(batch.seqs, live):
+        for seq, was_live in zip(seqs, live):
             if not was_live:
                 continue
             text = self._detokenize(seq)

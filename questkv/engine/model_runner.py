@@ -51,8 +51,8 @@ class PrefillInputs:
     """A prefill step, as every rank runs it (:meth:`ModelRunner._run_prefill`).
 
     Attributes:
-        seq_ids, num_new_tokens, seq_lens, prefill_from: the :class:`ScheduledBatch`'s (``prefill_from`` resolved:
-            each sequence's own index when the batch shares no prefill).
+        seq_ids, num_new_tokens, seq_lens, prefill_from, partial: the :class:`ScheduledBatch`'s (``prefill_from``
+            resolved: each sequence's own index when the batch shares no prefill).
         token_ids: the input tokens of the sequences that compute theirs, back to back.
     """
 
@@ -60,7 +60,13 @@ class PrefillInputs:
     num_new_tokens: tuple[int, ...]
     seq_lens: tuple[int, ...]
     prefill_from: tuple[int, ...]
+    partial: bool
     token_ids: list[int]
+
+    @property
+    def num_sampled(self) -> int:
+        """The leading sequences that sample a token: all but a partial one (:attr:`ScheduledBatch.num_sampled`)."""
+        return len(self.seq_ids) - self.partial
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +79,16 @@ class StepMessage:
         prefill: the prefill step, or ``None``.
         decode: the packed decode inputs ``[_NUM_INPUTS, padded]`` int64 (a numpy array: it pickles in ~10 µs, a
             tensor in ~70) and the graph key, or ``None``.
-        count: the sequences of the step (the sampled tokens broadcast from rank 0); 0: capture every decode graph
-            (``graph_capture="startup"``), nothing else.
+        count: the sequences of the step that sample (their tokens are broadcast from rank 0; none for a step that
+            only prefills part of a prompt).
+        capture: capture every decode graph (``graph_capture="startup"``), nothing else.
     """
 
     pages: tuple[tuple[int, int, list[int], int], ...]
     prefill: Optional[PrefillInputs] = None
     decode: Optional[tuple[np.ndarray, tuple[int, int, bool]]] = None
     count: int = 0
+    capture: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,15 +198,16 @@ class ModelRunner:
         launched just before, see the scheduler) is read from that step's tokens on the device.
 
         Returns:
-            The sampled tokens: one per sequence, in batch order, read by :meth:`SampledTokens.token_ids`.
+            The sampled tokens: one per sampling sequence (``batch.seqs[:batch.num_sampled]``: a partial prefill
+            samples nothing), in batch order, read by :meth:`SampledTokens.token_ids`.
         """
         logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)
-        tokens = self._sample(logits, batch)  # [batch] int64 on the device
-        if self.tp is not None:
+        tokens = self._sample(logits, batch)  # [num_sampled] int64 on the device
+        count = batch.num_sampled
+        if self.tp is not None and count:
             tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
-        count = len(batch.seqs)
         self._sampled[:count].copy_(tokens)
-        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs)}
+        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
         flip = self._tokens_flip
         self._tokens_flip ^= 1
         host = self._host_tokens[flip][:count]
@@ -211,11 +220,11 @@ class ModelRunner:
         return SampledTokens(host, done, logprobs)
 
     def _forced_logprobs(self, logits: torch.Tensor, batch: ScheduledBatch, flip: int) -> Optional[torch.Tensor]:
-        """Launch the copy of each row's log-probability of its forced token (``[batch]`` float32 on the host,
-        valid once the step's event completes), from the step's ``logits`` (``[batch, vocab]`` float32, after
-        the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
+        """Launch the copy of each sampling row's log-probability of its forced token (``[num_sampled]`` float32 on
+        the host, valid once the step's event completes), from the step's ``logits`` (``[num_sampled, vocab]``
+        float32, after the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
         targets, any_forced = [], False
-        for seq, seq_len in zip(batch.seqs, batch.seq_lens):
+        for seq, seq_len in zip(batch.seqs[:batch.num_sampled], batch.seq_lens):
             index = seq_len - seq.num_prompt_tokens  # the output this step samples for the row
             forced = seq.is_forced(index)
             targets.append(seq.sampling_params.forced_token_ids[index] if forced else 0)
@@ -233,15 +242,17 @@ class ModelRunner:
         return host
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
-        """``[batch, vocab]`` float32 logits of each sequence's last token. A sequence that shares an earlier
-        one's prefill (:attr:`ScheduledBatch.prefill_from`) gets a copy of its K/V and its logits; one that starts
-        on prefix-cache pages computes only the tokens past them (positions from the hit on)."""
+        """``[num_sampled, vocab]`` float32 logits of each sampling sequence's last token (a partial one, the
+        batch's last, samples nothing). A sequence that shares an earlier one's prefill
+        (:attr:`ScheduledBatch.prefill_from`) gets a copy of its K/V and its logits; one that already holds tokens
+        (prefix-cache pages, or its own earlier chunks) computes only the step's (positions from there on),
+        attending those too."""
         sources = batch.prefill_from or tuple(range(len(batch.seqs)))
         ids = []
         for i, (seq, seq_len, new) in enumerate(zip(batch.seqs, batch.seq_lens, batch.num_new_tokens)):
             if sources[i] == i:
                 ids.extend(seq.all_token_ids[seq_len - new:seq_len])
-        inputs = PrefillInputs(batch.seq_ids, batch.num_new_tokens, batch.seq_lens, sources, ids)
+        inputs = PrefillInputs(batch.seq_ids, batch.num_new_tokens, batch.seq_lens, sources, batch.partial, ids)
         self._publish(batch, prefill=inputs)
         return self._run_prefill(inputs)
 
@@ -251,7 +262,7 @@ class ModelRunner:
         computed = [i for i, source in enumerate(sources) if source == i]
         positions, starts, cached = [], [0], []
         for i in computed:
-            cached.append(inputs.seq_lens[i] - inputs.num_new_tokens[i])  # a prefix-cache hit: its pages are shared
+            cached.append(inputs.seq_lens[i] - inputs.num_new_tokens[i])  # a prefix-cache hit or earlier chunks
             positions.extend(range(cached[-1], inputs.seq_lens[i]))
             starts.append(starts[-1] + inputs.num_new_tokens[i])
         ids = inputs.token_ids
@@ -261,18 +272,21 @@ class ModelRunner:
         ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts,
                           cached_lens=cached if any(cached) else None)
         tokens = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
-        last = torch.tensor(starts[1:], dtype=torch.int64).to(self.device, non_blocking=True) - 1
+        # The partial sequence, if any, is the last computed one: its last token samples nothing.
+        ends = torch.tensor(starts[1:len(starts) - inputs.partial], dtype=torch.int64)
+        last = ends.to(self.device, non_blocking=True) - 1
         if self.memory is not None:  # the slots' selections were their previous sequences'
             self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         hidden = self.model(tokens[0], tokens[1], ctx)
-        logits = self.model.compute_logits(hidden[last])  # [len(computed), vocab]
+        logits = self.model.compute_logits(hidden[last])  # [len(computed) - partial, vocab]
         if len(computed) == len(sources):
             return logits
         for i, source in enumerate(sources):
             if source != i:
                 self.cache.copy_tokens(seq_ids[source], seq_ids[i])
         row = {i: r for r, i in enumerate(computed)}
-        rows = torch.tensor([row[source] for source in sources], dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = torch.tensor([row[source] for source in sources[:inputs.num_sampled]], dtype=torch.int64)
+        rows = rows.to(self.device, non_blocking=True)
         return logits.index_select(0, rows)
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -299,14 +313,14 @@ class ModelRunner:
             if pages or batch.is_prefill:
                 updates.append((seq_id, start, pages, self.cache.seq_len(seq_id)))
             self._mirrored[seq_id] = start + len(pages)
-        self._send(StepMessage(tuple(updates), count=len(batch.seqs), **step))
+        self._send(StepMessage(tuple(updates), count=batch.num_sampled, **step))
 
     def run_step(self, message: StepMessage) -> None:
         """Run one step rank 0 sent (a rank other than 0 with tensor parallelism): follow its page table, run the
         model over the step's inputs (the collectives meet rank 0's) and take the sampled tokens it broadcasts."""
         for update in message.pages:
             self.cache.mirror(*update)
-        if not message.count:
+        if message.capture:
             self.capture_decode_graphs()
             return
         if message.prefill is not None:
@@ -318,8 +332,9 @@ class ModelRunner:
             staged.copy_(torch.from_numpy(host))
             self._inputs[:, :key[0]].copy_(staged, non_blocking=True)
             self.graphs.run(key, self._decode_body)
-        tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
-        self._sampled[:message.count].copy_(tokens)
+        if message.count:  # as rank 0: a step that samples nothing broadcasts nothing
+            tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
+            self._sampled[:message.count].copy_(tokens)
 
     def _stage_inputs(self, batch: Optional[ScheduledBatch], padded: int, width: int) -> torch.Tensor:
         """Copy the packed decode inputs of ``batch`` to the device; rows past it (up to ``padded``) read
@@ -363,7 +378,7 @@ class ModelRunner:
 
         keys = self.graphs.missing()
         if self._send is not None and keys:
-            self._send(StepMessage(()))  # the other ranks capture theirs alongside (the collectives meet)
+            self._send(StepMessage((), capture=True))  # the other ranks capture theirs alongside (the collectives meet)
         for key in tqdm(keys, desc="capturing decode graphs", disable=not progress):
             self._stage_inputs(None, key[0], key[1])
             self.graphs.capture(key, self._decode_body)
@@ -421,15 +436,17 @@ class ModelRunner:
         return self.budget if params.token_budget is None else params.token_budget
 
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
-        """``[batch]`` int64 sampled tokens (greedy rows by argmax). A request draws with its seed and the
-        index of the token it samples, so a preempted and recomputed request draws as it would have."""
-        params = [seq.sampling_params for seq in batch.seqs]
+        """``[num_sampled]`` int64 sampled tokens (greedy rows by argmax) from ``[num_sampled, vocab]`` ``logits``.
+        A request draws with its seed and the index of the token it samples, so a preempted and recomputed request
+        draws as it would have."""
+        seqs = batch.seqs[:batch.num_sampled]
+        params = [seq.sampling_params for seq in seqs]
         if all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
         floats = torch.tensor([[p.temperature, p.top_p] for p in params], dtype=torch.float32)
         ints = torch.tensor(
             [[p.top_k, self.seed_of(seq), seq_len - seq.num_prompt_tokens]
-             for p, seq, seq_len in zip(params, batch.seqs, batch.seq_lens)], dtype=torch.int64
+             for p, seq, seq_len in zip(params, seqs, batch.seq_lens)], dtype=torch.int64
         )
         floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
         filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort

@@ -14,6 +14,10 @@ in-flight tokens will surely end it by length is not scheduled again, and one th
 string costs at most one discarded step.
 
 A sequence therefore caches at most ``num_prompt_tokens + max_tokens - 1 <= max_model_len - 1`` tokens.
+
+Chunked prefill (``chunked_prefill=True``): one running sequence at most (the newest, :attr:`Scheduler.prefilling`)
+may hold a part of its tokens only, ``cache.seq_len < seq.num_tokens`` with nothing in flight; it is no decode
+step's input and samples nothing until the step that prefills its last chunk.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class ScheduledBatch:
             index, or that of an earlier sequence of the batch with the very same tokens, whose K/V and last
             logits it copies instead of computing them again (a prompt sent with several settings); ``()``:
             every sequence its own (decode steps).
+        partial: on prefill with chunking, whether the last sequence's prefill goes on in a later step (its
+            ``seq_lens`` stops short of its tokens): it samples nothing, so the step samples a token for
+            ``seqs[:num_sampled]`` only.
     """
 
     seqs: tuple[Sequence, ...]
@@ -55,6 +62,12 @@ class ScheduledBatch:
     is_prefill: bool
     seq_lens: tuple[int, ...]
     prefill_from: tuple[int, ...] = ()
+    partial: bool = False
+
+    @property
+    def num_sampled(self) -> int:
+        """The leading sequences of :attr:`seqs` that sample a token in this step: all but a partial one."""
+        return len(self.seqs) - self.partial
 
     @property
     def seq_ids(self) -> tuple[int, ...]:
@@ -87,27 +100,42 @@ def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, pr
 
 
 class Scheduler:
-    """FIFO admission by free pages, prefill before decode, preemption of the newest by recompute.
+    """FIFO admission by free pages, prefill before decode (alternating with chunking), preemption of the newest by
+    recompute.
 
     Each :meth:`schedule` is either a prefill of waiting sequences (admitted in arrival order while the batch
-    has fewer than ``max_num_seqs`` running, the prefill tokens stay within ``max_num_batched_tokens`` (the
-    first one is always admitted, however long; a sequence whose tokens equal an earlier one's in the batch
-    costs none: it shares that prefill, see :attr:`ScheduledBatch.prefill_from`; with the cache's prefix caching, a
-    sequence starts on the cached pages of its leading full pages, which cost neither tokens nor free pages, and its
-    full pages become shareable at once, by the later sequences of the same batch too) and the pool holds their
-    tokens plus one decode step of every running sequence), or else one decode step of every running sequence. When the pool cannot hold
-    the decode step, the newest running sequence is preempted: its pages are freed, it returns to the front
-    of the waiting queue and is later prefilled again with its prompt and generated tokens.
+    has fewer than ``max_num_seqs`` running, the prefill tokens stay within ``max_num_batched_tokens`` (without
+    chunking the first one is always admitted, however long; a sequence whose tokens equal an earlier one's in the
+    batch costs none: it shares that prefill, see :attr:`ScheduledBatch.prefill_from`; with the cache's prefix
+    caching, a sequence starts on the cached pages of its leading full pages, which cost neither tokens nor free
+    pages, and its full pages become shareable at once, by the later sequences of the same batch too) and the pool
+    holds their tokens plus one decode step of every running sequence), or else one decode step of every running
+    sequence. When the pool cannot hold the decode step, the newest running sequence is preempted: its pages are
+    freed, it returns to the front of the waiting queue and is later prefilled again with its prompt and generated
+    tokens.
+
+    With ``chunked_prefill`` (SGLang's policy, no decode token inside a prefill forward): a prefill step computes at
+    most ``max_num_batched_tokens`` tokens, so its last sequence may take only a chunk of its tokens; that sequence
+    (:attr:`prefilling`) holds the pages of its chunks and samples nothing, and the next prefill step continues it
+    before admitting anyone else. Its tokens must fit the pool when it is admitted, as an unchunked prompt's; its
+    chunks take their pages as they run (its remaining pages are kept from later admissions), and when a chunk
+    cannot get its pages (decodes grew meanwhile) it is preempted, to restart from its cached pages. A prefill step
+    is followed by a decode step whenever a running sequence can decode, so that decodes advance every other step
+    while long prompts are prefilled: a decode waits for at most one prefill step of ``max_num_batched_tokens``
+    tokens. Full pages of each chunk are offered to the prefix cache as they are computed.
 
     Args:
         cache: the engine's KV cache; the scheduler owns its sequences (pages held outside, e.g. the runner's
             scratch page, are simply not available to requests).
         max_num_seqs: the most sequences running at once (<= ``cache.max_seqs``).
-        max_num_batched_tokens: the most prompt tokens of one prefill step (beyond its first sequence).
+        max_num_batched_tokens: the most prompt tokens of one prefill step (without chunking: beyond its first
+            sequence).
         eos_token_ids: the model's end-of-sequence ids (ignored by requests with ``ignore_eos``).
         max_model_len: the most tokens (prompt plus generated) of one sequence.
         sparse_decode: whether decode steps of non-dense requests attend sparsely (Quest layers): then only the
             pages a prefill wrote are offered to the prefix cache.
+        chunked_prefill: split prefills into chunks of at most ``max_num_batched_tokens`` tokens and alternate
+            prefill and decode steps (see above).
 
     ``waiting`` (a deque) and ``running`` (a list, oldest first) are for reading; change them through the
     methods.
@@ -121,6 +149,7 @@ class Scheduler:
         eos_token_ids: Iterable[int],
         max_model_len: int,
         sparse_decode: bool = False,
+        chunked_prefill: bool = False,
     ) -> None:
         if not isinstance(cache, PagedKVCache):
             raise ValueError(f"Scheduler.cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -136,6 +165,9 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.sparse_decode = bool(sparse_decode)
+        self.chunked_prefill = bool(chunked_prefill)
+        self._prefilling: Optional[Sequence] = None
+        self._after_prefill = False  # the latest step was a prefill (with chunking, a decode step comes next)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._live: dict[str, Sequence] = {}
@@ -149,6 +181,12 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def prefilling(self) -> Optional[Sequence]:
+        """The running sequence whose chunked prefill is incomplete (no token in flight, samples nothing yet), or
+        ``None``."""
+        return self._prefilling
 
     def has_unfinished(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -193,10 +231,13 @@ class Scheduler:
         self._live[seq.request_id] = seq
 
     def schedule(self) -> Optional[ScheduledBatch]:
-        """The next step: a prefill of admitted waiting sequences if any can be admitted, else a decode step
-        of every running sequence (preempting the newest while the pool cannot hold it); ``None`` when nothing
-        is left. Pages for the step's input tokens are allocated here."""
-        batch = self._schedule_prefill()
+        """The next step: a prefill (the chunked sequence's next chunk, then admitted waiting sequences) if there is
+        one, else a decode step of every running sequence (preempting the newest while the pool cannot hold it);
+        with chunking, a decode step first after a prefill step when a running sequence can decode. ``None`` when
+        nothing is left to launch. Pages for the step's input tokens are allocated here."""
+        decode_first = self.chunked_prefill and self._after_prefill and any(map(self._decodes, self.running))
+        batch = None if decode_first else self._schedule_prefill()
+        self._after_prefill = batch is not None
         if batch is not None:
             return batch
         if not self.running:
@@ -224,18 +265,21 @@ class Scheduler:
         ``seq.forced_logprobs``; only ``max_tokens`` and ``max_model_len`` stop there.
 
         Args:
-            forced_logprobs: per sequence of ``batch``, the log-probability of its forced token (any value in
-                rows without one); needed when a live sequence is at a forced output.
+            token_ids: per sequence of ``batch.seqs[:batch.num_sampled]`` (a partial prefill samples nothing),
+                the token it sampled.
+            forced_logprobs: per sampling sequence of ``batch``, the log-probability of its forced token (any value
+                in rows without one); needed when a live sequence is at a forced output.
 
         Returns:
             The sequences that finished in this update, in batch order.
         """
+        sampled = batch.seqs[:batch.num_sampled]
         tokens = list(token_ids)
-        if len(tokens) != len(batch.seqs):
-            raise ValueError(f"update got {len(tokens)} token ids for a batch of {len(batch.seqs)} sequences")
+        if len(tokens) != len(sampled):
+            raise ValueError(f"update got {len(tokens)} token ids for a batch of {len(sampled)} sampling sequences")
         logprobs = None if forced_logprobs is None else list(forced_logprobs)
-        if logprobs is not None and len(logprobs) != len(batch.seqs):
-            raise ValueError(f"update got {len(logprobs)} forced log-probabilities for a batch of {len(batch.seqs)}")
+        if logprobs is not None and len(logprobs) != len(sampled):
+            raise ValueError(f"update got {len(logprobs)} forced log-probabilities for a batch of {len(sampled)}")
         for i, token in enumerate(tokens):
             try:
                 tokens[i] = operator.index(token)
@@ -243,7 +287,7 @@ class Scheduler:
                 raise ValueError(f"update: token_ids[{i}] must be an int, got {token!r}") from None
             if tokens[i] < 0:
                 raise ValueError(f"update: token_ids[{i}] must be >= 0, got {tokens[i]}")
-        live = [(i, seq, token) for i, (seq, token) in enumerate(zip(batch.seqs, tokens)) if not seq.is_finished]
+        live = [(i, seq, token) for i, (seq, token) in enumerate(zip(sampled, tokens)) if not seq.is_finished]
         if logprobs is None and any(seq.is_forced(seq.num_output_tokens) for _, seq, _ in live):
             raise ValueError("update: a sequence is at a forced output but no forced_logprobs were given")
         for _, seq, _ in live:
@@ -256,7 +300,7 @@ class Scheduler:
                     f"{seq.num_in_flight} in flight and {cached} cached; a scheduled sequence must be running with "
                     f"its tokens and in-flight inputs cached (or preempted since)"
                 )
-        for seq in batch.seqs:
+        for seq in sampled:
             seq.num_in_flight -= 1
         now = time.perf_counter()
         finished = []
@@ -313,70 +357,119 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Optional[ScheduledBatch]:
         cache = self.cache
-        # Keep room for the next decode step of the running sequences and of the admitted ones, so that an
-        # admission does not force a preemption on the very next step.
-        reserved = sum(cache.pages_needed(seq.cache_id, 1) for seq in self.running)
-        free_slots = cache.max_seqs - len(cache.sequences)
+        # Keep room for the next decode step of the running sequences and of the admitted ones, and for the rest of a
+        # chunked prefill, so that an admission does not force a preemption on the very next step.
+        reserved = sum(self._pages_to_come(seq) for seq in self.running if seq is not self._prefilling)
         seqs: list[Sequence] = []
         counts: list[int] = []
         news: list[int] = []
         sources: list[int] = []
         first_of: dict[tuple[int, ...], int] = {}  # tokens -> the batch index that computes their prefill
         computed = 0
-        while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs and len(seqs) < free_slots:
-            seq = self.waiting[0]
-            if seq.num_in_flight:  # preempted with a token in flight: recomputed once the token is known
+        seq = self._prefilling
+        if seq is not None:  # its next chunk first
+            done = cache.seq_len(seq.cache_id)
+            chunk = min(seq.num_tokens - done, self.max_num_batched_tokens)
+            if cache.can_reserve([seq.cache_id], [chunk]):
+                self._take_chunk(seq, chunk)
+                seqs.append(seq)
+                counts.append(done + chunk)
+                news.append(chunk)
+                sources.append(0)
+                computed = chunk
+                reserved += self._pages_to_come(seq)
+            else:  # decodes took its pages meanwhile: it restarts (from its cached pages) once it fits again
+                self.running.remove(seq)
+                self._preempt(seq)
+        partial = self._prefilling is not None
+        while (not partial and self.waiting and len(self.running) < self.max_num_seqs
+               and len(cache.sequences) < cache.max_seqs):
+            head = self.waiting[0]
+            if head.num_in_flight:  # preempted with a token in flight: recomputed once the token is known
                 break
-            count = seq.num_tokens
-            tokens = tuple(seq.all_token_ids)
+            count = head.num_tokens
+            tokens = tuple(head.all_token_ids)
             source = first_of.get(tokens, len(seqs))
-            total = cache.pages_for_tokens(min(count + 1, self._max_cached_tokens(seq)))
-            most = (count - 1) // cache.page_size if cache.prefix_caching and source == len(seqs) else 0
+            own = source == len(seqs)
+            total = cache.pages_for_tokens(min(count + 1, self._max_cached_tokens(head)))
+            most = (count - 1) // cache.page_size if cache.prefix_caching and own else 0
             if reserved + total - most > cache.num_free_pages:
-                break  # not even the longest hit would fit: spare the hashing (a blocked queue head waits each step)
+                break  # not even the longest hit would fit: spare the lookup (a blocked queue head waits each step)
             # A prefix-cache hit leaves at least the last token to compute (the step needs its logits); a copy
             # of an earlier sequence of the batch (prefill_from) takes private pages and computes nothing.
-            hit = cache.match_prefix(tokens, most) if source == len(seqs) else []
+            hit = []
+            if own and cache.prefix_caching:
+                if len(head.page_hashes) < count // cache.page_size:
+                    cache.extend_hashes(head.page_hashes, tokens)  # once per page, however often it waits
+                hit = cache.match_prefix(tokens, most, head.page_hashes)
             new = count - len(hit) * cache.page_size
-            cost = new if source == len(seqs) else 0
-            if seqs and computed + cost > self.max_num_batched_tokens:
-                break
+            take = new
+            if own and computed + new > self.max_num_batched_tokens:
+                if not self.chunked_prefill:
+                    if seqs:
+                        break
+                else:
+                    take = self.max_num_batched_tokens - computed  # a first chunk; the step is then full
+                    if take < 1:
+                        break
             # Hit pages cost nothing, except evictable ones (they stop counting as free); pages are taken below,
-            # so `reserved` keeps only the admitted sequences' next decode page.
+            # so `reserved` keeps only what the admitted sequences take later (rest of the prompt, next decode).
             if reserved + total - len(hit) + cache.prefix_cost(hit) > cache.num_free_pages:
                 break
-            reserved += total - cache.pages_for_tokens(count)
-            computed += cost
-            if cache.prefix_caching and source == len(seqs):  # a copy of an earlier sequence looks nothing up
+            if cache.prefix_caching and own:  # a copy of an earlier sequence looks nothing up
                 self.prefix_queried_tokens += count
                 self.prefix_hit_tokens += len(hit) * cache.page_size
-            first_of.setdefault(tokens, source)
             self.waiting.popleft()
-            seq.cache_id = cache.add_sequence()
-            cache.share_prefix(seq.cache_id, hit)
-            cache.allocate([seq.cache_id], [new])
-            # Shareable at once: every layer writes the step's K/V before it attends, so a later sequence of this
-            # very batch may read these pages (the runner computes the batch in order).
-            cache.register(seq.cache_id, tokens)
-            seq.num_prefilled_tokens = count
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = len(hit) * cache.page_size
-            seqs.append(seq)
-            counts.append(count)
-            news.append(new)
+            head.cache_id = cache.add_sequence()
+            cache.share_prefix(head.cache_id, hit)
+            if head.num_cached_tokens is None:
+                head.num_cached_tokens = len(hit) * cache.page_size
+            head.status = SequenceStatus.RUNNING
+            self.running.append(head)
+            self._take_chunk(head, take)
+            reserved += self._pages_to_come(head)
+            computed += take if own else 0
+            first_of.setdefault(tokens, source)
+            seqs.append(head)
+            counts.append(cache.seq_len(head.cache_id))
+            news.append(take)
             sources.append(source)
+            partial = self._prefilling is not None
         if not seqs:
             return None
-        for seq in seqs:
-            seq.status = SequenceStatus.RUNNING
-            seq.num_in_flight = 1
-            self.running.append(seq)
         return ScheduledBatch(tuple(seqs), tuple(news), is_prefill=True, seq_lens=tuple(counts),
-                              prefill_from=tuple(sources))
+                              prefill_from=tuple(sources), partial=partial)
+
+    def _take_chunk(self, seq: Sequence, count: int) -> None:
+        """Allocate the next ``count`` tokens of the running ``seq``'s prefill and offer its full pages to the prefix
+        cache: shareable at once, since every layer writes the step's K/V before it attends, so that a later
+        sequence of this very batch may read them (the runner computes the batch in order). A prefill that ends
+        here has its token in flight; one that does not is :attr:`prefilling`."""
+        cache = self.cache
+        cache.allocate([seq.cache_id], [count])
+        seq.num_prefilled_tokens = cache.seq_len(seq.cache_id)
+        if cache.prefix_caching:
+            if len(seq.page_hashes) < seq.num_prefilled_tokens // cache.page_size:
+                cache.extend_hashes(seq.page_hashes, seq.all_token_ids)
+            cache.register(seq.cache_id, seq.all_token_ids, seq.page_hashes)
+        if seq.num_prefilled_tokens < seq.num_tokens:
+            self._prefilling = seq
+        else:
+            self._prefilling = None
+            seq.num_in_flight = 1
+
+    def _pages_to_come(self, seq: Sequence) -> int:
+        """Pages the running ``seq`` takes before its next decode step is scheduled: the rest of its prefill's
+        and its next token's (one decode step's when prefilled)."""
+        cache = self.cache
+        if seq is not self._prefilling:
+            return cache.pages_needed(seq.cache_id, 1)
+        held = len(cache.pages_of(seq.cache_id))
+        return cache.pages_for_tokens(min(seq.num_tokens + 1, self._max_cached_tokens(seq))) - held
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
         def decoding() -> list[Sequence]:
-            return [seq for seq in self.running if not self._ends_in_flight(seq)]
+            return [seq for seq in self.running if self._decodes(seq)]
 
         seqs = decoding()
         while not self.cache.can_reserve([seq.cache_id for seq in seqs], [1] * len(seqs)):
@@ -399,6 +492,11 @@ class Scheduler:
         return ScheduledBatch(tuple(seqs), tuple(ones), is_prefill=False,
                               seq_lens=tuple(self.cache.seq_len(seq.cache_id) for seq in seqs))
 
+    def _decodes(self, seq: Sequence) -> bool:
+        """Whether the running ``seq`` is a decode step's input: its prefill is done and its in-flight tokens do not
+        surely finish it."""
+        return seq is not self._prefilling and not self._ends_in_flight(seq)
+
     def _ends_in_flight(self, seq: Sequence) -> bool:
         """Whether the tokens in flight for ``seq`` surely finish it by length (no further step is needed)."""
         return bool(seq.num_in_flight) and (
@@ -415,6 +513,8 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         self.cache.free_sequence(seq.cache_id)
         seq.cache_id = None
+        if seq is self._prefilling:  # finished or preempted mid-prefill: it restarts from its (cached) pages
+            self._prefilling = None
 
     def _register(self, seq: Sequence) -> None:
         """Offer the sequence's newly filled pages to the prefix cache (cheap when none filled up). With sparse

@@ -70,8 +70,12 @@ class Sequence:
             them with the outputs (kept across preemptions, as the outputs are).
         forced_text_len: the length of the output text once every forced token is in it (the engine searches
             stop strings only past it); ``None`` until then, 0 without forced tokens.
-        num_prefilled_tokens: the tokens its latest prefill put in the KV cache (computed or shared): K/V that
-            a prefill of the same tokens reproduces, whatever its later (possibly sparse) decode steps attended.
+        num_prefilled_tokens: the tokens its latest prefill put in the KV cache (computed or shared), so far while
+            the prefill is chunked: K/V that a prefill of the same tokens reproduces, whatever its later (possibly
+            sparse) decode steps attended.
+        page_hashes: the prefix cache's hash chain of its leading full pages (of prompt and outputs), computed by
+            the scheduler when it first tries to admit the sequence and extended as needed: an admission that
+            waits (a long prompt at the head of a full queue) hashes nothing again.
         num_cached_tokens: the tokens of its first prefill whose pages it shared from the prefix cache (not
             computed); ``None`` until it is first admitted.
         detokenizer: the engine's :class:`~questkv.engine.detokenizer.IncrementalDetokenizer` of the
@@ -99,6 +103,7 @@ class Sequence:
     forced_logprobs: list[float] = dataclasses.field(default_factory=list)
     forced_text_len: Optional[int] = None
     num_prefilled_tokens: int = 0
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_tokens: Optional[int] = None
     detokenizer: Optional[Any] = None
 

@@ -20,7 +20,8 @@ after sample, so that one prompt's copies share a prefill (:attr:`questkv.engine
 prefill_from`) and continuous batching decodes the settings together. ``full`` runs in a pass of its own when
 a setting of the task reuses selections: a dense request in a decode step makes every row of that step select.
 Requests go in waves whose pages the pool holds whole, so no request is preempted (a recomputed request would
-prefill its forced tokens densely).
+prefill its forced tokens densely). Engines prefill unchunked unless ``engine_kwargs`` ask for chunked prefill: a
+chunked prompt's copies would not share its prefill step, and its first copy would decode before the others.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class EngineSource:
     Attributes:
         model: what :class:`questkv.LLM` takes (an alias, HF folder or ``.gguf``).
         engine_kwargs: other :class:`~questkv.engine.config.EngineConfig` fields (``device``, ``dtype``,
-            ``gpu_memory_utilization``, ``kv_cache_memory``, ``enforce_eager``, ...).
+            ``gpu_memory_utilization``, ``kv_cache_memory``, ``enforce_eager``, ...); ``enable_chunked_prefill``
+            is ``False`` unless given.
         max_num_seqs: the most requests an engine decodes together (fewer when a pass has fewer).
     """
 
@@ -63,7 +65,8 @@ class EngineSource:
 
         try:
             return LLM(self.model, quest=quest, max_model_len=max_model_len,
-                       max_num_seqs=min(max_num_seqs, self.max_num_seqs), **self.engine_kwargs)
+                       max_num_seqs=min(max_num_seqs, self.max_num_seqs),
+                       **{"enable_chunked_prefill": False, **self.engine_kwargs})
         except ValueError as error:
             if "max_position_embeddings" not in str(error):
                 raise

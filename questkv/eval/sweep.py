@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
+from questkv.engine.config import QUANTIZATIONS
 from questkv.eval import agreement, engine_backend, harness, perplexity, tasks
 from questkv.eval.harness import EVAL_BACKENDS, Setting
 from questkv.policies import POLICIES
@@ -60,7 +61,7 @@ QUEST_FIELDS: tuple[str, ...] = ("page_size", "dense_layers") + PAGE_POLICY_OPTI
 """The :class:`~questkv.QuestConfig` fields of a :class:`SweepSpec` (its budgets are the grid's)."""
 # Settings shared by every cell: a resumed run must match them (the grid itself may grow).
 _SHARED = ("samples", "seed", "top_p", *QUEST_FIELDS, "score_tokens", "text_file", "eval_backend",
-           "agreement_tokens", "code_commit")
+           "agreement_tokens", "code_commit", "quantization")
 # What a document written before a shared setting existed ran with, where that is not the field's default.
 _LEGACY = {"eval_backend": "hf"}
 # The options a spec gives the policies that take them (see SweepSpec.settings).
@@ -92,6 +93,9 @@ class SweepSpec:
             everything there (refusing what that path does not run).
         agreement_tokens: ``agreement_*``: positions scored per window (:mod:`questkv.eval.agreement`).
         code_commit: ``agreement_code``: the commit of questkv's source to read (``None``: the tree's).
+        quantization: the engine's weights (:attr:`questkv.engine.config.EngineConfig.quantization`: ``"gguf"``
+            runs a GGUF on its own packed bits, ``"int4"`` / ``"int8"`` round a float checkpoint at load);
+            ``None``: the checkpoint's dtype (a GGUF dequantized). Engine only: every setting must run there.
     """
 
     tasks: tuple[str, ...]
@@ -112,6 +116,7 @@ class SweepSpec:
     eval_backend: str = "auto"
     agreement_tokens: int = 128
     code_commit: Optional[str] = None
+    quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("tasks", "lengths", "policies", "budgets"):
@@ -138,6 +143,8 @@ class SweepSpec:
                     f"{min(self.lengths)}, minus a prefilled token and the first target), got {self.score_tokens}"
                 )
         check_choice("SweepSpec.eval_backend", self.eval_backend, EVAL_BACKENDS)
+        if self.quantization is not None:
+            check_choice("SweepSpec.quantization", self.quantization, QUANTIZATIONS)
         measured = [task for task in self.tasks if task in agreement.TASKS]
         if measured:
             check_int("SweepSpec.agreement_tokens", self.agreement_tokens, minimum=1)
@@ -151,6 +158,9 @@ class SweepSpec:
             if setting.backend(self.eval_backend) != "engine" and measured:  # raises for what no path runs
                 raise ValueError(f"task {measured[0]!r} runs on the engine backend only, and policy "
                                  f"{setting.name!r} on the HF path: sweep it apart")
+            if setting.backend(self.eval_backend) != "engine" and self.quantization is not None:
+                raise ValueError(f"SweepSpec.quantization={self.quantization!r} runs on the engine backend only, and "
+                                 f"policy {setting.name!r} on the HF path: sweep it apart")
 
     def backend(self, setting: Setting) -> str:
         """``"engine"`` or ``"hf"``: what decodes ``setting`` (:meth:`questkv.eval.harness.Setting.backend`)."""
@@ -243,6 +253,8 @@ def _run_engine_cells(tokenizer, spec: SweepSpec, finished: set, emit, engine, p
     if engine is None:
         raise ValueError("cells on the engine backend are pending but no engine was given (run_sweep(engine=...)); "
                          "or use eval_backend='hf'")
+    if spec.quantization is not None:
+        engine = dataclasses.replace(engine, engine_kwargs={**engine.engine_kwargs, "quantization": spec.quantization})
     tasks_due = {task for pairs in todo.values() for task, _ in pairs}
     ppl_text = perplexity.load_text(spec.text_file) if PPL in tasks_due else None
     texts = {task: agreement.load_text(task, spec.code_commit)[0] for task in agreement.TASKS if task in tasks_due}

@@ -1,7 +1,8 @@
 """The engine's attention layer: writes the step's K/V into the page pool and attends.
 
-Prefill is causal attention of each sequence over its own new tokens (SDPA), and over the K/V of the
-prefix-cache pages it starts on when it has some (``StepContext.cached_lens``). Decode reads the pool through the step's :class:`~questkv.decode.step.QuestDecodeStep`:
+Prefill is causal attention of each sequence over its own new tokens (SDPA), and over the K/V it already holds
+in the pool when it has some (``StepContext.cached_lens``: prefix-cache pages, or its earlier chunks of a chunked
+prefill). Decode reads the pool through the step's :class:`~questkv.decode.step.QuestDecodeStep`:
 dense paged attention on layers below ``quest.dense_layers`` (and everywhere without Quest), Quest
 page selection above. Which of the two a layer runs is decided once, at construction.
 """
@@ -91,8 +92,9 @@ class Attention(nn.Module):
         return out
 
     def _prefill_after_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Prefill where sequence ``i`` already holds ``ctx.cached_lens[i]`` tokens in the pool (whole prefix-cache
-        pages): its new tokens attend those (gathered from the pages into contiguous K/V) and, causally, each other.
+        """Prefill where sequence ``i`` already holds ``ctx.cached_lens[i]`` tokens in the pool (prefix-cache pages,
+        and its earlier chunks, which may end inside a page whose rest this step writes): its new tokens attend those
+        (gathered from the pages into contiguous K/V) and, causally, each other.
 
         A simple, correct path rather than a fast one: the same gather (a copy of the prefix K/V per sequence and
         layer) and SDPA run on CUDA, no paged prefill kernel; sequences without cached tokens in the step take
@@ -105,9 +107,9 @@ class Attention(nn.Module):
             if not cached:
                 out[begin:end] = self._prefill(q[begin:end], k[begin:end], v[begin:end], [0, end - begin])
                 continue
-            pages = ctx.page_table[row, :cached // page_size].long()  # [P / page_size], whole pages
-            kp = self.pages.k_pages[pages].flatten(0, 1)  # [P, Hkv, D]
-            vp = self.pages.v_pages[pages].flatten(0, 1)
+            pages = ctx.page_table[row, :-(-cached // page_size)].long()  # [ceil(P / page_size)]
+            kp = self.pages.k_pages[pages].flatten(0, 1)[:cached]  # [P, Hkv, D]
+            vp = self.pages.v_pages[pages].flatten(0, 1)[:cached]
             qs = q[begin:end].transpose(0, 1)[None]  # [1, Hq, T, D]
             ks = torch.cat([kp.to(k.dtype), k[begin:end]]).transpose(0, 1)[None]  # [1, Hkv, P + T, D]
             vs = torch.cat([vp.to(v.dtype), v[begin:end]]).transpose(0, 1)[None]

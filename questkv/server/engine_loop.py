@@ -341,12 +341,13 @@ class EngineLoop:
 
     def _fail_step(self, error: Exception) -> None:
         """Fail the requests of the steps that raised or were in flight: those with tokens in flight (the engine
-        dropped those steps, see :meth:`LLMEngine.step`), else every running request (and the head of the
-        waiting queue when nothing runs), so that a failure that repeats still drains the queue."""
+        dropped those steps, see :meth:`LLMEngine.step`) and the one whose chunked prefill is under way (its last
+        chunk's K/V may be missing), else every running request (and the head of the waiting queue when nothing
+        runs), so that a failure that repeats still drains the queue."""
         logger.error("a step failed: %r; failing its requests", error, exc_info=error)
         scheduler = self.engine.scheduler
         running = list(scheduler.running)
-        failed = [seq for seq in running + list(scheduler.waiting) if seq.num_in_flight]
+        failed = [seq for seq in running + list(scheduler.waiting) if seq.num_in_flight or seq is scheduler.prefilling]
         if not failed:
             failed = running or list(scheduler.waiting)[:1]
         streams = []

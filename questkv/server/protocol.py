@@ -374,9 +374,12 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: the prompt tokens whose prefill the prefix cache
+    skipped (whole pages, :attr:`~questkv.engine.sequence.RequestMetrics.num_cached_tokens`)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def quest_echo(token_budget: Optional[int], dense: bool, selection_interval: Optional[int],

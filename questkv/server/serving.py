@@ -379,7 +379,7 @@ class _Run:
         return max(self.deadline - time.monotonic(), 0.0)
 
     def _final(self, output: RequestOutput) -> tuple[dict, dict]:
-        usage = protocol.usage(self.num_prompt_tokens, len(output.token_ids))
+        usage = protocol.usage(self.num_prompt_tokens, len(output.token_ids), output.metrics.num_cached_tokens)
         return usage, self.serving._quest_echo(self.params, output.metrics.mean_tokens_attended)
 
     def _fail(self, event) -> RequestError:

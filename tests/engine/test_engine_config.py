@@ -58,6 +58,11 @@ def test_engine_config_is_frozen_and_reports_its_derived_values():
     assert not config.use_cuda_graphs  # CPU: always eager
     quest = EngineConfig(model="smollm2-135m", quest=QUEST, device="cpu")
     assert quest.page_size == QUEST.page_size and quest.dtype == "bfloat16"
+    # Prefill tokens per step: chunks of 8192 by default, an unchunked step as long as the longest prompt.
+    assert config.enable_chunked_prefill and config.prefill_tokens_per_step(32768) == 8192
+    unchunked = dataclasses.replace(config, enable_chunked_prefill=False)
+    assert unchunked.prefill_tokens_per_step(32768) == 32768 and unchunked.prefill_tokens_per_step(1024) == 8192
+    assert dataclasses.replace(config, max_num_batched_tokens=512).prefill_tokens_per_step(32768) == 512
 
 
 def test_dtype_name_takes_names_and_torch_dtypes_and_refuses_the_rest():
@@ -100,6 +105,7 @@ def test_max_model_len_defaults_to_the_models_max_position_embeddings():
     (dict(gpu_memory_utilization=0), "EngineConfig.gpu_memory_utilization must be in (0.0, 1.0], got 0"),
     (dict(gpu_memory_utilization=1.5), "EngineConfig.gpu_memory_utilization must be in (0.0, 1.0]"),
     (dict(enforce_eager="yes"), "EngineConfig.enforce_eager must be a bool"),
+    (dict(enable_chunked_prefill=1), "EngineConfig.enable_chunked_prefill must be a bool"),
     (dict(seed=-1), "EngineConfig.seed must be >= 0, got -1"),
     (dict(tensor_parallel_size=0), "EngineConfig.tensor_parallel_size must be >= 1, got 0"),
     (dict(tensor_parallel_size="2"), "EngineConfig.tensor_parallel_size must be an int, got '2'"),

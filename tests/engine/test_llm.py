@@ -145,8 +145,10 @@ def test_identical_prompts_in_one_prefill_step_are_computed_once_and_give_each_r
     hook = llm.engine.runner.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
     outputs = llm.generate(prompts, params, use_tqdm=False)
     hook.remove()
-    # One step prefills p once for its three copies; q (30 more tokens) waits: 50 + 30 > max_num_batched_tokens.
-    assert launched[0].is_prefill and launched[0].prefill_from == (0, 0, 0) and computed[0] == 50
+    # One step prefills p once for its three copies; q (30 more tokens) gets the first chunk of its prefill, the 10
+    # tokens max_num_batched_tokens leaves; the last copy of p comes after q, so it waits for the next prefill step.
+    assert launched[0].is_prefill and launched[0].prefill_from == (0, 0, 0, 3) and computed[0] == 60
+    assert launched[0].num_new_tokens == (50, 50, 50, 10) and launched[0].partial
     assert [(out.token_ids, out.forced_choices) for out in outputs] == [
         (o.token_ids, o.forced_choices) for o in (llm.generate([x], sp, use_tqdm=False)[0]
                                                   for x, sp in zip(prompts, params))]

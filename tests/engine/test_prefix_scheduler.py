@@ -1,5 +1,6 @@
 """Scheduler with prefix caching: the state machine of ``test_scheduler`` on prompts that share prefixes, with the
-pages counted by reference (a shared page once) and the hits checked."""
+pages counted by reference (a shared page once) and the hits checked; the same with chunked prefill (chunks that end
+inside pages, preempted and aborted mid-prefill); a waiting prompt's pages are hashed once."""
 
 import random
 
@@ -8,6 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
+import questkv.cache.paged
 from questkv.cache.paged import PagedKVCache
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import Scheduler
@@ -95,3 +97,87 @@ class PrefixSchedulerMachine(SchedulerMachine):
 
 TestPrefixSchedulerMachine = PrefixSchedulerMachine.TestCase
 TestPrefixSchedulerMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+class ChunkedPrefixSchedulerMachine(PrefixSchedulerMachine):
+    """The same with chunked prefill: a prefill step computes at most 6 tokens (chunks end inside and on page
+    boundaries), so that most prompts take several steps; preemption and aborts reach sequences mid-prefill."""
+
+    CHUNK = 6
+
+    def __init__(self):
+        super().__init__()
+        self.scheduler = Scheduler(self.cache, self.MAX_NUM_SEQS, self.CHUNK, frozenset({EOS}), self.MAX_MODEL_LEN,
+                                   chunked_prefill=True)
+        self.after_prefill = False
+
+    @rule(data=st.data())
+    def step(self, data):
+        if not self.scheduler.has_unfinished():
+            return
+        scheduler, cache = self.scheduler, self.cache
+        decodable = [seq for seq in scheduler.running if seq is not scheduler.prefilling]
+        batch = scheduler.schedule()
+        assert batch is not None and len(batch.seqs) == len(batch.num_new_tokens) >= 1
+        if self.after_prefill and decodable:  # decodes advance between two prefill steps
+            assert not batch.is_prefill
+        self.after_prefill = batch.is_prefill
+        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            assert seq.status is SequenceStatus.RUNNING and cache.seq_len(seq.cache_id) == batch.seq_lens[i]
+            if i < batch.num_sampled:
+                assert batch.seq_lens[i] == seq.num_tokens and seq.num_in_flight == 1
+            else:  # the partial one: the batch's last, its full pages shareable already, nothing in flight
+                assert batch.is_prefill and batch.seq_lens[i] < seq.num_tokens and scheduler.prefilling is seq
+                assert seq.num_in_flight == 0 and cache.num_registered_pages(seq.cache_id) == batch.seq_lens[i] // PAGE
+            assert 1 <= count <= batch.seq_lens[i] and (batch.is_prefill or count == 1)
+        if batch.is_prefill:
+            sources = batch.prefill_from
+            assert sum(n for i, n in enumerate(batch.num_new_tokens) if sources[i] == i) <= self.CHUNK
+            assert scheduler.prefilling is (batch.seqs[-1] if batch.partial else None)
+        else:
+            assert scheduler.prefilling not in batch.seqs
+            assert list(batch.seqs) == [seq for seq in scheduler.running if seq is not scheduler.prefilling]
+        sampled = batch.seqs[:batch.num_sampled]
+        token_ids = data.draw(st.lists(st.integers(0, 5), min_size=len(sampled), max_size=len(sampled)))
+        scheduler.update(batch, token_ids)
+        for seq, token in zip(sampled, token_ids):
+            self.tokens[seq.request_id].append(token)
+            assert seq.output_token_ids == self.tokens[seq.request_id]
+
+    @invariant()
+    def running_sequences_cache_all_but_their_last_token(self):
+        scheduler = self.scheduler
+        assert scheduler.num_running <= self.MAX_NUM_SEQS
+        for seq in scheduler.running:
+            cached = self.cache.seq_len(seq.cache_id)
+            assert seq.status is SequenceStatus.RUNNING
+            if seq is scheduler.prefilling:  # the newest, part of its tokens cached
+                assert seq is scheduler.running[-1] and 0 < cached < seq.num_tokens
+            else:
+                assert cached == seq.num_tokens - 1
+
+
+TestChunkedPrefixSchedulerMachine = ChunkedPrefixSchedulerMachine.TestCase
+TestChunkedPrefixSchedulerMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_a_waiting_prompt_that_cannot_be_admitted_is_hashed_once(monkeypatch):
+    cache = PagedKVCache(1, 1, 1, 12, PAGE, max_seqs=4, prefix_caching=True)
+    scheduler = Scheduler(cache, 4, 64, frozenset({EOS}), 64)
+    hashed = []
+    page_hash = questkv.cache.paged._page_hash
+    monkeypatch.setattr(questkv.cache.paged, "_page_hash", lambda *args: hashed.append(1) or page_hash(*args))
+    hog = Sequence("hog", BASE[:20], SamplingParams(max_tokens=20, ignore_eos=True))
+    scheduler.add(hog)
+    scheduler.update(scheduler.schedule(), [7])  # 6 pages held, 6 free
+    hashed.clear()
+    # 28 tokens need 8 pages: it could fit with a hit of 2 pages or more (so it is looked up) but hits 1 page only.
+    head = Sequence("head", BASE[:4] + [BASE[4] % 99 + 1] + BASE[5:28], SamplingParams(max_tokens=2))
+    scheduler.add(head)
+    counts = []
+    for _ in range(3):  # the hog caches 21 to 23 tokens: no page of its own fills (and is hashed) meanwhile
+        batch = scheduler.schedule()
+        assert not batch.is_prefill and list(scheduler.waiting) == [head]
+        scheduler.update(batch, [7])
+        counts.append(len(hashed))
+    assert counts == [7, 7, 7] and len(head.page_hashes) == 7  # its full pages, once

@@ -16,9 +16,10 @@ PAGE, EOS = 4, 0
 
 
 def make_scheduler(num_pages=10, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64, max_seqs=8,
-                   max_pages_per_seq=None):
+                   max_pages_per_seq=None, chunked_prefill=False):
     cache = PagedKVCache(1, 1, 1, num_pages, PAGE, max_seqs=max_seqs, max_pages_per_seq=max_pages_per_seq)
-    return Scheduler(cache, max_num_seqs, max_num_batched_tokens, frozenset({EOS}), max_model_len)
+    return Scheduler(cache, max_num_seqs, max_num_batched_tokens, frozenset({EOS}), max_model_len,
+                     chunked_prefill=chunked_prefill)
 
 
 def request(request_id, prompt_len, **params):
@@ -28,7 +29,7 @@ def request(request_id, prompt_len, **params):
 def step(scheduler, token=7):
     """One schedule + update with ``token`` for every sequence; returns the batch and the finished."""
     batch = scheduler.schedule()
-    return batch, scheduler.update(batch, [token] * len(batch.seqs))
+    return batch, scheduler.update(batch, [token] * batch.num_sampled)
 
 
 def run_to_completion(scheduler, tokens=lambda: 7, max_steps=10_000):
@@ -36,7 +37,7 @@ def run_to_completion(scheduler, tokens=lambda: 7, max_steps=10_000):
         if not scheduler.has_unfinished():
             return
         batch = scheduler.schedule()
-        scheduler.update(batch, [tokens() for _ in batch.seqs])
+        scheduler.update(batch, [tokens() for _ in range(batch.num_sampled)])
     raise AssertionError("the scheduler did not finish its requests")
 
 
@@ -158,6 +159,53 @@ def test_prefill_respects_max_num_batched_tokens_but_always_admits_one():
         scheduler.add(seq)
     assert scheduler.schedule().seqs == (long,)  # longer than the budget, alone
     assert scheduler.schedule().seqs == (short_a, short_b)  # 6 + 4 <= 10
+
+
+def test_a_chunked_prompt_takes_the_step_budget_and_its_chunks_alternate_with_decode_steps():
+    scheduler = make_scheduler(num_pages=40, max_num_seqs=4, max_num_batched_tokens=4, chunked_prefill=True)
+    a, b, c = request("a", 3, max_tokens=20, ignore_eos=True), request("b", 10), request("c", 2)
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    steps = []
+    for _ in range(8):
+        batch = scheduler.schedule()
+        steps.append((batch.is_prefill, [seq.request_id for seq in batch.seqs], batch.num_new_tokens, batch.partial))
+        assert scheduler.prefilling is (batch.seqs[-1] if batch.partial else None) or not batch.is_prefill
+        scheduler.update(batch, [7] * batch.num_sampled)
+    assert steps == [
+        (True, ["a", "b"], (3, 1), True),  # a, then b's first chunk: the 1 token left of the budget
+        (False, ["a"], (1,), False),       # b samples nothing and is no decode input until its prefill is done
+        (True, ["b"], (4,), True),
+        (False, ["a"], (1,), False),
+        (True, ["b"], (4,), True),
+        (False, ["a"], (1,), False),
+        (True, ["b", "c"], (1, 2), False),  # b's last chunk (its first token comes from it), then c whole
+        (False, ["a", "b", "c"], (1, 1, 1), False),
+    ]
+    assert a.num_output_tokens == 5 and b.num_output_tokens == 2 and c.num_output_tokens == 2
+
+
+def test_a_chunked_prefill_that_loses_its_pages_to_decodes_restarts_and_an_abort_mid_prefill_frees_them():
+    scheduler = make_scheduler(num_pages=6, max_num_seqs=2, max_num_batched_tokens=1, chunked_prefill=True)
+    cache = scheduler.cache
+    a, b = request("a", 4, max_tokens=16, ignore_eos=True), request("b", 12, max_tokens=1)
+    scheduler.add(a)
+    scheduler.add(b)
+    while b.num_preemptions == 0:  # one-token chunks of b alternate with a's decodes, which take the last pages
+        batch = scheduler.schedule()
+        scheduler.update(batch, [7] * batch.num_sampled)
+    assert scheduler.prefilling is None and b.cache_id is None and list(scheduler.waiting) == [b]
+    assert b.status is SequenceStatus.WAITING and b.num_output_tokens == 0 and b.num_in_flight == 0
+    assert len(cache.pages_of(a.cache_id)) + cache.num_free_pages == 6
+    run_to_completion(scheduler)
+    assert b.num_output_tokens == 1 and cache.num_free_pages == 6
+    c = request("c", 12, max_tokens=1)
+    scheduler.add(c)
+    for _ in range(3):
+        scheduler.update(scheduler.schedule(), [])
+    assert scheduler.prefilling is c and cache.seq_len(c.cache_id) == 3
+    assert scheduler.abort("c") and scheduler.prefilling is None and cache.num_free_pages == 6
+    assert scheduler.schedule() is None
 
 
 def test_preemption_takes_the_newest_sequence_and_puts_it_first_in_the_queue():
@@ -297,7 +345,7 @@ def test_update_with_the_wrong_token_count_changes_nothing():
     seq = request("r", 3)
     scheduler.add(seq)
     batch = scheduler.schedule()
-    with pytest.raises(ValueError, match="update got 2 token ids for a batch of 1 sequences"):
+    with pytest.raises(ValueError, match="update got 2 token ids for a batch of 1 sampling sequences"):
         scheduler.update(batch, [1, 2])
     with pytest.raises(ValueError, match=r"token_ids\[0\] must be >= 0, got -3"):
         scheduler.update(batch, [-3])

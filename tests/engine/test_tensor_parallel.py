@@ -6,7 +6,8 @@ every bias (the row-parallel biases count once) and a vocabulary of 97 (the voca
 it to 98), a Qwen2 with QKV biases, GQA 14:2 (one KV head per rank) and tied embeddings, and a GQA Llama quantized
 to int8 after loading (a row-parallel shard's row scales are the whole rows'). fp32 activations: greedy tokens and
 seeded samples must match exactly. The first Llama engine schedules asynchronously (the sampled tokens feed the
-next step from every rank's device), the others synchronously. One engine of each size is shared by the tests of a
+next step from every rank's device), the others synchronously; the Qwen2 engines prefill in chunks of 8 tokens
+(a step that only prefills part of a prompt samples nothing). One engine of each size is shared by the tests of a
 model (a worker takes seconds to start); their pools are tiny (18 pages of 4 tokens), so a batch preempts. A packed
 GPTQ checkpoint (groups of 32) shards on group boundaries too.
 """
@@ -32,7 +33,7 @@ from tests.helpers import greedy_params, save_tiny_model, tiny_config, tiny_hf_m
 PAGE, MAX_LEN, POOL_PAGES = 4, 64, 18
 QUEST = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1)
 MODELS = {"llama": dict(family="llama_mha", vocab_size=97, engine=dict(async_scheduling=True)),
-          "qwen2": dict(family="qwen2", vocab_size=96, engine=dict(async_scheduling=False)),
+          "qwen2": dict(family="qwen2", vocab_size=96, engine=dict(async_scheduling=False, max_num_batched_tokens=8)),
           "llama int8": dict(family="llama3", vocab_size=96, engine=dict(async_scheduling=False, quantization="int8"))}
 DEADLINE_S = 60.0  # a bound for states awaited (a worker's death noticed, processes gone); never a sleep
 

@@ -56,13 +56,14 @@ def by_key(cells):
 
 
 def test_the_engine_gives_the_hf_paths_answers_and_scores_where_both_run(model_dir, hf_model, word_tokenizer):
-    """At a budget covering the context (Quest is then dense attention) and, on this model, below it too: both
-    paths run the torch reference ops on the CPU."""
-    spec = make_spec(budgets=[16, COVERING])
+    """At a budget covering the context (Quest is then dense attention; both paths run the torch reference ops on the
+    CPU). Below it, the two paths' scores differ in float rounding (batched vs one row), which may flip a near-tied
+    page of a random model: the GPU runs compare those cells within one sample."""
+    spec = make_spec(budgets=[COVERING])
     hf = by_key(sweep.run_sweep(hf_model, word_tokenizer, dataclasses.replace(spec, eval_backend="hf"),
                                 progress=False))
     engine = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=source(model_dir, pages=40)))
-    assert hf.keys() == engine.keys() and len(engine) == 6
+    assert hf.keys() == engine.keys() and len(engine) == 4
     for key, cell in engine.items():
         assert cell["backend"] == "engine" and hf[key]["backend"] == "hf" and cell["preemptions"] == 0
         if cell["metric"] == "accuracy":
@@ -191,3 +192,29 @@ def test_the_cli_runs_the_engine_backend_and_resumes(model_dir, tmp_path):
     assert "Perplexity of dense's greedy tokens" in path.with_suffix(".md").read_text()
     assert cli.main(argv) == 0  # resumed: nothing to do, nothing loaded
     assert json.loads(path.read_text())["runs"] == document["runs"]
+
+
+def test_quantization_reaches_the_engine_and_is_refused_for_the_hf_path(model_dir, word_tokenizer):
+    built = []
+
+    class Spy(engine_backend.EngineSource):
+        def build(self, quest, max_model_len, max_num_seqs):
+            built.append(self.engine_kwargs.get("quantization"))
+            return super().build(quest, max_model_len, max_num_seqs)
+
+    base = source(model_dir)
+    spec = make_spec(tasks=["ppl"], quantization="int8")
+    quantized = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False,
+                                       engine=Spy(base.model, base.engine_kwargs)))
+    plain = by_key(sweep.run_sweep(None, word_tokenizer, dataclasses.replace(spec, quantization=None), progress=False,
+                                   engine=base))
+    assert built and set(built) == {"int8"}
+    assert quantized.keys() == plain.keys()
+    for key, cell in plain.items():  # int8 rounding moves the perplexity a little, not a lot
+        assert quantized[key]["value"] != cell["value"]
+        assert quantized[key]["value"] == pytest.approx(cell["value"], rel=0.05)
+    with pytest.raises(ValueError, match="SweepSpec.quantization='int8' runs on the engine backend only, and policy "
+                                         "'streaming' on the HF path"):
+        dataclasses.replace(spec, policies=["full", "streaming"])
+    with pytest.raises(ValueError, match="SweepSpec.quantization"):
+        dataclasses.replace(spec, quantization="int3")

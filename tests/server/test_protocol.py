@@ -170,6 +170,35 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine, mo
     assert stats["requests_running"] == 0 and engine.cache.num_free_pages == free
 
 
+def test_a_failing_chunk_step_fails_the_request_being_prefilled_and_the_loop_keeps_serving(monkeypatch):
+    engine = LLMEngine(EngineConfig(model=tiny_config("llama3"), quest=QuestConfig(**_QUEST),
+                                    **{**_ENGINE, "max_num_batched_tokens": 8}))
+    execute, calls = engine.runner.execute, {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second chunk of the 30-token prompt: no token is in flight for it
+            raise RuntimeError("injected fault")
+        return execute(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        first = await _collect(loop.submit("long", _prompt(30), SamplingParams(temperature=0, max_tokens=3)))
+        second = await _collect(loop.submit("next", _prompt(20), SamplingParams(temperature=0, max_tokens=3,
+                                                                             ignore_eos=True)))
+        await loop.shutdown(1.0)
+        return first, second
+
+    free = engine.cache.num_free_pages
+    first, second = asyncio.run(run())
+    assert isinstance(first[-1], EngineFailure) and engine.scheduler.prefilling is None
+    assert second[-1].finished and len(second[-1].token_ids) == 3
+    assert engine.cache.num_free_pages == free
+
+
 def test_an_aborted_request_frees_its_pages_and_a_full_queue_is_refused(engine):
     async def run():
         loop = EngineLoop(engine, max_waiting=1)
@@ -221,7 +250,8 @@ def test_the_app_answers_a_completion_and_refuses_what_the_engine_cannot_run(eng
     body = good.json()
     assert good.status_code == 200, body
     assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": body["usage"]["completion_tokens"],
-                             "total_tokens": 7 + body["usage"]["completion_tokens"]}
+                             "total_tokens": 7 + body["usage"]["completion_tokens"],
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["quest"]["token_budget"] == 4 and body["quest"]["dense"] is False
     for param, response in bad.items():
         assert response.status_code == (404 if param == "model" else 400), response.text

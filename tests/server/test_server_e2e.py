@@ -17,7 +17,7 @@ import pytest
 
 from questkv.engine.sampling_params import SamplingParams
 from tests.server.conftest import (
-    BUDGET, MAX_LEN, MAX_NUM_SEQS, MODEL_NAME, chunk_text, idle, metrics, sse_events, text_prompt, token_prompt,
+    BUDGET, MAX_LEN, MAX_NUM_SEQS, MODEL_NAME, PAGE, chunk_text, idle, metrics, sse_events, text_prompt, token_prompt,
     wait_until,
 )
 
@@ -119,8 +119,11 @@ def test_a_completion_of_token_ids_over_raw_http_equals_llm_generate(server, ref
     body = response.json()
     assert body["object"] == "text_completion" and isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "text": ref.text, "finish_reason": finish_reason(ref), "logprobs": None}]
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]  # whole pages hit by earlier tests' prompts
+    assert cached % PAGE == 0 and 0 <= cached < len(prompt)
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ref.token_ids),
-                             "total_tokens": len(prompt) + len(ref.token_ids)}
+                             "total_tokens": len(prompt) + len(ref.token_ids),
+                             "prompt_tokens_details": {"cached_tokens": cached}}
     check_quest_echo(body["quest"], None, ref)
 
 
@@ -139,9 +142,12 @@ def test_a_streamed_completion_over_raw_http_is_server_sent_events_ending_in_don
     assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "text_completion" for c in chunks)
     assert all(c["model"] == MODEL_NAME for c in chunks)
     *choice_chunks, usage_chunk = chunks
+    cached = usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
         "prompt_tokens": num_prompt_tokens(reference_llm, prompt), "completion_tokens": len(ref.token_ids),
-        "total_tokens": num_prompt_tokens(reference_llm, prompt) + len(ref.token_ids)}
+        "total_tokens": num_prompt_tokens(reference_llm, prompt) + len(ref.token_ids),
+        "prompt_tokens_details": {"cached_tokens": cached}}
+    assert cached % PAGE == 0 and 0 <= cached < num_prompt_tokens(reference_llm, prompt)
     assert all(c.get("usage") is None for c in choice_chunks)  # usage only in the extra last chunk
     assert "".join(chunk_text(c) for c in choice_chunks) == ref.text
     reasons = [c["choices"][0]["finish_reason"] for c in choice_chunks]
@@ -149,6 +155,24 @@ def test_a_streamed_completion_over_raw_http_is_server_sent_events_ending_in_don
     echo = [c["quest"] for c in chunks if c.get("quest") is not None]
     assert echo, "no chunk carries the quest object"
     check_quest_echo(echo[-1], quest, ref)
+
+
+def test_a_repeated_prompt_reports_its_prefix_cache_hit_as_cached_tokens(server):
+    prompt = token_prompt(4 * PAGE + 2)  # fresh random ids: the first request finds nothing cached
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    first = httpx.post(server + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S).json()
+    second = httpx.post(server + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 4 * PAGE}  # whole pages
+    # The openai client reads it, in the final usage chunk of a stream too; a chat request over the same engine.
+    stream = client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                               stream=True, stream_options={"include_usage": True})
+    assert list(stream)[-1].usage.prompt_tokens_details.cached_tokens == 4 * PAGE
+    messages = [{"role": "user", "content": text_prompt(40)}]
+    chat = [client(server).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0)
+            for _ in range(2)]
+    prompt_tokens = chat[1].usage.prompt_tokens
+    assert chat[1].usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // PAGE * PAGE
 
 
 def test_a_stream_without_include_usage_has_no_usage_chunk(server, reference_llm):
