@@ -87,18 +87,22 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
         self._group: Optional[TensorParallel] = None
-        atexit.register(self.close)
-        for rank in range(1, self.size):
-            ours, theirs = context.Pipe()
-            proc = context.Process(target=worker_main,
-                                   args=(config, rank, self.store_path, max_model_len, self.timeout, theirs),
-                                   name=f"questkv-tp-rank{rank}", daemon=True)
-            proc.start()
-            theirs.close()
-            self._conns.append(ours)
-            self._procs.append(proc)
         self._wake_r, self._wake_w = os.pipe()  # close() wakes the watchdog through it
         self._watchdog = threading.Thread(target=self._watch, name="questkv-tp-watchdog", daemon=True)
+        atexit.register(self.close)
+        try:
+            for rank in range(1, self.size):
+                ours, theirs = context.Pipe()
+                proc = context.Process(target=worker_main,
+                                       args=(config, rank, self.store_path, max_model_len, self.timeout, theirs),
+                                       name=f"questkv-tp-rank{rank}", daemon=True)
+                proc.start()
+                theirs.close()
+                self._conns.append(ours)
+                self._procs.append(proc)
+        except BaseException:
+            self.close()  # the workers started so far
+            raise
         self._watchdog.start()
 
     @property
@@ -202,7 +206,8 @@ class WorkerPool:
             self._closed = True
         atexit.unregister(self.close)
         os.write(self._wake_w, b"x")  # the watchdog first: only this thread reaps the workers from here on
-        self._watchdog.join(timeout=_STOP_GRACE)
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout=_STOP_GRACE)
         for conn in self._conns:
             try:
                 conn.send_bytes(b"")
