@@ -141,30 +141,38 @@ def test_the_loop_serves_mixed_budgets_like_llm_generate_and_frees_every_page(en
     assert engine.cache.num_free_pages == free
 
 
-def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine, monkeypatch):
-    execute = engine.runner.execute
-    calls = {"n": 0}
+def _fail_once(engine, monkeypatch, call: int) -> None:
+    """Make the ``call``-th step that ``engine``'s runner executes raise."""
+    execute, calls = engine.runner.execute, {"n": 0}
 
     def flaky(batch):
         calls["n"] += 1
-        if calls["n"] == 1:
+        if calls["n"] == call:
             raise RuntimeError("injected fault")
         return execute(batch)
 
     monkeypatch.setattr(engine.runner, "execute", flaky)
 
+
+def _bad_then_good(engine, bad_prompt, good_prompt):
+    """Serve a request that meets the fault, then one after it: both event streams and the loop's stats."""
     async def run():
         loop = EngineLoop(engine)
         loop.start()
-        first = await _collect(loop.submit("bad", _prompt(6), SamplingParams(temperature=0, max_tokens=3)))
-        second = await _collect(loop.submit("good", _prompt(6), SamplingParams(temperature=0, max_tokens=3,
-                                                                            ignore_eos=True)))
+        first = await _collect(loop.submit("bad", bad_prompt, SamplingParams(temperature=0, max_tokens=3)))
+        second = await _collect(loop.submit("good", good_prompt, SamplingParams(temperature=0, max_tokens=3,
+                                                                             ignore_eos=True)))
         stats = dict(loop.stats)
         await loop.shutdown(1.0)
         return first, second, stats
 
+    return asyncio.run(run())
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine, monkeypatch):
+    _fail_once(engine, monkeypatch, 1)
     free = engine.cache.num_free_pages
-    first, second, stats = asyncio.run(run())
+    first, second, stats = _bad_then_good(engine, _prompt(6), _prompt(6))
     assert isinstance(first[-1], EngineFailure)
     assert second[-1].finished and len(second[-1].token_ids) == 3
     assert stats["requests_running"] == 0 and engine.cache.num_free_pages == free
@@ -173,27 +181,9 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(engine, mo
 def test_a_failing_chunk_step_fails_the_request_being_prefilled_and_the_loop_keeps_serving(monkeypatch):
     engine = LLMEngine(EngineConfig(model=tiny_config("llama3"), quest=QuestConfig(**_QUEST),
                                     **{**_ENGINE, "max_num_batched_tokens": 8}))
-    execute, calls = engine.runner.execute, {"n": 0}
-
-    def flaky(batch):
-        calls["n"] += 1
-        if calls["n"] == 2:  # the second chunk of the 30-token prompt: no token is in flight for it
-            raise RuntimeError("injected fault")
-        return execute(batch)
-
-    monkeypatch.setattr(engine.runner, "execute", flaky)
-
-    async def run():
-        loop = EngineLoop(engine)
-        loop.start()
-        first = await _collect(loop.submit("long", _prompt(30), SamplingParams(temperature=0, max_tokens=3)))
-        second = await _collect(loop.submit("next", _prompt(20), SamplingParams(temperature=0, max_tokens=3,
-                                                                             ignore_eos=True)))
-        await loop.shutdown(1.0)
-        return first, second
-
+    _fail_once(engine, monkeypatch, 2)  # the second chunk of the 30-token prompt: no token is in flight for it
     free = engine.cache.num_free_pages
-    first, second = asyncio.run(run())
+    first, second, _ = _bad_then_good(engine, _prompt(30), _prompt(20))
     assert isinstance(first[-1], EngineFailure) and engine.scheduler.prefilling is None
     assert second[-1].finished and len(second[-1].token_ids) == 3
     assert engine.cache.num_free_pages == free
