@@ -56,9 +56,11 @@ class LatencySpec:
         check_int("LatencySpec.seed", self.seed, minimum=0)
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Engine settings every run needs: all requests decoded together, their prefill in as few steps as fit."""
+        """Engine settings every run needs: all requests decoded together, their prefill in as few steps as fit,
+        unchunked (a chunked prefill would run decode steps of the requests already started between chunks, and
+        count them as prefill; ``--enable-chunked-prefill`` asks for it)."""
         tokens = max(self.input_len, min(self.batch_size * self.input_len, MAX_PREFILL_TOKENS))
-        return {"max_num_seqs": self.batch_size, "max_num_batched_tokens": tokens}
+        return {"max_num_seqs": self.batch_size, "max_num_batched_tokens": tokens, "enable_chunked_prefill": False}
 
 
 def _synchronize(device: torch.device) -> None:

@@ -176,7 +176,8 @@ def _add_bench(subparsers) -> None:
         description="vLLM-style latency benchmark: each iteration runs --batch-size requests of --input-len random "
         "token ids to --output-len greedy tokens (ignore_eos). Reports prefill seconds, ms per decode step, decode "
         "tokens/s (batch / step time), end-to-end seconds and KV read per step, for the dense engine and the Quest "
-        "engine (built one after the other, on the same prompts), and the decode speedup dense / Quest.",
+        "engine (built one after the other, on the same prompts), and the decode speedup dense / Quest. Prompts "
+        "are prefilled unchunked unless --enable-chunked-prefill is given.",
     )
     source = latency.add_mutually_exclusive_group()
     source.add_argument("--model", default=None,
@@ -213,7 +214,10 @@ def _run_bench_latency(args) -> int:
     quest = quest_config(args)  # invalid knobs fail here, before the model loads
     spec = bench.LatencySpec(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
                              num_iters=args.num_iters, num_iters_warmup=args.num_iters_warmup, seed=args.seed)
-    kwargs = {**engine_kwargs(args), **spec.engine_kwargs(), "seed": args.seed}
+    flags = engine_kwargs(args)
+    kwargs = {**flags, **spec.engine_kwargs(), "seed": args.seed}
+    if "enable_chunked_prefill" in flags:  # the one run setting a flag may change
+        kwargs["enable_chunked_prefill"] = flags["enable_chunked_prefill"]
     kwargs.setdefault("max_model_len", args.input_len + args.output_len)
     if args.config is not None:
         from questkv.models.shapes import DUMMY_SHAPES, dummy_config

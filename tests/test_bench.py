@@ -80,7 +80,7 @@ def test_one_output_token_has_no_decode_step(tmp_path):
 def test_a_prefill_larger_than_one_step_allows_is_timed_over_its_steps(monkeypatch):
     monkeypatch.setattr(bench, "MAX_PREFILL_TOKENS", 32)
     spec = bench.LatencySpec(input_len=20, output_len=3, batch_size=3, num_iters=1, num_iters_warmup=0)
-    assert spec.engine_kwargs() == {"max_num_seqs": 3, "max_num_batched_tokens": 32}
+    assert spec.engine_kwargs() == {"max_num_seqs": 3, "max_num_batched_tokens": 32, "enable_chunked_prefill": False}
     from questkv.engine.llm import LLM
     from questkv.models.shapes import dummy_config
 
@@ -117,3 +117,20 @@ def test_bad_values_exit_with_an_error_naming_them(argv, message, capsys, monkey
 def test_runs_must_name_dense_or_quest():
     with pytest.raises(ValueError, match="runs must be 'dense' and/or 'quest'"):
         bench.run_latency(lambda quest: None, bench.LatencySpec(), None, runs=("hf",))
+
+
+@pytest.mark.parametrize("argv,chunked", [([], False), (["--enable-chunked-prefill"], True)])
+def test_prefills_are_unchunked_unless_asked(argv, chunked, monkeypatch, tmp_path):
+    seen = []
+    from questkv.engine import llm_engine
+
+    init = llm_engine.LLMEngine.__init__
+
+    def spy(self, config):
+        seen.append(config.enable_chunked_prefill)
+        init(self, config)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", spy)
+    run(["--dense-only", "--input-len", "8", "--output-len", "2", "--num-iters", "1", "--num-iters-warmup", "0",
+         *argv], tmp_path)
+    assert seen == [chunked]
