@@ -312,6 +312,41 @@ def check_tiny_fp32() -> dict:
     return results
 
 
+def check_chunked_prefix_fp32() -> dict:
+    """Chunked prefill and prefix-cache hits on the CUDA path (Triton, graphs) == one-step prefill without the
+    prefix cache, greedy tokens on a small fp32 Llama, dense and Quest: prompts that share a 1024-token prefix
+    are sent one after another (the later ones hit its pages) to an engine with 96-token chunks, which then
+    prefill the rest attending the cached pages (gather + causal SDPA, the path CI runs on the CPU)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(0, 512, (1024,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, 512, (n,), generator=gen).tolist() for n in (300, 517, 41)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for name, quest in (("dense", None), ("quest-256", QuestConfig(token_budget=256))):
+        tokens, cached = {}, {}
+        for path, kwargs in (("one-step", {"enable_prefix_caching": False, "enable_chunked_prefill": False}),
+                             ("chunked-prefix", {"max_num_batched_tokens": 96})):
+            llm = LLM(cfg, quest=quest, load_format="dummy", dtype="float32", device="cuda", max_num_seqs=4,
+                      kv_cache_memory=256 << 20, seed=5, **kwargs)
+            with torch.no_grad():
+                for layer in llm.engine.runner.model.model.layers:
+                    layer.self_attn.qkv_proj.weight.mul_(8.0)
+            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+            tokens[path] = [list(o.token_ids) for o in outs]
+            cached[path] = [o.metrics.num_cached_tokens for o in outs]
+            del llm
+            gc.collect()
+        results[name] = {"identical": tokens["chunked-prefix"] == tokens["one-step"],
+                         "tokens_match": sum(a == b for x, y in zip(tokens["chunked-prefix"], tokens["one-step"])
+                                             for a, b in zip(x, y)), "tokens": 3 * 24,
+                         "cached_tokens": cached["chunked-prefix"]}
+    return results
+
+
 def check_8b_against_hf(cfg) -> dict:
     """The engine against HF eager at the 8B shape in bf16 (random weights): next-token logits after a
     2048-token prefill and after 8 greedy decode steps (relative L2 error, top-1 agreement) and the
@@ -366,6 +401,11 @@ def main() -> None:
     parser.add_argument("--tag", default="h200", help="file name suffix: e2e-TAG.json")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the HF baselines")
     parser.add_argument("--skip-checks", action="store_true", help="leave out the correctness checks")
+    parser.add_argument("--checks", default="fp32,chunked,8b",
+                        help="comma-separated correctness checks to run before timing: fp32 (CUDA path == eager "
+                        "reference, tiny fp32 model), chunked (chunked prefill + prefix hits == one-step prefill), "
+                        "8b (engine vs HF at the 8B shape, bf16) (default: all three)")
+    parser.add_argument("--checks-only", action="store_true", help="run the correctness checks and no timing")
     parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
     parser.add_argument("--quantization", choices=["int4", "int8"], default=None,
                         help="weight-only quantization of both engines' linears (default: bf16)")
@@ -377,6 +417,9 @@ def main() -> None:
         intervals = [int(c) for c in args.selection_intervals.split(",") if c]
     except ValueError:
         parser.error(f"--selection-intervals takes comma-separated ints, got {args.selection_intervals!r}")
+    checks = set(args.checks.split(",")) - {""}
+    if not checks <= {"fp32", "chunked", "8b"}:
+        parser.error(f"--checks takes a comma list of fp32, chunked, 8b; got {args.checks!r}")
     if any(c < 2 for c in intervals):
         parser.error(f"--selection-intervals must be >= 2 each, got {args.selection_intervals}")
     record = {"provenance": provenance("cuda"), "page_size": PAGE, "dense_layers": DENSE_LAYERS, "dtype": "bfloat16",
@@ -385,10 +428,15 @@ def main() -> None:
     record["bandwidth_bytes_per_s"] = bandwidth = measure_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     if not args.skip_checks:
-        record["check_fp32"] = check_tiny_fp32()
-        print("fp32 check", json.dumps(record["check_fp32"]), flush=True)
-        record["check_8b_bf16"] = check_8b_against_hf(dummy_config("llama3.1-8b"))
-        print("8b bf16 check", json.dumps(record["check_8b_bf16"]), flush=True)
+        for check, key, run in (("fp32", "check_fp32", check_tiny_fp32),
+                                ("chunked", "check_chunked_prefix_fp32", check_chunked_prefix_fp32),
+                                ("8b", "check_8b_bf16", lambda: check_8b_against_hf(dummy_config("llama3.1-8b")))):
+            if check in checks:
+                record[key] = run()
+                print(key, json.dumps(record[key]), flush=True)
+    if args.checks_only:
+        _write(args, record)
+        return
     points = POINTS if args.points == "all" else [POINTS[int(i)] for i in args.points.split(",")]
     for name, batch, context, budget, target in points:
         cfg = dummy_config(name, max_position_embeddings=max(context + 1024, 4096))

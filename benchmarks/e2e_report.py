@@ -260,6 +260,16 @@ def render_markdown(record: dict) -> str:
             extra = f"; equals dense: {r['equals_dense']}" if "equals_dense" in r else ""
             lines.append(f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match){extra}")
         lines.append("")
+    chunked = record.get("check_chunked_prefix_fp32")
+    if chunked:
+        lines.append("fp32 small Llama, CUDA path: chunked prefill (96-token chunks) with prefix-cache hits (three prompts "
+                     "sharing a 1024-token prefix, sent one after another) vs one-step prefill without the prefix "
+                     "cache, greedy tokens:")
+        lines.append("")
+        for name, r in chunked.items():
+            lines.append(f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match); "
+                         f"cached tokens per prompt {r['cached_tokens']}")
+        lines.append("")
     b8 = record.get("check_8b_bf16")
     if b8:
         lines.append("llama3.1-8b shape, bf16, random weights, against HF eager: agreeing prefix of free-running greedy "
@@ -275,10 +285,11 @@ def render_markdown(record: dict) -> str:
                          f"logits rel. error {errs} (HF top-2 gap {gaps})")
             lines.append(line)
         lines.append("")
-    if not fp32 and not b8:
+    if not fp32 and not b8 and not chunked:
         lines += ["(not run)", ""]
-    lines += (targets_section(record) + all_points_section(record) + reuse_section(record)
-              + host_overlap_section(record) + where_time_goes(record))
+    if record["points"]:  # none: a --checks-only run
+        lines += (targets_section(record) + all_points_section(record) + reuse_section(record)
+                  + host_overlap_section(record) + where_time_goes(record))
     return "\n".join(lines)
 
 
@@ -320,6 +331,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     record: dict[str, Any] = json.loads(args.json.read_text())
     md, png = args.json.with_suffix(".md"), args.json.with_suffix(".png")
     md.write_text(render_markdown(record))
+    if not record["points"]:
+        print(f"wrote {md} (no timed points: no plot)")
+        return
     plot(record, png)
     print(f"wrote {md} and {png}")
 

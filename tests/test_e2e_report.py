@@ -84,3 +84,15 @@ def test_report_of_selection_reuse(tmp_path):
     assert "| llama3.1-8b | 1 | 128k | 2048 | 1 | 9.00 | 6.00 (5.80) | 1.50× | 1.60× | NO (missed by 6.3 %) |" in md
     assert "| llama3.1-8b | 1 | 128k | 2048 | 4 | 9.00 | 5.00 (4.80) | 1.80× | 1.60× | yes |" in md
     assert "| llama3.1-8b | 1 | 32k | 2048 | 1 |" not in md
+
+
+def test_report_of_a_checks_only_run(tmp_path):
+    record = {"provenance": {}, "page_size": 16, "dense_layers": 2, "bandwidth_bytes_per_s": 4e12, "points": [],
+              "check_chunked_prefix_fp32": {"quest-256": {"identical": False, "tokens_match": 70, "tokens": 72,
+                                                          "cached_tokens": [0, 1024, 1024]}}}
+    path = tmp_path / "e2e-checks.json"
+    path.write_text(json.dumps(record))
+    e2e_report.main([str(path)])
+    md = (tmp_path / "e2e-checks.md").read_text()
+    assert "- quest-256: identical False (70/72 tokens match); cached tokens per prompt [0, 1024, 1024]" in md
+    assert "## Targets" not in md and not (tmp_path / "e2e-checks.png").exists()
