@@ -195,8 +195,8 @@ class PagedKVCache:
 
     def mirror(self, seq_id: int, start: int, pages: Sequence[int], seq_len: int) -> None:
         """Make sequence ``seq_id`` of this pool hold ``pages`` from logical page ``start`` on (its pages before
-        ``start`` kept) and ``seq_len`` tokens: page table, lengths and the bookkeeping :meth:`slots`,
-        :meth:`batch` and :meth:`copy_tokens` read. A tensor-parallel worker's pool follows rank 0's page table so
+        ``start`` kept) and ``seq_len`` tokens: page table, lengths and the bookkeeping :meth:`slots`
+        and :meth:`batch` read. A tensor-parallel worker's pool follows rank 0's page table so
         (rank 0's :meth:`pages_from`); it allocates nothing, counts no reference and caches no prefix."""
         owned = self._pages.setdefault(seq_id, [])
         if not 0 <= start <= len(owned) or start + len(pages) > self.max_pages_per_seq:
@@ -380,21 +380,6 @@ class PagedKVCache:
         if seq_ids:
             lens = self._to_device(torch.tensor([[s, self._lens[s]] for s in seq_ids], dtype=torch.long))
             self.seq_lens[lens[:, 0]] = lens[:, 1].to(torch.int32)
-
-    def copy_tokens(self, src_id: int, dst_id: int) -> None:
-        """Copy what sequence ``src_id`` stores (K/V and page bounds, every layer) into the pages of ``dst_id``,
-        which holds as many tokens (:meth:`allocate` d, nothing written yet): the same prompt computed once
-        serves both. A partial last page is copied whole: its bounds cover the written tokens only, and the
-        slots past them are written before they are read."""
-        self._check_seq(src_id)
-        self._check_seq(dst_id)
-        if self._lens[src_id] != self._lens[dst_id]:
-            raise ValueError(f"copy_tokens: sequence {src_id} holds {self._lens[src_id]} tokens, "
-                             f"sequence {dst_id} {self._lens[dst_id]}; they must hold as many")
-        src = self._to_device(torch.tensor(self._pages[src_id], dtype=torch.long))
-        dst = self._to_device(torch.tensor(self._pages[dst_id], dtype=torch.long))
-        for pool in (self.k_pages, self.v_pages, self.kmin, self.kmax):  # [num_layers, num_pages, ...]
-            pool.index_copy_(1, dst, pool.index_select(1, src))
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the cache's device without waiting for the device's queued work (a pinned copy on CUDA:

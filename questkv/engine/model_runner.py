@@ -51,22 +51,15 @@ class PrefillInputs:
     """A prefill step, as every rank runs it (:meth:`ModelRunner._run_prefill`).
 
     Attributes:
-        seq_ids, num_new_tokens, seq_lens, prefill_from, partial: the :class:`ScheduledBatch`'s (``prefill_from``
-            resolved: each sequence's own index when the batch shares no prefill).
-        token_ids: the input tokens of the sequences that compute theirs, back to back.
+        seq_ids, num_new_tokens, seq_lens, partial: the :class:`ScheduledBatch`'s.
+        token_ids: the step's input tokens, sequence after sequence (``sum(num_new_tokens)`` of them).
     """
 
     seq_ids: tuple[int, ...]
     num_new_tokens: tuple[int, ...]
     seq_lens: tuple[int, ...]
-    prefill_from: tuple[int, ...]
     partial: bool
     token_ids: list[int]
-
-    @property
-    def num_sampled(self) -> int:
-        """The leading sequences that sample a token: all but a partial one (:attr:`ScheduledBatch.num_sampled`)."""
-        return len(self.seq_ids) - self.partial
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,51 +236,35 @@ class ModelRunner:
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[num_sampled, vocab]`` float32 logits of each sampling sequence's last token (a partial one, the
-        batch's last, samples nothing). A sequence that shares an earlier one's prefill
-        (:attr:`ScheduledBatch.prefill_from`) gets a copy of its K/V and its logits; one that already holds tokens
-        (prefix-cache pages, or its own earlier chunks) computes only the step's (positions from there on),
-        attending those too."""
-        sources = batch.prefill_from or tuple(range(len(batch.seqs)))
+        batch's last, samples nothing). A sequence that already holds tokens (prefix-cache pages, possibly
+        written by an earlier sequence of this very step, or its own earlier chunks) computes only the step's
+        (positions from there on), attending those too."""
         ids = []
-        for i, (seq, seq_len, new) in enumerate(zip(batch.seqs, batch.seq_lens, batch.num_new_tokens)):
-            if sources[i] == i:
-                ids.extend(seq.all_token_ids[seq_len - new:seq_len])
-        inputs = PrefillInputs(batch.seq_ids, batch.num_new_tokens, batch.seq_lens, sources, batch.partial, ids)
+        for seq, seq_len, new in zip(batch.seqs, batch.seq_lens, batch.num_new_tokens):
+            ids.extend(seq.all_token_ids[seq_len - new:seq_len])
+        inputs = PrefillInputs(batch.seq_ids, batch.num_new_tokens, batch.seq_lens, batch.partial, ids)
         self._publish(batch, prefill=inputs)
         return self._run_prefill(inputs)
 
     def _run_prefill(self, inputs: PrefillInputs) -> torch.Tensor:
         """:meth:`_prefill` from its inputs on (every rank runs this)."""
-        sources, seq_ids = inputs.prefill_from, inputs.seq_ids
-        computed = [i for i, source in enumerate(sources) if source == i]
         positions, starts, cached = [], [0], []
-        for i in computed:
-            cached.append(inputs.seq_lens[i] - inputs.num_new_tokens[i])  # a prefix-cache hit or earlier chunks
-            positions.extend(range(cached[-1], inputs.seq_lens[i]))
-            starts.append(starts[-1] + inputs.num_new_tokens[i])
-        ids = inputs.token_ids
-        computed_ids = [seq_ids[i] for i in computed]
-        slots = self.cache.slots(computed_ids, cached, [inputs.num_new_tokens[i] for i in computed])
-        page_table, seq_lens = self.cache.batch(computed_ids)
+        for seq_len, new in zip(inputs.seq_lens, inputs.num_new_tokens):
+            cached.append(seq_len - new)  # a prefix-cache hit or earlier chunks
+            positions.extend(range(cached[-1], seq_len))
+            starts.append(starts[-1] + new)
+        slots = self.cache.slots(inputs.seq_ids, cached, inputs.num_new_tokens)
+        page_table, seq_lens = self.cache.batch(inputs.seq_ids)
         ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts,
                           cached_lens=cached if any(cached) else None)
-        tokens = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
-        # The partial sequence, if any, is the last computed one: its last token samples nothing.
+        tokens = torch.tensor([inputs.token_ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        # The partial sequence, if any, is the last one: its last token samples nothing.
         ends = torch.tensor(starts[1:len(starts) - inputs.partial], dtype=torch.int64)
         last = ends.to(self.device, non_blocking=True) - 1
         if self.memory is not None:  # the slots' selections were their previous sequences'
-            self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
+            self.memory.forget(torch.tensor(inputs.seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         hidden = self.model(tokens[0], tokens[1], ctx)
-        logits = self.model.compute_logits(hidden[last])  # [len(computed) - partial, vocab]
-        if len(computed) == len(sources):
-            return logits
-        for i, source in enumerate(sources):
-            if source != i:
-                self.cache.copy_tokens(seq_ids[source], seq_ids[i])
-        row = {i: r for r, i in enumerate(computed)}
-        rows = torch.tensor([row[source] for source in sources[:inputs.num_sampled]], dtype=torch.int64)
-        rows = rows.to(self.device, non_blocking=True)
-        return logits.index_select(0, rows)
+        return self.model.compute_logits(hidden[last])  # [num_sampled, vocab]
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[len(batch.seqs), vocab]`` float32 logits of one decode step of every sequence."""

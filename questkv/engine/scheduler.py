@@ -48,10 +48,6 @@ class ScheduledBatch:
         is_prefill: prefill step (new or recomputed sequences only) or decode step (the running sequences).
         seq_lens: per sequence, the tokens it caches once the step's inputs are written (its KV length in the
             step); the step's inputs are positions ``seq_lens[i] - num_new_tokens[i]`` to ``seq_lens[i] - 1``.
-        prefill_from: on prefill, per sequence the batch index of the sequence whose prefill it shares: its own
-            index, or that of an earlier sequence of the batch with the very same tokens, whose K/V and last
-            logits it copies instead of computing them again (a prompt sent with several settings); ``()``:
-            every sequence its own (decode steps).
         partial: on prefill with chunking, whether the last sequence's prefill goes on in a later step (its
             ``seq_lens`` stops short of its tokens): it samples nothing, so the step samples a token for
             ``seqs[:num_sampled]`` only.
@@ -61,7 +57,6 @@ class ScheduledBatch:
     num_new_tokens: tuple[int, ...]
     is_prefill: bool
     seq_lens: tuple[int, ...]
-    prefill_from: tuple[int, ...] = ()
     partial: bool = False
 
     @property
@@ -105,14 +100,14 @@ class Scheduler:
 
     Each :meth:`schedule` is either a prefill of waiting sequences (admitted in arrival order while the batch
     has fewer than ``max_num_seqs`` running, the prefill tokens stay within ``max_num_batched_tokens`` (without
-    chunking the first one is always admitted, however long; a sequence whose tokens equal an earlier one's in the
-    batch costs none: it shares that prefill, see :attr:`ScheduledBatch.prefill_from`; with the cache's prefix
-    caching, a sequence starts on the cached pages of its leading full pages, which cost neither tokens nor free
-    pages, and its full pages become shareable at once, by the later sequences of the same batch too) and the pool
-    holds their tokens plus one decode step of every running sequence), or else one decode step of every running
-    sequence. When the pool cannot hold the decode step, the newest running sequence is preempted: its pages are
-    freed, it returns to the front of the waiting queue and is later prefilled again with its prompt and generated
-    tokens.
+    chunking the first one is always admitted, however long; with the cache's prefix caching, a sequence starts on
+    the cached pages of its leading full pages, which cost neither tokens nor free pages, and its full pages become
+    shareable at once, by the later sequences of the same batch too: identical prompts admitted together are
+    computed once, each later copy computing only the tokens past its last full page, at least one; without
+    prefix caching each computes its own) and the pool holds their tokens plus one decode step of every running
+    sequence), or else one decode step of every running sequence. When the pool cannot hold the decode step, the
+    newest running sequence is preempted: its pages are freed, it returns to the front of the waiting queue and is
+    later prefilled again with its prompt and generated tokens.
 
     With ``chunked_prefill`` (SGLang's policy, no decode token inside a prefill forward): a prefill step computes at
     most ``max_num_batched_tokens`` tokens, so its last sequence may take only a chunk of its tokens; that sequence
@@ -122,7 +117,8 @@ class Scheduler:
     cannot get its pages (decodes grew meanwhile) it is preempted, to restart from its cached pages. A prefill step
     is followed by a decode step whenever a running sequence can decode, so that decodes advance every other step
     while long prompts are prefilled: a decode waits for at most one prefill step of ``max_num_batched_tokens``
-    tokens. Full pages of each chunk are offered to the prefix cache as they are computed.
+    tokens. Full pages of each chunk are offered to the prefix cache as they are computed, so that the prompts
+    admitted behind a chunked one (from the step of its last chunk on) hit every full page it shares with them.
 
     Args:
         cache: the engine's KV cache; the scheduler owns its sequences (pages held outside, e.g. the runner's
@@ -363,8 +359,6 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         news: list[int] = []
-        sources: list[int] = []
-        first_of: dict[tuple[int, ...], int] = {}  # tokens -> the batch index that computes their prefill
         computed = 0
         seq = self._prefilling
         if seq is not None:  # its next chunk first
@@ -375,7 +369,6 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(done + chunk)
                 news.append(chunk)
-                sources.append(0)
                 computed = chunk
                 reserved += self._pages_to_come(seq)
             else:  # decodes took its pages meanwhile: it restarts (from its cached pages) once it fits again
@@ -388,23 +381,21 @@ class Scheduler:
             if head.num_in_flight:  # preempted with a token in flight: recomputed once the token is known
                 break
             count = head.num_tokens
-            tokens = tuple(head.all_token_ids)
-            source = first_of.get(tokens, len(seqs))
-            own = source == len(seqs)
             total = cache.pages_for_tokens(min(count + 1, self._max_cached_tokens(head)))
-            most = (count - 1) // cache.page_size if cache.prefix_caching and own else 0
+            most = (count - 1) // cache.page_size if cache.prefix_caching else 0
             if reserved + total - most > cache.num_free_pages:
                 break  # not even the longest hit would fit: spare the lookup (a blocked queue head waits each step)
-            # A prefix-cache hit leaves at least the last token to compute (the step needs its logits); a copy
-            # of an earlier sequence of the batch (prefill_from) takes private pages and computes nothing.
+            # A prefix-cache hit leaves at least the last token to compute (the step needs its logits); it may be
+            # on pages an earlier sequence of this step computes (registered by _take_chunk below).
             hit = []
-            if own and cache.prefix_caching:
+            if cache.prefix_caching:
+                tokens = head.all_token_ids
                 if len(head.page_hashes) < count // cache.page_size:
                     cache.extend_hashes(head.page_hashes, tokens)  # once per page, however often it waits
                 hit = cache.match_prefix(tokens, most, head.page_hashes)
             new = count - len(hit) * cache.page_size
             take = new
-            if own and computed + new > self.max_num_batched_tokens:
+            if computed + new > self.max_num_batched_tokens:
                 if not self.chunked_prefill:
                     if seqs:
                         break
@@ -416,7 +407,7 @@ class Scheduler:
             # so `reserved` keeps only what the admitted sequences take later (rest of the prompt, next decode).
             if reserved + total - len(hit) + cache.prefix_cost(hit) > cache.num_free_pages:
                 break
-            if cache.prefix_caching and own:  # a copy of an earlier sequence looks nothing up
+            if cache.prefix_caching:
                 self.prefix_queried_tokens += count
                 self.prefix_hit_tokens += len(hit) * cache.page_size
             self.waiting.popleft()
@@ -428,17 +419,14 @@ class Scheduler:
             self.running.append(head)
             self._take_chunk(head, take)
             reserved += self._pages_to_come(head)
-            computed += take if own else 0
-            first_of.setdefault(tokens, source)
+            computed += take
             seqs.append(head)
             counts.append(cache.seq_len(head.cache_id))
             news.append(take)
-            sources.append(source)
             partial = self._prefilling is not None
         if not seqs:
             return None
-        return ScheduledBatch(tuple(seqs), tuple(news), is_prefill=True, seq_lens=tuple(counts),
-                              prefill_from=tuple(sources), partial=partial)
+        return ScheduledBatch(tuple(seqs), tuple(news), is_prefill=True, seq_lens=tuple(counts), partial=partial)
 
     def _take_chunk(self, seq: Sequence, count: int) -> None:
         """Allocate the next ``count`` tokens of the running ``seq``'s prefill and offer its full pages to the prefix

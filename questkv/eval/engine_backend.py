@@ -16,12 +16,15 @@ The protocol is the HF path's (:mod:`questkv.eval.harness`), request by request:
 One engine serves every setting of an engine-level config (:func:`engine_configs`: the page size and the page
 selection's options; the largest budget and selection interval among them): each (setting, sample) is a request
 of its own with the setting's ``token_budget`` and ``selection_interval`` (``dense=True`` for ``full``), sample
-after sample, so that one prompt's copies share a prefill (:attr:`questkv.engine.scheduler.ScheduledBatch.
-prefill_from`) and continuous batching decodes the settings together. ``full`` runs in a pass of its own when
-a setting of the task reuses selections: a dense request in a decode step makes every row of that step select.
-Requests go in waves whose pages the pool holds whole, so no request is preempted (a recomputed request would
-prefill its forced tokens densely). Engines prefill unchunked unless ``engine_kwargs`` ask for chunked prefill: a
-chunked prompt's copies would not share its prefill step, and its first copy would decode before the others.
+after sample, so that one prompt's copies are admitted together and continuous batching decodes the settings
+together. The engine's prefix cache (on by default) computes a prompt once: its first copy prefills it, chunk after
+chunk with chunked prefill (the engine's default), and the others start on its full pages, computing only the
+tokens past them (at most a page each; see :class:`questkv.engine.scheduler.Scheduler`). Those tokens attend the
+cached pages, so a copy's K/V of its last page and logits of its last prompt token equal the first's up to float
+rounding. With ``enable_prefix_caching=False`` in ``engine_kwargs`` every copy prefills its prompt whole. ``full``
+runs in a pass of its own when a setting of the task reuses selections: a dense request in a decode step makes every
+row of that step select. Requests go in waves whose pages the pool holds whole, so no request is preempted (a
+recomputed request would prefill its forced tokens densely).
 """
 
 from __future__ import annotations
@@ -45,8 +48,7 @@ class EngineSource:
     Attributes:
         model: what :class:`questkv.LLM` takes (an alias, HF folder or ``.gguf``).
         engine_kwargs: other :class:`~questkv.engine.config.EngineConfig` fields (``device``, ``dtype``,
-            ``gpu_memory_utilization``, ``kv_cache_memory``, ``enforce_eager``, ...); ``enable_chunked_prefill``
-            is ``False`` unless given.
+            ``gpu_memory_utilization``, ``kv_cache_memory``, ``enforce_eager``, ...).
         max_num_seqs: the most requests an engine decodes together (fewer when a pass has fewer).
     """
 
@@ -66,7 +68,7 @@ class EngineSource:
         try:
             return LLM(self.model, quest=quest, max_model_len=max_model_len,
                        max_num_seqs=min(max_num_seqs, self.max_num_seqs),
-                       **{"enable_chunked_prefill": False, **self.engine_kwargs})
+                       **self.engine_kwargs)
         except ValueError as error:
             if "max_position_embeddings" not in str(error):
                 raise
@@ -211,7 +213,7 @@ class EngineRun:
 
     def _generate(self, requests: list[tuple[Item, Setting]], reference: bool = False, group: int = 1) -> list:
         """Run ``requests`` in waves whose pages the pool holds whole (none is preempted), of near-equal sizes
-        that are multiples of ``group`` (a sample's requests, which share its prefill); outputs in order."""
+        that are multiples of ``group`` (a sample's requests, whose prompt is prefilled once); outputs in order."""
         cache = self.llm.engine.cache
         usable = cache.num_pages - 1  # the runner's scratch page
         need = [cache.pages_for_tokens(len(item.prompt) + item.max_tokens - 1) for item, _ in requests]

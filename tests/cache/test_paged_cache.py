@@ -232,25 +232,6 @@ def test_can_reserve_answers_without_changing_anything():
     assert_same(snapshot(cache), before)
 
 
-def test_copy_tokens_gives_a_sequence_the_same_keys_values_and_bounds():
-    cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=4, num_pages=16, page_size=4)
-    src, other, dst = cache.add_sequence(), cache.add_sequence(), cache.add_sequence()
-    keys, values = torch.randn(2, 2, 10, 2, 4).unbind(0)
-    cache.append([other], [3], *torch.randn(2, 2, 3, 2, 4).unbind(0))  # interleaves the physical pages
-    cache.append([src], [10], keys, values)
-    cache.allocate([dst], [10])
-    cache.copy_tokens(src, dst)
-    for pool in (cache.k_pages, cache.v_pages, cache.kmin, cache.kmax):
-        assert torch.equal(pool[:, cache.pages_of(dst)], pool[:, cache.pages_of(src)])
-    # The copy is a sequence of its own: appending to it leaves the source as it was.
-    last = cache.pages_of(src)[-1]
-    before = cache.kmax[:, last].clone()
-    cache.append([dst], [1], torch.full((2, 1, 2, 4), 9.0), torch.zeros(2, 1, 2, 4))
-    assert torch.equal(cache.kmax[:, last], before) and cache.seq_len(src) == 10 and cache.seq_len(dst) == 11
-    with pytest.raises(ValueError, match="copy_tokens: sequence .* holds 10 tokens, sequence .* 11; they must hold as many"):
-        cache.copy_tokens(src, dst)
-
-
 def test_a_mirror_that_follows_pages_from_holds_the_same_page_table_slots_and_lengths():
     source = PagedKVCache(1, 1, 4, num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)
     mirror = PagedKVCache(1, 1, 4, num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8)

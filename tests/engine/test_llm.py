@@ -130,30 +130,47 @@ def test_a_single_prompt_may_be_given_as_token_ids_or_text(model_dir):
     assert by_text.text == llm.tokenizer.decode(list(by_text.token_ids), skip_special_tokens=True)
 
 
+def prefill_tokens(llm, prompts, params):
+    """Generate ``prompts`` and count the tokens each prefill step computes (the model's inputs in that step)."""
+    launched, execute = [], llm.engine.runner.execute
+    llm.engine.runner.execute = lambda batch: launched.append(batch) or execute(batch)
+    computed = []
+    hook = llm.engine.runner.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        hook.remove()
+        llm.engine.runner.execute = execute
+    return outputs, launched, [n for batch, n in zip(launched, computed) if batch.is_prefill]
+
+
 @pytest.mark.parametrize("quest", [None, dataclasses.replace(SMALL, selection_interval=3)], ids=["dense", "quest"])
-def test_identical_prompts_in_one_prefill_step_are_computed_once_and_give_each_requests_outputs(model_dir, quest):
+def test_identical_prompts_admitted_together_are_computed_once_and_give_each_requests_outputs(model_dir, quest):
     llm = make_llm(model_dir, quest, max_num_batched_tokens=60)
+    uncached = make_llm(model_dir, quest, max_num_batched_tokens=60, enable_prefix_caching=False)
     p, q = prompt(50), prompt(30)
     seeded = SamplingParams(temperature=0.9, seed=random.randrange(1 << 30), max_tokens=12, ignore_eos=True)
     forced = greedy(12, forced_token_ids=prompt(5))
     sparse = {} if quest is None else {"token_budget": 8}
     prompts = [p, p, p, q, p]
     params = [greedy(12), seeded, forced, greedy(12), greedy(10, **sparse)]
-    launched, execute = [], llm.engine.runner.execute
-    llm.engine.runner.execute = lambda batch: launched.append(batch) or execute(batch)
-    computed = []
-    hook = llm.engine.runner.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    hook.remove()
-    # One step prefills p once for its three copies; q (30 more tokens) gets the first chunk of its prefill, the 10
-    # tokens max_num_batched_tokens leaves; the last copy of p comes after q, so it waits for the next prefill step.
-    assert launched[0].is_prefill and launched[0].prefill_from == (0, 0, 0, 3) and computed[0] == 60
-    assert launched[0].num_new_tokens == (50, 50, 50, 10) and launched[0].partial
+    outputs, launched, computed = prefill_tokens(llm, prompts, params)
+    # The first step computes p; its copies hit its 12 full pages, written earlier in the same step, and compute
+    # the 2 tokens past them; q gets the first chunk of its prefill, the 6 tokens max_num_batched_tokens leaves. The
+    # last copy of p comes after q, so it waits for a later prefill step, and hits too: p is computed once.
+    assert launched[0].is_prefill and launched[0].num_new_tokens == (50, 2, 2, 6) and launched[0].partial
+    assert sum(computed) == 50 + 30 + 3 * 2
+    assert [out.metrics.num_cached_tokens for out in outputs] == [0, 48, 48, 0, 48]
     assert [(out.token_ids, out.forced_choices) for out in outputs] == [
-        (o.token_ids, o.forced_choices) for o in (llm.generate([x], sp, use_tqdm=False)[0]
+        (o.token_ids, o.forced_choices) for o in (uncached.generate([x], sp, use_tqdm=False)[0]
                                                   for x, sp in zip(prompts, params))]
-    cache = llm.engine.cache
-    assert cache.sequences == [llm.engine.runner.scratch_seq] and cache.num_free_pages == cache.num_pages - 1
+    # Without prefix caching each copy computes its own prefill, to the same tokens.
+    alike, _, separate = prefill_tokens(uncached, prompts, params)
+    assert sum(separate) == 4 * 50 + 30
+    assert [out.token_ids for out in alike] == [out.token_ids for out in outputs]
+    for engine in (llm, uncached):
+        cache = engine.engine.cache
+        assert cache.sequences == [engine.engine.runner.scratch_seq] and cache.num_free_pages == cache.num_pages - 1
 
 
 @pytest.mark.parametrize("name", ["dense", "quest small budget"])

@@ -67,13 +67,13 @@ def test_requests_sharing_a_prefix_give_the_tokens_of_an_engine_without_prefix_c
     got_rest = generate(cached, rest, params)
     assert tokens(got_first + got_rest) == want
     assert got_first[0].metrics.num_cached_tokens == 0
-    # Hits are whole pages, and leave at least one token to compute; the copy (prefill_from) computes nothing.
+    # Hits are whole pages, and leave at least one token to compute, the copy's too (on pages of its own step).
     page = cached.config.page_size
     seen = [first[0] + list(got_first[0].token_ids[:-1])]
-    hits = [expected_hit(p, seen + rest[:i], page) for i, p in enumerate(rest[:3])] + [0]
+    hits = [expected_hit(p, seen + rest[:i], page) for i, p in enumerate(rest)]
     assert [out.metrics.num_cached_tokens for out in got_rest] == hits and hits[0] >= 32
     scheduler = cached.engine.scheduler
-    assert scheduler.prefix_hit_tokens == sum(hits) and scheduler.prefix_queried_tokens == 40 + 42 + 32 + 46
+    assert scheduler.prefix_hit_tokens == sum(hits) and scheduler.prefix_queried_tokens == 40 + 42 + 32 + 46 + 42
     assert uncached.engine.scheduler.prefix_queried_tokens == 0 and uncached.engine.cache.num_cached_pages == 0
     assert_pages_all_back(cached)
 

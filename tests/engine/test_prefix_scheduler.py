@@ -131,8 +131,7 @@ class ChunkedPrefixSchedulerMachine(PrefixSchedulerMachine):
                 assert seq.num_in_flight == 0 and cache.num_registered_pages(seq.cache_id) == batch.seq_lens[i] // PAGE
             assert 1 <= count <= batch.seq_lens[i] and (batch.is_prefill or count == 1)
         if batch.is_prefill:
-            sources = batch.prefill_from
-            assert sum(n for i, n in enumerate(batch.num_new_tokens) if sources[i] == i) <= self.CHUNK
+            assert batch.num_tokens <= self.CHUNK
             assert scheduler.prefilling is (batch.seqs[-1] if batch.partial else None)
         else:
             assert scheduler.prefilling not in batch.seqs

@@ -82,7 +82,7 @@ def test_two_ranks_give_the_tokens_of_one_device_for_ragged_quest_dense_and_samp
     single, sharded = engines
     vocab = single.engine.spec.vocab_size
     first = prompt(vocab, 11)
-    prompts = [first, prompt(vocab, 3), prompt(vocab, 17), first, prompt(vocab, 6)]  # a prompt twice: one prefill
+    prompts = [first, prompt(vocab, 3), prompt(vocab, 17), first, prompt(vocab, 6)]  # a prompt twice: one computed
     params = [greedy_params(9), greedy_params(14, dense=True), greedy_params(5),
               SamplingParams(temperature=0.8, seed=random.randrange(1 << 30), max_tokens=8, ignore_eos=True),
               greedy_params(12, token_budget=8)]

@@ -81,6 +81,50 @@ def test_the_engine_gives_the_hf_paths_answers_and_scores_where_both_run(model_d
             assert cell["mean_tokens_attended"] == pytest.approx(hf[key]["mean_tokens_attended"], rel=0.02)
 
 
+class PrefillCounter(engine_backend.EngineSource):
+    """Builds the engines of :class:`~questkv.eval.engine_backend.EngineSource` and records the prompts each
+    ``generate`` call submits and the tokens each prefill step computes (the model's inputs in that step)."""
+
+    def __init__(self, model, engine_kwargs):
+        super().__init__(model, engine_kwargs)
+        object.__setattr__(self, "prompts", [])
+        object.__setattr__(self, "computed", [])
+
+    def build(self, quest, max_model_len, max_num_seqs):
+        llm = super().build(quest, max_model_len, max_num_seqs)
+        runner, generate = llm.engine.runner, llm.generate
+        steps, execute = [], runner.execute
+
+        def count(module, args):
+            if steps.pop(0):  # a prefill step
+                self.computed.append(args[0].numel())
+
+        runner.execute = lambda batch: steps.append(batch.is_prefill) or execute(batch)
+        runner.model.register_forward_pre_hook(count)
+        llm.generate = lambda prompts, *args, **kw: self.prompts.append(prompts) or generate(prompts, *args, **kw)
+        return llm
+
+
+def test_a_prompt_sent_with_several_settings_is_prefilled_once_chunked_or_not(model_dir, word_tokenizer):
+    """The engines' defaults (chunked prefill, prefix caching): each sample's first request prefills its prompt,
+    here in chunks of 40 tokens, and the other settings' copies compute the tokens past its full pages only; the
+    cells are those of a run whose prompts fit one step (up to the float rounding of the chunks' attention)."""
+    spec = make_spec(tasks=["ppl"], policies=["full", "quest"], budgets=[16, COVERING])
+    base = source(model_dir)
+    chunked = PrefillCounter(base.model, {**base.engine_kwargs, "max_num_batched_tokens": 40})
+    cells = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=chunked))
+    whole = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=base))
+    (wave,) = chunked.prompts  # one wave: the 3 settings of each sample, sample after sample
+    prompts = wave[::3]
+    assert len(wave) == 9 and all(wave[i] == wave[i - i % 3] for i in range(9))
+    tails = [len(p) - (len(p) - 1) // PAGE * PAGE for p in prompts]
+    assert max(chunked.computed) <= 40 and sum(chunked.computed) == sum(map(len, prompts)) + 2 * sum(tails)
+    assert cells.keys() == whole.keys() and all(cell["preemptions"] == 0 for cell in cells.values())
+    for key, cell in cells.items():
+        assert cell["value"] == pytest.approx(whole[key]["value"], rel=1e-5)
+        assert cell["scores"] == pytest.approx(whole[key]["scores"], rel=1e-5)
+
+
 def test_selection_reuse_runs_on_the_engine_only(model_dir, word_tokenizer, capsys):
     spec = make_spec(policies=["full", "quest", "quest:selection_interval=3"], budgets=[16])
     cells = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=source(model_dir)))
