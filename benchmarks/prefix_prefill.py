@@ -7,7 +7,8 @@ the new question; Quest's pages written by sparse decode are not shared, so its 
 well). Per engine: the documents are prefilled once (their pages cached), then for each tail length a batch of
 ``--requests`` fresh prompts (document ``i % docs`` + random tail) is generated for one token: wall time (median of
 ``--repeats``), the tokens the prefix cache covered, and a torch-profiler table of that step's host and GPU time by
-kernel (one more batch, profiled). Random ("dummy") weights at a real shape, bf16, page 16::
+kernel (one more batch, profiled); and a fresh prompt of a document's length alone (no hit), prefilled in the
+engine's default chunks, timed and profiled the same way (against the one-step prefill ``e2e.py`` times). Random ("dummy") weights at a real shape, bf16, page 16::
 
     python benchmarks/prefix_prefill.py --out benchmarks/results/prefix-prefill-h200
 
@@ -74,6 +75,19 @@ def measure(cfg, quest, args, gen: torch.Generator) -> dict:
     llm.generate(docs, FIRST_TOKEN, use_tqdm=False)
     _sync(args.device)
     out = {"docs_prefill_s": time.perf_counter() - start, "tails": {}}
+    walls = []
+    for _ in range(args.repeats + 1):  # a fresh prompt: no hit, chunked by the engine's default policy
+        prompt = torch.randint(0, cfg.vocab_size, (args.doc_tokens,), generator=gen).tolist()
+        _sync(args.device)
+        start = time.perf_counter()
+        llm.generate([prompt], FIRST_TOKEN, use_tqdm=False)
+        _sync(args.device)
+        walls.append(time.perf_counter() - start)
+    fresh = [torch.randint(0, cfg.vocab_size, (args.doc_tokens,), generator=gen).tolist()]
+    out["fresh_prompt"] = {"wall_ms_median": statistics.median(walls[1:]) * 1e3, "wall_ms": [w * 1e3 for w in walls[1:]],
+                           "chunk_tokens": llm.engine.scheduler.max_num_batched_tokens,
+                           "profile": _profile(llm, fresh, args.device, args.top)}
+    print(f"  fresh prompt of {args.doc_tokens}: {out['fresh_prompt']['wall_ms_median']:.1f} ms", flush=True)
     for tail in args.tails:
         walls, cached = [], None
         for _ in range(args.repeats + 1):  # the first warms up (graphs, allocator)
@@ -113,7 +127,17 @@ def render(record: dict) -> str:
             kernel = prof.get("device_ms", prof.get("cpu_op_ms"))
             lines.append(f"| {name} | {tail} | {row['mean_cached_tokens']:.0f} | {row['wall_ms_median']:.1f} | "
                          f"{prof['wall_ms']:.1f} | {kernel:.1f} |")
+    lines += ["", f"A fresh prompt of {a['doc_tokens']} tokens alone (no hit), prefilled in the engine's chunks:", "",
+              "| engine | chunk tokens | wall ms | profiled wall ms | kernel ms |", "|---|---|---|---|---|"]
     for name, run in record["engines"].items():
+        fresh = run["fresh_prompt"]
+        kernel = fresh["profile"].get("device_ms", fresh["profile"].get("cpu_op_ms"))
+        lines.append(f"| {name} | {fresh['chunk_tokens']} | {fresh['wall_ms_median']:.1f} | "
+                     f"{fresh['profile']['wall_ms']:.1f} | {kernel:.1f} |")
+    for name, run in record["engines"].items():
+        fresh = run["fresh_prompt"]["profile"]["top"]
+        lines += ["", f"## {name}, fresh prompt: top kernels", "", "| kernel | calls | ms |", "|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['count']} | {k['ms']:.2f} |" for k in fresh]
         for tail, row in run["tails"].items():
             lines += ["", f"## {name}, tail {tail}: top kernels of the profiled batch", "", "| kernel | calls | ms |",
                       "|---|---|---|"]

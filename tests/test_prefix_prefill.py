@@ -15,5 +15,6 @@ def test_smoke_run_reports_every_tail_of_both_engines_with_the_documents_cached(
             # the 96-token documents are 6 whole pages, all cached; the tail is computed
             assert row["mean_cached_tokens"] == 96 and row["prompt_tokens"] == 96 + int(tail)
             assert row["wall_ms_median"] > 0 and row["profile"]["top"]
+        assert run["fresh_prompt"]["wall_ms_median"] > 0 and run["fresh_prompt"]["profile"]["top"]
     md = (tmp_path / "pp.md").read_text()
     assert "| quest | 24 | 96 |" in md and "## dense, tail 8: top kernels" in md
