@@ -95,8 +95,9 @@ class SelectionMemory:
     reuse also ``queries`` ``[num_sparse_layers, max_seqs, num_sel_heads, query_width]`` in ``dtype`` (the query
     that made each head's last selection) and ``head_selected_at`` ``[num_sparse_layers, max_seqs,
     num_sel_heads]`` int32 (the page count at each head's last selection). The selection-rate counters,
-    ``selections`` and ``steps`` ``[max_seqs]`` int64: (sparse layer, head) selections and decode steps of each
-    slot's sequence since its (re)prefill, on the device (:meth:`selection_rate` reads them).
+    ``selections``, ``steps`` and ``last_selections`` ``[max_seqs]`` int64: (sparse layer, head) selections and
+    decode steps of each slot's sequence since its (re)prefill, and the selections of its latest step, on the
+    device (:meth:`selection_rate` reads them).
     """
 
     def __init__(self, config: QuestConfig, num_layers: int, num_sel_heads: int, max_seqs: int,
@@ -116,6 +117,7 @@ class SelectionMemory:
         self.selected_at = torch.full((max_seqs,), -1, dtype=torch.int32, device=device)
         self.selections = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.steps = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.last_selections = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.queries = self.head_selected_at = None
         if config.reselect_similarity is not None:
             heads = (self.sparse_layers, max_seqs, num_sel_heads)
@@ -130,7 +132,7 @@ class SelectionMemory:
             return 0
         sparse_layers = num_layers - min(config.dense_layers, num_layers)
         width = config.budget_pages + config.reuse_extra_pages
-        total = 4 * (sparse_layers * max_seqs * num_sel_heads * width + max_seqs) + 2 * 8 * max_seqs
+        total = 4 * (sparse_layers * max_seqs * num_sel_heads * width + max_seqs) + 3 * 8 * max_seqs
         if config.reselect_similarity is not None:
             heads = sparse_layers * max_seqs * num_sel_heads
             total += heads * (query_width * torch.empty(0, dtype=dtype).element_size() + 4)
@@ -144,21 +146,31 @@ class SelectionMemory:
         """A (re)prefill of slots ``seq_ids`` (``[n]`` int64 on the device): :meth:`forget` and zero their
         selection-rate counters."""
         self.forget(seq_ids)
-        self.selections.index_fill_(0, seq_ids, 0)
-        self.steps.index_fill_(0, seq_ids, 0)
+        for counter in (self.selections, self.steps, self.last_selections):
+            counter.index_fill_(0, seq_ids, 0)
 
     def count_selecting_step(self, seq_ids: torch.Tensor) -> None:
         """A step where every row selects and none keeps its selection (one with a dense request,
         :meth:`forget`): count it for the selection rate of slots ``seq_ids`` (``[batch]`` int64)."""
         self.forget(seq_ids)
-        self.selections.index_add_(0, seq_ids, torch.full_like(seq_ids, self.sparse_layers * self.num_sel_heads))
-        self.steps.index_add_(0, seq_ids, torch.ones_like(seq_ids))
+        self._count(seq_ids, torch.full_like(seq_ids, self.sparse_layers * self.num_sel_heads))
 
-    def selection_rate(self, slot: int) -> Optional[float]:
+    def _count(self, seq_ids: torch.Tensor, selections: torch.Tensor) -> None:
+        """Add one decode step making ``selections`` (``[batch]`` int64) (layer, head) selections per slot."""
+        self.selections.index_add_(0, seq_ids, selections)
+        self.steps.index_add_(0, seq_ids, torch.ones_like(seq_ids))
+        self.last_selections.index_copy_(0, seq_ids, selections)
+
+    def selection_rate(self, slot: int, discard_last: bool = False) -> Optional[float]:
         """The fraction of (decode step, sparse layer, selecting head) of slot ``slot``'s sequence, since its
-        (re)prefill, that estimated and selected; ``None`` before its first decode step. Reads the device
-        counters (one host synchronisation: call it when the request finishes)."""
-        selections, steps = torch.stack([self.selections[slot], self.steps[slot]]).tolist()
+        (re)prefill, that estimated and selected; ``None`` before its first decode step. ``discard_last``: leave
+        its latest step out (one whose tokens were discarded: asynchronous scheduling ran it after the step that
+        finished the sequence). Reads the device counters (one host synchronisation: call it when the request
+        finishes)."""
+        selections, steps, last = torch.stack(
+            [self.selections[slot], self.steps[slot], self.last_selections[slot]]).tolist()
+        if discard_last and steps:
+            selections, steps = selections - last, steps - 1
         if not steps or not self.sparse_layers:
             return None
         return selections / (steps * self.sparse_layers * self.num_sel_heads)
@@ -207,8 +219,7 @@ class SelectionMemory:
             made_at = torch.where(head_active, rows.num_pages[None, :, None], rows.adaptive.head_selected_at)
             self.head_selected_at.index_copy_(1, seq_ids, made_at)
             selections = head_active.sum((0, 2))
-        self.selections.index_add_(0, seq_ids, selections)
-        self.steps.index_add_(0, seq_ids, torch.ones_like(seq_ids))
+        self._count(seq_ids, selections)
 
 
 def selection_seq_len(seq_len: int, num_prompt_tokens: int, interval: int) -> int:

@@ -242,6 +242,9 @@ class LLMEngine:
         seqs = batch.seqs[:batch.num_sampled]
         live = [not seq.is_finished for seq in seqs]
         slots = [seq.cache_id for seq in seqs]  # the update frees the finished ones'; their counters stay
+        # Asynchronous scheduling: the step launched after this one decodes these sequences once more, to be discarded
+        ahead = self._in_flight[0] if self._in_flight is not None else None
+        ahead = set() if ahead is None or ahead.is_prefill else set(map(id, ahead.seqs))
         if not batch.is_prefill:
             self._account_attention(batch, live)
         finished = set(map(id, self.scheduler.update(batch, tokens, sampled.forced_logprobs())))
@@ -256,7 +259,7 @@ class LLMEngine:
                     and (not seq.is_finished or id(seq) in finished)):
                 text = self._apply_stop_strings(seq, text)
             if seq.is_finished and seq.decode_steps:
-                seq.selection_rate = self.runner.selection_rate(seq, slot)  # one read of the device, at the end
+                seq.selection_rate = self.runner.selection_rate(seq, slot, id(seq) in ahead)  # read once, at the end
             outputs.append(RequestOutput.from_sequence(seq, text))
         return outputs
 

@@ -45,7 +45,15 @@ from questkv.models.llama import LlamaForCausalLM, ModelSpec
 # bits, read on the device through a dtype view).
 _IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _THRESHOLDS = range(8)
 _NUM_INPUTS = 8
-_NEVER_RESELECT = int(np.float64(-1.0).view(np.int64))  # the threshold -1.0's bits: no early reselection
+
+
+def _float_bits(value: float) -> int:
+    """``value`` as a float64's bits in an int64 (a row of the packed inputs; the device reads it back through a
+    ``torch.float64`` view)."""
+    return int(np.float64(value).view(np.int64))
+
+
+_NEVER_RESELECT = _float_bits(-1.0)  # the threshold that never reselects early
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,16 +449,17 @@ class ModelRunner:
         threshold = seq.sampling_params.reselect_similarity
         if threshold is None:
             threshold = -1.0 if quest is None or quest.reselect_similarity is None else quest.reselect_similarity
-        return int(np.float64(threshold).view(np.int64))
+        return _float_bits(threshold)
 
-    def selection_rate(self, seq: Sequence, slot: Optional[int]) -> Optional[float]:
+    def selection_rate(self, seq: Sequence, slot: Optional[int], discard_last: bool = False) -> Optional[float]:
         """The finished request's :attr:`~questkv.engine.sequence.RequestMetrics.selection_rate` (its cache slot
-        ``slot``, now freed: its counters stay until the slot's next prefill); reads the device once."""
+        ``slot``, now freed: its counters stay until the slot's next prefill; ``discard_last``: its latest decode
+        step's tokens were discarded, see :meth:`SelectionMemory.selection_rate`); reads the device once."""
         if self.budget is None or seq.sampling_params.dense or slot is None:
             return None
         if self.memory is None:
             return 1.0  # every decode step selects
-        return self.memory.selection_rate(slot)
+        return self.memory.selection_rate(slot, discard_last)
 
     def _budget_of(self, seq: Sequence, width: int) -> int:
         """The sequence's token budget: 0 on a dense engine (no layer reads it), every column of the

@@ -178,8 +178,8 @@ class Sequence:
         mean_attended = self.tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = self.sparse_tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = None if self.sampling_params.dense or not self.sparse_tokens_attended_sum else sparse
-        return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions, sparse, self.num_cached_tokens or 0,
-                              self.selection_rate)
+        return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions, sparse,
+                              self.num_cached_tokens or 0, self.selection_rate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,9 +200,9 @@ class RequestMetrics:
             pages, as vLLM's ``num_cached_tokens``); 0 without a hit or with prefix caching off.
         selection_rate: the fraction of (decode step, sparse layer, selecting head) that estimated and selected
             pages (1 without selection reuse, about ``1 / selection_interval`` with it, more with adaptive
-            reuse), counted on the device since the request's last (re)prefill (under asynchronous scheduling a
-            step discarded after a stop counts too); set once the request finishes, ``None`` before, for a
-            dense request or engine, or without decode steps. With tensor parallelism: rank 0's heads.
+            reuse), counted on the device since the request's last (re)prefill; set once the request finishes,
+            ``None`` before, for a dense request or engine, or without decode steps. With tensor parallelism: rank
+            0's heads.
     """
 
     time_to_first_token: Optional[float]

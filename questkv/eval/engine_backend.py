@@ -16,9 +16,10 @@ The protocol is the HF path's (:mod:`questkv.eval.harness`), request by request:
 One engine serves every setting of an engine-level config (:func:`engine_configs`: the page size and the page
 selection's options; the largest budget and selection interval among them): each (setting, sample) is a request
 of its own with the setting's ``token_budget``, ``selection_interval`` and ``reselect_similarity`` (``dense=True``
-for ``full``), sample after sample, so that one prompt's copies share a prefill (:attr:`questkv.engine.scheduler.ScheduledBatch.
-prefill_from`) and continuous batching decodes the settings together. ``full`` runs in a pass of its own when
-a setting of the task reuses selections: a dense request in a decode step makes every row of that step select.
+for ``full``), sample after sample, so that one prompt's copies share a prefill
+(:attr:`questkv.engine.scheduler.ScheduledBatch.prefill_from`) and continuous batching decodes the settings
+together. ``full`` runs in a pass of its own when a setting of the task reuses selections: a dense request in a
+decode step makes every row of that step select.
 Requests go in waves whose pages the pool holds whole, so no request is preempted (a recomputed request would
 prefill its forced tokens densely). Engines prefill unchunked unless ``engine_kwargs`` ask for chunked prefill: a
 chunked prompt's copies would not share its prefill step, and its first copy would decode before the others.

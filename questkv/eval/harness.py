@@ -41,9 +41,10 @@ def parse_policy(text: str, name: str = "policy") -> tuple[str, tuple[tuple[str,
     :func:`questkv.policies.make_policy`), ``page_size`` (the page size of that setting's cache,
     instead of the evaluation's) or, for ``quest``, ``selection_interval`` (decode steps per page
     selection, :attr:`questkv.QuestConfig.selection_interval`) and ``reselect_similarity`` (adaptive reuse,
-    :attr:`questkv.QuestConfig.reselect_similarity`), engine backend only; ``full`` takes none. A value reads as an int, else a float, else
-    stays a string: ``"quest-rerank:shortlist=4:rerank=mass"`` -> ``("quest-rerank", (("rerank",
-    "mass"), ("shortlist", 4)))``, options sorted by name (:func:`format_policy` writes it back).
+    :attr:`questkv.QuestConfig.reselect_similarity`), engine backend only; ``full`` takes none. A value reads as
+    an int, else a float, else stays a string: ``"quest-rerank:shortlist=4:rerank=mass"`` ->
+    ``("quest-rerank", (("rerank", "mass"), ("shortlist", 4)))``, options sorted by name (:func:`format_policy`
+    writes it back).
 
     Raises:
         ValueError: naming ``name`` (the argument's name in messages): an unknown policy, an option

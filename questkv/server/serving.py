@@ -290,8 +290,9 @@ class OpenAIServing:
         except ValueError as error:
             raise RequestError(str(error), param="max_tokens" if "max_tokens" in str(error) else prompt_param) from None
         quest = body.quest or QuestOptions()
-        for name, check in (("token_budget", self._check_budget), ("selection_interval", self._check_selection_interval),
-                            ("reselect_similarity", self._check_reselect_similarity)):
+        checks = (("token_budget", self._check_budget), ("selection_interval", self._check_selection_interval),
+                  ("reselect_similarity", self._check_reselect_similarity))
+        for name, check in checks:
             value = getattr(quest, name)
             if value is None:
                 continue

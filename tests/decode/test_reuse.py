@@ -105,8 +105,8 @@ def test_a_memory_needs_a_sparse_config_with_reuse_and_reports_its_bytes():
     cfg = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1, selection_interval=6)  # 2 extra columns
     memory = SelectionMemory(cfg, 3, KV_HEADS, 5, "cpu")
     assert memory.pages.shape == (2, 5, KV_HEADS, 4 + 2)
-    assert SelectionMemory.nbytes(cfg, 3, KV_HEADS, 5) == (memory.pages.nbytes + memory.selected_at.nbytes
-                                                           + memory.selections.nbytes + memory.steps.nbytes)
+    assert SelectionMemory.nbytes(cfg, 3, KV_HEADS, 5) == sum(
+        t.nbytes for t in (memory.pages, memory.selected_at, memory.selections, memory.steps, memory.last_selections))
     assert SelectionMemory.nbytes(config(1), 3, KV_HEADS, 5) == 0
     with pytest.raises(ValueError, match="QuestConfig.selection_interval must be >= 1"):
         QuestConfig(selection_interval=0)
@@ -186,6 +186,8 @@ def test_the_selection_rate_counts_each_slots_selecting_layer_heads_and_restarts
     assert memory.head_selected_at[:, 0].tolist() == [[5, 5], [5, 6]]  # slot 0: 5 pages, then 6
     memory.count_selecting_step(torch.tensor([0]))
     assert memory.selection_rate(0) == (4 + 1 + 4) / 12
+    assert memory.selection_rate(0, discard_last=True) == (4 + 1) / 8  # without the dense request's step
+    assert memory.selection_rate(2, discard_last=True) == 4 / 4
     memory.restart(torch.tensor([0]))
     assert memory.selection_rate(0) is None and memory.selection_rate(2) == (4 + 1) / 8
     with pytest.raises(ValueError, match="thresholds exactly when"):
@@ -193,5 +195,5 @@ def test_the_selection_rate_counts_each_slots_selecting_layer_heads_and_restarts
     with pytest.raises(ValueError, match="query_width >= 1, got 0"):
         SelectionMemory(cfg, 2, KV_HEADS, 4, "cpu")
     assert SelectionMemory.nbytes(cfg, 2, KV_HEADS, 4, Q_HEADS // KV_HEADS * HEAD_DIM) == sum(
-        t.nbytes for t in (memory.pages, memory.selected_at, memory.selections, memory.steps, memory.queries,
-                           memory.head_selected_at))
+        t.nbytes for t in (memory.pages, memory.selected_at, memory.selections, memory.steps, memory.last_selections,
+                           memory.queries, memory.head_selected_at))

@@ -27,7 +27,8 @@ def model_dir(tmp_path_factory):
 
 def outcome(out) -> tuple:
     """What must not depend on the scheduling mode."""
-    return (out.token_ids, out.text, out.finish_reason, out.stop_reason, out.metrics.mean_tokens_attended)
+    return (out.token_ids, out.text, out.finish_reason, out.stop_reason, out.metrics.mean_tokens_attended,
+            out.metrics.selection_rate)
 
 
 def mixed_requests(quest) -> tuple[list, list]:

@@ -401,6 +401,7 @@ def test_page_scores_with_per_head_flags_write_only_the_flagged_heads(selection,
     ref_got = reference.page_scores_into(sentinel.clone(), q, kmin, kmax, _readable(table), lens, page_size,
                                          selection, reduction, active)
     assert torch.equal(ref_got, torch.where(active[..., None] != 0, ref, sentinel))
-    with pytest.raises(ValueError, match=r"active must be .* of shape \(2,\) or \(2, %d\) .*got shape \(2, %d\)" % (heads, heads + 1)):
+    refusal = r"active must be .* of shape \(2,\) or \(2, %d\) .*got shape \(2, %d\)" % (heads, heads + 1)
+    with pytest.raises(ValueError, match=refusal):
         tk.page_scores_into(sentinel, q, kmin, kmax, table, lens, page_size, selection, reduction,
                             torch.ones(2, heads + 1, dtype=torch.int32))

@@ -87,3 +87,45 @@ def test_bad_arguments_are_refused_naming_them():
         for name, args in bad.items():
             with pytest.raises(ValueError, match=name):
                 module.reselect_heads_into(*args, BUDGET_PAGES)
+
+
+@pytest.mark.parametrize("selection", ["kv_head", "q_head"])
+def test_a_decode_step_with_reselection_matches_the_torch_backends(selection):
+    """``QuestDecodeStep.sparse`` with a :class:`Reselection` (reselect, then per-head estimate and select, then
+    attend) on the Triton backend (interpreter) against the torch backend: the same flags, memory, selections and,
+    within float tolerance, output. Row 0 is forced, row 1 decides per head; one of its heads keeps its selection."""
+    from questkv.config import QuestConfig
+    from questkv.decode.step import QuestDecodeStep, Reselection
+    from questkv.ops import LayerPages
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_q, num_kv, head_dim, page_size, max_pages = 4, 2, 16, 4, 8
+    heads = num_q if selection == "q_head" else num_kv
+    lens = torch.tensor([29, 23], dtype=torch.int32)
+    k_pages = torch.randn(16, page_size, num_kv, head_dim, generator=gen)
+    v_pages = torch.randn(16, page_size, num_kv, head_dim, generator=gen)
+    layer = LayerPages(k_pages, v_pages, k_pages.amin(1), k_pages.amax(1))
+    table = torch.randperm(16, generator=gen)[:2 * max_pages].view(2, max_pages).int()
+    q = torch.randn(2, num_q, head_dim, generator=gen)
+    queries = torch.randn(3, heads, num_q // heads * head_dim, generator=gen)
+    slots = torch.tensor([2, 0])
+    queries[0, 0] = q.reshape(2, heads, -1)[1, 0]  # row 1's head 0 keeps its selection
+    forced = torch.tensor([1, 0], dtype=torch.int32)
+    thresholds = torch.tensor([0.5, 0.5])
+    config = dict(token_budget=12, page_size=page_size, dense_layers=0, selection=selection, selection_interval=5,
+                  reselect_similarity=0.5)
+    results = {}
+    for backend in ("triton", "torch"):
+        cfg = QuestConfig(backend=backend, **config)
+        step = QuestDecodeStep(cfg, 2, num_q, num_kv, head_dim, max_pages, torch.float32, "cpu")
+        selected = torch.randint(0, 6, (2, heads, cfg.budget_pages + cfg.reuse_extra_pages), generator=gen)
+        selected = selected.int() if backend == "triton" else results["triton"][3]
+        before = selected.clone()
+        reselection = Reselection(queries.clone(), slots, thresholds, torch.empty(2, heads, dtype=torch.int32))
+        out = step.sparse(q, layer, table, lens, None, None, forced, selected, reselection).clone()
+        results[backend] = (out, reselection.head_active, reselection.queries, before, selected)
+    (out, flags, memory, before, chosen), (ref_out, ref_flags, ref_memory, _, ref_chosen) = results.values()
+    assert torch.equal(flags, ref_flags) and torch.equal(memory, ref_memory) and torch.equal(chosen, ref_chosen)
+    assert flags[0].all() and flags[1, 0] == 0
+    assert torch.equal(chosen[1, 0], before[1, 0])  # a keeping head's selection, its extra columns included
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)

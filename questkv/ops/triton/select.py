@@ -160,9 +160,10 @@ def _select_pages_kernel(
     """One program per (head, sequence) selects its row (:func:`_select_row`) in chunks of ``BLOCK``
     pages. With ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``).
     With ``HAS_ACTIVE`` the program of a row whose flag (``active[seq * stride_ab + head * stride_ah]``) is 0
-    reads no score and writes nothing: it loads its flag beside its length and budget (independent loads, one round trip) and returns. (The
-    flag tested before those two loads made ptxas cap the kernel at 64 registers and spill at the default
-    chunk in an sm_90 compile, tests/ops/test_triton_compile.py; this order keeps 78 and no spill.)"""
+    reads no score and writes nothing: it loads its flag beside its length and budget (independent loads, one
+    round trip) and returns. (The flag tested before those two loads made ptxas cap the kernel at 64 registers
+    and spill at the default chunk in an sm_90 compile, tests/ops/test_triton_compile.py; this order keeps 78
+    and no spill.)"""
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     active = 1
