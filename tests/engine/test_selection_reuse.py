@@ -1,7 +1,8 @@
 """Selection reuse in the engine (``QuestConfig.selection_interval``) on CPU, fp32: a budget covering the context is
 still dense at any interval, a sequence's tokens do not depend on what shares its batch (its phase is its own), a
-request may lower the interval, and the estimate and select ops run only for the rows whose step is due. The tiny
-random model and prompts of ``test_llm.py``."""
+request may lower the interval, and the estimate and select ops run only for the rows whose step is due. Adaptive
+reuse (``reselect_similarity``): its extreme thresholds give the fixed interval's and every step's tokens and
+selection rates, and a request may set its own. The tiny random model and prompts of ``test_llm.py``."""
 
 import dataclasses
 import math
@@ -34,10 +35,13 @@ def test_a_budget_covering_the_context_gives_the_dense_tokens_at_any_interval(mo
     assert run(make_llm(model_dir, reusing(FULL, interval)), prompts, params) == run(make_llm(model_dir), prompts, params)
 
 
-def test_preemption_with_a_budget_covering_the_context_gives_the_dense_tokens(model_dir):
+@pytest.mark.parametrize("quest", [dataclasses.replace(FULL, selection_interval=3),
+                                   dataclasses.replace(FULL, selection_interval=3, reselect_similarity=0.5)],
+                         ids=["fixed", "adaptive"])
+def test_preemption_with_a_budget_covering_the_context_gives_the_dense_tokens(model_dir, quest):
     unconstrained = make_llm(model_dir, FULL, max_model_len=64)
     per_seq = math.ceil(64 / PAGE)
-    tiny = make_llm(model_dir, reusing(FULL, 3), max_model_len=64,
+    tiny = make_llm(model_dir, quest, max_model_len=64,
                     kv_cache_memory=pool_memory(unconstrained, per_seq + 2))
     assert tiny.engine.cache.num_pages == per_seq + 2
     prompts = [prompt(random.randint(10, 24)) for _ in range(4)]
@@ -124,7 +128,7 @@ def adaptive(quest: QuestConfig, interval: int, similarity: float) -> QuestConfi
 
 @pytest.mark.parametrize("selection", ["kv_head", "q_head"])
 def test_a_threshold_that_always_reselects_gives_the_tokens_of_selecting_every_step_at_rate_one(model_dir, selection):
-    # similarity <= 1 < ... : a threshold of 1 reselects every head whose query changed direction (all of them here)
+    # a threshold of 1 reselects every head whose query is not exactly parallel to its last one (all of them here)
     quest = dataclasses.replace(SMALL, selection=selection)
     prompts = [prompt(random.randint(30, 90)) for _ in range(2)]
     every_step = run(make_llm(model_dir, quest), prompts, greedy(16))
