@@ -399,9 +399,8 @@ def reselect_heads_into(
     Returns:
         ``active``.
     """
-    batch, heads = active.shape
-    query = q.reshape(batch, heads, -1)  # [B, H, G * D]: a head's query group side by side
-    check_reselect_args(active, query, queries, slots, forced, thresholds, selected, budget_pages)
+    check_reselect_args(active, q, queries, slots, forced, thresholds, selected, budget_pages)
+    query = q.reshape(*active.shape, -1)  # [B, H, G * D]: a head's query group side by side
     last = queries.index_select(0, slots).float()  # [B, H, G * D]
     now = query.float()
     norms = ((now * now).sum(-1) * (last * last).sum(-1)).sqrt()
@@ -414,18 +413,22 @@ def reselect_heads_into(
     return active
 
 
-def check_reselect_args(active, query, queries, slots, forced, thresholds, selected, budget_pages) -> None:
-    """``ValueError`` unless :func:`reselect_heads_into`'s arguments agree (``query``: ``q`` as ``[batch,
-    num_sel_heads, group * head_dim]``)."""
-    batch, heads, width = query.shape
+def check_reselect_args(active, q, queries, slots, forced, thresholds, selected, budget_pages) -> None:
+    """``ValueError`` unless :func:`reselect_heads_into`'s arguments agree (``active``'s shape gives the batch and
+    the selecting heads, which must divide ``q``'s heads)."""
+    if active.dim() != 2 or q.dim() != 3 or q.shape[0] != active.shape[0] or q.shape[1] % active.shape[1]:
+        raise ValueError(f"active must be [batch, num_sel_heads] with num_sel_heads dividing q's heads, got active "
+                         f"{tuple(active.shape)} and q {tuple(q.shape)}")
+    batch, heads = active.shape
+    width = q.shape[1] // heads * q.shape[2]  # a selecting head's query: its group's query heads side by side
     expected = {"active": (active, (batch, heads), torch.int32), "slots": (slots, (batch,), torch.int64),
                 "forced": (forced, (batch,), torch.int32), "thresholds": (thresholds, (batch,), torch.float32)}
     for name, (tensor, shape, dtype) in expected.items():
         if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape}, got "
                              f"{tuple(tensor.shape)} {tensor.dtype}")
-    if queries.dim() != 3 or tuple(queries.shape[1:]) != (heads, width) or queries.dtype != query.dtype:
-        raise ValueError(f"queries must be [max_seqs, {heads}, {width}] {query.dtype}, got "
+    if queries.dim() != 3 or tuple(queries.shape[1:]) != (heads, width) or queries.dtype != q.dtype:
+        raise ValueError(f"queries must be [max_seqs, {heads}, {width}] {q.dtype}, got "
                          f"{tuple(queries.shape)} {queries.dtype}")
     if selected.dim() != 3 or tuple(selected.shape[:2]) != (batch, heads) or selected.shape[2] < budget_pages:
         raise ValueError(f"selected must have shape ({batch}, {heads}, >= budget_pages={budget_pages}), "

@@ -76,15 +76,16 @@ def test_a_threshold_of_minus_one_never_reselects_and_of_one_reselects_a_changed
 def test_bad_arguments_are_refused_naming_them():
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     active, q, queries, slots, forced, thresholds, selected = _case("kv_head", torch.float32, gen)
-    bad = {
-        "active": (active.long(), q, queries, slots, forced, thresholds, selected),
-        "slots": (active, q, queries, slots.int(), forced, thresholds, selected),
-        "thresholds": (active, q, queries, slots, forced, thresholds.double(), selected),
-        "queries": (active, q, queries[:, :1], slots, forced, thresholds, selected),
-        "selected": (active, q, queries, slots, forced, thresholds, selected[..., :2]),
-    }
+    bad = [
+        ("active", (active.long(), q, queries, slots, forced, thresholds, selected)),
+        ("active", (torch.zeros(2, 3, dtype=torch.int32), q, queries, slots, forced, thresholds, selected)),
+        ("slots", (active, q, queries, slots.int(), forced, thresholds, selected)),
+        ("thresholds", (active, q, queries, slots, forced, thresholds.double(), selected)),
+        ("queries", (active, q, queries[:, :1], slots, forced, thresholds, selected)),
+        ("selected", (active, q, queries, slots, forced, thresholds, selected[..., :2])),
+    ]
     for module in (reference, reselect):
-        for name, args in bad.items():
+        for name, args in bad:
             with pytest.raises(ValueError, match=name):
                 module.reselect_heads_into(*args, BUDGET_PAGES)
 

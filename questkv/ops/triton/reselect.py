@@ -74,11 +74,10 @@ def reselect_heads_into(
     """Triton :func:`questkv.ops.reference.reselect_heads_into` (one launch, no host synchronisation; the
     argument shapes there). ``q`` may have any batch and head strides; ``queries`` and ``selected`` must be
     contiguous in their last dimension. Returns ``active``."""
+    check_reselect_args(active, q, queries, slots, forced, thresholds, selected, budget_pages)
     batch, heads = active.shape
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     group = num_q_heads // heads
-    check_reselect_args(active, q.reshape(batch, heads, group * head_dim), queries, slots, forced, thresholds,
-                        selected, budget_pages)
     check_last_dim_contiguous(q=q, queries=queries, selected=selected)
     num_extra = selected.shape[2] - budget_pages
     _reselect_heads_kernel[(heads, batch)](
