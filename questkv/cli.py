@@ -309,6 +309,7 @@ def _add_eval(subparsers) -> None:
                          help=f"comma-separated policies: {', '.join(POLICIES)}, each optionally with options of its "
                          "own that override the flags below, NAME:option=value:... (e.g. quest:selection=q_head, "
                          "quest:page_size=8, quest:selection_interval=4 (engine only), "
+                         "quest:selection_interval=8:reselect_similarity=0.95 (adaptive reuse, engine only), "
                          "quest-topp:top_p=0.9:min_budget=128, quest-rerank:shortlist=4:rerank=max, "
                          "quest-rerank:shortlist=16:key_bits=2) "
                          "(default: full,quest)")

@@ -120,8 +120,8 @@ def _show(name: str, value: Any) -> str:
 
 
 def _value_parser(name: str) -> Callable[[str], Any]:
-    """Text to value for one field: one of its ``choices``, or an int >= its ``minimum`` (or its
-    word for ``None``)."""
+    """Text to value for one field: one of its ``choices``, a float in its ``interval``, or an int >= its
+    ``minimum`` (or its word for ``None``)."""
     meta = FIELDS[name].metadata
     noun = meta["flag"].lstrip("-")
 
@@ -133,6 +133,16 @@ def _value_parser(name: str) -> Callable[[str], Any]:
             return item
         if meta["none"] is not None and item == meta["none"]:
             return None
+        word = f" or {meta['none']!r}" if meta["none"] is not None else ""
+        if meta["interval"] is not None:
+            low, high = meta["interval"]
+            try:
+                value = float(item)
+            except ValueError:
+                value = None
+            if value is None or not low <= value <= high:
+                raise argparse.ArgumentTypeError(f"{noun} {item!r} is not a number in [{low}, {high}]{word}")
+            return value
         minimum = meta["minimum"]
         try:
             value = int(item)
@@ -142,7 +152,6 @@ def _value_parser(name: str) -> Callable[[str], Any]:
             kind = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
                 minimum, f"an integer >= {minimum}"
             )
-            word = f" or {meta['none']!r}" if meta["none"] is not None else ""
             raise argparse.ArgumentTypeError(f"{noun} {item!r} is not {kind}{word}")
         return value
 

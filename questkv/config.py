@@ -1,7 +1,8 @@
 """User-facing configuration of Quest sparse decoding: the one source of Quest's knobs.
 
-Every field of :class:`QuestConfig` carries its allowed values (``minimum`` of an int, ``choices``
-of a string; ``none``: the command-line word for ``None``, where ``None`` is allowed) and its
+Every field of :class:`QuestConfig` carries its allowed values (``minimum`` of an int, ``interval``
+``(low, high)`` of a float, both ends included, ``choices`` of a string; ``none``: the command-line word for
+``None``, where ``None`` is allowed) and its
 command-line metadata (``help``, ``flag``; ``page_policy``: an option of the page policies), so the CLI
 flags (:mod:`questkv.cli_args`), the page policies' options (:mod:`questkv.policies.paged`) and the
 evaluation settings (:mod:`questkv.eval`) take their names, defaults and choices from here.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional, get_args
 
-from questkv.validation import check_choice, check_int
+from questkv.validation import check_choice, check_float, check_int
 
 Selection = Literal["kv_head", "q_head"]
 GroupReduction = Literal["sum", "max"]
@@ -28,10 +29,10 @@ its best logit or its attention mass."""
 
 
 def _knob(default, help: str, flag: str, minimum: Optional[int] = None, choices: tuple[str, ...] = (),
-          none: Optional[str] = None, page_policy: bool = False):
+          none: Optional[str] = None, page_policy: bool = False, interval: Optional[tuple[float, float]] = None):
     """A :class:`QuestConfig` field with its checks and command-line metadata (see the module docstring)."""
     metadata = {"help": help, "flag": flag, "minimum": minimum, "choices": choices, "none": none,
-                "page_policy": page_policy}
+                "page_policy": page_policy, "interval": interval}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -90,16 +91,31 @@ class QuestConfig:
         1, "decode steps per page selection of a sequence; in between it attends its last selection plus the pages "
         "begun since (1: select every step, the paper)", "--selection-interval", minimum=1,
     )
+    reselect_similarity: Optional[float] = _knob(
+        None, "adaptive reuse: a head reselects before its interval is up when the cosine similarity of its query "
+        "to the query of its last selection falls below this, in [-1, 1] (needs --selection-interval >= 2; "
+        "'off': never)", "--reselect-similarity", none="off", interval=(-1.0, 1.0),
+    )
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):  # each field's own values, from its metadata
             name, value, meta = f"QuestConfig.{field.name}", getattr(self, field.name), field.metadata
             if meta["choices"]:
                 check_choice(name, value, meta["choices"])
-            elif value is not None or meta["none"] is None:
+            elif value is None and meta["none"] is not None:
+                continue
+            elif meta["interval"] is not None:
+                check_float(name, value, *meta["interval"])
+            else:
                 check_int(name, value, minimum=meta["minimum"])
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"QuestConfig.page_size must be a power of two, got {self.page_size}")
+        if self.reselect_similarity is not None and (self.token_budget is None or self.selection_interval < 2):
+            raise ValueError(
+                f"QuestConfig.reselect_similarity={self.reselect_similarity} reselects within a reused selection's "
+                f"interval: it needs a sparse config (token_budget set, got {self.token_budget}) with "
+                f"selection_interval >= 2 (got {self.selection_interval})"
+            )
         if self.token_budget is None:
             return
         if self.token_budget % self.page_size:

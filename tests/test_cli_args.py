@@ -15,6 +15,7 @@ FLAGS = {
     "token_budget": "--budget", "page_size": "--page-size", "dense_layers": "--dense-layers",
     "selection": "--selection", "group_reduction": "--group-reduction", "sink_pages": "--sink-pages", "recent_pages": "--recent-pages",
     "backend": "--backend", "selection_interval": "--selection-interval",
+    "reselect_similarity": "--reselect-similarity",
 }
 
 
@@ -48,11 +49,12 @@ def test_flags_build_the_config():
     expected = QuestConfig(
         token_budget=budget, page_size=page_size, dense_layers=rng.randrange(4), selection=rng.choice(SELECTIONS),
         group_reduction=rng.choice(GROUP_REDUCTIONS), sink_pages=sink, recent_pages=recent,
-        backend=rng.choice(BACKENDS),
+        backend=rng.choice(BACKENDS), selection_interval=rng.randint(2, 9), reselect_similarity=rng.uniform(-1, 1),
     )
     argv = [item for name in FIELDS for item in (FLAGS[name], str(getattr(expected, name)))]
     assert quest_config(parser_with().parse_args(argv)) == expected
     assert quest_config(parser_with().parse_args(["--budget", "full"])).token_budget is None
+    assert parser_with().parse_args(["--reselect-similarity", "off"]).reselect_similarity is None
 
 
 def test_choices_and_help_come_from_the_fields():
@@ -93,6 +95,8 @@ def test_plural_flags_take_lists_and_a_subset_of_fields():
         (["--recent-pages", "1.5"], "recent-pages '1.5' is not a non-negative integer"),
         (["--selection", "page"], "argument --selection: invalid choice: 'page'"),
         (["--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
+        (["--reselect-similarity", "1.5"], "reselect-similarity '1.5' is not a number in [-1.0, 1.0] or 'off'"),
+        (["--reselect-similarity", "high"], "reselect-similarity 'high' is not a number in [-1.0, 1.0] or 'off'"),
     ],
 )
 def test_bad_values_are_refused_by_name(argv, message, capsys):

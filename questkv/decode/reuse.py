@@ -7,15 +7,23 @@ usable selection; on the other steps every sparse layer attends the pages that l
 pages begun since. :class:`SelectionMemory` holds those selections per cache sequence slot and lays them out in
 batch order for a step (:meth:`SelectionMemory.rows`), with device ops only, so a step with reuse captures in a
 CUDA graph: the estimate and select kernels skip the rows that reuse (their ``active`` flag is 0).
+
+Adaptive reuse (``QuestConfig.reselect_similarity``): on a step where a row would reuse, each sparse layer's
+reselect op (:func:`questkv.ops.reference.reselect_heads_into`, one launch) flags the heads whose query drifted
+from the query of their last selection; those estimate and select alone (the ops' ``[batch, num_sel_heads]``
+flags) and attend no pages begun since, while the others attend their own last selection plus the pages begun
+since it. The memory keeps each head's last query and selection page count for that.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
 from questkv.config import QuestConfig
+from questkv.decode.step import Reselection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,59 +31,152 @@ class ReuseRows:
     """One decode step's selections in batch order.
 
     Attributes:
-        active: ``[batch]`` int32, 1 where the row estimates and selects in this step, 0 where it reuses.
+        active: ``[batch]`` int32, 1 where the row estimates and selects in this step (every head of it), 0 where
+            it reuses (adaptive reuse: where each head decides on the device, see ``head_active``).
         selected: ``[num_sparse_layers, batch, num_sel_heads, budget_pages + extra_pages]`` int32 logical
             pages, ``-1`` padding: a reusing row's last selection (its first ``budget_pages`` columns) and the
             pages begun since (the last ``extra_pages``); an active row's selection is written into its first
-            ``budget_pages`` columns by the step, its last ones are ``-1``.
-        selected_at: ``[batch]`` int32, the page count of each row's selection (this step's for active rows).
+            ``budget_pages`` columns by the step, its last ones are ``-1``. With adaptive reuse the pages begun
+            since are counted per (layer, row, head) from that head's own last selection, and a head that
+            reselects in the step has its last columns set to ``-1`` by the reselect op.
+        selected_at: ``[batch]`` int32, the page count of each row's selection (this step's for active rows);
+            with adaptive reuse, of the row's last whole-row selection (the phase's).
+        num_pages: ``[batch]`` int32, each row's page count in this step.
+        adaptive: adaptive reuse (``QuestConfig.reselect_similarity``), else ``None``.
     """
 
     active: torch.Tensor
     selected: torch.Tensor
     selected_at: torch.Tensor
+    num_pages: torch.Tensor
+    adaptive: Optional["AdaptiveRows"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveRows:
+    """What adaptive reuse adds to a step's :class:`ReuseRows` (sparse layer ``i`` reads index ``i`` of each).
+
+    Attributes:
+        slots: ``[batch]`` int64 cache slots of the rows.
+        thresholds: ``[batch]`` float32 similarity thresholds of the rows.
+        queries: ``[num_sparse_layers, max_seqs, num_sel_heads, group * head_dim]``, the memory's last queries
+            (read and written in place by the layers' reselect ops).
+        head_active: ``[num_sparse_layers, batch, num_sel_heads]`` int32, written by each layer's reselect op:
+            1 where the (row, head) selects in this step.
+        head_selected_at: ``[num_sparse_layers, batch, num_sel_heads]`` int32, the page count of each head's last
+            selection before this step (this step's for the rows in ``active``).
+    """
+
+    slots: torch.Tensor
+    thresholds: torch.Tensor
+    queries: torch.Tensor
+    head_active: torch.Tensor
+    head_selected_at: torch.Tensor
+
+    def layer(self, index: int) -> Reselection:
+        """Sparse layer ``index``'s :class:`~questkv.decode.step.Reselection`."""
+        return Reselection(self.queries[index], self.slots, self.thresholds, self.head_active[index])
 
 
 class SelectionMemory:
-    """The last selection of every sparse layer for every cache sequence slot.
+    """The last selection of every sparse layer for every cache sequence slot, and per slot the selections made.
 
     Args:
         config: the engine's sparse Quest config (``selection_interval`` > 1).
         num_layers: the model's layers (the first ``config.dense_layers`` have no selection).
         num_sel_heads: heads that select (KV heads for ``kv_head`` selection, query heads for ``q_head``).
         max_seqs: cache sequence slots (``PagedKVCache.max_seqs``).
+        query_width: adaptive reuse (``config.reselect_similarity`` set): elements of a selecting head's query
+            (``num_q_heads // num_sel_heads * head_dim``); dtype: of the queries (the model's).
 
     Buffers: ``pages`` ``[num_sparse_layers, max_seqs, num_sel_heads, budget_pages + extra_pages]`` int32 and
     ``selected_at`` ``[max_seqs]`` int32 (the page count when the slot's sequence last selected, ``-1`` for
-    none: a slot whose sequence was (re)prefilled or whose step could not keep its selection).
+    none: a slot whose sequence was (re)prefilled or whose step could not keep its selection). With adaptive
+    reuse also ``queries`` ``[num_sparse_layers, max_seqs, num_sel_heads, query_width]`` in ``dtype`` (the query
+    that made each head's last selection) and ``head_selected_at`` ``[num_sparse_layers, max_seqs,
+    num_sel_heads]`` int32 (the page count at each head's last selection). The selection-rate counters,
+    ``selections``, ``steps`` and ``last_selections`` ``[max_seqs]`` int64: (sparse layer, head) selections and
+    decode steps of each slot's sequence since its (re)prefill, and the selections of its latest step, on the
+    device (:meth:`selection_rate` reads them).
     """
 
     def __init__(self, config: QuestConfig, num_layers: int, num_sel_heads: int, max_seqs: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, query_width: int = 0, dtype: torch.dtype = torch.float32) -> None:
         if config.is_dense or config.selection_interval < 2:
             raise ValueError(f"SelectionMemory needs a sparse config with selection_interval >= 2, got {config}")
+        if config.reselect_similarity is not None and query_width < 1:
+            raise ValueError(f"SelectionMemory with reselect_similarity needs query_width >= 1, got {query_width}")
         self.page_size = config.page_size
         self.budget_pages = config.budget_pages
         self.extra_pages = config.reuse_extra_pages
         width = self.budget_pages + self.extra_pages
-        sparse_layers = num_layers - min(config.dense_layers, num_layers)
-        self.pages = torch.full((sparse_layers, max_seqs, num_sel_heads, width), -1, dtype=torch.int32, device=device)
+        self.sparse_layers = num_layers - min(config.dense_layers, num_layers)
+        self.num_sel_heads = num_sel_heads
+        self.pages = torch.full((self.sparse_layers, max_seqs, num_sel_heads, width), -1, dtype=torch.int32,
+                                device=device)
         self.selected_at = torch.full((max_seqs,), -1, dtype=torch.int32, device=device)
+        self.selections = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.steps = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.last_selections = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.queries = self.head_selected_at = None
+        if config.reselect_similarity is not None:
+            heads = (self.sparse_layers, max_seqs, num_sel_heads)
+            self.queries = torch.zeros(heads + (query_width,), dtype=dtype, device=device)
+            self.head_selected_at = torch.full(heads, -1, dtype=torch.int32, device=device)
 
     @staticmethod
-    def nbytes(config: QuestConfig, num_layers: int, num_sel_heads: int, max_seqs: int) -> int:
+    def nbytes(config: QuestConfig, num_layers: int, num_sel_heads: int, max_seqs: int, query_width: int = 0,
+               dtype: torch.dtype = torch.float32) -> int:
         """Device bytes a memory of these arguments takes (0 when the config has no reuse)."""
         if config.is_dense or config.selection_interval < 2:
             return 0
         sparse_layers = num_layers - min(config.dense_layers, num_layers)
         width = config.budget_pages + config.reuse_extra_pages
-        return 4 * (sparse_layers * max_seqs * num_sel_heads * width + max_seqs)
+        total = 4 * (sparse_layers * max_seqs * num_sel_heads * width + max_seqs) + 3 * 8 * max_seqs
+        if config.reselect_similarity is not None:
+            heads = sparse_layers * max_seqs * num_sel_heads
+            total += heads * (query_width * torch.empty(0, dtype=dtype).element_size() + 4)
+        return total
 
     def forget(self, seq_ids: torch.Tensor) -> None:
         """Drop the selections of slots ``seq_ids`` (``[n]`` int64 on the device): their next step selects."""
         self.selected_at.index_fill_(0, seq_ids, -1)
 
-    def rows(self, seq_ids: torch.Tensor, due: torch.Tensor, seq_lens: torch.Tensor) -> ReuseRows:
+    def restart(self, seq_ids: torch.Tensor) -> None:
+        """A (re)prefill of slots ``seq_ids`` (``[n]`` int64 on the device): :meth:`forget` and zero their
+        selection-rate counters."""
+        self.forget(seq_ids)
+        for counter in (self.selections, self.steps, self.last_selections):
+            counter.index_fill_(0, seq_ids, 0)
+
+    def count_selecting_step(self, seq_ids: torch.Tensor) -> None:
+        """A step where every row selects and none keeps its selection (one with a dense request,
+        :meth:`forget`): count it for the selection rate of slots ``seq_ids`` (``[batch]`` int64)."""
+        self.forget(seq_ids)
+        self._count(seq_ids, torch.full_like(seq_ids, self.sparse_layers * self.num_sel_heads))
+
+    def _count(self, seq_ids: torch.Tensor, selections: torch.Tensor) -> None:
+        """Add one decode step making ``selections`` (``[batch]`` int64) (layer, head) selections per slot."""
+        self.selections.index_add_(0, seq_ids, selections)
+        self.steps.index_add_(0, seq_ids, torch.ones_like(seq_ids))
+        self.last_selections.index_copy_(0, seq_ids, selections)
+
+    def selection_rate(self, slot: int, discard_last: bool = False) -> Optional[float]:
+        """The fraction of (decode step, sparse layer, selecting head) of slot ``slot``'s sequence, since its
+        (re)prefill, that estimated and selected; ``None`` before its first decode step. ``discard_last``: leave
+        its latest step out (one whose tokens were discarded: asynchronous scheduling ran it after the step that
+        finished the sequence). Reads the device counters (one host synchronisation: call it when the request
+        finishes)."""
+        selections, steps, last = torch.stack(
+            [self.selections[slot], self.steps[slot], self.last_selections[slot]]).tolist()
+        if discard_last and steps:
+            selections, steps = selections - last, steps - 1
+        if not steps or not self.sparse_layers:
+            return None
+        return selections / (steps * self.sparse_layers * self.num_sel_heads)
+
+    def rows(self, seq_ids: torch.Tensor, due: torch.Tensor, seq_lens: torch.Tensor,
+             thresholds: Optional[torch.Tensor] = None) -> ReuseRows:
         """The step's selections of slots ``seq_ids`` in batch order.
 
         A row selects when ``due`` says so, when its slot holds no selection, or when more pages began since
@@ -85,21 +186,40 @@ class SelectionMemory:
             seq_ids: ``[batch]`` int64 cache slots (padding rows may repeat one).
             due: ``[batch]`` integer, nonzero where the row's phase makes it select.
             seq_lens: ``[batch]`` int32, the current token included.
+            thresholds: adaptive reuse only (and then required): ``[batch]`` float32 similarity thresholds.
         """
+        if (thresholds is None) != (self.queries is None):
+            raise ValueError("SelectionMemory.rows takes thresholds exactly when the config has reselect_similarity")
         pages = (seq_lens + self.page_size - 1) // self.page_size  # [B]
         before = self.selected_at.index_select(0, seq_ids)  # [B]
         active = (due != 0) | (before < 0) | (pages - before > self.extra_pages)
         selected_at = torch.where(active, pages, before)
         selected = self.pages.index_select(1, seq_ids)  # [L, B, H, W]
-        begun = selected_at[:, None] + torch.arange(self.extra_pages, device=seq_ids.device, dtype=torch.int32)
-        extra = torch.where(begun < pages[:, None], begun, -1)  # [B, E]: pages begun since the selection
-        selected[..., self.budget_pages:] = extra[None, :, None, :]
-        return ReuseRows(active.to(torch.int32), selected, selected_at.to(torch.int32))
+        adaptive = None
+        made_at = selected_at[:, None]  # [B, 1]: every head's selection is its row's
+        if self.queries is not None:
+            head_before = self.head_selected_at.index_select(1, seq_ids)  # [L, B, H]
+            made_at = torch.where(active[None, :, None], pages[None, :, None], head_before)  # [L, B, H]
+            adaptive = AdaptiveRows(seq_ids, thresholds, self.queries, torch.empty_like(made_at), made_at)
+        begun = made_at[..., None] + torch.arange(self.extra_pages, device=seq_ids.device, dtype=torch.int32)
+        extra = torch.where(begun < pages[:, None, None], begun, -1)  # [(L,) B, H or 1, E]: pages begun since
+        selected[..., self.budget_pages:] = extra  # broadcast over layers (and heads, without adaptive reuse)
+        return ReuseRows(active.to(torch.int32), selected, selected_at.to(torch.int32), pages.to(torch.int32),
+                         adaptive)
 
     def store(self, seq_ids: torch.Tensor, rows: ReuseRows) -> None:
-        """Keep the step's selections (``rows`` from :meth:`rows` of the same ``seq_ids``) for the next steps."""
+        """Keep the step's selections (``rows`` from :meth:`rows` of the same ``seq_ids``) for the next steps and
+        count the (layer, head) selections the step made."""
         self.pages.index_copy_(1, seq_ids, rows.selected)
         self.selected_at.index_copy_(0, seq_ids, rows.selected_at)
+        if rows.adaptive is None:
+            selections = rows.active.long() * (self.sparse_layers * self.num_sel_heads)
+        else:
+            head_active = rows.adaptive.head_active != 0  # [L, B, H]
+            made_at = torch.where(head_active, rows.num_pages[None, :, None], rows.adaptive.head_selected_at)
+            self.head_selected_at.index_copy_(1, seq_ids, made_at)
+            selections = head_active.sum((0, 2))
+        self._count(seq_ids, selections)
 
 
 def selection_seq_len(seq_len: int, num_prompt_tokens: int, interval: int) -> int:

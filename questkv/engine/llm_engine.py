@@ -168,6 +168,7 @@ class LLMEngine:
         self._check_vocab("SamplingParams.forced_token_ids", params.forced_token_ids)
         self.check_budget(params.token_budget)
         self.check_selection_interval(params.selection_interval)
+        self.check_reselect_similarity(params.reselect_similarity)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; a dummy-weight model has none (use stop_token_ids)")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
@@ -196,7 +197,18 @@ class LLMEngine:
                 f"QuestConfig.selection_interval, which sizes the reused selections), got {interval}"
             )
 
-    def _sparse_quest(self, field: str, value: int) -> QuestConfig:
+    def check_reselect_similarity(self, similarity: Optional[float]) -> None:
+        """Raise ``ValueError`` unless a request may carry ``reselect_similarity`` on this engine."""
+        if similarity is None:
+            return
+        quest = self._sparse_quest("reselect_similarity", similarity)
+        if quest.reselect_similarity is None:
+            raise ValueError(
+                f"SamplingParams.reselect_similarity={similarity} needs an engine with adaptive reuse "
+                "(QuestConfig.reselect_similarity set, which keeps every head's last query)"
+            )
+
+    def _sparse_quest(self, field: str, value) -> QuestConfig:
         """The engine's sparse Quest config, for a request's ``field``; ``ValueError`` on a dense engine."""
         quest = self.config.quest
         if quest is None or quest.is_dense:
@@ -229,11 +241,15 @@ class LLMEngine:
         tokens = sampled.token_ids()
         seqs = batch.seqs[:batch.num_sampled]
         live = [not seq.is_finished for seq in seqs]
+        slots = [seq.cache_id for seq in seqs]  # the update frees the finished ones'; their counters stay
+        # Asynchronous scheduling: the step launched after this one decodes these sequences once more, to be discarded
+        ahead = self._in_flight[0] if self._in_flight is not None else None
+        ahead = set() if ahead is None or ahead.is_prefill else set(map(id, ahead.seqs))
         if not batch.is_prefill:
             self._account_attention(batch, live)
         finished = set(map(id, self.scheduler.update(batch, tokens, sampled.forced_logprobs())))
         outputs = []
-        for seq, was_live in zip(seqs, live):
+        for seq, slot, was_live in zip(seqs, slots, live):
             if not was_live:
                 continue
             text = self._detokenize(seq)
@@ -242,6 +258,8 @@ class LLMEngine:
             if (seq.sampling_params.stop and seq.forced_text_len is not None
                     and (not seq.is_finished or id(seq) in finished)):
                 text = self._apply_stop_strings(seq, text)
+            if seq.is_finished and seq.decode_steps:
+                seq.selection_rate = self.runner.selection_rate(seq, slot, id(seq) in ahead)  # read once, at the end
             outputs.append(RequestOutput.from_sequence(seq, text))
         return outputs
 

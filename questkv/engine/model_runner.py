@@ -40,10 +40,20 @@ from questkv.models.fusion import fuse_elementwise
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 
 # Rows of the packed decode inputs: token ids, positions, sequence lengths, token budgets, page-table rows, the
-# row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS), and whether
-# the row's phase makes it select (selection reuse).
-_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE = range(7)
-_NUM_INPUTS = 7
+# row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS), whether
+# the row's phase makes it select (selection reuse), and its adaptive-reuse similarity threshold (a float64's
+# bits, read on the device through a dtype view).
+_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _THRESHOLDS = range(8)
+_NUM_INPUTS = 8
+
+
+def _float_bits(value: float) -> int:
+    """``value`` as a float64's bits in an int64 (a row of the packed inputs; the device reads it back through a
+    ``torch.float64`` view)."""
+    return int(np.float64(value).view(np.int64))
+
+
+_NEVER_RESELECT = _float_bits(-1.0)  # the threshold that never reselects early
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +149,11 @@ class ModelRunner:
         size = 1 if tp is None else tp.size
         self.num_q_heads, num_kv_heads = spec.num_q_heads // size, spec.num_kv_heads // size  # this rank's
         sel_heads = self.num_q_heads if quest is not None and quest.selection == "q_head" else num_kv_heads
+        memory_args = (spec.num_layers, sel_heads, max_seqs)
+        query_width = dict(query_width=self.num_q_heads // sel_heads * spec.head_dim, dtype=config.torch_dtype)
         # Quantized layers keep their packed weights as buffers; the selection memory is sized like them, up front.
         weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-        memory_bytes = 0 if quest is None else SelectionMemory.nbytes(quest, spec.num_layers, sel_heads, max_seqs)
+        memory_bytes = 0 if quest is None else SelectionMemory.nbytes(quest, *memory_args, **query_width)
         local = dataclasses.replace(spec, num_q_heads=self.num_q_heads, num_kv_heads=num_kv_heads)
         self.cache_spec = plan_cache(config, local, max_model_len, self.device, weight_bytes + memory_bytes)
         if tp is not None:  # one page table drives every rank: each pool holds as many pages as the smallest
@@ -156,7 +168,7 @@ class ModelRunner:
         )
         self.memory = None
         if memory_bytes:
-            self.memory = SelectionMemory(quest, spec.num_layers, sel_heads, max_seqs, self.device)
+            self.memory = SelectionMemory(quest, *memory_args, self.device, **query_width)
         bind_cache(model, self.cache)
         if config.use_cuda_graphs and config.compile_elementwise:
             fuse_elementwise(model)
@@ -261,8 +273,8 @@ class ModelRunner:
         # The partial sequence, if any, is the last one: its last token samples nothing.
         ends = torch.tensor(starts[1:len(starts) - inputs.partial], dtype=torch.int64)
         last = ends.to(self.device, non_blocking=True) - 1
-        if self.memory is not None:  # the slots' selections were their previous sequences'
-            self.memory.forget(torch.tensor(inputs.seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
+        if self.memory is not None:  # the slots' selections and counters were their previous sequences'
+            self.memory.restart(torch.tensor(inputs.seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         hidden = self.model(tokens[0], tokens[1], ctx)
         return self.model.compute_logits(hidden[last])  # [num_sampled, vocab]
 
@@ -325,6 +337,7 @@ class ModelRunner:
         host[_ROWS].fill_(self.scratch_seq)
         host[_SRC].fill_(-1)
         host[_DUE].fill_(1)
+        host[_THRESHOLDS].fill_(_NEVER_RESELECT)
         if batch is not None:
             rows = []
             for seq, seq_len in zip(batch.seqs, batch.seq_lens):
@@ -337,7 +350,8 @@ class ModelRunner:
                 rows.append([token if known else 0, position, seq_len,
                              self._budget_of(seq, width), seq.cache_id,
                              -1 if known else self._sampled_rows[seq.request_id],
-                             is_due(seq_len, seq.num_prompt_tokens, self.selection_interval_of(seq))])
+                             is_due(seq_len, seq.num_prompt_tokens, self.selection_interval_of(seq)),
+                             self._threshold_bits_of(seq)])
             host[:, :len(rows)] = torch.tensor(rows, dtype=torch.int64).T
         self._inputs[:, :padded].copy_(host, non_blocking=True)
         return host
@@ -375,9 +389,12 @@ class ModelRunner:
         reuse = None
         if self.memory is not None:
             if all_pages:  # a dense request's budget outgrows the memory's columns: every row selects, none keeps it
-                self.memory.forget(inputs[_ROWS])
+                self.memory.count_selecting_step(inputs[_ROWS])
             else:
-                reuse = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens)
+                thresholds = None
+                if self.memory.queries is not None:
+                    thresholds = inputs[_THRESHOLDS].view(torch.float64).to(torch.float32)
+                reuse = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens, thresholds)
         ctx = StepContext(
             False, slots, page_table, seq_lens, decode_step=self._step(batch, width, all_pages), budgets=budgets,
             reuse=reuse,
@@ -401,6 +418,25 @@ class ModelRunner:
         quest = self.config.quest
         interval = seq.sampling_params.selection_interval
         return interval if interval is not None else (1 if quest is None else quest.selection_interval)
+
+    def _threshold_bits_of(self, seq: Sequence) -> int:
+        """The bits (as a float64) of the request's adaptive-reuse threshold, or the engine's (-1.0, never, without
+        adaptive reuse)."""
+        quest = self.config.quest
+        threshold = seq.sampling_params.reselect_similarity
+        if threshold is None:
+            threshold = -1.0 if quest is None or quest.reselect_similarity is None else quest.reselect_similarity
+        return _float_bits(threshold)
+
+    def selection_rate(self, seq: Sequence, slot: Optional[int], discard_last: bool = False) -> Optional[float]:
+        """The finished request's :attr:`~questkv.engine.sequence.RequestMetrics.selection_rate` (its cache slot
+        ``slot``, now freed: its counters stay until the slot's next prefill; ``discard_last``: its latest decode
+        step's tokens were discarded, see :meth:`SelectionMemory.selection_rate`); reads the device once."""
+        if self.budget is None or seq.sampling_params.dense or slot is None:
+            return None
+        if self.memory is None:
+            return 1.0  # every decode step selects
+        return self.memory.selection_rate(slot, discard_last)
 
     def _budget_of(self, seq: Sequence, width: int) -> int:
         """The sequence's token budget: 0 on a dense engine (no layer reads it), every column of the

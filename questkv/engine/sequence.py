@@ -65,6 +65,7 @@ class Sequence:
             layers and heads) and counts the steps; their ratio is ``mean_tokens_attended``.
         sparse_tokens_attended_sum: the same for the tokens one Quest (sparse) layer attended, mean over its
             heads; stays 0 for a dense request or engine.
+        selection_rate: the engine's :attr:`RequestMetrics.selection_rate`, set when the request finishes.
         forced_choices, forced_logprobs: per forced output (``sampling_params.forced_token_ids``) so far, the
             token the sampler chose there and the log-probability of the forced token; the scheduler appends
             them with the outputs (kept across preemptions, as the outputs are).
@@ -99,6 +100,7 @@ class Sequence:
     tokens_attended_sum: float = 0.0
     decode_steps: int = 0
     sparse_tokens_attended_sum: float = 0.0
+    selection_rate: Optional[float] = None
     forced_choices: list[int] = dataclasses.field(default_factory=list)
     forced_logprobs: list[float] = dataclasses.field(default_factory=list)
     forced_text_len: Optional[int] = None
@@ -176,7 +178,8 @@ class Sequence:
         mean_attended = self.tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = self.sparse_tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = None if self.sampling_params.dense or not self.sparse_tokens_attended_sum else sparse
-        return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions, sparse, self.num_cached_tokens or 0)
+        return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions, sparse,
+                              self.num_cached_tokens or 0, self.selection_rate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +198,11 @@ class RequestMetrics:
             ``QuestCache.mean_tokens_attended`` measures); ``None`` for a dense request or engine.
         num_cached_tokens: prompt tokens whose prefill the prefix cache skipped at the request's admission (whole
             pages, as vLLM's ``num_cached_tokens``); 0 without a hit or with prefix caching off.
+        selection_rate: the fraction of (decode step, sparse layer, selecting head) that estimated and selected
+            pages (1 without selection reuse, about ``1 / selection_interval`` with it, more with adaptive
+            reuse), counted on the device since the request's last (re)prefill; set once the request finishes,
+            ``None`` before, for a dense request or engine, or without decode steps. With tensor parallelism: rank
+            0's heads.
     """
 
     time_to_first_token: Optional[float]
@@ -203,6 +211,7 @@ class RequestMetrics:
     num_preemptions: int
     mean_sparse_tokens_attended: Optional[float] = None
     num_cached_tokens: int = 0
+    selection_rate: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)

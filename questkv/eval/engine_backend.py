@@ -15,9 +15,9 @@ The protocol is the HF path's (:mod:`questkv.eval.harness`), request by request:
 
 One engine serves every setting of an engine-level config (:func:`engine_configs`: the page size and the page
 selection's options; the largest budget and selection interval among them): each (setting, sample) is a request
-of its own with the setting's ``token_budget`` and ``selection_interval`` (``dense=True`` for ``full``), sample
-after sample, so that one prompt's copies are admitted together and continuous batching decodes the settings
-together. The engine's prefix cache (on by default) computes a prompt once: its first copy prefills it, chunk after
+of its own with the setting's ``token_budget``, ``selection_interval`` and ``reselect_similarity``
+(``dense=True`` for ``full``), sample after sample, so that one prompt's copies are admitted together and continuous
+batching decodes the settings together. The engine's prefix cache (on by default) computes a prompt once: its first copy prefills it, chunk after
 chunk with chunked prefill (the engine's default), and the others start on its full pages, computing only the
 tokens past them (at most a page each; see :class:`questkv.engine.scheduler.Scheduler`). Those tokens attend the
 cached pages, so a copy's K/V of its last page and logits of its last prompt token equal the first's up to float
@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from questkv.config import QuestConfig
 from questkv.eval import agreement, perplexity, tasks
-from questkv.eval.harness import Setting
+from questkv.eval.harness import ENGINE_OPTIONS, Setting
 
 PPL = "ppl"
 
@@ -83,17 +83,22 @@ def engine_configs(settings: Sequence[Setting], page_size: int, dense_layers: in
     """The engines that run ``settings`` and the settings each serves, in the settings' order.
 
     Settings of one page size and one page selection (``selection``, ``group_reduction``, ``sink_pages``,
-    ``recent_pages``) share an engine with their largest budget and selection interval; ``full`` joins the
-    first engine of the evaluation's ``page_size`` (any engine without one), or gets a dense engine alone.
+    ``recent_pages``) share an engine with their largest budget and selection interval, and adaptive reuse
+    (the largest ``reselect_similarity``; each request brings its own, ``-1`` for a setting without) when one of
+    them reselects adaptively; ``full`` joins the first engine of the evaluation's ``page_size`` (any engine
+    without one), or gets a dense engine alone.
     """
     groups: dict[tuple, list[Setting]] = {}
     for setting in settings:
         if setting.policy != "full":
-            options = tuple((k, v) for k, v in setting.options if k != "selection_interval")
+            options = tuple((k, v) for k, v in setting.options if k not in ENGINE_OPTIONS["quest"])
             groups.setdefault((setting.page_size or page_size, options), []).append(setting)
     out: list[tuple[Optional[QuestConfig], list[Setting]]] = [
         (QuestConfig(token_budget=max(s.budget for s in group), page_size=size, dense_layers=dense_layers,
-                     selection_interval=max(s.selection_interval for s in group), **dict(options)), group)
+                     selection_interval=max(s.selection_interval for s in group),
+                     reselect_similarity=max((s.reselect_similarity for s in group
+                                              if s.reselect_similarity is not None), default=None),
+                     **dict(options)), group)
         for (size, options), group in groups.items()
     ]
     full = [s for s in settings if s.policy == "full"]
@@ -209,6 +214,9 @@ class EngineRun:
             kwargs["dense"] = True
         else:
             kwargs.update(token_budget=setting.budget, selection_interval=setting.selection_interval)
+            if self.llm.config.quest.reselect_similarity is not None:  # an adaptive engine: -1 is the fixed interval
+                kwargs["reselect_similarity"] = (-1.0 if setting.reselect_similarity is None
+                                                 else setting.reselect_similarity)
         return SamplingParams(**kwargs)
 
     def _generate(self, requests: list[tuple[Item, Setting]], reference: bool = False, group: int = 1) -> list:
@@ -238,8 +246,10 @@ class EngineRun:
 
     def _score(self, task: str, items: list[Item], outputs: list) -> dict:
         attended = [out.metrics.mean_sparse_tokens_attended for out in outputs]
+        rates = [out.metrics.selection_rate for out in outputs]
         result: dict[str, Any] = {
             "mean_tokens_attended": None if None in attended else sum(attended) / len(attended),
+            "selection_rate": None if None in rates else sum(rates) / len(rates),
             "preemptions": sum(out.metrics.num_preemptions for out in outputs),
         }
         if task == PPL:

@@ -30,7 +30,7 @@ EVAL_BACKENDS: tuple[str, ...] = ("auto", "engine", "hf")
 drop-in, every policy) or ``auto`` (the engine where it runs the setting, else HF)."""
 ENGINE_POLICIES: tuple[str, ...] = ("full", "quest")
 """The policies the engine backend runs."""
-ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {"quest": ("selection_interval",)}
+ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {"quest": ("selection_interval", "reselect_similarity")}
 """Policy options that only the engine backend runs (the HF drop-in selects pages every step)."""
 
 
@@ -40,9 +40,11 @@ def parse_policy(text: str, name: str = "policy") -> tuple[str, tuple[tuple[str,
     ``NAME`` is a key of :data:`questkv.policies.POLICIES`; the options are its own (see
     :func:`questkv.policies.make_policy`), ``page_size`` (the page size of that setting's cache,
     instead of the evaluation's) or, for ``quest``, ``selection_interval`` (decode steps per page
-    selection, :attr:`questkv.QuestConfig.selection_interval`: engine backend only); ``full`` takes none. A value reads as an int, else a float, else
-    stays a string: ``"quest-rerank:shortlist=4:rerank=mass"`` -> ``("quest-rerank", (("rerank",
-    "mass"), ("shortlist", 4)))``, options sorted by name (:func:`format_policy` writes it back).
+    selection, :attr:`questkv.QuestConfig.selection_interval`) and ``reselect_similarity`` (adaptive reuse,
+    :attr:`questkv.QuestConfig.reselect_similarity`), engine backend only; ``full`` takes none. A value reads as
+    an int, else a float, else stays a string: ``"quest-rerank:shortlist=4:rerank=mass"`` ->
+    ``("quest-rerank", (("rerank", "mass"), ("shortlist", 4)))``, options sorted by name (:func:`format_policy`
+    writes it back).
 
     Raises:
         ValueError: naming ``name`` (the argument's name in messages): an unknown policy, an option
@@ -129,6 +131,11 @@ class Setting:
     def selection_interval(self) -> int:
         """Decode steps per page selection (1 unless the policy string sets ``selection_interval``)."""
         return dict(self.options).get("selection_interval", 1)
+
+    @property
+    def reselect_similarity(self) -> Optional[float]:
+        """Adaptive reuse's similarity threshold (``None`` unless the policy string sets ``reselect_similarity``)."""
+        return dict(self.options).get("reselect_similarity")
 
     def backend(self, eval_backend: str = "auto") -> str:
         """``"engine"`` or ``"hf"``: what runs this setting under ``eval_backend`` (:data:`EVAL_BACKENDS`).

@@ -15,6 +15,7 @@ key                       meaning
 ``value``                 mean score over the samples, the perplexity, or the agreement
 ``mean_tokens_attended``  optional: mean tokens attended per decode step (``None`` for ``"full"``)
 ``kv_bytes_fraction``     optional: KV bytes one decode step reads, over full attention's
+``selection_rate``        optional (engine): fraction of (decode step, sparse layer, head) that selected pages
 ``backend``               optional: ``"engine"`` or ``"hf"`` (cells without it: ``"hf"``)
 ``ppl``                   optional, agreement cells: the perplexity of dense's tokens
 ========================  ========================================================================
@@ -24,8 +25,10 @@ A policy may be a policy string with options (``"quest:selection=q_head"``, see
 its base policy. ``"quest-topp"`` (with options or not) picks its budget per step, below its cap:
 the plot puts its points at its ``mean_tokens_attended`` and the table appends that mean in
 parentheses. Agreement reads as a percentage with one decimal (``"97.7%"``). :func:`markdown` adds the
-backend of each policy, a table of the agreement cells' perplexities when there are any, and the KV bytes
-per step as a share of full attention (:func:`format_bytes_table`), to compare settings at equal bytes.
+backend of each policy, a table of the agreement cells' perplexities when there are any, the KV bytes
+per step as a share of full attention (:func:`format_bytes_table`), to compare settings at equal bytes, and the
+selection rates (:func:`format_selection_rate_table`), to compare fixed and adaptive selection reuse at equal
+rate.
 """
 
 from __future__ import annotations
@@ -119,6 +122,16 @@ def format_bytes_table(cells: Sequence[dict]) -> str:
     def text_of(cell: dict) -> str:
         fraction = cell.get("kv_bytes_fraction")
         return "" if fraction is None else f"{fraction:.1%}"
+
+    return _table(cells, text_of)
+
+
+def format_selection_rate_table(cells: Sequence[dict]) -> str:
+    """:func:`format_table`'s grid holding each cell's ``selection_rate`` as a percentage with one decimal
+    (``"26.3%"``; empty for a cell without it)."""
+    def text_of(cell: dict) -> str:
+        rate = cell.get("selection_rate")
+        return "" if rate is None else f"{rate:.1%}"
 
     return _table(cells, text_of)
 
@@ -297,4 +310,8 @@ def markdown(document: dict, plot_name: str | None = None) -> str:
         lines += ["", "KV bytes one decode step reads per sequence, all layers, as a share of full attention "
                   "(questkv.policies.cost at each cell's length, with its mean tokens attended):", "",
                   format_bytes_table(document["cells"])]
+    if any(cell.get("selection_rate") is not None for cell in document["cells"]):
+        lines += ["", "Selection rate: the share of (decode step, sparse layer, head) that estimated and selected "
+                  "pages (engine; selection reuse lowers it, adaptive reuse raises it where queries drift):", "",
+                  format_selection_rate_table(document["cells"])]
     return "\n".join(lines + [""])

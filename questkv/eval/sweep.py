@@ -15,7 +15,8 @@ the JSON document of an earlier run (:func:`document`), adding only what it lack
 
 A policy of the grid is a policy string (:func:`questkv.eval.harness.parse_policy`): a name of
 :data:`questkv.policies.POLICIES`, optionally with its own options, e.g. ``quest:selection=q_head``,
-``quest:page_size=8``, ``quest:selection_interval=4`` (engine only), ``quest-topp:min_budget=128:top_p=0.9``
+``quest:page_size=8``, ``quest:selection_interval=4`` (engine only), adaptive reuse
+``quest:selection_interval=8:reselect_similarity=0.95`` (engine only), ``quest-topp:min_budget=128:top_p=0.9``
 or ``quest-rerank:shortlist=4``. Its own options override the spec's (``selection``, ``top_p``, ...); a
 ``page_size`` of its own gets its own dense prefill (same prompts), so one sweep compares page sizes too.
 
@@ -25,9 +26,11 @@ A cell::
      "metric": "accuracy" | "ppl" | "agreement", "value", "samples",
      "scores" (per sample; ppl: per window), "mean_tokens_attended" (the task's rows' mean tokens
      attended per sparse layer and decode step; None for full),
+     "selection_rate" (engine: the requests' mean fraction of (decode step, sparse layer, head) that
+     selected pages, :attr:`questkv.engine.sequence.RequestMetrics.selection_rate`; None for full),
      "kv_bytes_per_step" (KV-cache bytes one decode step of one sequence reads over all layers at
      the cell's length, :func:`questkv.policies.cost.model_kv_bytes_per_step` with the measured
-     mean tokens attended), "kv_bytes_fraction" (that over full attention's),
+     mean tokens attended and selection rate), "kv_bytes_fraction" (that over full attention's),
      "seconds" (HF: decode wall time of the whole batch; engine: wall time of the pass that ran the
      cell, prefills included, shared by the settings of that pass), "backend" ("engine" or "hf"),
      "outputs" (accuracy tasks), "preemptions" (engine: requests recomputed, 0 by design),
@@ -267,7 +270,8 @@ def _run_engine_cells(tokenizer, spec: SweepSpec, finished: set, emit, engine, p
 
         def add(task, setting, result, seconds, shape, page_size, length=length):
             emit({"task": task, "length": length, "policy": setting.name, "budget": setting.budget, **result,
-                  **kv_bytes(setting, length, page_size, spec.dense_layers, shape, result["mean_tokens_attended"]),
+                  **kv_bytes(setting, length, page_size, spec.dense_layers, shape, result["mean_tokens_attended"],
+                             result["selection_rate"]),
                   "seconds": seconds, "backend": "engine"})
 
         engine_backend.run_length(engine, inputs, pairs, spec.page_size, spec.dense_layers, add,
@@ -404,16 +408,17 @@ def model_shape(model) -> dict:
 
 
 def kv_bytes(setting: Setting, length: int, page_size: int, dense_layers: int, shape: dict,
-             tokens_attended: Optional[float]) -> dict:
+             tokens_attended: Optional[float], selection_rate: Optional[float] = None) -> dict:
     """``{"kv_bytes_per_step", "kv_bytes_fraction"}`` of a cell: one sequence's decode step at a
     context of ``length`` tokens, over every layer (:func:`questkv.policies.cost.model_kv_bytes_per_step`;
     ``shape``: :func:`model_shape`), the attended tokens the measured ``tokens_attended`` (its
-    mean per sparse layer and step; ``None`` under full attention)."""
+    mean per sparse layer and step; ``None`` under full attention) and the bounds read at the measured
+    ``selection_rate`` (the engine's; ``None``: one step in ``selection_interval``)."""
     layers = {"num_layers": shape["num_layers"], "dense_layers": dense_layers}
     layer = {key: shape[key] for key in ("num_kv_heads", "num_q_heads", "head_dim", "dtype_bytes")}
     layer.update(context=length, page_size=page_size)
     read = model_kv_bytes_per_step(policy=setting.policy, token_budget=setting.budget, options=dict(setting.options),
-                                   tokens_attended=tokens_attended, **layers, **layer)
+                                   tokens_attended=tokens_attended, selection_rate=selection_rate, **layers, **layer)
     dense = model_kv_bytes_per_step(policy="full", token_budget=None, **layers, **layer)
     return {"kv_bytes_per_step": read, "kv_bytes_fraction": read / dense}
 

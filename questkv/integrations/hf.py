@@ -490,7 +490,8 @@ def _resolve_config(
     elif config.selection_interval != 1 and not config.is_dense:
         raise ValueError(
             f"QuestConfig.selection_interval={config.selection_interval}: selection reuse runs in the engine "
-            "(questkv.LLM, questkv serve); the HF drop-in selects every step (allowed: 1)"
+            "(questkv.LLM, questkv serve), adaptive reuse (reselect_similarity) too; the HF drop-in selects every "
+            "step (allowed: 1)"
         )
     num_layers = model.config.num_hidden_layers
     if (policy is not None or not config.is_dense) and config.dense_layers >= num_layers:

@@ -127,9 +127,12 @@ class Attention(nn.Module):
 
     def _sparse_decode(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         reuse = ctx.reuse
-        active, selected = (None, None) if reuse is None else (reuse.active, reuse.selected[self.sparse_index])
+        active = selected = reselection = None
+        if reuse is not None:
+            active, selected = reuse.active, reuse.selected[self.sparse_index]
+            reselection = None if reuse.adaptive is None else reuse.adaptive.layer(self.sparse_index)
         return ctx.decode_step.sparse(
-            q, self.pages, ctx.page_table, ctx.seq_lens, self.sm_scale, ctx.budgets, active, selected
+            q, self.pages, ctx.page_table, ctx.seq_lens, self.sm_scale, ctx.budgets, active, selected, reselection
         )
 
 

@@ -30,8 +30,10 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
   sequence ``budget_pages``. Callers validate the values on the host (the ops never synchronise).
 * ``active``: ``[batch]`` int32 flags of :func:`page_scores_into` and :func:`select_pages_into`
   (selection reuse: a sequence re-estimates and re-selects only every ``selection_interval``-th step),
-  or ``None`` for every sequence. A sequence whose flag is 0 leaves its rows of ``out`` untouched;
-  the flags are read on the device, so one CUDA graph serves every pattern (:func:`check_active`).
+  or ``[batch, num_sel_heads]`` int32 flags per (sequence, selecting head) (adaptive reuse, from
+  :func:`reselect_heads_into`), or ``None`` for every sequence. A (sequence, head) whose flag is 0 leaves its
+  rows of ``out`` untouched; the flags are read on the device, so one CUDA graph serves every pattern
+  (:func:`check_active`).
 
 Every op also has an ``*_into`` form writing into preallocated outputs, with the same signature as
 the Triton kernels' (:mod:`questkv.ops.triton`), so :class:`questkv.decode.QuestDecodeStep` calls
@@ -308,11 +310,11 @@ def page_scores_into(
 ) -> torch.Tensor:
     """:func:`page_scores` into ``out`` ``[batch, num_sel_heads, max_pages]`` float32; returns ``out``.
 
-    ``active``: ``None`` (every sequence) or ``[batch]`` int32 on ``out``'s device (:func:`check_active`);
-    sequences with ``active[b] == 0`` leave ``out[b]`` untouched. Every row is computed and the active
-    ones copied, with no host synchronisation."""
+    ``active``: ``None`` (every sequence), ``[batch]`` or ``[batch, num_sel_heads]`` int32 on ``out``'s device
+    (:func:`check_active`); a sequence (or a (sequence, head)) whose flag is 0 leaves its rows of ``out``
+    untouched. Every row is computed and the active ones copied, with no host synchronisation."""
     if active is not None:
-        check_active(active, out.shape[0], out.device)
+        check_active(active, out.shape[0], out.shape[1], out.device)
     scores = page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection, group_reduction)
     return out.copy_(scores if active is None else _where_active(active, scores, out))
 
@@ -334,12 +336,13 @@ def select_pages_into(
     int32 (``width >= budget_pages``; the columns past ``budget_pages`` are never touched); ``buffers``
     and ``split`` (the kernel's scratch and path) are unused here. Returns ``out``.
 
-    ``active``: ``None`` (every sequence) or ``[batch]`` int32 on ``out``'s device (:func:`check_active`);
-    sequences with ``active[b] == 0`` leave ``out[b]`` untouched (no host synchronisation)."""
+    ``active``: ``None`` (every sequence), ``[batch]`` or ``[batch, num_sel_heads]`` int32 on ``out``'s device
+    (:func:`check_active`); a sequence (or a (sequence, head)) whose flag is 0 leaves its rows of ``out``
+    untouched (no host synchronisation)."""
     batch, heads, _ = scores.shape
     check_select_out(out, batch, heads, budget_pages)
     if active is not None:
-        check_active(active, batch, out.device)
+        check_active(active, batch, heads, out.device)
     chosen = select_pages(scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages, budgets)
     columns = out[..., :budget_pages]  # a view: copying into it writes out
     columns.copy_(chosen if active is None else _where_active(active, chosen, columns))
@@ -360,6 +363,76 @@ def paged_decode_attention_into(
     """:func:`paged_decode_attention` into ``out`` ``[batch, num_q_heads, head_dim]``; ``buffers``
     is unused here (the kernel's scratch). Returns ``out``."""
     return out.copy_(paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale))
+
+
+def reselect_heads_into(
+    active: torch.Tensor,
+    q: torch.Tensor,
+    queries: torch.Tensor,
+    slots: torch.Tensor,
+    forced: torch.Tensor,
+    thresholds: torch.Tensor,
+    selected: torch.Tensor,
+    budget_pages: int,
+) -> torch.Tensor:
+    """Which (sequence, selecting head) re-estimates and re-selects in this step (adaptive selection reuse).
+
+    A head reselects when its sequence is ``forced`` (its phase, or no usable selection) or when the cosine
+    similarity of its query to the query that made its last selection, clamped to ``[-1, 1]``, is below its
+    sequence's threshold (so ``-1`` never reselects early). A ``kv_head`` selecting head's query is its group's
+    ``num_q_heads // num_kv_heads`` query heads side by side (``[group * head_dim]``); a ``q_head`` head's is its
+    own (group 1). Similarity is computed in float32 as ``q . q_last / sqrt(|q|^2 |q_last|^2)`` (0 when either is
+    zero). For every reselecting head the op stores ``q`` as its slot's last query and sets the columns
+    ``[budget_pages, width)`` of its ``selected`` row to ``-1`` (no pages begun since a selection made now); the
+    rest of ``queries`` and ``selected`` is left as it is. No host synchronisation.
+
+    Args:
+        active: ``[batch, num_sel_heads]`` int32, written: 1 where the head reselects, else 0.
+        q: ``[batch, num_q_heads, head_dim]``, post-RoPE.
+        queries: ``[max_seqs, num_sel_heads, group * head_dim]`` in ``q``'s dtype, per cache slot the query
+            that made each head's last selection (read, and written for the reselecting heads).
+        slots: ``[batch]`` int64 cache slots of the rows (padding rows may repeat one: their writes race there).
+        forced: ``[batch]`` int32, nonzero where every head of the row selects.
+        thresholds: ``[batch]`` float32 similarity thresholds in ``[-1, 1]``.
+        selected: ``[batch, num_sel_heads, width]`` int32 selections, ``width >= budget_pages``.
+
+    Returns:
+        ``active``.
+    """
+    check_reselect_args(active, q, queries, slots, forced, thresholds, selected, budget_pages)
+    query = q.reshape(*active.shape, -1)  # [B, H, G * D]: a head's query group side by side
+    last = queries.index_select(0, slots).float()  # [B, H, G * D]
+    now = query.float()
+    norms = ((now * now).sum(-1) * (last * last).sum(-1)).sqrt()
+    similarity = ((now * last).sum(-1) / norms.clamp(min=torch.finfo(torch.float32).tiny)).clamp(-1.0, 1.0)
+    flags = (forced[:, None] != 0) | (similarity < thresholds[:, None])  # [B, H]
+    active.copy_(flags.to(torch.int32))
+    queries.index_copy_(0, slots, torch.where(flags[..., None], query, queries.index_select(0, slots)))
+    extra = selected[..., budget_pages:]  # a view: writing it writes selected
+    extra.copy_(extra.masked_fill(flags[..., None], -1))
+    return active
+
+
+def check_reselect_args(active, q, queries, slots, forced, thresholds, selected, budget_pages) -> None:
+    """``ValueError`` unless :func:`reselect_heads_into`'s arguments agree (``active``'s shape gives the batch and
+    the selecting heads, which must divide ``q``'s heads)."""
+    if active.dim() != 2 or q.dim() != 3 or q.shape[0] != active.shape[0] or q.shape[1] % active.shape[1]:
+        raise ValueError(f"active must be [batch, num_sel_heads] with num_sel_heads dividing q's heads, got active "
+                         f"{tuple(active.shape)} and q {tuple(q.shape)}")
+    batch, heads = active.shape
+    width = q.shape[1] // heads * q.shape[2]  # a selecting head's query: its group's query heads side by side
+    expected = {"active": (active, (batch, heads), torch.int32), "slots": (slots, (batch,), torch.int64),
+                "forced": (forced, (batch,), torch.int32), "thresholds": (thresholds, (batch,), torch.float32)}
+    for name, (tensor, shape, dtype) in expected.items():
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape}, got "
+                             f"{tuple(tensor.shape)} {tensor.dtype}")
+    if queries.dim() != 3 or tuple(queries.shape[1:]) != (heads, width) or queries.dtype != q.dtype:
+        raise ValueError(f"queries must be [max_seqs, {heads}, {width}] {q.dtype}, got "
+                         f"{tuple(queries.shape)} {queries.dtype}")
+    if selected.dim() != 3 or tuple(selected.shape[:2]) != (batch, heads) or selected.shape[2] < budget_pages:
+        raise ValueError(f"selected must have shape ({batch}, {heads}, >= budget_pages={budget_pages}), "
+                         f"got {tuple(selected.shape)}")
 
 
 def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:
@@ -610,15 +683,16 @@ def page_scores_codes_into(
                                        group_reduction, rerank, sm_scale))
 
 
-def check_active(active: torch.Tensor, batch: int, device: torch.device) -> None:
-    """``ValueError`` unless ``active`` (the ``*_into`` ops' per-sequence flags) is a contiguous ``[batch]``
-    int32 tensor on ``device``."""
+def check_active(active: torch.Tensor, batch: int, num_sel_heads: int, device: torch.device) -> None:
+    """``ValueError`` unless ``active`` (the ``*_into`` ops' flags) is a contiguous int32 tensor on ``device``
+    of shape ``[batch]`` (per sequence) or ``[batch, num_sel_heads]`` (per sequence and selecting head)."""
     if not isinstance(active, torch.Tensor):
-        raise ValueError(f"active must be None or a [batch] int32 tensor, got {type(active).__name__}")
-    if (tuple(active.shape) != (batch,) or active.dtype != torch.int32 or active.device != torch.device(device)
-            or not active.is_contiguous()):
-        raise ValueError(f"active must be a contiguous int32 tensor of shape ({batch},) on {device}, got shape "
-                         f"{tuple(active.shape)}, {active.dtype} on {active.device}"
+        raise ValueError(f"active must be None or a [batch] or [batch, num_sel_heads] int32 tensor, "
+                         f"got {type(active).__name__}")
+    if (tuple(active.shape) not in ((batch,), (batch, num_sel_heads)) or active.dtype != torch.int32
+            or active.device != torch.device(device) or not active.is_contiguous()):
+        raise ValueError(f"active must be a contiguous int32 tensor of shape ({batch},) or ({batch}, {num_sel_heads}) "
+                         f"on {device}, got shape {tuple(active.shape)}, {active.dtype} on {active.device}"
                          f"{'' if active.is_contiguous() else ', not contiguous'}")
 
 
@@ -631,9 +705,9 @@ def check_select_out(out: torch.Tensor, batch: int, num_sel_heads: int, budget_p
 
 
 def _where_active(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` ``[batch, ...]`` in the rows of sequences with a nonzero ``active`` flag, ``old`` elsewhere
-    (no host synchronisation)."""
-    return torch.where(active.view(-1, *([1] * (new.dim() - 1))) != 0, new, old)
+    """``new`` ``[batch, num_sel_heads, ...]`` in the rows whose ``active`` flag (``[batch]`` or ``[batch,
+    num_sel_heads]``) is nonzero, ``old`` elsewhere (no host synchronisation)."""
+    return torch.where(active.view(*active.shape, *([1] * (new.dim() - active.dim()))) != 0, new, old)
 
 
 def _check_mode(selection: str, group_reduction: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 
 from questkv.config import QuestConfig
 from questkv.policies.paged import KEY_BITS
-from questkv.validation import check_choice, check_int
+from questkv.validation import check_choice, check_float, check_int
 
 PAGE_BOUND_POLICIES: tuple[str, ...] = ("quest", "quest-topp", "quest-rerank")
 """Page policies whose estimate reads every page's ``kmin`` and ``kmax``."""
@@ -33,6 +33,7 @@ def kv_bytes_per_step(
     dtype_bytes: int,
     options: Optional[Mapping[str, Any]] = None,
     tokens_attended: Optional[float] = None,
+    selection_rate: Optional[float] = None,
 ) -> float:
     """KV bytes one decode step of one layer reads for one sequence of ``context`` tokens.
 
@@ -67,6 +68,9 @@ def kv_bytes_per_step(
             of ``quest`` (default 1), and ``shortlist`` (default 4) and ``key_bits`` (default ``None``: exact
             keys) of ``quest-rerank``, matter.
         tokens_attended: ``A`` above, instead of the budget's count.
+        selection_rate: the measured fraction of steps that read the bounds (the engine's
+            :attr:`~questkv.engine.sequence.RequestMetrics.selection_rate`, adaptive reuse's included), instead of
+            ``1 / C``.
 
     Returns:
         Bytes (a float, since ``tokens_attended`` may be a mean).
@@ -98,7 +102,9 @@ def kv_bytes_per_step(
     if policy == "oracle":
         return float(context * num_kv_heads * row + read)
     interval = check_int("kv_bytes_per_step selection_interval", options.get("selection_interval", 1), minimum=1)
-    read += 2 * pages * num_kv_heads * row / interval
+    if selection_rate is not None:
+        check_float("kv_bytes_per_step selection_rate", selection_rate, low=0.0, high=1.0)
+    read += 2 * pages * num_kv_heads * row * (1 / interval if selection_rate is None else selection_rate)
     if policy == "quest-rerank":
         shortlist = check_int("kv_bytes_per_step shortlist", options.get("shortlist", 4), minimum=1)
         key_bits = options.get("key_bits")
@@ -114,11 +120,12 @@ def model_kv_bytes_per_step(num_layers: int, dense_layers: int, policy: str, tok
                             **layer: Any) -> float:
     """:func:`kv_bytes_per_step` summed over a model's layers: the first ``dense_layers`` (at most
     ``num_layers``) read like ``full``, the others like ``policy``. ``layer``: the other arguments
-    of :func:`kv_bytes_per_step` (``tokens_attended``, if given, applies to the sparse layers)."""
+    of :func:`kv_bytes_per_step` (``tokens_attended`` and ``selection_rate``, if given, apply to the sparse
+    layers)."""
     check_int("model_kv_bytes_per_step num_layers", num_layers, minimum=1)
     check_int("model_kv_bytes_per_step dense_layers", dense_layers, minimum=0)
     dense = min(dense_layers, num_layers) if policy != "full" else num_layers
-    dense_layer = {**layer, "options": None, "tokens_attended": None}
+    dense_layer = {**layer, "options": None, "tokens_attended": None, "selection_rate": None}
     total = dense * kv_bytes_per_step("full", token_budget=None, **dense_layer)
     if dense < num_layers:
         total += (num_layers - dense) * kv_bytes_per_step(policy, token_budget=token_budget, **layer)

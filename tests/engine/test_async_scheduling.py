@@ -27,7 +27,8 @@ def model_dir(tmp_path_factory):
 
 def outcome(out) -> tuple:
     """What must not depend on the scheduling mode."""
-    return (out.token_ids, out.text, out.finish_reason, out.stop_reason, out.metrics.mean_tokens_attended)
+    return (out.token_ids, out.text, out.finish_reason, out.stop_reason, out.metrics.mean_tokens_attended,
+            out.metrics.selection_rate)
 
 
 def mixed_requests(quest) -> tuple[list, list]:
@@ -54,8 +55,9 @@ def mixed_requests(quest) -> tuple[list, list]:
     return prompts, params
 
 
-@pytest.mark.parametrize("quest", [None, QUEST, dataclasses.replace(QUEST, selection_interval=3)],
-                         ids=["dense", "quest", "quest reusing selections"])
+@pytest.mark.parametrize("quest", [None, QUEST, dataclasses.replace(QUEST, selection_interval=3),
+                                   dataclasses.replace(QUEST, selection_interval=3, reselect_similarity=0.3)],
+                         ids=["dense", "quest", "quest reusing selections", "quest reusing selections adaptively"])
 def test_async_scheduling_gives_the_synchronous_outputs_for_ragged_mixed_requests(model_dir, quest):
     prompts, params = mixed_requests(quest)
     sync = make_llm(model_dir, quest, async_scheduling=False).generate(prompts, params, use_tqdm=False)

@@ -67,8 +67,9 @@ def record_decode_paths(monkeypatch, llm) -> list[tuple]:
         calls.append(("dense", layer_of[id(layer)], None, None))
         return dense(self, q, layer, *args, **kwargs)
 
-    def spy_sparse(self, q, layer, page_table, seq_lens, sm_scale=None, budgets=None, active=None, selected=None):
-        out = sparse(self, q, layer, page_table, seq_lens, sm_scale, budgets, active, selected)
+    def spy_sparse(self, q, layer, page_table, seq_lens, sm_scale=None, budgets=None, active=None, selected=None,
+                   reselection=None):
+        out = sparse(self, q, layer, page_table, seq_lens, sm_scale, budgets, active, selected, reselection)
         got = None if budgets is None else budgets.clone()
         calls.append(("sparse", layer_of[id(layer)], (self.selected if selected is None else selected).clone(), got))
         return out

@@ -262,3 +262,24 @@ def test_quantization_reaches_the_engine_and_is_refused_for_the_hf_path(model_di
         dataclasses.replace(spec, policies=["full", "streaming"])
     with pytest.raises(ValueError, match="SweepSpec.quantization"):
         dataclasses.replace(spec, quantization="int3")
+
+
+def test_adaptive_reuse_shares_an_engine_with_the_fixed_interval_and_reports_its_selection_rate(
+        model_dir, word_tokenizer):
+    fixed = "quest:selection_interval=3"
+    never, always = (f"quest:reselect_similarity={t}:selection_interval=3" for t in (-1, 1))
+    spec = make_spec(tasks=["ppl"], policies=["quest", fixed, never, always], budgets=[16])
+    ((quest, group),) = engine_backend.engine_configs(spec.settings(), PAGE, 1)
+    assert (quest.selection_interval, quest.reselect_similarity, len(group)) == (3, 1, 4)
+    cells = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=source(model_dir)))
+    cell = {policy: cells[("ppl", LENGTH, policy, 16)] for policy in ("quest", fixed, never, always)}
+    # 8 scored tokens: 8 decode steps, of which outputs 0, 3 and 6 select with a fixed interval of 3
+    assert cell[fixed]["selection_rate"] == cell[never]["selection_rate"] == 3 / 8
+    assert cell["quest"]["selection_rate"] == cell[always]["selection_rate"] == 1.0
+    assert cell[never]["scores"] == pytest.approx(cell[fixed]["scores"], rel=1e-6)
+    assert cell[always]["scores"] == pytest.approx(cell["quest"]["scores"], rel=1e-6)
+    assert cell[fixed]["kv_bytes_per_step"] < cell["quest"]["kv_bytes_per_step"]  # bounds read 3 steps in 8
+    document = sweep.document("tiny", spec, list(cells.values()), [{"command": "test"}])
+    assert "Selection rate:" in report.markdown(document)
+    with pytest.raises(ValueError, match="reselect_similarity=0.5 reselects within .* selection_interval >= 2"):
+        Setting("quest", 16, (("reselect_similarity", 0.5),), ":reselect_similarity=0.5").build(PAGE, 1)

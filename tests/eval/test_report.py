@@ -157,3 +157,22 @@ def test_bytes_table_and_markdown():
     assert report.format_bytes_table(cells) in report.markdown(document)
     older = {**document, "cells": [{k: v for k, v in c.items() if k != "kv_bytes_fraction"} for c in cells]}
     assert "KV bytes" not in report.markdown(older)
+
+
+def test_selection_rate_table_and_markdown():
+    rate = random.uniform(0.1, 0.9)
+    cells = [
+        dict(task="ppl", length=4096, policy="full", budget=None, metric="ppl", value=3.0, selection_rate=None),
+        dict(task="ppl", length=4096, policy="quest:reselect_similarity=0.9:selection_interval=8", budget=64,
+             metric="ppl", value=3.5, selection_rate=rate),
+        dict(task="ppl", length=4096, policy="quest:selection_interval=8", budget=64, metric="ppl", value=3.6),
+    ]
+    lines = report.format_selection_rate_table(cells).splitlines()
+    assert lines[2:] == ["| ppl | 4096 | full |  |  |",
+                         f"| ppl | 4096 | quest:reselect_similarity=0.9:selection_interval=8 |  | {rate:.1%} |",
+                         "| ppl | 4096 | quest:selection_interval=8 |  |  |"]
+    document = {"model": "m", "runs": [], "spec": {}, "cells": cells}
+    assert "Selection rate:" in report.markdown(document)
+    assert report.format_selection_rate_table(cells) in report.markdown(document)
+    older = {**document, "cells": [{k: v for k, v in c.items() if k != "selection_rate"} for c in cells]}
+    assert "Selection rate" not in report.markdown(older)

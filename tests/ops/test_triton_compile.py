@@ -28,7 +28,7 @@ _SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from questkv.ops.triton import append, attention, codes, estimate, select
+    from questkv.ops.triton import append, attention, codes, estimate, reselect, select
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -113,6 +113,15 @@ _SCRIPT = textwrap.dedent(
     compile_attention("fp32", False, 4, 1)
     compile_attention("fp32", True, 4, 1)
     compile_estimate("fp32", 1, 4, 1, False)
+    # adaptive reuse: the reselect kernel (a KV head's group of 4, a query head alone; PDL on and off)
+    for group, pdl in ((4, True), (1, False)):
+        compile_kernel(
+            reselect._reselect_heads_kernel,
+            {"active_ptr": "i32", "q_ptr": "bf16", "queries_ptr": "bf16", "slots_ptr": "i64", "forced_ptr": "i32",
+             "thresholds_ptr": "fp32", "selected_ptr": "i32"},
+            {"GROUP": group, "HEAD_DIM": 128, "BLOCK": group * 128, "BUDGET": 64, "BLOCK_E": 1, "USE_PDL": pdl},
+            num_warps=reselect._NUM_WARPS,
+        )
     # the one-program select: chunks and warps as the launcher picks them (select.row_launch) for tables of
     # 64 pages, of the default chunk and wider, and chunks of 512 / 2048; budgets up to a dense row's 4096 pages;
     # no spills at the default chunk

@@ -63,6 +63,9 @@ def test_a_completion_request_takes_a_string_or_token_ids_and_the_quest_extensio
     ({"prompt": "x", "quest": {"dense": True, "token_budget": 64}}, "quest"),
     ({"prompt": "x", "quest": {"selection_interval": 0}}, "quest.selection_interval"),
     ({"prompt": "x", "quest": {"dense": True, "selection_interval": 2}}, "quest"),
+    ({"prompt": "x", "quest": {"reselect_similarity": 1.5}}, "quest.reselect_similarity"),
+    ({"prompt": "x", "quest": {"reselect_similarity": "0.9"}}, "quest.reselect_similarity"),
+    ({"prompt": "x", "quest": {"dense": True, "reselect_similarity": 0.5}}, "quest"),
     ({"prompt": "x", "max_token": 5}, "max_token"),
     ({"prompt": "x", "logprobs": 3}, "logprobs"),
     ({}, "prompt"),
@@ -229,6 +232,8 @@ def test_the_app_answers_a_completion_and_refuses_what_the_engine_cannot_run(eng
                                                         json={"prompt": prompt, "quest": {"token_budget": 6}}),
                 "quest.selection_interval": await client.post(  # above the engine's (1)
                     "/v1/completions", json={"prompt": prompt, "quest": {"selection_interval": 2}}),
+                "quest.reselect_similarity": await client.post(  # the engine has no adaptive reuse
+                    "/v1/completions", json={"prompt": prompt, "quest": {"reselect_similarity": 0.5}}),
                 "messages": await client.post("/v1/chat/completions",
                                               json={"messages": [{"role": "user", "content": "x"}]}),
             }
@@ -246,7 +251,7 @@ def test_the_app_answers_a_completion_and_refuses_what_the_engine_cannot_run(eng
     for param, response in bad.items():
         assert response.status_code == (404 if param == "model" else 400), response.text
         assert response.json()["error"]["param"] == param
-    assert 'questkv_requests_total{status="invalid"} 6.0' in metrics
+    assert 'questkv_requests_total{status="invalid"} 7.0' in metrics
 
 
 def test_ignore_eos_is_accepted_as_vllms_extension_and_must_be_a_bool():

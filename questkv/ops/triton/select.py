@@ -3,8 +3,8 @@
 Two paths with the same result: one program per (sequence, head) row, which loops over chunks of
 the row as many as the row's own pages fill (its cost follows each row's length, not the
 page-table width), and for long rows a split radix select over chunks of the row (several
-launches, global histograms). With per-sequence ``active`` flags every program of an inactive
-sequence, in every launch, returns after reading its flag (the one-program kernel reads its row's
+launches, global histograms). With ``active`` flags (per sequence, or per (sequence, head)) every program of
+an inactive row, in every launch, returns after reading its flag (the one-program kernel reads its row's
 length and budget beside it) and before reading a score: its output row and its scratch are left
 as they are (the scratch of a row is its own, so nothing it skips is shared with another row).
 """
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from questkv.ops.reference import SelectBuffers, check_active, check_select_out
-from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2
+from questkv.ops.triton._common import active_strides, check_last_dim_contiguous, check_shape, next_pow2
 
 # Keys each thread holds, and the warp range: fewer warps make the block-wide reductions cheaper,
 # more keys per thread cost registers (measured on an H200, docs/gpu-kernels.md).
@@ -153,20 +153,22 @@ def _select_pages_kernel(
     max_pages,
     stride_sb, stride_sh,
     stride_ob, stride_oh,
+    stride_ab, stride_ah,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BLOCK: tl.constexpr, HAS_BUDGETS: tl.constexpr, HAS_ACTIVE: tl.constexpr,
 ):
     """One program per (head, sequence) selects its row (:func:`_select_row`) in chunks of ``BLOCK``
     pages. With ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``).
-    With ``HAS_ACTIVE`` the program of a sequence whose flag is 0 reads no score and writes nothing: it
-    loads its flag beside its length and budget (independent loads, one round trip) and returns. (The
-    flag tested before those two loads made ptxas cap the kernel at 64 registers and spill at the default
-    chunk in an sm_90 compile, tests/ops/test_triton_compile.py; this order keeps 78 and no spill.)"""
+    With ``HAS_ACTIVE`` the program of a row whose flag (``active[seq * stride_ab + head * stride_ah]``) is 0
+    reads no score and writes nothing: it loads its flag beside its length and budget (independent loads, one
+    round trip) and returns. (The flag tested before those two loads made ptxas cap the kernel at 64 registers
+    and spill at the default chunk in an sm_90 compile, tests/ops/test_triton_compile.py; this order keeps 78
+    and no spill.)"""
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     active = 1
     if HAS_ACTIVE:
-        active = tl.load(active_ptr + seq)
+        active = tl.load(active_ptr + seq * stride_ab + head * stride_ah)
     num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     if active == 0:  # the sequence keeps its last selection
         return
@@ -211,6 +213,7 @@ def _split_histogram_kernel(
     scores_ptr, lens_ptr, budgets_ptr, active_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr,
     max_pages,
     stride_sb, stride_sh,
+    stride_ab, stride_ah,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     HAS_BUDGETS: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr, BINS: tl.constexpr,
     LAST_BINS: tl.constexpr, NUM_PASSES: tl.constexpr, HAS_ACTIVE: tl.constexpr, PASS: tl.constexpr,
@@ -222,10 +225,10 @@ def _split_histogram_kernel(
     that share them. Every pass but the last adds the histogram into the row's merged one (global
     atomics); the last pass (the low bits) stores it per chunk with the count of the chunk's keys
     whose prefix is larger, which is what the compaction needs to place every chunk. A program of an
-    inactive sequence (``HAS_ACTIVE``, flag 0) returns at once: its row's histograms stay as they are.
+    inactive row (``HAS_ACTIVE``, flag 0) returns at once: its row's histograms stay as they are.
     """
     if HAS_ACTIVE:
-        if tl.load(active_ptr + tl.program_id(2)) == 0:
+        if tl.load(active_ptr + tl.program_id(2) * stride_ab + tl.program_id(1) * stride_ah) == 0:
             return
     chunk, seq, head, row, i, valid, key, to_pick = _chunk_keys(
         scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_sh,
@@ -251,6 +254,7 @@ def _split_compact_kernel(
     max_pages,
     stride_sb, stride_sh,
     stride_ob, stride_oh,
+    stride_ab, stride_ah,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     HAS_BUDGETS: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr, BINS: tl.constexpr,
     LAST_BINS: tl.constexpr, NUM_PASSES: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -263,11 +267,11 @@ def _split_compact_kernel(
     at ``T``; ties go to the lowest chunks first, so the chunk's output offset is the sum of the
     earlier chunks' kept pages and its own tie quota follows. It writes its kept pages in ascending
     order and its share of the ``-1`` padding, then takes a ticket: the row's last program zeroes
-    the merged histograms and the counter for the next launch. A program of an inactive sequence
-    (``HAS_ACTIVE``, flag 0) returns at once: no output, no ticket (its row's scratch was never touched).
+    the merged histograms and the counter for the next launch. A program of an inactive
+    row (``HAS_ACTIVE``, flag 0) returns at once: no output, no ticket (its row's scratch was never touched).
     """
     if HAS_ACTIVE:
-        if tl.load(active_ptr + tl.program_id(2)) == 0:
+        if tl.load(active_ptr + tl.program_id(2) * stride_ab + tl.program_id(1) * stride_ah) == 0:
             return
     chunk, seq, head, row, i, valid, key, to_pick = _chunk_keys(
         scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_sh,
@@ -376,16 +380,17 @@ def _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pag
         num_warps=min(_MAX_WARPS, max(_MIN_WARPS, chunk_pages // (32 * _KEYS_PER_THREAD))),
     )
     budgets = seq_lens if budgets is None else budgets
+    strides = active_strides(active)
     active = seq_lens if active is None else active  # not read without HAS_ACTIVE
     for p in range(passes):
         _split_histogram_kernel[grid](
             scores, seq_lens, budgets, active, hist, chunk_hist, chunk_above,
-            max_pages, scores.stride(0), scores.stride(1),
+            max_pages, scores.stride(0), scores.stride(1), *strides,
             PASS=p, **common,
         )
     _split_compact_kernel[grid](
         scores, seq_lens, budgets, active, hist, chunk_hist, chunk_above, counters, out,
-        max_pages, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        max_pages, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), *strides,
         BLOCK_C=next_pow2(num_chunks), PAD_BLOCK=next_pow2(triton.cdiv(budget_pages, num_chunks)), **common,
     )
 
@@ -414,7 +419,7 @@ def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, rec
         if budgets.dtype != torch.int32:
             raise ValueError(f"budgets must be int32, got {budgets.dtype}")
     if active is not None:
-        check_active(active, batch, out.device)
+        check_active(active, batch, heads, out.device)
 
 
 def row_launch(max_pages: int) -> dict:
@@ -449,9 +454,10 @@ def select_pages_into(
             _SPLIT_MIN_PAGES`` and ``batch * num_sel_heads <= _SPLIT_MAX_ROWS``, the
             one-program-per-row kernel (one launch) otherwise; ``True`` / ``False`` force one.
             Both give the same result.
-        active: ``None`` (every sequence) or ``[batch]`` int32 on ``out``'s device: sequences with
-            ``active[b] == 0`` leave ``out[b]`` and their rows of ``buffers`` untouched (on either path
-            every program of theirs returns after reading the flag, before reading a score).
+        active: ``None`` (every sequence), ``[batch]`` or ``[batch, num_sel_heads]`` int32 on ``out``'s device:
+            a sequence (or a (sequence, head)) whose flag is 0 leaves its rows of ``out`` and of ``buffers``
+            untouched (on either path every program of theirs returns after reading the flag, before reading a
+            score).
     """
     batch, heads, max_pages = scores.shape
     check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets, active)
@@ -469,6 +475,7 @@ def select_pages_into(
         max_pages,
         scores.stride(0), scores.stride(1),
         out.stride(0), out.stride(1),
+        *active_strides(active),
         PAGE_SIZE=page_size, BUDGET=budget_pages, SINK=sink_pages, RECENT=recent_pages,
         HAS_BUDGETS=budgets is not None, HAS_ACTIVE=active is not None, **row_launch(max_pages),
     )
