@@ -283,9 +283,11 @@ def check_tiny_fp32() -> dict:
     results = {}
     for name, quest in (("dense", None), ("quest-256", QuestConfig(token_budget=256)),
                         ("quest-256-reuse-4", QuestConfig(token_budget=256, selection_interval=4)),
+                        ("quest-256-reuse-4-adaptive-0",
+                         QuestConfig(token_budget=256, selection_interval=4, reselect_similarity=0.0)),
                         ("quest-full", QuestConfig(token_budget=2048)),
                         ("quest-full-reuse-4", QuestConfig(token_budget=2048, selection_interval=4))):
-        tokens = {}
+        tokens, rates = {}, {}
         for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
             q = quest if quest is None or path == "cuda-graphs" else QuestConfig(**{**quest.to_dict(), "backend": "torch"})
             llm = LLM(cfg, quest=q, load_format="dummy", dtype="float32", device="cuda", max_num_seqs=4,
@@ -298,12 +300,16 @@ def check_tiny_fp32() -> dict:
             with torch.no_grad():  # sharper attention than N(0, 0.02): selection matters
                 for layer in llm.engine.runner.model.model.layers:
                     layer.self_attn.qkv_proj.weight.mul_(8.0)
-            tokens[path] = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            tokens[path] = [list(o.token_ids) for o in outs]
+            rates[path] = [o.metrics.selection_rate for o in outs]
             del llm
             gc.collect()
         results[name] = {"identical": tokens["cuda-graphs"] == tokens["eager-reference"],
                          "tokens_match": sum(a == b for x, y in zip(tokens["cuda-graphs"], tokens["eager-reference"])
                                              for a, b in zip(x, y)), "tokens": 3 * 24}
+        if quest is not None and quest.selection_interval > 1:  # the share of (step, layer, head) that selected
+            results[name]["selection_rates"] = rates
         if name == "dense":
             results["dense_tokens"] = tokens["cuda-graphs"]
         if name.startswith("quest-full"):

@@ -258,6 +258,9 @@ def render_markdown(record: dict) -> str:
         lines.append("")
         for name, r in fp32.items():
             extra = f"; equals dense: {r['equals_dense']}" if "equals_dense" in r else ""
+            if "selection_rates" in r:
+                extra += "; selection rates " + ", ".join(
+                    f"{path} {' / '.join(f'{x:.3f}' for x in xs)}" for path, xs in r["selection_rates"].items())
             lines.append(f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match){extra}")
         lines.append("")
     chunked = record.get("check_chunked_prefix_fp32")
