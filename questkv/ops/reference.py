@@ -12,6 +12,9 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
   decode token included.
 * ``q``: ``[batch, num_q_heads, head_dim]``, one decode query per sequence; ``num_q_heads`` is a
   multiple of ``num_kv_heads`` and query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+  Prefill (:func:`paged_prefill_attention`) takes a flat batch of new tokens instead, ``[num_tokens,
+  num_q_heads, head_dim]``, with ``query_starts`` ``[batch + 1]`` int32: sequence ``b``'s tokens are rows
+  ``[query_starts[b], query_starts[b + 1])``.
 * Page selections are *logical* page indices (positions in a page-table row), ``[batch,
   num_sel_heads, k]`` int32 sorted ascending with ``-1`` padding at the end; ``num_sel_heads`` is
   ``num_kv_heads`` (one set per KV head, shared by its query group) or ``num_q_heads``.

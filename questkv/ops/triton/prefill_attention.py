@@ -51,8 +51,10 @@ def _attend_block(
         physical = tl.load(table).to(tl.int64)
         kv_mask = (d < HEAD_DIM)[None, :]
     offset = key % PAGE_SIZE
-    k_ptrs = k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-    v_ptrs = v_pages_ptr + physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
+    k_ptrs = (k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt + kv_head * stride_kh
+              + d[None, :])
+    v_ptrs = (v_pages_ptr + physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
+              + d[None, :])
     if MASKED or HEAD_DIM != BLOCK_D:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
