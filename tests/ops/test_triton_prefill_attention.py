@@ -70,3 +70,27 @@ def test_mismatched_inputs_are_refused():
     for name, args in mismatched_inputs().items():
         with pytest.raises(ValueError):
             tk.paged_prefill_attention(*args)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("heads", HEADS[1:])
+@pytest.mark.parametrize("min_split_keys", [8, 16])
+def test_keys_split_over_programs_merge_to_the_reference(case, heads, min_split_keys, monkeypatch):
+    """Few programs split the keys (some ranges empty, some wholly below a row's first key, the masked blocks in
+    the last ones); the merged output is the reference's."""
+    monkeypatch.setattr(prefill_attention, "_BLOCK_M", 16)
+    monkeypatch.setattr(prefill_attention, "_BLOCK_N", 16)
+    monkeypatch.setattr(prefill_attention, "_MIN_SPLIT_KEYS", min_split_keys)
+    inputs, _, _ = prefill_case(*CASES[case], heads, torch.float32, generator())
+    assert prefill_attention.plan_splits(8, inputs[3].shape[1] * 4, inputs[0].device) == 48 // min_split_keys
+    want = reference.paged_prefill_attention(*inputs)
+    got = tk.paged_prefill_attention(*inputs)
+    assert _rel_err(got, want) < 1e-5
+
+
+def test_splits_only_when_the_tiles_leave_sms_idle():
+    cpu = torch.device("cpu")  # 132 SMs assumed
+    assert prefill_attention.plan_splits(132, 1 << 20, cpu) == 1
+    assert prefill_attention.plan_splits(16, 1 << 20, cpu) == 2 * 132 // 16 + 1
+    assert prefill_attention.plan_splits(16, 4 * prefill_attention._MIN_SPLIT_KEYS, cpu) == 4
+    assert prefill_attention.plan_splits(16, 100, cpu) == 1

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from questkv.ops.reference import check_prefill_attention
-from questkv.ops.triton._common import check_last_dim_contiguous, interpreting, next_pow2
+from questkv.ops.triton._common import check_last_dim_contiguous, interpreting, next_pow2, num_sms
 
 _LOG2E = 1.4426950408889634
 # Launch configuration (first guesses for sm_90, to sweep on the H200): rows of one program (query tokens x the
@@ -29,6 +29,9 @@ _BLOCK_M = 128
 _BLOCK_N = 64
 _NUM_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 _NUM_STAGES = 3
+# Split keys when the tiles leave SMs idle: programs per SM to aim at, fewest keys in one range.
+_SPLIT_PROGRAMS_PER_SM = 2
+_MIN_SPLIT_KEYS = 1024
 
 
 @triton.jit
@@ -88,20 +91,25 @@ def _attend_block(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, starts_ptr, lens_ptr, out_ptr,
+    q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, starts_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, num_tiles,
     stride_qt, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
     stride_tb,
     stride_ot, stride_oh,
+    stride_ps, stride_pt, stride_ph,
+    stride_ls, stride_lt,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Program ``(seq * num_tiles + j, kv_head)`` attends query tile ``num_tiles - 1 - j`` (the longest first) of
-    sequence ``seq`` for the query heads of ``kv_head``: rows ``r = token * BLOCK_G + g`` of one ``[BLOCK_M,
-    BLOCK_D]`` query block. Tiles past the sequence's new tokens return at once."""
+    """Program ``(seq * num_tiles + j, kv_head, split)`` attends query tile ``num_tiles - 1 - j`` (the longest
+    first) of sequence ``seq`` for the query heads of ``kv_head``: rows ``r = token * BLOCK_G + g`` of one
+    ``[BLOCK_M, BLOCK_D]`` query block. Tiles past the sequence's new tokens return at once. With ``SPLIT`` the
+    tile's keys are cut into ``num_programs(2)`` ranges of whole blocks; each program writes its range's
+    normalised output and base-2 log-sum-exp (``-inf``: no key) into ``part_out`` / ``part_lse`` for
+    :func:`_merge_splits`; else it writes ``out``."""
     BLOCK_M: tl.constexpr = TILE_TOKENS * BLOCK_G
     seq = tl.program_id(0) // num_tiles
     tile = num_tiles - 1 - tl.program_id(0) % num_tiles
@@ -133,21 +141,35 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end = (cached + first + 1) // BLOCK_N * BLOCK_N  # every row sees every key below
     kv_end = cached + last + 1  # the last row's limit
+    lo = 0
+    hi = kv_end
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = tl.program_id(2) * per_split
+        hi = tl.minimum(lo + per_split, kv_end)
     seq = seq.to(tl.int64)
-    for start in range(0, full_end, BLOCK_N):
+    for start in range(lo, tl.minimum(full_end, hi), BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, start, seq, kv_end, kv_head, position, k_pages_ptr, v_pages_ptr, table_ptr,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tb, qk_scale,
             PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, False, UPCAST, IEEE)
-    for start in range(full_end, kv_end, BLOCK_N):
+    for start in range(tl.maximum(full_end, lo), hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, start, seq, kv_end, kv_head, position, k_pages_ptr, v_pages_ptr, table_ptr,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tb, qk_scale,
             PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, True, UPCAST, IEEE)
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SPLIT:
+        split = tl.program_id(2)
+        tl.store(part_out_ptr + split * stride_ps + q_row[:, None] * stride_pt + head[:, None] * stride_ph
+                 + d[None, :], out, mask=io_mask)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + split * stride_ls + q_row * stride_lt + head, lse, mask=row_mask)
+    else:
+        tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def tile_tokens(max_query_len: int, block_g: int) -> int:
@@ -155,6 +177,16 @@ def tile_tokens(max_query_len: int, block_g: int) -> int:
     (at least 16 rows, the smallest ``tl.dot``)."""
     rows = min(max(_BLOCK_M, block_g), max(16, next_pow2(max_query_len * block_g)))
     return max(1, rows // block_g)
+
+
+def plan_splits(programs: int, max_keys: int, device: torch.device) -> int:
+    """Key ranges each query tile is cut into: 1 when the ``programs`` (tiles x KV heads) fill the SMs; else about
+    ``_SPLIT_PROGRAMS_PER_SM`` programs per SM, each range at least ``_MIN_SPLIT_KEYS`` of the ``max_keys`` keys
+    the longest sequence may hold (page-table width x page size: shapes only, no synchronisation)."""
+    sms = num_sms(device)
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(_SPLIT_PROGRAMS_PER_SM * sms, programs), max_keys // _MIN_SPLIT_KEYS))
 
 
 def paged_prefill_attention(
@@ -167,8 +199,9 @@ def paged_prefill_attention(
     max_query_len: Optional[int] = None,
     sm_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Triton :func:`questkv.ops.reference.paged_prefill_attention` (one launch, grid ``(batch * tiles,
-    num_kv_heads)``).
+    """Triton :func:`questkv.ops.reference.paged_prefill_attention`: one launch, grid ``(batch * tiles,
+    num_kv_heads, splits)``; when the tiles alone leave SMs idle (few sequences, few new tokens, a long cache) the
+    keys are split (:func:`plan_splits`) and the partial results merged in float32.
 
     Args:
         q: ``[num_tokens, num_q_heads, head_dim]``. k_pages, v_pages: ``[num_pages, page_size, num_kv_heads,
@@ -197,17 +230,37 @@ def paged_prefill_attention(
     block_g = next_pow2(group)
     tokens = tile_tokens(max_query_len, block_g)
     num_tiles = triton.cdiv(max_query_len, tokens)
-    _prefill_kernel[(batch * num_tiles, num_kv_heads)](
-        q, k_pages, v_pages, page_table, query_starts, seq_lens, out,
+    num_splits = plan_splits(batch * num_tiles * num_kv_heads, page_table.shape[1] * page_size, q.device)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
+    else:  # not written
+        part_out, part_lse = out, out[..., 0]
+    _prefill_kernel[(batch * num_tiles, num_kv_heads, num_splits)](
+        q, k_pages, v_pages, page_table, query_starts, seq_lens, out, part_out, part_lse,
         sm_scale * _LOG2E, num_tiles,
         q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         page_table.stride(0),
         out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         GROUP=group, BLOCK_G=block_g, TILE_TOKENS=tokens, BLOCK_N=max(16, _BLOCK_N),
-        UPCAST=interpreting(), IEEE=q.dtype == torch.float32,
+        SPLIT=split, UPCAST=interpreting(), IEEE=q.dtype == torch.float32,
         num_warps=_NUM_WARPS.get(tokens * block_g, 8), num_stages=_NUM_STAGES,
     )
+    if split:
+        _merge_splits(out, part_out, part_lse)
     return out
+
+
+def _merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """``out`` ``[num_tokens, num_q_heads, head_dim]`` from the splits' normalised outputs ``part_out`` ``[splits,
+    num_tokens, num_q_heads, head_dim]`` float32 and base-2 log-sum-exps ``part_lse`` ``[splits, num_tokens,
+    num_q_heads]`` (every row has a finite one: split 0 holds key 0, which every token sees)."""
+    weight = torch.exp2(part_lse - part_lse.amax(0))  # [S, T, Hq]
+    merged = (part_out * weight[..., None]).sum(0) / weight.sum(0)[..., None]  # [T, Hq, D]
+    out.copy_(merged)
