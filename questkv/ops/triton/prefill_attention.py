@@ -4,9 +4,11 @@ The new tokens' K/V are in the pool already (``append_kv`` runs first), so the c
 read alike, through the page table, with no gather and no copy. One program takes a tile of ``TILE_TOKENS`` query
 tokens of one sequence times the ``GROUP`` query heads of one KV head, flattened into the rows of one ``tl.dot``
 (each K/V block is loaded once for the whole group), and runs the online softmax over the keys up to the causal
-limit of its last token: blocks wholly below its first token unmasked, the rest masked per row. The reference,
-with the layout and the causal rule, is :func:`questkv.ops.reference.paged_prefill_attention`; the decode step's
-kernel is :mod:`questkv.ops.triton.attention`.
+limit of its last token: blocks wholly below its first token unmasked, the rest masked per row. When the tiles
+are too few to fill the GPU (a few sequences with few new tokens after a long prefix), the keys are also split
+over programs and the partial results merged (flash-decoding). The reference, with the layout and the causal rule,
+is :func:`questkv.ops.reference.paged_prefill_attention`; the decode step's kernel is
+:mod:`questkv.ops.triton.attention`.
 """
 
 from __future__ import annotations
