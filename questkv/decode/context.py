@@ -55,6 +55,15 @@ class StepContext:
     decode_step: Optional[QuestDecodeStep] = None
     budgets: Optional[torch.Tensor] = None
     reuse: Optional[ReuseRows] = None
+    _query_starts_tensor: Optional[torch.Tensor] = dataclasses.field(default=None, init=False, repr=False)
+
+    def query_starts_tensor(self) -> torch.Tensor:
+        """``query_starts`` as a ``[batch + 1]`` int32 tensor on the step's device, copied once per step and
+        shared by every layer (the paged prefill attention's input)."""
+        if self._query_starts_tensor is None:
+            starts = torch.tensor(self.query_starts, dtype=torch.int32)
+            self._query_starts_tensor = starts.to(self.slots.device, non_blocking=True)
+        return self._query_starts_tensor
 
     @classmethod
     def prefill(cls, cache: PagedKVCache, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> "StepContext":

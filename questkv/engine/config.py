@@ -71,13 +71,13 @@ class EngineConfig:
             token to compute. Pages written by a prefill are cached, and those of decode steps when they attend
             densely (a dense engine or request): a Quest decode step attends part of the context, so its K/V are
             not what a prefill of the same tokens computes. Same tokens as without it, up to the float rounding of
-            the prefill that attends the cached pages (the gathered prefix K/V and SDPA, on CUDA too).
+            the prefill that attends the cached pages (:func:`~questkv.ops.paged_prefill_attention`).
         enable_chunked_prefill: split a prefill into chunks of at most ``max_num_batched_tokens`` tokens (as vLLM's
             ``--enable-chunked-prefill``), so that a long prompt never stalls running decodes for seconds: prefill and
             decode steps alternate while both have work (decode steps keep their CUDA graphs), a chunk attends the
             sequence's earlier chunks in the pool (as a prefix-cache hit does), and the pages of each chunk are
             offered to the prefix cache as they fill. Same tokens as unchunked, up to the float rounding of the
-            chunks' attention over the gathered K/V (see :class:`~questkv.engine.scheduler.Scheduler`).
+            chunks' paged attention over the pool (see :class:`~questkv.engine.scheduler.Scheduler`).
         tensor_parallel_size: ranks (devices) the model is sharded over by attention heads
             (:mod:`questkv.layers.parallel`): this process is rank 0 (scheduler, sampling, its own shard) and spawns
             ranks 1..N-1 (:mod:`questkv.engine.tp_workers`); on CUDA rank ``r`` runs on ``cuda:r`` with NCCL, on CPU

@@ -1,10 +1,10 @@
 """The engine's attention layer: writes the step's K/V into the page pool and attends.
 
-Prefill is causal attention of each sequence over its own new tokens (SDPA), and over the K/V it already holds
-in the pool when it has some (``StepContext.cached_lens``: prefix-cache pages, or its earlier chunks of a chunked
-prefill). Decode reads the pool through the step's :class:`~questkv.decode.step.QuestDecodeStep`:
-dense paged attention on layers below ``quest.dense_layers`` (and everywhere without Quest), Quest
-page selection above. Which of the two a layer runs is decided once, at construction.
+Prefill is causal attention of each sequence over its own new tokens (SDPA), or, when a sequence of the step
+already holds K/V in the pool (``StepContext.cached_lens``: prefix-cache pages, or its earlier chunks of a chunked
+prefill), paged prefill attention of the whole step over the pages. Decode reads the pool through the step's
+:class:`~questkv.decode.step.QuestDecodeStep`: dense paged attention on layers below ``quest.dense_layers`` (and
+everywhere without Quest), Quest page selection above. Which of the two a layer runs is decided once, at construction.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from questkv import ops
 from questkv.cache.paged import PagedKVCache
@@ -71,7 +70,7 @@ class Attention(nn.Module):
         ops.append_kv(*self.pages, ctx.slots, k, v, backend=self.backend)
         if ctx.is_prefill:
             if ctx.cached_lens is not None:
-                return self._prefill_after_prefix(q, k, v, ctx)
+                return self._prefill_after_prefix(q, ctx)
             return self._prefill(q, k, v, ctx.query_starts)
         return self._decode(q, ctx)
 
@@ -91,36 +90,17 @@ class Attention(nn.Module):
             out[begin:end] = o[0].transpose(0, 1)
         return out
 
-    def _prefill_after_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def _prefill_after_prefix(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Prefill where sequence ``i`` already holds ``ctx.cached_lens[i]`` tokens in the pool (prefix-cache pages,
         and its earlier chunks, which may end inside a page whose rest this step writes): its new tokens attend those
-        (gathered from the pages into contiguous K/V) and, causally, each other.
-
-        A simple, correct path rather than a fast one: the same gather (a copy of the prefix K/V per sequence and
-        layer) and SDPA run on CUDA, no paged prefill kernel; sequences without cached tokens in the step take
-        :meth:`_prefill`'s path, and a step without any hit never enters here.
-        """
-        out = torch.empty_like(q)
-        group = self.num_q_heads // self.num_kv_heads
-        starts, page_size = ctx.query_starts, self.pages.k_pages.shape[1]
-        for row, (begin, end, cached) in enumerate(zip(starts[:-1], starts[1:], ctx.cached_lens)):
-            if not cached:
-                out[begin:end] = self._prefill(q[begin:end], k[begin:end], v[begin:end], [0, end - begin])
-                continue
-            pages = ctx.page_table[row, :-(-cached // page_size)].long()  # [ceil(P / page_size)]
-            kp = self.pages.k_pages[pages].flatten(0, 1)[:cached]  # [P, Hkv, D]
-            vp = self.pages.v_pages[pages].flatten(0, 1)[:cached]
-            qs = q[begin:end].transpose(0, 1)[None]  # [1, Hq, T, D]
-            ks = torch.cat([kp.to(k.dtype), k[begin:end]]).transpose(0, 1)[None]  # [1, Hkv, P + T, D]
-            vs = torch.cat([vp.to(v.dtype), v[begin:end]]).transpose(0, 1)[None]
-            # Query t (position cached + t) sees keys 0 .. cached + t: causal aligned at the bottom right, which
-            # the flash and memory-efficient CUDA kernels take without a mask tensor (the CPU builds one).
-            mask = causal_lower_right(end - begin, cached + end - begin)
-            if group > 1:
-                ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.sm_scale)
-            out[begin:end] = o[0].transpose(0, 1)
-        return out
+        and, causally, each other, all read from the pages (the step's K/V are written there already), in one
+        :func:`~questkv.ops.paged_prefill_attention` for the whole batch (sequences without cached tokens too)."""
+        starts = ctx.query_starts
+        max_query_len = max(end - begin for begin, end in zip(starts[:-1], starts[1:]))
+        return ops.paged_prefill_attention(
+            q, self.pages.k_pages, self.pages.v_pages, ctx.page_table, ctx.query_starts_tensor(), ctx.seq_lens,
+            max_query_len, self.sm_scale, backend=self.backend,
+        )
 
     def _dense_decode(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return ctx.decode_step.dense(q, self.pages, ctx.page_table, ctx.seq_lens, self.sm_scale)

@@ -26,6 +26,7 @@ __all__ = [
     "page_scores_codes",
     "select_pages",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "resolve_backend",
 ]
 
@@ -89,4 +90,12 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected=N
     """See :func:`questkv.ops.reference.paged_decode_attention`."""
     return resolve_backend(q, backend).paged_decode_attention(
         q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale
+    )
+
+
+def paged_prefill_attention(q, k_pages, v_pages, page_table, query_starts, seq_lens, max_query_len=None, sm_scale=None,
+                            backend="auto"):
+    """See :func:`questkv.ops.reference.paged_prefill_attention`."""
+    return resolve_backend(q, backend).paged_prefill_attention(
+        q, k_pages, v_pages, page_table, query_starts, seq_lens, max_query_len, sm_scale
     )

@@ -12,6 +12,9 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
   decode token included.
 * ``q``: ``[batch, num_q_heads, head_dim]``, one decode query per sequence; ``num_q_heads`` is a
   multiple of ``num_kv_heads`` and query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+  Prefill (:func:`paged_prefill_attention`) takes a flat batch of new tokens instead, ``[num_tokens,
+  num_q_heads, head_dim]``, with ``query_starts`` ``[batch + 1]`` int32: sequence ``b``'s tokens are rows
+  ``[query_starts[b], query_starts[b + 1])``.
 * Page selections are *logical* page indices (positions in a page-table row), ``[batch,
   num_sel_heads, k]`` int32 sorted ascending with ``-1`` padding at the end; ``num_sel_heads`` is
   ``num_kv_heads`` (one set per KV head, shared by its query group) or ``num_q_heads``.
@@ -225,6 +228,102 @@ def paged_decode_attention(
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhgt,bhtd->bhgd", probs, v)
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    query_starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: Optional[int] = None,
+    sm_scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Causal prefill attention of a flat batch of new tokens over their sequences' pages.
+
+    Sequence ``i`` brings ``n_i = query_starts[i + 1] - query_starts[i]`` new tokens, rows
+    ``[query_starts[i], query_starts[i + 1])`` of ``q``, and holds ``seq_lens[i]`` tokens in the pool with
+    them (its cached tokens, then the new ones, whose K/V are already written). New token ``t`` sits at
+    position ``seq_lens[i] - n_i + t`` and attends keys ``0 ..`` that position (causal, aligned at the
+    bottom right), all read through ``page_table[i]``; a query head reads KV head ``h // group``.
+
+    Args:
+        q: ``[num_tokens, num_q_heads, head_dim]``, post-RoPE queries.
+        k_pages, v_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``, one float dtype.
+        page_table: ``[batch, max_pages]`` int32. seq_lens: ``[batch]`` int32, ``>= n_i``.
+        query_starts: ``[batch + 1]`` int32, ``0`` first, non-decreasing, ``num_tokens`` last.
+        max_query_len: an upper bound of every ``n_i`` (the kernel's grid; host int), or ``None``.
+        sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[num_tokens, num_q_heads, head_dim]`` in ``q``'s dtype; softmax and accumulation in float32.
+        Slots past ``seq_lens`` are never read into the result.
+    """
+    check_prefill_attention(q, k_pages, v_pages, page_table, query_starts, seq_lens)
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = num_q_heads // num_kv_heads
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    starts, lens = query_starts.tolist(), seq_lens.tolist()
+    news = [end - begin for begin, end in zip(starts[:-1], starts[1:])]
+    if starts[0] != 0 or starts[-1] != num_tokens or min(news, default=0) < 0:
+        raise ValueError(f"query_starts must rise from 0 to num_tokens={num_tokens}, got {starts}")
+    if any(n > length for n, length in zip(news, lens)):
+        raise ValueError(f"every sequence must hold its new tokens: new {news}, seq_lens {lens}")
+    if max_query_len is not None and max(news, default=0) > max_query_len:
+        raise ValueError(f"max_query_len={max_query_len} is below the longest query, {max(news)} tokens")
+    out = torch.empty_like(q)
+    for row, (begin, n, seq_len) in enumerate(zip(starts, news, lens)):
+        if n == 0:
+            continue
+        pages = page_table[row, :-(-seq_len // page_size)].long()  # [ceil(L / page_size)]
+        k = k_pages[pages].flatten(0, 1)[:seq_len].float()  # [L, Hkv, D]
+        v = v_pages[pages].flatten(0, 1)[:seq_len].float()
+        qg = q[begin:begin + n].float().view(n, num_kv_heads, group, head_dim)
+        logits = torch.einsum("tkgd,skd->kgts", qg, k) * sm_scale  # [Hkv, G, n, L]
+        position = torch.arange(seq_len - n, seq_len, device=q.device)  # [n] of the new tokens
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= position[:, None]  # [n, L]
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        o = torch.einsum("kgts,skd->tkgd", probs, v)  # [n, Hkv, G, D]
+        out[begin:begin + n] = o.reshape(n, num_q_heads, head_dim).to(q.dtype)
+    return out
+
+
+def check_prefill_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    query_starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    """``ValueError`` unless the shapes, dtypes and devices of :func:`paged_prefill_attention`'s tensors
+    agree (no host synchronisation: the values are the caller's to get right)."""
+    if q.dim() != 3 or not q.dtype.is_floating_point:
+        raise ValueError(f"q must be a float [num_tokens, num_q_heads, head_dim] tensor, got {q.dtype} "
+                         f"of shape {tuple(q.shape)}")
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    if k_pages.dim() != 4 or k_pages.shape[3] != head_dim or not k_pages.dtype.is_floating_point:
+        raise ValueError(f"k_pages must be a float [num_pages, page_size, num_kv_heads, {head_dim}] tensor, got "
+                         f"{k_pages.dtype} of shape {tuple(k_pages.shape)}")
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages must match k_pages ({k_pages.dtype}, {tuple(k_pages.shape)}), got "
+                         f"{v_pages.dtype}, {tuple(v_pages.shape)}")
+    num_kv_heads = k_pages.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    for name, tensor, shape in (("seq_lens", seq_lens, (batch,)), ("query_starts", query_starts, (batch + 1,)),
+                                ("page_table", page_table, (batch, page_table.shape[-1]))):
+        if tensor.dtype != torch.int32 or tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must be int32 of shape {shape} (batch from seq_lens), got {tensor.dtype} "
+                             f"of shape {tuple(tensor.shape)}")
+    for name, tensor in (("k_pages", k_pages), ("v_pages", v_pages), ("page_table", page_table),
+                         ("query_starts", query_starts), ("seq_lens", seq_lens)):
+        if tensor.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {tensor.device}")
 
 
 def num_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:

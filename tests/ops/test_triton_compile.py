@@ -28,7 +28,7 @@ _SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from questkv.ops.triton import append, attention, codes, estimate, reselect, select
+    from questkv.ops.triton import append, attention, codes, estimate, prefill_attention, reselect, select
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -205,6 +205,37 @@ _SCRIPT = textwrap.dedent(
         if config == ("bf16", 0, 4, 2, 16, 4):
             info = ptxas_info(compiled)
             print("page_scores_codes mass llama-3.1-8b:", info)
+            assert "0 bytes spill stores" in info, info
+    # paged prefill attention: the launcher's tiles (prefill_attention.tile_tokens) and warps for bf16 and fp32
+    # (IEEE), groups of 1, 4 (Llama-3.1-8B) and 7, head_dim 128 and 64, pages of 16 and 64, a short query's
+    # 16-row tile, an fp32 pool under bf16 queries (cast in the kernel), keys split over programs (few tiles);
+    # Llama-3.1-8B's shape must not spill
+    def compile_prefill(dtype, group, head_dim, page_size, max_query_len, pool="same", split=False):
+        block_g = 1 << (group - 1).bit_length()
+        tokens = prefill_attention.tile_tokens(max_query_len, block_g)
+        pool = dtype if pool == "same" else pool
+        return compile_kernel(
+            prefill_attention._prefill_kernel,
+            {"q_ptr": dtype, "k_pages_ptr": pool, "v_pages_ptr": pool, "table_ptr": "i32", "starts_ptr": "i32",
+             "lens_ptr": "i32", "out_ptr": dtype, "part_out_ptr": "fp32", "part_lse_ptr": "fp32"},
+            {"PAGE_SIZE": page_size, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": group, "BLOCK_G": block_g,
+             "TILE_TOKENS": tokens, "BLOCK_N": prefill_attention._BLOCK_N, "SPLIT": split, "UPCAST": False,
+             "IEEE": dtype == "fp32"},
+            floats=("qk_scale",),
+            num_warps=prefill_attention._NUM_WARPS[tokens * block_g],
+            divisible=("stride_qt", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp", "stride_vt",
+                       "stride_vh", "stride_ot", "stride_oh", "stride_pt", "stride_ph", "stride_lt"),
+        )
+
+
+    for config in (("bf16", 4, 128, 16, 512), ("bf16", 4, 128, 16, 3), ("bf16", 1, 128, 16, 512),
+                   ("bf16", 7, 64, 16, 512), ("bf16", 4, 128, 64, 48), ("fp32", 4, 128, 16, 512),
+                   ("bf16", 4, 128, 16, 512, "fp32"), ("bf16", 4, 128, 16, 48, "same", True),
+                   ("bf16", 4, 128, 16, 1, "same", True)):
+        compiled = compile_prefill(*config)
+        if config == ("bf16", 4, 128, 16, 512):
+            info = ptxas_info(compiled)
+            print("paged_prefill_attention llama-3.1-8b:", info)
             assert "0 bytes spill stores" in info, info
     print("all kernels compiled for sm_90")
     """
