@@ -30,4 +30,7 @@ def test_constants_are_restored_and_the_table_names_the_best_config():
     assert prefill_sweep.kernel._BLOCK_M == before
     result = {"point": (1, 2, 3), "rel_err": 1e-3, "baseline_ms": 2.0, "default_ms": 1.0,
               "configs": [{"block_m": 64, "ms": 0.5}, {"split_programs_per_sm": 2, "ms": 0.7}]}
-    assert "| block_m=64 | 0.500 |" in prefill_sweep.markdown([result])
+    md = prefill_sweep.markdown([result], {"command": "prefill_sweep.py", "commit": "abc", "machine": "FakeGPU"})
+    assert "| block_m=64 | 0.500 |" in md and "- commit: `abc`" in md
+    result["configs"] = []  # --no-sweep
+    assert "| defaults (not swept) | 1.000 |" in prefill_sweep.markdown([result], {})
