@@ -202,7 +202,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                 method: str, group_size: int = DEFAULT_GROUP_SIZE, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 method: str, group_size: int = DEFAULT_GROUP_SIZE,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y = x @ w.T + bias`` for the quantized weight ``w``: dequantized to float32, float32 matmul.
 
     Args:

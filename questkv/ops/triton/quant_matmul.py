@@ -2,18 +2,20 @@
 
 Formats: :mod:`questkv.ops.quant_reference` (same signature as its ``quant_matmul``), all three: ``int4``,
 ``int8`` and ``int8_grouped``. The kernel reads the packed weight as int32 words (8 int4 or 4 int8 values each)
-and never writes a dequantized weight. Both loops below reduce ``K`` one group at a time: ``int4`` and
-``int8_grouped`` apply their group's scale (and ``int4`` its zero point) per group; ``int8`` has one scale per
-row, applied once at the end, and is reduced in chunks of :data:`INT8_CHUNK` as if they were groups.
+and never writes a dequantized weight. ``int8`` has one scale per row, applied once at the end, and is reduced in
+chunks of :data:`INT8_CHUNK` as if they were groups; ``int4`` and ``int8_grouped`` apply a scale per group:
 
 * ``use_dot=False`` (small ``M``, a GEMV): each program loads a ``[BLOCK_N, groups_per_iter, words per group]``
   tile of words (128-bit loads along ``K``), turns every 4- or 8-bit field into a float with a shift, one
   ``lop3`` and one add (``(field ^ 0x4B000000)`` is the float ``2**23 + field``, exact), multiplies by ``x`` in
   float32 and reduces each group; the group's scale and zero point apply once per group:
-  ``s * (sum(q * x) - z * sum(x))`` (``int8_grouped``: ``s * sum(q * x)``). Costs ~4 instructions per weight plus one FMA per row of ``x``.
+  ``s * (sum(q * x) - z * sum(x))`` (``int8_grouped``: ``s * sum(q * x)``). Costs ~4 instructions per weight
+  plus one FMA per row of ``x``.
 * ``use_dot=True`` (more rows, and prefill): per group, the integers ``q`` (exact in bf16 / fp16) go through
-  ``tl.dot`` with the ``x`` tile (fp32 accumulation), then the same per-group scale and zero correction
-  (``int8_grouped``'s groups of 16 make ``tl.dot`` calls of the smallest ``K`` an MMA takes).
+  ``tl.dot`` with the ``x`` tile (fp32 accumulation), then the same per-group scale and zero correction.
+  ``int8_grouped``'s groups (16 or 32) are too short for one dot each: the codes of :data:`DOT_CHUNK` input
+  features are multiplied by their groups' scales in float32, rounded once to ``x``'s dtype (as the ``dequant``
+  backend rounds) and go through one dot.
 
 Both split the reduction over ``K`` across ``split_k`` programs per output tile (many programs for a GEMV on
 132 SMs): each writes a float32 partial, and the last one to arrive (an ``acq_rel`` ticket per tile) sums the
