@@ -13,8 +13,8 @@ replays; each replay cycles over enough copies of the weight that no call finds 
 * ``int8g16`` / ``int8g32``: ``int8_grouped`` in GGUF ``Q6_K``'s groups of 16 and ``Q8_0``'s of 32 (codes and
   scales rounded to nearest here), through ``triton`` and ``dequant`` (``M >= --dequant-min-m``);
 * ``--methods`` picks the quantized formats (default: all; ``bf16`` is always timed, the baseline);
-* with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4`` and, for the
-  GEMV rows, ``int8``; the ``--sweep-ms`` rows): the best one and its config tell how to retune
+* with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4``,
+  ``int8g16``, ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows): the best one and its config tell how to retune
   ``plan_quant_matmul``.
 
 Every timed call is first checked against the reference: its relative error stands beside its time. Each time
@@ -237,24 +237,28 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
     return out, x
 
 
-def sweep_configs(m: int, n: int, k: int, device: torch.device, method: str = "int4"):
-    """Alternative tilings of the Triton kernel for ``method`` at ``m`` rows (the plan first; ``int8``: the FMA
-    loop's only)."""
+def sweep_configs(m: int, n: int, k: int, device: torch.device, name: str = "int4"):
+    """Alternative tilings of the Triton kernel for the :data:`QUANT` format ``name`` at ``m`` rows (the plan
+    first; ``int8``: the FMA loop's only; ``int8_grouped``: also other input features per ``tl.dot``)."""
     from questkv.ops.triton.quant_matmul import plan_quant_matmul
 
-    plan = plan_quant_matmul(m, n, k, method, GROUP, device)
+    method, group = QUANT[name]
+    plan = plan_quant_matmul(m, n, k, method, group, device)
     configs = [plan]
-    fma = plan_quant_matmul(m, n, k, method, GROUP, device, use_dot=False)
-    dot = plan_quant_matmul(m, n, k, method, GROUP, device, use_dot=True)
+    fma = plan_quant_matmul(m, n, k, method, group, device, use_dot=False)
+    dot = plan_quant_matmul(m, n, k, method, group, device, use_dot=True)
+    per_128 = max(1, 128 // group)  # groups in 128 input features (int8: one chunk)
     if m <= 8:
-        configs += [dataclasses.replace(fma, block_n=bn, groups_per_iter=g, num_warps=w)
+        configs += [dataclasses.replace(fma, block_n=bn, groups_per_iter=g * per_128, num_warps=w)
                     for bn, g, w in ((16, 2, 4), (32, 2, 4), (64, 2, 4), (32, 4, 4), (32, 1, 4), (64, 4, 8))]
         configs += [dataclasses.replace(fma, split_k=max(1, fma.split_k * f)) for f in (2, 4)]
         configs += [dataclasses.replace(fma, split_k=max(1, fma.split_k // 2))]
-    if method == "int4":
+    if method != "int8":
         configs += [dataclasses.replace(dot, block_n=bn, swap_ab=s, num_stages=st)
                     for bn, s, st in ((64, True, 3), (128, True, 3), (64, False, 3), (64, True, 4), (128, False, 4))]
         configs += [dataclasses.replace(dot, split_k=max(1, dot.split_k * 2))]
+    if method == "int8_grouped":  # 32 and 128 input features per dot (the plan: DOT_CHUNK)
+        configs += [dataclasses.replace(dot, groups_per_iter=max(1, f // group)) for f in (32, 128)]
     unique = []
     for cfg in configs:
         if cfg not in unique:
@@ -310,22 +314,22 @@ def run(args) -> dict:
                 if args.sweep and sweep and (device.type == "cuda" or interp):
                     from questkv.ops.triton.quant_matmul import quant_matmul as kernel
 
-                    swept = ("int4", "int8") if m <= 8 else ("int4",)
-                    for method in (meth for meth in swept if meth in args.methods):
-                        q = shape.q[method]
-                        want = reference(x, method, q[0])
-                        for i, cfg in enumerate(sweep_configs(m, n, k, device, method)):
-                            fns = [lambda qq=qq, cfg=cfg, method=method: kernel(x, *qq, method, GROUP, config=cfg)
-                                   for qq in q]
+                    for qname in (nm for nm in args.methods if m <= 8 or QUANT[nm][0] != "int8"):
+                        q = shape.q[qname]
+                        want = reference(x, qname, q[0])
+                        method, group = QUANT[qname]
+                        for i, cfg in enumerate(sweep_configs(m, n, k, device, qname)):
+                            fns = [lambda qq=qq, cfg=cfg, method=method, group=group:
+                                   kernel(x, *qq, method, group, config=cfg) for qq in q]
                             try:
                                 err = _rel_err(fns[0](), want)
                                 us = timer(fns, reps, warmup) if err < CHECK_TOL else float("nan")
                             except Exception as error:  # noqa: BLE001 - a tiling that fails to compile is reported
                                 err, us = f"{type(error).__name__}: {error}"[:200], float("nan")
-                            results["sweep"].append({"model": model, "shape": name, "m": m, "method": method,
+                            results["sweep"].append({"model": model, "shape": name, "m": m, "method": qname,
                                                      "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
                                                      "rel_err": err})
-                            print(f"  sweep {method} {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
+                            print(f"  sweep {qname} {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
             del shape
             if device.type == "cuda":
                 torch.cuda.empty_cache()
