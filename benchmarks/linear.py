@@ -1,4 +1,4 @@
-"""Every linear layer of a decode step, bf16 against weight-only int4 / int8, on one GPU, in one run.
+"""Every linear layer of a decode step, bf16 against weight-only int4 / int8 / int8_grouped, on one GPU, in one run.
 
 For each model (llama3.1-8b, llama2-7b), each projection shape (qkv, o, gate_up, down, lm_head) and each number of
 rows ``M`` (tokens in the step: 1, 2, 4, 8, 16, 32, 64), after checking every backend against the torch reference
@@ -10,11 +10,15 @@ replays; each replay cycles over enough copies of the weight that no call finds 
   plan), ``tinygemm`` (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``,
   ``M >= --dequant-min-m`` only);
 * ``int8`` (per row) through ``triton``;
-* with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4`` and, for the
-  GEMV rows, ``int8``; the ``--sweep-ms`` rows): the best one and its config tell how to retune
+* ``int8g16`` / ``int8g32``: ``int8_grouped`` in GGUF ``Q6_K``'s groups of 16 and ``Q8_0``'s of 32 (codes and
+  scales rounded to nearest here), through ``triton`` and ``dequant`` (``M >= --dequant-min-m``);
+* ``--methods`` picks the quantized formats (default: all; ``bf16`` is always timed, the baseline);
+* with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4``,
+  ``int8g16``, ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows): the best one and its config tell how to retune
   ``plan_quant_matmul``.
 
-Each time stands beside its bytes floor (weight + scales + x + out, at the bandwidth of a device-to-device copy
+Every timed call is first checked against the reference: its relative error stands beside its time. Each time
+stands beside its bytes floor (weight + scales + x + out, at the bandwidth of a device-to-device copy
 measured in the same run). The sum over all linears of one token (layers x 4 shapes + the LM head) is reported per
 ``M`` and backend, with the LM head in bf16 (the default of ``quantize_linears``) and quantized. Writes
 ``<out>.json`` and ``<out>.md`` with provenance.
@@ -22,6 +26,11 @@ measured in the same run). The sum over all linears of one token (layers x 4 sha
 Usage (GPU)::
 
     python benchmarks/linear.py --out benchmarks/results/linear-h200
+
+Only ``int8_grouped`` at llama3.1-8b's shapes (under a minute)::
+
+    python benchmarks/linear.py --models llama3.1-8b --ms 1 4 16 64 --methods int8g16 int8g32 --no-sweep \
+        --out benchmarks/results/linear-int8g-h200
 
 On a CPU, ``--smoke`` runs tiny shapes through the reference, ``dequant`` and the Triton interpreter (and the sweep
 on one shape), timed by the wall clock, to check the script end to end (~40 s). The full GPU run compiles ~50
@@ -50,7 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.graph_timing import graph_replay_us  # noqa: E402
 from questkv.ops import quant_reference as ref  # noqa: E402
 
-GROUP = 128
+GROUP = 128  # int4's
+QUANT = {"int4": ("int4", GROUP), "int8": ("int8", GROUP), "int8g16": ("int8_grouped", 16),
+         "int8g32": ("int8_grouped", 32)}  # name: (method, group size)
 MODELS = {  # name: (layers, {shape: (in_features, out_features)})
     "llama3.1-8b": (32, {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
                          "lm_head": (4096, 128256)}),
@@ -115,12 +126,38 @@ def copy_bandwidth(device: torch.device, reps: int = 30) -> float:
 # one shape
 
 
-def weight_bytes(method: str, k: int, n: int) -> int:
-    if method == "bf16":
+def weight_bytes(name: str, k: int, n: int) -> int:
+    """Bytes of one weight ``[n, k]`` in ``name`` (``bf16`` or a :data:`QUANT` name) with bf16 scales."""
+    if name == "bf16":
         return 2 * n * k
+    method, group = QUANT[name]
     if method == "int8":
         return n * k + 2 * n
-    return n * k // 2 + 2 * 2 * (k // GROUP) * n  # packed values + bf16 scales and zeros
+    if method == "int8_grouped":
+        return n * k + 2 * (k // group) * n
+    return n * k // 2 + 2 * 2 * (k // group) * n  # packed values + bf16 scales and zeros
+
+
+def quantize(w: torch.Tensor, name: str) -> ref.QuantizedWeight:
+    """``w`` ``[n, k]`` in the :data:`QUANT` format ``name``; ``int8_grouped`` (a checkpoint format that
+    :func:`~questkv.ops.quant_reference.quantize_weight` does not make) rounded to nearest per group here."""
+    method, group = QUANT[name]
+    if method != "int8_grouped":
+        return ref.quantize_weight(w, method, group)
+    n, k = w.shape
+    groups = w.float().view(n, k // group, group)  # [N, G, g]
+    scale = (groups.abs().amax(dim=2) / 127).clamp(min=1e-8).to(w.dtype)  # [N, G], as stored
+    q = torch.clamp(torch.round(groups / scale.float()[:, :, None]), -127, 127).to(torch.int8).view(n, k)
+    return ref.QuantizedWeight(q, scale.t().contiguous(), None)
+
+
+def reference(x: torch.Tensor, name: str, q: tuple) -> torch.Tensor:
+    """The float32 reference of ``x @ w.T`` for ``q`` ``(qweight, scales, zeros)`` in ``name``, as float64
+    ``[M, N]``."""
+    method, group = QUANT[name]
+    qweight, scales, zeros = q
+    zeros = None if zeros is None else zeros.float()
+    return ref.quant_matmul(x.float(), qweight, scales.float(), zeros, method, group).double()
 
 
 def _rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
@@ -131,23 +168,25 @@ def _rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
 
 
 class Shape:
-    """The weights of one projection ``[n, k]``: bf16, int4, int8 and tinygemm's int4, each in enough copies."""
+    """The weights of one projection ``[n, k]``: bf16, the :data:`QUANT` formats ``names`` and (with ``int4``)
+    tinygemm's int4, each in enough copies."""
 
-    def __init__(self, k: int, n: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> None:
+    def __init__(self, k: int, n: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator,
+                 names: list[str]) -> None:
         self.k, self.n, self.device, self.dtype = k, n, device, dtype
         w = (torch.randn((n, k), generator=gen, device=device) * 0.02).to(dtype)
-        self.copies = {}  # method -> number of copies
+        self.copies = {}  # bf16 or a QUANT name -> number of copies
         self.w = self._rotate("bf16", w)
-        self.q = {m: self._rotate(m, *ref.quantize_weight(w, m, GROUP)) for m in ("int4", "int8")}
+        self.q = {name: self._rotate(name, *quantize(w, name)) for name in names}
         self.tinygemm = None
         self.tinygemm_order: Optional[str] = None
 
-    def _rotate(self, method: str, *tensors):
+    def _rotate(self, name: str, *tensors):
         if self.device.type != "cuda":
-            self.copies[method] = 1
+            self.copies[name] = 1
             return [tensors if len(tensors) > 1 else tensors[0]]
-        copies = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / weight_bytes(method, self.k, self.n))))
-        self.copies[method] = copies
+        copies = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / weight_bytes(name, self.k, self.n))))
+        self.copies[name] = copies
         out = [tensors if len(tensors) > 1 else tensors[0]]
         for _ in range(copies - 1):
             cloned = tuple(None if t is None else t.clone() for t in tensors)
@@ -159,7 +198,7 @@ class Shape:
         from questkv.ops.triton import quant_matmul as qk
 
         qweight, scales, zeros = self.q["int4"][0]
-        want = ref.quant_matmul(x.float(), qweight, scales.float(), zeros.float(), "int4", GROUP).double()
+        want = reference(x, "int4", self.q["int4"][0])
         errors = {}
         for order, high in (("high nibble first", True), ("low nibble first", False)):
             try:
@@ -185,17 +224,12 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
     cuda = shape.device.type == "cuda"
     out: dict[str, list] = {"bf16": [lambda w=w: F.linear(x, w) for w in shape.w]}
     triton_ok = cuda or interp
-    for method in ("int4", "int8"):
-        if triton_ok:
-            out[f"{method}-triton"] = [lambda q=q, method=method: quant_matmul(x, *q, method, GROUP, backend="triton")
-                                       for q in shape.q[method]]
-        if m >= args.dequant_min_m or not cuda:
-            out[f"{method}-dequant"] = [lambda q=q, method=method: quant_matmul(x, *q, method, GROUP,
-                                                                                 backend="dequant")
-                                        for q in shape.q[method]]
-        if not cuda:
-            out[f"{method}-torch"] = [lambda q=q, method=method: quant_matmul(x, *q, method, GROUP, backend="torch")
-                                      for q in shape.q[method]]
+    for name, copies in shape.q.items():
+        method, group = QUANT[name]
+        kinds = (["triton"] if triton_ok else []) + (["dequant"] if m >= args.dequant_min_m or not cuda else [])
+        for kind in kinds + ([] if cuda else ["torch"]):
+            out[f"{name}-{kind}"] = [lambda q=q, method=method, group=group, kind=kind:
+                                     quant_matmul(x, *q, method, group, backend=kind) for q in copies]
     if shape.tinygemm is not None:
         from questkv.ops.triton.quant_matmul import tinygemm_matmul
 
@@ -203,24 +237,28 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
     return out, x
 
 
-def sweep_configs(m: int, n: int, k: int, device: torch.device, method: str = "int4"):
-    """Alternative tilings of the Triton kernel for ``method`` at ``m`` rows (the plan first; ``int8``: the FMA
-    loop's only)."""
+def sweep_configs(m: int, n: int, k: int, device: torch.device, name: str = "int4"):
+    """Alternative tilings of the Triton kernel for the :data:`QUANT` format ``name`` at ``m`` rows (the plan
+    first; ``int8``: the FMA loop's only; ``int8_grouped``: also other input features per ``tl.dot``)."""
     from questkv.ops.triton.quant_matmul import plan_quant_matmul
 
-    plan = plan_quant_matmul(m, n, k, method, GROUP, device)
+    method, group = QUANT[name]
+    plan = plan_quant_matmul(m, n, k, method, group, device)
     configs = [plan]
-    fma = plan_quant_matmul(m, n, k, method, GROUP, device, use_dot=False)
-    dot = plan_quant_matmul(m, n, k, method, GROUP, device, use_dot=True)
+    fma = plan_quant_matmul(m, n, k, method, group, device, use_dot=False)
+    dot = plan_quant_matmul(m, n, k, method, group, device, use_dot=True)
+    per_128 = max(1, 128 // group)  # groups in 128 input features (int8: one chunk)
     if m <= 8:
-        configs += [dataclasses.replace(fma, block_n=bn, groups_per_iter=g, num_warps=w)
+        configs += [dataclasses.replace(fma, block_n=bn, groups_per_iter=g * per_128, num_warps=w)
                     for bn, g, w in ((16, 2, 4), (32, 2, 4), (64, 2, 4), (32, 4, 4), (32, 1, 4), (64, 4, 8))]
         configs += [dataclasses.replace(fma, split_k=max(1, fma.split_k * f)) for f in (2, 4)]
         configs += [dataclasses.replace(fma, split_k=max(1, fma.split_k // 2))]
-    if method == "int4":
+    if method != "int8":
         configs += [dataclasses.replace(dot, block_n=bn, swap_ab=s, num_stages=st)
                     for bn, s, st in ((64, True, 3), (128, True, 3), (64, False, 3), (64, True, 4), (128, False, 4))]
         configs += [dataclasses.replace(dot, split_k=max(1, dot.split_k * 2))]
+    if method == "int8_grouped":  # 32 and 128 input features per dot (the plan: DOT_CHUNK)
+        configs += [dataclasses.replace(dot, groups_per_iter=max(1, f // group)) for f in (32, 128)]
     unique = []
     for cfg in configs:
         if cfg not in unique:
@@ -245,20 +283,18 @@ def run(args) -> dict:
     results = {"checks": [], "times": [], "sweep": [], "tinygemm": {}}
     for model, (layers, shapes) in models.items():
         for name, (k, n) in shapes.items():
-            shape = Shape(k, n, device, torch.bfloat16, gen)
-            if device.type == "cuda":
+            shape = Shape(k, n, device, torch.bfloat16, gen, args.methods)
+            if device.type == "cuda" and "int4" in args.methods:
                 x1 = torch.randn((4, k), generator=gen, device=device).to(torch.bfloat16)
                 results["tinygemm"][f"{model}/{name}"] = shape.prepare_tinygemm(x1)
             for m in ms:
                 calls, x = backends(shape, m, args, interp)
                 for backend, fns in calls.items():
-                    method = backend.split("-")[0]
+                    method = backend.split("-")[0]  # bf16 or a QUANT name
                     if method == "bf16":
                         want = x.double() @ shape.w[0].double().t()
                     else:
-                        q = shape.q[method][0]
-                        want = ref.quant_matmul(x.float(), q[0], q[1].float(), None if q[2] is None else q[2].float(),
-                                                method, GROUP).double()
+                        want = reference(x, method, shape.q[method][0])
                     err = _rel_err(fns[0](), want)
                     ok = err < CHECK_TOL
                     results["checks"].append({"model": model, "shape": name, "m": m, "backend": backend, "rel_err": err,
@@ -270,30 +306,30 @@ def run(args) -> dict:
                     nbytes = weight_bytes(method, k, n) + 2 * m * (k + n)
                     floor_us = nbytes / (info["copy_tbps"] * 1e12) * 1e6
                     results["times"].append({"model": model, "shape": name, "m": m, "backend": backend, "us": us,
-                                             "floor_us": floor_us, "bytes": nbytes, "layers": 1 if name == "lm_head"
-                                             else layers})
-                    print(f"{model:12s} {name:8s} M={m:3d} {backend:14s} {us:9.1f} us  floor {floor_us:8.1f} us",
-                          flush=True)
+                                             "floor_us": floor_us, "bytes": nbytes, "rel_err": err,
+                                             "layers": 1 if name == "lm_head" else layers})
+                    print(f"{model:12s} {name:8s} M={m:3d} {backend:16s} {us:9.1f} us  floor {floor_us:8.1f} us  "
+                          f"rel err {err:.1e}", flush=True)
                 sweep = model in args.sweep_models and m in args.sweep_ms and (not args.smoke or name == "o")
                 if args.sweep and sweep and (device.type == "cuda" or interp):
                     from questkv.ops.triton.quant_matmul import quant_matmul as kernel
 
-                    for method in ("int4", "int8") if m <= 8 else ("int4",):
-                        q = shape.q[method]
-                        want = ref.quant_matmul(x.float(), q[0][0], q[0][1].float(),
-                                                None if q[0][2] is None else q[0][2].float(), method, GROUP).double()
-                        for i, cfg in enumerate(sweep_configs(m, n, k, device, method)):
-                            fns = [lambda qq=qq, cfg=cfg, method=method: kernel(x, *qq, method, GROUP, config=cfg)
-                                   for qq in q]
+                    for qname in (nm for nm in args.methods if m <= 8 or QUANT[nm][0] != "int8"):
+                        q = shape.q[qname]
+                        want = reference(x, qname, q[0])
+                        method, group = QUANT[qname]
+                        for i, cfg in enumerate(sweep_configs(m, n, k, device, qname)):
+                            fns = [lambda qq=qq, cfg=cfg, method=method, group=group:
+                                   kernel(x, *qq, method, group, config=cfg) for qq in q]
                             try:
                                 err = _rel_err(fns[0](), want)
                                 us = timer(fns, reps, warmup) if err < CHECK_TOL else float("nan")
                             except Exception as error:  # noqa: BLE001 - a tiling that fails to compile is reported
                                 err, us = f"{type(error).__name__}: {error}"[:200], float("nan")
-                            results["sweep"].append({"model": model, "shape": name, "m": m, "method": method,
+                            results["sweep"].append({"model": model, "shape": name, "m": m, "method": qname,
                                                      "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
                                                      "rel_err": err})
-                            print(f"  sweep {method} {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
+                            print(f"  sweep {qname} {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
             del shape
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -353,7 +389,8 @@ def write(args, info: dict, results: dict, partial: bool = False) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    lines = [f"# Linear layers, bf16 vs weight-only int4 (group {GROUP}) / int8 (per row)", "",
+    lines = [f"# Linear layers, bf16 vs weight-only int4 (group {GROUP}) / int8 (per row) / int8_grouped "
+             f"(int8g16, int8g32: groups of 16, 32)", "",
              f"- provenance: `{json.dumps(payload['provenance'])}`",
              f"- device-to-device copy: {info['copy_tbps']:.3f} TB/s (read + write); floors use it",
              f"- targets (llama3.1-8b, one token, M=1): int4 <= {TARGETS['int4_m1_ms']} ms, int8 >= "
@@ -369,9 +406,10 @@ def write(args, info: dict, results: dict, partial: bool = False) -> None:
         lines += [f"| {r['model']} | {r['m']} | {r['backend']} | {r['ms_lm_head_bf16']:.3f} | "
                   f"{r['ms_lm_head_quantized']:.3f} | {r['floor_ms_lm_head_quantized']:.3f} |" for r in sums]
     lines += ["", "## Per shape (µs per call; bytes floor beside)", "",
-              "| model | shape | M | backend | µs | floor µs | floor / time |", "|---|---|---|---|---|---|---|"]
+              "| model | shape | M | backend | µs | floor µs | floor / time | rel err |",
+              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {t['model']} | {t['shape']} | {t['m']} | {t['backend']} | {t['us']:.1f} | {t['floor_us']:.1f} | "
-              f"{t['floor_us'] / t['us']:.2f} |" for t in results["times"]]
+              f"{t['floor_us'] / t['us']:.2f} | {t['rel_err']:.1e} |" for t in results["times"]]
     if results["sweep"]:
         lines += ["", "## Triton tilings (sweep; planned = the launcher's choice)", "",
                   "| model | shape | M | method | config | planned | µs |", "|---|---|---|---|---|---|---|"]
@@ -385,6 +423,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results/linear", help="output prefix (.json and .md)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--methods", nargs="+", default=list(QUANT), choices=list(QUANT),
+                        help="quantized formats to time (bf16 always is)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--dequant-min-m", type=int, default=16, help="time 'dequant' from this many rows")
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)

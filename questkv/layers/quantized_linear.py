@@ -49,17 +49,19 @@ __all__ = [
 # ``auto`` on CUDA, by rows M (benchmarks/results/linear-h200.md, all linears of one llama3.1-8b token): int4 bf16 takes
 # torch's tinygemm up to 4 rows (2.43 / 2.55 / 3.30 ms at M = 1 / 2 / 4, against 3.36 / 6.44 / 14.0 for the Triton
 # kernel), the Triton kernel up to 64 rows (4.63 ms at M = 8 against 5.22), and above that (prefill) dequantizes
-# into a float weight for one GEMM, whose cost is shared by the prompt's rows.
+# into a float weight for one GEMM, whose cost is shared by the prompt's rows. int8 and int8_grouped (imported GGUF
+# Q8_0 / Q6_K layers) follow the same rows rule without tinygemm.
 TINYGEMM_MAX_M = 4
 TRITON_MAX_M = 64
 
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm")
 """How a quantized layer multiplies. ``auto``: on CUDA by rows, ``tinygemm`` (int4 bf16) up to
-:data:`TINYGEMM_MAX_M`, ``triton`` up to :data:`TRITON_MAX_M`, ``dequant`` above; ``torch`` otherwise; ``torch``: the
-reference (dequantize to float32, float32 matmul); ``triton``: :mod:`questkv.ops.triton.quant_matmul`;
+:data:`TINYGEMM_MAX_M`, ``triton`` (every format) up to :data:`TRITON_MAX_M`, ``dequant`` above; ``torch``
+otherwise; ``torch``: the reference (dequantize to float32, float32 matmul); ``triton``:
+:mod:`questkv.ops.triton.quant_matmul`;
 ``dequant``: dequantize to ``x``'s dtype with torch ops, then ``F.linear`` (a large-``M`` candidate);
 ``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16; layers only, it needs its own copy
-of the weight). ``int8_grouped`` (imported checkpoints) has no kernel: ``auto`` takes ``dequant`` for it on CUDA."""
+of the weight)."""
 
 
 class QuantLayout(NamedTuple):
@@ -79,19 +81,18 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     Args:
         x: ``[M, K]`` float. qweight, scales, zeros, method, group_size: the weight
             (:mod:`questkv.ops.quant_reference`). bias: ``[N]`` or ``None``.
-        backend: one of :data:`BACKENDS` except ``tinygemm`` (``triton`` only for :data:`METHODS`).
+        backend: one of :data:`BACKENDS` except ``tinygemm``.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
     check_choice("quant_matmul backend", backend, BACKENDS[:-1])
     if backend == "auto":
-        kernel = method in METHODS and x.shape[0] <= TRITON_MAX_M
-        backend = ("triton" if kernel else "dequant") if x.is_cuda else "torch"
+        backend = ("triton" if x.shape[0] <= TRITON_MAX_M else "dequant") if x.is_cuda else "torch"
     if backend == "torch":
-        return quant_reference.quant_matmul(x, qweight, scales, zeros, method, group_size, bias, ALL_METHODS)
+        return quant_reference.quant_matmul(x, qweight, scales, zeros, method, group_size, bias)
     if backend == "dequant":
-        quant_reference.check_quant_args(x, qweight, scales, zeros, method, group_size, methods=ALL_METHODS)
+        quant_reference.check_quant_args(x, qweight, scales, zeros, method, group_size)
         return F.linear(x, dequantize(qweight, scales, zeros, method, group_size, dtype=x.dtype), bias)
     from questkv.ops.triton import quant_matmul as kernels  # needs triton; CPU-only installs never get here
 

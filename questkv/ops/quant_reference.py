@@ -25,8 +25,7 @@ Formats (``method``):
 
 * ``"int8_grouped"``: symmetric, one scale per group of ``group_size`` consecutive input features of a row
   (:data:`INT8_GROUP_SIZES`), for checkpoints stored that way (GGUF ``Q8_0``: groups of 32, ``Q6_K``: 16). Not
-  made by :func:`quantize_weight` and not read by the Triton kernel: the torch reference multiplies on CPU,
-  dequantize-and-GEMM on CUDA (:func:`questkv.layers.quantized_linear.quant_matmul`).
+  made by :func:`quantize_weight`; the Triton kernel reads it as ``int8`` with a scale per group.
 
   - ``qweight``: ``[N, K]`` int8, ``q`` in ``-128..127``; ``scales``: ``[K // group_size, N]`` model dtype;
     ``zeros``: ``None``.
@@ -61,17 +60,18 @@ __all__ = [
 ]
 
 METHODS: tuple[str, ...] = ("int4", "int8")
-"""The formats :func:`quantize_weight` makes and the Triton kernel reads (see the module docstring)."""
+"""The formats :func:`quantize_weight` makes (see the module docstring)."""
 
 ALL_METHODS: tuple[str, ...] = METHODS + ("int8_grouped",)
-"""Every format a :class:`~questkv.layers.quantized_linear.QuantizedLinear` holds: :data:`METHODS` and those of
-imported checkpoints that only the torch reference reads."""
+"""Every format a :class:`~questkv.layers.quantized_linear.QuantizedLinear` holds and the kernels read:
+:data:`METHODS` and those of imported checkpoints."""
 
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
-"""``int4`` group sizes the kernels support (powers of two, whole int32 words)."""
+"""``int4`` group sizes (powers of two, whole int32 words)."""
 
 INT8_GROUP_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
-"""``int8_grouped`` group sizes (GGUF ``Q6_K`` scales groups of 16, ``Q8_0`` groups of 32)."""
+"""``int8_grouped`` group sizes (GGUF ``Q6_K`` scales groups of 16, ``Q8_0`` groups of 32; powers of two, whole
+int32 words, at least the 16 of a ``tl.dot``)."""
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -147,10 +147,10 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int = DEFAULT
 
 
 def check_quant_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                     method: str, group_size: int, methods: tuple[str, ...] = METHODS) -> tuple[int, int]:
-    """Check ``x`` ``[M, K]`` against a quantized weight (shapes, dtypes) whose format is one of ``methods`` (the
-    kernels': :data:`METHODS`); returns ``(N, K)``."""
-    check_choice("quantization", method, methods)
+                     method: str, group_size: int) -> tuple[int, int]:
+    """Check ``x`` ``[M, K]`` against a quantized weight (shapes, dtypes) whose format is one of
+    :data:`ALL_METHODS`; returns ``(N, K)``."""
+    check_choice("quantization", method, ALL_METHODS)
     if x.dim() != 2:
         raise ValueError(f"quant_matmul x must be [M, K], got shape {tuple(x.shape)}")
     k = x.shape[1]
@@ -202,19 +202,18 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                 method: str, group_size: int = DEFAULT_GROUP_SIZE, bias: Optional[torch.Tensor] = None,
-                 methods: tuple[str, ...] = METHODS) -> torch.Tensor:
+                 method: str, group_size: int = DEFAULT_GROUP_SIZE,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y = x @ w.T + bias`` for the quantized weight ``w``: dequantized to float32, float32 matmul.
 
     Args:
-        x: ``[M, K]`` float. qweight, scales, zeros, method, group_size: the weight (module docstring).
-        bias: ``[N]`` or ``None``. methods: the formats accepted (the kernels' by default; :data:`ALL_METHODS`
-            for a layer's).
+        x: ``[M, K]`` float. qweight, scales, zeros, method, group_size: the weight (module docstring, any of
+            :data:`ALL_METHODS`). bias: ``[N]`` or ``None``.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
-    check_quant_args(x, qweight, scales, zeros, method, group_size, methods=methods)
+    check_quant_args(x, qweight, scales, zeros, method, group_size)
     w = dequantize(qweight, scales, zeros, method, group_size)  # [N, K] float32
     y = x.float() @ w.t()
     if bias is not None:

@@ -80,6 +80,21 @@ def test_grouped_int8_multiplies_by_its_dequantized_weight_on_every_cpu_backend(
         QuantizedLinear(64, 24, "int8_grouped", group_size=8)
 
 
+def test_grouped_int8_through_the_triton_kernel_matches_the_torch_backend():
+    pytest.importorskip("questkv.ops.triton.quant_matmul")
+    gen = torch.Generator().manual_seed(6)
+    layer = QuantizedLinear(128, 24, "int8_grouped", bias=True, group_size=32, dtype=torch.float32, backend="torch")
+    layer.load_packed("w", QuantizedWeight(torch.randint(-128, 128, (24, 128), generator=gen, dtype=torch.int8),
+                                           torch.rand(4, 24, generator=gen) * 1e-2, None))
+    layer.bias.uniform_(-1, 1)
+    x = torch.randn(2, 3, 128, generator=gen)  # leading dims are kept
+    want = layer(x)
+    layer.set_backend("triton")
+    got = layer(x)
+    assert got.shape == (2, 3, 24) and "backend=triton" in repr(layer)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_packed_shards_and_bias_load_into_the_rows_of_a_merged_layer_after_their_shapes_are_checked():
     merged = MergedLinear(64, {"gate": 16, "up": 8}, bias=True)
     layer = QuantizedLinear.empty_like(merged, "int4", group_size=32)

@@ -45,40 +45,50 @@ _SCRIPT = textwrap.dedent(
         return " ".join(line.split("info    : ")[-1] for line in lines)
 
 
-    def compile_quant(bits, cfg, dtype="bf16", group=128, even_k=True, bias=False):
+    def compile_quant(method, cfg, dtype="bf16", group=128, even_k=True, bias=False):
+        bits = 4 if method == "int4" else 8
         pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
                     "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         magic16 = {"bf16": 0x4300, "fp16": 0x6400}.get(dtype, 0) if cfg.use_dot and bits == 4 else 0
-        constexprs = dict(BITS=bits, GROUP=group if bits == 4 else qm.INT8_CHUNK, GROUPS_PER_ITER=cfg.groups_per_iter,
-                          HAS_BIAS=bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k > 1,
-                          USE_DOT=cfg.use_dot, UPCAST=False, IEEE=dtype == "fp32", EVEN_K=even_k,
-                          SWAP_AB=cfg.swap_ab, MAGIC16=magic16, OFFSET16=128.0 if magic16 == 0x4300 else 1024.0)
+        constexprs = dict(BITS=bits, GROUP=qm._group(method, group), GROUP_SCALES=method != "int8",
+                          GROUPS_PER_ITER=cfg.groups_per_iter, HAS_BIAS=bias, BLOCK_M=cfg.block_m,
+                          BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k > 1, USE_DOT=cfg.use_dot, UPCAST=False,
+                          IEEE=dtype == "fp32", EVEN_K=even_k, SWAP_AB=cfg.swap_ab, MAGIC16=magic16,
+                          OFFSET16=128.0 if magic16 == 0x4300 else 1024.0)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in KERNEL.arg_names}
         attrs = {(KERNEL.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *DIVISIBLE)}
         compiled = triton.compile(ASTSource(KERNEL, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                                   options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        print(bits, dtype, cfg, "smem", compiled.metadata.shared)
+        print(method, group, dtype, cfg, "smem", compiled.metadata.shared)
         return compiled
 
 
-    # what the launcher plans for Llama-3.1-8B's gate/up projection at each batch, both formats
-    for bits, method, ms in ((4, "int4", (1, 2, 8, 64, 512)), (8, "int8", (1, 16))):
+    # what the launcher plans for Llama-3.1-8B's gate/up projection at each batch, every format (int8_grouped in
+    # GGUF Q6_K's groups of 16 and Q8_0's of 32)
+    for method, group, ms in (("int4", 128, (1, 2, 8, 64, 512)), ("int8", 128, (1, 16)),
+                              ("int8_grouped", 16, (1, 4, 16, 64)), ("int8_grouped", 32, (1, 16))):
         for m in ms:
-            cfg = qm.plan_quant_matmul(m, 28672, 4096, method)
-            compiled = compile_quant(bits, cfg)
+            cfg = qm.plan_quant_matmul(m, 28672, 4096, method, group)
+            compiled = compile_quant(method, cfg, group=group)
             if m == 1:
                 info = ptxas_info(compiled)
-                print(method, "batch-1 GEMV:", info)
+                print(method, group, "batch-1 GEMV:", info)
                 assert "0 bytes spill stores" in info, info
                 assert "ld.global.v4.b32" in compiled.asm["ptx"], "packed weights not loaded 128 bits at a time"
     # the other loop of each batch, a bias, a K tail, group 32, the non-swapped dot, fp16 and fp32 inputs
-    compile_quant(4, qm.plan_quant_matmul(16, 4096, 4096, "int4", use_dot=False), bias=True)
-    compile_quant(4, qm.plan_quant_matmul(2, 4096, 4096, "int4", use_dot=True), even_k=False)
-    compile_quant(4, qm.plan_quant_matmul(1, 4096, 4096, "int4", 32), group=32)
-    compile_quant(4, qm.plan_quant_matmul(1, 4096, 4096, "int4"), dtype="fp16")
-    compile_quant(4, qm.plan_quant_matmul(16, 4096, 4096, "int4"), dtype="fp16")
-    compile_quant(8, qm.plan_quant_matmul(16, 4096, 4096, "int8"), dtype="fp32")
+    compile_quant("int4", qm.plan_quant_matmul(16, 4096, 4096, "int4", use_dot=False), bias=True)
+    compile_quant("int4", qm.plan_quant_matmul(2, 4096, 4096, "int4", use_dot=True), even_k=False)
+    compile_quant("int4", qm.plan_quant_matmul(1, 4096, 4096, "int4", 32), group=32)
+    compile_quant("int4", qm.plan_quant_matmul(1, 4096, 4096, "int4"), dtype="fp16")
+    compile_quant("int4", qm.plan_quant_matmul(16, 4096, 4096, "int4"), dtype="fp16")
+    compile_quant("int8", qm.plan_quant_matmul(16, 4096, 4096, "int8"), dtype="fp32")
+    compile_quant("int8_grouped", qm.plan_quant_matmul(1, 4096, 4096, "int8_grouped", 16), group=16, bias=True,
+                  even_k=False)
+    compile_quant("int8_grouped", qm.plan_quant_matmul(16, 4096, 4096, "int8_grouped", 16, use_dot=True), group=16,
+                  dtype="fp16", even_k=False)
+    compile_quant("int8_grouped", qm.plan_quant_matmul(32, 4096, 4096, "int8_grouped", 32, use_dot=True), group=32,
+                  dtype="fp32")
     print("quant kernels compiled for sm_90")
     """
 )

@@ -23,6 +23,10 @@ N_ODD, K = 37, 384  # odd outputs; K = 3 groups of 128 (not a multiple of the FM
 
 def _weight(method, n, k, seed, dtype=torch.float32, group_size=128):
     gen = torch.Generator().manual_seed(seed)
+    if method == "int8_grouped":  # a checkpoint format (nothing rounds to it): random codes, the full int8 range
+        codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        scales = (0.5 + torch.rand((k // group_size, n), generator=gen)) / 127
+        return ref.QuantizedWeight(codes, scales.to(dtype), None)
     w = torch.randn((n, k), generator=gen) * (0.5 + torch.rand((n, 1), generator=gen))
     return ref.quantize_weight(w, method, group_size, dtype=dtype)
 
@@ -82,7 +86,7 @@ def test_reference_is_the_float_matmul_of_the_dequantized_weight(method):
 def test_bad_arguments_raise_value_errors_naming_them():
     qw = _weight("int4", 8, 256, seed=1)
     x = torch.randn(2, 256)
-    with pytest.raises(ValueError, match="quantization must be one of 'int4', 'int8'; got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of 'int4', 'int8', 'int8_grouped'; got 'int3'"):
         ref.quant_matmul(x, *qw, "int3")
     with pytest.raises(ValueError, match="in_features must be a multiple of the int4 group size 128, got 200"):
         ref.quantize_weight(torch.randn(4, 200), "int4")
@@ -134,10 +138,31 @@ def test_kernel_matches_the_reference(method, dtype, m, use_dot):
     assert cfg.split_k > 1  # a small N gets several programs per output tile: the ticket path is exercised
 
 
-@pytest.mark.parametrize("method, m, use_dot, swap_ab", [("int4", 2, False, None), ("int4", 5, True, True),
-                                                         ("int8", 1, False, None), ("int4", 16, True, False)])
-def test_kernel_matches_the_reference_in_bfloat16(method, m, use_dot, swap_ab):
-    _check_kernel(method, m, torch.bfloat16, use_dot, seed=m + 17, swap_ab=swap_ab)
+@pytest.mark.parametrize("method, group_size, m, use_dot, swap_ab", [
+    ("int4", 128, 2, False, None), ("int4", 128, 5, True, True), ("int8", 128, 1, False, None),
+    ("int4", 128, 16, True, False), ("int8_grouped", 16, 2, False, None), ("int8_grouped", 32, 17, True, True)])
+def test_kernel_matches_the_reference_in_bfloat16(method, group_size, m, use_dot, swap_ab):
+    _check_kernel(method, m, torch.bfloat16, use_dot, seed=m + 17, group_size=group_size, swap_ab=swap_ab)
+
+
+@pytest.mark.parametrize("group_size", [16, 32])  # GGUF Q6_K, Q8_0
+@pytest.mark.parametrize("m", [1, 3, 17])  # the FMA loop at 1 and 3 rows, the tl.dot loop at 17
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_matches_the_reference_for_grouped_int8(group_size, m, bias):
+    seed = zlib.crc32(f"int8_grouped {group_size} {m} {bias}".encode()) % 1000
+    cfg = _check_kernel("int8_grouped", m, torch.float32, None, seed, group_size=group_size, bias=bias)
+    assert cfg.use_dot == (m > qk.FMA_MAX_M) and cfg.split_k > 1
+
+
+def test_kernel_rejects_a_bad_grouped_int8_weight():
+    qw = _weight("int8_grouped", 8, 64, seed=3, group_size=16)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="group_size must be one of 16, 32, 64, 128, 256; got 8"):
+        qk.quant_matmul(x, qw.qweight, qw.scales, None, "int8_grouped", 8)
+    with pytest.raises(ValueError, match="in_features must be a multiple of the int8_grouped group size 32, got 48"):
+        qk.quant_matmul(torch.randn(2, 48), qw.qweight[:, :48], qw.scales[:1], None, "int8_grouped", 32)
+    with pytest.raises(ValueError, match=r"scales must have shape \(4, 8\)"):
+        qk.quant_matmul(x, qw.qweight, qw.scales.t().contiguous(), None, "int8_grouped", 16)
 
 
 @pytest.mark.parametrize("use_dot", [False, True])

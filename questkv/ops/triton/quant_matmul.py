@@ -1,15 +1,21 @@
 """Weight-only quantized matmul on CUDA: one Triton kernel with two inner loops, and torch's int4 kernel.
 
-Formats: :mod:`questkv.ops.quant_reference` (same signature as its ``quant_matmul``). The kernel reads the
-packed weight as int32 words (8 int4 or 4 int8 values each) and never writes a dequantized weight:
+Formats: :mod:`questkv.ops.quant_reference` (same signature as its ``quant_matmul``), all three: ``int4``,
+``int8`` and ``int8_grouped``. The kernel reads the packed weight as int32 words (8 int4 or 4 int8 values each)
+and never writes a dequantized weight. ``int8`` has one scale per row, applied once at the end, and is reduced in
+chunks of :data:`INT8_CHUNK` as if they were groups; ``int4`` and ``int8_grouped`` apply a scale per group:
 
 * ``use_dot=False`` (small ``M``, a GEMV): each program loads a ``[BLOCK_N, groups_per_iter, words per group]``
   tile of words (128-bit loads along ``K``), turns every 4- or 8-bit field into a float with a shift, one
   ``lop3`` and one add (``(field ^ 0x4B000000)`` is the float ``2**23 + field``, exact), multiplies by ``x`` in
   float32 and reduces each group; the group's scale and zero point apply once per group:
-  ``s * (sum(q * x) - z * sum(x))``. Costs ~4 instructions per weight plus one FMA per row of ``x``.
+  ``s * (sum(q * x) - z * sum(x))`` (``int8_grouped``: ``s * sum(q * x)``). Costs ~4 instructions per weight
+  plus one FMA per row of ``x``.
 * ``use_dot=True`` (more rows, and prefill): per group, the integers ``q`` (exact in bf16 / fp16) go through
   ``tl.dot`` with the ``x`` tile (fp32 accumulation), then the same per-group scale and zero correction.
+  ``int8_grouped``'s groups (16 or 32) are too short for one dot each: the codes of :data:`DOT_CHUNK` input
+  features are multiplied by their groups' scales in float32, rounded once to ``x``'s dtype (as the ``dequant``
+  backend rounds) and go through one dot.
 
 Both split the reduction over ``K`` across ``split_k`` programs per output tile (many programs for a GEMV on
 132 SMs): each writes a float32 partial, and the last one to arrive (an ``acq_rel`` ticket per tile) sums the
@@ -49,6 +55,10 @@ FMA_MAX_M = 4
 INT8_CHUNK = 128
 """``int8`` (one scale per row) is reduced in chunks of this many input features, as ``int4`` in its groups."""
 
+DOT_CHUNK = 64
+"""Input features per ``tl.dot`` of the ``int8_grouped`` loop (its groups of 16 or 32 are scaled into the weight
+tile first; ``int4`` keeps one group per dot, its zero points are corrected after it)."""
+
 PROGRAMS_PER_SM = 4
 """Split-K aims at this many programs per SM."""
 
@@ -58,8 +68,8 @@ _MAGIC = tl.constexpr(0x4B000000)  # float32 2**23: its low mantissa bits take t
 @dataclasses.dataclass(frozen=True)
 class QuantMatmulConfig:
     """One launch's tiling. ``block_m`` rows of ``x`` and ``block_n`` outputs per program; ``groups_per_iter``
-    groups (``int8``: chunks of :data:`INT8_CHUNK`) per loop iteration (1 with ``use_dot``); ``split_k``
-    programs share one output tile's reduction."""
+    groups (``int8``: chunks of :data:`INT8_CHUNK`) per loop iteration (with ``use_dot``: 1 for ``int4`` and
+    ``int8``, whose dot takes one group); ``split_k`` programs share one output tile's reduction."""
 
     block_m: int
     block_n: int
@@ -76,14 +86,16 @@ def _quant_matmul_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, counter_ptr, out_ptr,
     M, N, K, k_words, words_per_split,
     stride_xm, stride_wn, stride_sg, stride_om,
-    BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_ITER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_SCALES: tl.constexpr, GROUPS_PER_ITER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
     MAGIC16: tl.constexpr, OFFSET16: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M))``; ``w_ptr`` int32 words ``[N, k_words]``;
-    ``s_ptr`` / ``z_ptr`` ``[K // GROUP, N]`` (``BITS == 4``) or ``s_ptr`` ``[N]`` (``BITS == 8``, ``GROUP``
-    the chunk); ``part_ptr`` float32 ``[split_k, M, N]``; ``counter_ptr`` one zeroed int32 per output tile."""
+    ``s_ptr`` ``[K // GROUP, N]`` with ``GROUP_SCALES`` (``int4``, ``int8_grouped``), else ``[N]`` (``int8``,
+    ``GROUP`` the chunk); ``z_ptr`` ``[K // GROUP, N]`` (``BITS == 4`` only); ``part_ptr`` float32
+    ``[split_k, M, N]``; ``counter_ptr`` one zeroed int32 per output tile."""
     EPW: tl.constexpr = 32 // BITS  # values per word
     WPG: tl.constexpr = GROUP // EPW  # words per group
     FIELD: tl.constexpr = (1 << BITS) - 1
@@ -104,36 +116,48 @@ def _quant_matmul_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
     if USE_DOT:
+        # int4 / int8: one group (chunk) per iteration; int8_grouped: GROUPS_PER_ITER small groups, each scaled
+        # into the weight tile before one wider tl.dot
+        CHUNK: tl.constexpr = GROUP * GROUPS_PER_ITER
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # SWAP_AB's accumulator
-        kk = tl.arange(0, GROUP)
-        wi = tl.arange(0, WPG)
-        for kw in range(kw_start, kw_end, WPG):
-            words_idx = kw + wi  # [WPG]
+        kk = tl.arange(0, CHUNK)
+        wi = tl.arange(0, WPG * GROUPS_PER_ITER)
+        for kw in range(kw_start, kw_end, WPG * GROUPS_PER_ITER):
+            words_idx = kw + wi  # [CW] words of the chunk
             wmask = nmask[:, None]
             xmask = mmask[:, None]
             if not EVEN_K:
                 wmask = wmask & (words_idx < kw_end)[None, :]
                 xmask = xmask & (kw * EPW + kk < K)[None, :]
-            words = tl.load(w_ptr + rn[:, None] * stride_wn + words_idx[None, :], mask=wmask, other=0)  # [BN, WPG]
+            words = tl.load(w_ptr + rn[:, None] * stride_wn + words_idx[None, :], mask=wmask, other=0)  # [BN, CW]
             xt = tl.load(x_ptr + rm[:, None] * stride_xm + (kw * EPW + kk)[None, :], mask=xmask, other=0.0)
-            fields = (words[:, :, None] >> shifts[None, None, :]) & FIELD  # [BN, WPG, EPW]
+            fields = (words[:, :, None] >> shifts[None, None, :]) & FIELD  # [BN, CW, EPW]
+            if GROUP_SCALES:
+                group = kw // WPG + tl.arange(0, GROUPS_PER_ITER)  # [G]
+                smask = nmask[:, None]
+                if not EVEN_K:
+                    smask = smask & (group * WPG < kw_end)[None, :]
+                sptrs = group[None, :] * stride_sg + rn[:, None]  # [BN, G]
+                s = tl.load(s_ptr + sptrs, mask=smask, other=0.0).to(tl.float32)
             if MAGIC16 != 0:
                 # 16-bit floats straight from the bits: (field | MAGIC16) is OFFSET16 + q exactly (bf16: 128 + q,
                 # fp16: 1024 + q); the zero-point correction below removes OFFSET16
-                b = tl.reshape((fields | MAGIC16).to(tl.int16).to(xt.dtype, bitcast=True), [BLOCK_N, GROUP])
+                b = tl.reshape((fields | MAGIC16).to(tl.int16).to(xt.dtype, bitcast=True), [BLOCK_N, CHUNK])
                 a = xt
             else:
-                q = tl.reshape((fields ^ MAGIC).to(tl.float32, bitcast=True) - OFFSET, [BLOCK_N, GROUP])
+                q = tl.reshape((fields ^ MAGIC).to(tl.float32, bitcast=True) - OFFSET, [BLOCK_N, CHUNK])
+                if BITS == 8 and GROUP_SCALES:  # w = q * s, rounded once to x's dtype (as the dequant backend)
+                    q = tl.reshape(tl.reshape(q, [BLOCK_N, GROUPS_PER_ITER, GROUP]) * s[:, :, None],
+                                   [BLOCK_N, CHUNK])
                 if UPCAST or IEEE:
                     a = xt.to(tl.float32)
                     b = q
                 else:
                     a = xt
                     b = q.to(xt.dtype)
-            if BITS == 4:
-                group = kw // WPG
-                s = tl.load(s_ptr + group * stride_sg + rn, mask=nmask, other=0.0).to(tl.float32)  # [BN]
-                z = tl.load(z_ptr + group * stride_sg + rn, mask=nmask, other=0.0).to(tl.float32)
+            if BITS == 4:  # GROUPS_PER_ITER == 1
+                s = tl.reshape(s, [BLOCK_N])
+                z = tl.reshape(tl.load(z_ptr + sptrs, mask=smask, other=0.0), [BLOCK_N]).to(tl.float32)
                 xs = tl.sum(xt.to(tl.float32), axis=1)  # [BM]
                 z = z + OFFSET16
             if SWAP_AB:  # the weight tile is the MMA's A operand (rows = outputs), x the narrow B
@@ -180,13 +204,14 @@ def _quant_matmul_kernel(
                 q5 = _field(words, 5, BITS, MAGIC, OFFSET)
                 q6 = _field(words, 6, BITS, MAGIC, OFFSET)
                 q7 = _field(words, 7, BITS, MAGIC, OFFSET)
-            if BITS == 4:
+            if GROUP_SCALES:
                 group = kw // WPG + g  # [G]
                 smask = nmask[:, None]
                 if not EVEN_K:
                     smask = smask & (group * WPG < kw_end)[None, :]
                 sptrs = group[None, :] * stride_sg + rn[:, None]  # [BN, G]
                 s = tl.load(s_ptr + sptrs, mask=smask, other=0.0).to(tl.float32)
+            if BITS == 4:
                 z = tl.load(z_ptr + sptrs, mask=smask, other=0.0).to(tl.float32)
             for i in tl.static_range(BLOCK_M):
                 row = pid_m * BLOCK_M + i
@@ -215,6 +240,8 @@ def _quant_matmul_kernel(
                     else:
                         xs = tl.sum(x0 + x1 + x2 + x3, axis=1)
                     d = (d - z * xs[None, :]) * s
+                elif GROUP_SCALES:
+                    d = d * s
                 if BLOCK_M == 1:
                     acc_g += d
                 else:
@@ -222,7 +249,7 @@ def _quant_matmul_kernel(
         if BLOCK_M == 1:
             acc += tl.sum(acc_g, axis=1)[None, :]
 
-    if BITS == 8:
+    if not GROUP_SCALES:  # int8: one scale per row
         s = tl.load(s_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
         acc = acc * s[None, :]
     omask = mmask[:, None] & nmask[None, :]
@@ -254,7 +281,8 @@ def _field(words, pos: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, OF
 
 
 def _group(method: str, group_size: int) -> int:
-    return group_size if method == "int4" else INT8_CHUNK
+    """The ``K`` the kernel reduces before a scale applies: ``method``'s group (``int8``: :data:`INT8_CHUNK`)."""
+    return INT8_CHUNK if method == "int8" else group_size
 
 
 def plan_quant_matmul(m: int, n: int, k: int, method: str, group_size: int = 128,
@@ -268,7 +296,9 @@ def plan_quant_matmul(m: int, n: int, k: int, method: str, group_size: int = 128
     if use_dot:
         block_m = min(max(16, next_pow2(m)), 64 if m <= 64 else 128)
         block_n = 64 if m <= 64 else 128
-        groups_per_iter, num_warps, num_stages = 1, 4, 3
+        # int8_grouped's small groups are scaled into the weight tile: one dot over DOT_CHUNK input features
+        groups_per_iter = max(1, DOT_CHUNK // group) if method == "int8_grouped" else 1
+        num_warps, num_stages = 4, 3
         if m > 64:
             num_warps = 8
     else:
@@ -346,8 +376,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         x, words, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, part,
         counters, out,
         m, n, k, k_words, words_per_split,
-        x.stride(0), words.stride(0), scales.stride(0) if method == "int4" else 0, out.stride(0),
-        BITS=bits, GROUP=group, GROUPS_PER_ITER=cfg.groups_per_iter, HAS_BIAS=bias is not None,
+        x.stride(0), words.stride(0), scales.stride(0) if method != "int8" else 0, out.stride(0),
+        BITS=bits, GROUP=group, GROUP_SCALES=method != "int8", GROUPS_PER_ITER=cfg.groups_per_iter,
+        HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split > 1, USE_DOT=cfg.use_dot,
         UPCAST=upcast, IEEE=x.dtype == torch.float32, EVEN_K=even_k, SWAP_AB=cfg.swap_ab,
         MAGIC16=magic16, OFFSET16=offset16,

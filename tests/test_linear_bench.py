@@ -1,0 +1,41 @@
+"""benchmarks/linear.py, the parts that run here: its ``--smoke`` run of the ``int8_grouped`` formats (Triton under
+the interpreter) checks every backend against the reference before timing it and writes the error beside the time;
+its round-to-nearest ``int8_grouped`` weights stay within half a step."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from questkv.ops import quant_reference as ref
+
+pytest.importorskip("triton")
+
+_SPEC = importlib.util.spec_from_file_location(
+    "linear_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "linear.py")
+linear_bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(linear_bench)
+
+
+def test_smoke_run_checks_and_times_grouped_int8_beside_bf16(tmp_path):
+    out = tmp_path / "linear"
+    linear_bench.main(["--smoke", "--methods", "int8g16", "int8g32", "--no-sweep", "--out", str(out)])
+    payload = json.loads(out.with_suffix(".json").read_text())
+    backends = {t["backend"] for t in payload["times"]}
+    assert {"bf16", "int8g16-triton", "int8g32-triton", "int8g16-dequant", "int8g32-torch"} <= backends
+    assert not any(b.startswith(("int4", "int8-")) for b in backends)  # only the formats asked for
+    assert payload["checks"] and all(c["ok"] for c in payload["checks"])
+    assert all(t["rel_err"] < linear_bench.CHECK_TOL for t in payload["times"])
+    assert "| rel err |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("name, group", [("int8g16", 16), ("int8g32", 32)])
+def test_grouped_int8_rounding_stays_within_half_a_step(name, group):
+    w = torch.randn((8, 96), generator=torch.Generator().manual_seed(group))
+    q = linear_bench.quantize(w, name)
+    assert q.qweight.dtype == torch.int8 and q.scales.shape == (96 // group, 8) and q.zeros is None
+    back = ref.dequantize(*q, "int8_grouped", group)
+    step = q.scales.t().repeat_interleave(group, dim=1)  # [N, K]
+    assert torch.all((back - w).abs() <= step / 2 + 1e-6)
