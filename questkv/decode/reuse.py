@@ -138,6 +138,11 @@ class SelectionMemory:
             total += heads * (query_width * torch.empty(0, dtype=dtype).element_size() + 4)
         return total
 
+    @property
+    def counters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The selection-rate counters (``selections``, ``steps``, ``last_selections``), which a step adds to."""
+        return self.selections, self.steps, self.last_selections
+
     def forget(self, seq_ids: torch.Tensor) -> None:
         """Drop the selections of slots ``seq_ids`` (``[n]`` int64 on the device): their next step selects."""
         self.selected_at.index_fill_(0, seq_ids, -1)
@@ -146,7 +151,7 @@ class SelectionMemory:
         """A (re)prefill of slots ``seq_ids`` (``[n]`` int64 on the device): :meth:`forget` and zero their
         selection-rate counters."""
         self.forget(seq_ids)
-        for counter in (self.selections, self.steps, self.last_selections):
+        for counter in self.counters:
             counter.index_fill_(0, seq_ids, 0)
 
     def count_selecting_step(self, seq_ids: torch.Tensor) -> None:

@@ -58,13 +58,17 @@ class DecodeGraphs:
         batch_sizes: the batch sizes that get graphs (empty: every step runs eagerly, e.g. on CPU).
         max_pages_per_seq: the widest page table.
         device: the CUDA device.
+        warmup_keeps: tensors that the eager warm-up run before a capture must leave as they were: counters a step
+            adds to (a graph captured on first use runs its step once more when it replays).
 
     ``body(batch, width, all_pages)``, passed to :meth:`run` and :meth:`capture`, runs one decode step over the
     runner's static inputs and returns its ``[batch, vocab]`` float32 logits; device ops only (capturable).
     """
 
-    def __init__(self, batch_sizes: tuple[int, ...], max_pages_per_seq: int, device: torch.device) -> None:
+    def __init__(self, batch_sizes: tuple[int, ...], max_pages_per_seq: int, device: torch.device,
+                 warmup_keeps: tuple[torch.Tensor, ...] = ()) -> None:
         self.batch_sizes = batch_sizes
+        self.warmup_keeps = warmup_keeps
         self.max_pages_per_seq = max_pages_per_seq
         self._device = device
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -99,11 +103,14 @@ class DecodeGraphs:
     def capture(self, key: GraphKey, body: Body) -> None:
         """Capture the step of ``key``. The current static inputs are only read: warm-up and capture write K/V to
         the slots they name."""
+        kept = [tensor.clone() for tensor in self.warmup_keeps]
         stream = _capture_stream(self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
             body(*key)  # compiles the kernels outside the capture
         torch.cuda.current_stream(self._device).wait_stream(stream)
+        for tensor, value in zip(self.warmup_keeps, kept):
+            tensor.copy_(value)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = body(*key)

@@ -36,10 +36,8 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
     if budget is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         tokens = config.prefill_tokens_per_step(max_model_len)
-        # A prefill step's activations, and the K/V of a chunk's (or a prefix hit's) context: gathered from the pages,
-        # joined to the step's own and expanded to the query heads, up to max_model_len tokens.
-        context = max_model_len * 2 * (2 * spec.num_kv_heads + spec.num_q_heads) * spec.head_dim
-        activations = (tokens * (6 * spec.hidden_size + 4 * spec.intermediate_size) + context) * element
+        # A prefill step's activations; a chunk (or a prefix hit) reads its context straight from the pages.
+        activations = tokens * (6 * spec.hidden_size + 4 * spec.intermediate_size) * element
         share = int(total * config.gpu_memory_utilization) - weight_bytes
         budget = min(share, free) - activations - _ACTIVATION_RESERVE_BYTES
         where = (f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / 2**30:.1f} GiB less "

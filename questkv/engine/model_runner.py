@@ -178,7 +178,8 @@ class ModelRunner:
         self.budget = config.quest.token_budget if config.quest is not None else None
         self.sampler = Sampler()
         batch_sizes = graph_batch_sizes(config.max_num_seqs) if config.use_cuda_graphs else ()
-        self.graphs = DecodeGraphs(batch_sizes, self.cache.max_pages_per_seq, self.device)
+        self.graphs = DecodeGraphs(batch_sizes, self.cache.max_pages_per_seq, self.device,
+                                   warmup_keeps=self.memory.counters if self.memory is not None else ())
         rows = max(batch_sizes, default=config.max_num_seqs)
         pin = self.device.type == "cuda"
         # Two pinned staging buffers, used in turn: a step is staged while the copy of the one before may
