@@ -1,4 +1,4 @@
-"""Helpers shared by the Quest Triton kernels' launchers."""
+"""Helpers shared by the Quest Triton kernels and their launchers."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 import triton
+import triton.language as tl
 
 _DEFAULT_SMS = 132  # an H100/H200; the split heuristic's choice on a CPU (interpreter) run
 
@@ -87,3 +88,21 @@ def active_strides(active: Optional[torch.Tensor]) -> tuple[int, int]:
     if active is None:
         return 0, 0
     return (1, 0) if active.dim() == 1 else (active.shape[1], 1)
+
+
+@triton.jit
+def online_softmax_step(s, v, acc, m_i, l_i, IEEE: tl.constexpr):
+    """One key block of a flash-attention online softmax in base 2: scores ``s`` ``[M, N]`` float32 (log2 domain,
+    ``-inf`` where masked) and values ``v`` ``[N, D]`` update the running ``acc`` ``[M, D]``, row maximum ``m_i``
+    and row sum ``l_i`` ``[M]`` (float32; ``m_i`` starts at ``-inf``, so a row with no live key so far stays
+    empty). ``IEEE``: float32 values, an exact float32 product. Returns ``(acc, m_new, l_i)``."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i

@@ -17,6 +17,7 @@ from questkv.ops.triton._common import (
     interpreting,
     next_pow2,
     num_sms,
+    online_softmax_step,
     use_pdl,
 )
 
@@ -109,16 +110,7 @@ def _decode_split_kernel(
         else:
             s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
 
     if USE_PDL:
         gdc_launch_dependents()

@@ -21,7 +21,13 @@ import triton
 import triton.language as tl
 
 from questkv.ops.reference import check_prefill_attention
-from questkv.ops.triton._common import check_last_dim_contiguous, interpreting, next_pow2, num_sms
+from questkv.ops.triton._common import (
+    check_last_dim_contiguous,
+    interpreting,
+    next_pow2,
+    num_sms,
+    online_softmax_step,
+)
 
 _LOG2E = 1.4426950408889634
 # Launch configuration (first guesses for sm_90, to sweep on the H200): rows of one program (query tokens x the
@@ -79,16 +85,7 @@ def _attend_block(
         s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         s = tl.where(live[None, :] & (key[None, :] <= position[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    return online_softmax_step(s, v, acc, m_i, l_i, IEEE)
 
 
 @triton.jit
