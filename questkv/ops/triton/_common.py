@@ -91,6 +91,16 @@ def active_strides(active: Optional[torch.Tensor]) -> tuple[int, int]:
 
 
 @triton.jit
+def block_scores(q, k, qk_scale, IEEE: tl.constexpr):
+    """``q`` ``[M, D]`` times the key block ``k`` ``[N, D]``, scaled: ``[M, N]`` float32 logits (log2 domain with a
+    ``qk_scale`` holding log2(e)). ``IEEE``: float32 inputs keep a float32 product (a TF32 dot would cost ~1e-3
+    relative error)."""
+    if IEEE:
+        return tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    return tl.dot(q, tl.trans(k)) * qk_scale
+
+
+@triton.jit
 def online_softmax_step(s, v, acc, m_i, l_i, IEEE: tl.constexpr):
     """One key block of a flash-attention online softmax in base 2: scores ``s`` ``[M, N]`` float32 (log2 domain,
     ``-inf`` where masked) and values ``v`` ``[N, D]`` update the running ``acc`` ``[M, D]``, row maximum ``m_i``

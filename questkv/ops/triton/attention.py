@@ -12,6 +12,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from questkv.ops.reference import AttentionBuffers
 from questkv.ops.triton._common import (
+    block_scores,
     check_last_dim_contiguous,
     check_shape,
     interpreting,
@@ -104,11 +105,7 @@ def _decode_split_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        # float32 inputs keep float32 products (a TF32 dot would cost ~1e-3 relative error).
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N], log2 domain
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = block_scores(q, k, qk_scale, IEEE)  # [BLOCK_G, BLOCK_N]
         s = tl.where(live[None, :], s, float("-inf"))
         acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
 

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from questkv.ops.reference import check_prefill_attention
 from questkv.ops.triton._common import (
+    block_scores,
     check_last_dim_contiguous,
     interpreting,
     next_pow2,
@@ -78,11 +79,7 @@ def _attend_block(
     else:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-    # float32 inputs keep float32 products (a TF32 dot would cost ~1e-3 relative error).
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
-    else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = block_scores(q, k, qk_scale, IEEE)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where(live[None, :] & (key[None, :] <= position[:, None]), s, float("-inf"))
     return online_softmax_step(s, v, acc, m_i, l_i, IEEE)
