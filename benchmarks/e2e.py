@@ -271,12 +271,32 @@ def time_hf(model, batch, context, static: bool) -> dict:
     return {"ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "prefill_s": t_short}
 
 
-def check_tiny_fp32() -> dict:
-    """Engine CUDA path (Triton, graphs) == eager torch-reference path == HF greedy, on a small fp32 Llama."""
+def _tiny_llama():
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    return LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def _sharpened_engine(cfg, quest, **kwargs) -> LLM:
+    """A small fp32 CUDA engine of random weights whose QKV projections are scaled up 8× (sharper attention than
+    N(0, 0.02): which pages a selection picks matters)."""
+    llm = LLM(cfg, quest=quest, load_format="dummy", dtype="float32", device="cuda", max_num_seqs=4,
+              kv_cache_memory=256 << 20, seed=5, **kwargs)
+    with torch.no_grad():
+        for layer in llm.engine.runner.model.model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(8.0)
+    return llm
+
+
+def _agreement(got: list[list[int]], want: list[list[int]]) -> dict:
+    return {"identical": got == want, "tokens_match": sum(a == b for x, y in zip(got, want) for a, b in zip(x, y)),
+            "tokens": sum(len(y) for y in want)}
+
+
+def check_tiny_fp32() -> dict:
+    """Engine CUDA path (Triton, graphs) == eager torch-reference path == HF greedy, on a small fp32 Llama."""
+    cfg = _tiny_llama()
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (700, 1500, 333)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -290,24 +310,18 @@ def check_tiny_fp32() -> dict:
         tokens, rates = {}, {}
         for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
             q = quest if quest is None or path == "cuda-graphs" else QuestConfig(**{**quest.to_dict(), "backend": "torch"})
-            llm = LLM(cfg, quest=q, load_format="dummy", dtype="float32", device="cuda", max_num_seqs=4,
-                      kv_cache_memory=256 << 20, seed=5, **kwargs)
+            llm = _sharpened_engine(cfg, q, **kwargs)
             if path == "eager-reference":
                 llm.engine.cache.backend = "torch"
                 for module in llm.engine.runner.model.modules():
                     if hasattr(module, "backend") and hasattr(module, "pages"):
                         module.backend = "torch"
-            with torch.no_grad():  # sharper attention than N(0, 0.02): selection matters
-                for layer in llm.engine.runner.model.model.layers:
-                    layer.self_attn.qkv_proj.weight.mul_(8.0)
             outs = llm.generate(prompts, params, use_tqdm=False)
             tokens[path] = [list(o.token_ids) for o in outs]
             rates[path] = [o.metrics.selection_rate for o in outs]
             del llm
             gc.collect()
-        results[name] = {"identical": tokens["cuda-graphs"] == tokens["eager-reference"],
-                         "tokens_match": sum(a == b for x, y in zip(tokens["cuda-graphs"], tokens["eager-reference"])
-                                             for a, b in zip(x, y)), "tokens": 3 * 24}
+        results[name] = _agreement(tokens["cuda-graphs"], tokens["eager-reference"])
         if quest is not None and quest.selection_interval > 1:  # the share of (step, layer, head) that selected
             results[name]["selection_rates"] = rates
         if name == "dense":
@@ -322,11 +336,8 @@ def check_chunked_prefix_fp32() -> dict:
     """Chunked prefill and prefix-cache hits on the CUDA path (Triton, graphs) == one-step prefill without the
     prefix cache, greedy tokens on a small fp32 Llama, dense and Quest: prompts that share a 1024-token prefix
     are sent one after another (the later ones hit its pages) to an engine with 96-token chunks, which then
-    prefill the rest attending the cached pages (gather + causal SDPA, the path CI runs on the CPU)."""
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    prefill the rest attending the cached pages (``ops.paged_prefill_attention``; CI runs its reference on the CPU)."""
+    cfg = _tiny_llama()
     gen = torch.Generator().manual_seed(11)
     shared = torch.randint(0, 512, (1024,), generator=gen).tolist()
     prompts = [shared + torch.randint(0, 512, (n,), generator=gen).tolist() for n in (300, 517, 41)]
@@ -336,19 +347,13 @@ def check_chunked_prefix_fp32() -> dict:
         tokens, cached = {}, {}
         for path, kwargs in (("one-step", {"enable_prefix_caching": False, "enable_chunked_prefill": False}),
                              ("chunked-prefix", {"max_num_batched_tokens": 96})):
-            llm = LLM(cfg, quest=quest, load_format="dummy", dtype="float32", device="cuda", max_num_seqs=4,
-                      kv_cache_memory=256 << 20, seed=5, **kwargs)
-            with torch.no_grad():
-                for layer in llm.engine.runner.model.model.layers:
-                    layer.self_attn.qkv_proj.weight.mul_(8.0)
+            llm = _sharpened_engine(cfg, quest, **kwargs)
             outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
             tokens[path] = [list(o.token_ids) for o in outs]
             cached[path] = [o.metrics.num_cached_tokens for o in outs]
             del llm
             gc.collect()
-        results[name] = {"identical": tokens["chunked-prefix"] == tokens["one-step"],
-                         "tokens_match": sum(a == b for x, y in zip(tokens["chunked-prefix"], tokens["one-step"])
-                                             for a, b in zip(x, y)), "tokens": 3 * 24,
+        results[name] = {**_agreement(tokens["chunked-prefix"], tokens["one-step"]),
                          "cached_tokens": cached["chunked-prefix"]}
     return results
 
