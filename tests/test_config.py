@@ -67,6 +67,15 @@ def test_every_field_refuses_what_its_metadata_does_not_allow(field):
         with pytest.raises(ValueError, match=f"{name} must be one of"):
             QuestConfig(**{field.name: "bogus"})
         return
+    if meta["interval"] is not None:  # a float in [low, high]
+        low, high = meta["interval"]
+        for bad, message in ((low - 0.5, f"{name} must be in \\[{low}, {high}\\]"),
+                             (high + 0.5, f"{name} must be in \\[{low}, {high}\\]"),
+                             ("0.5", f"{name} must be a finite number"), (True, f"{name} must be a finite number"),
+                             (float("nan"), f"{name} must be a finite number")):
+            with pytest.raises(ValueError, match=message):
+                QuestConfig(**{field.name: bad})
+        return
     assert meta["minimum"] in (0, 1)
     for bad, message in ((meta["minimum"] - 1, f"{name} must be >= {meta['minimum']}"), (1.0, f"{name} must be an int"),
                          (True, f"{name} must be an int")):

@@ -28,6 +28,14 @@ def test_every_sweep_runs_on_a_tiny_model_on_the_cpu(tmp_path):
     assert set(agreement["agreement_texts"]) == {"agreement_book", "agreement_code"}
     assert {c["metric"] for c in documents["eval-reuse-ppl-qwen2.5-coder-1.5b-32k"]["cells"]} == {"ppl"}
     assert {c["length"] for c in documents["eval-reuse-qwen2.5-coder-1.5b-32k"]["cells"]} == {256}
+    for name, policies in (("adaptive", eval_reuse.ADAPTIVE_POLICIES), ("selection", eval_reuse.SELECTION_POLICIES)):
+        cells = documents[f"eval-{name}-agreement-qwen2.5-coder-1.5b-16k"]["cells"]
+        assert {c["policy"] for c in cells} == set(policies.split(",")) and {c["metric"] for c in cells} == {"agreement"}
+        cells = documents[f"eval-{name}-qwen2.5-coder-1.5b-16k"]["cells"]
+        assert {c["policy"] for c in cells} == set(policies.split(",")) and len({c["task"] for c in cells}) == 5
+    adaptive = [c for c in documents["eval-adaptive-qwen2.5-coder-1.5b-16k"]["cells"]
+                if "reselect_similarity" in c["policy"]]
+    assert adaptive and all(0 < c["selection_rate"] <= 1 for c in adaptive)
     for name in ("eval-lowbit-qwen2.5-coder-1.5b-16k", "eval-lowbit-ppl-qwen2.5-coder-1.5b-32k"):  # rounded at load
         assert documents[name]["spec"]["quantization"] == "int8" and documents[name]["cells"]
 

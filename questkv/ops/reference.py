@@ -49,6 +49,8 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from questkv.config import GROUP_REDUCTIONS, RERANKS, SELECTIONS
 
@@ -279,15 +281,14 @@ def paged_prefill_attention(
         if n == 0:
             continue
         pages = page_table[row, :-(-seq_len // page_size)].long()  # [ceil(L / page_size)]
-        k = k_pages[pages].flatten(0, 1)[:seq_len].float()  # [L, Hkv, D]
-        v = v_pages[pages].flatten(0, 1)[:seq_len].float()
-        qg = q[begin:begin + n].float().view(n, num_kv_heads, group, head_dim)
-        logits = torch.einsum("tkgd,skd->kgts", qg, k) * sm_scale  # [Hkv, G, n, L]
-        position = torch.arange(seq_len - n, seq_len, device=q.device)  # [n] of the new tokens
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= position[:, None]  # [n, L]
-        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-        o = torch.einsum("kgts,skd->tkgd", probs, v)  # [n, Hkv, G, D]
-        out[begin:begin + n] = o.reshape(n, num_q_heads, head_dim).to(q.dtype)
+        k = k_pages[pages].flatten(0, 1)[:seq_len].float().transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = v_pages[pages].flatten(0, 1)[:seq_len].float().transpose(0, 1)[None]
+        qs = q[begin:begin + n].float().transpose(0, 1)[None]  # [1, Hq, n, D]
+        # SDPA, the op of the prefill without cached tokens (Attention._prefill): on a CPU both prefill paths share
+        # their arithmetic.
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal_lower_right(n, seq_len), scale=sm_scale)
+        out[begin:begin + n] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 

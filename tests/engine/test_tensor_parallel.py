@@ -89,8 +89,10 @@ def test_two_ranks_give_the_tokens_of_one_device_for_ragged_quest_dense_and_samp
               greedy_params(12, token_budget=8)]
     expected = tokens(single, prompts, params)
     assert tokens(sharded, prompts, params) == expected
-    # Again: the prompts now start on prefix-cache pages (the ranks attend the cached K/V of their heads).
-    assert tokens(sharded, prompts, params) == expected
+    # Again, on both: the prompts now start on prefix-cache pages (the ranks attend the cached K/V of their heads).
+    # Against the single device's second run, whose cache and schedule are the same: a hit computes fewer rows than
+    # the first run did, which may round differently (at a budget of 2 pages, a near-tie of page scores can flip).
+    assert tokens(sharded, prompts, params) == tokens(single, prompts, params)
     assert sharded.engine.cache.num_free_pages == POOL_PAGES - 1  # every page back but the scratch page
 
 
