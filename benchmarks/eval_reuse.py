@@ -33,23 +33,11 @@ file, in the order they run, most wanted first (a file's later invocations resum
     page-selection defaults, ``kv_head`` with ``sum`` (the default),
     ``kv_head`` with ``max`` and ``q_head``, on the same tasks and budgets (not yet run).
 
-They run in the order (e), (a), (b) at 16k, (d), (c), (b) at 32k, (f), (g) (finished files are skipped when resumed). Estimated H200 time (not measured; bf16; a 16k
-prefill of the 1.5B taken as 0.12 s and a 32k one as 0.35 s, one per sample and pass since a sample's settings
-share it; decode steps of up to 128 requests as 5 ms at 16k and 8 ms at 32k; an engine build, with its model
-load, compiled elementwise kernels and lazily captured decode graphs, as 20 s, one per invocation):
-
-====================  ========  =======================  ============  ============  ======
-invocation            prefills  decode steps             engines       other         total
-====================  ========  =======================  ============  ============  ======
-(a) 16k               60: 7 s   ~360: 2 s                1: 20 s       samples 3 s   ~32 s
-(b) 16k, the rest     180: 22 s ~2700: 14 s              1: 20 s       samples 5 s   ~61 s
-(d) ppl 32k           8: 3 s    ~510: 3 s                1: 20 s       text 1 s      ~27 s
-(c) agreement 16k     24: 3 s   ~770: 4 s                1: 20 s       texts 3 s     ~30 s
-(b) 32k               240: 84 s ~2700: 22 s              1: 20 s       samples 10 s  ~136 s
-====================  ========  =======================  ============  ============  ======
-
-About 5 minutes in all, one ``run`` call; with the model's staging (19 ``stage`` calls of about 5 s and a
-``finish`` of 76 s, as measured before) about 8 minutes of H200 time.
+They run in the order (e), (a), (b) at 16k, (d), (c), (f), (g), (b) at 32k (finished files are skipped when
+resumed). Measured H200 time (the cells' ``seconds``, commit c552545): (a) and (b) at 16k 484 s for 54 cells (the
+first engine's load and compilation inside its first cell), (c) 27 s, (d) 45 s; at about 6 s per 16k retrieval
+cell (20 samples) and 1 s per agreement cell, (f) is about 8 minutes and (g) about 4; the model's staging (23
+``stage`` calls) and ``finish`` take about 4 minutes more.
 
 Here::
 
@@ -114,13 +102,13 @@ def sweeps(alias: str = ALIAS) -> dict[str, list[list[str]]]:
             ["--tasks", "agreement_book,agreement_code", "--lengths", "16384", "--samples", "4", "--budgets", "1024,2048",
              "--agreement-tokens", "128", "--policies", POLICIES],
         ],
-        f"eval-reuse-{alias}-32k": [
-            ["--tasks", TASKS, "--lengths", "32640", "--samples", "20", "--budgets", "2048,4096", "--policies", POLICIES],
-        ],
         f"eval-adaptive-agreement-{alias}-16k": [[*AGREEMENT, "--policies", ADAPTIVE_POLICIES]],
         f"eval-adaptive-{alias}-16k": [[*RETRIEVAL_16K, "--policies", ADAPTIVE_POLICIES]],
         f"eval-selection-agreement-{alias}-16k": [[*AGREEMENT, "--policies", SELECTION_POLICIES]],
         f"eval-selection-{alias}-16k": [[*RETRIEVAL_16K, "--policies", SELECTION_POLICIES]],
+        f"eval-reuse-{alias}-32k": [
+            ["--tasks", TASKS, "--lengths", "32640", "--samples", "20", "--budgets", "2048,4096", "--policies", POLICIES],
+        ],
     }
 
 
