@@ -54,11 +54,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 ALIAS = "qwen2.5-coder-1.5b"
@@ -151,6 +153,9 @@ def run(commit: str, seconds: int, resume_from: str = "", alias: str = ALIAS) ->
     for name, runs in sweeps(alias).items():
         resume = f"{resume_from}/{name}.json" if resume_from and (REPO / resume_from / f"{name}.json").is_file() else ""
         for args in runs:
+            done = gpu_eval.WORK / "results" / f"{name}.json"
+            if is_complete(done if done.is_file() else REPO / resume if resume else None, args):
+                continue  # starting the sweep only to find every cell would cost a process and its imports
             left = int(end - time.monotonic())
             if left < 30:
                 print("time is up: run the same call again to resume", flush=True)
@@ -159,6 +164,24 @@ def run(commit: str, seconds: int, resume_from: str = "", alias: str = ALIAS) ->
             if code:
                 return code
     return 0
+
+
+def expected_cells(args: list[str]) -> set[tuple]:
+    """The ``(task, length, policy, budget)`` cells that an invocation's sweep ``args`` produce: ``full`` once per
+    task and length (budget ``None``), every other policy once per budget."""
+    flags = dict(zip(args[::2], args[1::2]))
+    budgets = [int(b) for b in flags["--budgets"].split(",")]
+    return {(task, int(length), policy, None if policy == "full" else budget)
+            for task in flags["--tasks"].split(",") for length in flags["--lengths"].split(",")
+            for policy in flags["--policies"].split(",") for budget in ([None] if policy == "full" else budgets)}
+
+
+def is_complete(path: Optional[Path], args: list[str]) -> bool:
+    """Whether the results JSON at ``path`` (``None``: none yet) holds every cell of the invocation ``args``."""
+    if path is None:
+        return False
+    cells = json.loads(path.read_text())["cells"]
+    return expected_cells(args) <= {(c["task"], c["length"], c["policy"], c["budget"]) for c in cells}
 
 
 def smoke_args(args: list[str]) -> list[str]:

@@ -3,6 +3,7 @@ lengths, through ``questkv eval sweep``), and the device calls it prints."""
 
 import importlib.util
 import json
+import random
 from pathlib import Path
 
 _SPEC = importlib.util.spec_from_file_location(
@@ -38,6 +39,17 @@ def test_every_sweep_runs_on_a_tiny_model_on_the_cpu(tmp_path):
     assert adaptive and all(0 < c["selection_rate"] <= 1 for c in adaptive)
     for name in ("eval-lowbit-qwen2.5-coder-1.5b-16k", "eval-lowbit-ppl-qwen2.5-coder-1.5b-32k"):  # rounded at load
         assert documents[name]["spec"]["quantization"] == "int8" and documents[name]["cells"]
+    # A resumed run skips an invocation only when its file holds every cell the invocation makes.
+    paths = {p.stem: p for p in paths}
+    for name, runs in eval_reuse.SWEEPS.items():
+        assert all(eval_reuse.is_complete(paths[name], eval_reuse.smoke_args(args)) for args in runs)
+    document = documents["eval-adaptive-qwen2.5-coder-1.5b-16k"]
+    document["cells"].pop(random.randrange(len(document["cells"])))
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps(document))
+    (args,) = eval_reuse.SWEEPS["eval-adaptive-qwen2.5-coder-1.5b-16k"]
+    assert not eval_reuse.is_complete(partial, eval_reuse.smoke_args(args))
+    assert not eval_reuse.is_complete(None, args)
 
 
 def test_the_device_calls_run_each_sweep_through_gpu_eval():
