@@ -146,12 +146,12 @@ def test_kernel_matches_the_reference_in_bfloat16(method, group_size, m, use_dot
 
 
 @pytest.mark.parametrize("group_size", [16, 32])  # GGUF Q6_K, Q8_0
-@pytest.mark.parametrize("m", [1, 3, 17])  # the FMA loop at 1 and 3 rows, the tl.dot loop at 17
+@pytest.mark.parametrize("m", [1, 3, 17])  # the FMA loop at 1 row, the tl.dot loop at 3 and 17
 @pytest.mark.parametrize("bias", [True, False])
 def test_kernel_matches_the_reference_for_grouped_int8(group_size, m, bias):
     seed = zlib.crc32(f"int8_grouped {group_size} {m} {bias}".encode()) % 1000
     cfg = _check_kernel("int8_grouped", m, torch.float32, None, seed, group_size=group_size, bias=bias)
-    assert cfg.use_dot == (m > qk.FMA_MAX_M) and cfg.split_k > 1
+    assert cfg.use_dot == (m > qk.FMA_MAX_M["int8_grouped"]) and cfg.split_k > 1
 
 
 def test_kernel_rejects_a_bad_grouped_int8_weight():

@@ -49,8 +49,11 @@ __all__ = [
     "tinygemm_pack",
 ]
 
-FMA_MAX_M = 4
-"""Rows of ``x`` up to which :func:`plan_quant_matmul` picks the FMA loop (above: the ``tl.dot`` loop)."""
+FMA_MAX_M = {"int4": 4, "int8": 4, "int8_grouped": 1}
+"""Per format, the rows of ``x`` up to which :func:`plan_quant_matmul` picks the FMA loop (above: the ``tl.dot``
+loop). ``int8_grouped`` keeps it for one row only: its groups of 16 or 32 make the FMA loop reduce and scale every
+group per row, 11.3 ms over the 8B's linears at 4 rows on an H200 against 5.9 ms for the dot loop at 16 rows
+(``benchmarks/results/linear-int8g-h200.md``)."""
 
 INT8_CHUNK = 128
 """``int8`` (one scale per row) is reduced in chunks of this many input features, as ``int4`` in its groups."""
@@ -292,7 +295,7 @@ def plan_quant_matmul(m: int, n: int, k: int, method: str, group_size: int = 128
     or a CPU: an H200's 132); ``use_dot`` forces a loop (default: FMA up to :data:`FMA_MAX_M` rows)."""
     group = _group(method, group_size)
     if use_dot is None:
-        use_dot = m > FMA_MAX_M
+        use_dot = m > FMA_MAX_M[method]
     if use_dot:
         block_m = min(max(16, next_pow2(m)), 64 if m <= 64 else 128)
         block_n = 64 if m <= 64 else 128
