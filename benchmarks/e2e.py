@@ -96,8 +96,8 @@ def synthetic_prefill(engine) -> None:
     gen = torch.Generator(device=cache.device).manual_seed(0)
     while engine.scheduler.num_waiting:
         batch = engine.scheduler.schedule()
-        if not batch.is_prefill:
-            raise RuntimeError("a decode step came before every request was admitted")
+        if batch.num_decodes:
+            raise RuntimeError("a decode came before every request was admitted")
         pages = torch.tensor([p for seq in batch.seqs for p in cache.pages_of(seq.cache_id)], device=cache.device)
         for layer in range(cache.num_layers):
             shape = (len(pages), cache.page_size) + tuple(cache.k_pages.shape[3:])
@@ -386,7 +386,7 @@ def check_8b_against_hf(cfg) -> dict:
         for step in range(16):
             batch = engine.scheduler.schedule()
             with torch.inference_mode():
-                row = engine.runner._prefill(batch) if batch.is_prefill else engine.runner._decode(batch)
+                row = engine.runner._prefill(batch) if batch.num_prefills else engine.runner._decode(batch)
             if step in (0, 8):
                 logits.append(row[0].float().clone())
             got.append(int(row[0].argmax()))

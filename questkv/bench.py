@@ -57,8 +57,8 @@ class LatencySpec:
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Engine settings every run needs: all requests decoded together, their prefill in as few steps as fit,
-        unchunked (a chunked prefill would run decode steps of the requests already started between chunks, and
-        count them as prefill; ``--enable-chunked-prefill`` asks for it)."""
+        unchunked (a chunked prefill would mix decode tokens of the requests already started into the steps of the
+        later chunks, and count them as prefill; ``--enable-chunked-prefill`` asks for it)."""
         tokens = max(self.input_len, min(self.batch_size * self.input_len, MAX_PREFILL_TOKENS))
         return {"max_num_seqs": self.batch_size, "max_num_batched_tokens": tokens, "enable_chunked_prefill": False}
 

@@ -274,9 +274,10 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help=argparse.SUPPRESS)
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                       help="split each prefill into chunks of at most --max-num-batched-tokens tokens and alternate "
-                       "prefill and decode steps, so that a long prompt never stalls running decodes for seconds; "
-                       "--no-enable-chunked-prefill prefills each prompt in one step (default: on)")
+                       help="split each prefill into chunks and mix them with the running decodes' tokens in steps "
+                       "of at most --max-num-batched-tokens tokens, so that a long prompt never stalls running "
+                       "decodes for seconds; --no-enable-chunked-prefill prefills each prompt in one step "
+                       "(default: on)")
     group.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="weight-only quantized linears: int4 (groups of 128) or int8 (per row) rounded to nearest "
                        "after loading, or a checkpoint's own packed weights: gguf (Q4_0/Q4_1/Q4_K/Q8_0/Q6_K of a .gguf), "
@@ -291,8 +292,9 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
         group.add_argument("--max-num-seqs", type=int_at_least(1), default=32,
                            help="the most requests decoded together (default: 32)")
         group.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
-                           help="the most prompt tokens per prefill step: the chunk size with chunked prefill "
-                           "(default: 8192, or max(max-model-len, 8192) with --no-enable-chunked-prefill)")
+                           help="the most tokens per step, decode tokens and prefill chunks together, at least "
+                           "--max-num-seqs (default: max(8192, max-num-seqs)); with --no-enable-chunked-prefill the "
+                           "most prompt tokens per prefill step (default: max(max-model-len, 8192))")
         group.add_argument("--kv-cache-memory", type=byte_size, default=None,
                            help="KV-cache size, e.g. 4GiB (default: what --gpu-memory-utilization leaves, or 1 GiB "
                            "on CPU)")

@@ -117,7 +117,7 @@ def engine_greedy(model, prompts, steps: int, quest=None, dtype=torch.float32, p
                          dtype=dtype)
     bind_cache(model, cache)
     seq_ids = [cache.add_sequence() for _ in prompts]
-    ctx = StepContext.prefill(cache, seq_ids, lens)
+    ctx = StepContext.for_prefill(cache, seq_ids, lens)
     positions = torch.cat([torch.arange(n) for n in lens])
     hidden = model(torch.cat(prompts), positions, ctx)  # [T, hidden]
     prefill_logits = list(model.compute_logits(hidden).split(lens))
@@ -128,7 +128,7 @@ def engine_greedy(model, prompts, steps: int, quest=None, dtype=torch.float32, p
     positions = torch.tensor(lens)
     decode_logits = []
     for _ in range(steps):
-        ctx = StepContext.decode(cache, seq_ids, step)
+        ctx = StepContext.for_decode(cache, seq_ids, step)
         logits = model.compute_logits(model(tokens[-1], positions, ctx))  # [B, vocab]
         decode_logits.append(logits)
         tokens.append(logits.argmax(-1))

@@ -1,9 +1,12 @@
 """Per-step metadata that the runner hands to every layer of the model (no module-level state).
 
-A :class:`StepContext` says where the step's new tokens go in the page pool and what each sequence
-attends. The runner builds one per step (on CUDA, decode contexts hold the static buffers of a
-captured graph); :meth:`StepContext.prefill` and :meth:`StepContext.decode` build eager ones
-straight from a :class:`~questkv.cache.paged.PagedKVCache` (tests, the CPU path).
+A :class:`StepContext` says where the step's new tokens go in the page pool and what each sequence attends: its
+leading decode rows (:class:`DecodeRows`, one token each) and its prefill rows after them (:class:`PrefillRows`),
+either part possibly absent. A decode-only step is what a CUDA graph captures; a step with prefill rows runs
+eagerly, decode rows included (a mixed step of chunked prefill). The runner builds one per step (on CUDA, decode
+rows hold the static buffers of a captured graph); :meth:`StepContext.for_prefill` and
+:meth:`StepContext.for_decode` build eager ones straight from a :class:`~questkv.cache.paged.PagedKVCache` (tests,
+the CPU path).
 """
 
 from __future__ import annotations
@@ -19,42 +22,53 @@ from questkv.decode.step import QuestDecodeStep
 
 
 @dataclasses.dataclass(slots=True)
-class StepContext:
-    """What one forward step of the engine's model reads.
+class DecodeRows:
+    """The decode rows of a step: one new token per sequence, the step's leading ``batch`` tokens.
 
     Attributes:
-        is_prefill: every sequence brings its tokens (prompt, or prompt and generated tokens when a preempted
-            sequence is recomputed) past its ``cached_lens`` (prefix-cache pages, earlier chunks), all of them or the
-            next chunk; else one token each.
-        slots: ``[num_tokens]`` int64, ``page * page_size + offset`` of every new token, sequence
-            after sequence (the flat token order of the step's ``input_ids``).
         page_table: ``[batch, max_pages]`` int32, the sequences' pages.
-        seq_lens: ``[batch]`` int32, tokens per sequence with the new ones, ``>= 1`` in every row
-            (padding rows of a captured batch too).
-        query_starts: prefill only: ``batch + 1`` host ints, sequence ``i``'s tokens are
-            ``[query_starts[i], query_starts[i + 1])`` of the flat batch.
-        cached_lens: prefill only: ``batch`` host ints, the tokens each sequence already holds in the pool before
-            its new ones (whole shared pages of the prefix cache, and its earlier chunks of a chunked prefill), whose
-            K/V its new tokens attend too;
-            ``None``: every sequence starts empty.
-        decode_step: decode only: the step object whose buffers every layer's decode attention
-            uses in turn (dense layers call ``.dense``, sparse layers ``.sparse``).
-        budgets: ``[batch]`` int32 token budget of each sequence for sparse layers, or ``None``
-            for the decode step's configured budget.
-        reuse: decode only, selection reuse: the rows that select in this step and every sparse layer's
-            selections (sparse layer ``i``, the model's layer ``dense_layers + i``, reads ``reuse.selected[i]``);
-            ``None``: every row selects.
+        seq_lens: ``[batch]`` int32, tokens per sequence with the new one, ``>= 1`` in every row (padding rows of a
+            captured batch too).
+        step: the step object whose buffers every layer's decode attention uses in turn (dense layers call
+            ``.dense``, sparse layers ``.sparse``), built for ``batch`` rows.
+        budgets: ``[batch]`` int32 token budget of each sequence for sparse layers, or ``None`` for the step's
+            configured budget.
+        reuse: selection reuse: the rows that select in this step and every sparse layer's selections (sparse
+            layer ``i``, the model's layer ``dense_layers + i``, reads ``reuse.selected[i]``); ``None``: every row
+            selects.
     """
 
-    is_prefill: bool
-    slots: torch.Tensor
     page_table: torch.Tensor
     seq_lens: torch.Tensor
-    query_starts: Optional[list[int]] = None
-    cached_lens: Optional[list[int]] = None
-    decode_step: Optional[QuestDecodeStep] = None
+    step: QuestDecodeStep
     budgets: Optional[torch.Tensor] = None
     reuse: Optional[ReuseRows] = None
+
+    @property
+    def num_tokens(self) -> int:
+        """The decode rows' tokens, one per row (a shape: no device read)."""
+        return self.seq_lens.shape[0]
+
+
+@dataclasses.dataclass(slots=True)
+class PrefillRows:
+    """The prefill rows of a step: every sequence brings its tokens (prompt, or prompt and generated tokens when a
+    preempted sequence is recomputed) past its ``cached_lens``, all of them or the next chunk.
+
+    Attributes:
+        page_table: ``[batch, max_pages]`` int32, the sequences' pages.
+        seq_lens: ``[batch]`` int32, tokens per sequence with the new ones.
+        query_starts: ``batch + 1`` host ints: sequence ``i``'s tokens are ``[query_starts[i], query_starts[i + 1])``
+            of the prefill rows' tokens (counted from the first prefill token, after any decode rows).
+        cached_lens: ``batch`` host ints, the tokens each sequence already holds in the pool before its new ones
+            (whole shared pages of the prefix cache, and its earlier chunks of a chunked prefill), whose K/V its new
+            tokens attend too; ``None``: every sequence starts empty.
+    """
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_starts: list[int]
+    cached_lens: Optional[list[int]] = None
     _query_starts_tensor: Optional[torch.Tensor] = dataclasses.field(default=None, init=False, repr=False)
 
     def query_starts_tensor(self) -> torch.Tensor:
@@ -62,11 +76,29 @@ class StepContext:
         shared by every layer (the paged prefill attention's input)."""
         if self._query_starts_tensor is None:
             starts = torch.tensor(self.query_starts, dtype=torch.int32)
-            self._query_starts_tensor = starts.to(self.slots.device, non_blocking=True)
+            self._query_starts_tensor = starts.to(self.page_table.device, non_blocking=True)
         return self._query_starts_tensor
 
+
+@dataclasses.dataclass(slots=True)
+class StepContext:
+    """What one forward step of the engine's model reads.
+
+    Attributes:
+        slots: ``[num_tokens]`` int64, ``page * page_size + offset`` of every new token in the flat token order
+            of the step's ``input_ids``: the decode rows' tokens first, then the prefill rows', sequence after
+            sequence.
+        decode: the leading decode rows, or ``None``.
+        prefill: the prefill rows after them, or ``None``.
+    """
+
+    slots: torch.Tensor
+    decode: Optional[DecodeRows] = None
+    prefill: Optional[PrefillRows] = None
+
     @classmethod
-    def prefill(cls, cache: PagedKVCache, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> "StepContext":
+    def for_prefill(cls, cache: PagedKVCache, seq_ids: Sequence[int],
+                    num_new_tokens: Sequence[int]) -> "StepContext":
         """Reserve the pages of ``num_new_tokens[i]`` tokens for every (empty) sequence
         ``seq_ids[i]`` and describe the prefill step that writes them."""
         for seq_id in seq_ids:
@@ -79,10 +111,10 @@ class StepContext:
         starts = [0]
         for n in num_new_tokens:
             starts.append(starts[-1] + n)
-        return cls(True, slots, page_table, seq_lens, query_starts=starts)
+        return cls(slots, prefill=PrefillRows(page_table, seq_lens, starts))
 
     @classmethod
-    def decode(
+    def for_decode(
         cls,
         cache: PagedKVCache,
         seq_ids: Sequence[int],
@@ -93,4 +125,4 @@ class StepContext:
         (built for ``len(seq_ids)`` sequences and at least the batch's page count)."""
         slots = cache.reserve(seq_ids, [1] * len(seq_ids))
         page_table, seq_lens = cache.batch(seq_ids, max_pages=decode_step.max_pages)
-        return cls(False, slots, page_table, seq_lens, decode_step=decode_step, budgets=budgets)
+        return cls(slots, decode=DecodeRows(page_table, seq_lens, decode_step, budgets))

@@ -34,11 +34,11 @@ class EngineConfig:
         max_num_seqs: the most sequences decoded together.
         max_model_len: the most tokens (prompt and output) per sequence; ``None``: the model's
             ``max_position_embeddings``.
-        max_num_batched_tokens: the most prompt tokens per prefill step. With chunked prefill a longer prompt is
-            split into chunks of this size; ``None``: 8192 (vLLM's online-serving default: a chunk of 8192 tokens
-            keeps the matrix products of an 8B model compute-bound, so prefill loses little to chunking, while a
-            decode waits for at most one such chunk, a few hundred ms on an H200). Without chunking a longer prompt
-            runs alone; ``None``: ``max(max_model_len, 8192)``.
+        max_num_batched_tokens: with chunked prefill, the most tokens of one step, decode tokens and prefill
+            chunks together (at least ``max_num_seqs``: every decode fits); ``None``: ``max(8192, max_num_seqs)``
+            (vLLM's online-serving default: a step of 8192 tokens keeps the matrix products of an 8B model
+            compute-bound, so prefill loses little to chunking). Without chunking, the most prompt tokens per
+            prefill step, a longer prompt running alone; ``None``: ``max(max_model_len, 8192)``.
         kv_cache_memory: bytes of KV cache; ``None``: what ``gpu_memory_utilization`` leaves (CUDA) or 1 GiB (CPU).
             With tensor parallelism, per rank (each holds its KV heads' share of every page).
         gpu_memory_utilization: fraction in (0, 1] of the GPU's whole memory this engine may occupy: weights,
@@ -73,8 +73,9 @@ class EngineConfig:
             not what a prefill of the same tokens computes. Same tokens as without it, up to the float rounding of
             the prefill that attends the cached pages (:func:`~questkv.ops.paged_prefill_attention`).
         enable_chunked_prefill: split a prefill into chunks of at most ``max_num_batched_tokens`` tokens (as vLLM's
-            ``--enable-chunked-prefill``), so that a long prompt never stalls running decodes for seconds: prefill and
-            decode steps alternate while both have work (decode steps keep their CUDA graphs), a chunk attends the
+            ``--enable-chunked-prefill``), so that a long prompt never stalls running decodes for seconds: each step
+            carries one token of every running decode and fills the rest of ``max_num_batched_tokens`` with prefill
+            chunks (a mixed step, run eagerly; decode-only steps keep their CUDA graphs), a chunk attends the
             sequence's earlier chunks in the pool (as a prefix-cache hit does), and the pages of each chunk are
             offered to the prefix cache as they fill. Same tokens as unchunked, up to the float rounding of the
             chunks' paged attention over the pool (see :class:`~questkv.engine.scheduler.Scheduler`).
@@ -129,6 +130,13 @@ class EngineConfig:
             check_choice("EngineConfig.quantization", self.quantization, QUANTIZATIONS)
         check_bool("EngineConfig.enable_prefix_caching", self.enable_prefix_caching)
         check_bool("EngineConfig.enable_chunked_prefill", self.enable_chunked_prefill)
+        if (self.enable_chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(
+                f"EngineConfig.max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
+                f"{self.max_num_seqs} with chunked prefill (a step carries one token of every decoding sequence); "
+                "raise it, lower max_num_seqs or turn chunked prefill off"
+            )
         check_int("EngineConfig.tensor_parallel_size", self.tensor_parallel_size, minimum=1)
         if self.torch_device.type == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size} needs as many CUDA "
@@ -162,7 +170,7 @@ class EngineConfig:
         """:attr:`max_num_batched_tokens`, its default resolved for an engine of ``max_model_len``."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return 8192 if self.enable_chunked_prefill else max(max_model_len, 8192)
+        return max(8192, self.max_num_seqs) if self.enable_chunked_prefill else max(max_model_len, 8192)
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["DecodeGraphs", "graph_batch_sizes", "graph_widths", "table_width"]
+__all__ = ["DecodeGraphs", "GraphKey", "graph_batch_sizes", "graph_widths", "table_width"]
 
 # Batch sizes with a captured decode graph: these, then every multiple of 16 up to max_num_seqs.
 _GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)

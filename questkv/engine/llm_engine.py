@@ -244,8 +244,8 @@ class LLMEngine:
         slots = [seq.cache_id for seq in seqs]  # the update frees the finished ones'; their counters stay
         # Asynchronous scheduling: the step launched after this one decodes these sequences once more, to be discarded
         ahead = self._in_flight[0] if self._in_flight is not None else None
-        ahead = set() if ahead is None or ahead.is_prefill else set(map(id, ahead.seqs))
-        if not batch.is_prefill:
+        ahead = set() if ahead is None else set(map(id, ahead.seqs[:ahead.num_decodes]))
+        if batch.num_decodes:
             self._account_attention(batch, live)
         finished = set(map(id, self.scheduler.update(batch, tokens, sampled.forced_logprobs())))
         outputs = []
@@ -334,17 +334,18 @@ class LLMEngine:
         return text[:position]
 
     def _account_attention(self, batch: ScheduledBatch, live: list[bool]) -> None:
-        """Add each live sequence's KV tokens attended in this decode step, averaged over layers and heads
-        (dense layers and dense requests: the whole context; Quest layers: Quest's page accounting)."""
-        contexts = list(batch.seq_lens)  # the new token included
+        """Add each live decode row's KV tokens attended in this step, averaged over layers and heads (dense layers
+        and dense requests: the whole context; Quest layers: Quest's page accounting); ``live``: per sampling row."""
+        seqs = batch.seqs[:batch.num_decodes]
+        contexts = list(batch.seq_lens[:batch.num_decodes])  # the new token included
         attended = list(map(float, contexts))
         quest = self.config.quest
-        sparse_rows = [i for i, seq in enumerate(batch.seqs) if self._sparse_layers and not seq.sampling_params.dense]
+        sparse_rows = [i for i, seq in enumerate(seqs) if self._sparse_layers and not seq.sampling_params.dense]
         if sparse_rows:
-            budgets = [batch.seqs[i].sampling_params.token_budget or quest.token_budget for i in sparse_rows]
+            budgets = [seqs[i].sampling_params.token_budget or quest.token_budget for i in sparse_rows]
             # A reused selection, made at a shorter length, attends the pages begun since it in full too.
-            made_at = [selection_seq_len(contexts[i], batch.seqs[i].num_prompt_tokens,
-                                         self.runner.selection_interval_of(batch.seqs[i])) for i in sparse_rows]
+            made_at = [selection_seq_len(contexts[i], seqs[i].num_prompt_tokens,
+                                         self.runner.selection_interval_of(seqs[i])) for i in sparse_rows]
             begun = [-(-contexts[i] // quest.page_size) - -(-at // quest.page_size) for i, at in zip(sparse_rows, made_at)]
             sparse = sparse_tokens_attended(torch.tensor(made_at), torch.tensor(budgets), quest.page_size).tolist()
             sparse = [tokens + pages * quest.page_size for tokens, pages in zip(sparse, begun)]  # host: no device sync
@@ -354,7 +355,7 @@ class LLMEngine:
             sparse_of = dict(zip(sparse_rows, sparse))
         else:
             sparse_of = {}
-        for i, (seq, tokens, was_live) in enumerate(zip(batch.seqs, attended, live)):
+        for i, (seq, tokens, was_live) in enumerate(zip(seqs, attended, live)):
             if was_live:
                 seq.tokens_attended_sum += tokens
                 seq.sparse_tokens_attended_sum += sparse_of.get(i, 0.0)

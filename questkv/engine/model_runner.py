@@ -9,11 +9,18 @@ them.
 
 With tensor parallelism every rank has a runner over its shard of the model and its KV heads' page pool (the same
 page count on every rank: each plans, the smallest wins). Rank 0's turns each step into a :class:`StepMessage`
-(the pages its scheduler added since the last message, and the prefill tokens or the packed decode inputs: about
-2 KB per decode step at batch 32, pickled in ~15 µs on the host) and sends it to the other ranks before running it
-(:class:`~questkv.engine.tp_workers.WorkerPool`); they run it with :meth:`ModelRunner.run_step`, the same code from
-the packed inputs on. Rank 0 samples from the gathered logits and broadcasts the tokens, so every rank holds them
-for an asynchronous step's inputs.
+(the pages its scheduler added since the last message, and the prefill tokens and/or the packed decode inputs:
+about 2 KB per decode step at batch 32, pickled in ~15 µs on the host) and sends it to the other ranks before
+running it (:class:`~questkv.engine.tp_workers.WorkerPool`); they run it with :meth:`ModelRunner.run_step`, the same
+code from the packed inputs on. Rank 0 samples from the gathered logits and broadcasts the tokens, so every rank
+holds them for an asynchronous step's inputs.
+
+A step is decode-only (its rows staged into the packed decode inputs and run by :meth:`ModelRunner._decode_body`,
+under a CUDA graph on CUDA) or has prefill rows (:meth:`ModelRunner._run_prefill`, eager). With chunked prefill the
+latter may also carry decode rows (a mixed step): they are staged into the same packed inputs and padded to a
+captured batch size as a decode-only step's, so that their attention is the decode step's, over the same
+:class:`~questkv.decode.step.QuestDecodeStep` and selection memory, and the model runs once over the decode tokens
+followed by the prefill tokens.
 """
 
 from __future__ import annotations
@@ -25,12 +32,12 @@ import numpy as np
 import torch
 
 from questkv.cache.paged import PagedKVCache
-from questkv.decode.context import StepContext
+from questkv.decode.context import DecodeRows, PrefillRows, StepContext
 from questkv.decode.reuse import SelectionMemory, is_due
 from questkv.decode.step import QuestDecodeStep
 from questkv.distributed.group import TensorParallel
 from questkv.engine.config import EngineConfig
-from questkv.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from questkv.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_batch_sizes
 from questkv.engine.kv_pool import plan_cache
 from questkv.engine.scheduler import ScheduledBatch
 from questkv.engine.sequence import Sequence
@@ -58,11 +65,11 @@ _NEVER_RESELECT = _float_bits(-1.0)  # the threshold that never reselects early
 
 @dataclasses.dataclass(frozen=True)
 class PrefillInputs:
-    """A prefill step, as every rank runs it (:meth:`ModelRunner._run_prefill`).
+    """The prefill rows of a step, as every rank runs them (:meth:`ModelRunner._run_prefill`).
 
     Attributes:
-        seq_ids, num_new_tokens, seq_lens, partial: the :class:`ScheduledBatch`'s.
-        token_ids: the step's input tokens, sequence after sequence (``sum(num_new_tokens)`` of them).
+        seq_ids, num_new_tokens, seq_lens, partial: the :class:`ScheduledBatch`'s, of its prefill rows.
+        token_ids: the prefill rows' input tokens, sequence after sequence (``sum(num_new_tokens)`` of them).
     """
 
     seq_ids: tuple[int, ...]
@@ -79,9 +86,9 @@ class StepMessage:
     Attributes:
         pages: ``(seq_id, start, pages, seq_len)`` for every sequence whose page-table row changed since the last
             message (:meth:`~questkv.cache.paged.PagedKVCache.mirror`): the whole row on its prefill, new pages after.
-        prefill: the prefill step, or ``None``.
-        decode: the packed decode inputs ``[_NUM_INPUTS, padded]`` int64 (a numpy array: it pickles in ~10 µs, a
-            tensor in ~70) and the graph key, or ``None``.
+        prefill: the step's prefill rows, or ``None`` (a decode-only step).
+        decode: the step's decode rows: the packed decode inputs ``[_NUM_INPUTS, padded]`` int64 (a numpy array: it
+            pickles in ~10 µs, a tensor in ~70) and the graph key, or ``None``. Both set: a mixed step.
         count: the sequences of the step that sample (their tokens are broadcast from rank 0; none for a step that
             only prefills part of a prompt).
         capture: capture every decode graph (``graph_capture="startup"``), nothing else.
@@ -89,7 +96,7 @@ class StepMessage:
 
     pages: tuple[tuple[int, int, list[int], int], ...]
     prefill: Optional[PrefillInputs] = None
-    decode: Optional[tuple[np.ndarray, tuple[int, int, bool]]] = None
+    decode: Optional[tuple[np.ndarray, GraphKey]] = None
     count: int = 0
     capture: bool = False
 
@@ -199,15 +206,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SampledTokens:
-        """Launch one prefill or decode step for ``batch`` (its pages already allocated by the scheduler) and
-        its sampling, without waiting for the device. An input token still in flight (sampled by the step
-        launched just before, see the scheduler) is read from that step's tokens on the device.
+        """Launch one step for ``batch`` (its pages already allocated by the scheduler) and its sampling, without
+        waiting for the device: a decode-only step, or one with prefill rows (and possibly decode rows before
+        them). A decode input token still in flight (sampled by the step launched just before, see the scheduler)
+        is read from that step's tokens on the device.
 
         Returns:
-            The sampled tokens: one per sampling sequence (``batch.seqs[:batch.num_sampled]``: a partial prefill
-            samples nothing), in batch order, read by :meth:`SampledTokens.token_ids`.
+            The sampled tokens: one per sampling sequence (``batch.seqs[:batch.num_sampled]``: every decode row
+            and each prefill row but a partial one), in batch order, read by :meth:`SampledTokens.token_ids`.
         """
-        logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)
+        logits = self._prefill(batch) if batch.num_prefills else self._decode(batch)
         tokens = self._sample(logits, batch)  # [num_sampled] int64 on the device
         count = batch.num_sampled
         if self.tp is not None and count:
@@ -248,19 +256,29 @@ class ModelRunner:
         return host
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
-        """``[num_sampled, vocab]`` float32 logits of each sampling sequence's last token (a partial one, the
-        batch's last, samples nothing). A sequence that already holds tokens (prefix-cache pages, possibly
-        written by an earlier sequence of this very step, or its own earlier chunks) computes only the step's
-        (positions from there on), attending those too."""
+        """``[num_sampled, vocab]`` float32 logits of a step with prefill rows: each decode row's token, then each
+        sampling prefill row's last token (a partial one, the batch's last, samples nothing). A prefill row that
+        already holds tokens (prefix-cache pages, possibly written by an earlier sequence of this very step, or its
+        own earlier chunks) computes only the step's (positions from there on), attending those too."""
+        n = batch.num_decodes
         ids = []
-        for seq, seq_len, new in zip(batch.seqs, batch.seq_lens, batch.num_new_tokens):
+        for seq, seq_len, new in zip(batch.seqs[n:], batch.seq_lens[n:], batch.num_new_tokens[n:]):
             ids.extend(seq.all_token_ids[seq_len - new:seq_len])
-        inputs = PrefillInputs(batch.seq_ids, batch.num_new_tokens, batch.seq_lens, batch.partial, ids)
-        self._publish(batch, prefill=inputs)
-        return self._run_prefill(inputs)
+        inputs = PrefillInputs(batch.seq_ids[n:], batch.num_new_tokens[n:], batch.seq_lens[n:], batch.partial, ids)
+        if not n:
+            self._publish(batch, prefill=inputs)
+            return self._run_prefill(inputs)
+        key = self._decode_key(batch.seqs[:n], batch.seq_lens[:n])
+        host = self._stage_inputs(batch.seqs[:n], batch.seq_lens[:n], key)
+        self._publish(batch, prefill=inputs, decode=(host.numpy(), key))
+        logits = self._run_prefill(inputs, key)  # [padded + sampling prefill rows, vocab]
+        return logits if key[0] == n else torch.cat([logits[:n], logits[key[0]:]])  # without the padding rows
 
-    def _run_prefill(self, inputs: PrefillInputs) -> torch.Tensor:
-        """:meth:`_prefill` from its inputs on (every rank runs this)."""
+    def _run_prefill(self, inputs: PrefillInputs, decode: Optional[GraphKey] = None) -> torch.Tensor:
+        """:meth:`_prefill` from its inputs on (every rank runs this), eagerly: the prefill rows of ``inputs``
+        after the ``decode`` rows (the key of the packed decode inputs already staged, see :meth:`_decode_key`), if
+        any, in one forward. Returns ``[padded + sampling prefill rows, vocab]`` float32 logits (padding rows
+        included: ``padded`` is ``decode[0]``, 0 without decode rows)."""
         positions, starts, cached = [], [0], []
         for seq_len, new in zip(inputs.seq_lens, inputs.num_new_tokens):
             cached.append(seq_len - new)  # a prefix-cache hit or earlier chunks
@@ -268,39 +286,52 @@ class ModelRunner:
             starts.append(starts[-1] + new)
         slots = self.cache.slots(inputs.seq_ids, cached, inputs.num_new_tokens)
         page_table, seq_lens = self.cache.batch(inputs.seq_ids)
-        ctx = StepContext(True, slots, page_table, seq_lens, query_starts=starts,
-                          cached_lens=cached if any(cached) else None)
+        prefill = PrefillRows(page_table, seq_lens, starts, cached if any(cached) else None)
         tokens = torch.tensor([inputs.token_ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
         # The partial sequence, if any, is the last one: its last token samples nothing.
         ends = torch.tensor(starts[1:len(starts) - inputs.partial], dtype=torch.int64)
         last = ends.to(self.device, non_blocking=True) - 1
-        if self.memory is not None:  # the slots' selections and counters were their previous sequences'
+        if self.memory is not None:  # the prefill rows' slots held their previous sequences' selections and counters
             self.memory.restart(torch.tensor(inputs.seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
-        hidden = self.model(tokens[0], tokens[1], ctx)
-        return self.model.compute_logits(hidden[last])  # [num_sampled, vocab]
+        if decode is None:
+            hidden = self.model(tokens[0], tokens[1], StepContext(slots, prefill=prefill))
+            return self.model.compute_logits(hidden[last])  # [num_sampled, vocab]
+        padded = decode[0]
+        ids, decode_positions, decode_slots, rows = self._decode_rows(*decode)
+        ctx = StepContext(torch.cat([decode_slots, slots]), decode=rows, prefill=prefill)
+        hidden = self.model(torch.cat([ids, tokens[0]]), torch.cat([decode_positions, tokens[1]]), ctx)
+        self._store_selections(padded, rows)
+        picked = torch.cat([torch.arange(padded, device=self.device), last + padded])
+        return self.model.compute_logits(hidden[picked])  # [padded + sampling prefill rows, vocab]
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
-        """``[len(batch.seqs), vocab]`` float32 logits of one decode step of every sequence."""
-        seqs = batch.seqs
-        size = len(seqs)
-        padded = self.graphs.padded(size)
-        width = self.graphs.width(self.cache.pages_for_tokens(max(batch.seq_lens)))
-        # A dense request in a Quest batch: the step selects up to every column, a dense row all its pages.
+        """``[len(batch.seqs), vocab]`` float32 logits of a decode-only step (every row a decode row)."""
+        key = self._decode_key(batch.seqs, batch.seq_lens)
+        host = self._stage_inputs(batch.seqs, batch.seq_lens, key)
+        self._publish(batch, decode=(host.numpy(), key))  # pickled at once: no copy
+        return self.graphs.run(key, self._decode_body)[:len(batch.seqs)]
+
+    def _decode_key(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...]) -> GraphKey:
+        """The graph key of decode rows ``seqs`` (their KV lengths ``seq_lens``): the captured batch size they are
+        padded to, the page-table width and whether a dense request shares a Quest batch (the step selects up to
+        every column, a dense row all its pages). A mixed step's decode rows use the key a decode-only step of
+        theirs would, and so its :class:`QuestDecodeStep` (no buffers of their own)."""
+        padded = self.graphs.padded(len(seqs))
+        width = self.graphs.width(self.cache.pages_for_tokens(max(seq_lens)))
         all_pages = self.budget is not None and any(seq.sampling_params.dense for seq in seqs)
-        host = self._stage_inputs(batch, padded, width)
-        self._publish(batch, decode=(host.numpy(), (padded, width, all_pages)))  # pickled at once: no copy
-        return self.graphs.run((padded, width, all_pages), self._decode_body)[:size]
+        return padded, width, all_pages
 
     def _publish(self, batch: ScheduledBatch, **step) -> None:
-        """Rank 0 with tensor parallelism: send the other ranks the step (``prefill=`` or ``decode=`` of
+        """Rank 0 with tensor parallelism: send the other ranks the step (``prefill=`` and/or ``decode=`` of
         :class:`StepMessage`) and the page-table rows that changed for it; nothing on one device."""
         if self._send is None:
             return
         updates = []
-        for seq_id in batch.seq_ids:
-            start = 0 if batch.is_prefill else self._mirrored[seq_id]  # a prefill (re)starts the sequence's row
+        for i, seq_id in enumerate(batch.seq_ids):
+            prefill = i >= batch.num_decodes  # a prefill row (re)starts the sequence's row
+            start = 0 if prefill else self._mirrored[seq_id]
             pages = self.cache.pages_from(seq_id, start)
-            if pages or batch.is_prefill:
+            if pages or prefill:
                 updates.append((seq_id, start, pages, self.cache.seq_len(seq_id)))
             self._mirrored[seq_id] = start + len(pages)
         self._send(StepMessage(tuple(updates), count=batch.num_sampled, **step))
@@ -313,22 +344,26 @@ class ModelRunner:
         if message.capture:
             self.capture_decode_graphs()
             return
-        if message.prefill is not None:
-            self._run_prefill(message.prefill)
-        else:
+        key = None
+        if message.decode is not None:
             host, key = message.decode
             staged = self._host_inputs[self._flip][:, :key[0]]  # pinned, in turn: the copy does not wait
             self._flip ^= 1
             staged.copy_(torch.from_numpy(host))
             self._inputs[:, :key[0]].copy_(staged, non_blocking=True)
+        if message.prefill is not None:
+            self._run_prefill(message.prefill, key)
+        else:
             self.graphs.run(key, self._decode_body)
         if message.count:  # as rank 0: a step that samples nothing broadcasts nothing
             tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
             self._sampled[:message.count].copy_(tokens)
 
-    def _stage_inputs(self, batch: Optional[ScheduledBatch], padded: int, width: int) -> torch.Tensor:
-        """Copy the packed decode inputs of ``batch`` to the device; rows past it (up to ``padded``) read
-        and write one token of the scratch sequence. Returns the host copy, ``[_NUM_INPUTS, padded]`` int64."""
+    def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], key: GraphKey) -> torch.Tensor:
+        """Copy the packed decode inputs of the decode rows ``seqs`` (their KV lengths ``seq_lens``) to the device;
+        rows past them (up to the padded batch ``key[0]``) read and write one token of the scratch sequence. Returns
+        the host copy, ``[_NUM_INPUTS, padded]`` int64."""
+        padded, width, _ = key
         host = self._host_inputs[self._flip][:, :padded]
         self._flip ^= 1
         host[_IDS].zero_()
@@ -339,9 +374,9 @@ class ModelRunner:
         host[_SRC].fill_(-1)
         host[_DUE].fill_(1)
         host[_THRESHOLDS].fill_(_NEVER_RESELECT)
-        if batch is not None:
+        if seqs:
             rows = []
-            for seq, seq_len in zip(batch.seqs, batch.seq_lens):
+            for seq, seq_len in zip(seqs, seq_lens):
                 position = seq_len - 1
                 token = seq.last_token
                 known = position == seq.num_tokens - 1  # else the input is the token in flight from the last step
@@ -372,12 +407,23 @@ class ModelRunner:
         if self._send is not None and keys:
             self._send(StepMessage((), capture=True))  # the other ranks capture theirs alongside (the collectives meet)
         for key in tqdm(keys, desc="capturing decode graphs", disable=not progress):
-            self._stage_inputs(None, key[0], key[1])
+            self._stage_inputs((), (), key)
             self.graphs.capture(key, self._decode_body)
         return len(keys)
 
     def _decode_body(self, batch: int, width: int, all_pages: bool) -> torch.Tensor:
-        """One decode step over the packed inputs (graph-capturable: device ops only)."""
+        """One decode-only step over the packed inputs (graph-capturable: device ops only); ``[batch, vocab]``
+        float32 logits."""
+        ids, positions, slots, rows = self._decode_rows(batch, width, all_pages)
+        hidden = self.model(ids, positions, StepContext(slots, decode=rows))
+        self._store_selections(batch, rows)
+        return self.model.compute_logits(hidden)
+
+    def _decode_rows(self, batch: int, width: int, all_pages: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeRows]:
+        """The decode rows of the packed inputs (the first ``batch``, padding included) as the model reads them:
+        ``[batch]`` int64 input ids (an in-flight token read from the previous step's sampled tokens), ``[batch]``
+        int64 positions, ``[batch]`` int64 slots, and the rows' attention metadata (device ops only)."""
         inputs = self._inputs[:, :batch]
         source = inputs[_SRC]
         ids = torch.where(source >= 0, self._sampled[source.clamp(min=0)], inputs[_IDS])
@@ -396,14 +442,13 @@ class ModelRunner:
                 if self.memory.queries is not None:
                     thresholds = inputs[_THRESHOLDS].view(torch.float64).to(torch.float32)
                 reuse = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens, thresholds)
-        ctx = StepContext(
-            False, slots, page_table, seq_lens, decode_step=self._step(batch, width, all_pages), budgets=budgets,
-            reuse=reuse,
-        )
-        hidden = self.model(ids, positions, ctx)
-        if reuse is not None:
-            self.memory.store(inputs[_ROWS], reuse)
-        return self.model.compute_logits(hidden)
+        return ids, positions, slots, DecodeRows(page_table, seq_lens, self._step(batch, width, all_pages), budgets,
+                                                 reuse)
+
+    def _store_selections(self, batch: int, rows: DecodeRows) -> None:
+        """After the forward, keep the selections of the first ``batch`` decode rows for selection reuse."""
+        if rows.reuse is not None:
+            self.memory.store(self._inputs[_ROWS, :batch], rows.reuse)
 
     def _step(self, batch: int, width: int, all_pages: bool) -> QuestDecodeStep:
         key = (batch, width, all_pages)

@@ -15,9 +15,11 @@ string costs at most one discarded step.
 
 A sequence therefore caches at most ``num_prompt_tokens + max_tokens - 1 <= max_model_len - 1`` tokens.
 
-Chunked prefill (``chunked_prefill=True``): one running sequence at most (the newest, :attr:`Scheduler.prefilling`)
-may hold a part of its tokens only, ``cache.seq_len < seq.num_tokens`` with nothing in flight; it is no decode
-step's input and samples nothing until the step that prefills its last chunk.
+Chunked prefill (``chunked_prefill=True``): a step mixes decode tokens and prefill chunks, vLLM V1's way. Every
+running sequence that can decode brings its one token, and prefill work fills the rest of the step's
+``max_num_batched_tokens`` tokens. One running sequence at most (the newest, :attr:`Scheduler.prefilling`) may hold
+a part of its tokens only, ``cache.seq_len < seq.num_tokens`` with nothing in flight; it is no decode row and
+samples nothing until the step that prefills its last chunk.
 """
 
 from __future__ import annotations
@@ -37,27 +39,37 @@ __all__ = ["ScheduledBatch", "Scheduler", "check_length"]
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledBatch:
-    """One step's work: the sequences and how many input tokens each feeds.
+    """One step's work: the sequences and how many input tokens each feeds, decode rows first.
+
+    The first :attr:`num_decodes` sequences are decode rows (running sequences, one input token each:
+    ``seq.last_token``, or the token still in flight under asynchronous scheduling); the others are prefill rows
+    (new, recomputed or chunked sequences), the last of which may be :attr:`partial`. Without chunked prefill a
+    step holds one kind only; with it a step may hold both (a mixed step).
 
     Attributes:
         seqs: the sequences, in batch order (the order of the sampled tokens).
-        num_new_tokens: per sequence, the step's input tokens: on prefill its tokens (the prompt, plus the tokens
-            generated before a preemption when recomputing) past those whose pages it shares from the prefix
-            cache (``seq_lens[i] - num_new_tokens[i]`` of them, whole pages, fewer than all), on decode 1 each
-            (``seq.last_token``).
-        is_prefill: prefill step (new or recomputed sequences only) or decode step (the running sequences).
+        num_new_tokens: per sequence, the step's input tokens: 1 on a decode row; on a prefill row its tokens (the
+            prompt, plus the tokens generated before a preemption when recomputing) past those it already holds
+            (``seq_lens[i] - num_new_tokens[i]`` of them: pages shared from the prefix cache, whole pages, fewer
+            than all, and its earlier chunks), all of them or the next chunk.
         seq_lens: per sequence, the tokens it caches once the step's inputs are written (its KV length in the
             step); the step's inputs are positions ``seq_lens[i] - num_new_tokens[i]`` to ``seq_lens[i] - 1``.
-        partial: on prefill with chunking, whether the last sequence's prefill goes on in a later step (its
-            ``seq_lens`` stops short of its tokens): it samples nothing, so the step samples a token for
-            ``seqs[:num_sampled]`` only.
+        num_decodes: the leading decode rows.
+        partial: with chunking, whether the last sequence's prefill goes on in a later step (its ``seq_lens``
+            stops short of its tokens): it samples nothing, so the step samples a token for ``seqs[:num_sampled]``
+            only (every decode row, and each prefill row that completes).
     """
 
     seqs: tuple[Sequence, ...]
     num_new_tokens: tuple[int, ...]
-    is_prefill: bool
     seq_lens: tuple[int, ...]
+    num_decodes: int = 0
     partial: bool = False
+
+    @property
+    def num_prefills(self) -> int:
+        """The prefill rows, after the decode rows (0: a decode-only step)."""
+        return len(self.seqs) - self.num_decodes
 
     @property
     def num_sampled(self) -> int:
@@ -95,43 +107,47 @@ def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, pr
 
 
 class Scheduler:
-    """FIFO admission by free pages, prefill before decode (alternating with chunking), preemption of the newest by
-    recompute.
+    """FIFO admission by free pages, prefill before decode (mixed in one step with chunking), preemption of the
+    newest by recompute.
 
-    Each :meth:`schedule` is either a prefill of waiting sequences (admitted in arrival order while the batch
-    has fewer than ``max_num_seqs`` running, the prefill tokens stay within ``max_num_batched_tokens`` (without
-    chunking the first one is always admitted, however long; with the cache's prefix caching, a sequence starts on
-    the cached pages of its leading full pages, which cost neither tokens nor free pages, and its full pages become
-    shareable at once, by the later sequences of the same batch too: identical prompts admitted together are
-    computed once, each later copy computing only the tokens past its last full page, at least one; without
-    prefix caching each computes its own) and the pool holds their tokens plus one decode step of every running
-    sequence), or else one decode step of every running sequence. When the pool cannot hold the decode step, the
-    newest running sequence is preempted: its pages are freed, it returns to the front of the waiting queue and is
-    later prefilled again with its prompt and generated tokens.
+    Without chunking each :meth:`schedule` is either a prefill of waiting sequences (admitted in arrival order while
+    the batch has fewer than ``max_num_seqs`` running, the prefill tokens stay within ``max_num_batched_tokens``
+    (without chunking the first one is always admitted, however long; with the cache's prefix caching, a sequence
+    starts on the cached pages of its leading full pages, which cost neither tokens nor free pages, and its full
+    pages become shareable at once, by the later sequences of the same batch too: identical prompts admitted
+    together are computed once, each later copy computing only the tokens past its last full page, at least one;
+    without prefix caching each computes its own) and the pool holds their tokens plus one decode step of every
+    running sequence), or else one decode step of every running sequence. When the pool cannot hold the decode step,
+    the newest running sequence is preempted: its pages are freed, it returns to the front of the waiting queue and
+    is later prefilled again with its prompt and generated tokens.
 
-    With ``chunked_prefill`` (SGLang's policy, no decode token inside a prefill forward): a prefill step computes at
-    most ``max_num_batched_tokens`` tokens, so its last sequence may take only a chunk of its tokens; that sequence
-    (:attr:`prefilling`) holds the pages of its chunks and samples nothing, and the next prefill step continues it
-    before admitting anyone else. Its tokens must fit the pool when it is admitted, as an unchunked prompt's; its
-    chunks take their pages as they run (its remaining pages are kept from later admissions), and when a chunk
-    cannot get its pages (decodes grew meanwhile) it is preempted, to restart from its cached pages. A prefill step
-    is followed by a decode step whenever a running sequence can decode, so that decodes advance every other step
-    while long prompts are prefilled: a decode waits for at most one prefill step of ``max_num_batched_tokens``
-    tokens. Full pages of each chunk are offered to the prefix cache as they are computed, so that the prompts
-    admitted behind a chunked one (from the step of its last chunk on) hit every full page it shares with them.
+    With ``chunked_prefill`` (vLLM V1's policy) every step carries at most ``max_num_batched_tokens`` tokens: first
+    one decode token of every running sequence that can decode (preempting the newest while the pool cannot hold
+    them, as a decode step does), then prefill work in the rest of the budget: the chunked sequence's next chunk,
+    then admissions as above, the last of which may take only a chunk of its tokens. That sequence
+    (:attr:`prefilling`) holds the pages of its chunks and samples nothing, and the next step continues it before
+    admitting anyone else. Its tokens must fit the pool when it is admitted, as an unchunked prompt's; its chunks take
+    their pages as they run (its remaining pages are kept from later admissions), and when a chunk cannot get its
+    pages (decodes grew meanwhile) it is preempted, to restart from its cached pages. So the running decodes advance
+    in every step while long prompts are prefilled, each step's prefill chunk at most ``max_num_batched_tokens``
+    minus the decodes. A step with no prefill work is a decode-only step (under its CUDA graph), one with no decode a
+    prefill-only step. Full pages of each chunk are offered to the prefix cache as they are computed, so that the
+    prompts admitted behind a chunked one (from the step of its last chunk on) hit every full page it shares with
+    them.
 
     Args:
         cache: the engine's KV cache; the scheduler owns its sequences (pages held outside, e.g. the runner's
             scratch page, are simply not available to requests).
         max_num_seqs: the most sequences running at once (<= ``cache.max_seqs``).
-        max_num_batched_tokens: the most prompt tokens of one prefill step (without chunking: beyond its first
-            sequence).
+        max_num_batched_tokens: without chunking, the most prompt tokens of one prefill step beyond its first
+            sequence; with chunking, the most tokens of any step, decode and prefill together (at least
+            ``max_num_seqs``, so that every decode fits).
         eos_token_ids: the model's end-of-sequence ids (ignored by requests with ``ignore_eos``).
         max_model_len: the most tokens (prompt plus generated) of one sequence.
         sparse_decode: whether decode steps of non-dense requests attend sparsely (Quest layers): then only the
             pages a prefill wrote are offered to the prefix cache.
-        chunked_prefill: split prefills into chunks of at most ``max_num_batched_tokens`` tokens and alternate
-            prefill and decode steps (see above).
+        chunked_prefill: split prefills into chunks and mix them with the decode tokens in steps of at most
+            ``max_num_batched_tokens`` tokens (see above).
 
     ``waiting`` (a deque) and ``running`` (a list, oldest first) are for reading; change them through the
     methods.
@@ -151,6 +167,11 @@ class Scheduler:
             raise ValueError(f"Scheduler.cache must be a PagedKVCache, got {type(cache).__name__}")
         check_int("Scheduler.max_num_seqs", max_num_seqs, minimum=1, maximum=cache.max_seqs)
         check_int("Scheduler.max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        if chunked_prefill and max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"Scheduler.max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs} "
+                "with chunked prefill: every step carries one token of each decoding sequence"
+            )
         check_int("Scheduler.max_model_len", max_model_len, minimum=2)  # one prompt token, one generated
         eos_token_ids = frozenset(eos_token_ids)
         for token in eos_token_ids:
@@ -163,7 +184,6 @@ class Scheduler:
         self.sparse_decode = bool(sparse_decode)
         self.chunked_prefill = bool(chunked_prefill)
         self._prefilling: Optional[Sequence] = None
-        self._after_prefill = False  # the latest step was a prefill (with chunking, a decode step comes next)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._live: dict[str, Sequence] = {}
@@ -227,17 +247,19 @@ class Scheduler:
         self._live[seq.request_id] = seq
 
     def schedule(self) -> Optional[ScheduledBatch]:
-        """The next step: a prefill (the chunked sequence's next chunk, then admitted waiting sequences) if there is
-        one, else a decode step of every running sequence (preempting the newest while the pool cannot hold it);
-        with chunking, a decode step first after a prefill step when a running sequence can decode. ``None`` when
-        nothing is left to launch. Pages for the step's input tokens are allocated here."""
-        decode_first = self.chunked_prefill and self._after_prefill and any(map(self._decodes, self.running))
-        batch = None if decode_first else self._schedule_prefill()
-        self._after_prefill = batch is not None
-        if batch is not None:
-            return batch
-        if not self.running:
-            if self.waiting and not self.waiting[0].num_in_flight:
+        """The next step. Without chunking: a prefill (admitted waiting sequences) if there is one, else a decode
+        step of every running sequence (preempting the newest while the pool cannot hold it). With chunking: the
+        decode rows of every running sequence that can decode (preempting likewise), then prefill rows (the
+        chunked sequence's next chunk, then admissions) in the rest of the token budget. ``None`` when nothing is
+        left to launch. Pages for the step's input tokens are allocated here."""
+        if self.chunked_prefill:
+            decodes = self._schedule_decode()
+            prefills, news = self._schedule_prefill(self.max_num_batched_tokens - len(decodes))
+        else:
+            prefills, news = self._schedule_prefill(self.max_num_batched_tokens)
+            decodes = [] if prefills else self._schedule_decode()
+        if not decodes and not prefills:
+            if not self.running and self.waiting and not self.waiting[0].num_in_flight:
                 seq = self.waiting[0]
                 raise RuntimeError(
                     f"request {seq.request_id!r} ({seq.num_tokens} tokens) waits with nothing running but cannot "
@@ -245,7 +267,11 @@ class Scheduler:
                     f"{len(self.cache.sequences)} of {self.cache.max_seqs} cache sequence slots in use"
                 )
             return None
-        return self._schedule_decode()
+        seqs = (*decodes, *prefills)
+        return ScheduledBatch(
+            seqs, (1,) * len(decodes) + tuple(news), tuple(self.cache.seq_len(seq.cache_id) for seq in seqs),
+            num_decodes=len(decodes), partial=bool(prefills) and prefills[-1] is self._prefilling,
+        )
 
     def update(
         self, batch: ScheduledBatch, token_ids: Iterable[int], forced_logprobs: Optional[Iterable[float]] = None
@@ -351,23 +377,25 @@ class Scheduler:
         self.finish(seq, SequenceStatus.FINISHED_ABORTED)
         return True
 
-    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+    def _schedule_prefill(self, budget: int) -> tuple[list[Sequence], list[int]]:
+        """The prefill rows of a step of at most ``budget`` prefill tokens (without chunking: beyond the first
+        sequence) and each one's new tokens, their pages allocated: the chunked sequence's next chunk, then
+        admissions."""
         cache = self.cache
+        seqs: list[Sequence] = []
+        news: list[int] = []
+        if budget < 1:  # decodes fill the step
+            return seqs, news
         # Keep room for the next decode step of the running sequences and of the admitted ones, and for the rest of a
         # chunked prefill, so that an admission does not force a preemption on the very next step.
         reserved = sum(self._pages_to_come(seq) for seq in self.running if seq is not self._prefilling)
-        seqs: list[Sequence] = []
-        counts: list[int] = []
-        news: list[int] = []
         computed = 0
         seq = self._prefilling
         if seq is not None:  # its next chunk first
-            done = cache.seq_len(seq.cache_id)
-            chunk = min(seq.num_tokens - done, self.max_num_batched_tokens)
+            chunk = min(seq.num_tokens - cache.seq_len(seq.cache_id), budget)
             if cache.can_reserve([seq.cache_id], [chunk]):
                 self._take_chunk(seq, chunk)
                 seqs.append(seq)
-                counts.append(done + chunk)
                 news.append(chunk)
                 computed = chunk
                 reserved += self._pages_to_come(seq)
@@ -395,12 +423,12 @@ class Scheduler:
                 hit = cache.match_prefix(tokens, most, head.page_hashes)
             new = count - len(hit) * cache.page_size
             take = new
-            if computed + new > self.max_num_batched_tokens:
+            if computed + new > budget:
                 if not self.chunked_prefill:
                     if seqs:
                         break
                 else:
-                    take = self.max_num_batched_tokens - computed  # a first chunk; the step is then full
+                    take = budget - computed  # a first chunk; the step is then full
                     if take < 1:
                         break
             # Hit pages cost nothing, except evictable ones (they stop counting as free); pages are taken below,
@@ -421,12 +449,9 @@ class Scheduler:
             reserved += self._pages_to_come(head)
             computed += take
             seqs.append(head)
-            counts.append(cache.seq_len(head.cache_id))
             news.append(take)
             partial = self._prefilling is not None
-        if not seqs:
-            return None
-        return ScheduledBatch(tuple(seqs), tuple(news), is_prefill=True, seq_lens=tuple(counts), partial=partial)
+        return seqs, news
 
     def _take_chunk(self, seq: Sequence, count: int) -> None:
         """Allocate the next ``count`` tokens of the running ``seq``'s prefill and offer its full pages to the prefix
@@ -455,7 +480,11 @@ class Scheduler:
         held = len(cache.pages_of(seq.cache_id))
         return cache.pages_for_tokens(min(seq.num_tokens + 1, self._max_cached_tokens(seq))) - held
 
-    def _schedule_decode(self) -> Optional[ScheduledBatch]:
+    def _schedule_decode(self) -> list[Sequence]:
+        """The decode rows of a step, their next token's pages allocated: every running sequence that decodes,
+        after preempting the newest running sequences (a chunked one first, being the newest) while the pool
+        cannot hold them."""
+
         def decoding() -> list[Sequence]:
             return [seq for seq in self.running if self._decodes(seq)]
 
@@ -471,17 +500,13 @@ class Scheduler:
                 )
             self._preempt(self.running.pop())
             seqs = decoding()
-        if not seqs:  # every running sequence ends with its in-flight token
-            return None
-        ones = [1] * len(seqs)
-        self.cache.allocate([seq.cache_id for seq in seqs], ones)
+        self.cache.allocate([seq.cache_id for seq in seqs], [1] * len(seqs))
         for seq in seqs:
             seq.num_in_flight += 1
-        return ScheduledBatch(tuple(seqs), tuple(ones), is_prefill=False,
-                              seq_lens=tuple(self.cache.seq_len(seq.cache_id) for seq in seqs))
+        return seqs
 
     def _decodes(self, seq: Sequence) -> bool:
-        """Whether the running ``seq`` is a decode step's input: its prefill is done and its in-flight tokens do not
+        """Whether the running ``seq`` is a decode row: its prefill is done and its in-flight tokens do not
         surely finish it."""
         return seq is not self._prefilling and not self._ends_in_flight(seq)
 

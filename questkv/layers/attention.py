@@ -1,10 +1,13 @@
 """The engine's attention layer: writes the step's K/V into the page pool and attends.
 
-Prefill is causal attention of each sequence over its own new tokens (SDPA), or, when a sequence of the step
-already holds K/V in the pool (``StepContext.cached_lens``: prefix-cache pages, or its earlier chunks of a chunked
-prefill), paged prefill attention of the whole step over the pages. Decode reads the pool through the step's
+A step's tokens are its decode rows' then its prefill rows' (:class:`~questkv.decode.context.StepContext`), and the
+layer attends each part its own way, in one call (a mixed step of chunked prefill has both). Prefill rows: causal
+attention of each sequence over its own new tokens (SDPA), or, when a sequence already holds K/V in the pool
+(``PrefillRows.cached_lens``: prefix-cache pages, or its earlier chunks of a chunked prefill), paged prefill
+attention of all the prefill rows over the pages. Decode rows read the pool through the rows'
 :class:`~questkv.decode.step.QuestDecodeStep`: dense paged attention on layers below ``quest.dense_layers`` (and
-everywhere without Quest), Quest page selection above. Which of the two a layer runs is decided once, at construction.
+everywhere without Quest), Quest page selection above. Which of the two a layer runs is decided once, at
+construction.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch import nn
 from questkv import ops
 from questkv.cache.paged import PagedKVCache
 from questkv.config import QuestConfig
-from questkv.decode.context import StepContext
+from questkv.decode.context import DecodeRows, PrefillRows, StepContext
 from questkv.ops.pages import LayerPages
 
 
@@ -56,7 +59,8 @@ class Attention(nn.Module):
         self.backend = "auto"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Store ``k``, ``v`` at ``ctx.slots`` and attend.
+        """Store ``k``, ``v`` at ``ctx.slots`` (every row's, before any attends) and attend: the decode rows (the
+        leading ``ctx.decode.num_tokens`` tokens) as a decode step, the prefill rows after them as a prefill.
 
         Args:
             q: ``[num_tokens, num_q_heads, head_dim]``, post-RoPE.
@@ -68,13 +72,21 @@ class Attention(nn.Module):
         if self.pages is None:
             raise RuntimeError(f"layer {self.layer_idx} has no page pool: call questkv.layers.attention.bind_cache first")
         ops.append_kv(*self.pages, ctx.slots, k, v, backend=self.backend)
-        if ctx.is_prefill:
-            if ctx.cached_lens is not None:
-                return self._prefill_after_prefix(q, ctx)
-            return self._prefill(q, k, v, ctx.query_starts)
-        return self._decode(q, ctx)
+        decode, prefill = ctx.decode, ctx.prefill
+        if prefill is None:
+            return self._decode(q, decode)
+        if decode is None:
+            return self._prefill(q, k, v, prefill)
+        n = decode.num_tokens
+        return torch.cat([self._decode(q[:n], decode), self._prefill(q[n:], k[n:], v[n:], prefill)])
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: PrefillRows) -> torch.Tensor:
+        """The prefill rows' attention (``q``, ``k``, ``v``: their tokens only)."""
+        if rows.cached_lens is not None:
+            return self._prefill_after_prefix(q, rows)
+        return self._causal_prefill(q, k, v, rows.query_starts)
+
+    def _causal_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int]) -> torch.Tensor:
         out = torch.empty_like(q)
         group = self.num_q_heads // self.num_kv_heads
         for begin, end in zip(starts[:-1], starts[1:]):
@@ -90,29 +102,29 @@ class Attention(nn.Module):
             out[begin:end] = o[0].transpose(0, 1)
         return out
 
-    def _prefill_after_prefix(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Prefill where sequence ``i`` already holds ``ctx.cached_lens[i]`` tokens in the pool (prefix-cache pages,
+    def _prefill_after_prefix(self, q: torch.Tensor, rows: PrefillRows) -> torch.Tensor:
+        """Prefill where sequence ``i`` already holds ``rows.cached_lens[i]`` tokens in the pool (prefix-cache pages,
         and its earlier chunks, which may end inside a page whose rest this step writes): its new tokens attend those
         and, causally, each other, all read from the pages (the step's K/V are written there already), in one
-        :func:`~questkv.ops.paged_prefill_attention` for the whole batch (sequences without cached tokens too)."""
-        starts = ctx.query_starts
+        :func:`~questkv.ops.paged_prefill_attention` for all the prefill rows (sequences without cached tokens too)."""
+        starts = rows.query_starts
         max_query_len = max(end - begin for begin, end in zip(starts[:-1], starts[1:]))
         return ops.paged_prefill_attention(
-            q, self.pages.k_pages, self.pages.v_pages, ctx.page_table, ctx.query_starts_tensor(), ctx.seq_lens,
+            q, self.pages.k_pages, self.pages.v_pages, rows.page_table, rows.query_starts_tensor(), rows.seq_lens,
             max_query_len, self.sm_scale, backend=self.backend,
         )
 
-    def _dense_decode(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return ctx.decode_step.dense(q, self.pages, ctx.page_table, ctx.seq_lens, self.sm_scale)
+    def _dense_decode(self, q: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
+        return rows.step.dense(q, self.pages, rows.page_table, rows.seq_lens, self.sm_scale)
 
-    def _sparse_decode(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        reuse = ctx.reuse
+    def _sparse_decode(self, q: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
+        reuse = rows.reuse
         active = selected = reselection = None
         if reuse is not None:
             active, selected = reuse.active, reuse.selected[self.sparse_index]
             reselection = None if reuse.adaptive is None else reuse.adaptive.layer(self.sparse_index)
-        return ctx.decode_step.sparse(
-            q, self.pages, ctx.page_table, ctx.seq_lens, self.sm_scale, ctx.budgets, active, selected, reselection
+        return rows.step.sparse(
+            q, self.pages, rows.page_table, rows.seq_lens, self.sm_scale, rows.budgets, active, selected, reselection
         )
 
 

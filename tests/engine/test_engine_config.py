@@ -63,6 +63,8 @@ def test_engine_config_is_frozen_and_reports_its_derived_values():
     unchunked = dataclasses.replace(config, enable_chunked_prefill=False)
     assert unchunked.prefill_tokens_per_step(32768) == 32768 and unchunked.prefill_tokens_per_step(1024) == 8192
     assert dataclasses.replace(config, max_num_batched_tokens=512).prefill_tokens_per_step(32768) == 512
+    # With chunking a step carries a token of every decode: the default grows with max_num_seqs.
+    assert dataclasses.replace(config, max_num_seqs=10000).prefill_tokens_per_step(32768) == 10000
 
 
 def test_dtype_name_takes_names_and_torch_dtypes_and_refuses_the_rest():
@@ -100,6 +102,8 @@ def test_max_model_len_defaults_to_the_models_max_position_embeddings():
     (dict(max_num_seqs=2.0), "EngineConfig.max_num_seqs must be an int"),
     (dict(max_model_len=1), "EngineConfig.max_model_len must be >= 2, got 1"),
     (dict(max_num_batched_tokens=0), "EngineConfig.max_num_batched_tokens must be >= 1, got 0"),
+    (dict(max_num_batched_tokens=4, max_num_seqs=8),
+     "EngineConfig.max_num_batched_tokens=4 must be >= max_num_seqs=8 with chunked prefill"),
     (dict(kv_cache_memory=0), "EngineConfig.kv_cache_memory must be >= 1, got 0"),
     (dict(kv_cache_memory=1.5e9), "EngineConfig.kv_cache_memory must be an int"),
     (dict(gpu_memory_utilization=0), "EngineConfig.gpu_memory_utilization must be in (0.0, 1.0], got 0"),

@@ -131,7 +131,8 @@ def test_a_single_prompt_may_be_given_as_token_ids_or_text(model_dir):
 
 
 def prefill_tokens(llm, prompts, params):
-    """Generate ``prompts`` and count the tokens each prefill step computes (the model's inputs in that step)."""
+    """Generate ``prompts`` and count the prompt tokens each step with prefill rows computes (its model inputs past
+    the decode rows)."""
     launched, execute = [], llm.engine.runner.execute
     llm.engine.runner.execute = lambda batch: launched.append(batch) or execute(batch)
     computed = []
@@ -141,7 +142,7 @@ def prefill_tokens(llm, prompts, params):
     finally:
         hook.remove()
         llm.engine.runner.execute = execute
-    return outputs, launched, [n for batch, n in zip(launched, computed) if batch.is_prefill]
+    return outputs, launched, [n - batch.num_decodes for batch, n in zip(launched, computed) if batch.num_prefills]
 
 
 @pytest.mark.parametrize("quest", [None, dataclasses.replace(SMALL, selection_interval=3)], ids=["dense", "quest"])
@@ -158,7 +159,7 @@ def test_identical_prompts_admitted_together_are_computed_once_and_give_each_req
     # The first step computes p; its copies hit its 12 full pages, written earlier in the same step, and compute
     # the 2 tokens past them; q gets the first chunk of its prefill, the 6 tokens max_num_batched_tokens leaves. The
     # last copy of p comes after q, so it waits for a later prefill step, and hits too: p is computed once.
-    assert launched[0].is_prefill and launched[0].num_new_tokens == (50, 2, 2, 6) and launched[0].partial
+    assert not launched[0].num_decodes and launched[0].num_new_tokens == (50, 2, 2, 6) and launched[0].partial
     assert sum(computed) == 50 + 30 + 3 * 2
     assert [out.metrics.num_cached_tokens for out in outputs] == [0, 48, 48, 0, 48]
     assert [(out.token_ids, out.forced_choices) for out in outputs] == [
@@ -193,8 +194,8 @@ def test_requests_joining_and_leaving_mid_run_change_no_other_requests_tokens(mo
     a, b = engine.add_request(pa, greedy(24)), engine.add_request(pb, greedy(24))
     steps(5)  # one prefill of a and b, four decode steps
     c = engine.add_request(pc, greedy(16))
-    assert steps(1) == [c]  # c joins with a prefill of its own ...
-    assert steps(1) == [a, b, c]  # ... then decodes beside a and b
+    assert steps(1) == [a, b, c]  # c joins with its prefill in a step where a and b decode (a mixed step) ...
+    assert steps(1) == [a, b, c]  # ... then decodes beside them
     steps(3)
     free = engine.cache.num_free_pages
     assert engine.abort_request(b) and not engine.abort_request(b) and not engine.abort_request("unknown")
@@ -206,7 +207,7 @@ def test_requests_joining_and_leaving_mid_run_change_no_other_requests_tokens(mo
     want_a, want_b, want_c = alone(llm, [pa, pb, pc], [greedy(24), greedy(24), greedy(16)])
     assert finished[a].token_ids == want_a and finished[c].token_ids == want_c
     partial = latest[b].token_ids
-    assert len(partial) == 9 and partial == want_b[:9]  # prefill + 8 decode steps before the abort
+    assert len(partial) == 10 and partial == want_b[:10]  # prefill + 9 decode steps before the abort
 
 
 # ---------------------------------------------------------------------------------------------------------------

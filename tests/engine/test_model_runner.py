@@ -5,6 +5,7 @@ The model is a tiny random transformers Llama (3 layers, GQA 4 q / 2 KV heads, l
 ``save_pretrained`` once per module; prompts are fresh random token ids in every test.
 """
 
+import dataclasses
 import math
 import random
 
@@ -224,13 +225,13 @@ def test_execute_samples_one_token_per_sequence_in_batch_order(model_dir):
     for p in reversed(prompts):
         engine.add_request(p, greedy(2))
     batch = engine.scheduler.schedule()
-    assert batch.is_prefill and [list(seq.prompt_token_ids) for seq in batch.seqs] == prompts[::-1]
+    assert not batch.num_decodes and [list(seq.prompt_token_ids) for seq in batch.seqs] == prompts[::-1]
     tokens = engine.runner.execute(batch).token_ids()
     assert isinstance(tokens, list) and all(type(t) is int for t in tokens)
     assert tokens == [a[0] for a in alone[::-1]]
     engine.scheduler.update(batch, tokens)
     batch = engine.scheduler.schedule()
-    assert not batch.is_prefill and engine.runner.execute(batch).token_ids() == [a[1] for a in alone[::-1]]
+    assert not batch.num_prefills and engine.runner.execute(batch).token_ids() == [a[1] for a in alone[::-1]]
     engine.scheduler.update(batch, [a[1] for a in alone[::-1]])
     assert not engine.has_unfinished_requests()
 
@@ -245,7 +246,7 @@ def test_a_decode_step_scheduled_before_the_last_update_reads_the_token_in_fligh
     prefill = engine.scheduler.schedule()
     first = engine.runner.execute(prefill)
     decode = engine.scheduler.schedule()  # before the prefill's tokens are appended: they are in flight
-    assert not decode.is_prefill and all(seq.num_in_flight == 2 for seq in decode.seqs)
+    assert not decode.num_prefills and all(seq.num_in_flight == 2 for seq in decode.seqs)
     assert decode.seq_lens == tuple(len(p) + 1 for p in prompts)
     second = engine.runner.execute(decode)
     engine.scheduler.update(prefill, first.token_ids())
@@ -274,3 +275,27 @@ def test_a_bfloat16_engine_keeps_its_pool_in_bfloat16_and_samples_from_float32_l
     (out,) = llm.generate([prompt(random.randint(20, 60))], greedy(5), use_tqdm=False)
     assert len(out.token_ids) == 5 and all(0 <= t < VOCAB for t in out.token_ids)
     assert all(step.dtype is torch.float32 and torch.isfinite(step).all() for step in logits)
+
+
+@pytest.mark.parametrize("quest", [None, SMALL, dataclasses.replace(SMALL, selection_interval=3)],
+                         ids=["dense", "quest", "quest with selection reuse"])
+def test_the_decode_rows_of_a_mixed_step_get_the_logits_of_a_decode_only_step(model_dir, quest):
+    torch.manual_seed(11)
+    first, joining = [prompt(21), prompt(30)], prompt(13)
+    logits = []
+    for joins in (False, True):
+        engine = make_llm(model_dir, quest, max_num_seqs=4).engine
+        for p in first:
+            engine.add_request(p, greedy_params(8))
+        for _ in range(3):  # the prefill, then decode steps (the second reuses its selection with interval 3)
+            engine.step()
+        if joins:
+            engine.add_request(joining, greedy_params(4))
+        batch = engine.scheduler.schedule()
+        assert (batch.num_decodes, batch.num_prefills) == (2, int(joins))
+        with torch.inference_mode():
+            rows = engine.runner._prefill(batch) if joins else engine.runner._decode(batch)
+        assert rows.shape[0] == 2 + joins  # the decode rows, then the prefill row that samples
+        logits.append(rows[:2])
+    # The same attention maths; only the linear layers see more rows (float rounding of the matrix products).
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)

@@ -53,14 +53,14 @@ class PrefixSchedulerMachine(SchedulerMachine):
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             assert seq.status is SequenceStatus.RUNNING
             assert self.cache.seq_len(seq.cache_id) == seq.num_tokens == batch.seq_lens[i]
-            if batch.is_prefill:
+            if batch.num_prefills:
                 hit = seq.num_tokens - count
                 assert hit % PAGE == 0 and 1 <= count <= seq.num_tokens
                 for page in self.cache.pages_of(seq.cache_id)[:hit // PAGE]:
                     shared_in_step.setdefault(page, []).append(i)
             else:
                 assert count == 1
-        if batch.is_prefill:
+        if batch.num_prefills:
             # A page a sequence writes was held by no one before the step; only later sequences of the same step
             # share it (each layer writes the step's K/V before it attends), never an earlier or running one.
             for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -100,8 +100,9 @@ TestPrefixSchedulerMachine.settings = settings(max_examples=80, stateful_step_co
 
 
 class ChunkedPrefixSchedulerMachine(PrefixSchedulerMachine):
-    """The same with chunked prefill: a prefill step computes at most 6 tokens (chunks end inside and on page
-    boundaries), so that most prompts take several steps; preemption and aborts reach sequences mid-prefill."""
+    """The same with chunked prefill: a step carries at most 6 tokens, one of each decoding sequence and prefill
+    chunks in the rest (chunks end inside and on page boundaries), so that most prompts take several steps, mixed
+    with decodes; preemption and aborts reach sequences mid-prefill."""
 
     CHUNK = 6
 
@@ -109,7 +110,6 @@ class ChunkedPrefixSchedulerMachine(PrefixSchedulerMachine):
         super().__init__()
         self.scheduler = Scheduler(self.cache, self.MAX_NUM_SEQS, self.CHUNK, frozenset({EOS}), self.MAX_MODEL_LEN,
                                    chunked_prefill=True)
-        self.after_prefill = False
 
     @rule(data=st.data())
     def step(self, data):
@@ -117,25 +117,26 @@ class ChunkedPrefixSchedulerMachine(PrefixSchedulerMachine):
             return
         scheduler, cache = self.scheduler, self.cache
         decodable = [seq for seq in scheduler.running if seq is not scheduler.prefilling]
+        preemptions = {seq.request_id: seq.num_preemptions for seq in decodable}
         batch = scheduler.schedule()
         assert batch is not None and len(batch.seqs) == len(batch.num_new_tokens) >= 1
-        if self.after_prefill and decodable:  # decodes advance between two prefill steps
-            assert not batch.is_prefill
-        self.after_prefill = batch.is_prefill
+        assert batch.num_tokens <= self.CHUNK
+        # Every decodable sequence decodes in every step, unless the step preempted it (newest first).
+        kept = [seq for seq in decodable if seq.num_preemptions == preemptions[seq.request_id]]
+        assert list(batch.seqs[:batch.num_decodes]) == kept and kept == decodable[:len(kept)]
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             assert seq.status is SequenceStatus.RUNNING and cache.seq_len(seq.cache_id) == batch.seq_lens[i]
             if i < batch.num_sampled:
                 assert batch.seq_lens[i] == seq.num_tokens and seq.num_in_flight == 1
             else:  # the partial one: the batch's last, its full pages shareable already, nothing in flight
-                assert batch.is_prefill and batch.seq_lens[i] < seq.num_tokens and scheduler.prefilling is seq
+                assert batch.num_prefills and batch.seq_lens[i] < seq.num_tokens and scheduler.prefilling is seq
                 assert seq.num_in_flight == 0 and cache.num_registered_pages(seq.cache_id) == batch.seq_lens[i] // PAGE
-            assert 1 <= count <= batch.seq_lens[i] and (batch.is_prefill or count == 1)
-        if batch.is_prefill:
-            assert batch.num_tokens <= self.CHUNK
-            assert scheduler.prefilling is (batch.seqs[-1] if batch.partial else None)
-        else:
-            assert scheduler.prefilling not in batch.seqs
-            assert list(batch.seqs) == [seq for seq in scheduler.running if seq is not scheduler.prefilling]
+            assert 1 <= count <= batch.seq_lens[i] and (i >= batch.num_decodes or count == 1)
+        assert scheduler.prefilling not in batch.seqs[:batch.num_decodes]
+        if batch.partial:
+            assert scheduler.prefilling is batch.seqs[-1]
+        elif scheduler.prefilling is not None:  # its chunk found no room in the step: decodes filled it
+            assert scheduler.prefilling not in batch.seqs and batch.num_decodes == self.CHUNK
         sampled = batch.seqs[:batch.num_sampled]
         token_ids = data.draw(st.lists(st.integers(0, 5), min_size=len(sampled), max_size=len(sampled)))
         scheduler.update(batch, token_ids)
@@ -176,7 +177,7 @@ def test_a_waiting_prompt_that_cannot_be_admitted_is_hashed_once(monkeypatch):
     counts = []
     for _ in range(3):  # the hog caches 21 to 23 tokens: no page of its own fills (and is hashed) meanwhile
         batch = scheduler.schedule()
-        assert not batch.is_prefill and list(scheduler.waiting) == [head]
+        assert not batch.num_prefills and list(scheduler.waiting) == [head]
         scheduler.update(batch, [7])
         counts.append(len(hashed))
     assert counts == [7, 7, 7] and len(head.page_hashes) == 7  # its full pages, once

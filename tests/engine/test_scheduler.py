@@ -78,8 +78,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq, count in zip(batch.seqs, batch.num_new_tokens):
             assert seq.status is SequenceStatus.RUNNING
             assert self.cache.seq_len(seq.cache_id) == seq.num_tokens  # inputs allocated, K/V to be written
-            assert count == (seq.num_tokens if batch.is_prefill else 1)
-        if not batch.is_prefill:
+            assert count == (seq.num_tokens if batch.num_prefills else 1)
+        if not batch.num_prefills:
             assert list(batch.seqs) == self.scheduler.running
         token_ids = data.draw(st.lists(st.integers(0, 5), min_size=len(batch.seqs), max_size=len(batch.seqs)))
         finished = self.scheduler.update(batch, token_ids)
@@ -136,20 +136,92 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 
 
+class ChunkedSchedulerMachine(SchedulerMachine):
+    """The same with chunked prefill: steps of at most 4 tokens mix every decodable sequence's token with prefill
+    chunks, so that prompts take several steps beside decodes; preemption and aborts reach sequences mid-prefill."""
+
+    BUDGET = 4
+
+    def __init__(self):
+        super().__init__()
+        self.scheduler = make_scheduler(self.POOL, self.MAX_NUM_SEQS, max_num_batched_tokens=self.BUDGET,
+                                        max_model_len=self.MAX_MODEL_LEN, max_seqs=4, chunked_prefill=True)
+        self.cache = self.scheduler.cache
+        self.mixed_steps = 0
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule(data=st.data())
+    def step(self, data):
+        self.run_step(lambda n: data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)))
+
+    def run_step(self, draw_tokens):
+        """One schedule and update, the tokens from ``draw_tokens(number of sampling sequences)``."""
+        scheduler = self.scheduler
+        decodable = [seq for seq in scheduler.running if seq is not scheduler.prefilling]
+        preemptions = {seq.request_id: seq.num_preemptions for seq in decodable}
+        batch = scheduler.schedule()
+        assert batch is not None and batch.num_tokens <= self.BUDGET
+        # Every decodable sequence decodes, unless this step preempted it (the newest first) for room.
+        kept = [seq for seq in decodable if seq.num_preemptions == preemptions[seq.request_id]]
+        assert list(batch.seqs[:batch.num_decodes]) == kept == decodable[:len(kept)]
+        self.mixed_steps += bool(batch.num_decodes and batch.num_prefills)
+        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            assert seq.status is SequenceStatus.RUNNING and self.cache.seq_len(seq.cache_id) == batch.seq_lens[i]
+            if i < batch.num_decodes:
+                assert count == 1 and batch.seq_lens[i] == seq.num_tokens
+            else:
+                assert 1 <= count <= batch.seq_lens[i] <= seq.num_tokens
+        assert (scheduler.prefilling is batch.seqs[-1]) == batch.partial
+        sampled = batch.seqs[:batch.num_sampled]
+        token_ids = draw_tokens(len(sampled))
+        scheduler.update(batch, token_ids)
+        for seq, token in zip(sampled, token_ids):
+            self.tokens[seq.request_id].append(token)
+            assert seq.output_token_ids == self.tokens[seq.request_id]
+
+    @invariant()
+    def running_sequences_cache_all_but_their_last_token(self):
+        scheduler = self.scheduler
+        assert scheduler.num_running <= self.MAX_NUM_SEQS
+        for seq in scheduler.running:
+            cached = self.cache.seq_len(seq.cache_id)
+            assert seq.status is SequenceStatus.RUNNING
+            if seq is scheduler.prefilling:  # the newest, part of its tokens cached
+                assert seq is scheduler.running[-1] and 0 < cached < seq.num_tokens
+            else:
+                assert cached == seq.num_tokens - 1
+
+
+TestChunkedSchedulerMachine = ChunkedSchedulerMachine.TestCase
+TestChunkedSchedulerMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_the_chunked_state_machine_mixes_decodes_and_chunks_in_a_step():
+    machine = ChunkedSchedulerMachine()
+    machine.add(prompt_len=3, max_tokens=10, ignore_eos=True, stop_token=None)
+    machine.run_step(lambda n: [7] * n)
+    machine.add(prompt_len=9, max_tokens=3, ignore_eos=True, stop_token=None)
+    for _ in range(3):  # 3 decodes of the first request beside the second's chunks of 3 tokens
+        machine.run_step(lambda n: [7] * n)
+        machine.every_page_is_free_or_owned_by_exactly_one_running_sequence()
+        machine.running_sequences_cache_all_but_their_last_token()
+    assert machine.mixed_steps == 3
+
+
 def test_waiting_requests_are_admitted_first_in_first_out_within_max_num_seqs():
     scheduler = make_scheduler(num_pages=20, max_num_seqs=2)
     seqs = [request(i, 3, max_tokens=2) for i in range(3)]
     for seq in seqs:
         scheduler.add(seq)
     batch = scheduler.schedule()
-    assert batch.is_prefill and batch.seqs == (seqs[0], seqs[1]) and batch.num_new_tokens == (3, 3)
+    assert not batch.num_decodes and batch.seqs == (seqs[0], seqs[1]) and batch.num_new_tokens == (3, 3)
     assert batch.seq_ids == (seqs[0].cache_id, seqs[1].cache_id) and batch.num_tokens == 6
     assert list(scheduler.waiting) == [seqs[2]]
     scheduler.update(batch, [7, 7])
     batch, finished = step(scheduler)  # decode: both reach max_tokens=2
-    assert not batch.is_prefill and finished == [seqs[0], seqs[1]]
+    assert not batch.num_prefills and finished == [seqs[0], seqs[1]]
     batch = scheduler.schedule()
-    assert batch.is_prefill and batch.seqs == (seqs[2],)
+    assert not batch.num_decodes and batch.seqs == (seqs[2],)
 
 
 def test_prefill_respects_max_num_batched_tokens_but_always_admits_one():
@@ -161,40 +233,68 @@ def test_prefill_respects_max_num_batched_tokens_but_always_admits_one():
     assert scheduler.schedule().seqs == (short_a, short_b)  # 6 + 4 <= 10
 
 
-def test_a_chunked_prompt_takes_the_step_budget_and_its_chunks_alternate_with_decode_steps():
+def test_a_chunked_prompt_fills_the_token_budget_left_by_the_decodes_of_every_step():
     scheduler = make_scheduler(num_pages=40, max_num_seqs=4, max_num_batched_tokens=4, chunked_prefill=True)
     a, b, c = request("a", 3, max_tokens=20, ignore_eos=True), request("b", 10), request("c", 2)
     for seq in (a, b, c):
         scheduler.add(seq)
     steps = []
-    for _ in range(8):
+    for _ in range(6):
         batch = scheduler.schedule()
-        steps.append((batch.is_prefill, [seq.request_id for seq in batch.seqs], batch.num_new_tokens, batch.partial))
-        assert scheduler.prefilling is (batch.seqs[-1] if batch.partial else None) or not batch.is_prefill
+        steps.append(([seq.request_id for seq in batch.seqs], batch.num_new_tokens, batch.num_decodes, batch.partial))
+        assert batch.num_tokens <= 4 and scheduler.prefilling is (batch.seqs[-1] if batch.partial else None)
         scheduler.update(batch, [7] * batch.num_sampled)
     assert steps == [
-        (True, ["a", "b"], (3, 1), True),  # a, then b's first chunk: the 1 token left of the budget
-        (False, ["a"], (1,), False),       # b samples nothing and is no decode input until its prefill is done
-        (True, ["b"], (4,), True),
-        (False, ["a"], (1,), False),
-        (True, ["b"], (4,), True),
-        (False, ["a"], (1,), False),
-        (True, ["b", "c"], (1, 2), False),  # b's last chunk (its first token comes from it), then c whole
-        (False, ["a", "b", "c"], (1, 1, 1), False),
+        (["a", "b"], (3, 1), 0, True),          # a, then b's first chunk: the 1 token left of the budget
+        (["a", "b"], (1, 3), 1, True),          # a decodes, b's next chunk takes the rest: a mixed step
+        (["a", "b"], (1, 3), 1, True),
+        (["a", "b"], (1, 3), 1, False),         # b's last chunk (its first token comes from it); no room for c
+        (["a", "b", "c"], (1, 1, 2), 2, False),  # two decodes, then c whole
+        (["a", "b", "c"], (1, 1, 1), 3, False),  # a decode-only step
     ]
-    assert a.num_output_tokens == 5 and b.num_output_tokens == 2 and c.num_output_tokens == 2
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 3 and c.num_output_tokens == 2
+
+
+def test_a_partial_prefill_samples_nothing_and_decodes_run_in_every_step_of_a_long_prompt():
+    scheduler = make_scheduler(num_pages=40, max_num_seqs=3, max_num_batched_tokens=5, max_model_len=80,
+                               max_pages_per_seq=20, chunked_prefill=True)
+    short = [request(f"s{i}", 2, max_tokens=30, ignore_eos=True) for i in range(2)]
+    for seq in short:
+        scheduler.add(seq)
+    step(scheduler)
+    long = request("long", 39, max_tokens=2, ignore_eos=True)
+    scheduler.add(long)
+    chunks = 0
+    while long.num_output_tokens == 0:
+        batch = scheduler.schedule()
+        assert batch.seqs[:batch.num_decodes] == tuple(short) and batch.num_tokens <= 5
+        assert batch.seqs[batch.num_decodes:] == (long,) and batch.num_new_tokens[-1] == 3
+        chunks += 1
+        if batch.partial:  # the chunk samples nothing: only the decode rows get tokens
+            assert batch.num_sampled == 2 and long.num_in_flight == 0
+        scheduler.update(batch, [7] * batch.num_sampled)
+        assert long.num_output_tokens == (0 if batch.partial else 1)
+    assert chunks == 39 // 3 and all(seq.num_output_tokens == 1 + chunks for seq in short)
+
+
+def test_chunked_prefill_needs_a_token_budget_for_every_decode():
+    with pytest.raises(ValueError, match="max_num_batched_tokens=2 must be >= max_num_seqs=3 with chunked prefill"):
+        make_scheduler(max_num_seqs=3, max_num_batched_tokens=2, chunked_prefill=True)
+    make_scheduler(max_num_seqs=3, max_num_batched_tokens=2)  # without chunking it bounds prefill steps only
 
 
 def test_a_chunked_prefill_that_loses_its_pages_to_decodes_restarts_and_an_abort_mid_prefill_frees_them():
-    scheduler = make_scheduler(num_pages=6, max_num_seqs=2, max_num_batched_tokens=1, chunked_prefill=True)
+    scheduler = make_scheduler(num_pages=6, max_num_seqs=2, max_num_batched_tokens=2, chunked_prefill=True)
     cache = scheduler.cache
     a, b = request("a", 4, max_tokens=16, ignore_eos=True), request("b", 12, max_tokens=1)
     scheduler.add(a)
     scheduler.add(b)
-    while b.num_preemptions == 0:  # one-token chunks of b alternate with a's decodes, which take the last pages
+    mixed = 0
+    while b.num_preemptions == 0:  # one-token chunks of b ride along a's decodes, which take the last pages
         batch = scheduler.schedule()
+        mixed += batch.num_decodes == 1 and batch.num_prefills == 1
         scheduler.update(batch, [7] * batch.num_sampled)
-    assert scheduler.prefilling is None and b.cache_id is None and list(scheduler.waiting) == [b]
+    assert mixed and scheduler.prefilling is None and b.cache_id is None and list(scheduler.waiting) == [b]
     assert b.status is SequenceStatus.WAITING and b.num_output_tokens == 0 and b.num_in_flight == 0
     assert len(cache.pages_of(a.cache_id)) + cache.num_free_pages == 6
     run_to_completion(scheduler)
@@ -203,7 +303,7 @@ def test_a_chunked_prefill_that_loses_its_pages_to_decodes_restarts_and_an_abort
     scheduler.add(c)
     for _ in range(3):
         scheduler.update(scheduler.schedule(), [])
-    assert scheduler.prefilling is c and cache.seq_len(c.cache_id) == 3
+    assert scheduler.prefilling is c and cache.seq_len(c.cache_id) == 6
     assert scheduler.abort("c") and scheduler.prefilling is None and cache.num_free_pages == 6
     assert scheduler.schedule() is None
 
@@ -219,7 +319,7 @@ def test_preemption_takes_the_newest_sequence_and_puts_it_first_in_the_queue():
     scheduler.add(late)
     for _ in range(4):  # cache tokens 5 to 8 of each: their second pages, then no page is left
         batch, _ = step(scheduler)
-        assert batch.seqs == (old, new) and not batch.is_prefill
+        assert batch.seqs == (old, new) and not batch.num_prefills
     assert scheduler.cache.num_free_pages == 0 and new.num_tokens == 9
     batch, _ = step(scheduler)  # both need a third page: the newest goes
     assert batch.seqs == (old,)
@@ -228,7 +328,7 @@ def test_preemption_takes_the_newest_sequence_and_puts_it_first_in_the_queue():
     while old in scheduler.running:
         step(scheduler)
     batch = scheduler.schedule()  # recompute: prompt and generated tokens in one prefill
-    assert batch.is_prefill and batch.seqs[0] is new and batch.num_new_tokens[0] == 9
+    assert not batch.num_decodes and batch.seqs[0] is new and batch.num_new_tokens[0] == 9
     assert scheduler.cache.seq_len(new.cache_id) == 9
     scheduler.update(batch, [7] * len(batch.seqs))
     assert new.output_token_ids == [7] * 6 and scheduler.cache.seq_len(new.cache_id) == new.num_tokens - 1
@@ -443,5 +543,5 @@ def test_scheduler_arguments_are_validated(kwargs, message):
 
 
 def test_scheduled_batch_is_plain_data():
-    batch = ScheduledBatch((), (), is_prefill=False, seq_lens=())
-    assert batch.seq_ids == () and batch.num_tokens == 0
+    batch = ScheduledBatch((), (), ())
+    assert batch.seq_ids == () and batch.num_tokens == 0 and batch.num_decodes == batch.num_prefills == 0

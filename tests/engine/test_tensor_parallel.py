@@ -6,8 +6,9 @@ every bias (the row-parallel biases count once) and a vocabulary of 97 (the voca
 it to 98), a Qwen2 with QKV biases, GQA 14:2 (one KV head per rank) and tied embeddings, and a GQA Llama quantized
 to int8 after loading (a row-parallel shard's row scales are the whole rows'). fp32 activations: greedy tokens and
 seeded samples must match exactly. The first Llama engine schedules asynchronously (the sampled tokens feed the
-next step from every rank's device), the others synchronously; the Qwen2 engines prefill in chunks of 8 tokens
-(a step that only prefills part of a prompt samples nothing). One engine of each size is shared by the tests of a
+next step from every rank's device), the others synchronously; the Qwen2 engines run steps of 8 tokens, prompts
+cut in chunks beside the decodes' tokens (a step whose prefill rows are a partial one samples for its decode rows
+only). One engine of each size is shared by the tests of a
 model (a worker takes seconds to start); their pools are tiny (18 pages of 4 tokens), so a batch preempts. A packed
 GPTQ checkpoint (groups of 32) shards on group boundaries too.
 """
@@ -29,6 +30,7 @@ from questkv.engine.config import EngineConfig
 from questkv.engine.llm import LLM
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.tp_workers import TensorParallelError
+from tests.engine.test_chunked_prefill import mixed_steps, staggered
 from tests.helpers import greedy_params, save_tiny_model, tiny_config, tiny_hf_model
 
 PAGE, MAX_LEN, POOL_PAGES = 4, 64, 18
@@ -104,6 +106,18 @@ def test_two_ranks_under_preemption_give_the_tokens_of_one_device(engines):
     outputs = sharded.generate(prompts, params, use_tqdm=False)
     assert sum(out.metrics.num_preemptions for out in outputs) > 0
     assert [out.token_ids for out in outputs] == tokens(single, prompts, params)
+
+
+def test_two_ranks_replay_steps_mixing_decodes_and_prefill_chunks_as_one_device(engines):
+    single, sharded = engines
+    vocab = single.engine.spec.vocab_size
+    torch.manual_seed(vocab)
+    lens, params = (5, 23, 14, 19), [greedy_params(16), greedy_params(8, dense=True), greedy_params(9),
+                                     greedy_params(6, token_budget=8)]
+    requests = [(prompt(vocab, n), sp) for n, sp in zip(lens, params)]  # arriving while the earlier ones decode
+    got, launched = staggered(sharded, requests)
+    assert mixed_steps(launched) and got == staggered(single, requests)[0]
+    assert sharded.engine.cache.num_free_pages == POOL_PAGES - 1
 
 
 def test_two_ranks_with_adaptive_selection_reuse_give_the_tokens_of_one_device(tmp_path):

@@ -96,10 +96,15 @@ class PrefillCounter(engine_backend.EngineSource):
         steps, execute = [], runner.execute
 
         def count(module, args):
-            if steps.pop(0):  # a prefill step
-                self.computed.append(args[0].numel())
+            decodes = steps.pop(0)
+            if decodes is not None:  # a step with prefill rows, after its decode rows
+                self.computed.append(args[0].numel() - decodes)
 
-        runner.execute = lambda batch: steps.append(batch.is_prefill) or execute(batch)
+        def record(batch):
+            steps.append(batch.num_decodes if batch.num_prefills else None)
+            return execute(batch)
+
+        runner.execute = record
         runner.model.register_forward_pre_hook(count)
         llm.generate = lambda prompts, *args, **kw: self.prompts.append(prompts) or generate(prompts, *args, **kw)
         return llm

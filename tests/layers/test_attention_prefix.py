@@ -1,10 +1,10 @@
-"""The engine's attention layer on a prefill that starts after cached pages (``StepContext.cached_lens``): the new
+"""The engine's attention layer on a prefill that starts after cached pages (``PrefillRows.cached_lens``): the new
 tokens' outputs equal those of one causal prefill of the whole sequence."""
 
 import torch
 
 from questkv.cache.paged import PagedKVCache
-from questkv.decode.context import StepContext
+from questkv.decode.context import PrefillRows, StepContext
 from questkv.layers.attention import Attention, bind_cache
 
 HQ, HKV, D, PAGE = 4, 2, 8, 4
@@ -22,17 +22,17 @@ def test_a_prefill_after_cached_pages_equals_the_whole_causal_prefill():
 
     bind_cache(attention, whole_cache)
     ids = [whole_cache.add_sequence() for _ in lens]
-    ctx = StepContext.prefill(whole_cache, ids, lens)
+    ctx = StepContext.for_prefill(whole_cache, ids, lens)
     whole = attention(torch.cat(q), torch.cat(k), torch.cat(v), ctx)
 
     bind_cache(attention, split_cache)
     ids = [split_cache.add_sequence() for _ in lens]
-    first = StepContext.prefill(split_cache, ids[:1], cached[:1])
+    first = StepContext.for_prefill(split_cache, ids[:1], cached[:1])
     attention(q[0][:8], k[0][:8], v[0][:8], first)
     news = [n - c for n, c in zip(lens, cached)]
     slots = split_cache.reserve(ids, news)
     page_table, seq_lens = split_cache.batch(ids)
-    ctx = StepContext(True, slots, page_table, seq_lens, query_starts=[0, news[0], sum(news)], cached_lens=list(cached))
+    ctx = StepContext(slots, prefill=PrefillRows(page_table, seq_lens, [0, news[0], sum(news)], list(cached)))
     out = attention(torch.cat([q[0][8:], q[1]]), torch.cat([k[0][8:], k[1]]), torch.cat([v[0][8:], v[1]]), ctx)
 
     torch.testing.assert_close(out[:news[0]], whole[8:lens[0]])
