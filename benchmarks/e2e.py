@@ -358,6 +358,44 @@ def check_chunked_prefix_fp32() -> dict:
     return results
 
 
+def _staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: int = 3) -> tuple[list, int]:
+    """Step ``llm``'s engine, adding ``prompts[i]`` before step ``i * every`` (later prompts arrive while earlier
+    ones decode). Returns each prompt's greedy tokens and how many launched steps mixed decode and prefill rows."""
+    engine, execute = llm.engine, llm.engine.runner.execute
+    mixed = []
+    engine.runner.execute = lambda batch: mixed.append(bool(batch.num_decodes and batch.num_prefills)) or execute(batch)
+    ids, outputs, pending, step = [], {}, list(prompts), 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % every == 0:
+            ids.append(engine.add_request(pending.pop(0), params))
+        outputs.update((out.request_id, out) for out in engine.step())
+        step += 1
+    del engine.runner.execute
+    return [list(outputs[i].token_ids) for i in ids], sum(mixed)
+
+
+def check_mixed_steps_fp32() -> dict:
+    """Mixed steps on the CUDA path == unchunked prefill, greedy tokens on a small fp32 Llama: five prompts (41 to
+    1500 tokens) arrive every 3 engine steps while the earlier ones decode, into an engine with 96-token steps
+    (decode rows padded to a captured batch beside prefill chunks, one eager forward; asynchronous scheduling) and
+    into one without chunking (decode-only steps under CUDA graphs), dense, Quest 256 and Quest 256 with C = 4."""
+    cfg = _tiny_llama()
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (700, 1500, 333, 900, 41)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for name, quest in (("dense", None), ("quest-256", QuestConfig(token_budget=256)),
+                        ("quest-256-reuse-4", QuestConfig(token_budget=256, selection_interval=4))):
+        tokens, mixed = {}, {}
+        for path, kwargs in (("unchunked", {"enable_chunked_prefill": False}), ("mixed", {"max_num_batched_tokens": 96})):
+            llm = _sharpened_engine(cfg, quest, **kwargs)
+            tokens[path], mixed[path] = _staggered(llm, prompts, params)
+            del llm
+            gc.collect()
+        results[name] = {**_agreement(tokens["mixed"], tokens["unchunked"]), "mixed_steps": mixed["mixed"]}
+    return results
+
+
 def check_8b_against_hf(cfg) -> dict:
     """The engine against HF eager at the 8B shape in bf16 (random weights): next-token logits after a
     2048-token prefill and after 8 greedy decode steps (relative L2 error, top-1 agreement) and the
@@ -412,10 +450,11 @@ def main() -> None:
     parser.add_argument("--tag", default="h200", help="file name suffix: e2e-TAG.json")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the HF baselines")
     parser.add_argument("--skip-checks", action="store_true", help="leave out the correctness checks")
-    parser.add_argument("--checks", default="fp32,chunked,8b",
+    parser.add_argument("--checks", default="fp32,chunked,mixed,8b",
                         help="comma-separated correctness checks to run before timing: fp32 (CUDA path == eager "
                         "reference, tiny fp32 model), chunked (chunked prefill + prefix hits == one-step prefill), "
-                        "8b (engine vs HF at the 8B shape, bf16) (default: all three)")
+                        "mixed (steps mixing decodes and prefill chunks == unchunked prefill), 8b (engine vs HF at "
+                        "the 8B shape, bf16) (default: all four)")
     parser.add_argument("--checks-only", action="store_true", help="run the correctness checks and no timing")
     parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
     parser.add_argument("--quantization", choices=["int4", "int8"], default=None,
@@ -429,8 +468,8 @@ def main() -> None:
     except ValueError:
         parser.error(f"--selection-intervals takes comma-separated ints, got {args.selection_intervals!r}")
     checks = set(args.checks.split(",")) - {""}
-    if not checks <= {"fp32", "chunked", "8b"}:
-        parser.error(f"--checks takes a comma list of fp32, chunked, 8b; got {args.checks!r}")
+    if not checks <= {"fp32", "chunked", "mixed", "8b"}:
+        parser.error(f"--checks takes a comma list of fp32, chunked, mixed, 8b; got {args.checks!r}")
     if any(c < 2 for c in intervals):
         parser.error(f"--selection-intervals must be >= 2 each, got {args.selection_intervals}")
     record = {"provenance": provenance("cuda"), "page_size": PAGE, "dense_layers": DENSE_LAYERS, "dtype": "bfloat16",
@@ -441,6 +480,7 @@ def main() -> None:
     if not args.skip_checks:
         for check, key, run in (("fp32", "check_fp32", check_tiny_fp32),
                                 ("chunked", "check_chunked_prefix_fp32", check_chunked_prefix_fp32),
+                                ("mixed", "check_mixed_steps_fp32", check_mixed_steps_fp32),
                                 ("8b", "check_8b_bf16", lambda: check_8b_against_hf(dummy_config("llama3.1-8b")))):
             if check in checks:
                 record[key] = run()

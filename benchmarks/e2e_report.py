@@ -273,6 +273,15 @@ def render_markdown(record: dict) -> str:
             lines.append(f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match); "
                          f"cached tokens per prompt {r['cached_tokens']}")
         lines.append("")
+    mixed = record.get("check_mixed_steps_fp32")
+    if mixed:
+        lines.append("fp32 small Llama, CUDA path: five prompts arriving every 3 steps while the earlier ones decode, "
+                     "steps of at most 96 tokens mixing decode rows and prefill chunks vs no chunking, greedy tokens:")
+        lines.append("")
+        for name, r in mixed.items():
+            lines.append(f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match); "
+                         f"{r['mixed_steps']} mixed steps")
+        lines.append("")
     b8 = record.get("check_8b_bf16")
     if b8:
         lines.append("llama3.1-8b shape, bf16, random weights, against HF eager: agreeing prefix of free-running greedy "
@@ -288,7 +297,7 @@ def render_markdown(record: dict) -> str:
                          f"logits rel. error {errs} (HF top-2 gap {gaps})")
             lines.append(line)
         lines.append("")
-    if not fp32 and not b8 and not chunked:
+    if not fp32 and not b8 and not chunked and not mixed:
         lines += ["(not run)", ""]
     if record["points"]:  # none: a --checks-only run
         lines += (targets_section(record) + all_points_section(record) + reuse_section(record)

@@ -90,6 +90,8 @@ def test_report_of_a_checks_only_run(tmp_path):
     record = {"provenance": {}, "page_size": 16, "dense_layers": 2, "bandwidth_bytes_per_s": 4e12, "points": [],
               "check_chunked_prefix_fp32": {"quest-256": {"identical": False, "tokens_match": 70, "tokens": 72,
                                                           "cached_tokens": [0, 1024, 1024]}},
+              "check_mixed_steps_fp32": {"dense": {"identical": True, "tokens_match": 120, "tokens": 120,
+                                                   "mixed_steps": 31}},
               "check_fp32": {"quest-256-reuse-4": {"identical": True, "tokens_match": 72, "tokens": 72,
                                                    "selection_rates": {"cuda-graphs": [0.25, 0.5],
                                                                        "eager-reference": [0.25, 0.5]}}}}
@@ -99,4 +101,5 @@ def test_report_of_a_checks_only_run(tmp_path):
     md = (tmp_path / "e2e-checks.md").read_text()
     assert "- quest-256: identical False (70/72 tokens match); cached tokens per prompt [0, 1024, 1024]" in md
     assert "selection rates cuda-graphs 0.250 / 0.500, eager-reference 0.250 / 0.500" in md
+    assert "- dense: identical True (120/120 tokens match); 31 mixed steps" in md
     assert "## Targets" not in md and not (tmp_path / "e2e-checks.png").exists()
