@@ -88,13 +88,9 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        # Validate every request before queueing any, so a bad one leaves the engine untouched.
-        for prompt, param in zip(prompts, params):
-            self.engine.validate_request(prompt, param)
-        order = {self.engine.add_request(prompt, param): i for i, (prompt, param) in enumerate(zip(prompts, params))}
+            params = list(sampling_params)  # as many as prompts: checked by add_requests
+        # Every request is checked before any is queued, so a bad one leaves the engine untouched.
+        order = {request_id: i for i, request_id in enumerate(self.engine.add_requests(prompts, params))}
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req") as bar:
             try:

@@ -153,7 +153,19 @@ class LLMEngine:
                 engine cannot run, or a request that cannot fit the KV cache even alone.
         """
         params = SamplingParams() if params is None else params
-        text, token_ids = self.validate_request(prompt, params)
+        return self._queue(*self.validate_request(prompt, params), params, request_id)
+
+    def add_requests(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+        """Queue ``prompts[i]`` with ``params[i]``, all or none: every request is checked (as :meth:`add_request`
+        checks one) before any is queued, and each prompt is checked once. Returns their ids, in order."""
+        if len(prompts) != len(params):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        checked = [self.validate_request(prompt, param) for prompt, param in zip(prompts, params)]
+        return [self._queue(text, token_ids, param) for (text, token_ids), param in zip(checked, params)]
+
+    def _queue(self, text: Optional[str], token_ids: list[int], params: SamplingParams,
+               request_id: Optional[str] = None) -> str:
+        """Queue a request that :meth:`validate_request` accepted; returns its id."""
         request_id = str(next(self._ids)) if request_id is None else request_id
         seq = Sequence(request_id, token_ids, params, prompt=text,
                        detokenizer=None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer))
