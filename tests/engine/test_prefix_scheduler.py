@@ -68,11 +68,7 @@ class PrefixSchedulerMachine(SchedulerMachine):
                     readers = shared_in_step.get(page, [])
                     assert page not in held_before and all(j > i for j in readers)
                     assert self.cache.refcount(page) == 1 + len(readers)
-        token_ids = data.draw(st.lists(st.integers(0, 5), min_size=len(batch.seqs), max_size=len(batch.seqs)))
-        self.scheduler.update(batch, token_ids)
-        for seq, token in zip(batch.seqs, token_ids):
-            self.tokens[seq.request_id].append(token)
-            assert seq.output_token_ids == self.tokens[seq.request_id]
+        self.update(batch, data.draw(st.lists(st.integers(0, 5), min_size=len(batch.seqs), max_size=len(batch.seqs))))
 
     @invariant()
     def every_page_is_free_or_held_by_its_reference_count_of_running_sequences(self):
@@ -137,24 +133,8 @@ class ChunkedPrefixSchedulerMachine(PrefixSchedulerMachine):
             assert scheduler.prefilling is batch.seqs[-1]
         elif scheduler.prefilling is not None:  # its chunk found no room in the step: decodes filled it
             assert scheduler.prefilling not in batch.seqs and batch.num_decodes == self.CHUNK
-        sampled = batch.seqs[:batch.num_sampled]
-        token_ids = data.draw(st.lists(st.integers(0, 5), min_size=len(sampled), max_size=len(sampled)))
-        scheduler.update(batch, token_ids)
-        for seq, token in zip(sampled, token_ids):
-            self.tokens[seq.request_id].append(token)
-            assert seq.output_token_ids == self.tokens[seq.request_id]
-
-    @invariant()
-    def running_sequences_cache_all_but_their_last_token(self):
-        scheduler = self.scheduler
-        assert scheduler.num_running <= self.MAX_NUM_SEQS
-        for seq in scheduler.running:
-            cached = self.cache.seq_len(seq.cache_id)
-            assert seq.status is SequenceStatus.RUNNING
-            if seq is scheduler.prefilling:  # the newest, part of its tokens cached
-                assert seq is scheduler.running[-1] and 0 < cached < seq.num_tokens
-            else:
-                assert cached == seq.num_tokens - 1
+        self.update(batch, data.draw(st.lists(st.integers(0, 5), min_size=batch.num_sampled,
+                                              max_size=batch.num_sampled)))
 
 
 TestChunkedPrefixSchedulerMachine = ChunkedPrefixSchedulerMachine.TestCase

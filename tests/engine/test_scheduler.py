@@ -82,10 +82,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not batch.num_prefills:
             assert list(batch.seqs) == self.scheduler.running
         token_ids = data.draw(st.lists(st.integers(0, 5), min_size=len(batch.seqs), max_size=len(batch.seqs)))
-        finished = self.scheduler.update(batch, token_ids)
+        finished = self.update(batch, token_ids)
         for seq, token in zip(batch.seqs, token_ids):
-            self.tokens[seq.request_id].append(token)
-            assert seq.output_token_ids == self.tokens[seq.request_id]
             params = seq.sampling_params
             if (token == EOS and not params.ignore_eos) or token in params.stop_token_ids:
                 assert seq.status is SequenceStatus.FINISHED_STOPPED and seq in finished
@@ -93,6 +91,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert seq.status is SequenceStatus.FINISHED_LENGTH and seq in finished
             else:
                 assert not seq.is_finished and seq not in finished
+
+    def update(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """``scheduler.update`` with the step's sampled ``token_ids`` (one per sampling sequence), checking that each
+        sampling sequence's outputs grew by its token; returns the finished sequences."""
+        finished = self.scheduler.update(batch, token_ids)
+        for seq, token in zip(batch.seqs[:batch.num_sampled], token_ids):
+            self.tokens[seq.request_id].append(token)
+            assert seq.output_token_ids == self.tokens[seq.request_id]
+        return finished
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -115,10 +122,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def running_sequences_cache_all_but_their_last_token(self):
-        assert self.scheduler.num_running <= self.MAX_NUM_SEQS
-        for seq in self.scheduler.running:
+        scheduler = self.scheduler
+        assert scheduler.num_running <= self.MAX_NUM_SEQS
+        for seq in scheduler.running:
+            cached = self.cache.seq_len(seq.cache_id)
             assert seq.status is SequenceStatus.RUNNING
-            assert self.cache.seq_len(seq.cache_id) == seq.num_tokens - 1
+            if seq is scheduler.prefilling:  # with chunks: the newest, part of its tokens cached
+                assert seq is scheduler.running[-1] and 0 < cached < seq.num_tokens
+            else:
+                assert cached == seq.num_tokens - 1
 
     @invariant()
     def waiting_and_finished_sequences_own_no_pages(self):
@@ -172,24 +184,7 @@ class ChunkedSchedulerMachine(SchedulerMachine):
             else:
                 assert 1 <= count <= batch.seq_lens[i] <= seq.num_tokens
         assert (scheduler.prefilling is batch.seqs[-1]) == batch.partial
-        sampled = batch.seqs[:batch.num_sampled]
-        token_ids = draw_tokens(len(sampled))
-        scheduler.update(batch, token_ids)
-        for seq, token in zip(sampled, token_ids):
-            self.tokens[seq.request_id].append(token)
-            assert seq.output_token_ids == self.tokens[seq.request_id]
-
-    @invariant()
-    def running_sequences_cache_all_but_their_last_token(self):
-        scheduler = self.scheduler
-        assert scheduler.num_running <= self.MAX_NUM_SEQS
-        for seq in scheduler.running:
-            cached = self.cache.seq_len(seq.cache_id)
-            assert seq.status is SequenceStatus.RUNNING
-            if seq is scheduler.prefilling:  # the newest, part of its tokens cached
-                assert seq is scheduler.running[-1] and 0 < cached < seq.num_tokens
-            else:
-                assert cached == seq.num_tokens - 1
+        self.update(batch, draw_tokens(batch.num_sampled))
 
 
 TestChunkedSchedulerMachine = ChunkedSchedulerMachine.TestCase
