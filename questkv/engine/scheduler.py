@@ -34,7 +34,13 @@ from questkv.cache.paged import PagedKVCache
 from questkv.engine.sequence import Sequence, SequenceStatus
 from questkv.validation import check_int
 
-__all__ = ["ScheduledBatch", "Scheduler", "check_length"]
+__all__ = ["ROW_KINDS", "STEP_KINDS", "ScheduledBatch", "Scheduler", "check_length"]
+
+STEP_KINDS = ("decode", "prefill", "mixed")
+"""The kinds of a scheduled step: decode rows only, prefill rows only, or both (chunked prefill)."""
+
+ROW_KINDS = ("decode", "prefill")
+"""The kinds of a step's rows (:attr:`Scheduler.step_tokens`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +195,10 @@ class Scheduler:
         self._live: dict[str, Sequence] = {}
         self.prefix_queried_tokens = 0  # prefill tokens looked up in the prefix cache, and those found (cumulative)
         self.prefix_hit_tokens = 0
+        # Cumulative, over the scheduled steps: how many of each kind ("decode": decode rows only, "prefill": prefill
+        # rows only, "mixed": both) and their input tokens by kind of row ("decode", "prefill").
+        self.step_counts = dict.fromkeys(STEP_KINDS, 0)
+        self.step_tokens = dict.fromkeys(ROW_KINDS, 0)
 
     @property
     def num_running(self) -> int:
@@ -268,6 +278,9 @@ class Scheduler:
                 )
             return None
         seqs = (*decodes, *prefills)
+        self.step_counts["mixed" if decodes and prefills else "decode" if decodes else "prefill"] += 1
+        self.step_tokens["decode"] += len(decodes)
+        self.step_tokens["prefill"] += sum(news)
         return ScheduledBatch(
             seqs, (1,) * len(decodes) + tuple(news), tuple(self.cache.seq_len(seq.cache_id) for seq in seqs),
             num_decodes=len(decodes), partial=bool(prefills) and prefills[-1] is self._prefilling,

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Union
 
 from questkv.engine.llm_engine import LLMEngine
 from questkv.engine.sampling_params import SamplingParams
+from questkv.engine.scheduler import ROW_KINDS, STEP_KINDS
 from questkv.engine.sequence import RequestOutput, Sequence
 from questkv.engine.tp_workers import TensorParallelError
 from questkv.server.metrics import ServerMetrics
@@ -141,6 +142,8 @@ class EngineLoop:
         self.fatal_error: Optional[BaseException] = None  # the error that ended the engine, if one did
         self.stats: dict[str, Any] = {}
         self._prefix_counted = (0, 0)  # the scheduler's prefix-cache counters already added to the metrics
+        self._steps_counted = dict.fromkeys(STEP_KINDS, 0)  # and its step counters
+        self._tokens_counted = dict.fromkeys(ROW_KINDS, 0)
         self._publish()
 
     # ---- asyncio side ------------------------------------------------------------------------------------------
@@ -407,6 +410,11 @@ class EngineLoop:
         self.metrics.prefix_cache_queries.inc(queried - self._prefix_counted[0])
         self.metrics.prefix_cache_hits.inc(hit - self._prefix_counted[1])
         self._prefix_counted = (queried, hit)
+        for counted, now, counter in ((self._steps_counted, scheduler.step_counts, self.metrics.engine_steps),
+                                      (self._tokens_counted, scheduler.step_tokens, self.metrics.step_tokens)):
+            for kind, value in now.items():
+                counter.labels(kind=kind).inc(value - counted[kind])
+                counted[kind] = value
         self.metrics.prefix_cache_pages.set(engine.cache.num_cached_pages)
         self.stats = {"requests_running": running, "requests_waiting": waiting, "kv_pages_free": free,
                       "kv_pages_total": total}

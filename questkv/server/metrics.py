@@ -12,11 +12,17 @@ The engine loop's thread observes tokens, latencies and the pool (``prometheus_c
 * ``questkv_mean_tokens_attended``: KV tokens one decode step attended per sequence (mean over the batch,
   layers and heads) in the latest decode step.
 * ``questkv_time_to_first_token_seconds``, ``questkv_inter_token_latency_seconds``: histograms.
+* ``questkv_engine_steps_total{kind}``: engine steps launched: ``decode`` (decode rows only, under a CUDA graph on
+  CUDA), ``prefill`` (prefill rows only), ``mixed`` (decode rows beside prefill chunks: chunked prefill).
+* ``questkv_step_tokens_total{kind}``: the launched steps' input tokens by kind of row, ``decode`` or ``prefill``
+  (prefix-cache hits are not computed, so not counted).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from questkv.engine.scheduler import ROW_KINDS, STEP_KINDS
 
 __all__ = ["REQUEST_STATUSES", "ServerMetrics"]
 
@@ -63,6 +69,15 @@ class ServerMetrics:
             "questkv_inter_token_latency_seconds", "time between a request's consecutive tokens", buckets=_ITL_BUCKETS,
             registry=registry,
         )
+
+        self.engine_steps = Counter("questkv_engine_steps", "engine steps launched, by kind (decode, prefill, mixed)",
+                                    ["kind"], registry=registry)
+        self.step_tokens = Counter("questkv_step_tokens", "input tokens of launched engine steps, by kind of row",
+                                   ["kind"], registry=registry)
+        for kind in STEP_KINDS:
+            self.engine_steps.labels(kind=kind)
+        for kind in ROW_KINDS:
+            self.step_tokens.labels(kind=kind)
 
     def count_request(self, status: str) -> None:
         """One finished request with ``status`` (one of :data:`REQUEST_STATUSES`)."""

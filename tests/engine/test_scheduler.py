@@ -54,6 +54,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.seqs = {}     # request id -> Sequence, finished ones included
         self.tokens = {}   # request id -> the tokens the test fed it
         self.next_id = 0
+        self.steps = {"decode": 0, "prefill": 0, "mixed": 0}  # the steps scheduled, and their tokens by row kind
+        self.step_tokens = {"decode": 0, "prefill": 0}
 
     @rule(prompt_len=st.integers(1, 32), max_tokens=st.integers(1, 20), ignore_eos=st.booleans(),
           stop_token=st.sampled_from([None, 3]))
@@ -95,6 +97,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def update(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
         """``scheduler.update`` with the step's sampled ``token_ids`` (one per sampling sequence), checking that each
         sampling sequence's outputs grew by its token; returns the finished sequences."""
+        self.steps["mixed" if batch.num_decodes and batch.num_prefills else
+                   "decode" if batch.num_decodes else "prefill"] += 1
+        self.step_tokens["decode"] += sum(batch.num_new_tokens[:batch.num_decodes])
+        self.step_tokens["prefill"] += sum(batch.num_new_tokens[batch.num_decodes:])
         finished = self.scheduler.update(batch, token_ids)
         for seq, token in zip(batch.seqs[:batch.num_sampled], token_ids):
             self.tokens[seq.request_id].append(token)
@@ -111,6 +117,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert seq.is_finished and seq.cache_id is None
         if was_live:
             assert seq.finish_reason == "abort"
+
+    @invariant()
+    def the_scheduler_counts_its_steps_and_their_tokens_by_kind(self):
+        assert self.scheduler.step_counts == self.steps and self.scheduler.step_tokens == self.step_tokens
 
     @invariant()
     def every_page_is_free_or_owned_by_exactly_one_running_sequence(self):

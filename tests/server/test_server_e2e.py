@@ -396,10 +396,24 @@ def test_metrics_expose_the_contracts_series(server):
                  "questkv_requests_running", "questkv_requests_waiting", "questkv_kv_pages_used",
                  "questkv_kv_pages_free", "questkv_mean_tokens_attended", "questkv_time_to_first_token_seconds",
                  "questkv_inter_token_latency_seconds", "questkv_prefix_cache_queries_total",
-                 "questkv_prefix_cache_hits_total", "questkv_prefix_cache_pages"):
+                 "questkv_prefix_cache_hits_total", "questkv_prefix_cache_pages", "questkv_engine_steps_total",
+                 "questkv_step_tokens_total"):
         assert name in text, f"/metrics lacks {name}"
     values = metrics(server)
     assert values["questkv_kv_pages_used"] + values["questkv_kv_pages_free"] > 0
+
+
+def test_the_steps_of_a_request_are_counted_by_kind_with_their_tokens(server):
+    prompt = token_prompt(37)  # random ids: no page of it is cached
+    before = metrics(server)
+    client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0)
+    after = metrics(server)
+    delta = {key: after[key] - before[key] for key in after if key.startswith(("questkv_engine_steps", "questkv_step"))}
+    assert delta['questkv_step_tokens_total{kind="prefill"}'] == 37
+    # its first token comes from the prefill; at most 3 more, and one discarded step under asynchronous scheduling
+    assert 0 <= delta['questkv_step_tokens_total{kind="decode"}'] <= 4
+    assert delta['questkv_engine_steps_total{kind="prefill"}'] + delta['questkv_engine_steps_total{kind="mixed"}'] >= 1
+    assert delta['questkv_engine_steps_total{kind="decode"}'] <= 4
 
 
 def test_a_repeated_prompt_is_counted_as_prefix_cache_hits_and_gives_the_same_text(server, reference_llm):
