@@ -284,10 +284,10 @@ def paged_prefill_attention(
         k = k_pages[pages].flatten(0, 1)[:seq_len].float().transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = v_pages[pages].flatten(0, 1)[:seq_len].float().transpose(0, 1)[None]
         qs = q[begin:begin + n].float().transpose(0, 1)[None]  # [1, Hq, n, D]
-        # SDPA, the op of the prefill without cached tokens (Attention._prefill): on a CPU both prefill paths share
-        # their arithmetic.
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal_lower_right(n, seq_len), scale=sm_scale)
+        # SDPA with native GQA, as the prefill without cached tokens calls it on a CPU (Attention._causal_prefill):
+        # both prefill paths share their arithmetic, and no copy of the context is expanded per query head.
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal_lower_right(n, seq_len), scale=sm_scale,
+                                           enable_gqa=group > 1)
         out[begin:begin + n] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
