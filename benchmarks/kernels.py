@@ -7,8 +7,8 @@ random data, this script times under CUDA graphs (medians of many graph replays 
   selection for comparison with the Triton top-K;
 * the Quest step amortized over ``C`` decode steps (selection reuse, ``QuestConfig.selection_interval``) for
   each ``C`` of ``--selection-intervals``: a window of ``C`` steps as the engine runs them, step 0 with every
-  sequence active, steps 1..C-1 with the estimate and select launched on all-zero ``active`` flags (they exit
-  early) and the attend over the last selection plus the pages begun since (:func:`time_amortized`);
+  sequence active, steps 1..C-1 the attend alone over the last selection plus the pages begun since (the engine's
+  graph of a step where no row selects; :func:`time_amortized`);
 * the page estimate from 2-bit key codes (``page_scores_codes``, the opt-in low-bit key copy of
   ``quest-rerank``'s ``key_bits`` estimator; not wired into the step), ranked by max logit and by attention
   mass, next to the Quest estimate;
@@ -444,8 +444,9 @@ def time_amortized(budget: int, intervals: list[int], q, layers, table, lens,
     ``QuestConfig(token_budget=budget, selection_interval=C)`` (its attention planned for ``budget_pages +
     reuse_extra_pages`` columns). Step 0: every sequence active, the estimate and select write the first
     ``budget_pages`` columns of the layer's selection and the attend reads them (the engine's extra columns are
-    ``-1`` on a selecting step: the same grid, nothing read there). Steps 1..C-1: all-zero ``active`` flags (the
-    estimate and select launch and exit early) and the attend over the selection of step 0 plus the
+    ``-1`` on a selecting step: the same grid, nothing read there). Steps 1..C-1: the attend alone (the engine's
+    step where no row selects, ``selecting=False``, a graph without the estimate and select) over the selection of
+    step 0 plus the
     ``reuse_extra_pages`` columns, which hold valid page ids (the sequences' last pages, standing for the pages
     begun since). Each layer keeps its own selection across the window, as the engine's ``SelectionMemory``
     does; the step's other buffers are shared by the layers."""
@@ -465,7 +466,7 @@ def time_amortized(budget: int, intervals: list[int], q, layers, table, lens,
             if when == 0:
                 step.sparse(q, layers[layer], table, lens, active=active, selected=selected[layer, ..., :budget_pages])
             else:
-                step.sparse(q, layers[layer], table, lens, active=reusing, selected=selected[layer])
+                step.sparse(q, layers[layer], table, lens, active=reusing, selected=selected[layer], selecting=False)
 
         results[str(interval)] = timer(enqueue, interval)
         del step, selected
@@ -797,11 +798,11 @@ def main() -> int:
         "## Quest step amortized over C",
         "",
         "Selection reuse (`QuestConfig.selection_interval` C): a CUDA graph of C consecutive steps per layer, in the "
-        "engine's order; step 0 estimates, selects (every sequence active) and attends; steps 1..C-1 launch the "
-        "estimate and select with all-zero `active` flags (they exit early) and attend the last selection plus "
+        "engine's order; step 0 estimates, selects (every sequence active) and attends; steps 1..C-1 attend alone "
+        "(the engine's graph of a step where no row selects: no estimate or select launch) the last selection plus "
         f"`reuse_extra_pages` = ceil((C-1)/{PAGE_SIZE}) page columns begun since (`QuestDecodeStep.sparse` with "
-        "`active` and `selected`, as the engine). µs per step = window time / C (per layer, like the Quest step "
-        "column).",
+        "`active`, `selected` and `selecting=False`, as the engine). µs per step = window time / C (per layer, like "
+        "the Quest step column).",
         "",
         *amortized_lines(points, args.intervals),
         "",

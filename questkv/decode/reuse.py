@@ -43,6 +43,9 @@ class ReuseRows:
             with adaptive reuse, of the row's last whole-row selection (the phase's).
         num_pages: ``[batch]`` int32, each row's page count in this step.
         adaptive: adaptive reuse (``QuestConfig.reselect_similarity``), else ``None``.
+        selecting: ``False`` when the host knows that no row of the step selects (every row is off its phase and
+            holds a selection; padding rows aside): the sparse layers launch the attend alone, and ``active`` is all
+            zero on the real rows. Never ``False`` with adaptive reuse.
     """
 
     active: torch.Tensor
@@ -50,6 +53,7 @@ class ReuseRows:
     selected_at: torch.Tensor
     num_pages: torch.Tensor
     adaptive: Optional["AdaptiveRows"] = None
+    selecting: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +185,7 @@ class SelectionMemory:
         return selections / (steps * self.sparse_layers * self.num_sel_heads)
 
     def rows(self, seq_ids: torch.Tensor, due: torch.Tensor, seq_lens: torch.Tensor,
-             thresholds: Optional[torch.Tensor] = None) -> ReuseRows:
+             thresholds: Optional[torch.Tensor] = None, selecting: bool = True) -> ReuseRows:
         """The step's selections of slots ``seq_ids`` in batch order.
 
         A row selects when ``due`` says so, when its slot holds no selection, or when more pages began since
@@ -192,9 +196,12 @@ class SelectionMemory:
             due: ``[batch]`` integer, nonzero where the row's phase makes it select.
             seq_lens: ``[batch]`` int32, the current token included.
             thresholds: adaptive reuse only (and then required): ``[batch]`` float32 similarity thresholds.
+            selecting: ``False``: the caller knows that no real row selects (see :attr:`ReuseRows.selecting`).
         """
         if (thresholds is None) != (self.queries is None):
             raise ValueError("SelectionMemory.rows takes thresholds exactly when the config has reselect_similarity")
+        if not selecting and thresholds is not None:
+            raise ValueError("SelectionMemory.rows: with adaptive reuse a step may always select (selecting=True)")
         pages = (seq_lens + self.page_size - 1) // self.page_size  # [B]
         before = self.selected_at.index_select(0, seq_ids)  # [B]
         active = (due != 0) | (before < 0) | (pages - before > self.extra_pages)
@@ -210,7 +217,7 @@ class SelectionMemory:
         extra = torch.where(begun < pages[:, None, None], begun, -1)  # [(L,) B, H or 1, E]: pages begun since
         selected[..., self.budget_pages:] = extra  # broadcast over layers (and heads, without adaptive reuse)
         return ReuseRows(active.to(torch.int32), selected, selected_at.to(torch.int32), pages.to(torch.int32),
-                         adaptive)
+                         adaptive, selecting)
 
     def store(self, seq_ids: torch.Tensor, rows: ReuseRows) -> None:
         """Keep the step's selections (``rows`` from :meth:`rows` of the same ``seq_ids``) for the next steps and

@@ -62,7 +62,8 @@ class QuestDecodeStep:
     and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`).
 
     Selection reuse (:mod:`questkv.decode.reuse`): :meth:`sparse` given ``active`` and ``selected`` estimates
-    and selects only the active rows, into ``selected``, and attends every row's ``selected``; given a
+    and selects only the active rows, into ``selected``, and attends every row's ``selected`` (with
+    ``selecting=False``, a step where no row is active, it launches the attend alone); given a
     :class:`Reselection` too (adaptive reuse) it first decides per (row, head) which reselect (one more
     launch on the Triton backend), and only those estimate and select.
     """
@@ -168,6 +169,7 @@ class QuestDecodeStep:
         active: Optional[torch.Tensor] = None,
         selected: Optional[torch.Tensor] = None,
         reselection: Optional[Reselection] = None,
+        selecting: bool = True,
     ) -> torch.Tensor:
         """Quest attention (estimate, select, attend) into ``self.out``; returns ``self.out``.
 
@@ -184,12 +186,20 @@ class QuestDecodeStep:
             reselection: adaptive reuse (with ``active`` and ``selected``): the rows not in ``active`` reselect
                 per head where their query drifted (:func:`~questkv.ops.reference.reselect_heads_into`, which
                 clears those heads' extra columns of ``selected``); ``reselection.head_active`` holds the flags.
+            selecting: ``False`` when the caller knows that no row is active (selection reuse without adaptive
+                reuse): only the attend launches, over ``selected``; ``active`` must then be all zero (not checked
+                here: no host sync).
         """
         if self.selected is None:
             raise ValueError("QuestDecodeStep.sparse needs a sparse config (token_budget set)")
         if (active is None) != (selected is None) or (reselection is not None and active is None):
             raise ValueError("QuestDecodeStep.sparse takes active and selected together (selection reuse) or neither, "
                              "and reselection only with them")
+        if not selecting:
+            if selected is None or reselection is not None:
+                raise ValueError("QuestDecodeStep.sparse with selecting=False needs selected (selection reuse) and "
+                                 "no reselection (adaptive reuse decides on the device)")
+            return self.attend(q, layer, page_table, seq_lens, sm_scale, selected)
         if reselection is not None:
             active = self.backend.reselect_heads_into(
                 reselection.head_active, q, reselection.queries, reselection.slots, active, reselection.thresholds,

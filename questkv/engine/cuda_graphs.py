@@ -1,10 +1,12 @@
 """The decode step's CUDA graphs and their key policy: which batch sizes and page-table widths get a graph, and
 capture, replay and release of the graphs.
 
-A graph is keyed by ``(batch, width, all_pages)``: the padded batch size, the page-table columns the step scans
-(a power of two, so that estimate and select scan at most twice the pages of the longest sequence), and whether
-a dense request shares a Quest batch (its step may select every column). The step's body and its static
-inputs are the runner's (:class:`~questkv.engine.model_runner.ModelRunner`); this module only knows the keys.
+A graph is keyed by ``(batch, width, all_pages, selecting)``: the padded batch size, the page-table columns the
+step scans (a power of two, so that estimate and select scan at most twice the pages of the longest sequence),
+whether a dense request shares a Quest batch (its step may select every column), and whether any row may select
+(with selection reuse a step where every row reuses its last selection is a graph of its own, without the
+estimate and select launches). The step's body and its static inputs are the runner's
+(:class:`~questkv.engine.model_runner.ModelRunner`); this module only knows the keys.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ _GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
 # Page-table widths with a decode graph: powers of two from this up to max_pages_per_seq.
 _MIN_GRAPH_PAGES = 64
 
-GraphKey = tuple[int, int, bool]
-Body = Callable[[int, int, bool], torch.Tensor]
+GraphKey = tuple[int, int, bool, bool]
+Body = Callable[[int, int, bool, bool], torch.Tensor]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -60,14 +62,17 @@ class DecodeGraphs:
         device: the CUDA device.
         warmup_keeps: tensors that the eager warm-up run before a capture must leave as they were: counters a step
             adds to (a graph captured on first use runs its step once more when it replays).
+        reusing_steps: the engine reuses selections (``selection_interval`` > 1, not adaptive): the graphs of steps
+            where no row selects are captured at start too.
 
-    ``body(batch, width, all_pages)``, passed to :meth:`run` and :meth:`capture`, runs one decode step over the
+    ``body(batch, width, all_pages, selecting)``, passed to :meth:`run` and :meth:`capture`, runs one decode step over the
     runner's static inputs and returns its ``[batch, vocab]`` float32 logits; device ops only (capturable).
     """
 
     def __init__(self, batch_sizes: tuple[int, ...], max_pages_per_seq: int, device: torch.device,
-                 warmup_keeps: tuple[torch.Tensor, ...] = ()) -> None:
+                 warmup_keeps: tuple[torch.Tensor, ...] = (), reusing_steps: bool = False) -> None:
         self.batch_sizes = batch_sizes
+        self.reusing_steps = reusing_steps
         self.warmup_keeps = warmup_keeps
         self.max_pages_per_seq = max_pages_per_seq
         self._device = device
@@ -94,10 +99,11 @@ class DecodeGraphs:
         return logits
 
     def missing(self) -> list[GraphKey]:
-        """The keys a server captures at start (every batch size and width, no dense request), largest first,
-        that have no graph yet."""
-        keys = [(batch, width, False) for batch in sorted(self.batch_sizes, reverse=True)
-                for width in graph_widths(self.max_pages_per_seq)]
+        """The keys a server captures at start (every batch size and width, no dense request; with
+        ``reusing_steps`` each also without selection), largest first, that have no graph yet."""
+        selecting = (True, False) if self.reusing_steps else (True,)
+        keys = [(batch, width, False, select) for batch in sorted(self.batch_sizes, reverse=True)
+                for width in graph_widths(self.max_pages_per_seq) for select in selecting]
         return [key for key in keys if key not in self._graphs]
 
     def capture(self, key: GraphKey, body: Body) -> None:

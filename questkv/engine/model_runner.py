@@ -186,7 +186,11 @@ class ModelRunner:
         self.sampler = Sampler()
         batch_sizes = graph_batch_sizes(config.max_num_seqs) if config.use_cuda_graphs else ()
         self.graphs = DecodeGraphs(batch_sizes, self.cache.max_pages_per_seq, self.device,
-                                   warmup_keeps=self.memory.counters if self.memory is not None else ())
+                                   warmup_keeps=self.memory.counters if self.memory is not None else (),
+                                   reusing_steps=self._reuses_fixed)
+        # Rank 0's mirror of the selection memory: the cache slots that hold a selection a next step may reuse
+        # (a prefill clears its slots, a step with a dense request its rows', any other decode step sets its rows').
+        self._kept: set[int] = set()
         rows = max(batch_sizes, default=config.max_num_seqs)
         pin = self.device.type == "cuda"
         # Two pinned staging buffers, used in turn: a step is staged while the copy of the one before may
@@ -265,6 +269,7 @@ class ModelRunner:
         for seq, seq_len, new in zip(batch.seqs[n:], batch.seq_lens[n:], batch.num_new_tokens[n:]):
             ids.extend(seq.all_token_ids[seq_len - new:seq_len])
         inputs = PrefillInputs(batch.seq_ids[n:], batch.num_new_tokens[n:], batch.seq_lens[n:], batch.partial, ids)
+        self._kept.difference_update(inputs.seq_ids)
         if not n:
             self._publish(batch, prefill=inputs)
             return self._run_prefill(inputs)
@@ -312,14 +317,37 @@ class ModelRunner:
         return self.graphs.run(key, self._decode_body)[:len(batch.seqs)]
 
     def _decode_key(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...]) -> GraphKey:
-        """The graph key of decode rows ``seqs`` (their KV lengths ``seq_lens``): the captured batch size they are
-        padded to, the page-table width and whether a dense request shares a Quest batch (the step selects up to
-        every column, a dense row all its pages). A mixed step's decode rows use the key a decode-only step of
-        theirs would, and so its :class:`QuestDecodeStep` (no buffers of their own)."""
+        """The graph key of the decode rows ``seqs`` of the step being staged (their KV lengths ``seq_lens``): the
+        captured batch size they are padded to, the page-table width, whether a dense request shares a Quest batch
+        (the step selects up to every column, a dense row all its pages) and whether any row may select (see
+        :meth:`_selecting`). A mixed step's decode rows use the key a decode-only step of theirs would, and so its
+        :class:`QuestDecodeStep` (no buffers of their own). Updates the mirror of the selection memory."""
         padded = self.graphs.padded(len(seqs))
         width = self.graphs.width(self.cache.pages_for_tokens(max(seq_lens)))
         all_pages = self.budget is not None and any(seq.sampling_params.dense for seq in seqs)
-        return padded, width, all_pages
+        selecting = self._selecting(seqs, seq_lens, all_pages)
+        slots = [seq.cache_id for seq in seqs]
+        if all_pages:  # the step forgets every row's selection (SelectionMemory.count_selecting_step)
+            self._kept.difference_update(slots)
+        elif self.memory is not None:
+            self._kept.update(slots)
+        return padded, width, all_pages, selecting
+
+    @property
+    def _reuses_fixed(self) -> bool:
+        """Selection reuse at a fixed interval (adaptive reuse decides on the device: its steps may always select)."""
+        return self.memory is not None and self.memory.queries is None
+
+    def _selecting(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], all_pages: bool) -> bool:
+        """Whether a decode step of ``seqs`` (KV lengths ``seq_lens``) may estimate and select: always, but with
+        fixed-interval selection reuse when every row is off its phase and its slot keeps a selection (the
+        memory's own test, :meth:`SelectionMemory.rows`, finds no row active then: pages begun since a kept
+        selection never outgrow the extra columns on the regular phase)."""
+        if not self._reuses_fixed or all_pages:
+            return True
+        return any(seq.cache_id not in self._kept
+                   or is_due(seq_len, seq.num_prompt_tokens, self.selection_interval_of(seq))
+                   for seq, seq_len in zip(seqs, seq_lens))
 
     def _publish(self, batch: ScheduledBatch, **step) -> None:
         """Rank 0 with tensor parallelism: send the other ranks the step (``prefill=`` and/or ``decode=`` of
@@ -363,7 +391,7 @@ class ModelRunner:
         """Copy the packed decode inputs of the decode rows ``seqs`` (their KV lengths ``seq_lens``) to the device;
         rows past them (up to the padded batch ``key[0]``) read and write one token of the scratch sequence. Returns
         the host copy, ``[_NUM_INPUTS, padded]`` int64."""
-        padded, width, _ = key
+        padded, width = key[:2]
         host = self._host_inputs[self._flip][:, :padded]
         self._flip ^= 1
         host[_IDS].zero_()
@@ -411,19 +439,20 @@ class ModelRunner:
             self.graphs.capture(key, self._decode_body)
         return len(keys)
 
-    def _decode_body(self, batch: int, width: int, all_pages: bool) -> torch.Tensor:
+    def _decode_body(self, batch: int, width: int, all_pages: bool, selecting: bool) -> torch.Tensor:
         """One decode-only step over the packed inputs (graph-capturable: device ops only); ``[batch, vocab]``
         float32 logits."""
-        ids, positions, slots, rows = self._decode_rows(batch, width, all_pages)
+        ids, positions, slots, rows = self._decode_rows(batch, width, all_pages, selecting)
         hidden = self.model(ids, positions, StepContext(slots, decode=rows))
         self._store_selections(batch, rows)
         return self.model.compute_logits(hidden)
 
-    def _decode_rows(self, batch: int, width: int, all_pages: bool
+    def _decode_rows(self, batch: int, width: int, all_pages: bool, selecting: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeRows]:
         """The decode rows of the packed inputs (the first ``batch``, padding included) as the model reads them:
         ``[batch]`` int64 input ids (an in-flight token read from the previous step's sampled tokens), ``[batch]``
-        int64 positions, ``[batch]`` int64 slots, and the rows' attention metadata (device ops only)."""
+        int64 positions, ``[batch]`` int64 slots, and the rows' attention metadata (device ops only; on CPU the
+        host's claim that no row selects, ``selecting=False``, is checked against the memory's flags)."""
         inputs = self._inputs[:, :batch]
         source = inputs[_SRC]
         ids = torch.where(source >= 0, self._sampled[source.clamp(min=0)], inputs[_IDS])
@@ -441,7 +470,12 @@ class ModelRunner:
                 thresholds = None
                 if self.memory.queries is not None:
                     thresholds = inputs[_THRESHOLDS].view(torch.float64).to(torch.float32)
-                reuse = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens, thresholds)
+                reuse = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens, thresholds, selecting)
+                if not selecting and self.device.type == "cpu":  # free here; a sync (and no capture) on CUDA
+                    wrong = ((reuse.active != 0) & (inputs[_ROWS] != self.scratch_seq)).nonzero()[:, 0].tolist()
+                    if wrong:
+                        raise RuntimeError(f"rows {wrong} select in a step launched without selection: the host's "
+                                           "mirror of the selection memory is out of step")
         return ids, positions, slots, DecodeRows(page_table, seq_lens, self._step(batch, width, all_pages), budgets,
                                                  reuse)
 

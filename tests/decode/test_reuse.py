@@ -62,6 +62,10 @@ def test_a_reusing_row_attends_its_last_selection_plus_the_pages_begun_since(sel
         rows = memory.rows(slots, due, seq_lens)
         assert rows.active.tolist() == [int(t % interval == 0)] * batch
         out = step.sparse(q, layer, page_table, seq_lens, None, None, rows.active, rows.selected[0]).clone()
+        if t % interval:  # what the engine launches when no row selects: the attend alone, the same output
+            skipped = step.sparse(q, layer, page_table, seq_lens, None, None, rows.active, rows.selected[0],
+                                  selecting=False)
+            torch.testing.assert_close(skipped, out, rtol=0, atol=0)
         memory.store(slots, rows)
         if t % interval == 0:
             made_at, last_selection = seq_lens.tolist(), expected_selection(q, layer, page_table, seq_lens, cfg)
@@ -71,6 +75,28 @@ def test_a_reusing_row_attends_its_last_selection_plus_the_pages_begun_since(sel
         expected = reference.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens, attended)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         data.append_token(torch.randn(batch, KV_HEADS, HEAD_DIM), torch.randn(batch, KV_HEADS, HEAD_DIM))
+
+
+def test_a_step_without_selection_needs_fixed_reuse_and_launches_no_estimate_or_select(monkeypatch):
+    cfg = config(3)
+    data = random_cache([random.randint(9, 30)], KV_HEADS, HEAD_DIM, PAGE)
+    step = QuestDecodeStep(cfg, 1, Q_HEADS, KV_HEADS, HEAD_DIM, data.cache.max_pages_per_seq, torch.float32, "cpu")
+    page_table, seq_lens = data.cache.batch(data.ids, max_pages=data.cache.max_pages_per_seq)
+    q, layer = torch.randn(1, Q_HEADS, HEAD_DIM), data.cache.layer(0)
+    with pytest.raises(ValueError, match="selecting=False needs selected"):
+        step.sparse(q, layer, page_table, seq_lens, selecting=False)
+    adaptive = SelectionMemory(config(3, similarity=0.5), num_layers=1, num_sel_heads=KV_HEADS, max_seqs=2,
+                               device="cpu", query_width=Q_HEADS // KV_HEADS * HEAD_DIM)
+    with pytest.raises(ValueError, match="adaptive reuse a step may always select"):
+        adaptive.rows(torch.tensor([0]), torch.zeros(1), seq_lens, torch.zeros(1), selecting=False)
+    monkeypatch.setattr(reference, "page_scores_into", lambda *a, **k: pytest.fail("estimate launched"))
+    monkeypatch.setattr(reference, "select_pages_into", lambda *a, **k: pytest.fail("select launched"))
+    selected = torch.full((1, KV_HEADS, cfg.budget_pages + cfg.reuse_extra_pages), -1, dtype=torch.int32)
+    selected[..., 0] = 0
+    out = step.sparse(q, layer, page_table, seq_lens, active=torch.zeros(1, dtype=torch.int32), selected=selected,
+                      selecting=False)
+    expected = reference.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_a_slot_without_a_selection_or_with_more_new_pages_than_columns_selects_whatever_its_phase():

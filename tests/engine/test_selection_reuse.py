@@ -67,14 +67,16 @@ def test_a_request_lowering_the_interval_to_one_gets_the_tokens_of_an_engine_tha
     assert run(make_llm(model_dir, reusing(SMALL, 4)), prompts, greedy(20, selection_interval=1)) == every_step
 
 
-def test_the_estimate_and_select_run_only_for_the_rows_whose_step_is_due(model_dir, monkeypatch):
+def test_the_estimate_and_select_run_only_for_the_rows_whose_step_is_due_and_not_at_all_when_none_is(
+        model_dir, monkeypatch):
     interval, max_tokens = 4, 20
     llm = make_llm(model_dir, reusing(SMALL, interval))
-    flags: list[list[int]] = []
+    step_index = 0
+    flags: dict[int, list[list[int]]] = {}  # engine step -> the active flags of each sparse layer's estimate
     page_scores_into = reference.page_scores_into
 
     def spy(*args, active=None, **kwargs):
-        flags.append(active.tolist())
+        flags.setdefault(step_index, []).append(active.tolist())
         return page_scores_into(*args, active=active, **kwargs)
 
     monkeypatch.setattr(reference, "page_scores_into", spy)
@@ -84,16 +86,23 @@ def test_the_estimate_and_select_run_only_for_the_rows_whose_step_is_due(model_d
     engine.add_request(prompts[0], greedy(max_tokens))
     engine.step()  # prefill of the first
     engine.add_request(prompts[1], greedy(8, selection_interval=3))
+    engine.step()  # the first's decode step 0 and the second's prefill: a mixed step
+    decode_steps = []
     while engine.has_unfinished_requests():
+        step_index += 1
+        decode_steps.append(step_index)
         engine.step()
     sparse_layers = LAYERS - SMALL.dense_layers
-    steps = [flags[i] for i in range(0, len(flags), sparse_layers)]
-    assert all(flags[i] == flags[i - i % sparse_layers] for i in range(len(flags)))  # every sparse layer alike
-    first = [row[0] for row in steps]
-    second = [row[1] for row in steps if len(row) == 2]
-    assert first == [int(k % interval == 0) for k in range(len(first))]
-    assert second == [int(k % 3 == 0) for k in range(len(second))]
-    assert len(first) == max_tokens - 1 and len(second) == 8 - 1
+    # decode step k of the first request is engine step k (k >= 1), the second's step k - 1
+    expected = {}
+    for k in decode_steps:
+        due = [int(k % interval == 0)] + ([int((k - 1) % 3 == 0)] if k - 1 < 8 - 1 else [])
+        if any(due):
+            expected[k] = [due] * sparse_layers
+    assert flags.pop(0) == [[1]] * sparse_layers  # the mixed step: the first request's first decode step selects
+    assert flags == expected
+    assert len(decode_steps) == max_tokens - 2
+    assert len(expected) < len(decode_steps)  # some steps launched no estimate
 
 
 def test_mean_tokens_attended_counts_the_pages_begun_since_the_selection(model_dir):
@@ -189,3 +198,28 @@ def test_the_selection_rate_counts_a_dense_requests_steps_as_selecting_and_is_no
     outputs = llm.generate([prompt(40), prompt(30)], [greedy(9), greedy(9, dense=True)], use_tqdm=False)
     assert outputs[0].metrics.selection_rate == 1.0  # every step of its batch attends all pages of the dense one
     assert outputs[1].metrics.selection_rate is None
+
+
+class _NeverForgets(set):
+    """A broken mirror of the selection memory: it misses every slot whose selection was dropped."""
+
+    def difference_update(self, *others) -> None:
+        pass
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["mirror", "broken mirror"])
+def test_a_step_after_a_dense_requests_step_selects_and_a_wrong_host_mirror_is_caught(model_dir, broken):
+    llm = make_llm(model_dir, reusing(SMALL, 4))
+    if broken:
+        llm.engine.runner._kept = _NeverForgets()
+    engine = llm.engine
+    engine.add_request(prompt(40), greedy(12))
+    engine.step()  # its prefill
+    engine.add_request(prompt(30), greedy(3, dense=True))  # its steps forget the first request's selection
+    if broken:  # the first decode step after the dense request's last one is off its phase: it must select
+        with pytest.raises(RuntimeError, match=r"rows \[0\] select in a step launched without selection"):
+            while engine.has_unfinished_requests():
+                engine.step()
+    else:
+        while engine.has_unfinished_requests():
+            engine.step()
