@@ -14,6 +14,7 @@ import hashlib
 import struct
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from questkv import ops
@@ -26,14 +27,25 @@ def page_hashes(token_ids: Sequence[int], page_size: int, salt: bytes = b"", par
     """The hash chain of the full pages of ``token_ids`` from page ``start`` on: page ``j``'s hash is a digest of
     (page ``j - 1``'s hash, or ``salt`` for the first page; page ``j``'s token ids), so equal hashes mean equal
     tokens from the start of the sequence (``parent``: the hash of page ``start - 1``, unused for ``start=0``)."""
+    full = len(token_ids) // page_size
+    if full <= start:
+        return []
+    # The pages' bytes in one conversion (what _page_hash packs page by page): per page only the digest remains.
+    data = np.asarray(token_ids[start * page_size:full * page_size], dtype="<i8").tobytes()
+    width = 8 * page_size
     hashes = []
-    for j in range(start, len(token_ids) // page_size):
-        parent = _page_hash(parent if j else salt, token_ids[j * page_size:(j + 1) * page_size])
+    for j in range(start, full):
+        digest = hashlib.blake2b(parent if j else salt, digest_size=16)
+        offset = (j - start) * width
+        digest.update(data[offset:offset + width])
+        parent = digest.digest()
         hashes.append(parent)
     return hashes
 
 
 def _page_hash(parent: bytes, page_tokens: Sequence[int]) -> bytes:
+    """One link of :func:`page_hashes`' chain: the digest of ``parent`` and the page's token ids as little-endian
+    int64."""
     digest = hashlib.blake2b(parent, digest_size=16)
     digest.update(struct.pack(f"<{len(page_tokens)}q", *page_tokens))
     return digest.digest()

@@ -4,12 +4,15 @@ Keys encode what they hold (token id, position, layer), so a sequence's stored K
 tokens wherever its pages come from: its own writes or the prefix cache.
 """
 
+import random
+
 import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import questkv.cache.paged
 from questkv import PagedKVCache
 from questkv.cache.paged import CacheFullError, page_hashes
 
@@ -174,6 +177,16 @@ def test_without_prefix_caching_nothing_is_cached():
     assert cache.match_prefix([1, 2, 3, 4, 5]) == [] and cache.num_cached_pages == 0
     cache.free_sequence(seq)
     assert cache.num_free_pages == 4
+
+
+def test_the_chain_hashes_each_page_as_its_link_does_and_a_lookup_that_hashes_finds_the_same_pages():
+    tokens = [random.randrange(1 << 40) for _ in range(random.randint(5, 40))]
+    chain, parent = [], b"s"
+    for j in range(len(tokens) // PAGE):
+        parent = questkv.cache.paged._page_hash(parent, tokens[j * PAGE:(j + 1) * PAGE])
+        chain.append(parent)
+    assert page_hashes(tokens, PAGE, b"s") == chain
+    assert page_hashes(tokens[:PAGE - 1], PAGE, b"s") == [] and page_hashes(tokens, PAGE, b"s", chain[-1], len(chain)) == []
 
 
 def test_salt_separates_hash_chains():

@@ -145,8 +145,9 @@ def test_a_waiting_prompt_that_cannot_be_admitted_is_hashed_once(monkeypatch):
     cache = PagedKVCache(1, 1, 1, 12, PAGE, max_seqs=4, prefix_caching=True)
     scheduler = Scheduler(cache, 4, 64, frozenset({EOS}), 64)
     hashed = []
-    page_hash = questkv.cache.paged._page_hash
-    monkeypatch.setattr(questkv.cache.paged, "_page_hash", lambda *args: hashed.append(1) or page_hash(*args))
+    page_hashes = questkv.cache.paged.page_hashes
+    monkeypatch.setattr(questkv.cache.paged, "page_hashes",
+                        lambda *args: (lambda chain: hashed.extend(chain) or chain)(page_hashes(*args)))
     hog = Sequence("hog", BASE[:20], SamplingParams(max_tokens=20, ignore_eos=True))
     scheduler.add(hog)
     scheduler.update(scheduler.schedule(), [7])  # 6 pages held, 6 free
