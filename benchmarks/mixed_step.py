@@ -3,8 +3,8 @@ riding in its step (chunked prefill's mixed steps), and what a decode-only step 
 
 Dense engine, dummy Llama-3.1-8B, bf16, chunks of ``--chunk`` tokens. In order, on one engine: a warm-up prompt of
 ``--prompt`` tokens alone; the same length alone, each chunk's step timed (CUDA synchronised around it), then a
-third prompt with its third chunk's step under the torch profiler; ``--decodes`` requests of ``--decode-tokens`` admitted
-with random K/V (``e2e.synthetic_prefill``) and 12 decode-only steps timed (CUDA graphs); a prompt whose chunks ride
+third prompt with its third chunk's step under the torch profiler; ``--decodes`` requests of ``--decode-tokens``
+admitted with random K/V (``e2e.synthetic_prefill``) and 12 decode-only steps timed (CUDA graphs); a prompt whose chunks ride
 with those decodes (mixed steps), timed; another whose third mixed step is profiled. The first steps of a shape
 include its kernels' compilation: they are reported, not hidden.
 
@@ -141,7 +141,8 @@ def report(data: dict) -> str:
               f"{', '.join(f'{ms:.0f}' for _, ms in data['warmup'])} ms per step.", ""]
     for name in ("alone_profile_chunk3", "mixed_profile_chunk3"):
         prof = data[name]
-        lines += [f"Kernels of chunk 3's step, {name.split('_')[0]} (torch profiler): {prof['gpu_ms']:.1f} ms of GPU time",
+        kind = name.split("_")[0]
+        lines += [f"Kernels of chunk 3's step, {kind} (torch profiler): {prof['gpu_ms']:.1f} ms of GPU time",
                   "", "| kernel | count | ms |", "|---|---|---|"]
         lines += [f"| `{kernel}` | {n} | {ms:.2f} |" for kernel, n, ms in prof["top"]]
         lines.append("")
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dummy_config("llama3.1-8b")
     data = {"provenance": provenance(device),
             "settings": {"decodes": args.decodes, "decode_tokens": args.decode_tokens, "prompt_tokens": args.prompt,
-                         "chunk": args.chunk, "max_model_len": args.max_model_len, "model": "tiny random Llama (smoke)" if args.smoke else "llama3.1-8b"},
+                         "chunk": args.chunk, "max_model_len": args.max_model_len,
+                         "model": "tiny random Llama (smoke)" if args.smoke else "llama3.1-8b"},
             **run(cfg, args.decodes, args.decode_tokens, args.prompt, args.chunk, args.max_model_len, device, dtype)}
     for key, value in data.items():
         print(key, json.dumps(value))

@@ -65,8 +65,8 @@ class DecodeGraphs:
         reusing_steps: the engine reuses selections (``selection_interval`` > 1, not adaptive): the graphs of steps
             where no row selects are captured at start too.
 
-    ``body(batch, width, all_pages, selecting)``, passed to :meth:`run` and :meth:`capture`, runs one decode step over the
-    runner's static inputs and returns its ``[batch, vocab]`` float32 logits; device ops only (capturable).
+    ``body(batch, width, all_pages, selecting)``, passed to :meth:`run` and :meth:`capture`, runs one decode step
+    over the runner's static inputs and returns its ``[batch, vocab]`` float32 logits; device ops only (capturable).
     """
 
     def __init__(self, batch_sizes: tuple[int, ...], max_pages_per_seq: int, device: torch.device,

@@ -186,7 +186,8 @@ def test_the_chain_hashes_each_page_as_its_link_does_and_a_lookup_that_hashes_fi
         parent = questkv.cache.paged._page_hash(parent, tokens[j * PAGE:(j + 1) * PAGE])
         chain.append(parent)
     assert page_hashes(tokens, PAGE, b"s") == chain
-    assert page_hashes(tokens[:PAGE - 1], PAGE, b"s") == [] and page_hashes(tokens, PAGE, b"s", chain[-1], len(chain)) == []
+    assert page_hashes(tokens[:PAGE - 1], PAGE, b"s") == []
+    assert page_hashes(tokens, PAGE, b"s", chain[-1], len(chain)) == []
 
 
 def test_salt_separates_hash_chains():
