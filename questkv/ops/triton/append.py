@@ -9,7 +9,7 @@ import triton.language as tl
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # every step's token count: one compiled variant for all
 def _append_kv_kernel(
     k_pages_ptr, v_pages_ptr, kmin_ptr, kmax_ptr, slots_ptr, keys_ptr, values_ptr,
     num_tokens,

@@ -85,7 +85,9 @@ def _attend_block(
     return online_softmax_step(s, v, acc, m_i, l_i, IEEE)
 
 
-@triton.jit
+# The tile count and the page table's row stride change from step to step (query lengths, the batch's longest
+# table row): specialising on them (== 1, divisible by 16) would compile a new variant when they change, mid-serving.
+@triton.jit(do_not_specialize=["num_tiles", "stride_tb"])
 def _prefill_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, starts_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, num_tiles,
