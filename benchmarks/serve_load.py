@@ -5,7 +5,7 @@ fresh prompt of ``--prompt-tokens`` random token ids and ``--output-tokens`` gre
 client: requests/s and output tokens/s (completion tokens from ``usage``, over the wall time from the first
 request sent to the last finished), time to first token (request sent -> first chunk carrying a choice) and
 inter-token latency (the gap between successive chunks of one request) at p50 / p99, and the mean tokens
-attended that the server echoes in ``quest``. A short warm-up request runs before timing.
+attended that the server echoes in ``quest``. Short warm-up requests run before timing (:func:`warm_up`).
 
 Output tokens/s over the wall time includes every prompt's prefill, which is dense for both runs. The
 steady-decode throughput isolates decoding: the tokens received in the window from the moment every request
@@ -192,9 +192,18 @@ def http_client(url: str, args, clients: int) -> httpx.AsyncClient:
 
 
 async def warm_up(http: httpx.AsyncClient, model: str, args, quest: Optional[dict]) -> None:
-    warm = await one_request(http, make_body(model, args, random.Random("warm-up"), quest, 64, 4))
-    if warm.get("error"):
-        raise RuntimeError(f"the warm-up request failed: {warm['error']}")
+    """Requests that take the paths a load takes before it is timed, so that their first use (kernel compilation)
+    is not timed: a short prompt, then that prompt grown by a page or two (a prefix-cache hit) beside a fresh one
+    (a prefill beside a running decode, a mixed step with chunked prefill)."""
+    rng = random.Random("warm-up")
+    first = make_body(model, args, rng, quest, 64, 4)
+    grown = make_body(model, args, rng, quest, 0, 8, first["prompt"] + random_tokens(args, rng, 40))
+    warm = [await one_request(http, first)]
+    fresh = make_body(model, args, rng, quest, 48, 4)
+    warm += await asyncio.gather(one_request(http, grown), one_request(http, fresh))
+    errors = [result["error"] for result in warm if result.get("error")]
+    if errors:
+        raise RuntimeError(f"a warm-up request failed: {errors[0]}")
 
 
 async def run_load(url: str, args, quest: Optional[dict], clients: int) -> dict:
@@ -398,7 +407,8 @@ def markdown(result: dict) -> str:
             f"{s['question_tokens']} tokens), max_tokens {s['output_tokens']}; every client finishes a turn before the "
             "next turn begins")
     lines += [
-        f"- server threads (OMP_NUM_THREADS): {s['threads']}; one warm-up request before each load",
+        f"- server threads (OMP_NUM_THREADS): {s['threads']}; three warm-up requests before each load (a prompt, then "
+        "that prompt grown, a prefix hit, beside a fresh one)",
         "- TTFT: request sent -> first chunk with a choice (queueing and prefill of all concurrent prompts "
         "included); inter-token latency (ITL): gap between successive chunks of one request; ITL while prompts "
         "arrive: the gaps during which another request of the load waited for its first token",
