@@ -40,13 +40,12 @@ def run(cfg, decodes: int, decode_tokens: int, prompt_tokens: int, chunk: int, m
     """The timed and profiled steps of the sequence in the module's docstring, on a dense engine of ``cfg``
     (random weights) on ``device``: ``decodes`` running requests of ``decode_tokens`` tokens, prompts of
     ``prompt_tokens`` in chunks of ``chunk``; a pool of ``decodes + 3`` sequences of ``max_model_len`` tokens."""
-    from benchmarks.e2e import synthetic_prefill
+    from benchmarks.e2e import kv_bytes_per_token, synthetic_prefill
     from torch.profiler import ProfilerActivity, profile
 
     from questkv import LLM, SamplingParams
 
-    kv_bytes = (cfg.num_hidden_layers * cfg.num_key_value_heads * 2
-                * (cfg.hidden_size // cfg.num_attention_heads) * torch.empty(0, dtype=getattr(torch, dtype)).itemsize)
+    kv_bytes = kv_bytes_per_token(cfg) // 2 * getattr(torch, dtype).itemsize  # e2e's count is for 2-byte K/V
     llm = LLM(cfg, load_format="dummy", dtype=dtype, device=device, max_num_seqs=32, max_model_len=max_model_len,
               max_num_batched_tokens=chunk, kv_cache_memory=(decodes + 3) * max_model_len * kv_bytes)
     engine = llm.engine

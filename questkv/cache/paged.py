@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import struct
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -30,7 +29,7 @@ def page_hashes(token_ids: Sequence[int], page_size: int, salt: bytes = b"", par
     full = len(token_ids) // page_size
     if full <= start:
         return []
-    # The pages' bytes in one conversion (what _page_hash packs page by page): per page only the digest remains.
+    # The pages' token ids as little-endian int64, in one conversion: per page only the digest remains.
     data = np.asarray(token_ids[start * page_size:full * page_size], dtype="<i8").tobytes()
     width = 8 * page_size
     hashes = []
@@ -41,14 +40,6 @@ def page_hashes(token_ids: Sequence[int], page_size: int, salt: bytes = b"", par
         parent = digest.digest()
         hashes.append(parent)
     return hashes
-
-
-def _page_hash(parent: bytes, page_tokens: Sequence[int]) -> bytes:
-    """One link of :func:`page_hashes`' chain: the digest of ``parent`` and the page's token ids as little-endian
-    int64."""
-    digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(struct.pack(f"<{len(page_tokens)}q", *page_tokens))
-    return digest.digest()
 
 
 class CacheFullError(RuntimeError):
@@ -282,15 +273,16 @@ class PagedKVCache:
                      hashes: Optional[Sequence[bytes]] = None) -> list[int]:
         """The cached pages that hold the leading full pages of ``token_ids`` (at most ``max_pages``), in order;
         ``[]`` without prefix caching. Changes nothing. ``hashes``: the chain of ``token_ids``' full pages (from
-        :meth:`extend_hashes`), else the pages are hashed here, up to the first miss."""
+        :meth:`extend_hashes`), else the pages are hashed here."""
         if not self.prefix_caching:
             return []
         limit = len(token_ids) // self.page_size if max_pages is None else min(max_pages, len(token_ids) // self.page_size)
-        if hashes is not None and len(hashes) < limit:
+        if hashes is None:
+            hashes = page_hashes(token_ids[:limit * self.page_size], self.page_size, self.hash_salt)
+        elif len(hashes) < limit:
             raise ValueError(f"match_prefix: {len(hashes)} hashes for {limit} full pages of token_ids")
-        pages, digest, size = [], self.hash_salt, self.page_size
-        for j in range(limit):  # page after page: a miss ends the prefix, and the hashing
-            digest = _page_hash(digest, token_ids[j * size:(j + 1) * size]) if hashes is None else hashes[j]
+        pages = []
+        for digest in hashes[:limit]:  # a miss ends the prefix
             page = self._page_of.get(digest)
             if page is None:
                 break

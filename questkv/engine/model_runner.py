@@ -273,15 +273,14 @@ class ModelRunner:
         if not n:
             self._publish(batch, prefill=inputs)
             return self._run_prefill(inputs)
-        key = self._decode_key(batch.seqs[:n], batch.seq_lens[:n])
-        host = self._stage_inputs(batch.seqs[:n], batch.seq_lens[:n], key)
+        key, host = self._stage_decode(batch.seqs[:n], batch.seq_lens[:n])
         self._publish(batch, prefill=inputs, decode=(host.numpy(), key))
         logits = self._run_prefill(inputs, key)  # [padded + sampling prefill rows, vocab]
         return logits if key[0] == n else torch.cat([logits[:n], logits[key[0]:]])  # without the padding rows
 
     def _run_prefill(self, inputs: PrefillInputs, decode: Optional[GraphKey] = None) -> torch.Tensor:
         """:meth:`_prefill` from its inputs on (every rank runs this), eagerly: the prefill rows of ``inputs``
-        after the ``decode`` rows (the key of the packed decode inputs already staged, see :meth:`_decode_key`), if
+        after the ``decode`` rows (the key of the packed decode inputs already staged, see :meth:`_stage_decode`), if
         any, in one forward. Returns ``[padded + sampling prefill rows, vocab]`` float32 logits (padding rows
         included: ``padded`` is ``decode[0]``, 0 without decode rows)."""
         positions, starts, cached = [], [0], []
@@ -311,43 +310,37 @@ class ModelRunner:
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[len(batch.seqs), vocab]`` float32 logits of a decode-only step (every row a decode row)."""
-        key = self._decode_key(batch.seqs, batch.seq_lens)
-        host = self._stage_inputs(batch.seqs, batch.seq_lens, key)
+        key, host = self._stage_decode(batch.seqs, batch.seq_lens)
         self._publish(batch, decode=(host.numpy(), key))  # pickled at once: no copy
         return self.graphs.run(key, self._decode_body)[:len(batch.seqs)]
 
-    def _decode_key(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...]) -> GraphKey:
-        """The graph key of the decode rows ``seqs`` of the step being staged (their KV lengths ``seq_lens``): the
-        captured batch size they are padded to, the page-table width, whether a dense request shares a Quest batch
-        (the step selects up to every column, a dense row all its pages) and whether any row may select (see
-        :meth:`_selecting`). A mixed step's decode rows use the key a decode-only step of theirs would, and so its
-        :class:`QuestDecodeStep` (no buffers of their own). Updates the mirror of the selection memory."""
+    def _stage_decode(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...]) -> tuple[GraphKey, torch.Tensor]:
+        """Stage the decode rows ``seqs`` of a step (their KV lengths ``seq_lens``, see :meth:`_stage_inputs`) and
+        return their graph key and the staged host inputs. The key: the captured batch size they are padded to,
+        the page-table width, whether a dense request shares a Quest batch (the step selects up to every column,
+        a dense row all its pages) and whether any row may select: always, but with fixed-interval selection reuse
+        when every row is off its phase and its slot keeps a selection (then the memory's own test,
+        :meth:`SelectionMemory.rows`, finds no row active: pages begun since a kept selection never outgrow the
+        extra columns on the regular phase). A mixed step's decode rows use the key a decode-only step of theirs
+        would, and so its :class:`QuestDecodeStep` (no buffers of their own). Updates the mirror of the selection
+        memory."""
         padded = self.graphs.padded(len(seqs))
         width = self.graphs.width(self.cache.pages_for_tokens(max(seq_lens)))
         all_pages = self.budget is not None and any(seq.sampling_params.dense for seq in seqs)
-        selecting = self._selecting(seqs, seq_lens, all_pages)
+        host = self._stage_inputs(seqs, seq_lens, padded, width)
         slots = [seq.cache_id for seq in seqs]
+        selecting = (not self._reuses_fixed or all_pages or bool(host[_DUE, :len(seqs)].any())
+                     or not self._kept.issuperset(slots))
         if all_pages:  # the step forgets every row's selection (SelectionMemory.count_selecting_step)
             self._kept.difference_update(slots)
         elif self.memory is not None:
             self._kept.update(slots)
-        return padded, width, all_pages, selecting
+        return (padded, width, all_pages, selecting), host
 
     @property
     def _reuses_fixed(self) -> bool:
         """Selection reuse at a fixed interval (adaptive reuse decides on the device: its steps may always select)."""
         return self.memory is not None and self.memory.queries is None
-
-    def _selecting(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], all_pages: bool) -> bool:
-        """Whether a decode step of ``seqs`` (KV lengths ``seq_lens``) may estimate and select: always, but with
-        fixed-interval selection reuse when every row is off its phase and its slot keeps a selection (the
-        memory's own test, :meth:`SelectionMemory.rows`, finds no row active then: pages begun since a kept
-        selection never outgrow the extra columns on the regular phase)."""
-        if not self._reuses_fixed or all_pages:
-            return True
-        return any(seq.cache_id not in self._kept
-                   or is_due(seq_len, seq.num_prompt_tokens, self.selection_interval_of(seq))
-                   for seq, seq_len in zip(seqs, seq_lens))
 
     def _publish(self, batch: ScheduledBatch, **step) -> None:
         """Rank 0 with tensor parallelism: send the other ranks the step (``prefill=`` and/or ``decode=`` of
@@ -387,11 +380,11 @@ class ModelRunner:
             tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
             self._sampled[:message.count].copy_(tokens)
 
-    def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], key: GraphKey) -> torch.Tensor:
-        """Copy the packed decode inputs of the decode rows ``seqs`` (their KV lengths ``seq_lens``) to the device;
-        rows past them (up to the padded batch ``key[0]``) read and write one token of the scratch sequence. Returns
-        the host copy, ``[_NUM_INPUTS, padded]`` int64."""
-        padded, width = key[:2]
+    def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], padded: int, width: int
+                      ) -> torch.Tensor:
+        """Copy the packed decode inputs of the decode rows ``seqs`` (their KV lengths ``seq_lens``, page-table width
+        ``width``) to the device; rows past them (up to the padded batch ``padded``) read and write one token of
+        the scratch sequence. Returns the host copy, ``[_NUM_INPUTS, padded]`` int64."""
         host = self._host_inputs[self._flip][:, :padded]
         self._flip ^= 1
         host[_IDS].zero_()
@@ -435,7 +428,7 @@ class ModelRunner:
         if self._send is not None and keys:
             self._send(StepMessage((), capture=True))  # the other ranks capture theirs alongside (the collectives meet)
         for key in tqdm(keys, desc="capturing decode graphs", disable=not progress):
-            self._stage_inputs((), (), key)
+            self._stage_inputs((), (), *key[:2])
             self.graphs.capture(key, self._decode_body)
         return len(keys)
 

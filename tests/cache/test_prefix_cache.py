@@ -4,7 +4,9 @@ Keys encode what they hold (token id, position, layer), so a sequence's stored K
 tokens wherever its pages come from: its own writes or the prefix cache.
 """
 
+import hashlib
 import random
+import struct
 
 import pytest
 import torch
@@ -12,7 +14,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import questkv.cache.paged
 from questkv import PagedKVCache
 from questkv.cache.paged import CacheFullError, page_hashes
 
@@ -179,11 +180,13 @@ def test_without_prefix_caching_nothing_is_cached():
     assert cache.num_free_pages == 4
 
 
-def test_the_chain_hashes_each_page_as_its_link_does_and_a_lookup_that_hashes_finds_the_same_pages():
+def test_the_chain_hashes_each_page_with_the_one_before_it():
     tokens = [random.randrange(1 << 40) for _ in range(random.randint(5, 40))]
     chain, parent = [], b"s"
-    for j in range(len(tokens) // PAGE):
-        parent = questkv.cache.paged._page_hash(parent, tokens[j * PAGE:(j + 1) * PAGE])
+    for j in range(len(tokens) // PAGE):  # one link at a time: blake2b of the parent and the page's int64 ids
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(struct.pack(f"<{PAGE}q", *tokens[j * PAGE:(j + 1) * PAGE]))
+        parent = digest.digest()
         chain.append(parent)
     assert page_hashes(tokens, PAGE, b"s") == chain
     assert page_hashes(tokens[:PAGE - 1], PAGE, b"s") == []
