@@ -153,9 +153,10 @@ def time_engine(cfg, quest, batch, context, seed=0, quantization=None) -> dict:
     graph_ms = replay_ms(engine.runner)
     kernels = profile_replay(engine.runner)
     model = engine.runner.model  # quantized layers keep their packed weights as buffers (RoPE tables: not weights)
-    # (the tinygemm copy of an int4 weight is a second copy of it: a step reads one of the two)
+    # (the tinygemm and GEMV copies of an int4 weight are copies of it: a step reads one of the three)
     weights = [*model.parameters(), *(b for name, b in model.named_buffers()
-                                      if not name.endswith("_cache") and "tinygemm" not in name)]
+                                      if not name.endswith("_cache") and not name.split(".")[-1].startswith(
+                                          ("tinygemm_", "gemv_")))]
     weight_bytes = sum(t.numel() * t.element_size() for t in weights)
     del llm, engine, outputs, model
     gc.collect()
@@ -332,6 +333,40 @@ def check_tiny_fp32() -> dict:
     return results
 
 
+def check_int4_fp32() -> dict:
+    """An int4 engine's CUDA path (graphs; one decode row through ``int4_gemv``, three through the Triton kernel)
+    against its eager torch-reference path (every quantized layer on the ``torch`` backend), a small fp32 Llama
+    quantized at load, one prompt and three, dense and Quest."""
+    from questkv.layers.quantized_linear import QuantizedLinear
+
+    cfg = _tiny_llama()
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (900, 1300, 420)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for name, quest in (("dense", None), ("quest-256", QuestConfig(token_budget=256))):
+        for batch in (1, 3):
+            tokens = {}
+            for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
+                q = quest if quest is None or path == "cuda-graphs" else QuestConfig(**{**quest.to_dict(),
+                                                                                        "backend": "torch"})
+                llm = LLM(cfg, quest=q, quantization="int4", load_format="dummy", dtype="float32", device="cuda",
+                          max_num_seqs=batch, kv_cache_memory=256 << 20, seed=6, **kwargs)
+                if path == "eager-reference":
+                    llm.engine.cache.backend = "torch"
+                    for module in llm.engine.runner.model.modules():
+                        if isinstance(module, QuantizedLinear):
+                            module.set_backend("torch")
+                        elif hasattr(module, "backend") and hasattr(module, "pages"):
+                            module.backend = "torch"
+                outs = llm.generate(prompts[:batch], params, use_tqdm=False)
+                tokens[path] = [list(o.token_ids) for o in outs]
+                del llm
+                gc.collect()
+            results[f"{name}-batch-{batch}"] = _agreement(tokens["cuda-graphs"], tokens["eager-reference"])
+    return results
+
+
 def check_chunked_prefix_fp32() -> dict:
     """Chunked prefill and prefix-cache hits on the CUDA path (Triton, graphs) == one-step prefill without the
     prefix cache, greedy tokens on a small fp32 Llama, dense and Quest: prompts that share a 1024-token prefix
@@ -450,11 +485,12 @@ def main() -> None:
     parser.add_argument("--tag", default="h200", help="file name suffix: e2e-TAG.json")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the HF baselines")
     parser.add_argument("--skip-checks", action="store_true", help="leave out the correctness checks")
-    parser.add_argument("--checks", default="fp32,chunked,mixed,8b",
+    parser.add_argument("--checks", default="fp32,chunked,mixed,8b,int4",
                         help="comma-separated correctness checks to run before timing: fp32 (CUDA path == eager "
                         "reference, tiny fp32 model), chunked (chunked prefill + prefix hits == one-step prefill), "
                         "mixed (steps mixing decodes and prefill chunks == unchunked prefill), 8b (engine vs HF at "
-                        "the 8B shape, bf16) (default: all four)")
+                        "the 8B shape, bf16), int4 (an int4 engine's CUDA path == its eager reference, tiny fp32 "
+                        "model) (default: all five)")
     parser.add_argument("--checks-only", action="store_true", help="run the correctness checks and no timing")
     parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
     parser.add_argument("--quantization", choices=["int4", "int8"], default=None,
@@ -468,8 +504,8 @@ def main() -> None:
     except ValueError:
         parser.error(f"--selection-intervals takes comma-separated ints, got {args.selection_intervals!r}")
     checks = set(args.checks.split(",")) - {""}
-    if not checks <= {"fp32", "chunked", "mixed", "8b"}:
-        parser.error(f"--checks takes a comma list of fp32, chunked, mixed, 8b; got {args.checks!r}")
+    if not checks <= {"fp32", "chunked", "mixed", "8b", "int4"}:
+        parser.error(f"--checks takes a comma list of fp32, chunked, mixed, 8b, int4; got {args.checks!r}")
     if any(c < 2 for c in intervals):
         parser.error(f"--selection-intervals must be >= 2 each, got {args.selection_intervals}")
     record = {"provenance": provenance("cuda"), "page_size": PAGE, "dense_layers": DENSE_LAYERS, "dtype": "bfloat16",
@@ -481,7 +517,8 @@ def main() -> None:
         for check, key, run in (("fp32", "check_fp32", check_tiny_fp32),
                                 ("chunked", "check_chunked_prefix_fp32", check_chunked_prefix_fp32),
                                 ("mixed", "check_mixed_steps_fp32", check_mixed_steps_fp32),
-                                ("8b", "check_8b_bf16", lambda: check_8b_against_hf(dummy_config("llama3.1-8b")))):
+                                ("8b", "check_8b_bf16", lambda: check_8b_against_hf(dummy_config("llama3.1-8b"))),
+                                ("int4", "check_int4_fp32", check_int4_fp32)):
             if check in checks:
                 record[key] = run()
                 print(key, json.dumps(record[key]), flush=True)

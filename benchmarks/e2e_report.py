@@ -297,7 +297,15 @@ def render_markdown(record: dict) -> str:
                          f"logits rel. error {errs} (HF top-2 gap {gaps})")
             lines.append(line)
         lines.append("")
-    if not fp32 and not b8 and not chunked and not mixed:
+    int4 = record.get("check_int4_fp32")
+    if int4:
+        lines.append("fp32 small Llama quantized to int4 at load: CUDA-graph path (one decode row through `int4_gemv`, "
+                     "three through the Triton kernel) vs eager torch-reference path, greedy tokens:")
+        lines.append("")
+        for name, r in int4.items():
+            lines.append(f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match)")
+        lines.append("")
+    if not fp32 and not b8 and not chunked and not mixed and not int4:
         lines += ["(not run)", ""]
     if record["points"]:  # none: a --checks-only run
         lines += (targets_section(record) + all_points_section(record) + reuse_section(record)

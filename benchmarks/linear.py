@@ -7,15 +7,16 @@ replays; each replay cycles over enough copies of the weight that no call finds 
 
 * ``bf16``: ``torch.nn.functional.linear`` on the float weight;
 * ``int4`` (group 128) through each backend: ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's
-  plan), ``tinygemm`` (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``,
-  ``M >= --dequant-min-m`` only);
+  plan), ``gemv`` (its one-row kernel ``int4_gemv`` on the K-major copy, ``M = 1`` only), ``tinygemm``
+  (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``
+  only);
 * ``int8`` (per row) through ``triton``;
 * ``int8g16`` / ``int8g32``: ``int8_grouped`` in GGUF ``Q6_K``'s groups of 16 and ``Q8_0``'s of 32 (codes and
   scales rounded to nearest here), through ``triton`` and ``dequant`` (``M >= --dequant-min-m``);
 * ``--methods`` picks the quantized formats (default: all; ``bf16`` is always timed, the baseline);
 * with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4``,
-  ``int8g16``, ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows): the best one and its config tell how to retune
-  ``plan_quant_matmul``.
+  ``int8g16``, ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows) and, at one row, of
+  ``int4_gemv``: the best one and its config tell how to retune ``plan_quant_matmul`` / ``plan_int4_gemv``.
 
 Every timed call is first checked against the reference: its relative error stands beside its time. Each time
 stands beside its bytes floor (weight + scales + x + out, at the bandwidth of a device-to-device copy
@@ -178,6 +179,9 @@ class Shape:
         self.copies = {}  # bf16 or a QUANT name -> number of copies
         self.w = self._rotate("bf16", w)
         self.q = {name: self._rotate(name, *quantize(w, name)) for name in names}
+        # int4_gemv's K-major copy of each int4 copy (its own copy on the GPU too: the layers hold one beside the
+        # packed weight)
+        self.gemv = [ref.pack_int4_k_major(q[0], GROUP) for q in self.q["int4"]] if "int4" in self.q else []
         self.tinygemm = None
         self.tinygemm_order: Optional[str] = None
 
@@ -230,6 +234,11 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
         for kind in kinds + ([] if cuda else ["torch"]):
             out[f"{name}-{kind}"] = [lambda q=q, method=method, group=group, kind=kind:
                                      quant_matmul(x, *q, method, group, backend=kind) for q in copies]
+    if m == 1 and shape.gemv and triton_ok:
+        from questkv.ops.triton.quant_matmul import int4_gemv
+
+        out["int4-gemv"] = [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP)
+                            for w, q in zip(shape.gemv, shape.q["int4"])]
     if shape.tinygemm is not None:
         from questkv.ops.triton.quant_matmul import tinygemm_matmul
 
@@ -264,6 +273,20 @@ def sweep_configs(m: int, n: int, k: int, device: torch.device, name: str = "int
         if cfg not in unique:
             unique.append(cfg)
     return unique
+
+
+def gemv_sweep_configs(n: int, k: int, device: torch.device) -> list:
+    """Alternative launches of ``int4_gemv`` (the plan first): outputs per program, word rows per load, and
+    half, twice and every group as the split."""
+    from questkv.ops.triton.quant_matmul import Int4GemvConfig, plan_int4_gemv
+
+    plan = plan_int4_gemv(n, k, GROUP, device)
+    groups = k // GROUP
+    configs = [plan]
+    configs += [Int4GemvConfig(128 * w, w, rows, plan.split) for w in (1, 2, 4, 8) for rows in (8, 16)]
+    configs += [dataclasses.replace(plan, split=s) for s in (max(1, plan.split // 2), min(groups, 2 * plan.split),
+                                                             groups)]
+    return list(dict.fromkeys(configs))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -330,6 +353,22 @@ def run(args) -> dict:
                                                      "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
                                                      "rel_err": err})
                             print(f"  sweep {qname} {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
+                    if m == 1 and shape.gemv:
+                        from questkv.ops.triton.quant_matmul import int4_gemv
+
+                        want = reference(x, "int4", shape.q["int4"][0])
+                        for i, cfg in enumerate(gemv_sweep_configs(n, k, device)):
+                            fns = [lambda w=w, q=q, cfg=cfg: int4_gemv(x, w, q[1], q[2], GROUP, config=cfg)
+                                   for w, q in zip(shape.gemv, shape.q["int4"])]
+                            try:
+                                err = _rel_err(fns[0](), want)
+                                us = timer(fns, reps, warmup) if err < CHECK_TOL else float("nan")
+                            except Exception as error:  # noqa: BLE001 - a launch that fails to compile is reported
+                                err, us = f"{type(error).__name__}: {error}"[:200], float("nan")
+                            results["sweep"].append({"model": model, "shape": name, "m": m, "method": "int4-gemv",
+                                                     "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
+                                                     "rel_err": err})
+                            print(f"  sweep int4-gemv {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
             del shape
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -340,7 +379,8 @@ def run(args) -> dict:
 
 def token_sums(results: dict) -> list[dict]:
     """Per model, M and backend: microseconds of all linears of one token (layers x 4 shapes + LM head), with the
-    LM head in bf16 and quantized (same backend); the sweep's best per shape as ``<method>-triton-swept``."""
+    LM head in bf16 and quantized (same backend); the sweep's best per shape as ``<method>-triton-swept`` (the
+    Triton kernel) and ``int4-gemv-swept``."""
     times = {(t["model"], t["shape"], t["m"], t["backend"]): t for t in results["times"]}
     best = {}
     for s in results["sweep"]:
@@ -354,13 +394,16 @@ def token_sums(results: dict) -> list[dict]:
         layers = next(t["layers"] for t in results["times"] if t["model"] == model and t["shape"] != "lm_head")
         for m in sorted({t["m"] for t in results["times"] if t["model"] == model}):
             backends = sorted({t["backend"] for t in results["times"] if t["model"] == model and t["m"] == m})
-            swept = sorted({f"{k[3]}-triton-swept" for k in best if k[0] == model and k[2] == m})
-            for backend in backends + swept:
+            # a swept method's best tiling per shape, against the planned launch of its backend
+            timed = {(f"{k[3]}-swept" if k[3].endswith("-gemv") else f"{k[3]}-triton-swept"):
+                     (k[3] if k[3].endswith("-gemv") else f"{k[3]}-triton", k[3])
+                     for k in best if k[0] == model and k[2] == m}
+            for backend in backends + sorted(timed):
                 def us(shape, b=backend):
-                    if b.endswith("-triton-swept"):
-                        meth = b.split("-")[0]
+                    if b in timed:
+                        planned, meth = timed[b]
                         return min(best.get((model, shape, m, meth), float("inf")),
-                                   times.get((model, shape, m, f"{meth}-triton"), {}).get("us", float("inf")))
+                                   times.get((model, shape, m, planned), {}).get("us", float("inf")))
                     return times.get((model, shape, m, b), {}).get("us", float("nan"))
 
                 body = sum(us(s) * layers for s in shapes if s != "lm_head")

@@ -94,7 +94,8 @@ def test_report_of_a_checks_only_run(tmp_path):
                                                    "mixed_steps": 31}},
               "check_fp32": {"quest-256-reuse-4": {"identical": True, "tokens_match": 72, "tokens": 72,
                                                    "selection_rates": {"cuda-graphs": [0.25, 0.5],
-                                                                       "eager-reference": [0.25, 0.5]}}}}
+                                                                       "eager-reference": [0.25, 0.5]}}},
+              "check_int4_fp32": {"dense-batch-1": {"identical": True, "tokens_match": 24, "tokens": 24}}}
     path = tmp_path / "e2e-checks.json"
     path.write_text(json.dumps(record))
     e2e_report.main([str(path)])
@@ -102,4 +103,5 @@ def test_report_of_a_checks_only_run(tmp_path):
     assert "- quest-256: identical False (70/72 tokens match); cached tokens per prompt [0, 1024, 1024]" in md
     assert "selection rates cuda-graphs 0.250 / 0.500, eager-reference 0.250 / 0.500" in md
     assert "- dense: identical True (120/120 tokens match); 31 mixed steps" in md
+    assert "quantized to int4 at load" in md and "- dense-batch-1: identical True (24/24 tokens match)" in md
     assert "## Targets" not in md and not (tmp_path / "e2e-checks.png").exists()

@@ -39,3 +39,16 @@ def test_grouped_int8_rounding_stays_within_half_a_step(name, group):
     back = ref.dequantize(*q, "int8_grouped", group)
     step = q.scales.t().repeat_interleave(group, dim=1)  # [N, K]
     assert torch.all((back - w).abs() <= step / 2 + 1e-6)
+
+
+def test_smoke_run_times_the_one_row_int4_gemv_and_sweeps_its_launches(tmp_path):
+    out = tmp_path / "linear"
+    linear_bench.main(["--smoke", "--methods", "int4", "--out", str(out)])
+    payload = json.loads(out.with_suffix(".json").read_text())
+    gemv = [t for t in payload["times"] if t["backend"] == "int4-gemv"]
+    assert {t["m"] for t in gemv} == {1} and len(gemv) == 5  # one row only, every shape
+    assert all(c["ok"] for c in payload["checks"])
+    swept = [s for s in payload["sweep"] if s["method"] == "int4-gemv"]
+    assert swept and swept[0]["planned"] and all(s["rel_err"] < linear_bench.CHECK_TOL for s in swept)
+    sums = {(r["m"], r["backend"]) for r in payload["token_sums"]}
+    assert {(1, "int4-gemv"), (1, "int4-gemv-swept"), (1, "int4-triton-swept")} <= sums

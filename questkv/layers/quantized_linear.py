@@ -46,22 +46,26 @@ __all__ = [
     "quantize_linears",
 ]
 
-# ``auto`` on CUDA, by rows M (benchmarks/results/linear-h200.md, all linears of one llama3.1-8b token): int4 bf16 takes
-# torch's tinygemm up to 4 rows (2.43 / 2.55 / 3.30 ms at M = 1 / 2 / 4, against 3.36 / 6.44 / 14.0 for the Triton
-# kernel), the Triton kernel up to 64 rows (4.63 ms at M = 8 against 5.22), and above that (prefill) dequantizes
-# into a float weight for one GEMM, whose cost is shared by the prompt's rows. int8 and int8_grouped (imported GGUF
-# Q8_0 / Q6_K layers) follow the same rows rule without tinygemm.
+# ``auto`` on CUDA, by rows M (benchmarks/results/linear-h200-gemv.md, all linears of one llama3.1-8b token): an int4
+# layer takes questkv's K-major GEMV for one row (1.73 ms against 2.20 for torch's tinygemm and 3.14 for the Triton
+# FMA loop), tinygemm (bf16) for 2 to 4 rows (2.34 / 3.07 ms at M = 2 / 4, against 2.62 / 5.12 for the GEMV with
+# more rows and 6.2 / 13.6 for the Triton kernel), the Triton kernel up to 64 rows (4.63 ms at M = 8 against 5.22),
+# and above that (prefill) dequantizes into a float weight for one GEMM, whose cost is shared by the prompt's rows.
+# int8 and int8_grouped (imported GGUF Q8_0 / Q6_K layers) follow the same rows rule without the int4 kernels.
+GEMV_M = 1
 TINYGEMM_MAX_M = 4
 TRITON_MAX_M = 64
 
-BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm")
-"""How a quantized layer multiplies. ``auto``: on CUDA by rows, ``tinygemm`` (int4 bf16) up to
-:data:`TINYGEMM_MAX_M`, ``triton`` (every format) up to :data:`TRITON_MAX_M`, ``dequant`` above; ``torch``
-otherwise; ``torch``: the reference (dequantize to float32, float32 matmul); ``triton``:
-:mod:`questkv.ops.triton.quant_matmul`;
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm", "gemv")
+"""How a quantized layer multiplies. ``auto``: on CUDA by rows, ``gemv`` (int4) for one row, ``tinygemm`` (int4
+bf16) up to :data:`TINYGEMM_MAX_M`, ``triton`` (every format) up to :data:`TRITON_MAX_M`, ``dequant`` above;
+``torch`` otherwise; ``torch``: the reference (dequantize to float32, float32 matmul); ``triton``:
+:func:`questkv.ops.triton.quant_matmul.quant_matmul`;
 ``dequant``: dequantize to ``x``'s dtype with torch ops, then ``F.linear`` (a large-``M`` candidate);
-``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16; layers only, it needs its own copy
-of the weight)."""
+``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16); ``gemv``:
+:func:`questkv.ops.triton.quant_matmul.int4_gemv` for one row, ``triton`` for more (``int4``, CUDA). The last two
+are layers' only: each needs its own copy of the weight (non-persistent buffers, made by
+:meth:`QuantizedLinear.set_backend`)."""
 
 
 class QuantLayout(NamedTuple):
@@ -81,12 +85,12 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     Args:
         x: ``[M, K]`` float. qweight, scales, zeros, method, group_size: the weight
             (:mod:`questkv.ops.quant_reference`). bias: ``[N]`` or ``None``.
-        backend: one of :data:`BACKENDS` except ``tinygemm``.
+        backend: one of :data:`BACKENDS` except ``tinygemm`` and ``gemv``.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
-    check_choice("quant_matmul backend", backend, BACKENDS[:-1])
+    check_choice("quant_matmul backend", backend, BACKENDS[:-2])
     if backend == "auto":
         backend = ("triton" if x.shape[0] <= TRITON_MAX_M else "dequant") if x.is_cuda else "torch"
     if backend == "torch":
@@ -153,7 +157,7 @@ class QuantizedLinear(nn.Module):
                    backend: str = "torch") -> "QuantizedLinear":
         """An empty quantized layer of ``linear``'s shape (a :class:`~questkv.layers.linear.MergedLinear` gives a
         :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype, its bias
-        copied. The ``torch`` backend by default: a tinygemm copy of a still-empty weight would be packed for
+        copied. The ``torch`` backend by default: the small-batch copies of a still-empty weight would be packed for
         nothing (call :meth:`set_backend` once the weight is filled)."""
         weight = linear.weight
         kwargs = dict(method=method, bias=linear.bias is not None, group_size=group_size, dtype=weight.dtype,
@@ -208,15 +212,19 @@ class QuantizedLinear(nn.Module):
             target.copy_(tensor)
 
     def set_backend(self, backend: str) -> None:
-        """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`). ``tinygemm`` converts the weight
-        into a second, non-persistent copy now (call it outside CUDA graph capture); others drop that copy."""
+        """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`). ``tinygemm`` and ``gemv`` convert
+        the weight into a second, non-persistent copy now (call it outside CUDA graph capture), ``auto`` makes the
+        copies its small batches use (on CUDA: ``gemv``'s for int4, ``tinygemm``'s for int4 bf16); copies the new
+        backend does not use are dropped."""
         check_choice(f"{type(self).__name__}.backend", backend, BACKENDS)
-        if backend == "auto" and self._tinygemm_fits():  # small batches take tinygemm: keep its copy too
-            self.set_backend("tinygemm")
-        elif backend == "tinygemm":
-            if self.method != "int4" or self.qweight.device.type != "cuda" or self.scales.dtype != torch.bfloat16:
-                raise ValueError(f"{type(self).__name__}.backend 'tinygemm' needs int4 bf16 weights on CUDA, got "
-                                 f"{self.method} {self.scales.dtype} on {self.qweight.device.type}")
+        if backend == "tinygemm" and not self._tinygemm_fits():
+            raise ValueError(f"{type(self).__name__}.backend 'tinygemm' needs int4 bf16 weights on CUDA, got "
+                             f"{self.method} {self.scales.dtype} on {self.qweight.device.type}")
+        if backend == "gemv" and not self._gemv_fits():
+            raise ValueError(f"{type(self).__name__}.backend 'gemv' needs int4 weights on CUDA, got {self.method} "
+                             f"on {self.qweight.device.type}")
+        auto = backend == "auto"
+        if backend == "tinygemm" or (auto and self._tinygemm_fits()):
             from questkv.ops.triton.quant_matmul import tinygemm_pack
 
             packed, scales_and_zeros = tinygemm_pack(self.qweight, self.scales, self.zeros, self.group_size)
@@ -225,10 +233,18 @@ class QuantizedLinear(nn.Module):
         else:
             for name in ("tinygemm_packed", "tinygemm_scales_and_zeros"):
                 self._buffers.pop(name, None)
+        if backend == "gemv" or (auto and self._gemv_fits()):
+            words = quant_reference.pack_int4_k_major(self.qweight, self.group_size)
+            self.register_buffer("gemv_words", words, persistent=False)
+        else:
+            self._buffers.pop("gemv_words", None)
         self.backend = backend
 
+    def _gemv_fits(self) -> bool:
+        return self.method == "int4" and self.qweight.device.type == "cuda"
+
     def _tinygemm_fits(self) -> bool:
-        return self.method == "int4" and self.qweight.device.type == "cuda" and self.scales.dtype == torch.bfloat16
+        return self._gemv_fits() and self.scales.dtype == torch.bfloat16
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[out_features, in_features]`` this layer multiplies by (a new tensor)."""
@@ -238,15 +254,20 @@ class QuantizedLinear(nn.Module):
         """``x`` ``[..., in_features]`` (usually ``[T, in_features]``) → ``[..., out_features]`` in ``x.dtype``."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, K]
-        tinygemm = self.backend == "tinygemm" or (
-            self.backend == "auto" and "tinygemm_packed" in self._buffers and x2.shape[0] <= TINYGEMM_MAX_M)
-        if tinygemm:
+        m = x2.shape[0]
+        small = self.backend == "auto"  # the copies set_backend made serve the small batches
+        if m == GEMV_M and self.backend in ("auto", "gemv") and "gemv_words" in self._buffers:
+            from questkv.ops.triton.quant_matmul import int4_gemv
+
+            y = int4_gemv(x2, self.gemv_words, self.scales, self.zeros, self.group_size, self.bias)
+        elif self.backend == "tinygemm" or (small and "tinygemm_packed" in self._buffers and m <= TINYGEMM_MAX_M):
             from questkv.ops.triton.quant_matmul import tinygemm_matmul
 
             y = tinygemm_matmul(x2, self.tinygemm_packed, self.tinygemm_scales_and_zeros, self.group_size, self.bias)
         else:
+            backend = "triton" if self.backend == "gemv" else self.backend
             y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias,
-                             self.backend)
+                             backend)
         return y.reshape(*lead, self.out_features)  # [..., N]
 
     def extra_repr(self) -> str:

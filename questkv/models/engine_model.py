@@ -126,7 +126,7 @@ def load_engine_model(
         engine_model.load_weights(packed.weights(names, device))
         for module in engine_model.modules():
             if isinstance(module, QuantizedLinear):
-                module.set_backend("auto")  # filled now: on CUDA int4 bf16 layers pack their tinygemm copy
+                module.set_backend("auto")  # filled now: on CUDA int4 layers make their GEMV (and tinygemm) copies
     elif state is not None:
         engine_model.load_weights(state.items())
     elif folder is not None:

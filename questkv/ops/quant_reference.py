@@ -54,9 +54,11 @@ __all__ = [
     "check_quant_args",
     "dequantize",
     "pack_int4",
+    "pack_int4_k_major",
     "quant_matmul",
     "quantize_weight",
     "unpack_int4",
+    "unpack_int4_k_major",
 ]
 
 METHODS: tuple[str, ...] = ("int4", "int8")
@@ -107,6 +109,32 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """``qweight`` ``[N, K // 2]`` uint8 → ``[N, K]`` uint8 in ``0..15`` (the inverse of :func:`pack_int4`)."""
     n = qweight.shape[0]
     return torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(n, -1)  # [N, K // 2, 2] -> [N, K]
+
+
+def pack_int4_k_major(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """An ``int4`` ``qweight`` ``[N, K // 2]`` as the single-row GEMV reads it: int32 words ``[K // 8, N]``.
+
+    Input features run down the words (consecutive ``N`` are contiguous: a row of words is one coalesced load for
+    many outputs) and, inside each group of ``G = group_size`` features, across a word's nibbles by stride
+    ``G // 8``: word ``(g * G // 8 + j, n)`` holds in bits ``4e .. 4e + 3`` the code of feature
+    ``g * G + e * G // 8 + j``, so the features of nibble ``e`` over ``j`` are contiguous in ``x``.
+    """
+    q = unpack_int4(qweight)  # [N, K]
+    n, k = q.shape
+    per = group_size // 8
+    t = q.view(n, k // group_size, 8, per).permute(1, 3, 0, 2)  # [G, per, N, 8]: nibble e of word (g, j, n)
+    pairs = (t[..., 0::2] | (t[..., 1::2] << 4)).contiguous()  # [G, per, N, 4] uint8, little-endian bytes
+    return pairs.view(torch.int32).view(k // 8, n)
+
+
+def unpack_int4_k_major(words: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The inverse of :func:`pack_int4_k_major`: words ``[K // 8, N]`` int32 → ``qweight`` ``[N, K // 2]`` uint8."""
+    kw, n = words.shape
+    per = group_size // 8
+    pairs = words.contiguous().view(torch.uint8).view(kw // per, per, n, 4)  # [G, per, N, 4]
+    t = torch.stack((pairs & 15, pairs >> 4), dim=-1).view(kw // per, per, n, 8)  # [G, per, N, 8]
+    q = t.permute(2, 0, 3, 1).reshape(n, kw * 8)  # [N, G, 8, per] -> [N, K]
+    return pack_int4(q)
 
 
 @torch.no_grad()

@@ -95,6 +95,30 @@ def test_grouped_int8_through_the_triton_kernel_matches_the_torch_backend():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_one_row_takes_the_gemv_copy_and_more_rows_the_batch_backends(monkeypatch):
+    """The dispatch of ``auto`` and ``gemv`` (their CUDA-only copies made on the CPU for the test: the kernel runs
+    in the interpreter): one row through ``int4_gemv`` on the K-major copy, more rows through the other backends;
+    a backend that does not use the copy drops it."""
+    qk = pytest.importorskip("questkv.ops.triton.quant_matmul")
+    monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: self.method == "int4")
+    gen = torch.Generator().manual_seed(8)
+    layer = QuantizedLinear.from_float(nn.Linear(256, 40, bias=True), "int4", backend="torch")
+    layer.bias.uniform_(-1, 1, generator=gen)
+    calls = []
+    real = qk.int4_gemv
+    monkeypatch.setattr(qk, "int4_gemv", lambda *args, **kwargs: calls.append(args[0].shape) or real(*args, **kwargs))
+    x = torch.randn(3, 256, generator=gen)
+    want = x @ layer.dequantized_weight().t() + layer.bias
+    for backend in ("auto", "gemv"):
+        layer.set_backend(backend)
+        assert "gemv_words" in dict(layer.named_buffers()) and "gemv_words" not in layer.state_dict()
+        torch.testing.assert_close(layer(x[:1]), want[:1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # auto: torch on CPU; gemv: triton
+    assert calls == [(1, 256), (1, 256)]
+    layer.set_backend("torch")
+    assert "gemv_words" not in dict(layer.named_buffers())
+
+
 def test_packed_shards_and_bias_load_into_the_rows_of_a_merged_layer_after_their_shapes_are_checked():
     merged = MergedLinear(64, {"gate": 16, "up": 8}, bias=True)
     layer = QuantizedLinear.empty_like(merged, "int4", group_size=32)
@@ -187,6 +211,8 @@ def test_bad_arguments_raise_value_errors_and_leave_the_model_float():
         QuantizedLinear(128, 8, "int4", backend="marlin")
     with pytest.raises(ValueError, match="'tinygemm' needs int4 bf16 weights on CUDA"):
         QuantizedLinear(128, 8, "int4", backend="tinygemm")
+    with pytest.raises(ValueError, match="'gemv' needs int4 weights on CUDA, got int4 on cpu"):
+        QuantizedLinear(128, 8, "int4", backend="gemv")
 
 
 @pytest.mark.parametrize("method", METHODS)

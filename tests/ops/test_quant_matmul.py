@@ -1,9 +1,11 @@
 """Weight-only quantized matmul: the storage format against an independent unpack, round-to-nearest quantization,
 the torch reference, and the Triton kernel (under ``TRITON_INTERPRET=1``) against the reference.
 
-Tolerances: float32 inputs 1e-5 relative to the largest output (float32 sums in another order); float16 inputs
-2e-3 (one float16 rounding of the output, the 1024-offset trick of the ``tl.dot`` loop); bfloat16 inputs one
-bfloat16 step of the largest output (the interpreter truncates float32 to bfloat16 instead of rounding).
+Tolerances: float32 inputs 1e-5 relative to the largest output (float32 sums in another order; the one-row
+GEMV 1e-4: its high nibbles carry their pair's low nibble in the float's last mantissa bits, up to 15 / 65536 of
+``x`` per product); float16 inputs 2e-3 (one float16 rounding of the output, the 1024-offset trick of the
+``tl.dot`` loop); bfloat16 inputs one bfloat16 step of the largest output (the interpreter truncates float32 to
+bfloat16 instead of rounding).
 """
 
 import dataclasses
@@ -54,6 +56,23 @@ def test_unpack_matches_an_independent_byte_and_word_reading():
         for j, word in enumerate(words.tolist()):
             assert [(word >> (4 * i)) & 15 for i in range(8)] == got[n, 8 * j : 8 * j + 8].tolist()
     assert torch.equal(ref.pack_int4(ref.unpack_int4(qweight)), qweight)
+
+
+@pytest.mark.parametrize("group_size", ref.GROUP_SIZES)
+def test_the_k_major_layout_puts_each_code_where_its_docstring_says(group_size):
+    gen = torch.Generator().manual_seed(group_size)
+    n, k = 6, 2 * group_size
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    words = ref.pack_int4_k_major(ref.pack_int4(q), group_size)
+    assert words.dtype == torch.int32 and words.shape == (k // 8, n)
+    per = group_size // 8
+    raw = words.numpy().view("<u4")
+    for row in range(k // 8):
+        g, j = divmod(row, per)
+        for col in range(n):
+            nibbles = [(int(raw[row, col]) >> (4 * e)) & 15 for e in range(8)]
+            assert nibbles == [int(q[col, g * group_size + e * per + j]) for e in range(8)]
+    assert torch.equal(ref.unpack_int4_k_major(words, group_size), ref.pack_int4(q))
 
 
 @pytest.mark.parametrize("method", ref.METHODS)
@@ -180,3 +199,54 @@ def test_split_k_tickets_reset_themselves_and_results_repeat_bit_for_bit():
     first = qk.quant_matmul(x, *qw, "int8", bias=bias)
     assert int(qk._COUNTERS[x.device].abs().sum()) == 0
     assert torch.equal(qk.quant_matmul(x, *qw, "int8", bias=bias), first)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the one-row int4 GEMV (interpreter)
+# ---------------------------------------------------------------------------------------------------------------
+
+_GEMV_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2 ** -7}
+
+
+@pytest.mark.parametrize("dtype, group_size, n, k, bias, config", [
+    (torch.float32, 128, N_ODD, K, True, None),  # the plan: outputs masked, several splits
+    (torch.float32, 32, 256, 256, False, qk.Int4GemvConfig(128, 1, 4, 3)),  # even N, ragged splits (8 groups / 3)
+    (torch.bfloat16, 128, 128, 512, True, qk.Int4GemvConfig(128, 1, 8, 1)),  # one split: no tickets
+    (torch.float16, 64, 200, 256, True, qk.Int4GemvConfig(128, 1, 8, 4)),
+    (torch.bfloat16, 256, 64, 512, False, None)])
+def test_int4_gemv_matches_the_reference(dtype, group_size, n, k, bias, config):
+    seed = zlib.crc32(f"gemv {dtype} {group_size} {n} {k}".encode()) % 1000
+    qw = _weight("int4", n, k, seed, dtype, group_size)
+    x, b = _inputs(1, k, n, seed, dtype)
+    b = b if bias else None
+    words = ref.pack_int4_k_major(qw.qweight, group_size)
+    got = qk.int4_gemv(x, words, qw.scales, qw.zeros, group_size, b, config=config)
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    want = ref.quant_matmul(x.float(), qw.qweight, qw.scales.float(), qw.zeros.float(), "int4", group_size, f32(b))
+    assert got.dtype == dtype and got.shape == (1, n)
+    err = (got.float() - want).abs().max().item() / want.abs().max().item()
+    assert err <= _GEMV_TOL[dtype], err
+    assert int(qk._COUNTERS[x.device].abs().sum()) == 0  # the tickets reset themselves
+    assert torch.equal(qk.int4_gemv(x, words, qw.scales, qw.zeros, group_size, b, config=config), got)
+
+
+def test_int4_gemv_plans_whole_groups_and_enough_programs():
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (576, 1536)):
+        cfg = qk.plan_int4_gemv(n, k, 128)
+        assert cfg.block_n == 128 * cfg.num_warps and cfg.rows == 8 and 1 <= cfg.split <= k // 128
+        programs = -(-n // cfg.block_n) * cfg.split
+        assert programs >= min(qk.PROGRAMS_PER_SM * 132, -(-n // cfg.block_n) * (k // 128))
+    assert qk.plan_int4_gemv(4096, 4096, 32).rows == 4
+
+
+def test_int4_gemv_rejects_bad_arguments_naming_them():
+    qw = _weight("int4", 16, 256, seed=41)
+    words = ref.pack_int4_k_major(qw.qweight, 128)
+    with pytest.raises(ValueError, match=r"int4_gemv takes one row, x \[1, K\]; got shape \(2, 256\)"):
+        qk.int4_gemv(torch.randn(2, 256), words, qw.scales, qw.zeros)
+    with pytest.raises(ValueError, match=r"words must be int32 \[K // 8, N\] = \[32, N\], got torch.int32 \(16, 32\)"):
+        qk.int4_gemv(torch.randn(1, 256), words.t().contiguous(), qw.scales, qw.zeros)
+    with pytest.raises(ValueError, match=r"group_size must be one of \(32, 64, 128, 256\) dividing K=256, got 48"):
+        qk.int4_gemv(torch.randn(1, 256), words, qw.scales, qw.zeros, 48)
+    with pytest.raises(ValueError, match=r"zeros must be \[2, 16\], got \(16, 2\)"):
+        qk.int4_gemv(torch.randn(1, 256), words, qw.scales, qw.zeros.t())

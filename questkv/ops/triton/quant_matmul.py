@@ -23,8 +23,19 @@ partials in split order (deterministic), adds the bias, writes the output in ``x
 ticket, so one launch does everything and graphs need no memset. The tickets live in one int32 buffer per
 device shared by every launch: launches must not run concurrently on two streams.
 
+One row of ``int4`` (a decode step at batch 1) has a kernel of its own, :func:`int4_gemv`, over a second copy of
+the weight in :func:`~questkv.ops.quant_reference.pack_int4_k_major`'s layout: a program owns ``BLOCK_N`` outputs
+(4 consecutive per thread, one 128-bit load per word row) and a range of groups, so every thread reads whole
+groups of its outputs (no cross-thread reduction) and every ``x`` value it needs is the same for the whole warp
+(a broadcast load). Each word gives its nibbles ``(e, e + 4)`` in pairs: one shift and one ``lop3``
+(``(w >> 4e) & 0x000F000F | 0x43004300``) leave two 16-bit fields ``0x4300 | q``; the 32-bit word as a float is
+``128.26171875 + q[e + 4] + q[e] / 65536`` (the low half only perturbs the mantissa's last bits, 1.5e-5 of a
+unit), the word shifted left by 16 is exactly ``128 + q[e]``; both are multiplied by ``x`` in float32, and per
+group the offsets come off once with the zero point: ``s * (sum(f * x) - (z + 128) * sum(x) - 0.26171875 *
+sum(x_high))``. About 3 instructions per weight against 4.3 for the FMA loop above.
+
 ``tinygemm_pack`` / ``tinygemm_matmul`` convert an ``int4`` weight for ``torch.ops.aten._weight_int4pack_mm``
-(bf16 only), a second CUDA backend for the benchmark.
+(bf16 only), the CUDA backend for 2 to 4 rows.
 """
 
 from __future__ import annotations
@@ -36,12 +47,16 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops.quant_reference import check_quant_args, unpack_int4
-from questkv.ops.triton._common import interpreting, next_pow2, num_sms
+from questkv.ops.quant_reference import GROUP_SIZES, check_quant_args, unpack_int4
+from questkv.ops.triton._common import interpreting, next_pow2, num_sms, use_pdl
 
 __all__ = [
     "FMA_MAX_M",
+    "Int4GemvConfig",
+    "int4_gemv",
+    "plan_int4_gemv",
     "QuantMatmulConfig",
     "plan_quant_matmul",
     "quant_matmul",
@@ -386,6 +401,179 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         UPCAST=upcast, IEEE=x.dtype == torch.float32, EVEN_K=even_k, SWAP_AB=cfg.swap_ab,
         MAGIC16=magic16, OFFSET16=offset16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one row of int4: the K-major GEMV
+
+_HIGH_OFFSET = tl.constexpr(17152.0 / 65536.0)  # the 0x4300 of a pair's low half, seen in the float's mantissa
+
+
+@triton.jit
+def _nibble_pair(words, e: tl.constexpr, ASM: tl.constexpr):
+    """Nibbles ``e`` and ``e + 4`` of every word as float32: ``(128.26171875 + q[e + 4] + q[e] / 65536,
+    128 + q[e])``."""
+    v = words >> (4 * e) if e > 0 else words
+    if ASM:  # one lop3 where the compiler emits an and and an or (two immediates)
+        t = tl.inline_asm_elementwise("lop3.b32 $0, $1, 983055, 1124090624, 234;", "=r,r", [v], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:
+        t = (v & 0x000F000F) | 0x43004300
+    return t.to(tl.float32, bitcast=True), (t << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, counter_ptr, out_ptr,
+    N, groups, groups_per_split,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+    REDUCE_CHUNK: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N), split)``; ``x_ptr`` ``[K]``; ``w_ptr`` int32 ``[K // 8, N]``
+    (:func:`~questkv.ops.quant_reference.pack_int4_k_major`); ``s_ptr``, ``z_ptr`` ``[K // GROUP, N]``;
+    ``part_ptr`` float32 ``[split, N]``; ``counter_ptr`` one zeroed int32 per output block; ``ROWS`` word rows
+    per load (a divisor of ``GROUP // 8``)."""
+    WPG: tl.constexpr = GROUP // 8  # words per group, per output
+    TILES: tl.constexpr = WPG // ROWS  # word tiles per group
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    j = tl.arange(0, ROWS)
+    g_start = pid_s * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, groups)
+    w_ptrs = w_ptr + (g_start * WPG + j)[:, None] * N + rn[None, :]  # [ROWS, BN], advanced one tile at a time
+    # each tile is loaded one tile ahead of its use; the first before waiting for the kernels this launch may
+    # overlap (weights are never written on the device: only x is theirs)
+    if EVEN_N:
+        words = tl.load(w_ptrs)
+    else:
+        words = tl.load(w_ptrs, mask=nmask[None, :], other=0)
+    if USE_PDL:
+        gdc_wait()
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in range(g_start, g_end):
+        d = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)  # sum(f * x) per word row, reduced once per group
+        x_low = tl.zeros([ROWS], dtype=tl.float32)
+        x_high = tl.zeros([ROWS], dtype=tl.float32)
+        for h in tl.static_range(TILES):
+            w_ptrs += ROWS * N
+            more = (g + 1 < g_end) | (h + 1 < TILES)  # the split's last tile has no next one
+            if EVEN_N:
+                next_words = tl.load(w_ptrs, mask=more, other=0)
+            else:
+                next_words = tl.load(w_ptrs, mask=more & nmask[None, :], other=0)
+            for e in tl.static_range(4):
+                high, low = _nibble_pair(words, e, ASM)
+                x_off = g * GROUP + e * WPG + h * ROWS + j  # [ROWS] features of nibble e
+                xl = tl.load(x_ptr + x_off).to(tl.float32)
+                xh = tl.load(x_ptr + x_off + 4 * WPG).to(tl.float32)
+                d += high * xh[:, None]
+                d += low * xl[:, None]
+                x_low += xl
+                x_high += xh
+            words = next_words
+        if EVEN_N:
+            s = tl.load(s_ptr + g * N + rn).to(tl.float32)
+            z = tl.load(z_ptr + g * N + rn).to(tl.float32)
+        else:
+            s = tl.load(s_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
+        x_high_sum = tl.sum(x_high, axis=0)
+        x_sum = tl.sum(x_low, axis=0) + x_high_sum
+        acc += s * (tl.sum(d, axis=0) - (z + 128.0) * x_sum - _HIGH_OFFSET * x_high_sum)
+    if SPLIT_K:
+        tl.store(part_ptr + pid_s * N + rn, acc, mask=nmask)
+        counter = counter_ptr + pid_n
+        tl.debug_barrier()  # every thread's partial stores happen before the (releasing) ticket
+        splits = tl.num_programs(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            # the partials in fixed chunks (deterministic), each chunk's loads issued together
+            c = tl.arange(0, REDUCE_CHUNK)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for first in range(0, splits, REDUCE_CHUNK):
+                sp = first + c
+                parts = tl.load(part_ptr + sp[:, None] * N + rn[None, :],
+                                mask=(sp < splits)[:, None] & nmask[None, :], other=0.0, cache_modifier=".cg")
+                acc += tl.sum(parts, axis=0)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+            tl.atomic_xchg(counter, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4GemvConfig:
+    """One :func:`int4_gemv` launch: ``block_n`` outputs per program (4 per thread: ``128 * num_warps``),
+    ``rows`` word rows per load, ``split`` programs per output block (each a range of whole groups)."""
+
+    block_n: int
+    num_warps: int
+    rows: int
+    split: int
+
+
+def plan_int4_gemv(n: int, k: int, group_size: int = 128, device: Optional[torch.device] = None) -> Int4GemvConfig:
+    """The launch :func:`int4_gemv` uses (``benchmarks/linear.py``'s sweep, H200: 512 outputs and 8 word rows per
+    program did best or within 3 % at every llama3.1-8b shape, and as many groups per program as keep
+    :data:`PROGRAMS_PER_SM` programs per SM). ``device``: as :func:`plan_quant_matmul`."""
+    num_warps = 4 if n >= 2048 else 1
+    block_n = 128 * num_warps
+    groups = k // group_size
+    tiles = math.ceil(n / block_n)
+    split = min(groups, max(1, math.ceil(PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
+    return Int4GemvConfig(block_n, num_warps, min(8, group_size // 8), split)
+
+
+def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int = 128, bias: Optional[torch.Tensor] = None,
+              config: Optional[Int4GemvConfig] = None) -> torch.Tensor:
+    """``y = x @ w.T + bias`` for one row ``x`` ``[1, K]`` and an ``int4`` weight whose codes are ``words``
+    (``[K // 8, N]`` int32, :func:`~questkv.ops.quant_reference.pack_int4_k_major`), ``scales`` and ``zeros``
+    ``[K // group_size, N]`` as the ``int4`` format; ``config`` overrides :func:`plan_int4_gemv`.
+
+    Returns:
+        ``[1, N]`` in ``x.dtype``.
+    """
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"int4_gemv takes one row, x [1, K]; got shape {tuple(x.shape)}")
+    k = x.shape[1]
+    if group_size not in GROUP_SIZES or k % group_size:
+        raise ValueError(f"int4_gemv: group_size must be one of {GROUP_SIZES} dividing K={k}, got {group_size}")
+    n = words.shape[1]
+    if tuple(words.shape) != (k // 8, n) or words.dtype != torch.int32:
+        raise ValueError(f"int4_gemv: words must be int32 [K // 8, N] = [{k // 8}, N], got {words.dtype} "
+                         f"{tuple(words.shape)}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != (k // group_size, n):
+            raise ValueError(f"int4_gemv: {name} must be [{k // group_size}, {n}], got {tuple(t.shape)}")
+    x = x.contiguous()
+    cfg = config or plan_int4_gemv(n, k, group_size, x.device)
+    groups = k // group_size
+    per_split = math.ceil(groups / cfg.split)
+    split = math.ceil(groups / per_split)  # no empty split
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    if split > 1:
+        part = torch.empty((split, n), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, grid[0])
+    else:
+        part = counters = out  # never read
+    _int4_gemv_kernel[grid](
+        x, words, scales, zeros, bias if bias is not None else scales, part, counters, out,
+        n, groups, per_split,
+        GROUP=group_size, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=split > 1, REDUCE_CHUNK=16,
+        EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias is not None, ASM=not interpreting(), USE_PDL=use_pdl(x.device),
+        num_warps=cfg.num_warps, launch_pdl=use_pdl(x.device),
     )
     return out
 
