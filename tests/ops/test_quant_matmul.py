@@ -235,7 +235,7 @@ def test_int4_gemv_plans_whole_groups_and_enough_programs():
         cfg = qk.plan_int4_gemv(n, k, 128)
         assert cfg.block_n == 128 * cfg.num_warps and cfg.rows == 8 and 1 <= cfg.split <= k // 128
         programs = -(-n // cfg.block_n) * cfg.split
-        assert programs >= min(qk.PROGRAMS_PER_SM * 132, -(-n // cfg.block_n) * (k // 128))
+        assert programs >= min(qk.GEMV_PROGRAMS_PER_SM * 132, -(-n // cfg.block_n) * (k // 128))
     assert qk.plan_int4_gemv(4096, 4096, 32).rows == 4
 
 

@@ -80,6 +80,10 @@ tile first; ``int4`` keeps one group per dot, its zero points are corrected afte
 PROGRAMS_PER_SM = 4
 """Split-K aims at this many programs per SM."""
 
+GEMV_PROGRAMS_PER_SM = 8
+""":func:`int4_gemv`'s split aims at this many programs per SM (llama3.1-8b's gate/up projection on an H200: 22.5 µs
+with 8, 23.9 with 4)."""
+
 _MAGIC = tl.constexpr(0x4B000000)  # float32 2**23: its low mantissa bits take the integer field exactly
 
 
@@ -523,14 +527,17 @@ class Int4GemvConfig:
 
 
 def plan_int4_gemv(n: int, k: int, group_size: int = 128, device: Optional[torch.device] = None) -> Int4GemvConfig:
-    """The launch :func:`int4_gemv` uses (``benchmarks/linear.py``'s sweep, H200: 512 outputs and 8 word rows per
-    program did best or within 3 % at every llama3.1-8b shape, and as many groups per program as keep
-    :data:`PROGRAMS_PER_SM` programs per SM). ``device``: as :func:`plan_quant_matmul`."""
-    num_warps = 4 if n >= 2048 else 1
+    """The launch :func:`int4_gemv` uses (``benchmarks/results/linear-h200-gemv.md``'s sweep of llama3.1-8b's
+    shapes on an H200: 8 word rows per load everywhere; 256 outputs per program up to 8192 outputs and 512 above;
+    as many groups per program as give :data:`GEMV_PROGRAMS_PER_SM` programs per SM, at most one group each).
+    ``device``: as :func:`plan_quant_matmul`."""
+    num_warps = 2 if n <= 8192 else 4
+    if n < 1024:
+        num_warps = 1
     block_n = 128 * num_warps
     groups = k // group_size
     tiles = math.ceil(n / block_n)
-    split = min(groups, max(1, math.ceil(PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
+    split = min(groups, max(1, math.ceil(GEMV_PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
     return Int4GemvConfig(block_n, num_warps, min(8, group_size // 8), split)
 
 
