@@ -234,11 +234,12 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
         for kind in kinds + ([] if cuda else ["torch"]):
             out[f"{name}-{kind}"] = [lambda q=q, method=method, group=group, kind=kind:
                                      quant_matmul(x, *q, method, group, backend=kind) for q in copies]
-    if m == 1 and shape.gemv and triton_ok:
-        from questkv.ops.triton.quant_matmul import int4_gemv
+    if shape.gemv and triton_ok:
+        from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv
 
-        out["int4-gemv"] = [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP)
-                            for w, q in zip(shape.gemv, shape.q["int4"])]
+        if m <= GEMV_MAX_M:
+            out["int4-gemv"] = [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP)
+                                for w, q in zip(shape.gemv, shape.q["int4"])]
     if shape.tinygemm is not None:
         from questkv.ops.triton.quant_matmul import tinygemm_matmul
 
@@ -275,15 +276,16 @@ def sweep_configs(m: int, n: int, k: int, device: torch.device, name: str = "int
     return unique
 
 
-def gemv_sweep_configs(n: int, k: int, device: torch.device) -> list:
-    """Alternative launches of ``int4_gemv`` (the plan first): outputs per program, word rows per load, and
-    half, twice and every group as the split."""
+def gemv_sweep_configs(n: int, k: int, device: torch.device, m: int = 1) -> list:
+    """Alternative launches of ``int4_gemv`` for ``m`` rows (the plan first): outputs per program, word rows per
+    load, and half, twice and every group as the split."""
     from questkv.ops.triton.quant_matmul import Int4GemvConfig, plan_int4_gemv
 
-    plan = plan_int4_gemv(n, k, GROUP, device)
+    plan = plan_int4_gemv(n, k, GROUP, device, m)
     groups = k // GROUP
     configs = [plan]
-    configs += [Int4GemvConfig(128 * w, w, rows, plan.split) for w in (1, 2, 4, 8) for rows in (8, 16)]
+    configs += [Int4GemvConfig(128 * w, w, rows, plan.split) for w in (1, 2, 4, 8)
+                for rows in ((8, 16) if m <= 2 else (4, 8))]
     configs += [dataclasses.replace(plan, split=s) for s in (max(1, plan.split // 2), min(groups, 2 * plan.split),
                                                              groups)]
     return list(dict.fromkeys(configs))
@@ -353,11 +355,12 @@ def run(args) -> dict:
                                                      "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
                                                      "rel_err": err})
                             print(f"  sweep {qname} {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
-                    if m == 1 and shape.gemv:
-                        from questkv.ops.triton.quant_matmul import int4_gemv
+                    from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv
+
+                    if m <= GEMV_MAX_M and shape.gemv:
 
                         want = reference(x, "int4", shape.q["int4"][0])
-                        for i, cfg in enumerate(gemv_sweep_configs(n, k, device)):
+                        for i, cfg in enumerate(gemv_sweep_configs(n, k, device, m)):
                             fns = [lambda w=w, q=q, cfg=cfg: int4_gemv(x, w, q[1], q[2], GROUP, config=cfg)
                                    for w, q in zip(shape.gemv, shape.q["int4"])]
                             try:

@@ -2,7 +2,7 @@
 does for the Quest kernels: the interpreter misses compile-only errors (layouts of ``tl.split`` / ``tl.reshape``,
 ``tl.dot`` operand dtypes, constexpr globals). Every loop and format the launcher can pick, in bf16 (the engine's
 dtype), with fp16 and fp32 once each; the batch-1 GEMVs must load their packed weights with 128-bit loads and not
-spill, and the one-row int4 GEMV must unpack its nibble pairs with one ``lop3`` each.
+spill, and the int4 GEMV (1 to 4 rows) must unpack its nibble pairs with one ``lop3`` each.
 """
 
 from __future__ import annotations
@@ -91,20 +91,21 @@ _SCRIPT = textwrap.dedent(
     compile_quant("int8_grouped", qm.plan_quant_matmul(32, 4096, 4096, "int8_grouped", 32, use_dot=True), group=32,
                   dtype="fp32")
 
-    def compile_gemv(n, k, group=128, dtype="bf16", bias=False):
+    def compile_gemv(n, k, group=128, dtype="bf16", bias=False, m=1):
         kernel = qm._int4_gemv_kernel
-        cfg = qm.plan_int4_gemv(n, k, group)
+        cfg = qm.plan_int4_gemv(n, k, group, m=m)
         pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
                     "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
-        constexprs = dict(GROUP=group, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=cfg.split > 1, REDUCE_CHUNK=16,
+        constexprs = dict(GROUP=group, BLOCK_M=m, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=cfg.split > 1, REDUCE_CHUNK=16,
                           EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias, ASM=True, USE_PDL=True)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in kernel.arg_names}
-        attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, "N")}
+        attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+                 for name in (*pointers, "N", "stride_xm", "stride_om")}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                                   options={"num_warps": cfg.num_warps})
         info = ptxas_info(compiled)
-        print("int4_gemv", n, k, group, dtype, cfg, info)
+        print("int4_gemv", m, n, k, group, dtype, cfg, info)
         assert "0 bytes spill stores" in info, info
         assert "ld.global.v4.b32" in compiled.asm["ptx"], "packed weights not loaded 128 bits at a time"
         assert "lop3.b32" in compiled.asm["ptx"]
@@ -115,6 +116,9 @@ _SCRIPT = textwrap.dedent(
     compile_gemv(1000, 896, 32, bias=True)
     compile_gemv(4096, 4096, dtype="fp16")
     compile_gemv(576, 1536, 64, dtype="fp32")
+    for m in (2, 3, 4):  # one accumulator per row
+        compile_gemv(28672, 4096, m=m)
+    compile_gemv(1000, 896, 32, bias=True, m=4)
     print("quant kernels compiled for sm_90")
     """
 )

@@ -208,22 +208,23 @@ def test_split_k_tickets_reset_themselves_and_results_repeat_bit_for_bit():
 _GEMV_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2 ** -7}
 
 
-@pytest.mark.parametrize("dtype, group_size, n, k, bias, config", [
-    (torch.float32, 128, N_ODD, K, True, None),  # the plan: outputs masked, several splits
-    (torch.float32, 32, 256, 256, False, qk.Int4GemvConfig(128, 1, 4, 3)),  # even N, ragged splits (8 groups / 3)
-    (torch.bfloat16, 128, 128, 512, True, qk.Int4GemvConfig(128, 1, 8, 1)),  # one split: no tickets
-    (torch.float16, 64, 200, 256, True, qk.Int4GemvConfig(128, 1, 8, 4)),
-    (torch.bfloat16, 256, 64, 512, False, None)])
-def test_int4_gemv_matches_the_reference(dtype, group_size, n, k, bias, config):
-    seed = zlib.crc32(f"gemv {dtype} {group_size} {n} {k}".encode()) % 1000
+@pytest.mark.parametrize("m, dtype, group_size, n, k, bias, config", [
+    (1, torch.float32, 128, N_ODD, K, True, None),  # the plan: outputs masked, several splits
+    (2, torch.float32, 32, 256, 256, False, qk.Int4GemvConfig(128, 1, 4, 3)),  # even N, ragged splits (8 / 3)
+    (1, torch.bfloat16, 128, 128, 512, True, qk.Int4GemvConfig(128, 1, 8, 1)),  # one split: no tickets
+    (3, torch.float16, 64, 200, 256, True, qk.Int4GemvConfig(128, 1, 8, 4)),
+    (4, torch.bfloat16, 256, 64, 512, False, None),
+    (4, torch.float32, 128, N_ODD, K, True, qk.Int4GemvConfig(128, 1, 8, 1))])
+def test_int4_gemv_matches_the_reference(m, dtype, group_size, n, k, bias, config):
+    seed = zlib.crc32(f"gemv {m} {dtype} {group_size} {n} {k}".encode()) % 1000
     qw = _weight("int4", n, k, seed, dtype, group_size)
-    x, b = _inputs(1, k, n, seed, dtype)
+    x, b = _inputs(m, k, n, seed, dtype)
     b = b if bias else None
     words = ref.pack_int4_k_major(qw.qweight, group_size)
     got = qk.int4_gemv(x, words, qw.scales, qw.zeros, group_size, b, config=config)
     f32 = lambda t: None if t is None else t.float()  # noqa: E731
     want = ref.quant_matmul(x.float(), qw.qweight, qw.scales.float(), qw.zeros.float(), "int4", group_size, f32(b))
-    assert got.dtype == dtype and got.shape == (1, n)
+    assert got.dtype == dtype and got.shape == (m, n)
     err = (got.float() - want).abs().max().item() / want.abs().max().item()
     assert err <= _GEMV_TOL[dtype], err
     assert int(qk._COUNTERS[x.device].abs().sum()) == 0  # the tickets reset themselves
@@ -234,6 +235,7 @@ def test_int4_gemv_plans_whole_groups_and_enough_programs():
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (576, 1536)):
         cfg = qk.plan_int4_gemv(n, k, 128)
         assert cfg.block_n == 128 * cfg.num_warps and cfg.rows == 8 and 1 <= cfg.split <= k // 128
+        assert qk.plan_int4_gemv(n, k, 128, m=4).rows == 4
         programs = -(-n // cfg.block_n) * cfg.split
         assert programs >= min(qk.GEMV_PROGRAMS_PER_SM * 132, -(-n // cfg.block_n) * (k // 128))
     assert qk.plan_int4_gemv(4096, 4096, 32).rows == 4
@@ -242,8 +244,8 @@ def test_int4_gemv_plans_whole_groups_and_enough_programs():
 def test_int4_gemv_rejects_bad_arguments_naming_them():
     qw = _weight("int4", 16, 256, seed=41)
     words = ref.pack_int4_k_major(qw.qweight, 128)
-    with pytest.raises(ValueError, match=r"int4_gemv takes one row, x \[1, K\]; got shape \(2, 256\)"):
-        qk.int4_gemv(torch.randn(2, 256), words, qw.scales, qw.zeros)
+    with pytest.raises(ValueError, match=r"int4_gemv takes 1 to 4 rows, x \[M, K\]; got shape \(5, 256\)"):
+        qk.int4_gemv(torch.randn(5, 256), words, qw.scales, qw.zeros)
     with pytest.raises(ValueError, match=r"words must be int32 \[K // 8, N\] = \[32, N\], got torch.int32 \(16, 32\)"):
         qk.int4_gemv(torch.randn(1, 256), words.t().contiguous(), qw.scales, qw.zeros)
     with pytest.raises(ValueError, match=r"group_size must be one of \(32, 64, 128, 256\) dividing K=256, got 48"):

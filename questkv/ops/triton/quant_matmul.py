@@ -54,6 +54,7 @@ from questkv.ops.triton._common import interpreting, next_pow2, num_sms, use_pdl
 
 __all__ = [
     "FMA_MAX_M",
+    "GEMV_MAX_M",
     "Int4GemvConfig",
     "int4_gemv",
     "plan_int4_gemv",
@@ -79,6 +80,9 @@ tile first; ``int4`` keeps one group per dot, its zero points are corrected afte
 
 PROGRAMS_PER_SM = 4
 """Split-K aims at this many programs per SM."""
+
+GEMV_MAX_M = 4
+""":func:`int4_gemv` takes up to this many rows (one accumulator per row; the codes are unpacked once for all)."""
 
 GEMV_PROGRAMS_PER_SM = 8
 """:func:`int4_gemv`'s split aims at this many programs per SM (llama3.1-8b's gate/up projection on an H200: 22.5 µs
@@ -429,17 +433,58 @@ def _nibble_pair(words, e: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _gemv_row(high, low, x_ptr, x_off, HIGH_OFF: tl.constexpr, d, x_low, x_high):
+    """One row of ``x``: ``d += high * x[x_off + HIGH_OFF] + low * x[x_off]`` (``[ROWS, BN]``) and the sums of
+    the ``x`` values taken."""
+    xl = tl.load(x_ptr + x_off).to(tl.float32)  # [ROWS], the same for the whole warp
+    xh = tl.load(x_ptr + x_off + HIGH_OFF).to(tl.float32)
+    d += high * xh[:, None]
+    d += low * xl[:, None]
+    return d, x_low + xl, x_high + xh
+
+
+@triton.jit
+def _gemv_group(acc, d, x_low, x_high, s, z):
+    """``acc`` plus one group of one row: its scale times the dot of the codes, less the zero point's and the
+    nibble floats' offsets (``(z + 128) * sum(x) + 0.26171875 * sum(x_high)``)."""
+    x_high_sum = tl.sum(x_high, axis=0)
+    x_sum = tl.sum(x_low, axis=0) + x_high_sum
+    return acc + s * (tl.sum(d, axis=0) - (z + 128.0) * x_sum - _HIGH_OFFSET * x_high_sum)
+
+
+@triton.jit
+def _gemv_store(acc, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _gemv_partials_sum(part_ptr, row, M, N, rn, nmask, splits, REDUCE_CHUNK: tl.constexpr):
+    """Row ``row``'s split partials summed in fixed chunks (deterministic), each chunk's loads issued together."""
+    c = tl.arange(0, REDUCE_CHUNK)
+    acc = tl.zeros([rn.shape[0]], dtype=tl.float32)
+    for first in range(0, splits, REDUCE_CHUNK):
+        sp = first + c
+        parts = tl.load(part_ptr + (sp[:, None] * M + row) * N + rn[None, :],
+                        mask=(sp < splits)[:, None] & nmask[None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(parts, axis=0)
+    return acc
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, counter_ptr, out_ptr,
-    N, groups, groups_per_split,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+    M, N, groups, groups_per_split, stride_xm, stride_om,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
     REDUCE_CHUNK: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_N), split)``; ``x_ptr`` ``[K]``; ``w_ptr`` int32 ``[K // 8, N]``
+    """Grid ``(cdiv(N, BLOCK_N), split)``; ``x_ptr`` ``[M, K]`` with ``M == BLOCK_M`` (1 to 4: one accumulator
+    per row, the codes unpacked once for all); ``w_ptr`` int32 ``[K // 8, N]``
     (:func:`~questkv.ops.quant_reference.pack_int4_k_major`); ``s_ptr``, ``z_ptr`` ``[K // GROUP, N]``;
-    ``part_ptr`` float32 ``[split, N]``; ``counter_ptr`` one zeroed int32 per output block; ``ROWS`` word rows
-    per load (a divisor of ``GROUP // 8``)."""
+    ``part_ptr`` float32 ``[split, M, N]``; ``counter_ptr`` one zeroed int32 per output block; ``ROWS`` word
+    rows per load (a divisor of ``GROUP // 8``)."""
     WPG: tl.constexpr = GROUP // 8  # words per group, per output
     TILES: tl.constexpr = WPG // ROWS  # word tiles per group
     pid_n = tl.program_id(0)
@@ -458,11 +503,23 @@ def _int4_gemv_kernel(
         words = tl.load(w_ptrs, mask=nmask[None, :], other=0)
     if USE_PDL:
         gdc_wait()
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
     for g in range(g_start, g_end):
-        d = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)  # sum(f * x) per word row, reduced once per group
-        x_low = tl.zeros([ROWS], dtype=tl.float32)
-        x_high = tl.zeros([ROWS], dtype=tl.float32)
+        d0 = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)  # sum(f * x) per word row, reduced once per group
+        d1 = d0
+        d2 = d0
+        d3 = d0
+        xl0 = tl.zeros([ROWS], dtype=tl.float32)
+        xl1 = xl0
+        xl2 = xl0
+        xl3 = xl0
+        xh0 = xl0
+        xh1 = xl0
+        xh2 = xl0
+        xh3 = xl0
         for h in tl.static_range(TILES):
             w_ptrs += ROWS * N
             more = (g + 1 < g_end) | (h + 1 < TILES)  # the split's last tile has no next one
@@ -473,12 +530,13 @@ def _int4_gemv_kernel(
             for e in tl.static_range(4):
                 high, low = _nibble_pair(words, e, ASM)
                 x_off = g * GROUP + e * WPG + h * ROWS + j  # [ROWS] features of nibble e
-                xl = tl.load(x_ptr + x_off).to(tl.float32)
-                xh = tl.load(x_ptr + x_off + 4 * WPG).to(tl.float32)
-                d += high * xh[:, None]
-                d += low * xl[:, None]
-                x_low += xl
-                x_high += xh
+                d0, xl0, xh0 = _gemv_row(high, low, x_ptr, x_off, 4 * WPG, d0, xl0, xh0)
+                if BLOCK_M > 1:
+                    d1, xl1, xh1 = _gemv_row(high, low, x_ptr + stride_xm, x_off, 4 * WPG, d1, xl1, xh1)
+                if BLOCK_M > 2:
+                    d2, xl2, xh2 = _gemv_row(high, low, x_ptr + 2 * stride_xm, x_off, 4 * WPG, d2, xl2, xh2)
+                if BLOCK_M > 3:
+                    d3, xl3, xh3 = _gemv_row(high, low, x_ptr + 3 * stride_xm, x_off, 4 * WPG, d3, xl3, xh3)
             words = next_words
         if EVEN_N:
             s = tl.load(s_ptr + g * N + rn).to(tl.float32)
@@ -486,31 +544,38 @@ def _int4_gemv_kernel(
         else:
             s = tl.load(s_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
-        x_high_sum = tl.sum(x_high, axis=0)
-        x_sum = tl.sum(x_low, axis=0) + x_high_sum
-        acc += s * (tl.sum(d, axis=0) - (z + 128.0) * x_sum - _HIGH_OFFSET * x_high_sum)
+        acc0 = _gemv_group(acc0, d0, xl0, xh0, s, z)
+        if BLOCK_M > 1:
+            acc1 = _gemv_group(acc1, d1, xl1, xh1, s, z)
+        if BLOCK_M > 2:
+            acc2 = _gemv_group(acc2, d2, xl2, xh2, s, z)
+        if BLOCK_M > 3:
+            acc3 = _gemv_group(acc3, d3, xl3, xh3, s, z)
     if SPLIT_K:
-        tl.store(part_ptr + pid_s * N + rn, acc, mask=nmask)
+        part = part_ptr + pid_s * M * N + rn
+        tl.store(part, acc0, mask=nmask)
+        if BLOCK_M > 1:
+            tl.store(part + N, acc1, mask=nmask)
+        if BLOCK_M > 2:
+            tl.store(part + 2 * N, acc2, mask=nmask)
+        if BLOCK_M > 3:
+            tl.store(part + 3 * N, acc3, mask=nmask)
         counter = counter_ptr + pid_n
         tl.debug_barrier()  # every thread's partial stores happen before the (releasing) ticket
         splits = tl.num_programs(1)
         if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-            # the partials in fixed chunks (deterministic), each chunk's loads issued together
-            c = tl.arange(0, REDUCE_CHUNK)
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for first in range(0, splits, REDUCE_CHUNK):
-                sp = first + c
-                parts = tl.load(part_ptr + sp[:, None] * N + rn[None, :],
-                                mask=(sp < splits)[:, None] & nmask[None, :], other=0.0, cache_modifier=".cg")
-                acc += tl.sum(parts, axis=0)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+            for row in tl.static_range(BLOCK_M):
+                total = _gemv_partials_sum(part_ptr, row, M, N, rn, nmask, splits, REDUCE_CHUNK)
+                _gemv_store(total, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
             tl.atomic_xchg(counter, 0)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+        _gemv_store(acc0, 0, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
+        if BLOCK_M > 1:
+            _gemv_store(acc1, 1, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
+        if BLOCK_M > 2:
+            _gemv_store(acc2, 2, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
+        if BLOCK_M > 3:
+            _gemv_store(acc3, 3, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
     if USE_PDL:
         gdc_launch_dependents()
 
@@ -526,11 +591,13 @@ class Int4GemvConfig:
     split: int
 
 
-def plan_int4_gemv(n: int, k: int, group_size: int = 128, device: Optional[torch.device] = None) -> Int4GemvConfig:
-    """The launch :func:`int4_gemv` uses (``benchmarks/results/linear-h200-gemv.md``'s sweep of llama3.1-8b's
-    shapes on an H200: 8 word rows per load everywhere; 256 outputs per program up to 8192 outputs and 512 above;
-    as many groups per program as give :data:`GEMV_PROGRAMS_PER_SM` programs per SM, at most one group each).
-    ``device``: as :func:`plan_quant_matmul`."""
+def plan_int4_gemv(n: int, k: int, group_size: int = 128, device: Optional[torch.device] = None,
+                   m: int = 1) -> Int4GemvConfig:
+    """The launch :func:`int4_gemv` uses for ``m`` rows (``benchmarks/results/linear-h200-gemv.md``'s sweep of
+    llama3.1-8b's shapes at one row on an H200: 8 word rows per load everywhere; 256 outputs per program up to
+    8192 outputs and 512 above; as many groups per program as give :data:`GEMV_PROGRAMS_PER_SM` programs per SM,
+    at most one group each). Three and four rows load 4 word rows at a time (their accumulators take the
+    registers). ``device``: as :func:`plan_quant_matmul`."""
     num_warps = 2 if n <= 8192 else 4
     if n < 1024:
         num_warps = 1
@@ -538,22 +605,23 @@ def plan_int4_gemv(n: int, k: int, group_size: int = 128, device: Optional[torch
     groups = k // group_size
     tiles = math.ceil(n / block_n)
     split = min(groups, max(1, math.ceil(GEMV_PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
-    return Int4GemvConfig(block_n, num_warps, min(8, group_size // 8), split)
+    return Int4GemvConfig(block_n, num_warps, min(8 if m <= 2 else 4, group_size // 8), split)
 
 
 def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               group_size: int = 128, bias: Optional[torch.Tensor] = None,
               config: Optional[Int4GemvConfig] = None) -> torch.Tensor:
-    """``y = x @ w.T + bias`` for one row ``x`` ``[1, K]`` and an ``int4`` weight whose codes are ``words``
-    (``[K // 8, N]`` int32, :func:`~questkv.ops.quant_reference.pack_int4_k_major`), ``scales`` and ``zeros``
-    ``[K // group_size, N]`` as the ``int4`` format; ``config`` overrides :func:`plan_int4_gemv`.
+    """``y = x @ w.T + bias`` for up to :data:`GEMV_MAX_M` rows ``x`` ``[M, K]`` and an ``int4`` weight whose
+    codes are ``words`` (``[K // 8, N]`` int32, :func:`~questkv.ops.quant_reference.pack_int4_k_major`),
+    ``scales`` and ``zeros`` ``[K // group_size, N]`` as the ``int4`` format; ``config`` overrides
+    :func:`plan_int4_gemv`.
 
     Returns:
-        ``[1, N]`` in ``x.dtype``.
+        ``[M, N]`` in ``x.dtype``.
     """
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"int4_gemv takes one row, x [1, K]; got shape {tuple(x.shape)}")
-    k = x.shape[1]
+    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
+        raise ValueError(f"int4_gemv takes 1 to {GEMV_MAX_M} rows, x [M, K]; got shape {tuple(x.shape)}")
+    m, k = x.shape
     if group_size not in GROUP_SIZES or k % group_size:
         raise ValueError(f"int4_gemv: group_size must be one of {GROUP_SIZES} dividing K={k}, got {group_size}")
     n = words.shape[1]
@@ -564,21 +632,21 @@ def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
         if tuple(t.shape) != (k // group_size, n):
             raise ValueError(f"int4_gemv: {name} must be [{k // group_size}, {n}], got {tuple(t.shape)}")
     x = x.contiguous()
-    cfg = config or plan_int4_gemv(n, k, group_size, x.device)
+    cfg = config or plan_int4_gemv(n, k, group_size, x.device, m)
     groups = k // group_size
     per_split = math.ceil(groups / cfg.split)
     split = math.ceil(groups / per_split)  # no empty split
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), split)
     if split > 1:
-        part = torch.empty((split, n), dtype=torch.float32, device=x.device)
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = _counters(x.device, grid[0])
     else:
         part = counters = out  # never read
     _int4_gemv_kernel[grid](
         x, words, scales, zeros, bias if bias is not None else scales, part, counters, out,
-        n, groups, per_split,
-        GROUP=group_size, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=split > 1, REDUCE_CHUNK=16,
+        m, n, groups, per_split, x.stride(0), out.stride(0),
+        GROUP=group_size, BLOCK_M=m, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=split > 1, REDUCE_CHUNK=16,
         EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias is not None, ASM=not interpreting(), USE_PDL=use_pdl(x.device),
         num_warps=cfg.num_warps, launch_pdl=use_pdl(x.device),
     )
