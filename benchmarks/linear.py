@@ -7,7 +7,7 @@ replays; each replay cycles over enough copies of the weight that no call finds 
 
 * ``bf16``: ``torch.nn.functional.linear`` on the float weight;
 * ``int4`` (group 128) through each backend: ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's
-  plan), ``gemv`` (its one-row kernel ``int4_gemv`` on the K-major copy, ``M = 1`` only), ``tinygemm``
+  plan), ``gemv`` (its small-batch kernel ``int4_gemv`` on the K-major copy, ``M <= 4``), ``tinygemm``
   (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``
   only);
 * ``int8`` (per row) through ``triton``;
@@ -15,7 +15,7 @@ replays; each replay cycles over enough copies of the weight that no call finds 
   scales rounded to nearest here), through ``triton`` and ``dequant`` (``M >= --dequant-min-m``);
 * ``--methods`` picks the quantized formats (default: all; ``bf16`` is always timed, the baseline);
 * with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4``,
-  ``int8g16``, ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows) and, at one row, of
+  ``int8g16``, ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows) and, up to 4 rows, of
   ``int4_gemv``: the best one and its config tell how to retune ``plan_quant_matmul`` / ``plan_int4_gemv``.
 
 Every timed call is first checked against the reference: its relative error stands beside its time. Each time

@@ -46,24 +46,26 @@ __all__ = [
     "quantize_linears",
 ]
 
-# ``auto`` on CUDA, by rows M (benchmarks/results/linear-h200-gemv.md, all linears of one llama3.1-8b token): an int4
-# layer takes questkv's K-major GEMV for one row (1.73 ms against 2.20 for torch's tinygemm and 3.14 for the Triton
-# FMA loop), tinygemm (bf16) for 2 to 4 rows (2.34 / 3.07 ms at M = 2 / 4, against 2.62 / 5.12 for the GEMV with
-# more rows and 6.2 / 13.6 for the Triton kernel), the Triton kernel up to 64 rows (4.63 ms at M = 8 against 5.22),
-# and above that (prefill) dequantizes into a float weight for one GEMM, whose cost is shared by the prompt's rows.
-# int8 and int8_grouped (imported GGUF Q8_0 / Q6_K layers) follow the same rows rule without the int4 kernels.
-GEMV_M = 1
+# ``auto`` on CUDA, by rows M (all linears of one llama3.1-8b token on an H200, LM head bf16;
+# benchmarks/results/linear-h200-gemv.md and -gemv-rows.md): an int4 layer takes questkv's K-major GEMV for one row
+# (1.95 ms against 2.44 for torch's tinygemm and 3.37 for the Triton FMA loop), tinygemm (bf16 only) for 2 to 4
+# rows (2.56 / 2.89 / 3.31 ms at M = 2 / 3 / 4, against 3.17 / 4.02 / 4.75 for the GEMV, which int4 layers in
+# other dtypes take there, and 6.5 / - / 13.9 for the Triton kernel), the Triton kernel up to 64 rows (4.63 ms at
+# M = 8 against 5.22 for tinygemm), and above that (prefill) dequantizes into a float weight for one GEMM, whose
+# cost is shared by the prompt's rows. int8 and int8_grouped (imported GGUF Q8_0 / Q6_K layers) follow the same
+# rows rule without the int4 kernels.
 TINYGEMM_MAX_M = 4
 TRITON_MAX_M = 64
 
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm", "gemv")
-"""How a quantized layer multiplies. ``auto``: on CUDA by rows, ``gemv`` (int4) for one row, ``tinygemm`` (int4
-bf16) up to :data:`TINYGEMM_MAX_M`, ``triton`` (every format) up to :data:`TRITON_MAX_M`, ``dequant`` above;
+"""How a quantized layer multiplies. ``auto``: on CUDA by rows, int4 through ``gemv`` for one row and for up to
+:data:`~questkv.ops.triton.quant_matmul.GEMV_MAX_M` rows where ``tinygemm`` (bf16 only) does not serve 2 to
+:data:`TINYGEMM_MAX_M`, then every format through ``triton`` up to :data:`TRITON_MAX_M`, ``dequant`` above;
 ``torch`` otherwise; ``torch``: the reference (dequantize to float32, float32 matmul); ``triton``:
 :func:`questkv.ops.triton.quant_matmul.quant_matmul`;
 ``dequant``: dequantize to ``x``'s dtype with torch ops, then ``F.linear`` (a large-``M`` candidate);
 ``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16); ``gemv``:
-:func:`questkv.ops.triton.quant_matmul.int4_gemv` for one row, ``triton`` for more (``int4``, CUDA). The last two
+:func:`questkv.ops.triton.quant_matmul.int4_gemv` for up to 4 rows, ``triton`` for more (``int4``, CUDA). The last two
 are layers' only: each needs its own copy of the weight (non-persistent buffers, made by
 :meth:`QuantizedLinear.set_backend`)."""
 
@@ -255,19 +257,21 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, K]
         m = x2.shape[0]
-        small = self.backend == "auto"  # the copies set_backend made serve the small batches
-        if m == GEMV_M and self.backend in ("auto", "gemv") and "gemv_words" in self._buffers:
-            from questkv.ops.triton.quant_matmul import int4_gemv
-
-            y = int4_gemv(x2, self.gemv_words, self.scales, self.zeros, self.group_size, self.bias)
-        elif self.backend == "tinygemm" or (small and "tinygemm_packed" in self._buffers and m <= TINYGEMM_MAX_M):
+        words = self._buffers.get("gemv_words")  # the copies set_backend made for small batches
+        if self.backend == "tinygemm" or (self.backend == "auto" and "tinygemm_packed" in self._buffers
+                                          and 1 < m <= TINYGEMM_MAX_M):
             from questkv.ops.triton.quant_matmul import tinygemm_matmul
 
             y = tinygemm_matmul(x2, self.tinygemm_packed, self.tinygemm_scales_and_zeros, self.group_size, self.bias)
-        else:
-            backend = "triton" if self.backend == "gemv" else self.backend
-            y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias,
-                             backend)
+            return y.reshape(*lead, self.out_features)
+        if words is not None and self.backend in ("auto", "gemv"):
+            from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv
+
+            if 0 < m <= GEMV_MAX_M:
+                y = int4_gemv(x2, words, self.scales, self.zeros, self.group_size, self.bias)
+                return y.reshape(*lead, self.out_features)
+        backend = "triton" if self.backend == "gemv" else self.backend
+        y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias, backend)
         return y.reshape(*lead, self.out_features)  # [..., N]
 
     def extra_repr(self) -> str:

@@ -95,10 +95,10 @@ def test_grouped_int8_through_the_triton_kernel_matches_the_torch_backend():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_takes_the_gemv_copy_and_more_rows_the_batch_backends(monkeypatch):
-    """The dispatch of ``auto`` and ``gemv`` (their CUDA-only copies made on the CPU for the test: the kernel runs
-    in the interpreter): one row through ``int4_gemv`` on the K-major copy, more rows through the other backends;
-    a backend that does not use the copy drops it."""
+def test_small_batches_take_the_gemv_copy_and_larger_ones_the_batch_backends(monkeypatch):
+    """The dispatch of ``auto`` and ``gemv`` (their CUDA-only copy made on the CPU for the test: the kernel runs in
+    the interpreter): up to 4 rows through ``int4_gemv`` on the K-major copy (a float32 layer has no tinygemm
+    copy), more through the other backends; a backend that does not use the copy drops it."""
     qk = pytest.importorskip("questkv.ops.triton.quant_matmul")
     monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: self.method == "int4")
     gen = torch.Generator().manual_seed(8)
@@ -107,14 +107,16 @@ def test_one_row_takes_the_gemv_copy_and_more_rows_the_batch_backends(monkeypatc
     calls = []
     real = qk.int4_gemv
     monkeypatch.setattr(qk, "int4_gemv", lambda *args, **kwargs: calls.append(args[0].shape) or real(*args, **kwargs))
-    x = torch.randn(3, 256, generator=gen)
+    x = torch.randn(6, 256, generator=gen)
     want = x @ layer.dequantized_weight().t() + layer.bias
     for backend in ("auto", "gemv"):
         layer.set_backend(backend)
         assert "gemv_words" in dict(layer.named_buffers()) and "gemv_words" not in layer.state_dict()
-        torch.testing.assert_close(layer(x[:1]), want[:1], rtol=1e-4, atol=1e-4)
+        assert "tinygemm_packed" not in dict(layer.named_buffers())
+        for rows in (1, 4):
+            torch.testing.assert_close(layer(x[:rows]), want[:rows], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # auto: torch on CPU; gemv: triton
-    assert calls == [(1, 256), (1, 256)]
+    assert calls == [(1, 256), (4, 256)] * 2
     layer.set_backend("torch")
     assert "gemv_words" not in dict(layer.named_buffers())
 

@@ -23,19 +23,22 @@ partials in split order (deterministic), adds the bias, writes the output in ``x
 ticket, so one launch does everything and graphs need no memset. The tickets live in one int32 buffer per
 device shared by every launch: launches must not run concurrently on two streams.
 
-One row of ``int4`` (a decode step at batch 1) has a kernel of its own, :func:`int4_gemv`, over a second copy of
-the weight in :func:`~questkv.ops.quant_reference.pack_int4_k_major`'s layout: a program owns ``BLOCK_N`` outputs
-(4 consecutive per thread, one 128-bit load per word row) and a range of groups, so every thread reads whole
-groups of its outputs (no cross-thread reduction) and every ``x`` value it needs is the same for the whole warp
-(a broadcast load). Each word gives its nibbles ``(e, e + 4)`` in pairs: one shift and one ``lop3``
+One to four rows of ``int4`` (decode steps at small batches; batch 1 above all) have a kernel of their own,
+:func:`int4_gemv`, over a second copy of the weight in :func:`~questkv.ops.quant_reference.pack_int4_k_major`'s
+layout: a program owns ``BLOCK_N`` outputs (4 consecutive per thread, one 128-bit load per word row) and a range
+of groups, so every thread reads whole groups of its outputs (no cross-thread reduction) and every ``x`` value it
+needs is the same for the whole warp (a broadcast load). Each word gives its nibbles ``(e, e + 4)`` in pairs: one shift and one ``lop3``
 (``(w >> 4e) & 0x000F000F | 0x43004300``) leave two 16-bit fields ``0x4300 | q``; the 32-bit word as a float is
 ``128.26171875 + q[e + 4] + q[e] / 65536`` (the low half only perturbs the mantissa's last bits, 1.5e-5 of a
 unit), the word shifted left by 16 is exactly ``128 + q[e]``; both are multiplied by ``x`` in float32, and per
 group the offsets come off once with the zero point: ``s * (sum(f * x) - (z + 128) * sum(x) - 0.26171875 *
-sum(x_high))``. About 3 instructions per weight against 4.3 for the FMA loop above.
+sum(x_high))``. About 3 instructions per weight against 4.3 for the FMA loop above, plus one FMA per weight for
+each further row (so tinygemm serves bf16 at 2 to 4 rows). The split over groups ends as the main kernel's does,
+the partials summed in fixed chunks; the first word tile is loaded before the programmatic-launch wait and each
+later one a tile ahead.
 
 ``tinygemm_pack`` / ``tinygemm_matmul`` convert an ``int4`` weight for ``torch.ops.aten._weight_int4pack_mm``
-(bf16 only), the CUDA backend for 2 to 4 rows.
+(bf16 only), the CUDA backend for bf16 at 2 to 4 rows.
 """
 
 from __future__ import annotations
