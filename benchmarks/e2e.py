@@ -334,8 +334,8 @@ def check_tiny_fp32() -> dict:
 
 
 def check_int4_fp32() -> dict:
-    """An int4 engine's CUDA path (graphs; one decode row through ``int4_gemv``, three through the Triton kernel)
-    against its eager torch-reference path (every quantized layer on the ``torch`` backend), a small fp32 Llama
+    """An int4 engine's CUDA path (graphs and the int4 kernels: decode rows through ``int4_gemv``, prefill through
+    the dequantizing GEMM) against its eager torch-reference path (every quantized layer on the ``torch`` backend), a small fp32 Llama
     quantized at load, one prompt and three, dense and Quest."""
     from questkv.layers.quantized_linear import QuantizedLinear
 

@@ -237,6 +237,15 @@ def reuse_section(record: dict) -> list[str]:
     return lines + [""]
 
 
+
+def _token_checks(heading: str, results: dict, extra=lambda r: "") -> list[str]:
+    """Markdown lines of a token-agreement check: its heading, then one line per setting (``extra(r)`` appended)."""
+    lines = [heading, ""]
+    lines += [f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match){extra(r)}"
+              for name, r in results.items()]
+    return lines + [""]
+
+
 def render_markdown(record: dict) -> str:
     prov = record.get("provenance", {})
     bw = record["bandwidth_bytes_per_s"]
@@ -254,34 +263,26 @@ def render_markdown(record: dict) -> str:
     lines += ["## Correctness checks", ""]
     fp32 = record.get("check_fp32")
     if fp32:
-        lines.append("fp32 small Llama: CUDA-graph/Triton path vs eager torch-reference path, greedy tokens:")
-        lines.append("")
-        for name, r in fp32.items():
+        def reuse(r):
             extra = f"; equals dense: {r['equals_dense']}" if "equals_dense" in r else ""
             if "selection_rates" in r:
                 extra += "; selection rates " + ", ".join(
                     f"{path} {' / '.join(f'{x:.3f}' for x in xs)}" for path, xs in r["selection_rates"].items())
-            lines.append(f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match){extra}")
-        lines.append("")
+            return extra
+
+        lines += _token_checks("fp32 small Llama: CUDA-graph/Triton path vs eager torch-reference path, greedy tokens:",
+                               fp32, reuse)
     chunked = record.get("check_chunked_prefix_fp32")
     if chunked:
-        lines.append("fp32 small Llama, CUDA path: chunked prefill (96-token chunks) with prefix-cache hits (three prompts "
-                     "sharing a 1024-token prefix, sent one after another) vs one-step prefill without the prefix "
-                     "cache, greedy tokens:")
-        lines.append("")
-        for name, r in chunked.items():
-            lines.append(f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match); "
-                         f"cached tokens per prompt {r['cached_tokens']}")
-        lines.append("")
+        lines += _token_checks("fp32 small Llama, CUDA path: chunked prefill (96-token chunks) with prefix-cache hits "
+                               "(three prompts sharing a 1024-token prefix, sent one after another) vs one-step prefill "
+                               "without the prefix cache, greedy tokens:", chunked,
+                               lambda r: f"; cached tokens per prompt {r['cached_tokens']}")
     mixed = record.get("check_mixed_steps_fp32")
     if mixed:
-        lines.append("fp32 small Llama, CUDA path: five prompts arriving every 3 steps while the earlier ones decode, "
-                     "steps of at most 96 tokens mixing decode rows and prefill chunks vs no chunking, greedy tokens:")
-        lines.append("")
-        for name, r in mixed.items():
-            lines.append(f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match); "
-                         f"{r['mixed_steps']} mixed steps")
-        lines.append("")
+        lines += _token_checks("fp32 small Llama, CUDA path: five prompts arriving every 3 steps while the earlier ones "
+                               "decode, steps of at most 96 tokens mixing decode rows and prefill chunks vs no chunking, "
+                               "greedy tokens:", mixed, lambda r: f"; {r['mixed_steps']} mixed steps")
     b8 = record.get("check_8b_bf16")
     if b8:
         lines.append("llama3.1-8b shape, bf16, random weights, against HF eager: agreeing prefix of free-running greedy "
@@ -299,12 +300,8 @@ def render_markdown(record: dict) -> str:
         lines.append("")
     int4 = record.get("check_int4_fp32")
     if int4:
-        lines.append("fp32 small Llama quantized to int4 at load: CUDA-graph path (one decode row through `int4_gemv`, "
-                     "three through the Triton kernel) vs eager torch-reference path, greedy tokens:")
-        lines.append("")
-        for name, r in int4.items():
-            lines.append(f"- {name}: identical {r['identical']} ({r['tokens_match']}/{r['tokens']} tokens match)")
-        lines.append("")
+        lines += _token_checks("fp32 small Llama quantized to int4 at load, one prompt and three: CUDA-graph path (the "
+                               "int4 kernels) vs eager torch-reference path, greedy tokens:", int4)
     if not fp32 and not b8 and not chunked and not mixed and not int4:
         lines += ["(not run)", ""]
     if record["points"]:  # none: a --checks-only run

@@ -103,5 +103,5 @@ def test_report_of_a_checks_only_run(tmp_path):
     assert "- quest-256: identical False (70/72 tokens match); cached tokens per prompt [0, 1024, 1024]" in md
     assert "selection rates cuda-graphs 0.250 / 0.500, eager-reference 0.250 / 0.500" in md
     assert "- dense: identical True (120/120 tokens match); 31 mixed steps" in md
-    assert "quantized to int4 at load" in md and "- dense-batch-1: identical True (24/24 tokens match)" in md
+    assert "quantized to int4 at load, one prompt and three" in md and "- dense-batch-1: identical True (24/24 tokens match)" in md
     assert "## Targets" not in md and not (tmp_path / "e2e-checks.png").exists()
