@@ -38,8 +38,14 @@ def load_shard(config: EngineConfig, tp: Optional[TensorParallel]) -> EngineMode
     :func:`quantize_shard`: what rank 0 and every worker build alike."""
     return load_engine_model(
         config.model, config.quest, config.torch_dtype, config.torch_device, config.load_format, config.seed,
-        config.quantization, tp,
+        config.quantization, tp, small_batches=_batches_sequences(config),
     )
+
+
+def _batches_sequences(config: EngineConfig) -> bool:
+    """Whether decode steps may hold several rows: an engine of one sequence at a time decodes one row, and its
+    quantized linears need no tinygemm copy for 2 to 4 rows (a short prompt's few rows take the GEMV)."""
+    return config.max_num_seqs > 1
 
 
 def quantize_shard(model: LlamaForCausalLM, config: EngineConfig, tp: Optional[TensorParallel]) -> None:
@@ -48,7 +54,8 @@ def quantize_shard(model: LlamaForCausalLM, config: EngineConfig, tp: Optional[T
     whole rows' (one all-reduce per layer, :func:`~questkv.layers.parallel.row_absmax`)."""
     if config.quantization not in ROUND_TO_NEAREST:
         return
-    quantize_linears(model, config.quantization, row_absmax=None if tp is None else row_absmax(tp))
+    quantize_linears(model, config.quantization, row_absmax=None if tp is None else row_absmax(tp),
+                     small_batches=_batches_sequences(config))
     if config.torch_device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights' blocks: the KV pool is sized from what is free
 

@@ -175,15 +175,17 @@ class QuantizedLinear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_float(cls, linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,
-                   backend: str = "auto", row_absmax: Optional[torch.Tensor] = None) -> "QuantizedLinear":
+                   backend: str = "auto", row_absmax: Optional[torch.Tensor] = None,
+                   small_batches: bool = True) -> "QuantizedLinear":
         """A quantized copy of ``linear`` (round to nearest; a :class:`~questkv.layers.linear.MergedLinear` gives a
         :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype
-        (``row_absmax``: see :func:`~questkv.ops.quant_reference.quantize_weight`)."""
+        (``row_absmax``: see :func:`~questkv.ops.quant_reference.quantize_weight`; ``small_batches``: see
+        :meth:`set_backend`)."""
         check_choice("quantization", method, METHODS)
         layer = cls.empty_like(linear, method, group_size)
         quantized = quantize_weight(linear.weight, method, group_size, row_absmax=row_absmax)
         layer.load_packed("weight", quantized)
-        layer.set_backend(backend)
+        layer.set_backend(backend, small_batches)
         return layer
 
     @torch.no_grad()
@@ -213,11 +215,13 @@ class QuantizedLinear(nn.Module):
                 raise ValueError(f"weight {name!r}: qweight must be {target.dtype}, got {tensor.dtype}")
             target.copy_(tensor)
 
-    def set_backend(self, backend: str) -> None:
+    def set_backend(self, backend: str, small_batches: bool = True) -> None:
         """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`). ``tinygemm`` and ``gemv`` convert
         the weight into a second, non-persistent copy now (call it outside CUDA graph capture), ``auto`` makes the
-        copies its small batches use (on CUDA: ``gemv``'s for int4, ``tinygemm``'s for int4 bf16); copies the new
-        backend does not use are dropped."""
+        copies its small batches use (on CUDA: ``gemv``'s for int4, ``tinygemm``'s for int4 bf16 unless
+        ``small_batches`` is false: a model that multiplies 2 to 4 rows only now and then, such as an engine that
+        never batches sequences, lets the GEMV take them and saves that copy); copies the new backend does not use
+        are dropped."""
         check_choice(f"{type(self).__name__}.backend", backend, BACKENDS)
         if backend == "tinygemm" and not self._tinygemm_fits():
             raise ValueError(f"{type(self).__name__}.backend 'tinygemm' needs int4 bf16 weights on CUDA, got "
@@ -226,7 +230,7 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"{type(self).__name__}.backend 'gemv' needs int4 weights on CUDA, got {self.method} "
                              f"on {self.qweight.device.type}")
         auto = backend == "auto"
-        if backend == "tinygemm" or (auto and self._tinygemm_fits()):
+        if backend == "tinygemm" or (auto and small_batches and self._tinygemm_fits()):
             from questkv.ops.triton.quant_matmul import tinygemm_pack
 
             packed, scales_and_zeros = tinygemm_pack(self.qweight, self.scales, self.zeros, self.group_size)
@@ -350,7 +354,8 @@ def check_quantizable(model: nn.Module, method: str, skip: Sequence[str] = ("lm_
 @torch.no_grad()
 def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_head",),
                      group_size: int = DEFAULT_GROUP_SIZE, backend: str = "auto",
-                     row_absmax: Optional[Callable[[nn.Linear], Optional[torch.Tensor]]] = None) -> list[str]:
+                     row_absmax: Optional[Callable[[nn.Linear], Optional[torch.Tensor]]] = None,
+                     small_batches: bool = True) -> list[str]:
     """Swap every ``nn.Linear`` of ``model`` (``MergedLinear`` included) for a :class:`QuantizedLinear`, in place.
 
     Call it after the float weights are loaded; embeddings and norms are untouched. Every layer is checked before
@@ -364,6 +369,7 @@ def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_h
         row_absmax: for ``int8``, each layer's whole rows' largest magnitudes when it holds part of them
             (:func:`questkv.layers.parallel.row_absmax`, tensor parallelism), or ``None`` for its own; called for
             every layer in ``named_modules`` order.
+        small_batches: as :meth:`QuantizedLinear.set_backend`'s, for every new layer.
 
     Returns:
         The dotted names of the swapped modules, in ``named_modules`` order.
@@ -374,6 +380,6 @@ def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_h
     for parent, attr, _, linear in targets:
         if id(linear) not in done:
             absmax = None if row_absmax is None or method != "int8" else row_absmax(linear)
-            done[id(linear)] = QuantizedLinear.from_float(linear, method, group_size, backend, absmax)
+            done[id(linear)] = QuantizedLinear.from_float(linear, method, group_size, backend, absmax, small_batches)
         setattr(parent, attr, done[id(linear)])
     return [name for _, _, name, _ in targets]

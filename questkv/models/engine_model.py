@@ -64,6 +64,7 @@ def load_engine_model(
     seed: int = 0,
     quantization: Optional[str] = None,
     tp: Optional[TensorParallel] = None,
+    small_batches: bool = True,
 ) -> EngineModel:
     """Build :class:`LlamaForCausalLM` for ``model`` (see the module docstring).
 
@@ -71,6 +72,8 @@ def load_engine_model(
         quantization: the engine's: one of :data:`PACKED_FORMATS` asks for (and must match) a packed checkpoint;
             ``None`` or one of :data:`ROUND_TO_NEAREST` loads float weights, unless the folder is packed.
         tp: build rank ``tp.rank``'s tensor-parallel shard (:class:`LlamaForCausalLM`'s ``tp``), or ``None``.
+        small_batches: whether packed linears keep the copies that serve 2 to 4 rows
+            (:meth:`~questkv.layers.quantized_linear.QuantizedLinear.set_backend`).
 
     Raises:
         ValueError: an unsupported architecture or rope type (naming what is supported), an unknown
@@ -126,7 +129,7 @@ def load_engine_model(
         engine_model.load_weights(packed.weights(names, device))
         for module in engine_model.modules():
             if isinstance(module, QuantizedLinear):
-                module.set_backend("auto")  # filled now: on CUDA int4 layers make their GEMV (and tinygemm) copies
+                module.set_backend("auto", small_batches)  # filled now: on CUDA int4 layers make their small-batch copies
     elif state is not None:
         engine_model.load_weights(state.items())
     elif folder is not None:

@@ -121,6 +121,25 @@ def test_small_batches_take_the_gemv_copy_and_larger_ones_the_batch_backends(mon
     assert "gemv_words" not in dict(layer.named_buffers())
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_an_engine_that_never_batches_keeps_no_tinygemm_copy(monkeypatch, max_num_seqs):
+    """``small_batches``: an engine of one sequence at a time (``max_num_seqs=1``) builds its int4 layers without
+    tinygemm's copy, one that batches with it (the CUDA-only copies faked on the CPU; nothing multiplies here)."""
+    qk = pytest.importorskip("questkv.ops.triton.quant_matmul")
+    packed = []
+    monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: self.method == "int4")
+    monkeypatch.setattr(QuantizedLinear, "_tinygemm_fits", lambda self: self.method == "int4")
+    monkeypatch.setattr(qk, "tinygemm_pack", lambda *args: packed.append(1) or (torch.zeros(1), torch.zeros(1)))
+    config = tiny_config("llama3", hidden_size=128, intermediate_size=256, head_dim=32, vocab_size=96)
+    llm = LLM(config, load_format="dummy", device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=1 << 20,
+              quantization="int4", max_num_seqs=max_num_seqs)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all("gemv_words" in dict(m.named_buffers()) for m in layers)
+    assert all(("tinygemm_packed" in dict(m.named_buffers())) == (max_num_seqs > 1) for m in layers)
+    assert len(packed) == (len(layers) if max_num_seqs > 1 else 0)
+    llm.close()
+
+
 def test_packed_shards_and_bias_load_into_the_rows_of_a_merged_layer_after_their_shapes_are_checked():
     merged = MergedLinear(64, {"gate": 16, "up": 8}, bias=True)
     layer = QuantizedLinear.empty_like(merged, "int4", group_size=32)
