@@ -47,7 +47,7 @@ Here::
 There, once the model is staged (``benchmarks/gpu_eval.py``: prepare here, stage and finish there), as often as
 needed (each call resumes where the last stopped and copies every results file to ``$OUT``)::
 
-    python3 benchmarks/eval_reuse.py run --commit SHA --seconds 560 [--resume-from benchmarks/results]
+    python3 benchmarks/eval_reuse.py run --commit SHA --seconds 560 [--resume-from benchmarks/results] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -144,13 +144,24 @@ def _gpu_eval():
     return module
 
 
-def run(commit: str, seconds: int, resume_from: str = "", alias: str = ALIAS) -> int:
+def run(commit: str, seconds: int, resume_from: str = "", alias: str = ALIAS,
+        only: Optional[list[str]] = None) -> int:
     """There: every invocation in order through ``gpu_eval.sweep`` (resumable) until ``seconds`` are spent; a
     results file the machine lacks starts from ``resume_from/NAME.json`` when the tree has it (a machine
-    started afresh)."""
+    started afresh). ``only``: these results files' invocations alone (names of :data:`SWEEPS`), still in order.
+
+    Raises:
+        ValueError: a name of ``only`` is not a results file of the sweeps (before anything runs).
+    """
+    chosen = sweeps(alias)
+    unknown = [name for name in only or [] if name not in chosen]
+    if unknown:
+        raise ValueError(f"--only: {', '.join(unknown)} not among the results files: {', '.join(chosen)}")
     gpu_eval = _gpu_eval()
     end = time.monotonic() + seconds
-    for name, runs in sweeps(alias).items():
+    for name, runs in chosen.items():
+        if only and name not in only:
+            continue
         resume = f"{resume_from}/{name}.json" if resume_from and (REPO / resume_from / f"{name}.json").is_file() else ""
         for args in runs:
             done = gpu_eval.WORK / "results" / f"{name}.json"
@@ -248,6 +259,8 @@ def main(argv=None) -> int:
     sub.add_argument("--seconds", type=int, default=560)
     sub.add_argument("--resume-from", default="", help="a folder of the tree with results files to continue "
                      "(e.g. benchmarks/results) when the machine has none")
+    sub.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                     help="run only these results files' sweeps (names without .json; default: all, in order)")
     sub = commands_.add_parser("smoke", help="here: every sweep on the CPU, tiny model and lengths")
     sub.add_argument("--out-dir", default=None, help="where the results go (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -255,7 +268,10 @@ def main(argv=None) -> int:
         print("\n".join(commands(args.commit, args.model)))
         return 0
     if args.command == "run":
-        return run(args.commit, args.seconds, args.resume_from, args.model)
+        try:
+            return run(args.commit, args.seconds, args.resume_from, args.model, args.only)
+        except ValueError as error:
+            parser.error(str(error))
     if args.out_dir is None:
         with tempfile.TemporaryDirectory() as tmp:
             print("\n".join(map(str, smoke(Path(tmp)))))

@@ -6,6 +6,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 _SPEC = importlib.util.spec_from_file_location(
     "eval_reuse", Path(__file__).resolve().parents[1] / "benchmarks" / "eval_reuse.py")
 eval_reuse = importlib.util.module_from_spec(_SPEC)
@@ -61,3 +63,23 @@ def test_the_device_calls_run_each_sweep_through_gpu_eval():
     assert all(call.endswith(" | []") for call in calls)
     assert eval_reuse.smoke_args(["--lengths", "16384", "--budgets", "1024,2048"])[:4] == [
         "--lengths", "192", "--budgets", "16,32"]
+
+
+def test_run_takes_only_the_named_results_files_and_rejects_unknown_names(monkeypatch):
+    ran = []
+
+    class FakeGpuEval:
+        WORK = Path("/nonexistent")
+
+        @staticmethod
+        def sweep(alias, name, commit, left, resume, args):
+            ran.append((name, resume))
+            return 0
+
+    monkeypatch.setattr(eval_reuse, "_gpu_eval", lambda: FakeGpuEval)
+    name = "eval-reuse-qwen2.5-coder-1.5b-32k"
+    assert eval_reuse.run("abc123", 600, resume_from="", only=[name]) == 0
+    assert ran == [(name, "")] * len(eval_reuse.SWEEPS[name])
+    with pytest.raises(ValueError, match="--only: eval-nothing not among the results files: eval-lowbit-qwen2.5"):
+        eval_reuse.run("abc123", 600, only=["eval-nothing", name])
+    assert len(ran) == len(eval_reuse.SWEEPS[name])  # nothing ran for the bad call
