@@ -295,6 +295,27 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> dict:
             "tokens": sum(len(y) for y in want)}
 
 
+def _engine_paths(quest, build):
+    """The CUDA path (graphs, Triton) and the eager torch-reference path of one engine, one after the other:
+    ``(path, llm)`` with ``llm = build(quest, **kwargs)``; the reference's Quest ops, page cache and quantized
+    layers run the torch reference. Each engine is dropped before the next is built (the caller drops its name)."""
+    from questkv.layers.quantized_linear import QuantizedLinear
+
+    for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
+        q = quest if quest is None or path == "cuda-graphs" else QuestConfig(**{**quest.to_dict(), "backend": "torch"})
+        llm = build(q, **kwargs)
+        if path == "eager-reference":
+            llm.engine.cache.backend = "torch"
+            for module in llm.engine.runner.model.modules():
+                if isinstance(module, QuantizedLinear):
+                    module.set_backend("torch")
+                elif hasattr(module, "backend") and hasattr(module, "pages"):
+                    module.backend = "torch"
+        yield path, llm
+        del llm
+        gc.collect()
+
+
 def check_tiny_fp32() -> dict:
     """Engine CUDA path (Triton, graphs) == eager torch-reference path == HF greedy, on a small fp32 Llama."""
     cfg = _tiny_llama()
@@ -309,19 +330,11 @@ def check_tiny_fp32() -> dict:
                         ("quest-full", QuestConfig(token_budget=2048)),
                         ("quest-full-reuse-4", QuestConfig(token_budget=2048, selection_interval=4))):
         tokens, rates = {}, {}
-        for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
-            q = quest if quest is None or path == "cuda-graphs" else QuestConfig(**{**quest.to_dict(), "backend": "torch"})
-            llm = _sharpened_engine(cfg, q, **kwargs)
-            if path == "eager-reference":
-                llm.engine.cache.backend = "torch"
-                for module in llm.engine.runner.model.modules():
-                    if hasattr(module, "backend") and hasattr(module, "pages"):
-                        module.backend = "torch"
+        for path, llm in _engine_paths(quest, lambda q, **kwargs: _sharpened_engine(cfg, q, **kwargs)):
             outs = llm.generate(prompts, params, use_tqdm=False)
             tokens[path] = [list(o.token_ids) for o in outs]
             rates[path] = [o.metrics.selection_rate for o in outs]
             del llm
-            gc.collect()
         results[name] = _agreement(tokens["cuda-graphs"], tokens["eager-reference"])
         if quest is not None and quest.selection_interval > 1:  # the share of (step, layer, head) that selected
             results[name]["selection_rates"] = rates
@@ -335,10 +348,8 @@ def check_tiny_fp32() -> dict:
 
 def check_int4_fp32() -> dict:
     """An int4 engine's CUDA path (graphs and the int4 kernels: decode rows through ``int4_gemv``, prefill through
-    the dequantizing GEMM) against its eager torch-reference path (every quantized layer on the ``torch`` backend), a small fp32 Llama
-    quantized at load, one prompt and three, dense and Quest."""
-    from questkv.layers.quantized_linear import QuantizedLinear
-
+    the dequantizing GEMM) against its eager torch-reference path (every quantized layer on the ``torch``
+    backend), a small fp32 Llama quantized at load, one prompt and three, dense and Quest."""
     cfg = _tiny_llama()
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (900, 1300, 420)]
@@ -347,22 +358,15 @@ def check_int4_fp32() -> dict:
     for name, quest in (("dense", None), ("quest-256", QuestConfig(token_budget=256))):
         for batch in (1, 3):
             tokens = {}
-            for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
-                q = quest if quest is None or path == "cuda-graphs" else QuestConfig(**{**quest.to_dict(),
-                                                                                        "backend": "torch"})
-                llm = LLM(cfg, quest=q, quantization="int4", load_format="dummy", dtype="float32", device="cuda",
-                          max_num_seqs=batch, kv_cache_memory=256 << 20, seed=6, **kwargs)
-                if path == "eager-reference":
-                    llm.engine.cache.backend = "torch"
-                    for module in llm.engine.runner.model.modules():
-                        if isinstance(module, QuantizedLinear):
-                            module.set_backend("torch")
-                        elif hasattr(module, "backend") and hasattr(module, "pages"):
-                            module.backend = "torch"
+
+            def build(q, **kwargs):
+                return LLM(cfg, quest=q, quantization="int4", load_format="dummy", dtype="float32", device="cuda",
+                           max_num_seqs=batch, kv_cache_memory=256 << 20, seed=6, **kwargs)
+
+            for path, llm in _engine_paths(quest, build):
                 outs = llm.generate(prompts[:batch], params, use_tqdm=False)
                 tokens[path] = [list(o.token_ids) for o in outs]
                 del llm
-                gc.collect()
             results[f"{name}-batch-{batch}"] = _agreement(tokens["cuda-graphs"], tokens["eager-reference"])
     return results
 
