@@ -123,24 +123,25 @@ _SCRIPT = textwrap.dedent(
             num_warps=reselect._NUM_WARPS,
         )
     # the one-program select: chunks and warps as the launcher picks them (select.row_launch) for tables of
-    # 64 pages, of the default chunk and wider, and chunks of 512 / 2048; budgets up to a dense row's 4096 pages;
-    # no spills at the default chunk
+    # 64 and 2048 pages (one chunk, no loop), of the default chunk and wider, and chunks of 512 / 2048; budgets
+    # up to a dense row's 4096 pages; no spills at the default chunk nor in the one-chunk kernel at 2048 pages
     default_row_block = select._ROW_BLOCK
     for max_pages, row_block, budget, has_budgets, active in (
             (4096, None, 128, True, False), (8192, None, 4096, False, False), (64, None, 64, True, False),
-            (4096, 512, 256, True, False), (4096, 2048, 128, False, False), (4096, None, 128, True, True)):
+            (2048, None, 128, True, True), (4096, 512, 256, True, False), (4096, 2048, 128, False, False),
+            (4096, None, 128, True, True)):
         select._ROW_BLOCK = row_block or default_row_block
         launch = select.row_launch(max_pages)
         compiled = compile_kernel(
             select._select_pages_kernel,
             {"scores_ptr": "fp32", "lens_ptr": "i32", "budgets_ptr": "i32", "active_ptr": "i32", "out_ptr": "i32"},
             {"PAGE_SIZE": 16, "BUDGET": budget, "SINK": 1, "RECENT": 2, "BLOCK": launch["BLOCK"],
-             "HAS_BUDGETS": has_budgets, "HAS_ACTIVE": active},
+             "SINGLE": launch["SINGLE"], "HAS_BUDGETS": has_budgets, "HAS_ACTIVE": active},
             num_warps=launch["num_warps"],
         )
-        if row_block is None and max_pages == 4096:
+        if row_block is None and max_pages in (2048, 4096):
             info = ptxas_info(compiled)
-            print("select row path, default chunk:", info)
+            print(f"select row path, {max_pages} columns (single chunk: {launch['SINGLE']}):", info)
             assert "0 bytes spill stores" in info, info
     split_pointers = {"scores_ptr": "fp32", "lens_ptr": "i32", "budgets_ptr": "i32", "active_ptr": "i32",
                       "hist_ptr": "i32", "chunk_hist_ptr": "i32", "chunk_above_ptr": "i32", "counter_ptr": "i32",

@@ -1,9 +1,10 @@
 """Both select paths against the torch reference, bit for bit, under the Triton interpreter (CPU).
 
 The one-program path loops over chunks of its row, as many as the row's own pages fill: chunks of
-2 to 16 pages (``_ROW_BLOCK`` made small) give rows of one chunk, of several, and of a power of two
-plus one (17, 33, 65 pages), in tables much wider than every row, with ties across chunk boundaries
-and budgets at or above the row's pages (padding over several chunks).
+2 to 16 pages (``_ROW_BLOCK`` and ``_ROW_SINGLE_PAGES`` made small) give rows of one chunk, of several,
+and of a power of two plus one (17, 33, 65 pages), in tables much wider than every row, with ties
+across chunk boundaries and budgets at or above the row's pages (padding over several chunks); tables
+no wider than a chunk take the loop-free ``SINGLE`` kernel.
 
 The split select (several programs per row, global histograms): chunks of 2 or 4 pages give up to
 7 programs per row, the last one often partial; both digit widths run (8 bits x 4 passes, 11 / 11 /
@@ -37,6 +38,13 @@ def _row(kind: str, max_pages: int, gen: torch.Generator) -> torch.Tensor:
     return torch.full((max_pages,), 0.5)
 
 
+def _chunks(monkeypatch, block: int) -> None:
+    """The one-program path in chunks of ``block`` pages: tables of at most ``block`` columns are one
+    chunk (``SINGLE``, no chunk loop), wider ones loop over chunks."""
+    monkeypatch.setattr(select, "_ROW_BLOCK", block)
+    monkeypatch.setattr(select, "_ROW_SINGLE_PAGES", block)
+
+
 def _check_row(scores, lens, budget_pages, sink, recent, budgets=None):
     """The one-program path into ``out`` full of garbage equals the reference."""
     want = reference.select_pages(scores, lens, PAGE_SIZE, budget_pages, sink, recent, budgets)
@@ -54,7 +62,7 @@ def test_row_select_follows_each_rows_pages(pages, max_pages, block, monkeypatch
     exactly one chunk), tables much wider than every row, partial last pages: every kind of score per
     row, forced sink / recent pages, budgets below, at and above the rows' pages, with and without
     per-row budgets (one of them 0), equal to the reference."""
-    monkeypatch.setattr(select, "_ROW_BLOCK", block)
+    _chunks(monkeypatch, block)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     lens = torch.tensor([n * PAGE_SIZE - (3 if n > 1 else 0) for n in pages], dtype=torch.int32)
     rows = [_row(KINDS[(seq + head) % len(KINDS)], max_pages, gen) for seq in range(2) for head in range(2)]
@@ -71,7 +79,7 @@ def test_row_select_follows_each_rows_pages(pages, max_pages, block, monkeypatch
 def test_row_select_breaks_ties_across_chunks_lowest_page_first(block, monkeypatch):
     """Ties at the threshold spread over several chunks: the first ones by page index are kept,
     whatever chunk holds them (few distinct values, -inf and both zeros among them; all equal)."""
-    monkeypatch.setattr(select, "_ROW_BLOCK", block)
+    _chunks(monkeypatch, block)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     max_pages = 32
     values = torch.tensor([float("-inf"), -0.0, 0.0, 1.0])
@@ -105,12 +113,9 @@ def test_row_select_property(batch, max_pages, block, budget_pages, sink, recent
     if with_budgets:
         pages = data.draw(st.lists(st.integers(0, budget_pages), min_size=batch, max_size=batch))
         budgets = torch.tensor(pages, dtype=torch.int32) * PAGE_SIZE
-    old_block = select._ROW_BLOCK
-    select._ROW_BLOCK = block  # hypothesis forbids function-scoped fixtures (monkeypatch)
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # hypothesis forbids function-scoped fixtures
+        _chunks(patch, block)
         _check_row(scores, lens, budget_pages, sink, recent, budgets)
-    finally:
-        select._ROW_BLOCK = old_block
 
 
 def _check_split(scores, lens, budget_pages, sink, recent, budgets, buffers):
@@ -188,7 +193,7 @@ def test_select_of_inactive_sequences_leaves_their_rows_and_the_extra_columns_un
     (the reference's) in their first ``budget_pages`` columns; the columns past them, the rows of inactive
     sequences and everything around ``out`` keep their sentinel; the split scratch ends zeroed. The reference
     op does the same."""
-    monkeypatch.setattr(select, "_ROW_BLOCK", 4)  # one-program path: rows of several chunks
+    _chunks(monkeypatch, 4)  # one-program path: rows of several chunks
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     batch, heads, max_pages, budget_pages, sink, recent = 4, 2, 13, 6, 1, 1
     lens = torch.tensor([max_pages * PAGE_SIZE - 5, 4 * PAGE_SIZE + 1, 1, 9 * PAGE_SIZE], dtype=torch.int32)
@@ -268,7 +273,7 @@ def test_select_with_per_head_flags_writes_only_the_flagged_heads(split, monkeyp
     """``active`` ``[batch, num_sel_heads]`` (adaptive reuse), both paths, repeated launches on one split scratch:
     flagged (sequence, head) rows equal the reference's selection in their first ``budget_pages`` columns,
     every other element keeps its sentinel, the scratch ends zeroed; the reference op does the same."""
-    monkeypatch.setattr(select, "_ROW_BLOCK", 4)
+    _chunks(monkeypatch, 4)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     batch, heads, max_pages, budget_pages = 2, 3, 11, 4
     lens = torch.tensor([max_pages * PAGE_SIZE - 3, 6 * PAGE_SIZE + 1], dtype=torch.int32)

@@ -24,10 +24,15 @@ from questkv.ops.triton._common import active_strides, check_last_dim_contiguous
 # more keys per thread cost registers (measured on an H200, docs/gpu-kernels.md).
 _KEYS_PER_THREAD = 8
 _MIN_WARPS, _MAX_WARPS = 4, 16
-# One-program path: pages per chunk of its loop over a row (a power of two; not yet timed against
-# 512 or 2048, see benchmarks/select_cliff.py), so that a row of n pages costs ceil(n / _ROW_BLOCK)
-# chunks, and keys per thread in a chunk (the first chunk stays in registers beside the one being
-# read: 8 keys per thread spilled at 1024 pages in an sm_90 compile, 4 do not).
+# One-program path: a table of at most _ROW_SINGLE_PAGES columns is one chunk of next_pow2(columns)
+# pages, read once, no chunk loop, _SINGLE_KEYS_PER_THREAD keys per thread (fewer warps make the four
+# passes' block-wide steps cheaper: 2048 pages in 8 warps measured 9.7 µs on an H200 where the chunked
+# loop took 13.0 with 16 warps, benchmarks/select_cliff.py). Wider tables loop over chunks of
+# _ROW_BLOCK pages (a power of two), so that a row of n pages costs ceil(n / _ROW_BLOCK) chunks, with
+# _ROW_KEYS_PER_THREAD keys per thread (the first chunk stays in registers beside the one being read:
+# 8 keys per thread spilled at 1024 pages in an sm_90 compile, 4 do not).
+_ROW_SINGLE_PAGES = 2048
+_SINGLE_KEYS_PER_THREAD = 8
 _ROW_BLOCK = 1024
 _ROW_KEYS_PER_THREAD = 4
 # Split path: taken (unless forced) from this many page-table columns on (raised from 4096 when the
@@ -97,7 +102,8 @@ def _compact_chunk(out_row_ptr, i, valid, key, threshold, ties, offset):
 
 @triton.jit
 def _select_row(scores_row_ptr, out_row_ptr, num_pages, remaining, max_pages,
-                BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr):
+                BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr,
+                SINGLE: tl.constexpr):
     """Select one row in one program: the ``remaining`` (``<= BUDGET``) top pages of the float32 score
     row at ``scores_row_ptr`` (``max_pages`` columns, ``num_pages`` of them valid), forced pages first,
     written to the int32 row at ``out_row_ptr`` as ascending logical pages with ``-1`` padding up to
@@ -114,7 +120,7 @@ def _select_row(scores_row_ptr, out_row_ptr, num_pages, remaining, max_pages,
     row's length, not ``max_pages``. The first chunk stays in registers; every pass reloads the others
     (from cache) and adds their histograms (not when the row keeps all its pages); the compaction
     carries the output offset and the ties still to keep from chunk to chunk. The padding covers only
-    the columns past the kept pages.
+    the columns past the kept pages. ``SINGLE`` (``max_pages <= BLOCK``) compiles the chunk loops out.
     """
     row_pages = tl.minimum(num_pages, max_pages)
     num_chunks = tl.where(remaining > 0, tl.cdiv(row_pages, BLOCK), 0)
@@ -127,9 +133,10 @@ def _select_row(scores_row_ptr, out_row_ptr, num_pages, remaining, max_pages,
     bins = tl.arange(0, 256)
     for p in tl.static_range(4):
         hist = _digit_histogram(key0, valid0, threshold, p)
-        for c in tl.range(1, tl.where(keep_all, 0, num_chunks)):
-            valid, key = _page_keys(scores_row_ptr, c * BLOCK + i0, num_pages, max_pages, SINK, RECENT)
-            hist += _digit_histogram(key, valid, threshold, p)
+        if not SINGLE:
+            for c in tl.range(1, tl.where(keep_all, 0, num_chunks)):
+                valid, key = _page_keys(scores_row_ptr, c * BLOCK + i0, num_pages, max_pages, SINK, RECENT)
+                hist += _digit_histogram(key, valid, threshold, p)
         pick, above = _pick(hist, bins, remaining)
         remaining -= above
         threshold = threshold | (pick.to(tl.uint32) << (24 - 8 * p))
@@ -138,10 +145,11 @@ def _select_row(scores_row_ptr, out_row_ptr, num_pages, remaining, max_pages,
     remaining = tl.where(keep_all, row_pages, remaining)
 
     ties, offset = _compact_chunk(out_row_ptr, i0, valid0, key0, threshold, remaining, tl.zeros([], tl.int32))
-    for c in tl.range(1, num_chunks):
-        i = c * BLOCK + i0
-        valid, key = _page_keys(scores_row_ptr, i, num_pages, max_pages, SINK, RECENT)
-        ties, offset = _compact_chunk(out_row_ptr, i, valid, key, threshold, ties, offset)
+    if not SINGLE:
+        for c in tl.range(1, num_chunks):
+            i = c * BLOCK + i0
+            valid, key = _page_keys(scores_row_ptr, i, num_pages, max_pages, SINK, RECENT)
+            ties, offset = _compact_chunk(out_row_ptr, i, valid, key, threshold, ties, offset)
     for c in tl.range(offset // BLOCK, (BUDGET + BLOCK - 1) // BLOCK):
         j = c * BLOCK + i0
         tl.store(out_row_ptr + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= offset) & (j < BUDGET))
@@ -155,10 +163,10 @@ def _select_pages_kernel(
     stride_ob, stride_oh,
     stride_ab, stride_ah,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-    BLOCK: tl.constexpr, HAS_BUDGETS: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    BLOCK: tl.constexpr, SINGLE: tl.constexpr, HAS_BUDGETS: tl.constexpr, HAS_ACTIVE: tl.constexpr,
 ):
     """One program per (head, sequence) selects its row (:func:`_select_row`) in chunks of ``BLOCK``
-    pages. With ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``).
+    pages (one chunk with ``SINGLE``). With ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``).
     With ``HAS_ACTIVE`` the program of a row whose flag (``active[seq * stride_ab + head * stride_ah]``) is 0
     reads no score and writes nothing: it loads its flag beside its length and budget (independent loads, one
     round trip) and returns. (The flag tested before those two loads made ptxas cap the kernel at 64 registers
@@ -173,7 +181,7 @@ def _select_pages_kernel(
     if active == 0:  # the sequence keeps its last selection
         return
     _select_row(scores_ptr + seq * stride_sb + head * stride_sh, out_ptr + seq * stride_ob + head * stride_oh,
-                num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK)
+                num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK, SINGLE)
 
 
 @triton.jit
@@ -423,10 +431,13 @@ def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, rec
 
 
 def row_launch(max_pages: int) -> dict:
-    """Chunk size and warps of the one-program select of rows of ``max_pages`` columns: chunks of
-    ``_ROW_BLOCK`` pages, or one chunk of ``next_pow2(max_pages)`` when the table is narrower."""
-    block = min(_ROW_BLOCK, next_pow2(max_pages))
-    return dict(BLOCK=block, num_warps=min(_MAX_WARPS, max(_MIN_WARPS, block // (32 * _ROW_KEYS_PER_THREAD))))
+    """Chunk size, ``SINGLE`` and warps of the one-program select of rows of ``max_pages`` columns: one
+    chunk of ``next_pow2(max_pages)`` pages up to ``_ROW_SINGLE_PAGES`` columns, chunks of ``_ROW_BLOCK``
+    pages above."""
+    width = next_pow2(max_pages)
+    single = width <= _ROW_SINGLE_PAGES
+    block, keys = (width, _SINGLE_KEYS_PER_THREAD) if single else (_ROW_BLOCK, _ROW_KEYS_PER_THREAD)
+    return dict(BLOCK=block, SINGLE=single, num_warps=min(_MAX_WARPS, max(_MIN_WARPS, block // (32 * keys))))
 
 
 def select_pages_into(
