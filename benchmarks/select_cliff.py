@@ -6,11 +6,13 @@ replays of ``--calls`` back-to-back calls, median over ``--iters`` replays after
 sink and two recent pages, at these points (sequence lengths ``(pages - 1) * 16 + 6`` tokens, so
 2049 pages is a 32768 + 6 token prompt):
 
+* B=1, page-table width 2048 (one chunk, ``SINGLE``): 1024 and 2048 pages;
 * B=1, page-table width 4096 (the engine's width for 2049-4096 pages): 2048, 2049, 3000, 4096 pages;
 * B=32, 2048 pages, widths 2048 and 4096.
 
 Each point runs the launcher's own choice of path (``split=None``) and both paths forced, and the
-one-program path for every ``--row-blocks`` chunk size (``select._ROW_BLOCK``); every output is
+one-program path's chunk loop for every ``--row-blocks`` chunk size (``select._ROW_BLOCK``, with the
+one-chunk kernel of narrow tables switched off); every output is
 checked against :func:`questkv.ops.reference.select_pages` bit for bit (eagerly and after the
 replays). Prints a markdown table and writes JSON to ``--out``.
 
@@ -41,7 +43,7 @@ HEADS = 8
 BUDGET_TOKENS = 2048
 SINK, RECENT = 1, 2
 # (batch, pages, page-table width)
-POINTS = [(1, 2048, 4096), (1, 2049, 4096), (1, 3000, 4096), (1, 4096, 4096), (32, 2048, 2048), (32, 2048, 4096)]
+POINTS = [(1, 1024, 2048), (1, 2048, 2048), (1, 2048, 4096), (1, 2049, 4096), (1, 3000, 4096), (1, 4096, 4096), (32, 2048, 2048), (32, 2048, 4096)]
 SMOKE_POINTS = [(1, 16, 32), (1, 17, 32), (1, 24, 32), (1, 32, 32), (2, 16, 16)]
 
 
@@ -95,7 +97,8 @@ def time_cpu(call: Callable[[], object], iters: int) -> float:
 
 
 def run_point(batch: int, pages: int, width: int, args, device, gen) -> list[dict]:
-    """Every variant of one point: ``dispatch`` (``split=None``), ``split``, and ``row/<chunk>``."""
+    """Every variant of one point: ``dispatch`` (``split=None``), ``split``, and ``row/<chunk>`` (the chunk
+    loop, also in tables narrow enough for the one-chunk kernel)."""
     import torch
 
     from questkv.ops import reference
@@ -105,12 +108,12 @@ def run_point(batch: int, pages: int, width: int, args, device, gen) -> list[dic
     scores, lens = make_case(batch, heads, pages, width, device, gen)
     want = reference.select_pages(scores, lens, PAGE_SIZE, budget_pages, SINK, RECENT)
     buffers = select.select_buffers(batch, heads, width, scores.device)
-    default_block = select._ROW_BLOCK
-    variants = [("dispatch", None, default_block), ("split", True, default_block)]
-    variants += [(f"row/{block}", False, block) for block in args.row_blocks]
+    default_block, default_single = select._ROW_BLOCK, select._ROW_SINGLE_PAGES
+    variants = [("dispatch", None, default_block, default_single), ("split", True, default_block, default_single)]
+    variants += [(f"row/{block}", False, block, 0) for block in args.row_blocks]
     rows = []
-    for name, split, block in variants:
-        select._ROW_BLOCK = block
+    for name, split, block, single_pages in variants:
+        select._ROW_BLOCK, select._ROW_SINGLE_PAGES = block, single_pages
         try:
             out = torch.full_like(want, 12345)
 
@@ -126,13 +129,13 @@ def run_point(batch: int, pages: int, width: int, args, device, gen) -> list[dic
             else:
                 us = time_cuda(call, args.iters, args.warmup, args.calls)
             ok = eager_ok and bool(torch.equal(out, want))
-            row_block = select.row_launch(width)["BLOCK"]
+            launch = select.row_launch(width)
         finally:
-            select._ROW_BLOCK = default_block
+            select._ROW_BLOCK, select._ROW_SINGLE_PAGES = default_block, default_single
         took_split = select.takes_split_path(batch, heads, width, split)
         rows.append(dict(batch=batch, heads=heads, pages=pages, max_pages=width, budget_pages=budget_pages,
-                         variant=name, path="split" if took_split else "row",
-                         row_block=None if took_split else row_block,
+                         variant=name, path="split" if took_split else ("one chunk" if launch["SINGLE"] else "row"),
+                         row_block=None if took_split else launch["BLOCK"],
                          median_us=round(us, 2), matches_reference=ok))
         print(f"B={batch} pages={pages} width={width} {name:>10}: {us:9.2f} us  "
               f"{'ok' if ok else 'MISMATCH'}", file=sys.stderr, flush=True)

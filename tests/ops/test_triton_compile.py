@@ -66,19 +66,22 @@ _SCRIPT = textwrap.dedent(
         return " ".join(line.split("info    : ")[-1] for line in lines)
 
 
-    def compile_attention(dtype, dense, group, sel_per_kv, pdl=False):
+    def compile_attention(dtype, dense, group, sel_per_kv, pdl=False, merge_chunk=attention._MERGE_CHUNK):
         ieee = dtype == "fp32"
-        compile_kernel(
+        return compile_kernel(
             attention._decode_split_kernel,
             {"q_ptr": dtype, "k_pages_ptr": dtype, "v_pages_ptr": dtype, "table_ptr": "i32",
              "lens_ptr": "i32", "sel_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
              "counter_ptr": "i32", "out_ptr": dtype},
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": 16,
              "BLOCK_GM": group, "SEL_PER_KV": sel_per_kv,
-             "PAGES_PER_ITER": attention.pages_per_iter(16, dense), "MERGE_CHUNK": attention._MERGE_CHUNK,
+             "PAGES_PER_ITER": attention.pages_per_iter(16, dense), "MERGE_CHUNK": merge_chunk,
              "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl},
             floats=("qk_scale",),
             num_warps=attention._NUM_WARPS,
+            # strides of B=1 with 32 / 8 heads, 129 selected pages (selection reuse), 17 splits
+            divisible=("stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp", "stride_vt",
+                       "stride_vh", "stride_tb", "stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oh"),
         )
 
 
@@ -110,6 +113,11 @@ _SCRIPT = textwrap.dedent(
     compile_attention("bf16", False, 4, 1, pdl=True)
     compile_attention("bf16", True, 4, 1, pdl=True)
     compile_attention("fp16", False, 4, 1)
+    # the wide merge (few programs, groups of at most 4) must not spill; the divisibility of a run's launch
+    for dense in (False, True):
+        info = ptxas_info(compile_attention("bf16", dense, 4, 1, pdl=True, merge_chunk=attention._WIDE_MERGE_CHUNK))
+        print("attention, wide merge:", info)
+        assert "0 bytes spill stores" in info, info
     compile_attention("fp32", False, 4, 1)
     compile_attention("fp32", True, 4, 1)
     compile_estimate("fp32", 1, 4, 1, False)

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from questkv import ops  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as tk  # noqa: E402
-from questkv.ops.triton import estimate, select  # noqa: E402
+from questkv.ops.triton import attention, estimate, select  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (num_q_heads, num_kv_heads, head_dim): GQA and MHA
@@ -297,6 +297,39 @@ def test_attention_split_merge_and_scale(num_splits):
         tk.paged_decode_attention_into(out, buffers, q, k_pages, v_pages, table, lens, None, 0.3)
         assert _rel_err(out, want) < 1e-5
         assert not counters.any()
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("selection", ["kv_head", None])
+def test_attention_merges_more_splits_than_one_merge_step_holds(wide, selection, monkeypatch):
+    """37 splits of one page (pages of 128 tokens: one page per inner iteration) merged in steps of the
+    narrow (16) or the wide (32) chunk: three or two merge steps, the last one partial, a sequence too
+    short for most splits beside a long one; equal to the reference, counters left at zero."""
+    monkeypatch.setattr(attention, "_WIDE_MERGE_PROGRAMS_PER_SM", 10**6 if wide else 0)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages, heads, num_splits = 128, 37, (8, 2, 32), 37
+    q, k_pages, v_pages, table, lens = _attention_case(torch.float32, heads, [37 * 128 - 5, 400], max_pages, page_size, gen)
+    selected = None
+    if selection is not None:
+        selected = torch.arange(max_pages, dtype=torch.int32).expand(2, heads[1], max_pages).contiguous()
+        selected[1, :, 4:] = -1
+    assert attention.merge_chunk(num_splits * heads[1] * 2, 4, q.device) == (32 if wide else 16)
+    buffers = tk.attention_buffers(2, 8, 2, 32, max_pages, page_size, selection is None, q.device, num_splits)
+    assert buffers.part_lse.shape[-1] == num_splits
+    want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), lens, selected)
+    out = tk.paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, table, lens, selected)
+    assert _rel_err(out, want) < 1e-5
+    assert not buffers.counters.any()
+
+
+def test_merge_chunk_is_wide_only_for_few_programs_and_small_groups():
+    """The wide merge serves grids of at most two programs per SM (132 on a CPU tensor) and groups of at most
+    4 query heads; anything else merges in steps of 16."""
+    cpu = torch.device("cpu")
+    assert attention.merge_chunk(264, 4, cpu) == 32
+    assert attention.merge_chunk(265, 4, cpu) == 16
+    assert attention.merge_chunk(8, 8, cpu) == 16
+    assert attention.merge_chunk(8, 1, cpu) == 32
 
 
 def _force_split_select(monkeypatch, split):

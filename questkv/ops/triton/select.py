@@ -25,14 +25,14 @@ from questkv.ops.triton._common import active_strides, check_last_dim_contiguous
 _KEYS_PER_THREAD = 8
 _MIN_WARPS, _MAX_WARPS = 4, 16
 # One-program path: a table of at most _ROW_SINGLE_PAGES columns is one chunk of next_pow2(columns)
-# pages, read once, no chunk loop, _SINGLE_KEYS_PER_THREAD keys per thread (fewer warps make the four
-# passes' block-wide steps cheaper: 2048 pages in 8 warps measured 9.7 µs on an H200 where the chunked
-# loop took 13.0 with 16 warps, benchmarks/select_cliff.py). Wider tables loop over chunks of
-# _ROW_BLOCK pages (a power of two), so that a row of n pages costs ceil(n / _ROW_BLOCK) chunks, with
-# _ROW_KEYS_PER_THREAD keys per thread (the first chunk stays in registers beside the one being read:
-# 8 keys per thread spilled at 1024 pages in an sm_90 compile, 4 do not).
+# pages, read once, no chunk loop, in at most _SINGLE_MAX_WARPS warps (more keys per thread beyond: the
+# four passes' block-wide steps cost more with more warps; on an H200, 8 rows of 2048 pages took
+# 10.2 µs in 8 warps, 11.7 in 16, 12.7 in 4, and 13.1 as two chunks of 1024). Wider tables loop over
+# chunks of _ROW_BLOCK pages (a power of two), so that a row of n pages costs ceil(n / _ROW_BLOCK)
+# chunks, with _ROW_KEYS_PER_THREAD keys per thread (the first chunk stays in registers beside the one
+# being read: 8 keys per thread spilled at 1024 pages in an sm_90 compile, 4 do not).
 _ROW_SINGLE_PAGES = 2048
-_SINGLE_KEYS_PER_THREAD = 8
+_SINGLE_MAX_WARPS = 8
 _ROW_BLOCK = 1024
 _ROW_KEYS_PER_THREAD = 4
 # Split path: taken (unless forced) from this many page-table columns on (raised from 4096 when the
@@ -120,7 +120,8 @@ def _select_row(scores_row_ptr, out_row_ptr, num_pages, remaining, max_pages,
     row's length, not ``max_pages``. The first chunk stays in registers; every pass reloads the others
     (from cache) and adds their histograms (not when the row keeps all its pages); the compaction
     carries the output offset and the ties still to keep from chunk to chunk. The padding covers only
-    the columns past the kept pages. ``SINGLE`` (``max_pages <= BLOCK``) compiles the chunk loops out.
+    the columns past the kept pages. ``SINGLE`` (``min(num_pages, max_pages) <= BLOCK``) compiles the chunk
+    loops out.
     """
     row_pages = tl.minimum(num_pages, max_pages)
     num_chunks = tl.where(remaining > 0, tl.cdiv(row_pages, BLOCK), 0)
@@ -166,7 +167,8 @@ def _select_pages_kernel(
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, HAS_BUDGETS: tl.constexpr, HAS_ACTIVE: tl.constexpr,
 ):
     """One program per (head, sequence) selects its row (:func:`_select_row`) in chunks of ``BLOCK``
-    pages (one chunk with ``SINGLE``). With ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``).
+    pages; with ``SINGLE`` in one chunk of ``BLOCK`` pages, or of ``BLOCK // 2`` for a row that fits in it
+    (the cost of a row in a narrow table still follows its pages, in two steps). With ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``).
     With ``HAS_ACTIVE`` the program of a row whose flag (``active[seq * stride_ab + head * stride_ah]``) is 0
     reads no score and writes nothing: it loads its flag beside its length and budget (independent loads, one
     round trip) and returns. (The flag tested before those two loads made ptxas cap the kernel at 64 registers
@@ -180,8 +182,15 @@ def _select_pages_kernel(
     num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     if active == 0:  # the sequence keeps its last selection
         return
-    _select_row(scores_ptr + seq * stride_sb + head * stride_sh, out_ptr + seq * stride_ob + head * stride_oh,
-                num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK, SINGLE)
+    scores_row = scores_ptr + seq * stride_sb + head * stride_sh
+    out_row = out_ptr + seq * stride_ob + head * stride_oh
+    if SINGLE and BLOCK >= 2:
+        if tl.minimum(num_pages, max_pages) <= BLOCK // 2:
+            _select_row(scores_row, out_row, num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK // 2, True)
+        else:
+            _select_row(scores_row, out_row, num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK, True)
+    else:
+        _select_row(scores_row, out_row, num_pages, to_pick, max_pages, BUDGET, SINK, RECENT, BLOCK, SINGLE)
 
 
 @triton.jit
@@ -436,8 +445,9 @@ def row_launch(max_pages: int) -> dict:
     pages above."""
     width = next_pow2(max_pages)
     single = width <= _ROW_SINGLE_PAGES
-    block, keys = (width, _SINGLE_KEYS_PER_THREAD) if single else (_ROW_BLOCK, _ROW_KEYS_PER_THREAD)
-    return dict(BLOCK=block, SINGLE=single, num_warps=min(_MAX_WARPS, max(_MIN_WARPS, block // (32 * keys))))
+    block = width if single else _ROW_BLOCK
+    warps = min(_SINGLE_MAX_WARPS if single else _MAX_WARPS, max(_MIN_WARPS, block // (32 * _ROW_KEYS_PER_THREAD)))
+    return dict(BLOCK=block, SINGLE=single, num_warps=warps)
 
 
 def select_pages_into(
