@@ -28,16 +28,19 @@ file, in the order they run, most wanted first (a file's later invocations resum
 (f) ``eval-adaptive-agreement-qwen2.5-coder-1.5b-16k`` and ``eval-adaptive-qwen2.5-coder-1.5b-16k``: adaptive reuse (C = 8, reselecting below a cosine similarity of 0.9,
     0.95 or 0.98) beside fixed C = 1, 2, 4, 8, agreement over the book and the source, then passkey, niah_multikey,
     passkey_essay, vt and fwe, at 1/16 and 1/8 of 16k: the cells' ``selection_rate`` puts each threshold beside the
-    fixed C of the same rate (not yet run; no time estimate measured).
+    fixed C of the same rate.
 (g) ``eval-selection-agreement-qwen2.5-coder-1.5b-16k`` and ``eval-selection-qwen2.5-coder-1.5b-16k``: the
     page-selection defaults, ``kv_head`` with ``sum`` (the default),
-    ``kv_head`` with ``max`` and ``q_head``, on the same tasks and budgets (not yet run).
+    ``kv_head`` with ``max`` and ``q_head``, on the same tasks and budgets.
+(h) ``eval-adaptive-qwen2.5-coder-1.5b-32k``: adaptive reuse at 32k, C = 8 reselecting below 0.9 or 0.95 beside
+    C = 1 and C = 2 (the fixed C nearest their selection rates at 16k), on (b)'s 32k tasks and budgets.
 
-They run in the order (e), (a), (b) at 16k, (d), (c), (f), (g), (b) at 32k (finished files are skipped when
+They run in the order (e), (a), (b) at 16k, (d), (c), (f), (g), (b) at 32k, (h) (finished files are skipped when
 resumed). Measured H200 time (the cells' ``seconds``, commit c552545): (a) and (b) at 16k 484 s for 54 cells (the
 first engine's load and compilation inside its first cell), (c) 27 s, (d) 45 s; at about 6 s per 16k retrieval
 cell (20 samples) and 1 s per agreement cell, (f) is about 8 minutes and (g) about 4; the model's staging (23
-``stage`` calls) and ``finish`` take about 4 minutes more.
+``stage`` calls) and ``finish`` take about 4 minutes more. At commit 4d34b2b, one warm machine: 23 ``stage`` calls
+in about 100 s, ``finish`` and (b) at 32k in one 289 s call, (g)'s retrieval in 118 s, (h) in 200 s.
 
 Here::
 
@@ -68,6 +71,8 @@ POLICIES = "full,quest,quest:selection_interval=2,quest:selection_interval=4,que
 TASKS = "passkey,niah_single,niah_multikey,passkey_essay,vt,fwe"
 # Adaptive reuse against fixed C at equal selection rate: one engine serves both (a fixed-C request passes T = -1).
 ADAPTIVE_POLICIES = POLICIES + "".join(f",quest:reselect_similarity={t}:selection_interval=8" for t in (0.9, 0.95, 0.98))
+ADAPTIVE_32K_POLICIES = "quest,quest:selection_interval=2" + "".join(
+    f",quest:reselect_similarity={t}:selection_interval=8" for t in (0.9, 0.95))
 # The page-selection defaults (kv_head with sum, the default; kv_head with max; q_head), re-decided on the 1.5B.
 SELECTION_POLICIES = "full,quest,quest:group_reduction=max,quest:selection=q_head"
 AGREEMENT = ["--tasks", "agreement_book,agreement_code", "--lengths", "16384", "--samples", "4", "--budgets", "1024,2048",
@@ -110,6 +115,10 @@ def sweeps(alias: str = ALIAS) -> dict[str, list[list[str]]]:
         f"eval-selection-{alias}-16k": [[*RETRIEVAL_16K, "--policies", SELECTION_POLICIES]],
         f"eval-reuse-{alias}-32k": [
             ["--tasks", TASKS, "--lengths", "32640", "--samples", "20", "--budgets", "2048,4096", "--policies", POLICIES],
+        ],
+        f"eval-adaptive-{alias}-32k": [
+            ["--tasks", TASKS, "--lengths", "32640", "--samples", "20", "--budgets", "2048,4096",
+             "--policies", ADAPTIVE_32K_POLICIES],
         ],
     }
 
