@@ -116,3 +116,19 @@ def online_softmax_step(s, v, acc, m_i, l_i, IEEE: tl.constexpr):
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
+
+
+@triton.jit
+def last_to_arrive(counter, programs):
+    """Take a ticket on ``counter`` (an int32 that is zero before the launch): true in the one program of
+    ``programs`` that arrives last. A CTA barrier first makes every thread's stores precede the ticket, and the
+    ``acq_rel`` atomic makes every other program's stores visible to the last one, which may then read them
+    (a split reduction's partials). That program hands the counter back with :func:`reset_ticket`."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel") == programs - 1
+
+
+@triton.jit
+def reset_ticket(counter):
+    """Zero a counter of :func:`last_to_arrive` for the next launch (graph replays need no memset)."""
+    tl.atomic_xchg(counter, 0)

@@ -16,9 +16,11 @@ from questkv.ops.triton._common import (
     check_last_dim_contiguous,
     check_shape,
     interpreting,
+    last_to_arrive,
     next_pow2,
     num_sms,
     online_softmax_step,
+    reset_ticket,
     use_pdl,
 )
 
@@ -127,8 +129,7 @@ def _decode_split_kernel(
 
     num_splits = tl.num_programs(0)
     counter = counter_ptr + seq * tl.num_programs(1) + sel_head
-    tl.debug_barrier()  # every thread's partial stores happen before the (releasing) ticket
-    if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+    if last_to_arrive(counter, num_splits):
         rows = sel_head * GROUP + tl.arange(0, BLOCK_GM)
         rmask = tl.arange(0, BLOCK_GM) < GROUP
         m_run = tl.full([BLOCK_GM], float("-inf"), tl.float32)
@@ -152,7 +153,7 @@ def _decode_split_kernel(
         merged = o_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
         tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + d[None, :],
                  merged.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
-        tl.atomic_xchg(counter, 0)
+        reset_ticket(counter)
 
 
 def pages_per_iter(page_size: int, dense: bool) -> int:

@@ -53,7 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from questkv.ops.quant_reference import GROUP_SIZES, check_quant_args, unpack_int4
-from questkv.ops.triton._common import interpreting, next_pow2, num_sms, use_pdl
+from questkv.ops.triton._common import interpreting, last_to_arrive, next_pow2, num_sms, reset_ticket, use_pdl
 
 __all__ = [
     "FMA_MAX_M",
@@ -288,15 +288,14 @@ def _quant_matmul_kernel(
         tl.store(part_ptr + pid_s * M * N + part_off, acc, mask=omask)
         num_splits = tl.num_programs(1)
         counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
-        tl.debug_barrier()  # every thread's partial stores happen before the (releasing) ticket
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+        if last_to_arrive(counter, num_splits):
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for sp in range(0, num_splits):
                 total += tl.load(part_ptr + sp * M * N + part_off, mask=omask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(counter, 0)
+            reset_ticket(counter)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -564,13 +563,12 @@ def _int4_gemv_kernel(
         if BLOCK_M > 3:
             tl.store(part + 3 * N, acc3, mask=nmask)
         counter = counter_ptr + pid_n
-        tl.debug_barrier()  # every thread's partial stores happen before the (releasing) ticket
         splits = tl.num_programs(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+        if last_to_arrive(counter, splits):
             for row in tl.static_range(BLOCK_M):
                 total = _gemv_partials_sum(part_ptr, row, M, N, rn, nmask, splits, REDUCE_CHUNK)
                 _gemv_store(total, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
-            tl.atomic_xchg(counter, 0)
+            reset_ticket(counter)
     else:
         _gemv_store(acc0, 0, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
         if BLOCK_M > 1:

@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 
 from questkv.ops.reference import SelectBuffers, check_active, check_select_out
-from questkv.ops.triton._common import active_strides, check_last_dim_contiguous, check_shape, next_pow2
+from questkv.ops.triton._common import (
+    active_strides,
+    check_last_dim_contiguous,
+    check_shape,
+    last_to_arrive,
+    next_pow2,
+    reset_ticket,
+)
 
 # Keys each thread holds, and the warp range: fewer warps make the block-wide reductions cheaper,
 # more keys per thread cost registers (measured on an H200, docs/gpu-kernels.md).
@@ -324,12 +331,11 @@ def _split_compact_kernel(
     tl.store(out_row + j, tl.full([PAD_BLOCK], -1, tl.int32), mask=(j >= tl.sum(kept, axis=0)) & (j < BUDGET))
 
     counter = counter_ptr + row
-    tl.debug_barrier()  # every thread's histogram loads happen before the (releasing) ticket
-    if tl.atomic_add(counter, 1, sem="acq_rel") == num_chunks - 1:
+    if last_to_arrive(counter, num_chunks):  # every program's histogram loads happen before the reset
         zeros = tl.zeros([BINS], tl.int32)
         for p in tl.static_range(NUM_PASSES - 1):
             tl.store(row_hist + p * BINS + tl.arange(0, BINS), zeros)
-        tl.atomic_xchg(counter, 0)
+        reset_ticket(counter)
 
 
 def _num_passes(digit_bits: int) -> int:
