@@ -58,20 +58,25 @@ class Attention(nn.Module):
         self.pages: Optional[LayerPages] = None
         self.backend = "auto"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Store ``k``, ``v`` at ``ctx.slots`` (every row's, before any attends) and attend: the decode rows (the
-        leading ``ctx.decode.num_tokens`` tokens) as a decode step, the prefill rows after them as a prefill.
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor:
+        """Rotate ``q`` and ``k`` by their positions and store ``k``, ``v`` at ``ctx.slots`` (every row's, before any
+        attends; one op, :func:`~questkv.ops.rope_append_kv`), then attend: the decode rows (the leading
+        ``ctx.decode.num_tokens`` tokens) as a decode step, the prefill rows after them as a prefill.
 
         Args:
-            q: ``[num_tokens, num_q_heads, head_dim]``, post-RoPE.
-            k, v: ``[num_tokens, num_kv_heads, head_dim]``, post-RoPE keys.
+            q: ``[num_tokens, num_q_heads, head_dim]``, pre-RoPE; rotated in place.
+            k: ``[num_tokens, num_kv_heads, head_dim]``, pre-RoPE keys; rotated in place.
+            v: ``[num_tokens, num_kv_heads, head_dim]``.
+            cos, sin: ``[num_tokens, head_dim // 2]`` in ``q``'s dtype (:meth:`RotaryEmbedding.cos_sin`).
 
         Returns:
             ``[num_tokens, num_q_heads, head_dim]`` in ``q``'s dtype.
         """
         if self.pages is None:
             raise RuntimeError(f"layer {self.layer_idx} has no page pool: call questkv.layers.attention.bind_cache first")
-        ops.append_kv(*self.pages, ctx.slots, k, v, backend=self.backend)
+        ops.rope_append_kv(*self.pages, ctx.slots, q, k, v, cos, sin, backend=self.backend)
         decode, prefill = ctx.decode, ctx.prefill
         if prefill is None:
             return self._decode(q, decode)

@@ -1,9 +1,10 @@
 """Rotary position embeddings (RoPE) of the Llama family, numerically identical to transformers'.
 
 Owns the inverse frequencies of the three rope types questkv supports (``default``, ``linear``, ``llama3``),
-a cos/sin table up to the model's maximum position, and the rotation of queries and keys in HF Llama's
-``rotate_half`` convention (the two halves of ``head_dim`` rotate together). The model computes the table
-rows of a step once (:meth:`RotaryEmbedding.cos_sin`) and every layer applies them (:func:`apply_rotary`).
+and a cos/sin table up to the model's maximum position. The model computes the table rows of a step once
+(:meth:`RotaryEmbedding.cos_sin`); every attention layer rotates its queries and keys by them as it stores
+its keys and values (:func:`questkv.ops.rope_append_kv`; the rotation, in HF Llama's ``rotate_half``
+convention, is :func:`questkv.ops.reference.rotate`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 
 from questkv.validation import check_choice, check_float, check_int
 
-__all__ = ["ROPE_TYPES", "RopeScaling", "RotaryEmbedding", "apply_rotary", "inverse_frequencies"]
+__all__ = ["ROPE_TYPES", "RopeScaling", "RotaryEmbedding", "inverse_frequencies"]
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -87,32 +88,8 @@ def inverse_frequencies(head_dim: int, rope_theta: float, scaling: Optional[Rope
     return torch.where(is_medium_freq, smoothed, inv_freq_llama)
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate queries and keys by their positions' angles (HF Llama's ``apply_rotary_pos_emb``).
-
-    Args:
-        q: ``[T, num_q_heads, head_dim]``.
-        k: ``[T, num_kv_heads, head_dim]``, same dtype.
-        cos, sin: ``[T, head_dim // 2]`` in the dtype of ``q`` (from :meth:`RotaryEmbedding.cos_sin`).
-
-    Returns:
-        ``(q, k)`` rotated, new tensors of the input shapes and dtype. Each element is computed with the same
-        roundings as transformers' ``q * cos + rotate_half(q) * sin``.
-    """
-    cos = cos.unsqueeze(1)  # [T, 1, D/2]
-    sin = sin.unsqueeze(1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, D]
-
-
 class RotaryEmbedding(nn.Module):
-    """A cos/sin table for positions ``0 .. max_position - 1`` and its application to queries and keys.
+    """A cos/sin table for positions ``0 .. max_position - 1`` (a module so that it moves with the model).
 
     The table is a non-persistent fp32 buffer of ``max_position x head_dim / 2`` entries each for cos and
     sin (``positions * inv_freq`` in fp32, as transformers computes it); rows are cast to the query dtype when
@@ -144,14 +121,6 @@ class RotaryEmbedding(nn.Module):
             ``(cos, sin)``, each ``[T, head_dim // 2]`` in ``dtype``.
         """
         return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[T, num_q_heads, head_dim]`` and ``k`` ``[T, num_kv_heads, head_dim]`` by
-        ``positions`` ``[T]`` int64; returns new tensors of the same shapes and dtype."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return apply_rotary(q, k, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"

@@ -1,4 +1,5 @@
-"""Elementwise fusion of a model's decode step: RMSNorm, SiLU-and-multiply and RoPE as ``torch.compile``d kernels.
+"""Elementwise fusion of a model's decode step: RMSNorm and SiLU-and-multiply as ``torch.compile``d kernels (RoPE
+is folded into the attention layer's K/V append, :func:`questkv.ops.rope_append_kv`).
 
 A model concern (which functions a layer calls); the engine decides when to apply it (with CUDA graphs).
 """
@@ -11,24 +12,21 @@ import torch
 
 from questkv.layers.activation import SiluAndMul, silu_and_mul
 from questkv.layers.norm import RMSNorm, rms_norm
-from questkv.layers.rotary import apply_rotary
-from questkv.models.llama import LlamaAttention, LlamaForCausalLM
+from questkv.models.llama import LlamaForCausalLM
 
 __all__ = ["fuse_elementwise"]
 
 
 def fuse_elementwise(model: LlamaForCausalLM) -> None:
-    """Swap the model's RMSNorm, SiLU-and-multiply and RoPE functions for ``torch.compile``d ones (one
-    compiled function each, shared by every layer, dynamic in the token count): each becomes one fused
-    kernel instead of several small ones, which is most of a decode step's launch count."""
-    norm, act, rotate = _compiled(rms_norm), _compiled(silu_and_mul), _compiled(apply_rotary)
+    """Swap the model's RMSNorm and SiLU-and-multiply functions for ``torch.compile``d ones (one compiled
+    function each, shared by every layer, dynamic in the token count): each becomes one fused kernel instead
+    of several small ones, which is most of a decode step's launch count."""
+    norm, act = _compiled(rms_norm), _compiled(silu_and_mul)
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = norm
         elif isinstance(module, SiluAndMul):
             module.kernel = act
-        elif isinstance(module, LlamaAttention):
-            module.rotate = rotate
 
 
 def _compiled(function):

@@ -33,7 +33,7 @@ from questkv.layers.parallel import (
     shard_tensor,
 )
 from questkv.layers.quantized_linear import QuantizedLinear, QuantLayout
-from questkv.layers.rotary import ROPE_TYPES, RopeScaling, RotaryEmbedding, apply_rotary
+from questkv.layers.rotary import ROPE_TYPES, RopeScaling, RotaryEmbedding
 from questkv.ops.quant_reference import ALL_METHODS, QuantizedWeight, check_method
 from questkv.validation import check_bool, check_choice, check_float, check_int
 
@@ -212,7 +212,6 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
-        self.rotate = apply_rotary  # the runner may swap in a compiled (fused) apply_rotary
         self.attn = Attention(
             layer_idx, heads, kv_heads, spec.head_dim, sm_scale=spec.head_dim**-0.5, quest=quest
         )
@@ -227,8 +226,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotate(q, k, cos, sin)
-        o = self.attn(q, k, v, ctx)  # [T, Hq, D]
+        o = self.attn(q, k, v, cos, sin, ctx)  # rotates q and k (RoPE) as it stores k and v; [T, Hq, D]
         return self.reduce(self.o_proj(o.reshape(o.shape[0], -1)))  # [T, hidden]
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "resolve_backend",
+    "rope_append_kv",
 ]
 
 
@@ -56,6 +57,11 @@ def resolve_backend(tensor: torch.Tensor, backend: str = "auto") -> ModuleType:
 def append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values, backend: str = "auto") -> None:
     """See :func:`questkv.ops.reference.append_kv`."""
     resolve_backend(k_pages, backend).append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values)
+
+
+def rope_append_kv(k_pages, v_pages, kmin, kmax, slots, q, keys, values, cos, sin, backend: str = "auto") -> None:
+    """See :func:`questkv.ops.reference.rope_append_kv`."""
+    resolve_backend(k_pages, backend).rope_append_kv(k_pages, v_pages, kmin, kmax, slots, q, keys, values, cos, sin)
 
 
 def page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection="kv_head", group_reduction="sum", backend="auto"):

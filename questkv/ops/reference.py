@@ -94,6 +94,43 @@ def append_kv(
     kmax.scatter_reduce_(0, index, keys, reduce="amax", include_self=True)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` ``[T, H, D]`` by ``cos``, ``sin`` ``[T, D // 2]`` (``x``'s dtype):
+    each pair of halves ``(x1, x2)`` becomes ``(x1 cos - x2 sin, x2 cos + x1 sin)``, every product, sum and
+    difference rounded to the dtype as eager torch rounds it (transformers' ``q * cos + rotate_half(q) * sin``
+    to the bit). Returns a new tensor."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_append_kv(
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    slots: torch.Tensor,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Rotate a step's queries and keys by their positions (:func:`rotate`) in place, then :func:`append_kv` the
+    rotated keys and the values.
+
+    Args:
+        q: ``[num_tokens, num_q_heads, head_dim]``, rotated in place.
+        keys: ``[num_tokens, num_kv_heads, head_dim]``, rotated in place (then stored).
+        values: ``[num_tokens, num_kv_heads, head_dim]``.
+        cos, sin: ``[num_tokens, head_dim // 2]`` in ``q``'s dtype, the tokens' rows of the rotary table.
+        Others as in :func:`append_kv`.
+    """
+    q.copy_(rotate(q, cos, sin))
+    keys.copy_(rotate(keys, cos, sin))
+    append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values)
+
+
 def page_scores(
     q: torch.Tensor,
     kmin: torch.Tensor,

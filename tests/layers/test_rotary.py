@@ -1,12 +1,14 @@
-"""questkv.layers.rotary against transformers' Llama rotary embedding, for each supported rope type."""
+"""questkv.layers.rotary (and the rotation of questkv.ops.reference) against transformers' Llama rotary embedding,
+for each supported rope type."""
 
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from questkv.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary, inverse_frequencies
+from questkv.layers.rotary import RopeScaling, RotaryEmbedding, inverse_frequencies
 from questkv.models.llama import ModelSpec
 from questkv.models.shapes import dummy_config
+from questkv.ops.reference import rotate
 from tests.helpers import tiny_config
 
 
@@ -47,7 +49,8 @@ def test_rotated_queries_and_keys_equal_transformers(name, dtype):
     k = torch.randn(num_tokens, hkv, d).to(dtype)
     cos, sin = hf(q, positions[None])  # [1, T, D]
     want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    got_q, got_k = ours(positions, q, k)
+    cos_rows, sin_rows = ours.cos_sin(positions, dtype)
+    got_q, got_k = rotate(q, cos_rows, sin_rows), rotate(k, cos_rows, sin_rows)
     assert got_q.shape == q.shape and got_k.shape == k.shape and got_q.dtype == dtype
     # cos/sin from the same fp32 formula; only the vectorised cos/sin of the CPU may differ by an ulp
     tol = dict(rtol=1e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
@@ -55,15 +58,13 @@ def test_rotated_queries_and_keys_equal_transformers(name, dtype):
     torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), **tol)
 
 
-def test_apply_rotary_keeps_position_zero_unchanged_and_rotates_pairs_of_halves():
+def test_rotation_keeps_position_zero_unchanged_and_rotates_pairs_of_halves():
     d = 8
     rope = RotaryEmbedding(d, 16, 10000.0)
     x = torch.randn(2, 3, d)
-    q, k = rope(torch.tensor([0, 0]), x, x[:, :1])
-    torch.testing.assert_close(q, x)
-    torch.testing.assert_close(k, x[:, :1])
+    torch.testing.assert_close(rotate(x, *rope.cos_sin(torch.tensor([0, 0]), torch.float32)), x)
     cos, sin = rope.cos_sin(torch.tensor([5]), torch.float32)
-    q, _ = apply_rotary(x[:1], x[:1, :1], cos, sin)
+    q = rotate(x[:1], cos, sin)
     # dimension i pairs with i + d/2: the pair's norm is kept
     pair_norm = lambda t: t[..., : d // 2] ** 2 + t[..., d // 2 :] ** 2  # noqa: E731
     torch.testing.assert_close(pair_norm(q), pair_norm(x[:1]))

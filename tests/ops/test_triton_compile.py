@@ -85,13 +85,18 @@ _SCRIPT = textwrap.dedent(
         )
 
 
-    compile_kernel(
-        append._append_kv_kernel,
-        {"k_pages_ptr": "bf16", "v_pages_ptr": "bf16", "kmin_ptr": "bf16", "kmax_ptr": "bf16",
-         "slots_ptr": "i64", "keys_ptr": "fp32", "values_ptr": "fp32"},
-        {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128},
-        num_warps=1,
-    )
+    # the K/V append alone (fp32 tokens into a bf16 pool) and with RoPE folded in (bf16, a group of 4 query heads)
+    for rotate, token_dtype in ((False, "fp32"), (True, "bf16")):
+        compile_kernel(
+            append._append_kv_kernel,
+            {"k_pages_ptr": "bf16", "v_pages_ptr": "bf16", "kmin_ptr": "bf16", "kmax_ptr": "bf16",
+             "slots_ptr": "i64", "keys_ptr": token_dtype, "values_ptr": token_dtype, "q_ptr": token_dtype,
+             "cos_ptr": token_dtype, "sin_ptr": token_dtype},
+            {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "FIRST": 64 if rotate else 128,
+             "BLOCK_H": 64 if rotate else 128, "GROUP": 4 if rotate else 1, "BLOCK_G": 4 if rotate else 1,
+             "ROTATE": rotate},
+            num_warps=1,
+        )
     def compile_estimate(q_dtype, mode, group, blocks, pdl, active=False):
         compile_kernel(
             estimate._page_scores_kernel,

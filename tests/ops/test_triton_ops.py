@@ -69,9 +69,10 @@ def _poison_unused(k_pages, v_pages, table, lens, page_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_append_kv_matches_reference(dtype):
+@pytest.mark.parametrize("head_dim", [32, 24])
+def test_append_kv_matches_reference(dtype, head_dim):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    num_pages, page_size, heads, head_dim = 6, 8, 2, 32
+    num_pages, page_size, heads = 6, 8, 2
     pools = _pool(num_pages, page_size, heads, head_dim, dtype, gen)
     ref = [t.clone() for t in pools]
     out = [t.clone() for t in pools]
@@ -87,6 +88,60 @@ def test_append_kv_matches_reference(dtype):
     tk.append_kv(*out, slots.int(), keys, values)
     for got, want in zip(out, ref):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 24])
+def test_rope_append_kv_matches_reference(dtype, head_dim):
+    """RoPE folded into the append: queries and keys rotated in place (views of one fused projection output,
+    as the model passes them), the rotated keys, the values and the bounds stored, for a prefill run that starts
+    a page and ends mid-page, a decode token widening a half-full page and a reused page restarted at offset 0.
+    float32 and float16 equal the reference bit for bit; bfloat16 to within its roundings (the interpreter
+    rounds float32 -> bf16 toward zero, the GPU and torch to nearest even)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_pages, page_size, num_q, heads = 6, 8, 8, 2
+    pools = _pool(num_pages, page_size, heads, head_dim, dtype, gen)
+    ref = [t.clone() for t in pools]
+    out = [t.clone() for t in pools]
+    slots = torch.cat([torch.arange(2 * 8, 2 * 8 + 13), torch.tensor([4 * 8 + 5]), torch.arange(0, 3)])
+    tokens = slots.shape[0]
+    fused = torch.randn(tokens, (num_q + 2 * heads) * head_dim, generator=gen).to(dtype)  # [T, (Hq + 2 Hkv) D]
+
+    def views(buffer):
+        q, k, v = buffer.split([num_q * head_dim, heads * head_dim, heads * head_dim], dim=1)
+        return q.view(tokens, num_q, head_dim), k.view(tokens, heads, head_dim), v.view(tokens, heads, head_dim)
+
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100.0
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want, got = fused.clone(), fused.clone()
+    reference.rope_append_kv(*ref, slots, *views(want), cos, sin)
+    tk.rope_append_kv(*out, slots.int(), *views(got), cos, sin)
+    assert not torch.equal(want, fused)  # rotated in place
+    if dtype == torch.bfloat16:  # three roundings, each at most one bf16 ulp (2**-7 relative) off
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+        for got_pool, want_pool in zip(out, ref):
+            torch.testing.assert_close(got_pool, want_pool, rtol=2e-2, atol=5e-2)
+    else:
+        assert torch.equal(got, want)
+        for got_pool, want_pool in zip(out, ref):
+            assert torch.equal(got_pool, want_pool)
+
+
+def test_rope_append_kv_rejects_bad_arguments():
+    pools = _pool(2, 4, 1, 6, torch.float32, torch.Generator().manual_seed(0))
+    slots = torch.arange(3, dtype=torch.int32)
+    q, k, v = torch.randn(3, 2, 6), torch.randn(3, 1, 6), torch.randn(3, 1, 6)
+    cos, sin = torch.randn(3, 3), torch.randn(3, 3)
+    with pytest.raises(ValueError, match="q must be"):
+        tk.rope_append_kv(*pools, slots, q[:2], k, v, cos, sin)
+    with pytest.raises(ValueError, match="cos must have shape"):
+        tk.rope_append_kv(*pools, slots, q, k, v, cos[:, :2], sin)
+    with pytest.raises(ValueError, match="share a dtype"):
+        tk.rope_append_kv(*pools, slots, q, k, v, cos.double(), sin)
+    odd = _pool(2, 4, 1, 5, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        tk.rope_append_kv(*odd, slots, torch.randn(3, 2, 5), torch.randn(3, 1, 5), torch.randn(3, 1, 5),
+                          torch.randn(3, 2), torch.randn(3, 2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

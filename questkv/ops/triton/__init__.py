@@ -5,7 +5,7 @@ preallocated buffers with no host synchronisation, for :class:`questkv.decode.Qu
 and CUDA graphs. Layouts: :mod:`questkv.ops.reference`.
 """
 
-from questkv.ops.triton.append import append_kv
+from questkv.ops.triton.append import append_kv, rope_append_kv
 from questkv.ops.triton.attention import (
     attention_buffers,
     paged_decode_attention,
@@ -31,6 +31,7 @@ __all__ = [
     "paged_prefill_attention",
     "plan_splits",
     "reselect_heads_into",
+    "rope_append_kv",
     "select_buffers",
     "select_pages",
     "select_pages_into",

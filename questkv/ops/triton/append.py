@@ -1,4 +1,6 @@
-"""Append kernel: write K/V tokens into the page pool and update the touched pages' key bounds."""
+"""Append kernel: write K/V tokens into the page pool and update the touched pages' key bounds, optionally
+rotating the step's queries and keys by their positions first (RoPE folded into the append: one launch per
+layer where a decode step took three)."""
 
 from __future__ import annotations
 
@@ -9,56 +11,139 @@ import triton.language as tl
 from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2
 
 
+@triton.jit
+def _rotate_pair(x1, x2, cos, sin):
+    """``(x1 cos - x2 sin, x2 cos + x1 sin)`` in ``x1``'s dtype, every product and sum rounded to it as eager
+    torch rounds (:func:`questkv.ops.reference.rotate`)."""
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    cos, sin = cos.to(tl.float32), sin.to(tl.float32)
+    first = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    second = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    return first.to(dtype), second.to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # every step's token count: one compiled variant for all
 def _append_kv_kernel(
-    k_pages_ptr, v_pages_ptr, kmin_ptr, kmax_ptr, slots_ptr, keys_ptr, values_ptr,
+    k_pages_ptr, v_pages_ptr, kmin_ptr, kmax_ptr, slots_ptr, keys_ptr, values_ptr, q_ptr, cos_ptr, sin_ptr,
     num_tokens,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
     stride_bp, stride_bh,
     stride_xt, stride_xh,
     stride_yt, stride_yh,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_qt, stride_qh,
+    stride_ct, stride_st,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FIRST: tl.constexpr,
+    BLOCK_H: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    """One program per (token, KV head): store the token's K and V row; the first token of each
-    run of same-page tokens (the run's *leader*) also folds the whole run into the page bounds."""
+    """One program per (token, KV head). Channels go in two parts, ``[0, FIRST)`` and ``[FIRST, HEAD_DIM)``
+    (the halves that RoPE pairs; without ``ROTATE``, ``FIRST == HEAD_DIM`` and the second part is empty).
+
+    With ``ROTATE`` the program rotates its token's ``GROUP`` query heads of its KV head in place. The first
+    token of each run of same-page tokens (the run's *leader*) handles the whole run: it rotates the run's
+    keys in place (no other program touches them), stores them and the values in the pool, and folds them
+    into the page bounds."""
     tok = tl.program_id(0)
     head = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
+    h = tl.arange(0, BLOCK_H)
+    first_mask = h < FIRST
+    second_mask = h < HEAD_DIM - FIRST
+    if ROTATE:
+        cos = tl.load(cos_ptr + tok * stride_ct + h, mask=first_mask)[None, :]
+        sin = tl.load(sin_ptr + tok * stride_st + h, mask=first_mask)[None, :]
+        g = tl.arange(0, BLOCK_G)
+        q_mask = (g < GROUP)[:, None] & first_mask[None, :]
+        q_row = q_ptr + tok * stride_qt + (head * GROUP + g)[:, None] * stride_qh + h[None, :]
+        q1, q2 = _rotate_pair(tl.load(q_row, mask=q_mask), tl.load(q_row + FIRST, mask=q_mask), cos, sin)
+        tl.store(q_row, q1, mask=q_mask)
+        tl.store(q_row + FIRST, q2, mask=q_mask)
 
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     page = slot // PAGE_SIZE
-    offset = slot % PAGE_SIZE
-    key = tl.load(keys_ptr + tok * stride_xt + head * stride_xh + d, mask=dmask)
-    value = tl.load(values_ptr + tok * stride_yt + head * stride_yh + d, mask=dmask)
-    key = key.to(k_pages_ptr.dtype.element_ty)
-    tl.store(k_pages_ptr + page * stride_kp + offset * stride_kt + head * stride_kh + d, key, mask=dmask)
-    tl.store(
-        v_pages_ptr + page * stride_vp + offset * stride_vt + head * stride_vh + d,
-        value.to(v_pages_ptr.dtype.element_ty),
-        mask=dmask,
-    )
-
     prev_slot = tl.load(slots_ptr + tok - 1, mask=tok > 0, other=0).to(tl.int64)
     if (tok == 0) | (prev_slot // PAGE_SIZE != page):
         # A page's tokens of one call are consecutive, so they lie in the next PAGE_SIZE rows.
         rows = tok + tl.arange(0, PAGE_SIZE)
         row_slots = tl.load(slots_ptr + rows, mask=rows < num_tokens, other=0).to(tl.int64)
         same = (rows < num_tokens) & (row_slots // PAGE_SIZE == page)
-        run = tl.load(
-            keys_ptr + rows[:, None].to(tl.int64) * stride_xt + head * stride_xh + d[None, :],
-            mask=same[:, None] & dmask[None, :],
-        )
-        run = run.to(k_pages_ptr.dtype.element_ty).to(tl.float32)  # exact: min/max of stored keys
-        lo = tl.min(tl.where(same[:, None], run, float("inf")), axis=0)
-        hi = tl.max(tl.where(same[:, None], run, float("-inf")), axis=0)
-        bound = page * stride_bp + head * stride_bh + d
-        if offset != 0:  # the page already holds tokens: widen its bounds
-            lo = tl.minimum(lo, tl.load(kmin_ptr + bound, mask=dmask).to(tl.float32))
-            hi = tl.maximum(hi, tl.load(kmax_ptr + bound, mask=dmask).to(tl.float32))
-        tl.store(kmin_ptr + bound, lo.to(kmin_ptr.dtype.element_ty), mask=dmask)
-        tl.store(kmax_ptr + bound, hi.to(kmax_ptr.dtype.element_ty), mask=dmask)
+        offsets = row_slots % PAGE_SIZE
+        key_rows = keys_ptr + rows[:, None].to(tl.int64) * stride_xt + head * stride_xh + h[None, :]
+        mask1 = same[:, None] & first_mask[None, :]
+        mask2 = same[:, None] & second_mask[None, :]
+        k1 = tl.load(key_rows, mask=mask1)
+        k2 = tl.load(key_rows + FIRST, mask=mask2)
+        if ROTATE:
+            cos_rows = tl.load(cos_ptr + rows[:, None] * stride_ct + h[None, :], mask=mask1)
+            sin_rows = tl.load(sin_ptr + rows[:, None] * stride_st + h[None, :], mask=mask1)
+            k1, k2 = _rotate_pair(k1, k2, cos_rows, sin_rows)
+            tl.store(key_rows, k1, mask=mask1)
+            tl.store(key_rows + FIRST, k2, mask=mask2)
+        k1 = k1.to(k_pages_ptr.dtype.element_ty)
+        k2 = k2.to(k_pages_ptr.dtype.element_ty)
+        dest = k_pages_ptr + page * stride_kp + offsets[:, None] * stride_kt + head * stride_kh + h[None, :]
+        tl.store(dest, k1, mask=mask1)
+        tl.store(dest + FIRST, k2, mask=mask2)
+        d = tl.arange(0, BLOCK_D)
+        v_mask = same[:, None] & (d < HEAD_DIM)[None, :]
+        value = tl.load(values_ptr + rows[:, None].to(tl.int64) * stride_yt + head * stride_yh + d[None, :], mask=v_mask)
+        tl.store(v_pages_ptr + page * stride_vp + offsets[:, None] * stride_vt + head * stride_vh + d[None, :],
+                 value.to(v_pages_ptr.dtype.element_ty), mask=v_mask)
+
+        # exact: min / max of the stored keys
+        lo1 = tl.min(tl.where(mask1, k1.to(tl.float32), float("inf")), axis=0)
+        hi1 = tl.max(tl.where(mask1, k1.to(tl.float32), float("-inf")), axis=0)
+        lo2 = tl.min(tl.where(mask2, k2.to(tl.float32), float("inf")), axis=0)
+        hi2 = tl.max(tl.where(mask2, k2.to(tl.float32), float("-inf")), axis=0)
+        bound = page * stride_bp + head * stride_bh + h
+        if slot % PAGE_SIZE != 0:  # the page already holds tokens: widen its bounds
+            lo1 = tl.minimum(lo1, tl.load(kmin_ptr + bound, mask=first_mask).to(tl.float32))
+            hi1 = tl.maximum(hi1, tl.load(kmax_ptr + bound, mask=first_mask).to(tl.float32))
+            lo2 = tl.minimum(lo2, tl.load(kmin_ptr + bound + FIRST, mask=second_mask).to(tl.float32))
+            hi2 = tl.maximum(hi2, tl.load(kmax_ptr + bound + FIRST, mask=second_mask).to(tl.float32))
+        tl.store(kmin_ptr + bound, lo1.to(kmin_ptr.dtype.element_ty), mask=first_mask)
+        tl.store(kmax_ptr + bound, hi1.to(kmax_ptr.dtype.element_ty), mask=first_mask)
+        tl.store(kmin_ptr + bound + FIRST, lo2.to(kmin_ptr.dtype.element_ty), mask=second_mask)
+        tl.store(kmax_ptr + bound + FIRST, hi2.to(kmax_ptr.dtype.element_ty), mask=second_mask)
+
+
+def _check_pool(k_pages, v_pages, kmin, kmax, slots, keys, values) -> None:
+    num_pages, _, num_kv_heads, head_dim = k_pages.shape
+    num_tokens = slots.shape[0]
+    check_shape("v_pages", v_pages, k_pages.shape)
+    check_shape("kmin", kmin, (num_pages, num_kv_heads, head_dim))
+    check_shape("kmax", kmax, (num_pages, num_kv_heads, head_dim))
+    check_shape("keys", keys, (num_tokens, num_kv_heads, head_dim))
+    check_shape("values", values, (num_tokens, num_kv_heads, head_dim))
+    if kmin.dtype != k_pages.dtype or kmax.dtype != k_pages.dtype:
+        raise ValueError(f"kmin/kmax must have k_pages' dtype {k_pages.dtype}, got {kmin.dtype}/{kmax.dtype}")
+    check_last_dim_contiguous(k_pages=k_pages, v_pages=v_pages, kmin=kmin, kmax=kmax, keys=keys, values=values)
+
+
+def _launch(k_pages, v_pages, kmin, kmax, slots, keys, values, q, cos, sin) -> None:
+    """One launch over ``(num_tokens, num_kv_heads)``; ``q is None``: no rotation (``cos``/``sin`` unused)."""
+    _, page_size, num_kv_heads, head_dim = k_pages.shape
+    num_tokens = slots.shape[0]
+    if num_tokens == 0:
+        return
+    rotate = q is not None
+    first = head_dim // 2 if rotate else head_dim
+    group = q.shape[1] // num_kv_heads if rotate else 1
+    q, cos, sin = (q, cos, sin) if rotate else (keys, keys, keys)  # not read without ROTATE
+    _append_kv_kernel[(num_tokens, num_kv_heads)](
+        k_pages, v_pages, kmin, kmax, slots.contiguous(), keys, values, q, cos, sin,
+        num_tokens,
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        kmin.stride(0), kmin.stride(1),
+        keys.stride(0), keys.stride(1),
+        values.stride(0), values.stride(1),
+        q.stride(0), q.stride(1),
+        cos.stride(0), sin.stride(0),
+        PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), FIRST=first,
+        BLOCK_H=next_pow2(first), GROUP=group, BLOCK_G=next_pow2(group), ROTATE=rotate,
+        num_warps=1, enable_fp_fusion=False,  # the rotation's products and sums rounded as eager torch does
+    )
 
 
 def append_kv(
@@ -77,29 +162,38 @@ def append_kv(
         kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, dtype of ``k_pages``.
         slots: ``[num_tokens]`` int32/int64 ``page * page_size + offset``. Beyond the reference's
             contract, the tokens of one page must be consecutive in ``slots`` (as
-            :meth:`PagedKVCache.reserve` returns them): the first of each run updates the bounds.
+            :meth:`PagedKVCache.reserve` returns them): the first of each run writes the run.
         keys, values: ``[num_tokens, num_kv_heads, head_dim]``, any float dtype (cast to the pool's).
     """
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    num_tokens = slots.shape[0]
-    check_shape("v_pages", v_pages, k_pages.shape)
-    check_shape("kmin", kmin, (num_pages, num_kv_heads, head_dim))
-    check_shape("kmax", kmax, (num_pages, num_kv_heads, head_dim))
-    check_shape("keys", keys, (num_tokens, num_kv_heads, head_dim))
-    check_shape("values", values, (num_tokens, num_kv_heads, head_dim))
-    if kmin.dtype != k_pages.dtype or kmax.dtype != k_pages.dtype:
-        raise ValueError(f"kmin/kmax must have k_pages' dtype {k_pages.dtype}, got {kmin.dtype}/{kmax.dtype}")
-    check_last_dim_contiguous(k_pages=k_pages, v_pages=v_pages, kmin=kmin, kmax=kmax, keys=keys, values=values)
-    if num_tokens == 0:
-        return
-    _append_kv_kernel[(num_tokens, num_kv_heads)](
-        k_pages, v_pages, kmin, kmax, slots.contiguous(), keys, values,
-        num_tokens,
-        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
-        kmin.stride(0), kmin.stride(1),
-        keys.stride(0), keys.stride(1),
-        values.stride(0), values.stride(1),
-        PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        num_warps=1,
-    )
+    _check_pool(k_pages, v_pages, kmin, kmax, slots, keys, values)
+    _launch(k_pages, v_pages, kmin, kmax, slots, keys, values, None, None, None)
+
+
+def rope_append_kv(
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    slots: torch.Tensor,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Triton :func:`questkv.ops.reference.rope_append_kv`: one launch rotates ``q`` and ``keys`` in place and
+    writes the rotated keys, the values and the bounds (arguments as there and in :func:`append_kv`; ``q``,
+    ``keys``, ``cos`` and ``sin`` share a dtype, ``head_dim`` is even, ``cos``/``sin`` contiguous in their last
+    dimension)."""
+    _check_pool(k_pages, v_pages, kmin, kmax, slots, keys, values)
+    num_tokens, num_kv_heads, head_dim = keys.shape
+    if q.dim() != 3 or q.shape[0] != num_tokens or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q must be [{num_tokens}, a multiple of {num_kv_heads}, {head_dim}], got {tuple(q.shape)}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (RoPE rotates pairs of halves), got {head_dim}")
+    check_shape("cos", cos, (num_tokens, head_dim // 2))
+    check_shape("sin", sin, (num_tokens, head_dim // 2))
+    if not q.dtype == keys.dtype == cos.dtype == sin.dtype:
+        raise ValueError(f"q, keys, cos and sin must share a dtype, got {q.dtype}, {keys.dtype}, {cos.dtype}, {sin.dtype}")
+    check_last_dim_contiguous(q=q, cos=cos, sin=sin)
+    _launch(k_pages, v_pages, kmin, kmax, slots, keys, values, q, cos, sin)
