@@ -297,8 +297,10 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 
 def _engine_paths(quest, build):
     """The CUDA path (graphs, Triton) and the eager torch-reference path of one engine, one after the other:
-    ``(path, llm)`` with ``llm = build(quest, **kwargs)``; the reference's Quest ops, page cache and quantized
-    layers run the torch reference. Each engine is dropped before the next is built (the caller drops its name)."""
+    ``(path, llm)`` with ``llm = build(quest, **kwargs)``; the reference's Quest ops, page cache, dense and quantized
+    linear layers run the torch reference. Each engine is dropped before the next is built (the caller drops its
+    name)."""
+    from questkv.layers.linear import Linear
     from questkv.layers.quantized_linear import QuantizedLinear
 
     for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
@@ -309,7 +311,7 @@ def _engine_paths(quest, build):
             for module in llm.engine.runner.model.modules():
                 if isinstance(module, QuantizedLinear):
                     module.set_backend("torch")
-                elif hasattr(module, "backend") and hasattr(module, "pages"):
+                elif isinstance(module, Linear) or (hasattr(module, "backend") and hasattr(module, "pages")):
                     module.backend = "torch"
         yield path, llm
         del llm
@@ -317,7 +319,9 @@ def _engine_paths(quest, build):
 
 
 def check_tiny_fp32() -> dict:
-    """Engine CUDA path (Triton, graphs) == eager torch-reference path == HF greedy, on a small fp32 Llama."""
+    """Engine CUDA path (Triton, graphs) == eager torch-reference path, greedy tokens on a small fp32 Llama: three
+    prompts per setting, and one prompt dense and Quest (``-batch-1``: decode steps of one row, whose linear layers
+    take the GEMV and the down projection its fused ``silu(gate) * up``)."""
     cfg = _tiny_llama()
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (700, 1500, 333)]
@@ -328,10 +332,11 @@ def check_tiny_fp32() -> dict:
                         ("quest-256-reuse-4-adaptive-0",
                          QuestConfig(token_budget=256, selection_interval=4, reselect_similarity=0.0)),
                         ("quest-full", QuestConfig(token_budget=2048)),
-                        ("quest-full-reuse-4", QuestConfig(token_budget=2048, selection_interval=4))):
+                        ("quest-full-reuse-4", QuestConfig(token_budget=2048, selection_interval=4)),
+                        ("dense-batch-1", None), ("quest-256-batch-1", QuestConfig(token_budget=256))):
         tokens, rates = {}, {}
         for path, llm in _engine_paths(quest, lambda q, **kwargs: _sharpened_engine(cfg, q, **kwargs)):
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts[:1] if name.endswith("batch-1") else prompts, params, use_tqdm=False)
             tokens[path] = [list(o.token_ids) for o in outs]
             rates[path] = [o.metrics.selection_rate for o in outs]
             del llm
