@@ -297,10 +297,8 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 
 def _engine_paths(quest, build):
     """The CUDA path (graphs, Triton) and the eager torch-reference path of one engine, one after the other:
-    ``(path, llm)`` with ``llm = build(quest, **kwargs)``; the reference's Quest ops, page cache, dense and quantized
-    linear layers run the torch reference. Each engine is dropped before the next is built (the caller drops its
-    name)."""
-    from questkv.layers.linear import Linear
+    ``(path, llm)`` with ``llm = build(quest, **kwargs)``; the reference's Quest ops, page cache and quantized
+    layers run the torch reference. Each engine is dropped before the next is built (the caller drops its name)."""
     from questkv.layers.quantized_linear import QuantizedLinear
 
     for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
@@ -311,7 +309,7 @@ def _engine_paths(quest, build):
             for module in llm.engine.runner.model.modules():
                 if isinstance(module, QuantizedLinear):
                     module.set_backend("torch")
-                elif isinstance(module, Linear) or (hasattr(module, "backend") and hasattr(module, "pages")):
+                elif hasattr(module, "backend") and hasattr(module, "pages"):
                     module.backend = "torch"
         yield path, llm
         del llm
@@ -320,8 +318,8 @@ def _engine_paths(quest, build):
 
 def check_tiny_fp32() -> dict:
     """Engine CUDA path (Triton, graphs) == eager torch-reference path, greedy tokens on a small fp32 Llama: three
-    prompts per setting, and one prompt dense and Quest (``-batch-1``: decode steps of one row, whose linear layers
-    take the GEMV and the down projection its fused ``silu(gate) * up``)."""
+    prompts per setting, and one prompt dense and Quest (``-batch-1``: decode steps of one row, the batch-1
+    graphs and launch plans)."""
     cfg = _tiny_llama()
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (700, 1500, 333)]

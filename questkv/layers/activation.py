@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from questkv.ops.reference import silu_and_mul
-
-__all__ = ["SiluAndMul", "silu_and_mul"]
+__all__ = ["SiluAndMul"]
 
 
 class SiluAndMul(nn.Module):
@@ -20,3 +19,9 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, 2 * intermediate_size]`` → ``[T, intermediate_size]``, same dtype."""
         return self.kernel(x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """:meth:`SiluAndMul.forward` as a function."""
+    gate, up = x.chunk(2, dim=-1)  # [T, I] each
+    return F.silu(gate) * up

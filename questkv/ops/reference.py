@@ -131,27 +131,6 @@ def rope_append_kv(
     append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """The Llama-family MLP's gated activation: ``silu(gate) * up`` where ``x = cat(gate, up)`` along the last
-    dimension, ``[..., 2 * I]`` → ``[..., I]`` in ``x``'s dtype (each product rounded to it, as in eager torch)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           gated: bool = False) -> torch.Tensor:
-    """``y = x @ weight.T + bias`` (``F.linear``); with ``gated``, of :func:`silu_and_mul` of ``x``.
-
-    Args:
-        x: ``[M, K]`` (``[M, 2 * K]`` with ``gated``: the gate/up projection's output), any float dtype.
-        weight: ``[N, K]`` in ``x``'s dtype (``nn.Linear``'s layout). bias: ``[N]`` or ``None``.
-
-    Returns:
-        ``[M, N]`` in ``x``'s dtype.
-    """
-    return F.linear(silu_and_mul(x) if gated else x, weight, bias)
-
-
 def page_scores(
     q: torch.Tensor,
     kmin: torch.Tensor,
