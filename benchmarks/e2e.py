@@ -33,6 +33,7 @@ from questkv.config import QuestConfig  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
 from questkv.engine.sampling_params import SamplingParams  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
+from questkv.layers.linear import Linear  # noqa: E402
 from questkv.models.shapes import dummy_config  # noqa: E402
 from questkv.ops.triton import _common as triton_common  # noqa: E402
 
@@ -109,10 +110,12 @@ def synthetic_prefill(engine) -> None:
         engine.scheduler.update(batch, [1] * len(batch.seqs))
 
 
-def time_engine(cfg, quest, batch, context, seed=0, quantization=None) -> dict:
+def time_engine(cfg, quest, batch, context, seed=0, quantization=None, linear_backend="auto") -> dict:
     """ms per decode step of ``batch`` sequences at ``context`` tokens (synthetic prefill), with the host loop
     synchronous and asynchronous (``EngineConfig.async_scheduling``), on one engine, side by side; the GPU time
-    of one graph replay; the kernels of one decode step (torch profiler over a replay).
+    of one graph replay; the kernels of one decode step (torch profiler over a replay). ``linear_backend``: the
+    float linear layers' backend (``"torch"``: cuBLAS at every row, where ``"auto"`` takes questkv's GEMV for one
+    row and a small weight).
 
     Each mode's time is the wall time of the timed window of ``engine.step()`` calls over its steps (no
     synchronisation between calls: a synchronous step waits for its own tokens, an asynchronous one for the
@@ -125,6 +128,9 @@ def time_engine(cfg, quest, batch, context, seed=0, quantization=None) -> dict:
               max_model_len=context + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed,
               quantization=quantization, enable_chunked_prefill=False)
     engine = llm.engine
+    for module in engine.runner.model.modules():  # before the first decode step captures its graph
+        if isinstance(module, Linear):
+            module.backend = linear_backend
     params = SamplingParams(temperature=0, max_tokens=total + 4, ignore_eos=True)
     gen = torch.Generator().manual_seed(seed)
     # The prompt leaves room for the timed steps: every step's KV length stays within ``context``.
@@ -297,8 +303,9 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 
 def _engine_paths(quest, build):
     """The CUDA path (graphs, Triton) and the eager torch-reference path of one engine, one after the other:
-    ``(path, llm)`` with ``llm = build(quest, **kwargs)``; the reference's Quest ops, page cache and quantized
-    layers run the torch reference. Each engine is dropped before the next is built (the caller drops its name)."""
+    ``(path, llm)`` with ``llm = build(quest, **kwargs)``; the reference's Quest ops, page cache, float and quantized
+    linear layers run the torch reference. Each engine is dropped before the next is built (the caller drops its
+    name)."""
     from questkv.layers.quantized_linear import QuantizedLinear
 
     for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
@@ -309,7 +316,7 @@ def _engine_paths(quest, build):
             for module in llm.engine.runner.model.modules():
                 if isinstance(module, QuantizedLinear):
                     module.set_backend("torch")
-                elif hasattr(module, "backend") and hasattr(module, "pages"):
+                elif isinstance(module, Linear) or (hasattr(module, "backend") and hasattr(module, "pages")):
                     module.backend = "torch"
         yield path, llm
         del llm
@@ -502,6 +509,9 @@ def main() -> None:
     parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
     parser.add_argument("--quantization", choices=["int4", "int8"], default=None,
                         help="weight-only quantization of both engines' linears (default: bf16)")
+    parser.add_argument("--dense-cublas", action="store_true",
+                        help="also time the engine dense with its float linears on cuBLAS at every row "
+                        "(engine_dense_cublas), beside the default that takes questkv's GEMV for one row")
     parser.add_argument("--selection-intervals", default="",
                         help="comma-separated C >= 2: also time a Quest engine that selects every C decode steps "
                         "(QuestConfig.selection_interval) per C (default: none)")
@@ -539,11 +549,16 @@ def main() -> None:
         point = {"model": name, "batch": batch, "context": context, "budget": budget, "target": target}
         point["engine_dense"] = time_engine(cfg, None, batch, context, quantization=args.quantization)
         point["engine_quest"] = time_engine(cfg, quest, batch, context, quantization=args.quantization)
+        if args.dense_cublas:
+            point["engine_dense_cublas"] = time_engine(cfg, None, batch, context, quantization=args.quantization,
+                                                       linear_backend="torch")
         weight_bytes = point["engine_dense"]["weight_bytes"]
         dense_floor, quest_floor = floor_ms(cfg, weight_bytes, batch, context, budget, bandwidth)
         point.update(floor_dense_ms=dense_floor, floor_quest_ms=quest_floor, ideal_speedup=dense_floor / quest_floor)
         point["speedup"] = point["engine_dense"]["ms_per_token"] / point["engine_quest"]["ms_per_token"]
         runs = {"dense": point["engine_dense"], "quest": point["engine_quest"]}
+        if args.dense_cublas:
+            runs["dense cuBLAS"] = point["engine_dense_cublas"]
         if intervals:
             point["engine_quest_reuse"], point["speedup_reuse"] = {}, {}
         for c in intervals:  # JSON keys: C as a string

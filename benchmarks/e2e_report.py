@@ -238,6 +238,30 @@ def reuse_section(record: dict) -> list[str]:
 
 
 
+def dense_linear_section(record: dict) -> list[str]:
+    """The engine dense with its float linears through questkv's one-row GEMV (the default) against cuBLAS at every
+    row, for the points timed both ways (``--dense-cublas``), with the bytes floor."""
+    points = [p for p in record["points"] if "engine_dense_cublas" in p]
+    if not points:
+        return []
+    lines = ["## Float linears at one row: GEMV vs cuBLAS (engine dense)", "",
+             "Two dense engines of the same run: the default (one row of a small float weight through questkv's GEMV) "
+             "and every float linear on cuBLAS; ms = wall per step (graph replay in brackets); kernels = one replay's.",
+             "", "| model | B | context | GEMV ms (graph) | cuBLAS ms (graph) | cuBLAS / GEMV | floor ms | GEMV / floor | "
+             "cuBLAS / floor | kernels GEMV / cuBLAS |", "|" + "---|" * 10]
+    for p in points:
+        g, c = p["engine_dense"], p["engine_dense_cublas"]
+        floor = p["floor_dense_ms"]
+        lines.append(
+            f"| {p['model']} | {p['batch']} | {_k(p['context'])} | {g['ms_per_token']:.2f} ({g['graph_replay_ms']:.2f}) | "
+            f"{c['ms_per_token']:.2f} ({c['graph_replay_ms']:.2f}) | {c['ms_per_token'] / g['ms_per_token']:.3f} | "
+            f"{floor:.2f} | {g['ms_per_token'] / floor:.3f} | {c['ms_per_token'] / floor:.3f} | "
+            f"{g['kernels']['count']} / {c['kernels']['count']} |")
+    lines += ["", "Kernels of the cuBLAS engine's step (first point; µs summed over the step, count in brackets): "
+              + "; ".join(f"`{k['name']}` {k['us']:.0f} ({k['count']})" for k in points[0]["engine_dense_cublas"]["kernels"]["top"])]
+    return lines + [""]
+
+
 def _token_checks(heading: str, results: dict, extra=lambda r: "") -> list[str]:
     """Markdown lines of a token-agreement check: its heading, then one line per setting (``extra(r)`` appended)."""
     lines = [heading, ""]
@@ -306,7 +330,7 @@ def render_markdown(record: dict) -> str:
         lines += ["(not run)", ""]
     if record["points"]:  # none: a --checks-only run
         lines += (targets_section(record) + all_points_section(record) + reuse_section(record)
-                  + host_overlap_section(record) + where_time_goes(record))
+                  + dense_linear_section(record) + host_overlap_section(record) + where_time_goes(record))
     return "\n".join(lines)
 
 

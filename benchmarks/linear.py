@@ -5,7 +5,10 @@ rows ``M`` (tokens in the step: 1, 2, 4, 8, 16, 32, 64), after checking every ba
 (float32 math on the dequantized weight), this script times under CUDA graphs (median GPU time per call over graph
 replays; each replay cycles over enough copies of the weight that no call finds it in L2):
 
-* ``bf16``: ``torch.nn.functional.linear`` on the float weight;
+* ``bf16``: ``torch.nn.functional.linear`` on the float weight (cuBLAS), and at one row ``bf16-gemv``, questkv's
+  GEMV (:mod:`questkv.ops.triton.gemv`; back to back in a graph, each call's first weight tile overlaps the call
+  before it through programmatic dependent launch, which in a decode step only a kernel before it that triggers
+  early allows: ``benchmarks/e2e.py`` is the arbiter);
 * ``int4`` (group 128) through each backend: ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's
   plan), ``gemv`` (its small-batch kernel ``int4_gemv`` on the K-major copy, ``M <= 4``), ``tinygemm``
   (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``
@@ -13,10 +16,12 @@ replays; each replay cycles over enough copies of the weight that no call finds 
 * ``int8`` (per row) through ``triton``;
 * ``int8g16`` / ``int8g32``: ``int8_grouped`` in GGUF ``Q6_K``'s groups of 16 and ``Q8_0``'s of 32 (codes and
   scales rounded to nearest here), through ``triton`` and ``dequant`` (``M >= --dequant-min-m``);
-* ``--methods`` picks the quantized formats (default: all; ``bf16`` is always timed, the baseline);
+* ``--methods`` picks the quantized formats (default: all; none: bf16 alone; ``bf16`` is always timed, the
+  baseline);
 * with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4``,
-  ``int8g16``, ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows) and, up to 4 rows, of
-  ``int4_gemv``: the best one and its config tell how to retune ``plan_quant_matmul`` / ``plan_int4_gemv``.
+  ``int8g16``, ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows), up to 4 rows of
+  ``int4_gemv`` and at one row of the bf16 ``gemv``: the best one and its config tell how to retune
+  ``plan_quant_matmul`` / ``plan_int4_gemv`` / ``plan_gemv``.
 
 Every timed call is first checked against the reference: its relative error stands beside its time. Each time
 stands beside its bytes floor (weight + scales + x + out, at the bandwidth of a device-to-device copy
@@ -228,6 +233,10 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
     cuda = shape.device.type == "cuda"
     out: dict[str, list] = {"bf16": [lambda w=w: F.linear(x, w) for w in shape.w]}
     triton_ok = cuda or interp
+    if m == 1 and triton_ok:
+        from questkv.ops.triton.gemv import gemv
+
+        out["bf16-gemv"] = [lambda w=w: gemv(x, w) for w in shape.w]
     for name, copies in shape.q.items():
         method, group = QUANT[name]
         kinds = (["triton"] if triton_ok else []) + (["dequant"] if m >= args.dequant_min_m or not cuda else [])
@@ -274,6 +283,21 @@ def sweep_configs(m: int, n: int, k: int, device: torch.device, name: str = "int
         if cfg not in unique:
             unique.append(cfg)
     return unique
+
+
+def bf16_gemv_sweep_configs(n: int, k: int, device: torch.device) -> list:
+    """Alternative launches of the bf16 ``gemv`` (the plan first): outputs and input features per tile, warps, and
+    half and twice the plan's split."""
+    from questkv.ops.triton.gemv import GemvConfig, plan_gemv
+
+    plan = plan_gemv(n, k, device)
+    tiles = math.ceil(k / plan.block_k)
+    configs = [plan]
+    configs += [dataclasses.replace(plan_gemv(n, k, device), block_n=bn, block_k=bk, num_warps=w)
+                for bn, bk, w in ((8, 512, 4), (32, 512, 4), (32, 512, 8), (16, 256, 4), (16, 1024, 8))]
+    configs += [dataclasses.replace(plan, split=s) for s in (max(1, plan.split // 2), min(tiles, 2 * plan.split),
+                                                             min(tiles, 4 * plan.split))]
+    return [c for c in dict.fromkeys(configs) if isinstance(c, GemvConfig)]
 
 
 def gemv_sweep_configs(n: int, k: int, device: torch.device, m: int = 1) -> list:
@@ -355,6 +379,21 @@ def run(args) -> dict:
                                                      "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
                                                      "rel_err": err})
                             print(f"  sweep {qname} {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
+                    if m == 1:
+                        from questkv.ops.triton.gemv import gemv
+
+                        want = x.double() @ shape.w[0].double().t()
+                        for i, cfg in enumerate(bf16_gemv_sweep_configs(n, k, device)):
+                            fns = [lambda w=w, cfg=cfg: gemv(x, w, config=cfg) for w in shape.w]
+                            try:
+                                err = _rel_err(fns[0](), want)
+                                us = timer(fns, reps, warmup) if err < CHECK_TOL else float("nan")
+                            except Exception as error:  # noqa: BLE001 - a launch that fails to compile is reported
+                                err, us = f"{type(error).__name__}: {error}"[:200], float("nan")
+                            results["sweep"].append({"model": model, "shape": name, "m": m, "method": "bf16-gemv",
+                                                     "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
+                                                     "rel_err": err})
+                            print(f"  sweep bf16-gemv {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
                     from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv
 
                     if m <= GEMV_MAX_M and shape.gemv:
@@ -469,8 +508,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results/linear", help="output prefix (.json and .md)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    parser.add_argument("--methods", nargs="+", default=list(QUANT), choices=list(QUANT),
-                        help="quantized formats to time (bf16 always is)")
+    parser.add_argument("--methods", nargs="*", default=list(QUANT), choices=list(QUANT),
+                        help="quantized formats to time (bf16 always is; none: bf16 and its GEMV alone)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--dequant-min-m", type=int, default=16, help="time 'dequant' from this many rows")
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)

@@ -86,6 +86,24 @@ def test_report_of_selection_reuse(tmp_path):
     assert "| llama3.1-8b | 1 | 32k | 2048 | 1 |" not in md
 
 
+def test_report_of_the_dense_engine_with_gemv_and_with_cublas(tmp_path):
+    point = _point(32768, 5.6, 5.0, None)  # floor 4.48 ms
+    point["engine_dense_cublas"] = _engine(5.8, 5.75, 32768)
+    for run, count in ((point["engine_dense"], 308), (point["engine_dense_cublas"], 372)):
+        run["kernels"] = {"count": count, "us": 5000.0, "top": [{"name": "nvjet_tst", "count": 32, "us": 1800.0}]}
+    plain = _point(1024, 5.0, 5.1, None)  # timed one way only: not in the section
+    record = {"provenance": {}, "page_size": 16, "dense_layers": 2, "bandwidth_bytes_per_s": 4e12,
+              "points": [point, plain]}
+    path = tmp_path / "e2e-linear.json"
+    path.write_text(json.dumps(record))
+    e2e_report.main([str(path)])
+    md = (tmp_path / "e2e-linear.md").read_text()
+    assert "## Float linears at one row: GEMV vs cuBLAS" in md
+    assert "| llama3.1-8b | 1 | 32k | 5.60 (5.40) | 5.80 (5.75) | 1.036 | 4.48 | 1.250 | 1.295 | 308 / 372 |" in md
+    assert "| llama3.1-8b | 1 | 1k | 5.00" not in md
+    assert "`nvjet_tst` 1800 (32)" in md
+
+
 def test_report_of_a_checks_only_run(tmp_path):
     record = {"provenance": {}, "page_size": 16, "dense_layers": 2, "bandwidth_bytes_per_s": 4e12, "points": [],
               "check_chunked_prefix_fp32": {"quest-256": {"identical": False, "tokens_match": 70, "tokens": 72,

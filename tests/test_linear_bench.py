@@ -1,6 +1,6 @@
-"""benchmarks/linear.py, the parts that run here: its ``--smoke`` run of the ``int8_grouped`` formats (Triton under
-the interpreter) checks every backend against the reference before timing it and writes the error beside the time;
-its round-to-nearest ``int8_grouped`` weights stay within half a step."""
+"""benchmarks/linear.py, the parts that run here: its ``--smoke`` runs (Triton under the interpreter) check every
+backend against the reference before timing it and write the error beside the time (the ``int8_grouped`` formats,
+the int4 GEMV, bf16 and its one-row GEMV); its round-to-nearest ``int8_grouped`` weights stay within half a step."""
 
 import importlib.util
 import json
@@ -52,3 +52,16 @@ def test_smoke_run_times_the_one_row_int4_gemv_and_sweeps_its_launches(tmp_path)
     assert swept and swept[0]["planned"] and all(s["rel_err"] < linear_bench.CHECK_TOL for s in swept)
     sums = {(r["m"], r["backend"]) for r in payload["token_sums"]}
     assert {(1, "int4-gemv"), (1, "int4-gemv-swept"), (1, "int4-triton-swept")} <= sums
+
+
+def test_smoke_run_with_no_quantized_format_times_bf16_beside_its_one_row_gemv(tmp_path):
+    out = tmp_path / "linear"
+    linear_bench.main(["--smoke", "--methods", "--out", str(out)])
+    payload = json.loads(out.with_suffix(".json").read_text())
+    backends = {(t["m"], t["backend"]) for t in payload["times"]}
+    assert backends == {(1, "bf16"), (1, "bf16-gemv"), (3, "bf16")}  # the GEMV takes one row
+    assert all(c["ok"] for c in payload["checks"])
+    swept = [s for s in payload["sweep"] if s["method"] == "bf16-gemv"]
+    assert swept and swept[0]["planned"] and all(s["rel_err"] < linear_bench.CHECK_TOL for s in swept)
+    sums = {(r["m"], r["backend"]) for r in payload["token_sums"]}
+    assert {(1, "bf16"), (1, "bf16-gemv"), (1, "bf16-gemv-swept")} <= sums

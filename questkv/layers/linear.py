@@ -1,4 +1,5 @@
-"""Fused projections: one GEMM where a checkpoint stores several (q/k/v, gate/up).
+"""The engine's dense linear layers: :class:`Linear` (through the one dispatch point, :func:`questkv.ops.linear`)
+and fused projections, one GEMM where a checkpoint stores several (q/k/v, gate/up).
 
 Owns the row layout of the fused weight and the copy of each checkpoint shard into its rows; which
 checkpoint name is which shard is ``questkv.models.llama``'s business.
@@ -11,9 +12,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from questkv import ops
 from questkv.validation import check_choice, check_int
 
-__all__ = ["MergedLinear", "copy_param", "shard_offsets"]
+__all__ = ["Linear", "MergedLinear", "copy_param", "shard_offsets"]
 
 
 def copy_param(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -40,8 +42,21 @@ def shard_offsets(owner: str, shard_sizes: dict[str, int]) -> dict[str, int]:
     return offsets
 
 
-class MergedLinear(nn.Linear):
-    """A plain ``nn.Linear`` whose output features are named shards back to back.
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product goes through :func:`questkv.ops.linear` on ``backend`` (``"auto"``; ``"torch"``
+    forces the reference): on CUDA a single row (a decode step at batch 1) and a small weight take questkv's GEMV."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.backend = "auto"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, in_features]`` → ``[T, out_features]``, ``x``'s dtype."""
+        return ops.linear(x, self.weight, self.bias, backend=self.backend)
+
+
+class MergedLinear(Linear):
+    """A :class:`Linear` whose output features are named shards back to back.
 
     ``MergedLinear(hidden, {"q": Hq * D, "k": Hkv * D, "v": Hkv * D})`` is the fused QKV projection and
     ``MergedLinear(hidden, {"gate": I, "up": I})`` the fused gate/up projection: one GEMM instead of three or

@@ -21,7 +21,7 @@ from questkv.config import QuestConfig
 from questkv.distributed.group import TensorParallel
 from questkv.layers.activation import SiluAndMul
 from questkv.layers.attention import Attention
-from questkv.layers.linear import MergedLinear, copy_param
+from questkv.layers.linear import Linear, MergedLinear, copy_param
 from questkv.layers.norm import RMSNorm
 from questkv.layers.parallel import (
     ParallelLMHead,
@@ -202,7 +202,7 @@ class LlamaAttention(nn.Module):
         self.num_q_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, spec.head_dim
         q_size, kv_size = heads * spec.head_dim, kv_heads * spec.head_dim
         self.qkv_proj = MergedLinear(spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, spec.attention_bias)
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_proj_bias)
         self.reduce = _identity if tp is None else tp.all_reduce  # chosen once: one rank runs no collective
         if tp is not None:
             full = spec.head_dim * spec.num_kv_heads
@@ -239,7 +239,7 @@ class LlamaMLP(nn.Module):
         size = spec.intermediate_size if tp is None else tp.split("intermediate_size", spec.intermediate_size)
         self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": size, "up": size}, spec.mlp_bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(size, spec.hidden_size, bias=spec.mlp_bias)
         self.reduce = _identity if tp is None else tp.all_reduce
         if tp is not None:
             mark_column_parallel(self.gate_up_proj, (spec.intermediate_size,) * 2, tp)

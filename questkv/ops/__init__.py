@@ -1,4 +1,4 @@
-"""Quest ops behind one dispatch point.
+"""Quest ops (and the decode step's dense linear layer) behind one dispatch point.
 
 Every op has a torch reference (:mod:`questkv.ops.reference`) and, for CUDA tensors, a Triton
 kernel with the same signature. ``backend="auto"`` picks the kernel for CUDA tensors and the
@@ -22,6 +22,7 @@ __all__ = [
     "LayerPages",
     "append_kv",
     "encode_page_keys",
+    "linear",
     "page_scores",
     "page_scores_codes",
     "select_pages",
@@ -62,6 +63,11 @@ def append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values, backend: str = 
 def rope_append_kv(k_pages, v_pages, kmin, kmax, slots, q, keys, values, cos, sin, backend: str = "auto") -> None:
     """See :func:`questkv.ops.reference.rope_append_kv`."""
     resolve_backend(k_pages, backend).rope_append_kv(k_pages, v_pages, kmin, kmax, slots, q, keys, values, cos, sin)
+
+
+def linear(x, weight, bias=None, backend: str = "auto"):
+    """See :func:`questkv.ops.reference.linear` (on CUDA, one row through a GEMV: :mod:`questkv.ops.triton.gemv`)."""
+    return resolve_backend(x, backend).linear(x, weight, bias)
 
 
 def page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection="kv_head", group_reduction="sum", backend="auto"):

@@ -131,6 +131,19 @@ def rope_append_kv(
     append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y = x @ weight.T + bias`` (``F.linear``).
+
+    Args:
+        x: ``[M, K]``, any float dtype.
+        weight: ``[N, K]`` in ``x``'s dtype (``nn.Linear``'s layout). bias: ``[N]`` or ``None``.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+    """
+    return F.linear(x, weight, bias)
+
+
 def page_scores(
     q: torch.Tensor,
     kmin: torch.Tensor,

@@ -28,7 +28,7 @@ _SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from questkv.ops.triton import append, attention, codes, estimate, prefill_attention, reselect, select
+    from questkv.ops.triton import append, attention, codes, estimate, gemv, prefill_attention, reselect, select
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -85,7 +85,8 @@ _SCRIPT = textwrap.dedent(
         )
 
 
-    # the K/V append alone (fp32 tokens into a bf16 pool) and with RoPE folded in (bf16, a group of 4 query heads)
+    # the K/V append alone (fp32 tokens into a bf16 pool) and with RoPE folded in (bf16, a group of 4 query heads,
+    # programmatic dependent launch as on an H200)
     for rotate, token_dtype in ((False, "fp32"), (True, "bf16")):
         compile_kernel(
             append._append_kv_kernel,
@@ -94,7 +95,7 @@ _SCRIPT = textwrap.dedent(
              "cos_ptr": token_dtype, "sin_ptr": token_dtype},
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "FIRST": 64 if rotate else 128,
              "BLOCK_H": 64 if rotate else 128, "GROUP": 4 if rotate else 1, "BLOCK_G": 4 if rotate else 1,
-             "ROTATE": rotate},
+             "ROTATE": rotate, "USE_PDL": rotate},
             num_warps=1,
         )
     def compile_estimate(q_dtype, mode, group, blocks, pdl, active=False):
@@ -242,6 +243,18 @@ _SCRIPT = textwrap.dedent(
         )
 
 
+    def compile_gemv(n, k, cfg, dtype="bf16", bias=False, even=True, pdl=True):
+        return compile_kernel(
+            gemv._gemv_kernel,
+            {"x_ptr": dtype, "w_ptr": dtype, "bias_ptr": dtype, "part_ptr": "fp32", "counter_ptr": "i32",
+             "out_ptr": dtype},
+            {"BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "SPLIT_K": cfg.split > 1,
+             "HAS_BIAS": bias, "EVEN": even, "REDUCE_CHUNK": gemv._REDUCE_CHUNK, "USE_PDL": pdl},
+            num_warps=cfg.num_warps,
+            divisible=("N", "K", "stride_wn", "k_per_split") if even else ("k_per_split",),
+        )
+
+
     for config in (("bf16", 4, 128, 16, 512), ("bf16", 4, 128, 16, 3), ("bf16", 1, 128, 16, 512),
                    ("bf16", 7, 64, 16, 512), ("bf16", 4, 128, 64, 48), ("fp32", 4, 128, 16, 512),
                    ("bf16", 4, 128, 16, 512, "fp32"), ("bf16", 4, 128, 16, 48, "same", True),
@@ -251,6 +264,18 @@ _SCRIPT = textwrap.dedent(
             info = ptxas_info(compiled)
             print("paged_prefill_attention llama-3.1-8b:", info)
             assert "0 bytes spill stores" in info, info
+    # the batch-1 dense GEMV: Llama-3.1-8B's qkv and o projections as the launcher plans them, bf16 with PDL:
+    # 128-bit weight loads, no spills; a split, a masked odd shape with a bias, fp16 and fp32
+    for n, k in ((6144, 4096), (4096, 4096)):
+        cfg = gemv.plan_gemv(n, k)
+        compiled = compile_gemv(n, k, cfg)
+        info = ptxas_info(compiled)
+        print("gemv llama-3.1-8b", n, k, cfg, info)
+        assert "0 bytes spill stores" in info, info
+        assert "ld.global.v4.b32" in compiled.asm["ptx"], "weights not loaded 128 bits at a time"
+    compile_gemv(1000, 900, gemv.plan_gemv(1000, 900), bias=True, even=False, pdl=False)
+    compile_gemv(4096, 4096, gemv.GemvConfig(16, 512, 4, 2), dtype="fp16")
+    compile_gemv(576, 1536, gemv.plan_gemv(576, 1536), dtype="fp32")
     print("all kernels compiled for sm_90")
     """
 )

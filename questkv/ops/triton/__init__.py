@@ -14,6 +14,7 @@ from questkv.ops.triton.attention import (
 )
 from questkv.ops.triton.codes import encode_page_keys, page_scores_codes, page_scores_codes_into
 from questkv.ops.triton.estimate import page_scores, page_scores_into
+from questkv.ops.triton.gemv import linear
 from questkv.ops.triton.prefill_attention import paged_prefill_attention
 from questkv.ops.triton.reselect import reselect_heads_into
 from questkv.ops.triton.select import select_buffers, select_pages, select_pages_into
@@ -22,6 +23,7 @@ __all__ = [
     "append_kv",
     "attention_buffers",
     "encode_page_keys",
+    "linear",
     "page_scores",
     "page_scores_codes",
     "page_scores_codes_into",

@@ -132,3 +132,31 @@ def last_to_arrive(counter, programs):
 def reset_ticket(counter):
     """Zero a counter of :func:`last_to_arrive` for the next launch (graph replays need no memset)."""
     tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def sum_split_partials(part_ptr, split_stride, rn, nmask, splits, REDUCE_CHUNK: tl.constexpr):
+    """Sum over ``splits`` float32 partials ``part_ptr + s * split_stride + rn`` (``rn`` ``[BLOCK_N]``, masked by
+    ``nmask``) in fixed chunks of ``REDUCE_CHUNK`` splits, in split order (deterministic), each chunk's loads issued
+    together and read past L1 (other programs wrote them)."""
+    c = tl.arange(0, REDUCE_CHUNK)
+    acc = tl.zeros([rn.shape[0]], dtype=tl.float32)
+    for first in range(0, splits, REDUCE_CHUNK):
+        sp = first + c
+        parts = tl.load(part_ptr + sp[:, None] * split_stride + rn[None, :],
+                        mask=(sp < splits)[:, None] & nmask[None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(parts, axis=0)
+    return acc
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def ticket_counters(device: torch.device, size: int) -> torch.Tensor:
+    """The device's zeroed int32 tickets for :func:`last_to_arrive`, at least ``size`` of them, shared by every
+    split kernel's launches (each launch leaves them zero): launches must not run concurrently on two streams."""
+    counters = _TICKETS.get(device)
+    if counters is None or counters.numel() < size:
+        counters = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+        _TICKETS[device] = counters
+    return counters

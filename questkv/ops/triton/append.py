@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2
+from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2, use_pdl
 
 
 @triton.jit
@@ -36,6 +37,7 @@ def _append_kv_kernel(
     stride_ct, stride_st,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FIRST: tl.constexpr,
     BLOCK_H: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, ROTATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per (token, KV head). Channels go in two parts, ``[0, FIRST)`` and ``[FIRST, HEAD_DIM)``
     (the halves that RoPE pairs; without ``ROTATE``, ``FIRST == HEAD_DIM`` and the second part is empty).
@@ -43,7 +45,14 @@ def _append_kv_kernel(
     With ``ROTATE`` the program rotates its token's ``GROUP`` query heads of its KV head in place. The first
     token of each run of same-page tokens (the run's *leader*) handles the whole run: it rotates the run's
     keys in place (no other program touches them), stores them and the values in the pool, and folds them
-    into the page bounds."""
+    into the page bounds.
+
+    With ``USE_PDL`` it waits for the kernels before it, then at once lets the next kernel launch: the decode
+    attention after it loads every page but a sequence's last (the one a decode step writes) before its own
+    wait, so the two overlap."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0)
     head = tl.program_id(1)
     h = tl.arange(0, BLOCK_H)
@@ -141,8 +150,9 @@ def _launch(k_pages, v_pages, kmin, kmax, slots, keys, values, q, cos, sin) -> N
         q.stride(0), q.stride(1),
         cos.stride(0), sin.stride(0),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), FIRST=first,
-        BLOCK_H=next_pow2(first), GROUP=group, BLOCK_G=next_pow2(group), ROTATE=rotate,
+        BLOCK_H=next_pow2(first), GROUP=group, BLOCK_G=next_pow2(group), ROTATE=rotate, USE_PDL=use_pdl(k_pages.device),
         num_warps=1, enable_fp_fusion=False,  # the rotation's products and sums rounded as eager torch does
+        launch_pdl=use_pdl(k_pages.device),
     )
 
 

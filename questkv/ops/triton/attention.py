@@ -67,12 +67,13 @@ def _decode_split_kernel(
     then takes a ticket; the program that takes the last ticket of its (sequence, selection head)
     merges all splits into ``out`` and resets the counter for the next launch (one launch per step,
     no separate merge kernel). With ``USE_PDL`` it waits for the kernels before it only at its first
-    read, and lets the next kernel launch once its split is attended."""
+    read of what they may write (``DENSE``: after loading its first tile but the sequence's last page),
+    and lets the next kernel launch once its split is attended."""
     split = tl.program_id(0)
     sel_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     kv_head = sel_head // SEL_PER_KV
-    if USE_PDL:
+    if USE_PDL and not DENSE:
         gdc_wait()
     seq_len = tl.load(lens_ptr + seq)
     if DENSE:
@@ -86,18 +87,47 @@ def _decode_split_kernel(
     t = tl.arange(0, BLOCK_N)
     gmask = g < GROUP
     dmask = d < HEAD_DIM
+    offset = t % PAGE_SIZE
     q_rows = sel_head * GROUP + g
-    q = tl.load(q_ptr + seq * stride_qb + q_rows[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if DENSE:
+        # The first tile, peeled: its keys and values are loaded before the wait for the kernels this launch
+        # overlaps (the step's K/V append before it triggers early), except the sequence's last page, the one
+        # page a decode step writes; the lengths and page table are the step's inputs, written before them.
+        item = start + t // PAGE_SIZE
+        live = (item < end) & (item * PAGE_SIZE + offset < seq_len)
+        physical = tl.load(table_ptr + seq * stride_tb + item, mask=live, other=0).to(tl.int64)
+        k_tile = k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+        v_tile = v_pages_ptr + physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
+        last = item == (seq_len - 1) // PAGE_SIZE
+        early = (live & ~last)[:, None] & dmask[None, :]
+        k = tl.load(k_tile, mask=early, other=0.0)
+        v = tl.load(v_tile, mask=early, other=0.0)
+        if USE_PDL:
+            gdc_wait()
+        late = (live & last)[:, None] & dmask[None, :]
+        k = tl.where(late, tl.load(k_tile, mask=late, other=0.0), k)
+        v = tl.where(late, tl.load(v_tile, mask=late, other=0.0), v)
+        q = tl.load(q_ptr + seq * stride_qb + q_rows[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = block_scores(q, k, qk_scale, IEEE)  # [BLOCK_G, BLOCK_N]
+        s = tl.where(live[None, :], s, float("-inf"))
+        acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
+        start += PAGES_PER_ITER
+    else:
+        q = tl.load(q_ptr + seq * stride_qb + q_rows[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+
     for it in range(start, end, PAGES_PER_ITER):
         item = it + t // PAGE_SIZE
-        offset = t % PAGE_SIZE
         in_chunk = item < end
         if DENSE:
             logical = item

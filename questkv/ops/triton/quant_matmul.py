@@ -53,7 +53,16 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from questkv.ops.quant_reference import GROUP_SIZES, check_quant_args, unpack_int4
-from questkv.ops.triton._common import interpreting, last_to_arrive, next_pow2, num_sms, reset_ticket, use_pdl
+from questkv.ops.triton._common import (
+    interpreting,
+    last_to_arrive,
+    next_pow2,
+    num_sms,
+    reset_ticket,
+    sum_split_partials,
+    ticket_counters,
+    use_pdl,
+)
 
 __all__ = [
     "FMA_MAX_M",
@@ -344,18 +353,6 @@ def plan_quant_matmul(m: int, n: int, k: int, method: str, group_size: int = 128
                              swap_ab=use_dot and block_m <= 64)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, size: int) -> torch.Tensor:
-    """The device's zeroed tickets (at least ``size``; every launch leaves them zero)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < size:
-        counters = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
-
-
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                  method: str, group_size: int = 128, bias: Optional[torch.Tensor] = None,
                  config: Optional[QuantMatmulConfig] = None) -> torch.Tensor:
@@ -393,7 +390,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device, grid[0] * grid[2])
+        counters = ticket_counters(x.device, grid[0] * grid[2])
     else:
         part = counters = out  # never read
     upcast = interpreting() and x.dtype == torch.bfloat16  # the interpreter's bf16 dot is wrong; fp16's is right
@@ -459,19 +456,6 @@ def _gemv_store(acc, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
-def _gemv_partials_sum(part_ptr, row, M, N, rn, nmask, splits, REDUCE_CHUNK: tl.constexpr):
-    """Row ``row``'s split partials summed in fixed chunks (deterministic), each chunk's loads issued together."""
-    c = tl.arange(0, REDUCE_CHUNK)
-    acc = tl.zeros([rn.shape[0]], dtype=tl.float32)
-    for first in range(0, splits, REDUCE_CHUNK):
-        sp = first + c
-        parts = tl.load(part_ptr + (sp[:, None] * M + row) * N + rn[None, :],
-                        mask=(sp < splits)[:, None] & nmask[None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(parts, axis=0)
-    return acc
 
 
 @triton.jit
@@ -566,7 +550,7 @@ def _int4_gemv_kernel(
         splits = tl.num_programs(1)
         if last_to_arrive(counter, splits):
             for row in tl.static_range(BLOCK_M):
-                total = _gemv_partials_sum(part_ptr, row, M, N, rn, nmask, splits, REDUCE_CHUNK)
+                total = sum_split_partials(part_ptr + row * N, M * N, rn, nmask, splits, REDUCE_CHUNK)
                 _gemv_store(total, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
             reset_ticket(counter)
     else:
@@ -641,7 +625,7 @@ def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     grid = (triton.cdiv(n, cfg.block_n), split)
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device, grid[0])
+        counters = ticket_counters(x.device, grid[0])
     else:
         part = counters = out  # never read
     _int4_gemv_kernel[grid](
