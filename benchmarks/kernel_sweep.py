@@ -49,17 +49,17 @@ ESTIMATE_GRID = {"block_p": (32, 64, 128), "blocks_per_program": (1, 2), "num_st
 
 
 @contextlib.contextmanager
-def attention_config(dense: bool, tokens_per_iter: int, programs_per_sm: int, num_stages: int,
+def attention_config(kind: str, tokens_per_iter: int, programs_per_sm: int, num_stages: int,
                      num_warps: int) -> Iterator[None]:
-    """The attention kernel's launch constants for ``dense`` (or sparse) set to these, restored after."""
+    """The attention kernel's launch constants for grids of ``kind`` (``attention.grid_kind``) set to these,
+    restored after."""
     module = attention_kernel
-    saved = (dict(module._TOKENS_PER_ITER), dict(module._PROGRAMS_PER_SM), dict(module._NUM_STAGES), module._NUM_WARPS)
-    module._TOKENS_PER_ITER[dense], module._PROGRAMS_PER_SM[dense] = tokens_per_iter, programs_per_sm
-    module._NUM_STAGES[dense], module._NUM_WARPS = num_stages, num_warps
+    saved = (dict(module._CONFIG), module._NUM_WARPS)
+    module._CONFIG[kind], module._NUM_WARPS = (tokens_per_iter, programs_per_sm, num_stages), num_warps
     try:
         yield
     finally:
-        module._TOKENS_PER_ITER, module._PROGRAMS_PER_SM, module._NUM_STAGES, module._NUM_WARPS = saved
+        module._CONFIG, module._NUM_WARPS = saved
 
 
 @contextlib.contextmanager
@@ -75,13 +75,19 @@ def estimate_config(block_p: int, blocks_per_program: int, num_stages: int, num_
         module._BLOCK_P, module._BLOCKS_PER_PROGRAM, module._NUM_STAGES, module._NUM_WARPS = saved
 
 
-def defaults() -> dict:
+def _kinds(batch: int) -> dict:
+    """The attention grid kind of the dense and the sparse kernel at ``batch`` (KV heads of ``MODEL``)."""
+    heads = MODELS[MODEL][1]
+    return {"dense": attention_kernel.grid_kind(True, batch * heads), "sparse": attention_kernel.grid_kind(False, batch * heads)}
+
+
+def defaults(batch: int) -> dict:
     a, e = attention_kernel, estimate_kernel
+    attention = {
+        kernel: dict(zip(("tokens_per_iter", "programs_per_sm", "num_stages"), a._CONFIG[kind]), num_warps=a._NUM_WARPS)
+        for kernel, kind in _kinds(batch).items()}
     return {
-        "dense": {"tokens_per_iter": a._TOKENS_PER_ITER[True], "programs_per_sm": a._PROGRAMS_PER_SM[True],
-                  "num_stages": a._NUM_STAGES[True], "num_warps": a._NUM_WARPS},
-        "sparse": {"tokens_per_iter": a._TOKENS_PER_ITER[False], "programs_per_sm": a._PROGRAMS_PER_SM[False],
-                   "num_stages": a._NUM_STAGES[False], "num_warps": a._NUM_WARPS},
+        **attention,
         "estimate": {"block_p": e._BLOCK_P, "blocks_per_program": e._BLOCKS_PER_PROGRAM, "num_stages": e._NUM_STAGES,
                      "num_warps": e._NUM_WARPS},
     }
@@ -107,7 +113,7 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
     rows = {"dense": [], "sparse": [], "estimate": []}
     for kind in ("dense", "sparse"):
         for cfg in grid(ATTENTION_GRID):
-            with attention_config(kind == "dense", **cfg):
+            with attention_config(_kinds(batch)[kind], **cfg):
                 step = QuestDecodeStep(quest if kind == "sparse" else QuestConfig(backend="triton"),
                                        batch, hq, hkv, d, npages, DTYPE, DEVICE)
                 if kind == "dense":
@@ -137,9 +143,10 @@ def data_bytes(batch: int, context: int) -> int:
     return batch * context * hkv * d * 2 * torch.tensor([], dtype=DTYPE).element_size()
 
 
-def best_lines(points: list[dict], default: dict) -> list[str]:
+def best_lines(points: list[dict]) -> list[str]:
     lines = ["| point | kernel | default µs | best µs | best configuration | default / best |", "|---|---|---|---|---|---|"]
     for p in points:
+        default = defaults(p["batch"])
         label = f"B={p['batch']}, L={p['context'] // 1024}k, budget {p['budget']}"
         for kind in ("dense", "sparse", "estimate"):
             ok = [r for r in p[kind] if r["ok"]]
@@ -166,19 +173,19 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/kernel_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    default = defaults()
     info = {
         "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "model": MODEL, "dtype": str(DTYPE), "page_size": PAGE_SIZE, "defaults": default,
+        "model": MODEL, "dtype": str(DTYPE), "page_size": PAGE_SIZE,
+        "defaults": {batch: defaults(batch) for batch, _, _ in POINTS},
     }
     points = []
     for batch, context, budget in POINTS:
         points.append(sweep_point(batch, context, budget, args))
-        print("\n".join(best_lines(points[-1:], default)[2:]), flush=True)
+        print("\n".join(best_lines(points[-1:])[2:]), flush=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"kernel-sweep-{args.tag}.json").write_text(json.dumps({"info": info, "points": points}, indent=1))
@@ -188,7 +195,7 @@ def main() -> int:
           "- median GPU µs per call under CUDA graphs (kernels.py's method); every configuration checked against "
           "the torch reference on the point's data (attention 1e-2, estimate 1e-5 relative error)",
           "- grids: attention " + json.dumps(ATTENTION_GRID) + "; estimate " + json.dumps(ESTIMATE_GRID),
-          "", "## Best against the defaults", "", *best_lines(points, default), ""]
+          "", "## Best against the defaults", "", *best_lines(points), ""]
     (out_dir / f"kernel-sweep-{args.tag}.md").write_text("\n".join(md))
     print("\n".join(md))
     return 0

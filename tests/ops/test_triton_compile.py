@@ -66,7 +66,8 @@ _SCRIPT = textwrap.dedent(
         return " ".join(line.split("info    : ")[-1] for line in lines)
 
 
-    def compile_attention(dtype, dense, group, sel_per_kv, pdl=False, merge_chunk=attention._MERGE_CHUNK):
+    def compile_attention(dtype, dense, group, sel_per_kv, pdl=False, merge_chunk=attention._MERGE_CHUNK,
+                          kind=None):
         ieee = dtype == "fp32"
         return compile_kernel(
             attention._decode_split_kernel,
@@ -75,7 +76,7 @@ _SCRIPT = textwrap.dedent(
              "counter_ptr": "i32", "out_ptr": dtype},
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": 16,
              "BLOCK_GM": group, "SEL_PER_KV": sel_per_kv,
-             "PAGES_PER_ITER": attention.pages_per_iter(16, dense), "MERGE_CHUNK": merge_chunk,
+             "PAGES_PER_ITER": attention.pages_per_iter(16, kind or ("dense" if dense else "sparse")), "MERGE_CHUNK": merge_chunk,
              "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl},
             floats=("qk_scale",),
             num_warps=attention._NUM_WARPS,
@@ -119,11 +120,16 @@ _SCRIPT = textwrap.dedent(
     compile_attention("bf16", False, 4, 1, pdl=True)
     compile_attention("bf16", True, 4, 1, pdl=True)
     compile_attention("fp16", False, 4, 1)
-    # the wide merge (few programs, groups of at most 4) must not spill; the divisibility of a run's launch
-    for dense in (False, True):
-        info = ptxas_info(compile_attention("bf16", dense, 4, 1, pdl=True, merge_chunk=attention._WIDE_MERGE_CHUNK))
-        print("attention, wide merge:", info)
+    # the wide merge (few programs, groups of at most 4) must not spill, nor batch 1's dense grid (128 keys per
+    # iteration, its first tile prefetched into L2 before the programmatic-launch wait); the divisibility of a
+    # run's launch
+    for dense, kind in ((False, None), (True, None), (True, "dense-few")):
+        compiled = compile_attention("bf16", dense, 4, 1, pdl=True, merge_chunk=attention._WIDE_MERGE_CHUNK, kind=kind)
+        info = ptxas_info(compiled)
+        print("attention, wide merge:", kind, info)
         assert "0 bytes spill stores" in info, info
+        print("prefetches", compiled.asm["ptx"].count("prefetch.global.L2"))
+        assert (compiled.asm["ptx"].count("prefetch.global.L2") > 0) == dense
     compile_attention("fp32", False, 4, 1)
     compile_attention("fp32", True, 4, 1)
     compile_estimate("fp32", 1, 4, 1, False)

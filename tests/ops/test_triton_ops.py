@@ -334,13 +334,16 @@ def test_paged_decode_attention_reads_a_head_major_pool(selection):
     assert torch.equal(tk.paged_decode_attention(q, *head_major, table, lens, selected), want)
 
 
+@pytest.mark.parametrize("few", [True, False])  # a dense grid of few programs (8-page iterations) or not (4)
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_attention_split_merge_and_scale(num_splits):
+def test_attention_split_merge_and_scale(num_splits, few, monkeypatch):
     """Explicit split counts (a short sequence leaves whole splits empty), a custom scale, and two
     launches on the same buffers: the fused merge must leave its counters at zero."""
+    if not few:
+        monkeypatch.setattr(attention, "_FEW_PROGRAMS", 0)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    page_size, max_pages = 16, 12
-    q, k_pages, v_pages, table, lens = _attention_case(torch.float32, (8, 2, 32), [150, 5], max_pages, page_size, gen)
+    page_size, max_pages = 16, 24
+    q, k_pages, v_pages, table, lens = _attention_case(torch.float32, (8, 2, 32), [300, 5], max_pages, page_size, gen)
     buffers = tk.attention_buffers(2, 8, 2, 32, max_pages, page_size, True, q.device, num_splits)
     part_out, part_lse, counters, _ = buffers
     assert part_lse.shape[-1] == num_splits
@@ -385,6 +388,17 @@ def test_merge_chunk_is_wide_only_for_few_programs_and_small_groups():
     assert attention.merge_chunk(265, 4, cpu) == 16
     assert attention.merge_chunk(8, 8, cpu) == 16
     assert attention.merge_chunk(8, 1, cpu) == 32
+
+
+def test_dense_grids_of_few_programs_take_longer_splits():
+    """A dense grid of at most 16 (sequence, KV head) pairs (batch 1 of 8 KV heads) aims at 2 programs per SM with
+    128 keys per iteration; more pairs at 4 per SM with 64; sparse grids at 8 per SM with 128 (132 SMs on a CPU)."""
+    cpu = torch.device("cpu")
+    assert [attention.grid_kind(True, n) for n in (8, 16, 17)] == ["dense-few", "dense-few", "dense"]
+    assert attention.grid_kind(False, 8) == "sparse"
+    assert attention.plan_splits(2048, 8, 16, cpu, True) == (32, 64)  # 33 aimed at, whole 8-page iterations
+    assert attention.plan_splits(2048, 64, 16, cpu, True) == (8, 256)  # 8 = 4 * 132 // 64, 4-page iterations
+    assert attention.plan_splits(129, 8, 16, cpu, False) == (17, 8)  # 132 aimed at, at least one 8-page iteration
 
 
 def _force_split_select(monkeypatch, split):

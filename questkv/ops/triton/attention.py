@@ -25,12 +25,13 @@ from questkv.ops.triton._common import (
 )
 
 _LOG2E = 1.4426950408889634
-# Launch configuration, dense / sparse (measured on an H200, docs/gpu-kernels.md): keys per
-# inner iteration (whole pages), programs per SM the split count aims at (rounded down so the
-# grid fits one wave), and software-pipelining depth.
-_TOKENS_PER_ITER = {True: 64, False: 128}
-_PROGRAMS_PER_SM = {True: 4, False: 8}
-_NUM_STAGES = {True: 3, False: 2}
+# Launch configuration per kind of grid (grid_kind; measured on an H200, benchmarks/results/kernel-sweep-h200.md):
+# keys per inner iteration (whole pages), programs per SM the split count aims at (rounded down so the grid fits
+# one wave), and software-pipelining depth. A dense grid of at most _FEW_PROGRAMS (sequence, KV head) pairs takes
+# longer splits: 40.6 against 42.1 µs at B=1/32k and 129.8 against 130.3 at B=1/128k (8 KV heads), where B=8
+# (64 pairs) keeps the shorter ones (243.7 against 247.5).
+_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 8, 2)}
+_FEW_PROGRAMS = 16
 _NUM_WARPS = 4
 # Splits combined per step of the merge. The wide chunk takes up to 32 splits in one step but costs
 # registers (207 against 128 per thread at a group of 4 query heads in an sm_90 compile; a group of 8
@@ -67,8 +68,8 @@ def _decode_split_kernel(
     then takes a ticket; the program that takes the last ticket of its (sequence, selection head)
     merges all splits into ``out`` and resets the counter for the next launch (one launch per step,
     no separate merge kernel). With ``USE_PDL`` it waits for the kernels before it only at its first
-    read of what they may write (``DENSE``: after loading its first tile but the sequence's last page),
-    and lets the next kernel launch once its split is attended."""
+    read of what they may write (``DENSE``: after prefetching its first tile into L2), and lets the next
+    kernel launch once its split is attended."""
     split = tl.program_id(0)
     sel_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -85,49 +86,28 @@ def _decode_split_kernel(
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     t = tl.arange(0, BLOCK_N)
+    if DENSE and USE_PDL:
+        # While the kernel before it (the step's K/V append, which lets this one launch as it starts) runs, pull
+        # the first tile's keys and values into L2: the lengths and page table are the step's inputs, written
+        # before that kernel, and a line it writes meanwhile is read later from L2 itself, new.
+        _prefetch_tile_l2(k_pages_ptr, v_pages_ptr, table_ptr, seq, start + t // PAGE_SIZE, t % PAGE_SIZE, end,
+                          kv_head, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tb,
+                          HEAD_DIM)
+        gdc_wait()
     gmask = g < GROUP
     dmask = d < HEAD_DIM
-    offset = t % PAGE_SIZE
     q_rows = sel_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qb + q_rows[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if DENSE:
-        # The first tile, peeled: its keys and values are loaded before the wait for the kernels this launch
-        # overlaps (the step's K/V append before it triggers early), except the sequence's last page, the one
-        # page a decode step writes; the lengths and page table are the step's inputs, written before them.
-        item = start + t // PAGE_SIZE
-        live = (item < end) & (item * PAGE_SIZE + offset < seq_len)
-        physical = tl.load(table_ptr + seq * stride_tb + item, mask=live, other=0).to(tl.int64)
-        k_tile = k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        v_tile = v_pages_ptr + physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
-        last = item == (seq_len - 1) // PAGE_SIZE
-        early = (live & ~last)[:, None] & dmask[None, :]
-        k = tl.load(k_tile, mask=early, other=0.0)
-        v = tl.load(v_tile, mask=early, other=0.0)
-        if USE_PDL:
-            gdc_wait()
-        late = (live & last)[:, None] & dmask[None, :]
-        k = tl.where(late, tl.load(k_tile, mask=late, other=0.0), k)
-        v = tl.where(late, tl.load(v_tile, mask=late, other=0.0), v)
-        q = tl.load(q_ptr + seq * stride_qb + q_rows[:, None] * stride_qh + d[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = block_scores(q, k, qk_scale, IEEE)  # [BLOCK_G, BLOCK_N]
-        s = tl.where(live[None, :], s, float("-inf"))
-        acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
-        start += PAGES_PER_ITER
-    else:
-        q = tl.load(q_ptr + seq * stride_qb + q_rows[:, None] * stride_qh + d[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-
     for it in range(start, end, PAGES_PER_ITER):
         item = it + t // PAGE_SIZE
+        offset = t % PAGE_SIZE
         in_chunk = item < end
         if DENSE:
             logical = item
@@ -186,24 +166,50 @@ def _decode_split_kernel(
         reset_ticket(counter)
 
 
-def pages_per_iter(page_size: int, dense: bool) -> int:
-    """Whole pages one inner iteration of the split kernel loads (>= 1)."""
-    return max(1, _TOKENS_PER_ITER[dense] // page_size)
+@triton.jit
+def _prefetch_tile_l2(k_pages_ptr, v_pages_ptr, table_ptr, seq, item, offset, end, kv_head,
+                      stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tb,
+                      HEAD_DIM: tl.constexpr):
+    """``prefetch.global.L2`` of the K and V rows (one per token ``item * PAGE_SIZE + offset`` of pages ``item <
+    end``, ``HEAD_DIM`` values of ``kv_head``; rows past the end prefetch page 0's, harmlessly): the data lands in
+    L2 and nothing in registers."""
+    physical = tl.load(table_ptr + seq * stride_tb + item, mask=item < end, other=0).to(tl.int64)
+    half = tl.arange(0, 2) * (HEAD_DIM // 2)  # a 256-byte bf16 row is two 128-byte lines
+    rows = physical[:, None] * stride_kp + offset[:, None] * stride_kt + kv_head * stride_kh + half[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [k_pages_ptr + rows], dtype=tl.int32,
+                              is_pure=False, pack=1)
+    rows = physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh + half[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [v_pages_ptr + rows], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+def grid_kind(dense: bool, programs: int) -> str:
+    """The launch configuration (a key of ``_CONFIG``) of a grid over ``programs`` (sequence, selection head)
+    pairs: ``"sparse"``, ``"dense"``, or ``"dense-few"`` for a dense grid of at most ``_FEW_PROGRAMS``."""
+    if not dense:
+        return "sparse"
+    return "dense-few" if programs <= _FEW_PROGRAMS else "dense"
+
+
+def pages_per_iter(page_size: int, kind: str) -> int:
+    """Whole pages one inner iteration of the split kernel loads (>= 1) in a grid of ``kind``."""
+    return max(1, _CONFIG[kind][0] // page_size)
 
 
 def plan_splits(num_items: int, programs: int, page_size: int, device: torch.device, dense: bool,
                 num_splits: Optional[int] = None) -> tuple[int, int]:
     """``(num_splits, items_per_split)`` for ``num_items`` pages per (sequence, selection head).
 
-    ``programs`` is ``batch * num_sel_heads``. Without an explicit ``num_splits`` the grid aims at
-    ``_PROGRAMS_PER_SM x SMs`` programs, rounded down so that it runs in one wave; every split
+    ``programs`` is ``batch * num_sel_heads``. Without an explicit ``num_splits`` the grid aims at its
+    kind's programs per SM (``_CONFIG``) times the SMs, rounded down so that it runs in one wave; every split
     holds whole inner iterations. The result depends on shapes only, so a CUDA graph captured once
     stays valid.
     """
-    step = pages_per_iter(page_size, dense)
+    kind = grid_kind(dense, programs)
+    step = pages_per_iter(page_size, kind)
     num_items = max(num_items, 1)
     if num_splits is None:
-        num_splits = _PROGRAMS_PER_SM[dense] * num_sms(device) // max(programs, 1)
+        num_splits = _CONFIG[kind][1] * num_sms(device) // max(programs, 1)
     num_splits = max(1, min(num_splits, triton.cdiv(num_items, step)))
     items_per_split = triton.cdiv(triton.cdiv(num_items, num_splits), step) * step
     return triton.cdiv(num_items, items_per_split), items_per_split
@@ -290,6 +296,7 @@ def paged_decode_attention_into(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     group = num_q_heads // sel_heads
+    kind = grid_kind(dense, batch * sel_heads)
     sel = page_table if dense else selected  # not read when dense
     _decode_split_kernel[(num_splits, sel_heads, batch)](
         q, k_pages, v_pages, page_table, seq_lens, sel, part_out, part_lse, counters, out,
@@ -304,10 +311,10 @@ def paged_decode_attention_into(
         out.stride(0), out.stride(1),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_GM=next_pow2(group), SEL_PER_KV=sel_heads // num_kv_heads,
-        PAGES_PER_ITER=pages_per_iter(page_size, dense), MERGE_CHUNK=merge_chunk(num_splits * sel_heads * batch, group, q.device),
+        PAGES_PER_ITER=pages_per_iter(page_size, kind), MERGE_CHUNK=merge_chunk(num_splits * sel_heads * batch, group, q.device),
         DENSE=dense, UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device),
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES[dense], launch_pdl=use_pdl(q.device),
+        num_warps=_NUM_WARPS, num_stages=_CONFIG[kind][2], launch_pdl=use_pdl(q.device),
     )
     return out
 
