@@ -46,8 +46,9 @@ class EngineConfig:
             more than is free when the engine starts, so that engines in one process or on one GPU can share
             it by their fractions.
         enforce_eager: never capture CUDA graphs (always true on CPU).
-        compile_elementwise: with CUDA graphs, fuse RMSNorm and SiLU-and-multiply with ``torch.compile``
-            (one kernel each instead of several; RoPE is part of the K/V append either way).
+        compile_elementwise: with CUDA graphs, run RMSNorm (with its residual add) and SiLU-and-multiply as one
+            Triton kernel each (:mod:`questkv.ops.triton.elementwise`) instead of eager torch's several; ``False``
+            keeps eager torch's ops (RoPE is part of the K/V append either way).
         graph_capture: when the decode graphs (one per batch size of ``cuda_graphs.graph_batch_sizes`` and
             power-of-two page-table width) are captured and their kernels compiled: ``"lazy"``, at the first
             step that needs one (quick to start; that step waits seconds), or ``"startup"``, all of them

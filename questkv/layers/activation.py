@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from questkv import ops
 
 __all__ = ["SiluAndMul"]
 
 
 class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` where ``x = cat(gate, up)`` along the last dimension (``MergedLinear`` order)."""
+    """``silu(gate) * up`` where ``x = cat(gate, up)`` along the last dimension (``MergedLinear`` order), through
+    :func:`questkv.ops.silu_and_mul` on ``backend`` (``"torch"`` unless the runner fuses the model's elementwise
+    ops)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.kernel = silu_and_mul  # the runner may swap in a compiled (fused) silu_and_mul
+        self.backend = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, 2 * intermediate_size]`` → ``[T, intermediate_size]``, same dtype."""
-        return self.kernel(x)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """:meth:`SiluAndMul.forward` as a function."""
-    gate, up = x.chunk(2, dim=-1)  # [T, I] each
-    return F.silu(gate) * up
+        return ops.silu_and_mul(x, backend=self.backend)

@@ -10,6 +10,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from questkv import ops
 from questkv.validation import check_float, check_int
 
 __all__ = ["RMSNorm"]
@@ -17,7 +18,9 @@ __all__ = ["RMSNorm"]
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, normalised in fp32 like transformers'
-    ``LlamaRMSNorm``: the input is upcast, normalised, cast back to its dtype, then scaled by ``weight``.
+    ``LlamaRMSNorm``: the input is upcast, normalised, cast back to its dtype, then scaled by ``weight``
+    (:func:`questkv.ops.rms_norm` on ``backend``: ``"torch"``, eager torch, unless the runner fuses the model's
+    elementwise ops, ``"auto"``: on CUDA one Triton kernel).
 
     Args:
         hidden_size: size of the last dimension (``hidden_size``, or ``head_dim`` for Qwen3's q/k norms).
@@ -29,7 +32,7 @@ class RMSNorm(nn.Module):
         check_int("RMSNorm.hidden_size", hidden_size, minimum=1)
         self.eps = check_float("RMSNorm.eps", eps, low=0.0, low_open=True)
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.kernel = rms_norm  # the runner may swap in a compiled (fused) rms_norm
+        self.backend = "torch"
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
@@ -40,23 +43,7 @@ class RMSNorm(nn.Module):
         layer adds its residual stream, and return ``(normed, x)``: the new residual stream comes back with
         its normalised copy. Without it, return ``normed`` alone. ``normed`` has the shape and dtype of ``x``.
         """
-        if residual is None:
-            return self.kernel(x, self.weight, self.eps)
-        return self.kernel(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """:meth:`RMSNorm.forward` as a function of its weight (one function for every layer, so that one
-    ``torch.compile`` of it fuses every norm of a model)."""
-    if residual is not None:
-        x = x + residual
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    normed = weight * h.to(dtype)
-    return normed if residual is None else (normed, x)

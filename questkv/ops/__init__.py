@@ -1,4 +1,4 @@
-"""Quest ops (and the decode step's dense linear layer) behind one dispatch point.
+"""Quest ops (and the decode step's dense linear layer, RMSNorm and gated activation) behind one dispatch point.
 
 Every op has a torch reference (:mod:`questkv.ops.reference`) and, for CUDA tensors, a Triton
 kernel with the same signature. ``backend="auto"`` picks the kernel for CUDA tensors and the
@@ -29,7 +29,9 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "resolve_backend",
+    "rms_norm",
     "rope_append_kv",
+    "silu_and_mul",
 ]
 
 
@@ -68,6 +70,16 @@ def rope_append_kv(k_pages, v_pages, kmin, kmax, slots, q, keys, values, cos, si
 def linear(x, weight, bias=None, backend: str = "auto"):
     """See :func:`questkv.ops.reference.linear` (on CUDA, one row through a GEMV: :mod:`questkv.ops.triton.gemv`)."""
     return resolve_backend(x, backend).linear(x, weight, bias)
+
+
+def rms_norm(x, weight, eps, residual=None, backend: str = "auto"):
+    """See :func:`questkv.ops.reference.rms_norm`."""
+    return resolve_backend(x, backend).rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x, backend: str = "auto"):
+    """See :func:`questkv.ops.reference.silu_and_mul`."""
+    return resolve_backend(x, backend).silu_and_mul(x)
 
 
 def page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection="kv_head", group_reduction="sum", backend="auto"):

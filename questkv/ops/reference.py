@@ -46,7 +46,7 @@ either backend the same way.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +129,37 @@ def rope_append_kv(
     q.copy_(rotate(q, cos, sin))
     keys.copy_(rotate(keys, cos, sin))
     append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """RMSNorm as the Llama family computes it (transformers' ``LlamaRMSNorm``), with an optional residual add.
+
+    With ``residual`` (``x``'s shape and dtype), first ``x = x + residual`` in ``x``'s dtype, as a decoder layer adds
+    its residual stream. Then ``weight * (x / sqrt(mean(x^2) + eps))`` over the last dimension, normalised in float32
+    and cast back to ``x``'s dtype before the weight.
+
+    Args:
+        x: ``[..., H]`` float. weight: ``[H]``. eps: added to the mean square.
+
+    Returns:
+        ``normed`` (``x``'s shape, the dtype of ``weight * x``), or ``(normed, x + residual)`` with ``residual``.
+    """
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    normed = weight * h.to(dtype)
+    return normed if residual is None else (normed, x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """The Llama-family MLP's gated activation: ``silu(gate) * up`` where ``x = cat(gate, up)`` along the last
+    dimension, ``[..., 2 * I]`` → ``[..., I]`` in ``x``'s dtype (each result rounded to it, as eager torch rounds)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

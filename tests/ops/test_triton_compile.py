@@ -28,7 +28,8 @@ _SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from questkv.ops.triton import append, attention, codes, estimate, gemv, prefill_attention, reselect, select
+    from questkv.ops.triton import (append, attention, codes, elementwise, estimate, gemv, prefill_attention,
+                                    reselect, select)
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -282,6 +283,19 @@ _SCRIPT = textwrap.dedent(
     compile_gemv(1000, 900, gemv.plan_gemv(1000, 900), bias=True, even=False, pdl=False)
     compile_gemv(4096, 4096, gemv.GemvConfig(16, 512, 4, 2), dtype="fp16")
     compile_gemv(576, 1536, gemv.plan_gemv(576, 1536), dtype="fp32")
+    # RMSNorm (with and without the residual add) and SiLU-and-multiply at Llama-3.1-8B's widths, bf16 under PDL,
+    # and float32; no spills
+    for dtype, pdl in (("bf16", True), ("fp32", False)):
+        for residual in (False, True):
+            compiled = compile_kernel(
+                elementwise._rms_norm_kernel,
+                {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype, "sum_ptr": dtype},
+                {"BLOCK": 4096, "HAS_RESIDUAL": residual, "USE_PDL": pdl}, floats=("eps",),
+                divisible=("stride_x", "stride_r", "stride_o", "stride_s"))
+            assert "0 bytes spill stores" in ptxas_info(compiled)
+        compiled = compile_kernel(elementwise._silu_and_mul_kernel, {"x_ptr": dtype, "out_ptr": dtype},
+                                  {"BLOCK": elementwise._SILU_BLOCK, "USE_PDL": pdl}, divisible=("I", "stride_x", "stride_o"))
+        assert "0 bytes spill stores" in ptxas_info(compiled)
     print("all kernels compiled for sm_90")
     """
 )

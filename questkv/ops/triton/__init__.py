@@ -13,6 +13,7 @@ from questkv.ops.triton.attention import (
     plan_splits,
 )
 from questkv.ops.triton.codes import encode_page_keys, page_scores_codes, page_scores_codes_into
+from questkv.ops.triton.elementwise import rms_norm, silu_and_mul
 from questkv.ops.triton.estimate import page_scores, page_scores_into
 from questkv.ops.triton.gemv import linear
 from questkv.ops.triton.prefill_attention import paged_prefill_attention
@@ -33,8 +34,10 @@ __all__ = [
     "paged_prefill_attention",
     "plan_splits",
     "reselect_heads_into",
+    "rms_norm",
     "rope_append_kv",
     "select_buffers",
     "select_pages",
     "select_pages_into",
+    "silu_and_mul",
 ]
