@@ -285,6 +285,24 @@ def sweep_configs(m: int, n: int, k: int, device: torch.device, name: str = "int
     return unique
 
 
+def sweep_launches(results: dict, where: tuple, configs: list, want: torch.Tensor, launches, timer, reps: int,
+                   warmup: int) -> None:
+    """Check and time every launch configuration of one kernel at one shape (``where`` = model, shape, M,
+    method; the first config is the launcher's plan): ``launches(cfg)`` gives one call per weight copy. A config
+    whose output misses the check, or that fails to compile, is recorded with its error and no time."""
+    model, name, m, method = where
+    for i, cfg in enumerate(configs):
+        fns = launches(cfg)
+        try:
+            err = _rel_err(fns[0](), want)
+            us = timer(fns, reps, warmup) if err < CHECK_TOL else float("nan")
+        except Exception as error:  # noqa: BLE001 - a launch that fails to compile is reported
+            err, us = f"{type(error).__name__}: {error}"[:200], float("nan")
+        results["sweep"].append({"model": model, "shape": name, "m": m, "method": method, "planned": i == 0,
+                                 "config": dataclasses.asdict(cfg), "us": us, "rel_err": err})
+        print(f"  sweep {method} {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
+
+
 def bf16_gemv_sweep_configs(n: int, k: int, device: torch.device) -> list:
     """Alternative launches of the bf16 ``gemv`` (the plan first): outputs and input features per tile, warps, and
     half and twice the plan's split."""
@@ -367,50 +385,28 @@ def run(args) -> dict:
                         q = shape.q[qname]
                         want = reference(x, qname, q[0])
                         method, group = QUANT[qname]
-                        for i, cfg in enumerate(sweep_configs(m, n, k, device, qname)):
-                            fns = [lambda qq=qq, cfg=cfg, method=method, group=group:
-                                   kernel(x, *qq, method, group, config=cfg) for qq in q]
-                            try:
-                                err = _rel_err(fns[0](), want)
-                                us = timer(fns, reps, warmup) if err < CHECK_TOL else float("nan")
-                            except Exception as error:  # noqa: BLE001 - a tiling that fails to compile is reported
-                                err, us = f"{type(error).__name__}: {error}"[:200], float("nan")
-                            results["sweep"].append({"model": model, "shape": name, "m": m, "method": qname,
-                                                     "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
-                                                     "rel_err": err})
-                            print(f"  sweep {qname} {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
+                        sweep_launches(
+                            results, (model, name, m, qname), sweep_configs(m, n, k, device, qname), want,
+                            lambda cfg, method=method, group=group: [
+                                lambda qq=qq: kernel(x, *qq, method, group, config=cfg) for qq in q],
+                            timer, reps, warmup)
                     if m == 1:
                         from questkv.ops.triton.gemv import gemv
 
-                        want = x.double() @ shape.w[0].double().t()
-                        for i, cfg in enumerate(bf16_gemv_sweep_configs(n, k, device)):
-                            fns = [lambda w=w, cfg=cfg: gemv(x, w, config=cfg) for w in shape.w]
-                            try:
-                                err = _rel_err(fns[0](), want)
-                                us = timer(fns, reps, warmup) if err < CHECK_TOL else float("nan")
-                            except Exception as error:  # noqa: BLE001 - a launch that fails to compile is reported
-                                err, us = f"{type(error).__name__}: {error}"[:200], float("nan")
-                            results["sweep"].append({"model": model, "shape": name, "m": m, "method": "bf16-gemv",
-                                                     "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
-                                                     "rel_err": err})
-                            print(f"  sweep bf16-gemv {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
+                        sweep_launches(
+                            results, (model, name, m, "bf16-gemv"), bf16_gemv_sweep_configs(n, k, device),
+                            x.double() @ shape.w[0].double().t(),
+                            lambda cfg: [lambda w=w: gemv(x, w, config=cfg) for w in shape.w], timer, reps, warmup)
                     from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv
 
                     if m <= GEMV_MAX_M and shape.gemv:
 
-                        want = reference(x, "int4", shape.q["int4"][0])
-                        for i, cfg in enumerate(gemv_sweep_configs(n, k, device, m)):
-                            fns = [lambda w=w, q=q, cfg=cfg: int4_gemv(x, w, q[1], q[2], GROUP, config=cfg)
-                                   for w, q in zip(shape.gemv, shape.q["int4"])]
-                            try:
-                                err = _rel_err(fns[0](), want)
-                                us = timer(fns, reps, warmup) if err < CHECK_TOL else float("nan")
-                            except Exception as error:  # noqa: BLE001 - a launch that fails to compile is reported
-                                err, us = f"{type(error).__name__}: {error}"[:200], float("nan")
-                            results["sweep"].append({"model": model, "shape": name, "m": m, "method": "int4-gemv",
-                                                     "planned": i == 0, "config": dataclasses.asdict(cfg), "us": us,
-                                                     "rel_err": err})
-                            print(f"  sweep int4-gemv {name} M={m} {cfg}: {us:.1f} us (err {err})", flush=True)
+                        sweep_launches(
+                            results, (model, name, m, "int4-gemv"), gemv_sweep_configs(n, k, device, m),
+                            reference(x, "int4", shape.q["int4"][0]),
+                            lambda cfg: [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP, config=cfg)
+                                         for w, q in zip(shape.gemv, shape.q["int4"])],
+                            timer, reps, warmup)
             del shape
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -256,3 +256,23 @@ def greedy_params(max_tokens: int, **kwargs):
     from questkv.engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels against their torch reference under the Triton interpreter (tests/ops)
+# ---------------------------------------------------------------------------------------------------------------
+
+INTERPRETER_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+"""Relative error a kernel may show against its reference under the interpreter, by dtype: the interpreter truncates
+float32 → bf16 / fp16 casts where a GPU rounds to nearest (a couple of units in their last place)."""
+
+
+def fresh_generator() -> torch.Generator:
+    """A CPU generator seeded afresh from torch's global seed (every test draws new random inputs)."""
+    return torch.Generator().manual_seed(torch.seed() % 2**31)
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    """``|out - want| / |want|`` (Frobenius norms, in float64); fails on a NaN in ``out``."""
+    assert not torch.isnan(out).any()
+    return ((out.double() - want.double()).norm() / want.double().norm()).item()

@@ -26,6 +26,15 @@ def _point(context, dense_ms, quest_ms, target):
             "ideal_speedup": dense_ms * 0.8 / (quest_ms * 0.7), "speedup": dense_ms / quest_ms}
 
 
+def _render(tmp_path, stem: str, points: list, **record) -> str:
+    """The markdown e2e_report writes for a record of ``points`` (and ``record``'s other keys)."""
+    path = tmp_path / f"{stem}.json"
+    path.write_text(json.dumps({"provenance": {}, "page_size": 16, "dense_layers": 2, "bandwidth_bytes_per_s": 4e12,
+                                "points": points, **record}))
+    e2e_report.main([str(path)])
+    return (tmp_path / f"{stem}.md").read_text()
+
+
 def test_report(tmp_path):
     base = _point(1024, 5.0, 5.1, None)
     long = _point(32768, 6.0, 5.0, 1.5)  # speedup 1.2 < 1.5: missed by 20 %
@@ -74,12 +83,7 @@ def test_report_of_selection_reuse(tmp_path):
     point["engine_quest_reuse"] = {"4": _engine(5.0, 4.8, 4100)}
     point["speedup_reuse"] = {"4": 9.0 / 5.0}
     plain = _point(32768, 6.0, 5.0, None)  # timed without reuse: not in the section
-    record = {"provenance": {}, "page_size": 16, "dense_layers": 2, "bandwidth_bytes_per_s": 4e12,
-              "selection_intervals": [4], "points": [point, plain]}
-    path = tmp_path / "e2e-reuse.json"
-    path.write_text(json.dumps(record))
-    e2e_report.main([str(path)])
-    md = (tmp_path / "e2e-reuse.md").read_text()
+    md = _render(tmp_path, "e2e-reuse", [point, plain], selection_intervals=[4])
     assert "## Selection reuse" in md
     assert "| llama3.1-8b | 1 | 128k | 2048 | 1 | 9.00 | 6.00 (5.80) | 1.50× | 1.60× | NO (missed by 6.3 %) |" in md
     assert "| llama3.1-8b | 1 | 128k | 2048 | 4 | 9.00 | 5.00 (4.80) | 1.80× | 1.60× | yes |" in md
@@ -92,12 +96,7 @@ def test_report_of_the_dense_engine_with_gemv_and_with_cublas(tmp_path):
     for run, count in ((point["engine_dense"], 308), (point["engine_dense_cublas"], 372)):
         run["kernels"] = {"count": count, "us": 5000.0, "top": [{"name": "nvjet_tst", "count": 32, "us": 1800.0}]}
     plain = _point(1024, 5.0, 5.1, None)  # timed one way only: not in the section
-    record = {"provenance": {}, "page_size": 16, "dense_layers": 2, "bandwidth_bytes_per_s": 4e12,
-              "points": [point, plain]}
-    path = tmp_path / "e2e-linear.json"
-    path.write_text(json.dumps(record))
-    e2e_report.main([str(path)])
-    md = (tmp_path / "e2e-linear.md").read_text()
+    md = _render(tmp_path, "e2e-linear", [point, plain])
     assert "## Float linears at one row: GEMV vs cuBLAS" in md
     assert "| llama3.1-8b | 1 | 32k | 5.60 (5.40) | 5.80 (5.75) | 1.036 | 4.48 | 1.250 | 1.295 | 308 / 372 |" in md
     assert "| llama3.1-8b | 1 | 1k | 5.00" not in md

@@ -15,24 +15,14 @@ pytest.importorskip("triton")
 from questkv import ops  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops.triton import elementwise  # noqa: E402
-
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
-
-
-def _rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
-    assert not torch.isnan(out).any()
-    return ((out.double() - want.double()).norm() / want.double().norm()).item()
+from tests.helpers import INTERPRETER_TOL, fresh_generator, rel_err  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 64), (2, 5, 100), (1, 4096)])  # rows of a decode step, odd widths, 8B's
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_the_reference(dtype, shape, with_residual):
-    gen = _gen()
+    gen = fresh_generator()
     x = (torch.randn(shape, generator=gen) * 3).to(dtype)
     weight = (1 + torch.randn(shape[-1], generator=gen) * 0.1).to(dtype)
     residual = torch.randn(shape, generator=gen).to(dtype) if with_residual else None
@@ -40,14 +30,14 @@ def test_rms_norm_matches_the_reference(dtype, shape, with_residual):
     want = reference.rms_norm(x, weight, 1e-5, residual)
     if with_residual:
         assert got[1].dtype == dtype and got[1].shape == x.shape
-        assert _rel_err(got[1], want[1]) < TOL[dtype]
+        assert rel_err(got[1], want[1]) < INTERPRETER_TOL[dtype]
         got, want = got[0], want[0]
     assert got.dtype == want.dtype and got.shape == want.shape
-    assert _rel_err(got, want) < TOL[dtype]
+    assert rel_err(got, want) < INTERPRETER_TOL[dtype]
 
 
 def test_rms_norm_reads_a_strided_view_and_promotes_to_the_weight_dtype():
-    gen = _gen()
+    gen = fresh_generator()
     wide = torch.randn(4, 2, 48, generator=gen)
     x = wide[:, 1, :32]  # rows 96 apart, last dimension contiguous
     weight = torch.randn(32, generator=gen, dtype=torch.float64)
@@ -59,15 +49,15 @@ def test_rms_norm_reads_a_strided_view_and_promotes_to_the_weight_dtype():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 2 * 96), (2, 3, 2 * 1500), (1, 2 * 14336)])  # a masked tail, two blocks
 def test_silu_and_mul_matches_the_reference(dtype, shape):
-    x = (torch.randn(shape, generator=_gen()) * 4).to(dtype)
+    x = (torch.randn(shape, generator=fresh_generator()) * 4).to(dtype)
     got = elementwise.silu_and_mul(x)
     want = reference.silu_and_mul(x)
     assert got.dtype == dtype and got.shape == want.shape
-    assert _rel_err(got, want) < TOL[dtype]
+    assert rel_err(got, want) < INTERPRETER_TOL[dtype]
 
 
 def test_dispatch_and_empty_inputs():
-    gen = _gen()
+    gen = fresh_generator()
     x, weight = torch.randn(2, 16, generator=gen), torch.randn(16, generator=gen)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5, backend="triton"), reference.rms_norm(x, weight, 1e-5))
     torch.testing.assert_close(ops.silu_and_mul(x, backend="triton"), reference.silu_and_mul(x))

@@ -17,22 +17,11 @@ from questkv import ops  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops.triton import gemv as gv  # noqa: E402
 from questkv.ops.triton._common import ticket_counters  # noqa: E402
-
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
-
-
-def _rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
-    assert not torch.isnan(out).any()
-    out, want = out.double(), want.double()
-    return ((out - want).norm() / want.norm()).item()
+from tests.helpers import INTERPRETER_TOL, fresh_generator, rel_err  # noqa: E402
 
 
 def _inputs(n: int, k: int, dtype: torch.dtype, bias: bool):
-    gen = _gen()
+    gen = fresh_generator()
     x = torch.randn(1, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
@@ -54,7 +43,7 @@ def test_gemv_matches_the_reference(dtype, n, k, bias, config):
     got = gv.gemv(x, w, b, config)
     assert got.shape == (1, n) and got.dtype == dtype
     want = reference.linear(x.double(), w.double(), None if b is None else b.double())
-    assert _rel_err(got, want) < TOL[dtype]
+    assert rel_err(got, want) < INTERPRETER_TOL[dtype]
     assert torch.equal(gv.gemv(x, w, b, config), got)  # deterministic: the partials sum in split order
     assert int(ticket_counters(x.device, 1).abs().sum()) == 0  # every ticket reset for the next launch
 
@@ -74,7 +63,7 @@ def test_linear_takes_the_gemv_for_one_row_and_the_reference_otherwise(monkeypat
     calls = []
     real = gv.gemv
     monkeypatch.setattr(gv, "gemv", lambda *args: calls.append(args) or real(*args))
-    gen = _gen()
+    gen = fresh_generator()
     w = torch.randn(32, 64, generator=gen)
     one, many = torch.randn(1, 64, generator=gen), torch.randn(3, 64, generator=gen)
     for x in (one, many):
