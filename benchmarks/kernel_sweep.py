@@ -1,6 +1,7 @@
 """Launch configurations of the estimate and attention kernels, timed side by side on one GPU.
 
-For each point (Llama-3.1-8B attention, bf16, page 16) and each configuration, the script builds a fresh
+For each point (Llama-3.1-8B attention by default, ``--model llama2-7b`` for MHA; bf16, page 16) and each
+configuration, the script builds a fresh
 :class:`~questkv.decode.QuestDecodeStep` with the kernels' module constants set to that configuration, checks
 its output against the torch reference on the point's data, and times under CUDA graphs (the method and data of
 ``benchmarks/kernels.py``):
@@ -42,7 +43,7 @@ from questkv.ops.triton import attention as attention_kernel  # noqa: E402
 from questkv.ops.triton import estimate as estimate_kernel  # noqa: E402
 
 POINTS = [(1, 32768, 2048), (1, 131072, 4096), (8, 32768, 2048), (32, 32768, 2048)]  # (batch, context, budget)
-MODEL = "llama3.1-8b"
+KERNELS = ("dense", "sparse", "estimate")
 ATTENTION_GRID = {"tokens_per_iter": (64, 128, 256), "programs_per_sm": (2, 4, 8), "num_stages": (2, 3),
                   "num_warps": (4, 8)}
 ESTIMATE_GRID = {"block_p": (32, 64, 128), "blocks_per_program": (1, 2), "num_stages": (2,), "num_warps": (4, 8)}
@@ -75,17 +76,17 @@ def estimate_config(block_p: int, blocks_per_program: int, num_stages: int, num_
         module._BLOCK_P, module._BLOCKS_PER_PROGRAM, module._NUM_STAGES, module._NUM_WARPS = saved
 
 
-def _kinds(batch: int) -> dict:
-    """The attention grid kind of the dense and the sparse kernel at ``batch`` (KV heads of ``MODEL``)."""
-    heads = MODELS[MODEL][1]
+def _kinds(batch: int, model: str) -> dict:
+    """The attention grid kind of the dense and the sparse kernel at ``batch`` (KV heads of ``model``)."""
+    heads = MODELS[model][1]
     return {"dense": attention_kernel.grid_kind(True, batch * heads), "sparse": attention_kernel.grid_kind(False, batch * heads)}
 
 
-def defaults(batch: int) -> dict:
+def defaults(batch: int, model: str) -> dict:
     a, e = attention_kernel, estimate_kernel
     attention = {
         kernel: dict(zip(("tokens_per_iter", "programs_per_sm", "num_stages"), a._CONFIG[kind]), num_warps=a._NUM_WARPS)
-        for kernel, kind in _kinds(batch).items()}
+        for kernel, kind in _kinds(batch, model).items()}
     return {
         **attention,
         "estimate": {"block_p": e._BLOCK_P, "blocks_per_program": e._BLOCKS_PER_PROGRAM, "num_stages": e._NUM_STAGES,
@@ -98,8 +99,9 @@ def grid(space: dict) -> list[dict]:
 
 
 def sweep_point(batch: int, context: int, budget: int, args) -> dict:
-    hq, hkv, d = MODELS[MODEL]
-    data = point_data(MODEL, batch, context, budget, args.max_gb)
+    """Every configuration of ``args.kernels`` at one point of ``args.model``."""
+    hq, hkv, d = MODELS[args.model]
+    data = point_data(args.model, batch, context, budget, args.max_gb)
     layers, table, lens, q, n_layers = data["layers"], data["table"], data["lens"], data["q"], data["n_layers"]
     npages = data["npages"]
     quest = QuestConfig(token_budget=budget, backend="triton")
@@ -111,9 +113,9 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
     scores_ref = reference.page_scores(q, layers[0].kmin, layers[0].kmax, table, lens, PAGE_SIZE)
     reps, warmup = args.reps, args.warmup
     rows = {"dense": [], "sparse": [], "estimate": []}
-    for kind in ("dense", "sparse"):
+    for kind in [k for k in ("dense", "sparse") if k in args.kernels]:
         for cfg in grid(ATTENTION_GRID):
-            with attention_config(_kinds(batch)[kind], **cfg):
+            with attention_config(_kinds(batch, args.model)[kind], **cfg):
                 step = QuestDecodeStep(quest if kind == "sparse" else QuestConfig(backend="triton"),
                                        batch, hq, hkv, d, npages, DTYPE, DEVICE)
                 if kind == "dense":
@@ -124,7 +126,7 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
                     err = _rel_err(step.attend(q, layers[0], table, lens), sparse_ref)
                     micros = time_graph(lambda i: step.attend(q, layers[i], table, lens), n_layers, reps, warmup)
             rows[kind].append({**cfg, "us": micros, "rel_err": err, "ok": bool(err <= 1e-2)})
-    for cfg in grid(ESTIMATE_GRID):
+    for cfg in grid(ESTIMATE_GRID) if "estimate" in args.kernels else []:
         with estimate_config(**cfg):
             step = QuestDecodeStep(quest, batch, hq, hkv, d, npages, DTYPE, DEVICE)
             got = step.estimate(q, layers[0], table, lens)
@@ -135,20 +137,20 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
     del data, layers
     torch.cuda.empty_cache()
     return {"batch": batch, "context": context, "budget": budget, "n_layers": n_layers,
-            "kv_bytes": data_bytes(batch, context), **rows}
+            "kv_bytes": data_bytes(batch, context, args.model), **rows}
 
 
-def data_bytes(batch: int, context: int) -> int:
-    _, hkv, d = MODELS[MODEL]
+def data_bytes(batch: int, context: int, model: str) -> int:
+    _, hkv, d = MODELS[model]
     return batch * context * hkv * d * 2 * torch.tensor([], dtype=DTYPE).element_size()
 
 
-def best_lines(points: list[dict]) -> list[str]:
+def best_lines(points: list[dict], model: str) -> list[str]:
     lines = ["| point | kernel | default µs | best µs | best configuration | default / best |", "|---|---|---|---|---|---|"]
     for p in points:
-        default = defaults(p["batch"])
+        default = defaults(p["batch"], model)
         label = f"B={p['batch']}, L={p['context'] // 1024}k, budget {p['budget']}"
-        for kind in ("dense", "sparse", "estimate"):
+        for kind in [k for k in KERNELS if p[k]]:
             ok = [r for r in p[kind] if r["ok"]]
             if not ok:
                 lines.append(f"| {label} | {kind} | - | - | no configuration passed its check | - |")
@@ -169,6 +171,11 @@ def main() -> int:
     parser.add_argument("--max-gb", type=float, default=60.0, help="GPU memory for the pools per point")
     parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--tag", default="h200")
+    parser.add_argument("--model", default="llama3.1-8b", choices=sorted(MODELS), help="attention shape")
+    parser.add_argument("--points", type=int, nargs="+", default=list(range(len(POINTS))),
+                        choices=range(len(POINTS)), help="indices into POINTS (batch, context, budget): "
+                        + ", ".join(f"{i}: {p}" for i, p in enumerate(POINTS)))
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS, help="kernels to sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernel_sweep.py needs a CUDA GPU", file=sys.stderr)
@@ -179,23 +186,23 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "model": MODEL, "dtype": str(DTYPE), "page_size": PAGE_SIZE,
-        "defaults": {batch: defaults(batch) for batch, _, _ in POINTS},
+        "model": args.model, "dtype": str(DTYPE), "page_size": PAGE_SIZE,
+        "defaults": {POINTS[i][0]: defaults(POINTS[i][0], args.model) for i in args.points},
     }
     points = []
-    for batch, context, budget in POINTS:
+    for batch, context, budget in (POINTS[i] for i in args.points):
         points.append(sweep_point(batch, context, budget, args))
-        print("\n".join(best_lines(points[-1:])[2:]), flush=True)
+        print("\n".join(best_lines(points[-1:], args.model)[2:]), flush=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"kernel-sweep-{args.tag}.json").write_text(json.dumps({"info": info, "points": points}, indent=1))
     md = [f"# Kernel launch configurations on {info['gpu']}", "",
           f"- command: `{info['command']}`", f"- commit: `{info['commit']}`, date: {info['date']}",
-          f"- torch {info['torch']}, triton {info['triton']}; {MODEL} attention, {DTYPE}, page {PAGE_SIZE}",
+          f"- torch {info['torch']}, triton {info['triton']}; {args.model} attention, {DTYPE}, page {PAGE_SIZE}",
           "- median GPU µs per call under CUDA graphs (kernels.py's method); every configuration checked against "
           "the torch reference on the point's data (attention 1e-2, estimate 1e-5 relative error)",
           "- grids: attention " + json.dumps(ATTENTION_GRID) + "; estimate " + json.dumps(ESTIMATE_GRID),
-          "", "## Best against the defaults", "", *best_lines(points), ""]
+          "", "## Best against the defaults", "", *best_lines(points, args.model), ""]
     (out_dir / f"kernel-sweep-{args.tag}.md").write_text("\n".join(md))
     print("\n".join(md))
     return 0
