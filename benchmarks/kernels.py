@@ -51,7 +51,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.graph_timing import graph_replay_us  # noqa: E402
 from questkv.ops import LayerPages  # noqa: E402
-from questkv.ops.pages import page_pool  # noqa: E402
 from questkv.config import RERANKS, QuestConfig  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as kernels  # noqa: E402
@@ -378,10 +377,9 @@ def point_data(model: str, batch: int, context: int, min_budget: int, max_gb: fl
     pool_bytes = kv_bytes + bound_bytes
     n_layers = max(1, min(MAX_LAYERS, math.ceil(ROTATE_BYTES / min_sparse), int(max_gb * 2**30 // (2 * pool_bytes))))
     gen = torch.Generator(device=DEVICE).manual_seed(batch * 1000003 + context)
-    k_all = page_pool(n_layers, batch * npages, PAGE_SIZE, hkv, d, DTYPE, DEVICE)  # the engine's layout
-    v_all = page_pool(n_layers, batch * npages, PAGE_SIZE, hkv, d, DTYPE, DEVICE)
-    for pool in (k_all, v_all):
-        pool.normal_(generator=gen)
+    shape = (n_layers, batch * npages, PAGE_SIZE, hkv, d)
+    k_all = torch.randn(shape, device=DEVICE, dtype=DTYPE, generator=gen)
+    v_all = torch.randn(shape, device=DEVICE, dtype=DTYPE, generator=gen)
     return {
         "layers": [LayerPages(k_all[i], v_all[i], k_all[i].amin(1), k_all[i].amax(1)) for i in range(n_layers)],
         "table": torch.randperm(batch * npages, device=DEVICE, generator=gen).view(batch, npages).int(),

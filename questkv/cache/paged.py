@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from questkv import ops
-from questkv.ops.pages import LayerPages, page_pool
+from questkv.ops.pages import LayerPages
 from questkv.validation import check_int
 
 
@@ -114,8 +114,9 @@ class PagedKVCache:
         self.max_seqs = max_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self.backend = backend
-        self.k_pages = page_pool(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
-        self.v_pages = page_pool(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
         bounds_shape = (num_layers, num_pages, num_kv_heads, head_dim)
         self.kmin = torch.full(bounds_shape, float("inf"), dtype=dtype, device=device)
         self.kmax = torch.full(bounds_shape, float("-inf"), dtype=dtype, device=device)
@@ -453,13 +454,6 @@ class PagedKVCache:
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"write: layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
         ops.append_kv(*self.layer(layer_idx), slots, keys, values, backend=self.backend)
-
-    def read(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values stored at ``slots`` (int64, ``page * page_size + offset``) of one layer, each
-        ``[len(slots), num_kv_heads, head_dim]`` (a copy)."""
-        layer = self.layer(layer_idx)
-        pages, offsets = slots // self.page_size, slots % self.page_size
-        return layer.k_pages[pages, offsets], layer.v_pages[pages, offsets]
 
     def append(
         self, seq_ids: Sequence[int], num_tokens: Sequence[int], keys: torch.Tensor, values: torch.Tensor

@@ -367,17 +367,26 @@ class QuestCache(Cache):
         new_slots = bigger.reserve(new_ids, lengths)
         old_slots = self._stored_slots(pool)
         for layer_idx in range(pool.num_layers):
-            bigger.write(layer_idx, new_slots, *pool.read(layer_idx, old_slots))
+            shape = (-1, pool.num_kv_heads, pool.head_dim)
+            bigger.write(
+                layer_idx,
+                new_slots,
+                pool.k_pages[layer_idx].view(shape)[old_slots],
+                pool.v_pages[layer_idx].view(shape)[old_slots],
+            )
         self.paged, self.seq_ids = bigger, new_ids
 
     def _dense_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys/values in transformers' layout ``[batch, num_kv_heads, positions, head_dim]``
         (zeros at pad positions, which the attention mask hides)."""
+        slots = self._forward.stored_slots
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        pages = self.paged.layer(layer_idx)
         batch, positions = self.token_mask.shape
         out = []
-        for stored in self.paged.read(layer_idx, self._forward.stored_slots):
-            dense = stored.new_zeros(batch, positions, self.num_kv_heads, self.head_dim)
-            dense[self.token_mask] = stored
+        for source in (pages.k_pages, pages.v_pages):
+            dense = source.new_zeros(batch, positions, self.num_kv_heads, self.head_dim)
+            dense[self.token_mask] = source.view(shape)[slots]
             out.append(dense.transpose(1, 2))
         return out[0], out[1]
 
