@@ -199,7 +199,7 @@ class QuestDecodeStep:
             if selected is None or reselection is not None:
                 raise ValueError("QuestDecodeStep.sparse with selecting=False needs selected (selection reuse) and "
                                  "no reselection (adaptive reuse decides on the device)")
-            return self.attend(q, layer, page_table, seq_lens, sm_scale, selected, selection_ready=True)
+            return self.attend(q, layer, page_table, seq_lens, sm_scale, selected)
         if reselection is not None:
             active = self.backend.reselect_heads_into(
                 reselection.head_active, q, reselection.queries, reselection.slots, active, reselection.thresholds,
@@ -217,15 +217,12 @@ class QuestDecodeStep:
         seq_lens: torch.Tensor,
         sm_scale: Optional[float] = None,
         selected: Optional[torch.Tensor] = None,
-        selection_ready: bool = False,
     ) -> torch.Tensor:
         """Attention over the pages in ``selected`` (default ``self.selected``) into ``self.out`` (the last
-        part of :meth:`sparse`); ``selection_ready``: ``selected`` was not written in this layer's step (a
-        reused selection; the kernels may read it early)."""
+        part of :meth:`sparse`)."""
         selected = self.selected if selected is None else selected
         return self.backend.paged_decode_attention_into(
-            self.out, self._sparse_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected, sm_scale,
-            selection_ready=selection_ready,
+            self.out, self._sparse_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected, sm_scale
         )
 
     def __call__(

@@ -540,10 +540,9 @@ def paged_decode_attention_into(
     seq_lens: torch.Tensor,
     selected: Optional[torch.Tensor],
     sm_scale: Optional[float] = None,
-    selection_ready: bool = False,
 ) -> torch.Tensor:
     """:func:`paged_decode_attention` into ``out`` ``[batch, num_q_heads, head_dim]``; ``buffers``
-    (the kernel's scratch) and ``selection_ready`` (its launch hint) are unused here. Returns ``out``."""
+    is unused here (the kernel's scratch). Returns ``out``."""
     return out.copy_(paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale))
 
 

@@ -68,7 +68,7 @@ _SCRIPT = textwrap.dedent(
 
 
     def compile_attention(dtype, dense, group, sel_per_kv, pdl=False, merge_chunk=attention._MERGE_CHUNK,
-                          kind=None, ready=False):
+                          kind=None):
         ieee = dtype == "fp32"
         return compile_kernel(
             attention._decode_split_kernel,
@@ -78,7 +78,7 @@ _SCRIPT = textwrap.dedent(
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": 16,
              "BLOCK_GM": group, "SEL_PER_KV": sel_per_kv,
              "PAGES_PER_ITER": attention.pages_per_iter(16, kind or ("dense" if dense else "sparse")), "MERGE_CHUNK": merge_chunk,
-             "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl, "SELECTION_READY": ready},
+             "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl},
             floats=("qk_scale",),
             num_warps=attention._NUM_WARPS,
             # strides of B=1 with 32 / 8 heads, 129 selected pages (selection reuse), 17 splits
@@ -122,17 +122,15 @@ _SCRIPT = textwrap.dedent(
     compile_attention("bf16", True, 4, 1, pdl=True)
     compile_attention("fp16", False, 4, 1)
     # the wide merge (few programs, groups of at most 4) must not spill, nor batch 1's dense grid (128 keys per
-    # iteration) nor a sparse grid over a ready (reused) selection, both with their first tile prefetched into L2
-    # before the programmatic-launch wait; the divisibility of a run's launch
-    for dense, kind, ready in ((False, None, False), (False, None, True), (True, None, False),
-                               (True, "dense-few", False)):
-        compiled = compile_attention("bf16", dense, 4, 1, pdl=True, merge_chunk=attention._WIDE_MERGE_CHUNK, kind=kind,
-                                     ready=ready)
+    # iteration, its first tile prefetched into L2 before the programmatic-launch wait); the divisibility of a
+    # run's launch
+    for dense, kind in ((False, None), (True, None), (True, "dense-few")):
+        compiled = compile_attention("bf16", dense, 4, 1, pdl=True, merge_chunk=attention._WIDE_MERGE_CHUNK, kind=kind)
         info = ptxas_info(compiled)
-        print("attention, wide merge:", kind, ready, info)
+        print("attention, wide merge:", kind, info)
         assert "0 bytes spill stores" in info, info
         print("prefetches", compiled.asm["ptx"].count("prefetch.global.L2"))
-        assert (compiled.asm["ptx"].count("prefetch.global.L2") > 0) == (dense or ready)
+        assert (compiled.asm["ptx"].count("prefetch.global.L2") > 0) == dense
     compile_attention("fp32", False, 4, 1)
     compile_attention("fp32", True, 4, 1)
     compile_estimate("fp32", 1, 4, 1, False)

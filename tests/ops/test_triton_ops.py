@@ -375,8 +375,7 @@ def test_attention_merges_more_splits_than_one_merge_step_holds(wide, selection,
     buffers = tk.attention_buffers(2, 8, 2, 32, max_pages, page_size, selection is None, q.device, num_splits)
     assert buffers.part_lse.shape[-1] == num_splits
     want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), lens, selected)
-    out = tk.paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, table, lens, selected,
-                                         selection_ready=selected is not None)
+    out = tk.paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, table, lens, selected)
     assert _rel_err(out, want) < 1e-5
     assert not buffers.counters.any()
 

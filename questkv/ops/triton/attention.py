@@ -59,7 +59,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr, SEL_PER_KV: tl.constexpr,
     PAGES_PER_ITER: tl.constexpr, MERGE_CHUNK: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr, USE_PDL: tl.constexpr, SELECTION_READY: tl.constexpr,
+    IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (split, selection head, sequence) attends a contiguous chunk of the page
     list (the selection row, or every page when ``DENSE``) for the ``GROUP`` query heads that share
@@ -68,15 +68,13 @@ def _decode_split_kernel(
     then takes a ticket; the program that takes the last ticket of its (sequence, selection head)
     merges all splits into ``out`` and resets the counter for the next launch (one launch per step,
     no separate merge kernel). With ``USE_PDL`` it waits for the kernels before it only at its first
-    read of what they may write (``DENSE``, or a selection written before the kernel this launch follows,
-    ``SELECTION_READY``: after prefetching its first tile into L2), and lets the next kernel launch once its
-    split is attended."""
+    read of what they may write (``DENSE``: after prefetching its first tile into L2), and lets the next
+    kernel launch once its split is attended."""
     split = tl.program_id(0)
     sel_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     kv_head = sel_head // SEL_PER_KV
-    PREFETCH: tl.constexpr = USE_PDL and (DENSE or SELECTION_READY)
-    if USE_PDL and not PREFETCH:
+    if USE_PDL and not DENSE:
         gdc_wait()
     seq_len = tl.load(lens_ptr + seq)
     if DENSE:
@@ -88,18 +86,13 @@ def _decode_split_kernel(
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     t = tl.arange(0, BLOCK_N)
-    if PREFETCH:
+    if DENSE and USE_PDL:
         # While the kernel before it (the step's K/V append, which lets this one launch as it starts) runs, pull
-        # the first tile's keys and values into L2: the lengths, page table and a ready selection are the step's
-        # inputs, written before that kernel, and a line it writes meanwhile is read later from L2 itself, new.
-        item = start + t // PAGE_SIZE
-        if DENSE:
-            logical = item
-        else:
-            logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + item, mask=item < end, other=-1)
-        _prefetch_tile_l2(k_pages_ptr, v_pages_ptr, table_ptr, seq, logical, t % PAGE_SIZE,
-                          (item < end) & (logical >= 0), kv_head, stride_kp, stride_kt, stride_kh, stride_vp,
-                          stride_vt, stride_vh, stride_tb, HEAD_DIM)
+        # the first tile's keys and values into L2: the lengths and page table are the step's inputs, written
+        # before that kernel, and a line it writes meanwhile is read later from L2 itself, new.
+        _prefetch_tile_l2(k_pages_ptr, v_pages_ptr, table_ptr, seq, start + t // PAGE_SIZE, t % PAGE_SIZE, end,
+                          kv_head, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tb,
+                          HEAD_DIM)
         gdc_wait()
     gmask = g < GROUP
     dmask = d < HEAD_DIM
@@ -174,13 +167,13 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _prefetch_tile_l2(k_pages_ptr, v_pages_ptr, table_ptr, seq, logical, offset, live, kv_head,
+def _prefetch_tile_l2(k_pages_ptr, v_pages_ptr, table_ptr, seq, item, offset, end, kv_head,
                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tb,
                       HEAD_DIM: tl.constexpr):
-    """``prefetch.global.L2`` of the K and V rows (one per token at ``offset`` of logical page ``logical`` where
-    ``live``, ``HEAD_DIM`` values of ``kv_head``; other rows prefetch page 0's, harmlessly): the data lands in L2
-    and nothing in registers."""
-    physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0).to(tl.int64)
+    """``prefetch.global.L2`` of the K and V rows (one per token ``item * PAGE_SIZE + offset`` of pages ``item <
+    end``, ``HEAD_DIM`` values of ``kv_head``; rows past the end prefetch page 0's, harmlessly): the data lands in
+    L2 and nothing in registers."""
+    physical = tl.load(table_ptr + seq * stride_tb + item, mask=item < end, other=0).to(tl.int64)
     half = tl.arange(0, 2) * (HEAD_DIM // 2)  # a 256-byte bf16 row is two 128-byte lines
     rows = physical[:, None] * stride_kp + offset[:, None] * stride_kt + kv_head * stride_kh + half[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [k_pages_ptr + rows], dtype=tl.int32,
@@ -262,7 +255,6 @@ def paged_decode_attention_into(
     seq_lens: torch.Tensor,
     selected: Optional[torch.Tensor],
     sm_scale: Optional[float] = None,
-    selection_ready: bool = False,
 ) -> torch.Tensor:
     """Split-KV attention with the merge fused in, into preallocated buffers (one launch, no host
     synchronisation).
@@ -271,9 +263,6 @@ def paged_decode_attention_into(
         out: ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype.
         buffers: from :func:`attention_buffers` with ``dense=selected is None``; its
             ``num_splits * items_per_split`` must cover ``selected.shape[-1]`` (or ``max_pages``).
-        selection_ready: ``selected`` was written before the kernel this launch follows on the stream (a reused
-            selection, not this step's select): under programmatic dependent launch the selected pages' first
-            tile is prefetched into L2 before the wait for that kernel. Ignored when dense.
         Other arguments as in :func:`paged_decode_attention`.
     """
     batch, num_q_heads, head_dim = q.shape
@@ -324,7 +313,7 @@ def paged_decode_attention_into(
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_GM=next_pow2(group), SEL_PER_KV=sel_heads // num_kv_heads,
         PAGES_PER_ITER=pages_per_iter(page_size, kind), MERGE_CHUNK=merge_chunk(num_splits * sel_heads * batch, group, q.device),
         DENSE=dense, UPCAST=interpreting(),
-        IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device), SELECTION_READY=selection_ready and not dense,
+        IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device),
         num_warps=_NUM_WARPS, num_stages=_CONFIG[kind][2], launch_pdl=use_pdl(q.device),
     )
     return out
