@@ -33,8 +33,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps, 
     then ``weight * (h * rsqrt(mean(h^2) + eps))`` with the normalised row rounded to ``x``'s dtype before the
     weight and the product rounded to ``out``'s."""
     if USE_PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -54,8 +54,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps, 
 def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid ``(rows, cdiv(I, BLOCK))``: ``silu(gate)`` rounded to the dtype, times ``up``, rounded again."""
     if USE_PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I

@@ -80,7 +80,6 @@ def _gemv_kernel(
         w = tl.load(w_ptrs, mask=nmask[:, None] & (k_start + rk < k_end)[None, :], other=0.0)
     if USE_PDL:
         gdc_wait()
-        gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
@@ -110,6 +109,8 @@ def _gemv_kernel(
         if HAS_BIAS:
             y += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
         tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    if USE_PDL:
+        gdc_launch_dependents()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -489,7 +489,6 @@ def _int4_gemv_kernel(
         words = tl.load(w_ptrs, mask=nmask[None, :], other=0)
     if USE_PDL:
         gdc_wait()
-        gdc_launch_dependents()
     acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc1 = acc0
     acc2 = acc0
@@ -562,6 +561,8 @@ def _int4_gemv_kernel(
             _gemv_store(acc2, 2, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
         if BLOCK_M > 3:
             _gemv_store(acc3, 3, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
+    if USE_PDL:
+        gdc_launch_dependents()
 
 
 @dataclasses.dataclass(frozen=True)
