@@ -10,10 +10,9 @@ replays; each replay cycles over enough copies of the weight that no call finds 
   before it through programmatic dependent launch, which in a decode step only a kernel before it that triggers
   early allows: ``benchmarks/e2e.py`` is the arbiter);
 * ``int4`` (group 128) through each backend: ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's
-  plan), ``gemv`` (its small-batch kernel ``int4_gemv`` on the K-major copy, ``M <= 4``), ``kmajor`` (the same
-  kernel's ``tl.dot`` loop on the K-major words, ``int4_k_major_matmul``, ``M >= 2``), ``tinygemm``
-  (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` and ``kmajor-dequant`` (dequantize either layout +
-  a bf16 matmul, ``M >= --dequant-min-m`` only);
+  plan), ``gemv`` (its small-batch kernel ``int4_gemv`` on the K-major copy, ``M <= 4``), ``tinygemm``
+  (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``
+  only);
 * ``int8`` (per row) through ``triton``;
 * ``int8g16`` / ``int8g32``: ``int8_grouped`` in GGUF ``Q6_K``'s groups of 16 and ``Q8_0``'s of 32 (codes and
   scales rounded to nearest here), through ``triton`` and ``dequant`` (``M >= --dequant-min-m``);
@@ -245,16 +244,11 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
             out[f"{name}-{kind}"] = [lambda q=q, method=method, group=group, kind=kind:
                                      quant_matmul(x, *q, method, group, backend=kind) for q in copies]
     if shape.gemv and triton_ok:
-        from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv, int4_k_major_matmul
+        from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv
 
-        pairs = list(zip(shape.gemv, shape.q["int4"]))
         if m <= GEMV_MAX_M:
-            out["int4-gemv"] = [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP) for w, q in pairs]
-        if m > 1:
-            out["int4-kmajor"] = [lambda w=w, q=q: int4_k_major_matmul(x, w, q[1], q[2], GROUP) for w, q in pairs]
-    if shape.gemv and (m >= args.dequant_min_m or not cuda):
-        out["int4-kmajor-dequant"] = [lambda w=w, q=q: x @ ref.dequantize_int4_k_major(w, q[1], q[2], GROUP, x.dtype)
-                                      for w, q in zip(shape.gemv, shape.q["int4"])]
+            out["int4-gemv"] = [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP)
+                                for w, q in zip(shape.gemv, shape.q["int4"])]
     if shape.tinygemm is not None:
         from questkv.ops.triton.quant_matmul import tinygemm_matmul
 

@@ -137,19 +137,6 @@ def unpack_int4_k_major(words: torch.Tensor, group_size: int) -> torch.Tensor:
     return pack_int4(q)
 
 
-def dequantize_int4_k_major(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                            group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float weight an ``int4`` weight in :func:`pack_int4_k_major`'s words (``[K // 8, N]`` int32; ``scales``
-    and ``zeros`` ``[K // group_size, N]``) stands for, transposed: ``[K, N]`` in ``dtype`` (computed in float32;
-    :func:`dequantize`'s values, read from the other layout)."""
-    kw, n = words.shape
-    per = group_size // 8
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device).view(1, 8, 1, 1)
-    q = ((words.view(kw // per, 1, per, n) >> shifts) & 15).float()  # [G, 8, per, N]: feature g * G + e * per + j
-    w = (q - zeros.float()[:, None, None, :]) * scales.float()[:, None, None, :]
-    return w.view(kw * 8, n).to(dtype)
-
-
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor, method: str, group_size: int = DEFAULT_GROUP_SIZE,
                     dtype: Optional[torch.dtype] = None, row_absmax: Optional[torch.Tensor] = None) -> QuantizedWeight:

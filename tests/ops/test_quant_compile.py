@@ -46,7 +46,7 @@ _SCRIPT = textwrap.dedent(
         return " ".join(line.split("info    : ")[-1] for line in lines)
 
 
-    def compile_quant(method, cfg, dtype="bf16", group=128, even_k=True, bias=False, k_major=False):
+    def compile_quant(method, cfg, dtype="bf16", group=128, even_k=True, bias=False):
         bits = 4 if method == "int4" else 8
         pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
                     "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
@@ -55,13 +55,13 @@ _SCRIPT = textwrap.dedent(
                           GROUPS_PER_ITER=cfg.groups_per_iter, HAS_BIAS=bias, BLOCK_M=cfg.block_m,
                           BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k > 1, USE_DOT=cfg.use_dot, UPCAST=False,
                           IEEE=dtype == "fp32", EVEN_K=even_k, SWAP_AB=cfg.swap_ab, MAGIC16=magic16,
-                          OFFSET16=128.0 if magic16 == 0x4300 else 1024.0, K_MAJOR=k_major)
+                          OFFSET16=128.0 if magic16 == 0x4300 else 1024.0)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in KERNEL.arg_names}
         attrs = {(KERNEL.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *DIVISIBLE)}
         compiled = triton.compile(ASTSource(KERNEL, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                                   options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        print(method, group, dtype, cfg, "K-major" if k_major else "", "smem", compiled.metadata.shared)
+        print(method, group, dtype, cfg, "smem", compiled.metadata.shared)
         return compiled
 
 
@@ -84,16 +84,6 @@ _SCRIPT = textwrap.dedent(
     compile_quant("int4", qm.plan_quant_matmul(1, 4096, 4096, "int4"), dtype="fp16")
     compile_quant("int4", qm.plan_quant_matmul(16, 4096, 4096, "int4"), dtype="fp16")
     compile_quant("int8", qm.plan_quant_matmul(16, 4096, 4096, "int8"), dtype="fp32")
-    # the dot loop over the GEMV's K-major words (int4 layers on CUDA hold only those): 2 to 512 rows at the
-    # gate/up shape in bf16 without spills, fp16 / fp32 and group 32 compile
-    for m in (2, 8, 64, 512):
-        cfg = qm.plan_quant_matmul(m, 28672, 4096, "int4", use_dot=True)
-        info = ptxas_info(compile_quant("int4", cfg, k_major=True))
-        print("int4 K-major dot loop, M =", m, info)
-        assert "0 bytes spill stores" in info, info
-    compile_quant("int4", qm.plan_quant_matmul(16, 4096, 4096, "int4", use_dot=True), dtype="fp16", k_major=True)
-    compile_quant("int4", qm.plan_quant_matmul(16, 4096, 4096, "int4", use_dot=True), dtype="fp32", k_major=True)
-    compile_quant("int4", qm.plan_quant_matmul(16, 4096, 4096, "int4", 32, use_dot=True), group=32, k_major=True)
     compile_quant("int8_grouped", qm.plan_quant_matmul(1, 4096, 4096, "int8_grouped", 16), group=16, bias=True,
                   even_k=False)
     compile_quant("int8_grouped", qm.plan_quant_matmul(16, 4096, 4096, "int8_grouped", 16, use_dot=True), group=16,

@@ -232,53 +232,6 @@ def test_int4_gemv_matches_the_reference(m, dtype, group_size, n, k, bias, confi
     assert torch.equal(qk.int4_gemv(x, words, qw.scales, qw.zeros, group_size, b, config=config), got)
 
 
-@pytest.mark.parametrize("group_size", ref.GROUP_SIZES)
-def test_the_k_major_dequantization_is_the_dequantized_weight_transposed(group_size):
-    qw = _weight("int4", 40, 512, zlib.crc32(f"kmd {group_size}".encode()) % 1000, torch.bfloat16, group_size)
-    words = ref.pack_int4_k_major(qw.qweight, group_size)
-    for dtype in (torch.float32, torch.bfloat16):
-        want = ref.dequantize(qw.qweight, qw.scales, qw.zeros, "int4", group_size, dtype)
-        assert torch.equal(ref.dequantize_int4_k_major(words, qw.scales, qw.zeros, group_size, dtype), want.t())
-
-
-@pytest.mark.parametrize("m, dtype, group_size, n, k, bias, block_m", [
-    (5, torch.float32, 128, N_ODD, K, True, None), (17, torch.float16, 32, 64, 256, False, None),
-    (33, torch.bfloat16, 128, N_ODD, K, True, None), (2, torch.bfloat16, 64, 130, 512, False, None),
-    (70, torch.float32, 256, 48, 512, True, None), (9, torch.float16, 128, N_ODD, K, True, 16)])
-def test_the_k_major_dot_loop_matches_the_reference(m, dtype, group_size, n, k, bias, block_m):
-    """int4_k_major_matmul (the tl.dot loop on the GEMV's words) against the float32 reference: 2 to 70 rows,
-    every group size, masked and even N, split or not, with and without bias; tickets reset, results repeat."""
-    seed = zlib.crc32(f"kmajor {m} {dtype} {group_size} {n} {k}".encode()) % 1000
-    qw = _weight("int4", n, k, seed, dtype, group_size)
-    x, b = _inputs(m, k, n, seed, dtype)
-    b = b if bias else None
-    words = ref.pack_int4_k_major(qw.qweight, group_size)
-    config = None
-    if block_m is not None:  # one program per output tile: no split
-        config = dataclasses.replace(qk.plan_quant_matmul(m, n, k, "int4", group_size, use_dot=True),
-                                     block_m=block_m, split_k=1)
-    got = qk.int4_k_major_matmul(x, words, qw.scales, qw.zeros, group_size, b, config=config)
-    f32 = lambda t: None if t is None else t.float()  # noqa: E731
-    want = ref.quant_matmul(x.float(), qw.qweight, qw.scales.float(), qw.zeros.float(), "int4", group_size, f32(b))
-    assert got.dtype == dtype and got.shape == (m, n)
-    err = (got.float() - want).abs().max().item() / want.abs().max().item()
-    assert err <= _TOL[dtype], err
-    assert int(ticket_counters(x.device, 1).abs().sum()) == 0
-    assert torch.equal(qk.int4_k_major_matmul(x, words, qw.scales, qw.zeros, group_size, b, config=config), got)
-
-
-def test_the_k_major_dot_loop_rejects_bad_arguments_naming_them():
-    qw = _weight("int4", 16, 256, seed=43)
-    words = ref.pack_int4_k_major(qw.qweight, 128)
-    with pytest.raises(ValueError, match=r"int4_k_major_matmul: words must be int32 \[K // 8, N\] = \[32, N\]"):
-        qk.int4_k_major_matmul(torch.randn(8, 256), words.t().contiguous(), qw.scales, qw.zeros)
-    with pytest.raises(ValueError, match=r"int4_k_major_matmul: scales must be \[2, 16\], got \(16, 2\)"):
-        qk.int4_k_major_matmul(torch.randn(8, 256), words, qw.scales.t(), qw.zeros)
-    fma = qk.plan_quant_matmul(1, 16, 256, "int4", 128, use_dot=False)
-    with pytest.raises(ValueError, match="runs the dot loop one group at a time"):
-        qk.int4_k_major_matmul(torch.randn(1, 256), words, qw.scales, qw.zeros, config=fma)
-
-
 def test_int4_gemv_plans_whole_groups_and_enough_programs():
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (576, 1536)):
         cfg = qk.plan_int4_gemv(n, k, 128)

@@ -69,7 +69,6 @@ __all__ = [
     "GEMV_MAX_M",
     "Int4GemvConfig",
     "int4_gemv",
-    "int4_k_major_matmul",
     "plan_int4_gemv",
     "QuantMatmulConfig",
     "plan_quant_matmul",
@@ -129,11 +128,9 @@ def _quant_matmul_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, K_MAJOR: tl.constexpr,
+    MAGIC16: tl.constexpr, OFFSET16: tl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M))``; ``w_ptr`` int32 words ``[N, k_words]``, or with
-    ``K_MAJOR`` (``int4``, ``USE_DOT``, ``EVEN_K``) ``[k_words, N]`` in
-    :func:`~questkv.ops.quant_reference.pack_int4_k_major`'s order;
+    """Grid ``(cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M))``; ``w_ptr`` int32 words ``[N, k_words]``;
     ``s_ptr`` ``[K // GROUP, N]`` with ``GROUP_SCALES`` (``int4``, ``int8_grouped``), else ``[N]`` (``int8``,
     ``GROUP`` the chunk); ``z_ptr`` ``[K // GROUP, N]`` (``BITS == 4`` only); ``part_ptr`` float32
     ``[split_k, M, N]``; ``counter_ptr`` one zeroed int32 per output tile."""
@@ -170,14 +167,9 @@ def _quant_matmul_kernel(
             if not EVEN_K:
                 wmask = wmask & (words_idx < kw_end)[None, :]
                 xmask = xmask & (kw * EPW + kk < K)[None, :]
+            words = tl.load(w_ptr + rn[:, None] * stride_wn + words_idx[None, :], mask=wmask, other=0)  # [BN, CW]
             xt = tl.load(x_ptr + rm[:, None] * stride_xm + (kw * EPW + kk)[None, :], mask=xmask, other=0.0)
-            if K_MAJOR:  # one group's word rows [CW, BN]: nibble e of row j is the group's feature e * CW + j
-                words = tl.load(w_ptr + words_idx[:, None] * N + rn[None, :], mask=nmask[None, :], other=0)
-                fields = tl.trans(tl.reshape((words[None, :, :] >> shifts[:, None, None]) & FIELD,
-                                             [CHUNK, BLOCK_N]))  # [BN, CHUNK] in feature order
-            else:
-                words = tl.load(w_ptr + rn[:, None] * stride_wn + words_idx[None, :], mask=wmask, other=0)  # [BN, CW]
-                fields = (words[:, :, None] >> shifts[None, None, :]) & FIELD  # [BN, CW, EPW]
+            fields = (words[:, :, None] >> shifts[None, None, :]) & FIELD  # [BN, CW, EPW]
             if GROUP_SCALES:
                 group = kw // WPG + tl.arange(0, GROUPS_PER_ITER)  # [G]
                 smask = nmask[:, None]
@@ -376,62 +368,18 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         ``[M, N]`` in ``x.dtype``.
     """
     n, k = check_quant_args(x, qweight, scales, zeros, method, group_size)
-    if k % 4:
-        raise ValueError(f"quant_matmul (triton) needs in_features divisible by 4 (int32 words), got {k}")
-    words = qweight.view(torch.int32)  # [N, K * bits // 32] little-endian words
-    return _launch(x, words, scales, zeros, method, group_size, bias, config, n, k, k_major=False)
-
-
-def int4_k_major_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                        group_size: int = 128, bias: Optional[torch.Tensor] = None,
-                        config: Optional[QuantMatmulConfig] = None) -> torch.Tensor:
-    """``y = x @ w.T + bias`` for any number of rows ``x`` ``[M, K]`` and an ``int4`` weight held in
-    :func:`int4_gemv`'s K-major words (``[K // 8, N]`` int32, ``scales`` and ``zeros`` ``[K // group_size, N]``),
-    through the ``tl.dot`` loop of :func:`quant_matmul` (its plan with ``use_dot``; ``config`` overrides it).
-
-    Returns:
-        ``[M, N]`` in ``x.dtype``.
-    """
-    k = x.shape[-1]
-    n = _check_k_major(x, words, scales, zeros, group_size, "int4_k_major_matmul")
-    cfg = config or plan_quant_matmul(x.shape[0], n, k, "int4", group_size, x.device, use_dot=True)
-    if not cfg.use_dot or cfg.groups_per_iter != 1:
-        raise ValueError(f"int4_k_major_matmul runs the dot loop one group at a time, got {cfg}")
-    return _launch(x, words, scales, zeros, "int4", group_size, bias, cfg, n, k, k_major=True)
-
-
-def _check_k_major(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                   group_size: int, owner: str) -> int:
-    """Check ``x`` ``[M, K]`` against an ``int4`` weight in K-major words; returns ``N``."""
-    if x.dim() != 2:
-        raise ValueError(f"{owner}: x must be [M, K], got shape {tuple(x.shape)}")
-    k = x.shape[1]
-    if group_size not in GROUP_SIZES or k % group_size:
-        raise ValueError(f"{owner}: group_size must be one of {GROUP_SIZES} dividing K={k}, got {group_size}")
-    n = words.shape[-1]
-    if words.dim() != 2 or tuple(words.shape) != (k // 8, n) or words.dtype != torch.int32:
-        raise ValueError(f"{owner}: words must be int32 [K // 8, N] = [{k // 8}, N], got {words.dtype} "
-                         f"{tuple(words.shape)}")
-    for name, t in (("scales", scales), ("zeros", zeros)):
-        if tuple(t.shape) != (k // group_size, n):
-            raise ValueError(f"{owner}: {name} must be [{k // group_size}, {n}], got {tuple(t.shape)}")
-    return n
-
-
-def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], method: str,
-            group_size: int, bias: Optional[torch.Tensor], config: Optional[QuantMatmulConfig], n: int, k: int,
-            k_major: bool) -> torch.Tensor:
-    """One :func:`_quant_matmul_kernel` launch over int32 ``words`` (``[N, K * bits // 32]``, or ``[K // 8, N]``
-    with ``k_major``)."""
     m = x.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if k % 4:
+        raise ValueError(f"quant_matmul (triton) needs in_features divisible by 4 (int32 words), got {k}")
     cfg = config or plan_quant_matmul(m, n, k, method, group_size, x.device)
     bits = 4 if method == "int4" else 8
     group = _group(method, group_size)
+    words = qweight.view(torch.int32)  # [N, K * bits // 32] little-endian words
     k_words = k * bits // 32
     step_words = cfg.groups_per_iter * group * bits // 32
     iters = math.ceil(k_words / step_words)
@@ -458,7 +406,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: O
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split > 1, USE_DOT=cfg.use_dot,
         UPCAST=upcast, IEEE=x.dtype == torch.float32, EVEN_K=even_k, SWAP_AB=cfg.swap_ab,
-        MAGIC16=magic16, OFFSET16=offset16, K_MAJOR=k_major,
+        MAGIC16=magic16, OFFSET16=offset16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -659,7 +607,15 @@ def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
         raise ValueError(f"int4_gemv takes 1 to {GEMV_MAX_M} rows, x [M, K]; got shape {tuple(x.shape)}")
     m, k = x.shape
-    n = _check_k_major(x, words, scales, zeros, group_size, "int4_gemv")
+    if group_size not in GROUP_SIZES or k % group_size:
+        raise ValueError(f"int4_gemv: group_size must be one of {GROUP_SIZES} dividing K={k}, got {group_size}")
+    n = words.shape[1]
+    if tuple(words.shape) != (k // 8, n) or words.dtype != torch.int32:
+        raise ValueError(f"int4_gemv: words must be int32 [K // 8, N] = [{k // 8}, N], got {words.dtype} "
+                         f"{tuple(words.shape)}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != (k // group_size, n):
+            raise ValueError(f"int4_gemv: {name} must be [{k // group_size}, {n}], got {tuple(t.shape)}")
     x = x.contiguous()
     cfg = config or plan_int4_gemv(n, k, group_size, x.device, m)
     groups = k // group_size
