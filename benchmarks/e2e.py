@@ -212,11 +212,13 @@ def profile_replay(runner, top: int = 12) -> dict:
             "top": [{"name": name[:90], "count": n, "us": us} for name, (n, us) in ranked[:top]]}
 
 
-def time_prefill(cfg, quest, context) -> float:
-    """Seconds of one real engine prefill of ``context`` tokens (batch 1), after a short warm-up prefill."""
+def time_prefill(cfg, quest, context, quantization=None) -> float:
+    """Seconds of one real engine prefill of ``context`` tokens (batch 1, weights in ``quantization``), after a
+    short warm-up prefill."""
     need = (context + 64) * kv_bytes_per_token(cfg) * 2
     llm = LLM(cfg, quest=quest, load_format="dummy", device="cuda", max_num_seqs=1, max_model_len=context + 64,
-              kv_cache_memory=need + (256 << 20), enable_chunked_prefill=False)  # the prefill in one step
+              kv_cache_memory=need + (256 << 20), enable_chunked_prefill=False,  # the prefill in one step
+              quantization=quantization)
     engine = llm.engine
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -598,7 +600,7 @@ def main() -> None:
         if point is None:
             continue
         cfg = dummy_config(name, max_position_embeddings=context + 1024)
-        point["prefill_s"] = time_prefill(cfg, None, context)
+        point["prefill_s"] = time_prefill(cfg, None, context, args.quantization)
         print(f"prefill {name} {context}: {point['prefill_s']:.2f} s", flush=True)
         _write(args, record)
 

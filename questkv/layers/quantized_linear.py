@@ -63,7 +63,8 @@ BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm", "
 :data:`TINYGEMM_MAX_M`, then every format through ``triton`` up to :data:`TRITON_MAX_M`, ``dequant`` above;
 ``torch`` otherwise; ``torch``: the reference (dequantize to float32, float32 matmul); ``triton``:
 :func:`questkv.ops.triton.quant_matmul.quant_matmul`;
-``dequant``: dequantize to ``x``'s dtype with torch ops, then ``F.linear`` (a large-``M`` candidate);
+``dequant``: dequantize to ``x``'s dtype (on CUDA in one Triton launch,
+:func:`questkv.ops.triton.quant_matmul.dequantize`; torch ops elsewhere), then ``F.linear`` (prefill's);
 ``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16); ``gemv``:
 :func:`questkv.ops.triton.quant_matmul.int4_gemv` for up to 4 rows, ``triton`` for more (``int4``, CUDA). The last two
 are layers' only: each needs its own copy of the weight (non-persistent buffers, made by
@@ -99,7 +100,10 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return quant_reference.quant_matmul(x, qweight, scales, zeros, method, group_size, bias)
     if backend == "dequant":
         quant_reference.check_quant_args(x, qweight, scales, zeros, method, group_size)
-        return F.linear(x, dequantize(qweight, scales, zeros, method, group_size, dtype=x.dtype), bias)
+        unpack = dequantize
+        if x.is_cuda:
+            from questkv.ops.triton.quant_matmul import dequantize as unpack  # the same values in one launch
+        return F.linear(x, unpack(qweight, scales, zeros, method, group_size, dtype=x.dtype), bias)
     from questkv.ops.triton import quant_matmul as kernels  # needs triton; CPU-only installs never get here
 
     return kernels.quant_matmul(x, qweight, scales, zeros, method, group_size, bias)

@@ -119,6 +119,22 @@ _SCRIPT = textwrap.dedent(
     for m in (2, 3, 4):  # one accumulator per row
         compile_gemv(28672, 4096, m=m)
     compile_gemv(1000, 896, 32, bias=True, m=4)
+    # prefill's dequantize kernel: every format into bf16 (int4 bytes unpacked in pairs), fp32 for int8
+    for method, group, out in (("int4", 128, "bf16"), ("int4", 32, "fp16"), ("int8", 128, "fp32"),
+                               ("int8_grouped", 16, "bf16")):
+        kernel = qm._dequantize_kernel
+        pointers = {"q_ptr": "u8" if method == "int4" else "i8", "s_ptr": out, "z_ptr": out, "out_ptr": out}
+        constexprs = dict(BITS=4 if method == "int4" else 8, GROUP=group, GROUP_SCALES=method != "int8",
+                          BLOCK_N=qm.DEQUANT_BLOCK[0], BLOCK_K=qm.DEQUANT_BLOCK[1])
+        signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
+                     for name in kernel.arg_names}
+        attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+                 for name in (*pointers, "N", "K", "stride_qn", "stride_sg", "stride_on")}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                                  options={"num_warps": 4, "enable_fp_fusion": False})
+        info = ptxas_info(compiled)
+        print("dequantize", method, group, out, info)
+        assert "0 bytes spill stores" in info, info
     print("quant kernels compiled for sm_90")
     """
 )

@@ -232,6 +232,25 @@ def test_int4_gemv_matches_the_reference(m, dtype, group_size, n, k, bias, confi
     assert torch.equal(qk.int4_gemv(x, words, qw.scales, qw.zeros, group_size, b, config=config), got)
 
 
+@pytest.mark.parametrize("method, group_size, n, k", [
+    ("int4", 128, N_ODD, K), ("int4", 32, 70, 320), ("int8", 128, N_ODD, 300), ("int8_grouped", 16, 65, 272),
+    ("int8_grouped", 32, 64, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_dequantize_kernel_gives_the_references_values_exactly(method, group_size, n, k, dtype):
+    """Every format, partial tiles in both directions (N and K not multiples of the block), every dtype: the
+    kernel's float weight equals the reference's bit for bit (float32 math, one rounding, no contraction), but for
+    the interpreter's bf16 casts, which truncate where a GPU rounds to nearest: there, within one unit in the last
+    place."""
+    qw = _weight(method, n, k, zlib.crc32(f"deq {method} {group_size} {dtype}".encode()) % 1000, dtype, group_size)
+    got = qk.dequantize(*qw, method, group_size, dtype)
+    want = ref.dequantize(*qw, method, group_size, dtype)
+    assert got.dtype == dtype and got.shape == (n, k)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(got, want)
+
+
 def test_int4_gemv_plans_whole_groups_and_enough_programs():
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (576, 1536)):
         cfg = qk.plan_int4_gemv(n, k, 128)

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops.quant_reference import GROUP_SIZES, check_quant_args, unpack_int4
+from questkv.ops.quant_reference import ALL_METHODS, GROUP_SIZES, check_quant_args, unpack_int4
 from questkv.ops.triton._common import (
     interpreting,
     last_to_arrive,
@@ -63,14 +63,17 @@ from questkv.ops.triton._common import (
     ticket_counters,
     use_pdl,
 )
+from questkv.validation import check_choice
 
 __all__ = [
+    "DEQUANT_BLOCK",
     "FMA_MAX_M",
     "GEMV_MAX_M",
     "Int4GemvConfig",
     "int4_gemv",
     "plan_int4_gemv",
     "QuantMatmulConfig",
+    "dequantize",
     "plan_quant_matmul",
     "quant_matmul",
     "tinygemm_matmul",
@@ -408,6 +411,64 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         UPCAST=upcast, IEEE=x.dtype == torch.float32, EVEN_K=even_k, SWAP_AB=cfg.swap_ab,
         MAGIC16=magic16, OFFSET16=offset16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prefill: the float weight, written once per call for one bf16 GEMM
+
+DEQUANT_BLOCK = (64, 256)
+""":func:`dequantize`'s tile: output rows x input features per program."""
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qn, stride_sg, stride_on,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_SCALES: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK_N), cdiv(K, BLOCK_K))``: ``out[n, k] = (q - z) * s`` (``int4``; ``int8``:
+    ``q * s[n]``; ``int8_grouped``: ``q * s``) in float32, rounded once to ``out``'s dtype. ``q_ptr``: ``int4``
+    bytes ``[N, K // 2]`` (feature ``2j`` in byte ``j``'s low nibble), else int8 ``[N, K]``; ``s_ptr``, ``z_ptr``:
+    ``[K // GROUP, N]`` (``int8``: ``s_ptr`` ``[N]``)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    rk = k0 + tl.arange(0, BLOCK_K)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    if BITS == 4:
+        rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(q_ptr + rn[:, None] * stride_qn + rb[None, :],
+                       mask=(rn < N)[:, None] & (rb < K // 2)[None, :], other=0).to(tl.int32)
+        q = tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_N, BLOCK_K]).to(tl.float32)  # features 2j, 2j + 1
+    else:
+        q = tl.load(q_ptr + rn[:, None] * stride_qn + rk[None, :], mask=mask, other=0).to(tl.float32)
+    if GROUP_SCALES:
+        sg = (rk // GROUP)[None, :] * stride_sg + rn[:, None]  # [BN, BK]: every feature's group
+        s = tl.load(s_ptr + sg, mask=mask, other=0.0).to(tl.float32)
+        if BITS == 4:
+            q = q - tl.load(z_ptr + sg, mask=mask, other=0.0).to(tl.float32)
+        w = q * s
+    else:
+        w = q * tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], method: str,
+               group_size: int = 128, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Triton :func:`questkv.ops.quant_reference.dequantize`: the float weight ``[N, K]`` in ``dtype`` (float32
+    math, one rounding: the reference's values), in one launch that reads the packed weight once and writes the
+    float one once (prefill's dequantize-then-GEMM: about 2.5 bytes per int4 weight of traffic)."""
+    check_choice("quantization", method, ALL_METHODS)
+    n = qweight.shape[0]
+    k = qweight.shape[1] * (2 if method == "int4" else 1)
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    if n == 0 or k == 0:
+        return out
+    block_n, block_k = DEQUANT_BLOCK
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qweight, scales, zeros if zeros is not None else scales, out, n, k, qweight.stride(0),
+        scales.stride(0) if method != "int8" else 0, out.stride(0),
+        BITS=4 if method == "int4" else 8, GROUP=group_size, GROUP_SCALES=method != "int8",
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, enable_fp_fusion=False,
     )
     return out
 
