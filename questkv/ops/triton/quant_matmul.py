@@ -39,6 +39,9 @@ later one a tile ahead.
 
 ``tinygemm_pack`` / ``tinygemm_matmul`` convert an ``int4`` weight for ``torch.ops.aten._weight_int4pack_mm``
 (bf16 only), the CUDA backend for bf16 at 2 to 4 rows.
+
+Prefill (more than 64 rows) multiplies by the float weight: :func:`dequantize` writes it in one launch (every format;
+the reference's values, float32 math and one rounding) for one GEMM, whose cost the prompt's rows share.
 """
 
 from __future__ import annotations
