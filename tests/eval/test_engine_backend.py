@@ -281,8 +281,11 @@ def test_adaptive_reuse_shares_an_engine_with_the_fixed_interval_and_reports_its
     # 8 scored tokens: 8 decode steps, of which outputs 0, 3 and 6 select with a fixed interval of 3
     assert cell[fixed]["selection_rate"] == cell[never]["selection_rate"] == 3 / 8
     assert cell["quest"]["selection_rate"] == cell[always]["selection_rate"] == 1.0
-    assert cell[never]["scores"] == pytest.approx(cell[fixed]["scores"], rel=1e-6)
-    assert cell[always]["scores"] == pytest.approx(cell["quest"]["scores"], rel=1e-6)
+    # the same maths through other kernels: perplexities equal to float32 rounding, then reported to 4 decimals, so
+    # two equal values may still round one unit apart
+    same = dict(rel=1e-6, abs=1e-4 + 1e-9)
+    assert cell[never]["scores"] == pytest.approx(cell[fixed]["scores"], **same)
+    assert cell[always]["scores"] == pytest.approx(cell["quest"]["scores"], **same)
     assert cell[fixed]["kv_bytes_per_step"] < cell["quest"]["kv_bytes_per_step"]  # bounds read 3 steps in 8
     document = sweep.document("tiny", spec, list(cells.values()), [{"command": "test"}])
     assert "Selection rate:" in report.markdown(document)
