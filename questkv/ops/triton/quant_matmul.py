@@ -461,6 +461,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
     math, one rounding: the reference's values), in one launch that reads the packed weight once and writes the
     float one once (prefill's dequantize-then-GEMM: about 2.5 bytes per int4 weight of traffic)."""
     check_choice("quantization", method, ALL_METHODS)
+    qweight, scales = qweight.contiguous(), scales.contiguous()  # no-ops for a layer's buffers
+    zeros = zeros.contiguous() if zeros is not None else None
     n = qweight.shape[0]
     k = qweight.shape[1] * (2 if method == "int4" else 1)
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
