@@ -34,6 +34,7 @@ from questkv.engine.llm import LLM  # noqa: E402
 from questkv.engine.sampling_params import SamplingParams  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
 from questkv.layers.linear import Linear  # noqa: E402
+from questkv.layers.quantized_linear import QuantizedLinear  # noqa: E402
 from questkv.models.shapes import dummy_config  # noqa: E402
 from questkv.ops.triton import _common as triton_common  # noqa: E402
 
@@ -110,7 +111,8 @@ def synthetic_prefill(engine) -> None:
         engine.scheduler.update(batch, [1] * len(batch.seqs))
 
 
-def time_engine(cfg, quest, batch, context, seed=0, quantization=None, linear_backend="auto") -> dict:
+def time_engine(cfg, quest, batch, context, seed=0, quantization=None, linear_backend="auto",
+                quantize_lm_head=False) -> dict:
     """ms per decode step of ``batch`` sequences at ``context`` tokens (synthetic prefill), with the host loop
     synchronous and asynchronous (``EngineConfig.async_scheduling``), on one engine, side by side; the GPU time
     of one graph replay; the kernels of one decode step (torch profiler over a replay). ``linear_backend``: the
@@ -126,7 +128,7 @@ def time_engine(cfg, quest, batch, context, seed=0, quantization=None, linear_ba
     # Unchunked: the synthetic prefill admits every request before the first decode step.
     llm = LLM(cfg, quest=quest, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
               max_model_len=context + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed,
-              quantization=quantization, enable_chunked_prefill=False)
+              quantization=quantization, quantize_lm_head=quantize_lm_head, enable_chunked_prefill=False)
     engine = llm.engine
     for module in engine.runner.model.modules():  # before the first decode step captures its graph
         if isinstance(module, Linear):
@@ -159,18 +161,22 @@ def time_engine(cfg, quest, batch, context, seed=0, quantization=None, linear_ba
     graph_ms = replay_ms(engine.runner)
     kernels = profile_replay(engine.runner)
     model = engine.runner.model  # quantized layers keep their packed weights as buffers (RoPE tables: not weights)
-    # (the tinygemm and GEMV copies of an int4 weight are copies of it: a step reads one of the three)
-    weights = [*model.parameters(), *(b for name, b in model.named_buffers()
-                                      if not name.endswith("_cache") and not name.split(".")[-1].startswith(
-                                          ("tinygemm_", "gemv_")))]
-    weight_bytes = sum(t.numel() * t.element_size() for t in weights)
+    held = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.endswith("_cache"))]
+    weight_bytes_held = sum(t.numel() * t.element_size() for t in held)
+    # The weights counted once (a step reads one copy of an int4 layer's codes): the checkpoint's layout, or the
+    # GEMV's words where they are the only copy (same bytes); the copies for other row counts apart.
+    copies = {id(b) for m in model.modules() if isinstance(m, QuantizedLinear)
+              for name, b in m.named_buffers(recurse=False)
+              if name.startswith("tinygemm_") or (name == "gemv_words" and m.qweight is not None)}
+    weight_bytes = sum(t.numel() * t.element_size() for t in held if id(t) not in copies)
     del llm, engine, outputs, model
     gc.collect()
     torch.cuda.empty_cache()
     for mode in result.values():
         mode["exposed_host_ms"] = mode["ms_per_token"] - graph_ms
     return {**result["async"], "sync": result["sync"], "mean_tokens_attended": attended, "graphs": graphs,
-            "weight_bytes": weight_bytes, "graph_replay_ms": graph_ms, "kernels": kernels}
+            "weight_bytes": weight_bytes, "weight_bytes_held": weight_bytes_held, "graph_replay_ms": graph_ms,
+            "kernels": kernels}
 
 
 def replay_ms(runner, replays: int = 20) -> float:
@@ -212,13 +218,13 @@ def profile_replay(runner, top: int = 12) -> dict:
             "top": [{"name": name[:90], "count": n, "us": us} for name, (n, us) in ranked[:top]]}
 
 
-def time_prefill(cfg, quest, context, quantization=None) -> float:
+def time_prefill(cfg, quest, context, quantization=None, quantize_lm_head=False) -> float:
     """Seconds of one real engine prefill of ``context`` tokens (batch 1, weights in ``quantization``), after a
     short warm-up prefill."""
     need = (context + 64) * kv_bytes_per_token(cfg) * 2
     llm = LLM(cfg, quest=quest, load_format="dummy", device="cuda", max_num_seqs=1, max_model_len=context + 64,
               kv_cache_memory=need + (256 << 20), enable_chunked_prefill=False,  # the prefill in one step
-              quantization=quantization)
+              quantization=quantization, quantize_lm_head=quantize_lm_head)
     engine = llm.engine
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -308,8 +314,6 @@ def _engine_paths(quest, build):
     ``(path, llm)`` with ``llm = build(quest, **kwargs)``; the reference's Quest ops, page cache, float and quantized
     linear layers run the torch reference. Each engine is dropped before the next is built (the caller drops its
     name)."""
-    from questkv.layers.quantized_linear import QuantizedLinear
-
     for path, kwargs in (("cuda-graphs", {}), ("eager-reference", {"enforce_eager": True})):
         q = quest if quest is None or path == "cuda-graphs" else QuestConfig(**{**quest.to_dict(), "backend": "torch"})
         llm = build(q, **kwargs)
@@ -358,10 +362,11 @@ def check_tiny_fp32() -> dict:
     return results
 
 
-def check_int4_fp32() -> dict:
+def check_int4_fp32(quantize_lm_head: bool = False) -> dict:
     """An int4 engine's CUDA path (graphs and the int4 kernels: decode rows through ``int4_gemv``, prefill through
-    the dequantizing GEMM) against its eager torch-reference path (every quantized layer on the ``torch``
-    backend), a small fp32 Llama quantized at load, one prompt and three, dense and Quest."""
+    the dequantizing GEMM; at batch 1 from the GEMV's words, the layers' only copy) against its eager
+    torch-reference path (every quantized layer on the ``torch`` backend), a small fp32 Llama quantized at load
+    (its LM head too with ``quantize_lm_head``), one prompt and three, dense and Quest."""
     cfg = _tiny_llama()
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (900, 1300, 420)]
@@ -373,7 +378,8 @@ def check_int4_fp32() -> dict:
 
             def build(q, **kwargs):
                 return LLM(cfg, quest=q, quantization="int4", load_format="dummy", dtype="float32", device="cuda",
-                           max_num_seqs=batch, kv_cache_memory=256 << 20, seed=6, **kwargs)
+                           max_num_seqs=batch, kv_cache_memory=256 << 20, seed=6, quantize_lm_head=quantize_lm_head,
+                           **kwargs)
 
             for path, llm in _engine_paths(quest, build):
                 outs = llm.generate(prompts[:batch], params, use_tqdm=False)
@@ -511,6 +517,9 @@ def main() -> None:
     parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
     parser.add_argument("--quantization", choices=["int4", "int8"], default=None,
                         help="weight-only quantization of both engines' linears (default: bf16)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="with --quantization: the LM head too (EngineConfig.quantize_lm_head), in the timed "
+                        "engines and the int4 check")
     parser.add_argument("--dense-cublas", action="store_true",
                         help="also time the engine dense with its float linears on cuBLAS at every row "
                         "(engine_dense_cublas), beside the default that takes questkv's GEMV for one row")
@@ -529,7 +538,9 @@ def main() -> None:
         parser.error(f"--selection-intervals must be >= 2 each, got {args.selection_intervals}")
     record = {"provenance": provenance("cuda"), "page_size": PAGE, "dense_layers": DENSE_LAYERS, "dtype": "bfloat16",
               "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS, "pdl": triton_common.PDL,
-              "quantization": args.quantization, "selection_intervals": intervals, "points": []}
+              "quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head,
+              "selection_intervals": intervals, "points": []}
+    quant = {"quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head}
     record["bandwidth_bytes_per_s"] = bandwidth = measure_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     if not args.skip_checks:
@@ -537,7 +548,7 @@ def main() -> None:
                                 ("chunked", "check_chunked_prefix_fp32", check_chunked_prefix_fp32),
                                 ("mixed", "check_mixed_steps_fp32", check_mixed_steps_fp32),
                                 ("8b", "check_8b_bf16", lambda: check_8b_against_hf(dummy_config("llama3.1-8b"))),
-                                ("int4", "check_int4_fp32", check_int4_fp32)):
+                                ("int4", "check_int4_fp32", lambda: check_int4_fp32(args.quantize_lm_head))):
             if check in checks:
                 record[key] = run()
                 print(key, json.dumps(record[key]), flush=True)
@@ -549,11 +560,10 @@ def main() -> None:
         cfg = dummy_config(name, max_position_embeddings=max(context + 1024, 4096))
         quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
         point = {"model": name, "batch": batch, "context": context, "budget": budget, "target": target}
-        point["engine_dense"] = time_engine(cfg, None, batch, context, quantization=args.quantization)
-        point["engine_quest"] = time_engine(cfg, quest, batch, context, quantization=args.quantization)
+        point["engine_dense"] = time_engine(cfg, None, batch, context, **quant)
+        point["engine_quest"] = time_engine(cfg, quest, batch, context, **quant)
         if args.dense_cublas:
-            point["engine_dense_cublas"] = time_engine(cfg, None, batch, context, quantization=args.quantization,
-                                                       linear_backend="torch")
+            point["engine_dense_cublas"] = time_engine(cfg, None, batch, context, linear_backend="torch", **quant)
         weight_bytes = point["engine_dense"]["weight_bytes"]
         dense_floor, quest_floor = floor_ms(cfg, weight_bytes, batch, context, budget, bandwidth)
         point.update(floor_dense_ms=dense_floor, floor_quest_ms=quest_floor, ideal_speedup=dense_floor / quest_floor)
@@ -566,14 +576,15 @@ def main() -> None:
         for c in intervals:  # JSON keys: C as a string
             reuse = dataclasses.replace(quest, selection_interval=c)
             runs[f"quest C={c}"] = point["engine_quest_reuse"][str(c)] = time_engine(
-                cfg, reuse, batch, context, quantization=args.quantization)
+                cfg, reuse, batch, context, **quant)
             point["speedup_reuse"][str(c)] = point["engine_dense"]["ms_per_token"] / runs[f"quest C={c}"]["ms_per_token"]
         line = [f"{name} B={batch} L={context} budget={budget}:"]
         for kind, run in runs.items():
             line.append(f"{kind} {run['ms_per_token']:.2f} ms (sync {run['sync']['ms_per_token']:.2f}, graph "
                         f"{run['graph_replay_ms']:.2f}, {run['kernels']['count']} kernels),")
         reused = "".join(f", C={c} x{x:.2f}" for c, x in point.get("speedup_reuse", {}).items())
-        print(*line, f"x{point['speedup']:.2f}{reused} (floor {dense_floor:.2f}/{quest_floor:.2f}, target {target})",
+        print(*line, f"x{point['speedup']:.2f}{reused} (floor {dense_floor:.2f}/{quest_floor:.2f}, target {target}; "
+              f"weights {weight_bytes / 1e9:.2f} GB, held {point['engine_dense']['weight_bytes_held'] / 1e9:.2f} GB)",
               flush=True)
         record["points"].append(point)
         _write(args, record)
@@ -600,7 +611,7 @@ def main() -> None:
         if point is None:
             continue
         cfg = dummy_config(name, max_position_embeddings=context + 1024)
-        point["prefill_s"] = time_prefill(cfg, None, context, args.quantization)
+        point["prefill_s"] = time_prefill(cfg, None, context, **quant)
         print(f"prefill {name} {context}: {point['prefill_s']:.2f} s", flush=True)
         _write(args, record)
 

@@ -270,6 +270,20 @@ def _token_checks(heading: str, results: dict, extra=lambda r: "") -> list[str]:
     return lines + [""]
 
 
+def weights_lines(record: dict) -> list[str]:
+    """One line per model: its dense engine's weights counted once and as held (copies for other row counts)."""
+    seen, lines = set(), []
+    for p in record["points"]:
+        d = p["engine_dense"]
+        key = (p["model"], p["batch"])
+        if "weight_bytes_held" not in d or key in seen:
+            continue
+        seen.add(key)
+        lines.append(f"- {p['model']} at max_num_seqs={p['batch']}: weights {d['weight_bytes'] / 1e9:.2f} GB "
+                     f"({d['weight_bytes'] / 2**30:.2f} GiB) counted once, {d['weight_bytes_held'] / 1e9:.2f} GB held")
+    return lines
+
+
 def render_markdown(record: dict) -> str:
     prov = record.get("provenance", {})
     bw = record["bandwidth_bytes_per_s"]
@@ -279,8 +293,10 @@ def render_markdown(record: dict) -> str:
              f"- GPU: {prov.get('machine', '?')}; date: {prov.get('date', '?')}",
              f"- torch {prov.get('torch', '?')}, transformers {prov.get('transformers', '?')}, python {prov.get('python', '?')}",
              "", "## Settings", "",
-             f"- dtype {record.get('dtype', '?')}, linear weights {record.get('quantization') or 'not quantized'}, "
+             f"- dtype {record.get('dtype', '?')}, linear weights {record.get('quantization') or 'not quantized'}"
+             f"{', LM head quantized too' if record.get('quantize_lm_head') else ''}, "
              f"page size {record['page_size']}, dense_layers {record['dense_layers']}",
+             *weights_lines(record),
              f"- {record.get('warmup_steps', '?')} warm-up + {record.get('timed_steps', '?')} timed decode steps per point"
              "; contexts filled synthetically (random K/V), prefill timed separately",
              f"- device-to-device copy bandwidth {bw / 1e12:.2f} TB/s (used for the bytes floors)", ""]

@@ -349,6 +349,9 @@ def _add_eval(subparsers) -> None:
                              help="engine only: its weights, as `questkv generate --quantization` (gguf: a GGUF on its "
                              "own packed bits; int4/int8: a float checkpoint rounded at load) (default: the "
                              "checkpoint's dtype, a GGUF dequantized)")
+        backend.add_argument("--quantize-lm-head", action="store_true",
+                             help="engine only, with --quantization int4/int8: round the LM head too (default: it "
+                             "stays in --dtype)")
         sub.add_argument("--json", metavar="PATH",
                          help="write the cells to PATH after every setting, plus PATH's .md table and .png plot; an "
                          "existing PATH with the same settings is resumed (its finished cells are skipped)")
@@ -382,6 +385,7 @@ def _run_eval(args) -> int:
         agreement_tokens=args.agreement_tokens,
         code_commit=args.code_commit,
         quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         **quest,
     )
 

@@ -188,3 +188,20 @@ def test_every_engine_command_takes_the_tensor_parallel_size(capsys):
     add_serve_args(serve)
     assert engine_kwargs(serve.parse_args(["m", "--tensor-parallel-size", "4"]))["tensor_parallel_size"] == 4
     assert "--tensor-parallel-size" in parse_error(serve, ["m", "--tensor-parallel-size", "0"], capsys)
+
+
+def test_every_engine_command_takes_the_quantization_and_quantize_lm_head():
+    from questkv.cli_args import engine_kwargs
+    from questkv.server.cli import add_serve_args
+
+    parser = cli.build_parser()
+    serve = argparse.ArgumentParser(prog="serve")
+    add_serve_args(serve)
+    for parse, argv in ((parser.parse_args, ["generate", "--prompt", "hi"]), (parser.parse_args, ["demo"]),
+                        (parser.parse_args, ["bench", "latency"]), (serve.parse_args, ["m"])):
+        plain = engine_kwargs(parse(argv))
+        assert "quantization" not in plain and "quantize_lm_head" not in plain  # the config's defaults
+        kwargs = engine_kwargs(parse([*argv, "--quantization", "int4", "--quantize-lm-head"]))
+        assert kwargs["quantization"] == "int4" and kwargs["quantize_lm_head"] is True
+    args = parser.parse_args(["eval", "ppl", "--model", "m", "--quantization", "int8", "--quantize-lm-head"])
+    assert args.quantization == "int8" and args.quantize_lm_head is True

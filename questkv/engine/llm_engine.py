@@ -16,7 +16,7 @@ import torch
 from questkv.config import QuestConfig
 from questkv.decode.reuse import selection_seq_len
 from questkv.decode.step import sparse_tokens_attended
-from questkv.engine.config import EngineConfig
+from questkv.engine.config import ROUND_TO_NEAREST, EngineConfig
 from questkv.distributed.group import TensorParallel
 from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.engine.model_runner import ModelRunner, SampledTokens
@@ -26,7 +26,7 @@ from questkv.layers.quantized_linear import check_quantizable, quantize_linears
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
-from questkv.models.engine_model import ROUND_TO_NEAREST, EngineModel, load_engine_model
+from questkv.models.engine_model import EngineModel, load_engine_model
 from questkv.models.llama import LlamaForCausalLM
 from questkv.validation import check_text
 
@@ -48,14 +48,19 @@ def _batches_sequences(config: EngineConfig) -> bool:
     return config.max_num_seqs > 1
 
 
+def _skipped_linears(config: EngineConfig) -> tuple[str, ...]:
+    """The linears left in float when the engine rounds at load: the LM head unless ``quantize_lm_head``."""
+    return () if config.quantize_lm_head else ("lm_head",)
+
+
 def quantize_shard(model: LlamaForCausalLM, config: EngineConfig, tp: Optional[TensorParallel]) -> None:
     """Quantize ``model``'s linears when ``config.quantization`` rounds to nearest (packed formats were loaded
     packed). With tensor parallelism ``tp`` must be connected: int8 row scales of row-parallel layers are the
     whole rows' (one all-reduce per layer, :func:`~questkv.layers.parallel.row_absmax`)."""
     if config.quantization not in ROUND_TO_NEAREST:
         return
-    quantize_linears(model, config.quantization, row_absmax=None if tp is None else row_absmax(tp),
-                     small_batches=_batches_sequences(config))
+    quantize_linears(model, config.quantization, skip=_skipped_linears(config),
+                     row_absmax=None if tp is None else row_absmax(tp), small_batches=_batches_sequences(config))
     if config.torch_device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights' blocks: the KV pool is sized from what is free
 
@@ -101,7 +106,7 @@ class LLMEngine:
         else:
             if config.quantization in ROUND_TO_NEAREST:  # a shard that cannot be quantized: before any process
                 try:
-                    check_quantizable(loaded.model, config.quantization)
+                    check_quantizable(loaded.model, config.quantization, _skipped_linears(config))
                 except ValueError as error:
                     raise ValueError(f"{error}, its shard of tensor_parallel_size={tp.size}") from None
             self.workers = WorkerPool(config, max_model_len)

@@ -51,12 +51,12 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
-from questkv.engine.config import QUANTIZATIONS
+from questkv.engine.config import QUANTIZATIONS, ROUND_TO_NEAREST
 from questkv.eval import agreement, engine_backend, harness, perplexity, tasks
 from questkv.eval.harness import EVAL_BACKENDS, Setting
 from questkv.policies import POLICIES
 from questkv.policies.cost import model_kv_bytes_per_step
-from questkv.validation import check_choice, check_int
+from questkv.validation import check_bool, check_choice, check_int
 
 PPL = "ppl"
 ALL_TASKS: tuple[str, ...] = tasks.TASKS + (PPL,) + agreement.TASKS
@@ -64,7 +64,7 @@ QUEST_FIELDS: tuple[str, ...] = ("page_size", "dense_layers") + PAGE_POLICY_OPTI
 """The :class:`~questkv.QuestConfig` fields of a :class:`SweepSpec` (its budgets are the grid's)."""
 # Settings shared by every cell: a resumed run must match them (the grid itself may grow).
 _SHARED = ("samples", "seed", "top_p", *QUEST_FIELDS, "score_tokens", "text_file", "eval_backend",
-           "agreement_tokens", "code_commit", "quantization")
+           "agreement_tokens", "code_commit", "quantization", "quantize_lm_head")
 # What a document written before a shared setting existed ran with, where that is not the field's default.
 _LEGACY = {"eval_backend": "hf"}
 # The options a spec gives the policies that take them (see SweepSpec.settings).
@@ -99,6 +99,8 @@ class SweepSpec:
         quantization: the engine's weights (:attr:`questkv.engine.config.EngineConfig.quantization`: ``"gguf"``
             runs a GGUF on its own packed bits, ``"int4"`` / ``"int8"`` round a float checkpoint at load);
             ``None``: the checkpoint's dtype (a GGUF dequantized). Engine only: every setting must run there.
+        quantize_lm_head: round the LM head too (:attr:`~questkv.engine.config.EngineConfig.quantize_lm_head`;
+            ``quantization`` ``"int4"`` or ``"int8"``).
     """
 
     tasks: tuple[str, ...]
@@ -120,6 +122,7 @@ class SweepSpec:
     agreement_tokens: int = 128
     code_commit: Optional[str] = None
     quantization: Optional[str] = None
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tasks", "lengths", "policies", "budgets"):
@@ -148,6 +151,10 @@ class SweepSpec:
         check_choice("SweepSpec.eval_backend", self.eval_backend, EVAL_BACKENDS)
         if self.quantization is not None:
             check_choice("SweepSpec.quantization", self.quantization, QUANTIZATIONS)
+        check_bool("SweepSpec.quantize_lm_head", self.quantize_lm_head)
+        if self.quantize_lm_head and self.quantization not in ROUND_TO_NEAREST:
+            raise ValueError(f"SweepSpec.quantize_lm_head=True needs quantization one of {ROUND_TO_NEAREST}, got "
+                             f"{self.quantization!r}")
         measured = [task for task in self.tasks if task in agreement.TASKS]
         if measured:
             check_int("SweepSpec.agreement_tokens", self.agreement_tokens, minimum=1)
@@ -257,7 +264,8 @@ def _run_engine_cells(tokenizer, spec: SweepSpec, finished: set, emit, engine, p
         raise ValueError("cells on the engine backend are pending but no engine was given (run_sweep(engine=...)); "
                          "or use eval_backend='hf'")
     if spec.quantization is not None:
-        engine = dataclasses.replace(engine, engine_kwargs={**engine.engine_kwargs, "quantization": spec.quantization})
+        engine = dataclasses.replace(engine, engine_kwargs={**engine.engine_kwargs, "quantization": spec.quantization,
+                                                            "quantize_lm_head": spec.quantize_lm_head})
     tasks_due = {task for pairs in todo.values() for task, _ in pairs}
     ppl_text = perplexity.load_text(spec.text_file) if PPL in tasks_due else None
     texts = {task: agreement.load_text(task, spec.code_commit)[0] for task in agreement.TASKS if task in tasks_due}

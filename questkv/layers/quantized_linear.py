@@ -196,14 +196,18 @@ class QuantizedLinear(nn.Module):
     def load_packed(self, name: str, loaded: QuantizedWeight, rows: Optional[slice] = None) -> None:
         """Copy a packed weight in this layer's format into output rows ``rows`` (all by default), after checking
         every shape; scales and zero points are cast to the layer's dtype (``name``, the checkpoint name, only
-        serves the error message).
+        serves the error message). A layer that holds only the GEMV's words (:meth:`set_backend`) packs the codes
+        into them.
 
         Args:
             loaded: ``qweight``, ``scales``, ``zeros`` as :mod:`questkv.ops.quant_reference` stores them for
                 ``rows.stop - rows.start`` output features, on any device.
         """
         rows = slice(0, self.out_features) if rows is None else rows
-        targets = {"qweight": self.qweight[rows], "scales": self.scales[..., rows],
+        codes = self.qweight
+        if codes is None:  # a same-shaped stand-in to check against; the codes go into the words below
+            codes = torch.empty((self.out_features, self.in_features // 2), dtype=torch.uint8, device="meta")
+        targets = {"qweight": codes[rows], "scales": self.scales[..., rows],
                    "zeros": None if self.zeros is None else self.zeros[:, rows]}
         for part, target in targets.items():
             tensor = getattr(loaded, part)
@@ -217,16 +221,28 @@ class QuantizedLinear(nn.Module):
                                  f"expects {tuple(target.shape)}")
             if part == "qweight" and tensor.dtype != target.dtype:
                 raise ValueError(f"weight {name!r}: qweight must be {target.dtype}, got {tensor.dtype}")
-            target.copy_(tensor)
+        for part, target in targets.items():
+            tensor = getattr(loaded, part)
+            if part == "qweight" and self.qweight is None:
+                words = quant_reference.pack_int4_k_major(tensor.to(self.gemv_words.device), self.group_size)
+                self.gemv_words[:, rows] = words
+            elif target is not None:
+                target.copy_(tensor)
 
     def set_backend(self, backend: str, small_batches: bool = True) -> None:
         """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`). ``tinygemm`` and ``gemv`` convert
         the weight into a second, non-persistent copy now (call it outside CUDA graph capture), ``auto`` makes the
-        copies its small batches use (on CUDA: ``gemv``'s for int4, ``tinygemm``'s for int4 bf16 unless
-        ``small_batches`` is false: a model that multiplies 2 to 4 rows only now and then, such as an engine that
-        never batches sequences, lets the GEMV take them and saves that copy); copies the new backend does not use
-        are dropped."""
+        copies its small batches use (on CUDA: ``gemv``'s for int4, ``tinygemm``'s for int4 bf16); copies the new
+        backend does not use are dropped.
+
+        ``small_batches=False`` (a model that multiplies more than one row only now and then: an engine that never
+        batches sequences, whose prompts are prefilled once) keeps one copy of an int4 layer's codes on CUDA, the
+        GEMV's words: up to 4 rows take the GEMV, more are multiplied by the float weight written from the words
+        (:func:`~questkv.ops.triton.quant_matmul.dequantize_k_major`). The ``qweight`` buffer is then ``None``;
+        the state dict still holds it (rebuilt from the words), and another backend rebuilds it."""
         check_choice(f"{type(self).__name__}.backend", backend, BACKENDS)
+        if self.qweight is None:  # only the GEMV's words were kept: the checkpoint layout comes back first
+            self.register_buffer("qweight", quant_reference.unpack_int4_k_major(self.gemv_words, self.group_size))
         if backend == "tinygemm" and not self._tinygemm_fits():
             raise ValueError(f"{type(self).__name__}.backend 'tinygemm' needs int4 bf16 weights on CUDA, got "
                              f"{self.method} {self.scales.dtype} on {self.qweight.device.type}")
@@ -248,17 +264,35 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("gemv_words", words, persistent=False)
         else:
             self._buffers.pop("gemv_words", None)
+        if auto and not small_batches and self._gemv_fits():
+            self.register_buffer("qweight", None)
         self.backend = backend
 
     def _gemv_fits(self) -> bool:
-        return self.method == "int4" and self.qweight.device.type == "cuda"
+        return self.method == "int4" and self.scales.device.type == "cuda"
 
     def _tinygemm_fits(self) -> bool:
         return self._gemv_fits() and self.scales.dtype == torch.bfloat16
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[out_features, in_features]`` this layer multiplies by (a new tensor)."""
+        if self.qweight is None:
+            return quant_reference.dequantize_k_major(self.gemv_words, self.scales, self.zeros, self.group_size,
+                                                      dtype).t()
         return dequantize(self.qweight, self.scales, self.zeros, self.method, self.group_size, dtype)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.qweight is None:  # the state dict keeps the checkpoint layout whatever copy the layer holds
+            destination[prefix + "qweight"] = quant_reference.unpack_int4_k_major(self.gemv_words, self.group_size)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        key = prefix + "qweight"
+        if self.qweight is not None or key not in state_dict:
+            return super()._load_from_state_dict(state_dict, prefix, *args)
+        codes = state_dict.pop(key)  # load_state_dict hands each module its own copy of the dict
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        self.load_packed(key, QuantizedWeight(codes, self.scales, self.zeros))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_features]`` (usually ``[T, in_features]``) → ``[..., out_features]`` in ``x.dtype``."""
@@ -278,9 +312,20 @@ class QuantizedLinear(nn.Module):
             if 0 < m <= GEMV_MAX_M:
                 y = int4_gemv(x2, words, self.scales, self.zeros, self.group_size, self.bias)
                 return y.reshape(*lead, self.out_features)
+            if self.qweight is None:  # the words are the only copy: more rows multiply by the float weight
+                y = self._dequantized_words_matmul(x2, words)
+                return y.reshape(*lead, self.out_features)
         backend = "triton" if self.backend == "gemv" else self.backend
         y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias, backend)
         return y.reshape(*lead, self.out_features)  # [..., N]
+
+    def _dequantized_words_matmul(self, x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` times the float weight written from the GEMV's words (the reference off CUDA)."""
+        unpack = quant_reference.dequantize_k_major
+        if words.is_cuda:
+            from questkv.ops.triton.quant_matmul import dequantize_k_major as unpack  # the same values in one launch
+        wt = unpack(words, self.scales, self.zeros, self.group_size, dtype=x.dtype)  # [K, N]
+        return x @ wt if self.bias is None else torch.addmm(self.bias, x, wt)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.method != "int8" else ""

@@ -29,9 +29,6 @@ from questkv.models.quantized_checkpoints import (
 )
 from questkv.models.weights import init_dummy_weights, load_safetensors_weights
 
-ROUND_TO_NEAREST = ("int4", "int8")
-"""``quantization`` values applied after loading float weights (the engine's business)."""
-
 PACKED_FORMATS = ("gguf",) + CHECKPOINT_METHODS
 """``quantization`` values that name how a checkpoint is stored: its packed weights are loaded as they are."""
 
@@ -70,7 +67,7 @@ def load_engine_model(
 
     Args:
         quantization: the engine's: one of :data:`PACKED_FORMATS` asks for (and must match) a packed checkpoint;
-            ``None`` or one of :data:`ROUND_TO_NEAREST` loads float weights, unless the folder is packed.
+            ``None`` or one of :data:`~questkv.engine.config.ROUND_TO_NEAREST` loads float weights, unless the folder is packed.
         tp: build rank ``tp.rank``'s tensor-parallel shard (:class:`LlamaForCausalLM`'s ``tp``), or ``None``.
         small_batches: whether packed linears keep the copies that serve 2 to 4 rows
             (:meth:`~questkv.layers.quantized_linear.QuantizedLinear.set_backend`).

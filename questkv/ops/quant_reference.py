@@ -53,6 +53,7 @@ __all__ = [
     "QuantizedWeight",
     "check_quant_args",
     "dequantize",
+    "dequantize_k_major",
     "pack_int4",
     "pack_int4_k_major",
     "quant_matmul",
@@ -227,6 +228,13 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
     z = zeros.float().t()[:, :, None]
     w = (q.reshape(n, k // group_size, group_size) - z) * s  # [N, G, g]
     return w.reshape(n, k).to(dtype)
+
+
+def dequantize_k_major(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight, transposed, that an ``int4`` weight held as :func:`pack_int4_k_major`'s words ``[K // 8,
+    N]`` int32 stands for: ``[K, N]`` contiguous in ``dtype`` (``x @`` it is ``x @ w.T``; computed in float32)."""
+    return dequantize(unpack_int4_k_major(words, group_size), scales, zeros, "int4", group_size, dtype).t().contiguous()
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

@@ -1,6 +1,6 @@
 """The engine with weight-only quantized linears (``LLM(..., quantization=...)``) on CPU: the quantized engine is
-the float engine holding the dequantized weights (same tokens in fp32), the LM head and embeddings stay float, and a
-bad ``quantization`` is refused before anything loads."""
+the float engine holding the dequantized weights (same tokens in fp32), the LM head and embeddings stay float
+unless ``quantize_lm_head`` rounds the head too, and a bad ``quantization`` is refused before anything loads."""
 
 import random
 
@@ -25,11 +25,13 @@ def dummy_llm(quest=None, **kwargs) -> LLM:
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
 @pytest.mark.parametrize("quest", [None, QUEST], ids=["dense", "quest"])
-def test_a_quantized_engine_gives_the_tokens_of_the_float_engine_holding_the_dequantized_weights(method, quest):
-    quantized = dummy_llm(quest, quantization=method)
+@pytest.mark.parametrize("lm_head", [False, True], ids=["head-float", "head-quantized"])
+def test_a_quantized_engine_gives_the_tokens_of_the_float_engine_holding_the_dequantized_weights(method, quest,
+                                                                                                 lm_head):
+    quantized = dummy_llm(quest, quantization=method, quantize_lm_head=lm_head)
     modules = dict(quantized.engine.runner.model.named_modules())
     swapped = {name for name, module in modules.items() if isinstance(module, QuantizedLinear)}
-    assert swapped and not any(name.endswith("lm_head") for name in swapped)  # the LM head stays float
+    assert swapped and any(name.endswith("lm_head") for name in swapped) == lm_head  # float unless asked
     reference = dummy_llm(quest)
     with torch.no_grad():
         for name, module in reference.engine.runner.model.named_modules():
@@ -44,3 +46,12 @@ def test_a_quantized_engine_gives_the_tokens_of_the_float_engine_holding_the_deq
 def test_an_unknown_quantization_is_refused_naming_it_before_anything_loads():
     with pytest.raises(ValueError, match="EngineConfig.quantization must be one of"):
         dummy_llm(quantization="fp4")
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_quantize_lm_head_needs_a_quantization_that_rounds_at_load(quantization):
+    with pytest.raises(ValueError, match=r"EngineConfig.quantize_lm_head=True rounds the LM head at load: it needs "
+                                         r"quantization one of \('int4', 'int8'\), got "):
+        dummy_llm(quantization=quantization, quantize_lm_head=True)
+    with pytest.raises(ValueError, match="EngineConfig.quantize_lm_head must be a bool"):
+        dummy_llm(quantization="int4", quantize_lm_head="yes")

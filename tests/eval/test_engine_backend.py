@@ -248,7 +248,7 @@ def test_quantization_reaches_the_engine_and_is_refused_for_the_hf_path(model_di
 
     class Spy(engine_backend.EngineSource):
         def build(self, quest, max_model_len, max_num_seqs):
-            built.append(self.engine_kwargs.get("quantization"))
+            built.append((self.engine_kwargs.get("quantization"), self.engine_kwargs.get("quantize_lm_head")))
             return super().build(quest, max_model_len, max_num_seqs)
 
     base = source(model_dir)
@@ -257,7 +257,11 @@ def test_quantization_reaches_the_engine_and_is_refused_for_the_hf_path(model_di
                                        engine=Spy(base.model, base.engine_kwargs)))
     plain = by_key(sweep.run_sweep(None, word_tokenizer, dataclasses.replace(spec, quantization=None), progress=False,
                                    engine=base))
-    assert built and set(built) == {"int8"}
+    assert built and set(built) == {("int8", False)}
+    head = by_key(sweep.run_sweep(None, word_tokenizer, dataclasses.replace(spec, quantize_lm_head=True),
+                                  progress=False, engine=Spy(base.model, base.engine_kwargs)))
+    assert set(built) == {("int8", False), ("int8", True)}
+    assert all(head[key]["value"] != cell["value"] for key, cell in quantized.items())  # the head rounded too
     assert quantized.keys() == plain.keys()
     for key, cell in plain.items():  # int8 rounding moves the perplexity a little, not a lot
         assert quantized[key]["value"] != cell["value"]
@@ -267,6 +271,9 @@ def test_quantization_reaches_the_engine_and_is_refused_for_the_hf_path(model_di
         dataclasses.replace(spec, policies=["full", "streaming"])
     with pytest.raises(ValueError, match="SweepSpec.quantization"):
         dataclasses.replace(spec, quantization="int3")
+    with pytest.raises(ValueError, match=r"SweepSpec.quantize_lm_head=True needs quantization one of \('int4', "
+                                         r"'int8'\), got None"):
+        dataclasses.replace(spec, quantization=None, quantize_lm_head=True)
 
 
 def test_adaptive_reuse_shares_an_engine_with_the_fixed_interval_and_reports_its_selection_rate(

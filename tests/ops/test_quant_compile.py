@@ -135,6 +135,19 @@ _SCRIPT = textwrap.dedent(
         info = ptxas_info(compiled)
         print("dequantize", method, group, out, info)
         assert "0 bytes spill stores" in info, info
+    # the same from the GEMV's K-major words, one group per program
+    for group, out in ((128, "bf16"), (32, "fp32")):
+        kernel = qm._dequantize_k_major_kernel
+        pointers = {"w_ptr": "i32", "s_ptr": out, "z_ptr": out, "out_ptr": out}
+        constexprs = dict(GROUP=group, BLOCK_N=qm.DEQUANT_K_MAJOR_BLOCK_N)
+        signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
+                     for name in kernel.arg_names}
+        attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, "N")}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                                  options={"num_warps": 4, "enable_fp_fusion": False})
+        info = ptxas_info(compiled)
+        print("dequantize_k_major", group, out, info)
+        assert "0 bytes spill stores" in info, info
     print("quant kernels compiled for sm_90")
     """
 )

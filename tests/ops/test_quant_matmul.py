@@ -254,6 +254,26 @@ def test_the_dequantize_kernel_gives_the_references_values_exactly(method, group
         assert torch.equal(qk.dequantize(qw.qweight, *views, method, group_size, dtype), got)
 
 
+@pytest.mark.parametrize("group_size, n, k", [(128, 300, 384), (32, 70, 320), (64, 256, 128), (256, 37, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_k_major_dequantize_kernel_gives_the_references_transposed_weight(group_size, n, k, dtype):
+    """From the GEMV's words, every group size, N a partial tile: the kernel's ``[K, N]`` weight equals the
+    reference's bit for bit (one bf16 unit under the interpreter, as above), which is the transposed weight of
+    the checkpoint layout it was packed from."""
+    qw = _weight("int4", n, k, zlib.crc32(f"deq-k {group_size} {n} {dtype}".encode()) % 1000, dtype, group_size)
+    words = ref.pack_int4_k_major(qw.qweight, group_size)
+    got = qk.dequantize_k_major(words, qw.scales, qw.zeros, group_size, dtype)
+    want = ref.dequantize_k_major(words, qw.scales, qw.zeros, group_size, dtype)
+    assert got.dtype == dtype and got.shape == (k, n) and got.is_contiguous()
+    assert torch.equal(want, ref.dequantize(*qw, "int4", group_size, dtype).t())
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=rf"dequantize_k_major: zeros must be \[{k // group_size}, {n}\]"):
+        qk.dequantize_k_major(words, qw.scales, qw.zeros[:, 1:], group_size, dtype)
+
+
 def test_int4_gemv_plans_whole_groups_and_enough_programs():
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (576, 1536)):
         cfg = qk.plan_int4_gemv(n, k, 128)

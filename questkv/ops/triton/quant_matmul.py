@@ -41,7 +41,8 @@ later one a tile ahead.
 (bf16 only), the CUDA backend for bf16 at 2 to 4 rows.
 
 Prefill (more than 64 rows) multiplies by the float weight: :func:`dequantize` writes it in one launch (every format;
-the reference's values, float32 math and one rounding) for one GEMM, whose cost the prompt's rows share.
+the reference's values, float32 math and one rounding) for one GEMM, whose cost the prompt's rows share;
+:func:`dequantize_k_major` writes it, transposed, from the GEMV's words (a layer that holds no other copy).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from questkv.validation import check_choice
 
 __all__ = [
     "DEQUANT_BLOCK",
+    "DEQUANT_K_MAJOR_BLOCK_N",
     "FMA_MAX_M",
     "GEMV_MAX_M",
     "Int4GemvConfig",
@@ -77,6 +79,7 @@ __all__ = [
     "plan_int4_gemv",
     "QuantMatmulConfig",
     "dequantize",
+    "dequantize_k_major",
     "plan_quant_matmul",
     "quant_matmul",
     "tinygemm_matmul",
@@ -478,6 +481,48 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
     return out
 
 
+DEQUANT_K_MAJOR_BLOCK_N = 256
+""":func:`dequantize_k_major`'s outputs per program (each takes one group)."""
+
+
+@triton.jit
+def _dequantize_k_major_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK_N), K // GROUP)``: one group's word rows ``[GROUP // 8, BLOCK_N]`` of ``w_ptr``
+    (int32 ``[K // 8, N]``, :func:`~questkv.ops.quant_reference.pack_int4_k_major`) to rows ``g * GROUP ..
+    (g + 1) * GROUP`` of ``out_ptr`` ``[K, N]``: nibble ``e`` of word row ``j`` is row ``g * GROUP + e * GROUP // 8
+    + j``, ``(q - z) * s`` in float32 rounded once; ``s_ptr``, ``z_ptr`` ``[K // GROUP, N]``."""
+    WPG: tl.constexpr = GROUP // 8
+    g = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = (rn < N)[None, :]
+    j = tl.arange(0, WPG)
+    words = tl.load(w_ptr + (g * WPG + j)[:, None] * N + rn[None, :], mask=nmask, other=0)  # [WPG, BN]
+    s = tl.load(s_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    z = tl.load(z_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    for e in tl.static_range(8):
+        w = (((words >> (4 * e)) & 15).to(tl.float32) - z) * s
+        tl.store(out_ptr + (g * GROUP + e * WPG + j)[:, None] * N + rn[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=nmask)
+
+
+def dequantize_k_major(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 128,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Triton :func:`questkv.ops.quant_reference.dequantize_k_major`: the float weight, transposed (``[K, N]``), of
+    an ``int4`` weight held as :func:`int4_gemv`'s K-major words, in one launch (the reference's values: float32
+    math, one rounding). The prefill path of a layer whose only copy of the codes is the GEMV's."""
+    k = words.shape[0] * 8
+    n = _check_k_major(k, words, scales, zeros, group_size, "dequantize_k_major")
+    scales, zeros = scales.contiguous(), zeros.contiguous()  # no-ops for a layer's buffers
+    out = torch.empty((k, n), dtype=dtype, device=words.device)
+    if n == 0 or k == 0:
+        return out
+    _dequantize_k_major_kernel[(triton.cdiv(n, DEQUANT_K_MAJOR_BLOCK_N), k // group_size)](
+        words.contiguous(), scales, zeros, out, n, GROUP=group_size, BLOCK_N=DEQUANT_K_MAJOR_BLOCK_N, num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # one row of int4: the K-major GEMV
 
@@ -673,15 +718,7 @@ def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
         raise ValueError(f"int4_gemv takes 1 to {GEMV_MAX_M} rows, x [M, K]; got shape {tuple(x.shape)}")
     m, k = x.shape
-    if group_size not in GROUP_SIZES or k % group_size:
-        raise ValueError(f"int4_gemv: group_size must be one of {GROUP_SIZES} dividing K={k}, got {group_size}")
-    n = words.shape[1]
-    if tuple(words.shape) != (k // 8, n) or words.dtype != torch.int32:
-        raise ValueError(f"int4_gemv: words must be int32 [K // 8, N] = [{k // 8}, N], got {words.dtype} "
-                         f"{tuple(words.shape)}")
-    for name, t in (("scales", scales), ("zeros", zeros)):
-        if tuple(t.shape) != (k // group_size, n):
-            raise ValueError(f"int4_gemv: {name} must be [{k // group_size}, {n}], got {tuple(t.shape)}")
+    n = _check_k_major(k, words, scales, zeros, group_size, "int4_gemv")
     x = x.contiguous()
     cfg = config or plan_int4_gemv(n, k, group_size, x.device, m)
     groups = k // group_size
@@ -702,6 +739,22 @@ def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
         num_warps=cfg.num_warps, launch_pdl=use_pdl(x.device),
     )
     return out
+
+
+def _check_k_major(k: int, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   owner: str) -> int:
+    """Check an ``int4`` weight of ``k`` input features held as K-major words; returns its ``N``."""
+    if group_size not in GROUP_SIZES or k % group_size:
+        raise ValueError(f"{owner}: group_size must be one of {GROUP_SIZES} dividing K={k}, got {group_size}")
+    n = words.shape[-1]
+    if words.dim() != 2 or tuple(words.shape) != (k // 8, n) or words.dtype != torch.int32:
+        raise ValueError(f"{owner}: words must be int32 [K // 8, N] = [{k // 8}, N], got {words.dtype} "
+                         f"{tuple(words.shape)}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t is None or tuple(t.shape) != (k // group_size, n):
+            raise ValueError(f"{owner}: {name} must be [{k // group_size}, {n}], got "
+                             f"{None if t is None else tuple(t.shape)}")
+    return n
 
 
 # ----------------------------------------------------------------------------------------------------------------
