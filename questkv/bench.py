@@ -75,7 +75,8 @@ def measure(engine, spec: LatencySpec, progress: bool = True, desc: str = "") ->
         ``{"prefill_s", "decode_ms_per_step", "decode_tokens_per_s", "e2e_s"}`` (medians over the timed
         iterations; an iteration's prefill is the sum of its prefill steps, its decode step time the median of
         its decode steps, ``None`` without one), ``"mean_tokens_attended"`` and ``"kv_fraction"`` (of the mean
-        context) of the decode steps, and ``"iterations"``: the same per timed iteration.
+        context) of the decode steps, ``"iterations"``: the same per timed iteration, and ``"weight_bytes"`` and
+        ``"kv_tokens"``: what the engine holds and how many tokens of KV its pool fits.
     """
     from tqdm.auto import tqdm
 
@@ -120,6 +121,8 @@ def measure(engine, spec: LatencySpec, progress: bool = True, desc: str = "") ->
     attended = result["mean_tokens_attended"]
     result["kv_fraction"] = None if attended is None else attended / mean_context
     result["iterations"] = iterations
+    memory = engine.runner.cache_spec
+    result.update(weight_bytes=memory.weight_bytes, kv_tokens=memory.kv_tokens)
     return result
 
 
@@ -162,7 +165,7 @@ def run_latency(
 def format_table(document: dict[str, Any]) -> str:
     """The runs of :func:`run_latency` (with ``document["quest"]``: the Quest config as a dict) as a text table."""
     header = (f"{'engine':<7} {'budget':>7} {'prefill s':>10} {'decode ms/step':>15} {'decode tok/s':>13} "
-              f"{'e2e s':>8} {'attended/step':>14} {'KV read':>8}")
+              f"{'e2e s':>8} {'attended/step':>14} {'KV read':>8} {'weights GiB':>12} {'KV tokens':>11}")
     lines = [header, "-" * len(header)]
     for run, row in document["results"].items():
         budget = document["quest"]["token_budget"] if run == "quest" else None
@@ -170,11 +173,16 @@ def format_table(document: dict[str, Any]) -> str:
             f"{run:<7} {'full' if budget is None else budget:>7} {_fmt(row['prefill_s'], '.3f'):>10} "
             f"{_fmt(row['decode_ms_per_step'], '.2f'):>15} {_fmt(row['decode_tokens_per_s'], '.1f'):>13} "
             f"{_fmt(row['e2e_s'], '.2f'):>8} {_fmt(row['mean_tokens_attended'], '.1f'):>14} "
-            f"{_fmt(row['kv_fraction'], '.1%'):>8}"
+            f"{_fmt(row['kv_fraction'], '.1%'):>8} {_fmt(_gib(row.get('weight_bytes')), '.2f'):>12} "
+            f"{_fmt(row.get('kv_tokens'), ','):>11}"
         )
     if document.get("speedup") is not None:
         lines.append(f"decode speedup, dense / Quest (ms per step): {document['speedup']:.2f}x")
     return "\n".join(lines)
+
+
+def _gib(n: Optional[int]) -> Optional[float]:
+    return None if n is None else n / 2**30
 
 
 def _fmt(value: Optional[float], spec: str) -> str:

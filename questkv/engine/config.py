@@ -205,11 +205,27 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """What the runner found fits: pages in the pool and per sequence, and the sequence limit."""
+    """What the runner found fits: pages in the pool (``page_size`` tokens of K, V and key bounds in every layer,
+    ``page_bytes`` each) and per sequence, the sequence limit, and the bytes of weights the budget was planned
+    around (``weight_bytes``: every parameter and buffer the model holds on its device, packed copies included)."""
 
     num_pages: int
     max_pages_per_seq: int
     max_model_len: int
+    page_size: int = 16
+    page_bytes: int = 0
+    weight_bytes: int = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV the pool holds for requests (one page is the padding rows' scratch)."""
+        return (self.num_pages - 1) * self.page_size
+
+    def describe(self) -> str:
+        """One line for people: weights, KV-cache size, tokens of KV and full-length sequences that fit."""
+        return (f"weights {self.weight_bytes / 2**30:.2f} GiB; KV cache {self.num_pages * self.page_bytes / 2**30:.2f} "
+                f"GiB: {self.num_pages} pages of {self.page_size} tokens, {self.kv_tokens:,} tokens of KV, room for "
+                f"{self.kv_tokens // self.max_model_len:,} sequences of max_model_len={self.max_model_len:,}")
 
 
 def dtype_name(dtype: Union[str, torch.dtype]) -> str:

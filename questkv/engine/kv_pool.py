@@ -17,12 +17,13 @@ _CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device: torch.device,
-               weight_bytes: int = 0) -> CacheSpec:
+               weight_bytes: int = 0, reserved_bytes: int = 0) -> CacheSpec:
     """How many pages fit the memory budget (see :attr:`EngineConfig.kv_cache_memory`).
 
     On CUDA without ``kv_cache_memory``, the engine may occupy ``gpu_memory_utilization`` of the GPU's whole
     memory (as vLLM): the KV cache gets that share less the engine's weights (``weight_bytes``, already loaded),
-    its activations and a reserve, and never more than is free now (less the activations and the reserve).
+    other buffers it will allocate (``reserved_bytes``: Quest's selection memory), its activations and a reserve, and
+    never more than is free now (less the activations and the reserve).
 
     Raises:
         ValueError: the budget cannot hold one sequence of ``max_model_len`` tokens.
@@ -38,10 +39,10 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
         tokens = config.prefill_tokens_per_step(max_model_len)
         # A prefill step's activations; a chunk (or a prefix hit) reads its context straight from the pages.
         activations = tokens * (6 * spec.hidden_size + 4 * spec.intermediate_size) * element
-        share = int(total * config.gpu_memory_utilization) - weight_bytes
+        share = int(total * config.gpu_memory_utilization) - weight_bytes - reserved_bytes
         budget = min(share, free) - activations - _ACTIVATION_RESERVE_BYTES
         where = (f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / 2**30:.1f} GiB less "
-                 f"{weight_bytes / 2**30:.2f} GiB of weights, {free / 2**30:.1f} GiB free")
+                 f"{(weight_bytes + reserved_bytes) / 2**30:.2f} GiB of weights and buffers, {free / 2**30:.1f} GiB free")
     elif budget is None:
         budget = _CPU_KV_CACHE_BYTES
         where = "the CPU default of 1 GiB"
@@ -54,4 +55,5 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
             f"tokens needs ({max_pages_per_seq + 1} with the scratch page); raise kv_cache_memory / "
             f"gpu_memory_utilization, free GPU memory or lower max_model_len"
         )
-    return CacheSpec(num_pages=int(num_pages), max_pages_per_seq=max_pages_per_seq, max_model_len=max_model_len)
+    return CacheSpec(num_pages=int(num_pages), max_pages_per_seq=max_pages_per_seq, max_model_len=max_model_len,
+                     page_size=page_size, page_bytes=page_bytes, weight_bytes=weight_bytes)

@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from questkv.config import QuestConfig
-from questkv.engine.config import EngineConfig, dtype_name
+from questkv.engine.config import CacheSpec, EngineConfig, dtype_name
 from questkv.engine.llm_engine import LLMEngine, Prompt
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.sequence import RequestOutput
@@ -51,6 +51,11 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        """What fits: weights held, KV pages and tokens (``llm.cache_spec.kv_tokens``; ``describe()`` for people)."""
+        return self.engine.runner.cache_spec
 
     def close(self) -> None:
         """Free this LLM's device memory now: the KV pool, the CUDA graphs and the weights (queued requests are

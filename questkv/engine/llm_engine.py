@@ -9,6 +9,7 @@ and the server alike: :meth:`LLMEngine.add_request`, :meth:`LLMEngine.step`,
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Optional, Union
 
 import torch
@@ -31,6 +32,7 @@ from questkv.models.llama import LlamaForCausalLM
 from questkv.validation import check_text
 
 Prompt = Union[str, list[int]]
+logger = logging.getLogger("questkv.engine")
 
 
 def load_shard(config: EngineConfig, tp: Optional[TensorParallel]) -> EngineModel:
@@ -119,6 +121,7 @@ class LLMEngine:
                 tp.set_timeout(self.workers.timeout)
             except BaseException as error:
                 self._fail_start(error)
+        logger.info("%s", self.runner.cache_spec.describe())
         if config.use_cuda_graphs and config.graph_capture == "startup":
             self.runner.capture_decode_graphs(progress=True)
         self.cache = self.runner.cache

@@ -162,7 +162,7 @@ class ModelRunner:
         weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         memory_bytes = 0 if quest is None else SelectionMemory.nbytes(quest, *memory_args, **query_width)
         local = dataclasses.replace(spec, num_q_heads=self.num_q_heads, num_kv_heads=num_kv_heads)
-        self.cache_spec = plan_cache(config, local, max_model_len, self.device, weight_bytes + memory_bytes)
+        self.cache_spec = plan_cache(config, local, max_model_len, self.device, weight_bytes, memory_bytes)
         if tp is not None:  # one page table drives every rank: each pool holds as many pages as the smallest
             pages = tp.all_min(self.cache_spec.num_pages, self.device)
             self.cache_spec = dataclasses.replace(self.cache_spec, num_pages=pages)

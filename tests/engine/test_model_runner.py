@@ -103,6 +103,11 @@ def test_the_pool_holds_the_pages_that_fit_kv_cache_memory_and_the_runner_keeps_
     assert cache.sequences == [runner.scratch_seq] and len(cache.pages_of(runner.scratch_seq)) == 1
     assert cache.num_free_pages == pages - 1
     assert cache.max_seqs == llm.config.max_num_seqs + 1  # the scratch sequence beside max_num_seqs requests
+    spec = llm.cache_spec  # what the LLM reports
+    assert spec.kv_tokens == (pages - 1) * page_size and spec.page_bytes == size and spec.page_size == page_size
+    model = llm.engine.runner.model
+    assert spec.weight_bytes == sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert f"{spec.kv_tokens:,} tokens of KV" in spec.describe() and f"{pages} pages of {page_size}" in spec.describe()
 
 
 def test_plan_cache_takes_one_gib_on_cpu_by_default_and_refuses_a_budget_below_one_sequence(model_dir):
