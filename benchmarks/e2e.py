@@ -34,7 +34,7 @@ from questkv.engine.llm import LLM  # noqa: E402
 from questkv.engine.sampling_params import SamplingParams  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
 from questkv.layers.linear import Linear  # noqa: E402
-from questkv.layers.quantized_linear import QuantizedLinear  # noqa: E402
+from questkv.layers.quantized_linear import QuantizedLinear, model_weight_bytes  # noqa: E402
 from questkv.models.shapes import dummy_config  # noqa: E402
 from questkv.ops.triton import _common as triton_common  # noqa: E402
 
@@ -160,15 +160,8 @@ def time_engine(cfg, quest, batch, context, seed=0, quantization=None, linear_ba
     graphs = len(engine.runner.graphs)
     graph_ms = replay_ms(engine.runner)
     kernels = profile_replay(engine.runner)
-    model = engine.runner.model  # quantized layers keep their packed weights as buffers (RoPE tables: not weights)
-    held = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.endswith("_cache"))]
-    weight_bytes_held = sum(t.numel() * t.element_size() for t in held)
-    # The weights counted once (a step reads one copy of an int4 layer's codes): the checkpoint's layout, or the
-    # GEMV's words where they are the only copy (same bytes); the copies for other row counts apart.
-    copies = {id(b) for m in model.modules() if isinstance(m, QuantizedLinear)
-              for name, b in m.named_buffers(recurse=False)
-              if name.startswith("tinygemm_") or (name == "gemv_words" and m.qweight is not None)}
-    weight_bytes = sum(t.numel() * t.element_size() for t in held if id(t) not in copies)
+    model = engine.runner.model
+    weight_bytes, weight_bytes_held = model_weight_bytes(model)  # a step reads one copy of an int4 layer's codes
     del llm, engine, outputs, model
     gc.collect()
     torch.cuda.empty_cache()

@@ -12,7 +12,8 @@ replays; each replay cycles over enough copies of the weight that no call finds 
 * ``int4`` (group 128) through each backend: ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's
   plan), ``gemv`` (its small-batch kernel ``int4_gemv`` on the K-major copy, ``M <= 4``), ``tinygemm``
   (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``
-  only);
+  only) and ``words-dequant`` (the same from the GEMV's words, ``dequantize_k_major``: the prefill of an engine
+  that never batches, whose layers hold only those);
 * ``int8`` (per row) through ``triton``;
 * ``int8g16`` / ``int8g32``: ``int8_grouped`` in GGUF ``Q6_K``'s groups of 16 and ``Q8_0``'s of 32 (codes and
   scales rounded to nearest here), through ``triton`` and ``dequant`` (``M >= --dequant-min-m``);
@@ -249,6 +250,11 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
         if m <= GEMV_MAX_M:
             out["int4-gemv"] = [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP)
                                 for w, q in zip(shape.gemv, shape.q["int4"])]
+        if m >= args.dequant_min_m:  # the path of a layer whose only copy is the GEMV's words
+            from questkv.ops.triton.quant_matmul import dequantize_k_major
+
+            out["int4-words-dequant"] = [lambda w=w, q=q: x @ dequantize_k_major(w, q[1], q[2], GROUP, x.dtype)
+                                         for w, q in zip(shape.gemv, shape.q["int4"])]
     if shape.tinygemm is not None:
         from questkv.ops.triton.quant_matmul import tinygemm_matmul
 

@@ -42,6 +42,7 @@ __all__ = [
     "QuantizedLinear",
     "QuantizedMergedLinear",
     "check_quantizable",
+    "model_weight_bytes",
     "quant_matmul",
     "quantize_linears",
 ]
@@ -367,6 +368,19 @@ class QuantizedMergedLinear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, shards={self.shard_sizes}"
+
+
+def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """``(counted_once, held)`` bytes of ``model``'s weights: every parameter and persistent buffer, with one copy
+    of each quantized layer's codes (the checkpoint layout, or the GEMV's words where they are the only copy: the
+    same bytes), and everything it holds (plus the copies for other row counts). RoPE tables, non-persistent
+    float buffers named ``*_cache``, are in neither."""
+    held = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.endswith("_cache"))]
+    copies = {id(b) for m in model.modules() if isinstance(m, QuantizedLinear)
+              for name, b in m.named_buffers(recurse=False)
+              if name.startswith("tinygemm_") or (name == "gemv_words" and m.qweight is not None)}
+    nbytes = [(t.numel() * t.element_size(), id(t) in copies) for t in held]
+    return sum(n for n, copy in nbytes if not copy), sum(n for n, _ in nbytes)
 
 
 def _skipped(name: str, skip: Iterable[str]) -> bool:
