@@ -53,15 +53,17 @@ __all__ = [
 # rows (2.56 / 2.89 / 3.31 ms at M = 2 / 3 / 4, against 3.17 / 4.02 / 4.75 for the GEMV, which int4 layers in
 # other dtypes take there, and 6.5 / - / 13.9 for the Triton kernel), the Triton kernel up to 64 rows (4.63 ms at
 # M = 8 against 5.22 for tinygemm), and above that (prefill) dequantizes into a float weight for one GEMM, whose
-# cost is shared by the prompt's rows. int8 and int8_grouped (imported GGUF Q8_0 / Q6_K layers) follow the same
-# rows rule without the int4 kernels.
+# cost is shared by the prompt's rows: int4 from the GEMV's words (linear-h200-words-dequant.md: 10.8 / 48.9 ms at
+# M = 256 / 2048 against 14.7 / 51.7 from the checkpoint layout). int8 and int8_grouped (imported GGUF Q8_0 / Q6_K
+# layers) follow the same rows rule without the int4 kernels.
 TINYGEMM_MAX_M = 4
 TRITON_MAX_M = 64
 
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm", "gemv")
 """How a quantized layer multiplies. ``auto``: on CUDA by rows, int4 through ``gemv`` for one row and for up to
 :data:`~questkv.ops.triton.quant_matmul.GEMV_MAX_M` rows where ``tinygemm`` (bf16 only) does not serve 2 to
-:data:`TINYGEMM_MAX_M`, then every format through ``triton`` up to :data:`TRITON_MAX_M`, ``dequant`` above;
+:data:`TINYGEMM_MAX_M`, then every format through ``triton`` up to :data:`TRITON_MAX_M`, ``dequant`` above (int4
+from the GEMV's words, :func:`~questkv.ops.triton.quant_matmul.dequantize_k_major`);
 ``torch`` otherwise; ``torch``: the reference (dequantize to float32, float32 matmul); ``triton``:
 :func:`questkv.ops.triton.quant_matmul.quant_matmul`;
 ``dequant``: dequantize to ``x``'s dtype (on CUDA in one Triton launch,
@@ -313,8 +315,8 @@ class QuantizedLinear(nn.Module):
             if 0 < m <= GEMV_MAX_M:
                 y = int4_gemv(x2, words, self.scales, self.zeros, self.group_size, self.bias)
                 return y.reshape(*lead, self.out_features)
-            if self.qweight is None:  # the words are the only copy: more rows multiply by the float weight
-                y = self._dequantized_words_matmul(x2, words)
+            if self.qweight is None or (self.backend == "auto" and m > TRITON_MAX_M):
+                y = self._dequantized_words_matmul(x2, words)  # the only copy, or prefill's fastest source
                 return y.reshape(*lead, self.out_features)
         backend = "triton" if self.backend == "gemv" else self.backend
         y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias, backend)

@@ -18,6 +18,7 @@ from questkv.engine.sampling_params import SamplingParams
 from questkv.layers.linear import MergedLinear
 from questkv.layers.quantized_linear import QuantizedLinear, QuantizedMergedLinear, quantize_linears
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
+from questkv.ops import quant_reference as ref
 from questkv.ops.quant_reference import METHODS, QuantizedWeight, dequantize, pack_int4
 from tests.helpers import engine_greedy, tiny_config, tiny_hf_model
 
@@ -117,6 +118,17 @@ def test_small_batches_take_the_gemv_copy_and_larger_ones_the_batch_backends(mon
             torch.testing.assert_close(layer(x[:rows]), want[:rows], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # auto: torch on CPU; gemv: triton
     assert calls == [(1, 256), (4, 256)] * 2
+    words_calls = []
+    real_words = ref.dequantize_k_major
+    monkeypatch.setattr(ref, "dequantize_k_major", lambda *a, **k: words_calls.append(1) or real_words(*a, **k))
+    big = torch.randn(65, 256, generator=gen)  # prefill's rows: the float weight from the words under auto only
+    torch.testing.assert_close(layer(big), big @ layer.dequantized_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)
+    assert words_calls == []  # gemv: the triton backend above 4 rows
+    layer.set_backend("auto")
+    torch.testing.assert_close(layer(big), big @ layer.dequantized_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(big[:64]), big[:64] @ layer.dequantized_weight().t() + layer.bias, rtol=1e-5,
+                               atol=1e-5)
+    assert words_calls == [1]
     layer.set_backend("torch")
     assert "gemv_words" not in dict(layer.named_buffers())
 
