@@ -285,7 +285,7 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
                        "the checkpoint's dtype)")
     group.add_argument("--quantize-lm-head", action="store_true", default=None,
                        help="with --quantization int4/int8: round the LM head too (at batch 1 the bf16 LM head of an "
-                       "8B model is about an eighth of an int4 decode step; its error lands on the logits) "
+                       "8B model is about a tenth of an int4 decode step; its error lands on the logits) "
                        "(default: it stays in --dtype)")
     group.add_argument("--tensor-parallel-size", type=int_at_least(1), default=1, metavar="N",
                        help="shard the model over N ranks by attention heads: this process and N-1 spawned workers, "
