@@ -14,8 +14,7 @@ replays; each replay cycles over enough copies of the weight that no call finds 
   (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``
   only) and ``words-dequant`` (the same from the GEMV's words, ``dequantize_k_major``: the prefill of an engine
   that never batches, whose layers hold only those);
-* ``int8`` (per row) through ``triton``, ``gemv`` (``int8_gemv`` on the K-major words, ``M <= 4``) and
-  ``words-dequant``;
+* ``int8`` (per row) through ``triton``;
 * ``int8g16`` / ``int8g32``: ``int8_grouped`` in GGUF ``Q6_K``'s groups of 16 and ``Q8_0``'s of 32 (codes and
   scales rounded to nearest here), through ``triton`` and ``dequant`` (``M >= --dequant-min-m``);
 * ``--methods`` picks the quantized formats (default: all; none: bf16 alone; ``bf16`` is always timed, the
@@ -189,9 +188,6 @@ class Shape:
         # int4_gemv's K-major copy of each int4 copy (its own copy on the GPU too: the layers hold one beside the
         # packed weight)
         self.gemv = [ref.pack_int4_k_major(q[0], GROUP) for q in self.q["int4"]] if "int4" in self.q else []
-        # int8_gemv's (the only copy of an int8 layer of an engine that never batches)
-        int8_fits = "int8" in self.q and k % ref.INT8_K_MAJOR_CHUNK == 0
-        self.gemv8 = [ref.pack_int8_k_major(q[0]) for q in self.q["int8"]] if int8_fits else []
         self.tinygemm = None
         self.tinygemm_order: Optional[str] = None
 
@@ -257,16 +253,8 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
         if m >= args.dequant_min_m:  # the path of a layer whose only copy is the GEMV's words
             from questkv.ops.triton.quant_matmul import dequantize_k_major
 
-            out["int4-words-dequant"] = [lambda w=w, q=q: x @ dequantize_k_major(w, q[1], q[2], "int4", GROUP, x.dtype)
+            out["int4-words-dequant"] = [lambda w=w, q=q: x @ dequantize_k_major(w, q[1], q[2], GROUP, x.dtype)
                                          for w, q in zip(shape.gemv, shape.q["int4"])]
-    if shape.gemv8 and triton_ok:
-        from questkv.ops.triton.quant_matmul import GEMV_MAX_M, dequantize_k_major, int8_gemv
-
-        if m <= GEMV_MAX_M:
-            out["int8-gemv"] = [lambda w=w, q=q: int8_gemv(x, w, q[1]) for w, q in zip(shape.gemv8, shape.q["int8"])]
-        if m >= args.dequant_min_m:
-            out["int8-words-dequant"] = [lambda w=w, q=q: x @ dequantize_k_major(w, q[1], None, "int8", GROUP, x.dtype)
-                                         for w, q in zip(shape.gemv8, shape.q["int8"])]
     if shape.tinygemm is not None:
         from questkv.ops.triton.quant_matmul import tinygemm_matmul
 

@@ -54,25 +54,22 @@ __all__ = [
 # other dtypes take there, and 6.5 / - / 13.9 for the Triton kernel), the Triton kernel up to 64 rows (4.63 ms at
 # M = 8 against 5.22 for tinygemm), and above that (prefill) dequantizes into a float weight for one GEMM, whose
 # cost is shared by the prompt's rows: int4 from the GEMV's words (linear-h200-words-dequant.md: 10.8 / 48.9 ms at
-# M = 256 / 2048 against 14.7 / 51.7 from the checkpoint layout). int8 layers that hold the GEMV's words (one
-# sequence at a time: their only copy) take int8_gemv for up to 4 rows and the float weight from the words above;
-# other int8 and int8_grouped layers (imported GGUF Q8_0 / Q6_K) follow the rows rule without the GEMV.
+# M = 256 / 2048 against 14.7 / 51.7 from the checkpoint layout). int8 and int8_grouped (imported GGUF Q8_0 / Q6_K
+# layers) follow the same rows rule without the int4 kernels.
 TINYGEMM_MAX_M = 4
 TRITON_MAX_M = 64
 
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm", "gemv")
-"""How a quantized layer multiplies. ``auto``: on CUDA by rows, int4 (and int8 holding the GEMV's words) through
-``gemv`` for one row and for up to :data:`~questkv.ops.triton.quant_matmul.GEMV_MAX_M` rows where ``tinygemm``
-(int4 bf16 only) does not serve 2 to :data:`TINYGEMM_MAX_M`, then every format through ``triton`` up to
-:data:`TRITON_MAX_M`, ``dequant`` above (from the GEMV's words where the layer holds them,
-:func:`~questkv.ops.triton.quant_matmul.dequantize_k_major`);
+"""How a quantized layer multiplies. ``auto``: on CUDA by rows, int4 through ``gemv`` for one row and for up to
+:data:`~questkv.ops.triton.quant_matmul.GEMV_MAX_M` rows where ``tinygemm`` (bf16 only) does not serve 2 to
+:data:`TINYGEMM_MAX_M`, then every format through ``triton`` up to :data:`TRITON_MAX_M`, ``dequant`` above (int4
+from the GEMV's words, :func:`~questkv.ops.triton.quant_matmul.dequantize_k_major`);
 ``torch`` otherwise; ``torch``: the reference (dequantize to float32, float32 matmul); ``triton``:
 :func:`questkv.ops.triton.quant_matmul.quant_matmul`;
 ``dequant``: dequantize to ``x``'s dtype (on CUDA in one Triton launch,
 :func:`questkv.ops.triton.quant_matmul.dequantize`; torch ops elsewhere), then ``F.linear`` (prefill's);
 ``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16); ``gemv``:
-:func:`questkv.ops.triton.quant_matmul.int4_gemv` / ``int8_gemv`` for up to 4 rows, ``triton`` for more (``int4``, or
-``int8`` of ``in_features`` a multiple of 128; CUDA). The last two
+:func:`questkv.ops.triton.quant_matmul.int4_gemv` for up to 4 rows, ``triton`` for more (``int4``, CUDA). The last two
 are layers' only: each needs its own copy of the weight (non-persistent buffers, made by
 :meth:`QuantizedLinear.set_backend`)."""
 
@@ -212,9 +209,7 @@ class QuantizedLinear(nn.Module):
         rows = slice(0, self.out_features) if rows is None else rows
         codes = self.qweight
         if codes is None:  # a same-shaped stand-in to check against; the codes go into the words below
-            int4 = self.method == "int4"
-            codes = torch.empty((self.out_features, self.in_features // 2 if int4 else self.in_features),
-                                dtype=torch.uint8 if int4 else torch.int8, device="meta")
+            codes = torch.empty((self.out_features, self.in_features // 2), dtype=torch.uint8, device="meta")
         targets = {"qweight": codes[rows], "scales": self.scales[..., rows],
                    "zeros": None if self.zeros is None else self.zeros[:, rows]}
         for part, target in targets.items():
@@ -232,7 +227,7 @@ class QuantizedLinear(nn.Module):
         for part, target in targets.items():
             tensor = getattr(loaded, part)
             if part == "qweight" and self.qweight is None:
-                words = quant_reference.pack_k_major(tensor.to(self.gemv_words.device), self.method, self.group_size)
+                words = quant_reference.pack_int4_k_major(tensor.to(self.gemv_words.device), self.group_size)
                 self.gemv_words[:, rows] = words
             elif target is not None:
                 target.copy_(tensor)
@@ -244,22 +239,19 @@ class QuantizedLinear(nn.Module):
         backend does not use are dropped.
 
         ``small_batches=False`` (a model that multiplies more than one row only now and then: an engine that never
-        batches sequences, whose prompts are prefilled once) keeps one copy of an int4 or int8 layer's codes on
-        CUDA, the GEMV's words (int8: when ``in_features`` is a multiple of 128; int8 layers that batch keep only
-        the checkpoint layout): up to 4 rows take the GEMV, more are multiplied by the float weight written from
-        the words (:func:`~questkv.ops.triton.quant_matmul.dequantize_k_major`). The ``qweight`` buffer is then
-        ``None``; the state dict still holds it (rebuilt from the words), and another backend rebuilds it."""
+        batches sequences, whose prompts are prefilled once) keeps one copy of an int4 layer's codes on CUDA, the
+        GEMV's words: up to 4 rows take the GEMV, more are multiplied by the float weight written from the words
+        (:func:`~questkv.ops.triton.quant_matmul.dequantize_k_major`). The ``qweight`` buffer is then ``None``;
+        the state dict still holds it (rebuilt from the words), and another backend rebuilds it."""
         check_choice(f"{type(self).__name__}.backend", backend, BACKENDS)
         if self.qweight is None:  # only the GEMV's words were kept: the checkpoint layout comes back first
-            codes = quant_reference.unpack_k_major(self.gemv_words, self.method, self.group_size)
-            self.register_buffer("qweight", codes)
+            self.register_buffer("qweight", quant_reference.unpack_int4_k_major(self.gemv_words, self.group_size))
         if backend == "tinygemm" and not self._tinygemm_fits():
             raise ValueError(f"{type(self).__name__}.backend 'tinygemm' needs int4 bf16 weights on CUDA, got "
                              f"{self.method} {self.scales.dtype} on {self.qweight.device.type}")
         if backend == "gemv" and not self._gemv_fits():
-            raise ValueError(f"{type(self).__name__}.backend 'gemv' needs int4 weights, or int8 of in_features a "
-                             f"multiple of {quant_reference.INT8_K_MAJOR_CHUNK}, on CUDA, got {self.method} of "
-                             f"{self.in_features} on {self.qweight.device.type}")
+            raise ValueError(f"{type(self).__name__}.backend 'gemv' needs int4 weights on CUDA, got {self.method} "
+                             f"on {self.qweight.device.type}")
         auto = backend == "auto"
         if backend == "tinygemm" or (auto and small_batches and self._tinygemm_fits()):
             from questkv.ops.triton.quant_matmul import tinygemm_pack
@@ -270,8 +262,8 @@ class QuantizedLinear(nn.Module):
         else:
             for name in ("tinygemm_packed", "tinygemm_scales_and_zeros"):
                 self._buffers.pop(name, None)
-        if backend == "gemv" or (auto and self._gemv_fits() and (self.method == "int4" or not small_batches)):
-            words = quant_reference.pack_k_major(self.qweight, self.method, self.group_size)
+        if backend == "gemv" or (auto and self._gemv_fits()):
+            words = quant_reference.pack_int4_k_major(self.qweight, self.group_size)
             self.register_buffer("gemv_words", words, persistent=False)
         else:
             self._buffers.pop("gemv_words", None)
@@ -280,24 +272,22 @@ class QuantizedLinear(nn.Module):
         self.backend = backend
 
     def _gemv_fits(self) -> bool:
-        int8_fits = self.method == "int8" and self.in_features % quant_reference.INT8_K_MAJOR_CHUNK == 0
-        return (self.method == "int4" or int8_fits) and self.scales.device.type == "cuda"
+        return self.method == "int4" and self.scales.device.type == "cuda"
 
     def _tinygemm_fits(self) -> bool:
-        return self.method == "int4" and self._gemv_fits() and self.scales.dtype == torch.bfloat16
+        return self._gemv_fits() and self.scales.dtype == torch.bfloat16
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[out_features, in_features]`` this layer multiplies by (a new tensor)."""
         if self.qweight is None:
-            return quant_reference.dequantize_k_major(self.gemv_words, self.scales, self.zeros, self.method,
-                                                      self.group_size, dtype).t()
+            return quant_reference.dequantize_k_major(self.gemv_words, self.scales, self.zeros, self.group_size,
+                                                      dtype).t()
         return dequantize(self.qweight, self.scales, self.zeros, self.method, self.group_size, dtype)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.qweight is None:  # the state dict keeps the checkpoint layout whatever copy the layer holds
-            destination[prefix + "qweight"] = quant_reference.unpack_k_major(self.gemv_words, self.method,
-                                                                             self.group_size)
+            destination[prefix + "qweight"] = quant_reference.unpack_int4_k_major(self.gemv_words, self.group_size)
 
     def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
         key = prefix + "qweight"
@@ -320,13 +310,10 @@ class QuantizedLinear(nn.Module):
             y = tinygemm_matmul(x2, self.tinygemm_packed, self.tinygemm_scales_and_zeros, self.group_size, self.bias)
             return y.reshape(*lead, self.out_features)
         if words is not None and self.backend in ("auto", "gemv"):
-            from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv, int8_gemv
+            from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv
 
             if 0 < m <= GEMV_MAX_M:
-                if self.method == "int4":
-                    y = int4_gemv(x2, words, self.scales, self.zeros, self.group_size, self.bias)
-                else:
-                    y = int8_gemv(x2, words, self.scales, self.bias)
+                y = int4_gemv(x2, words, self.scales, self.zeros, self.group_size, self.bias)
                 return y.reshape(*lead, self.out_features)
             if self.qweight is None or (self.backend == "auto" and m > TRITON_MAX_M):
                 y = self._dequantized_words_matmul(x2, words)  # the only copy, or prefill's fastest source
@@ -340,7 +327,7 @@ class QuantizedLinear(nn.Module):
         unpack = quant_reference.dequantize_k_major
         if words.is_cuda:
             from questkv.ops.triton.quant_matmul import dequantize_k_major as unpack  # the same values in one launch
-        wt = unpack(words, self.scales, self.zeros, self.method, self.group_size, dtype=x.dtype)  # [K, N]
+        wt = unpack(words, self.scales, self.zeros, self.group_size, dtype=x.dtype)  # [K, N]
         return x @ wt if self.bias is None else torch.addmm(self.bias, x, wt)
 
     def extra_repr(self) -> str:

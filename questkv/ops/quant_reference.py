@@ -49,22 +49,17 @@ __all__ = [
     "ALL_METHODS",
     "GROUP_SIZES",
     "INT8_GROUP_SIZES",
-    "INT8_K_MAJOR_CHUNK",
     "METHODS",
     "QuantizedWeight",
     "check_quant_args",
     "dequantize",
     "dequantize_k_major",
     "pack_int4",
-    "pack_k_major",
     "pack_int4_k_major",
-    "pack_int8_k_major",
     "quant_matmul",
     "quantize_weight",
     "unpack_int4",
-    "unpack_k_major",
     "unpack_int4_k_major",
-    "unpack_int8_k_major",
 ]
 
 METHODS: tuple[str, ...] = ("int4", "int8")
@@ -82,9 +77,6 @@ INT8_GROUP_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
 int32 words, at least the 16 of a ``tl.dot``)."""
 
 DEFAULT_GROUP_SIZE = 128
-
-INT8_K_MAJOR_CHUNK = 128
-"""Input features per chunk of :func:`pack_int8_k_major`'s layout (the GEMV reduces a chunk, then the next)."""
 
 
 class QuantizedWeight(NamedTuple):
@@ -144,39 +136,6 @@ def unpack_int4_k_major(words: torch.Tensor, group_size: int) -> torch.Tensor:
     t = torch.stack((pairs & 15, pairs >> 4), dim=-1).view(kw // per, per, n, 8)  # [G, per, N, 8]
     q = t.permute(2, 0, 3, 1).reshape(n, kw * 8)  # [N, G, 8, per] -> [N, K]
     return pack_int4(q)
-
-
-def pack_int8_k_major(qweight: torch.Tensor) -> torch.Tensor:
-    """An ``int8`` ``qweight`` ``[N, K]`` (``K`` a multiple of :data:`INT8_K_MAJOR_CHUNK`) as the single-row GEMV
-    reads it: int32 words ``[K // 4, N]``, :func:`pack_int4_k_major`'s order with bytes: word ``(c * C // 4 + j,
-    n)``, ``C`` the chunk, holds in bits ``8e .. 8e + 7`` the code of feature ``c * C + e * C // 4 + j``."""
-    n, k = qweight.shape
-    if k % INT8_K_MAJOR_CHUNK or qweight.dtype != torch.int8:
-        raise ValueError(f"pack_int8_k_major needs int8 codes [N, K] with K a multiple of {INT8_K_MAJOR_CHUNK}, got "
-                         f"{qweight.dtype} {tuple(qweight.shape)}")
-    per = INT8_K_MAJOR_CHUNK // 4
-    t = qweight.view(n, k // INT8_K_MAJOR_CHUNK, 4, per).permute(1, 3, 0, 2).contiguous()  # [C, per, N, 4]
-    return t.view(torch.int32).view(k // 4, n)
-
-
-def unpack_int8_k_major(words: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`pack_int8_k_major`: words ``[K // 4, N]`` int32 → ``qweight`` ``[N, K]`` int8."""
-    kw, n = words.shape
-    per = INT8_K_MAJOR_CHUNK // 4
-    t = words.contiguous().view(torch.int8).view(kw // per, per, n, 4)  # [C, per, N, 4]
-    return t.permute(2, 0, 3, 1).reshape(n, kw * 4)
-
-
-def pack_k_major(qweight: torch.Tensor, method: str, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
-    """:func:`pack_int4_k_major` or :func:`pack_int8_k_major` by ``method``."""
-    check_choice("K-major method", method, METHODS)
-    return pack_int4_k_major(qweight, group_size) if method == "int4" else pack_int8_k_major(qweight)
-
-
-def unpack_k_major(words: torch.Tensor, method: str, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
-    """:func:`unpack_int4_k_major` or :func:`unpack_int8_k_major` by ``method``."""
-    check_choice("K-major method", method, METHODS)
-    return unpack_int4_k_major(words, group_size) if method == "int4" else unpack_int8_k_major(words)
 
 
 @torch.no_grad()
@@ -271,13 +230,11 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
     return w.reshape(n, k).to(dtype)
 
 
-def dequantize_k_major(words: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], method: str,
+def dequantize_k_major(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float weight, transposed, that an ``int4`` or ``int8`` weight held as K-major words (:func:`pack_k_major`:
-    ``[K // 8, N]`` or ``[K // 4, N]`` int32) stands for: ``[K, N]`` contiguous in ``dtype`` (``x @`` it is
-    ``x @ w.T``; computed in float32)."""
-    codes = unpack_k_major(words, method, group_size)
-    return dequantize(codes, scales, zeros, method, group_size, dtype).t().contiguous()
+    """The float weight, transposed, that an ``int4`` weight held as :func:`pack_int4_k_major`'s words ``[K // 8,
+    N]`` int32 stands for: ``[K, N]`` contiguous in ``dtype`` (``x @`` it is ``x @ w.T``; computed in float32)."""
+    return dequantize(unpack_int4_k_major(words, group_size), scales, zeros, "int4", group_size, dtype).t().contiguous()
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

@@ -133,68 +133,62 @@ def test_small_batches_take_the_gemv_copy_and_larger_ones_the_batch_backends(mon
     assert "gemv_words" not in dict(layer.named_buffers())
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_a_layer_holding_only_the_gemv_words_multiplies_saves_and_loads_as_before(monkeypatch, method):
-    """``small_batches=False``: the K-major words are the layer's only copy of its codes (the CUDA-only copy
-    made on the CPU; the GEMV runs in the interpreter, more rows through the reference's float weight from the
-    words): the same products at 1, 4 and 6 rows, the same state dict (checkpoint layout), a state dict and
+def test_a_layer_holding_only_the_gemv_words_multiplies_saves_and_loads_as_before(monkeypatch):
+    """``small_batches=False``: the K-major words are the int4 layer's only copy of its codes (the CUDA-only
+    copy made on the CPU; the GEMV runs in the interpreter, more rows through the reference's float weight from
+    the words): the same products at 1, 4 and 6 rows, the same state dict (checkpoint layout), a state dict and
     packed rows load into it, and another backend brings the checkpoint layout back bit for bit."""
     pytest.importorskip("questkv.ops.triton.quant_matmul")
-    monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: True)
+    monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: self.method == "int4")
     gen = torch.Generator().manual_seed(21)
     linear = nn.Linear(256, 48, bias=True)
     nn.init.normal_(linear.weight, generator=gen)
-    layer = QuantizedLinear.from_float(linear, method, group_size=64, backend="torch")
+    layer = QuantizedLinear.from_float(linear, "int4", group_size=64, backend="torch")
     codes, state = layer.qweight.clone(), {k: v.clone() for k, v in layer.state_dict().items()}
     x = torch.randn(6, 256, generator=gen)
     want = x @ layer.dequantized_weight().t() + layer.bias
     layer.set_backend("auto", small_batches=False)
     assert layer.qweight is None and "gemv_words" in dict(layer.named_buffers())
-    assert torch.equal(layer.dequantized_weight(), dequantize(codes, layer.scales, layer.zeros, method, 64))
-    tol = 1e-4 * want.abs().max().item()  # the int4 GEMV's high nibbles carry 15 / 65536 of x (tests/ops)
+    assert torch.equal(layer.dequantized_weight(), dequantize(codes, layer.scales, layer.zeros, "int4", 64))
+    tol = 1e-4 * want.abs().max().item()  # the GEMV's high nibbles carry 15 / 65536 of x (tests/ops)
     for rows in (1, 4, 6):
         torch.testing.assert_close(layer(x[:rows]), want[:rows], rtol=0, atol=tol)
     saved = layer.state_dict()
     assert saved.keys() == state.keys() and all(torch.equal(saved[k], v) for k, v in state.items())
-    fresh = QuantizedLinear(256, 48, method, bias=True, group_size=64)
+    fresh = QuantizedLinear(256, 48, "int4", bias=True, group_size=64)
     fresh.load_state_dict(saved)
     assert torch.equal(fresh.qweight, codes)
-    other = QuantizedLinear.from_float(nn.Linear(256, 48, bias=True), method, group_size=64, backend="torch")
+    other = QuantizedLinear.from_float(nn.Linear(256, 48, bias=True), "int4", group_size=64, backend="torch")
     other.set_backend("auto", small_batches=False)
     other.load_state_dict(state)  # into the words
     assert other.qweight is None
     torch.testing.assert_close(other(x), want, rtol=0, atol=tol)
-    scales, zeros = layer.scales[..., :16], None if layer.zeros is None else layer.zeros[:, :16]
-    other.load_packed("w", QuantizedWeight(codes[:16].flip(0), scales, zeros), slice(8, 24))
+    other.load_packed("w", QuantizedWeight(codes[:16].flip(0), layer.scales[:, :16], layer.zeros[:, :16]), slice(8, 24))
     other.set_backend("torch")
     assert torch.equal(other.qweight[8:24], codes[:16].flip(0)) and torch.equal(other.qweight[24:], codes[24:])
-    width = 128 if method == "int4" else 256
-    with pytest.raises(ValueError, match=rf"qweight has shape \(16, 64\), the {method} layer expects \(16, {width}\)"):
-        layer.load_packed("w", QuantizedWeight(codes[:16, :64], scales, zeros), slice(0, 16))
+    with pytest.raises(ValueError, match=r"qweight has shape \(16, 64\), the int4 layer expects \(16, 128\)"):
+        layer.load_packed("w", QuantizedWeight(codes[:16, :64], layer.scales[:, :16], layer.zeros[:, :16]),
+                          slice(0, 16))
 
 
-@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
-def test_an_engine_that_never_batches_keeps_one_copy_of_the_codes(monkeypatch, method, max_num_seqs):
-    """``small_batches``: an engine of one sequence at a time (``max_num_seqs=1``) builds its int4 and int8 layers
-    with the GEMV's words as their only copy of the codes, and gives the reference engine's tokens (prefill through
-    the float weight from the words, decode through the GEMV in the interpreter); one that batches keeps the
-    checkpoint layout, and for int4 the words and tinygemm's copy too (the CUDA-only copies faked on the CPU)."""
+def test_an_engine_that_never_batches_keeps_no_tinygemm_copy(monkeypatch, max_num_seqs):
+    """``small_batches``: an engine of one sequence at a time (``max_num_seqs=1``) builds its int4 layers with
+    the GEMV's words as their only copy of the codes, one that batches keeps the checkpoint layout and tinygemm's
+    copy too (the CUDA-only copies faked on the CPU; nothing multiplies here)."""
     qk = pytest.importorskip("questkv.ops.triton.quant_matmul")
     packed = []
-    monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: True)
+    monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: self.method == "int4")
     monkeypatch.setattr(QuantizedLinear, "_tinygemm_fits", lambda self: self.method == "int4")
     monkeypatch.setattr(qk, "tinygemm_pack", lambda *args: packed.append(1) or (torch.zeros(1), torch.zeros(1)))
     config = tiny_config("llama3", hidden_size=128, intermediate_size=256, head_dim=32, vocab_size=96)
     llm = LLM(config, load_format="dummy", device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=1 << 20,
-              quantization=method, max_num_seqs=max_num_seqs)
+              quantization="int4", max_num_seqs=max_num_seqs)
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
-    batched_int8 = method == "int8" and max_num_seqs > 1
-    assert layers and all(("gemv_words" in dict(m.named_buffers())) != batched_int8 for m in layers)
-    tinygemm = method == "int4" and max_num_seqs > 1
-    assert all(("tinygemm_packed" in dict(m.named_buffers())) == tinygemm for m in layers)
+    assert layers and all("gemv_words" in dict(m.named_buffers()) for m in layers)
+    assert all(("tinygemm_packed" in dict(m.named_buffers())) == (max_num_seqs > 1) for m in layers)
     assert all((m.qweight is None) == (max_num_seqs == 1) for m in layers)  # the words: its only copy
-    assert len(packed) == (len(layers) if tinygemm else 0)
+    assert len(packed) == (len(layers) if max_num_seqs > 1 else 0)
     if max_num_seqs == 1:  # one copy serves prefill (float weight from the words) and decode (the GEMV)
         prompts, params = [[5, 17, 3, 88, 41, 9, 60], [30, 2, 71]], SamplingParams(temperature=0, max_tokens=6,
                                                                                    ignore_eos=True)
@@ -202,7 +196,7 @@ def test_an_engine_that_never_batches_keeps_one_copy_of_the_codes(monkeypatch, m
         llm.close()
         monkeypatch.undo()  # the same engine on the torch reference
         reference = LLM(config, load_format="dummy", device="cpu", dtype="float32", max_model_len=64,
-                        kv_cache_memory=1 << 20, quantization=method, max_num_seqs=1)
+                        kv_cache_memory=1 << 20, quantization="int4", max_num_seqs=1)
         assert got == [list(o.token_ids) for o in reference.generate(prompts, params, use_tqdm=False)]
         reference.close()
     else:
@@ -301,8 +295,7 @@ def test_bad_arguments_raise_value_errors_and_leave_the_model_float():
         QuantizedLinear(128, 8, "int4", backend="marlin")
     with pytest.raises(ValueError, match="'tinygemm' needs int4 bf16 weights on CUDA"):
         QuantizedLinear(128, 8, "int4", backend="tinygemm")
-    with pytest.raises(ValueError, match=r"'gemv' needs int4 weights, or int8 of in_features a multiple of 128, on "
-                                         r"CUDA, got int4 of 128 on cpu"):
+    with pytest.raises(ValueError, match="'gemv' needs int4 weights on CUDA, got int4 on cpu"):
         QuantizedLinear(128, 8, "int4", backend="gemv")
 
 

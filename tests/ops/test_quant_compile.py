@@ -91,12 +91,12 @@ _SCRIPT = textwrap.dedent(
     compile_quant("int8_grouped", qm.plan_quant_matmul(32, 4096, 4096, "int8_grouped", 32, use_dot=True), group=32,
                   dtype="fp32")
 
-    def compile_gemv(n, k, group=128, dtype="bf16", bias=False, m=1, bits=4):
-        kernel = qm._k_major_gemv_kernel
-        cfg = qm.plan_int4_gemv(n, k, group, m=m, bits=bits)
+    def compile_gemv(n, k, group=128, dtype="bf16", bias=False, m=1):
+        kernel = qm._int4_gemv_kernel
+        cfg = qm.plan_int4_gemv(n, k, group, m=m)
         pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
                     "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
-        constexprs = dict(BITS=bits, GROUP=group, BLOCK_M=m, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=cfg.split > 1, REDUCE_CHUNK=16,
+        constexprs = dict(GROUP=group, BLOCK_M=m, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=cfg.split > 1, REDUCE_CHUNK=16,
                           EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias, ASM=True, USE_PDL=True)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in kernel.arg_names}
@@ -105,7 +105,7 @@ _SCRIPT = textwrap.dedent(
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                                   options={"num_warps": cfg.num_warps})
         info = ptxas_info(compiled)
-        print("k_major_gemv", bits, m, n, k, group, dtype, cfg, info)
+        print("int4_gemv", m, n, k, group, dtype, cfg, info)
         assert "0 bytes spill stores" in info, info
         assert "ld.global.v4.b32" in compiled.asm["ptx"], "packed weights not loaded 128 bits at a time"
         assert "lop3.b32" in compiled.asm["ptx"]
@@ -119,12 +119,6 @@ _SCRIPT = textwrap.dedent(
     for m in (2, 3, 4):  # one accumulator per row
         compile_gemv(28672, 4096, m=m)
     compile_gemv(1000, 896, 32, bias=True, m=4)
-    # int8 rows: the same shapes in chunks of 128, one to four rows
-    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
-        compile_gemv(n, k, bits=8)
-    compile_gemv(1000, 896, bias=True, m=4, bits=8)
-    compile_gemv(4096, 4096, dtype="fp32", m=2, bits=8)
-    compile_gemv(28672, 4096, m=3, bits=8)
     # prefill's dequantize kernel: every format into bf16 (int4 bytes unpacked in pairs), fp32 for int8
     for method, group, out in (("int4", 128, "bf16"), ("int4", 32, "fp16"), ("int8", 128, "fp32"),
                                ("int8_grouped", 16, "bf16")):
@@ -142,17 +136,17 @@ _SCRIPT = textwrap.dedent(
         print("dequantize", method, group, out, info)
         assert "0 bytes spill stores" in info, info
     # the same from the GEMV's K-major words, one group per program
-    for bits, group, out in ((4, 128, "bf16"), (4, 32, "fp32"), (8, 128, "bf16")):
+    for group, out in ((128, "bf16"), (32, "fp32")):
         kernel = qm._dequantize_k_major_kernel
         pointers = {"w_ptr": "i32", "s_ptr": out, "z_ptr": out, "out_ptr": out}
-        constexprs = dict(BITS=bits, GROUP=group, BLOCK_N=qm.DEQUANT_K_MAJOR_BLOCK_N)
+        constexprs = dict(GROUP=group, BLOCK_N=qm.DEQUANT_K_MAJOR_BLOCK_N)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in kernel.arg_names}
         attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, "N")}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                                   options={"num_warps": 4, "enable_fp_fusion": False})
         info = ptxas_info(compiled)
-        print("dequantize_k_major", bits, group, out, info)
+        print("dequantize_k_major", group, out, info)
         assert "0 bytes spill stores" in info, info
     print("quant kernels compiled for sm_90")
     """

@@ -56,14 +56,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops.quant_reference import (
-    ALL_METHODS,
-    GROUP_SIZES,
-    INT8_K_MAJOR_CHUNK,
-    METHODS,
-    check_quant_args,
-    unpack_int4,
-)
+from questkv.ops.quant_reference import ALL_METHODS, GROUP_SIZES, check_quant_args, unpack_int4
 from questkv.ops.triton._common import (
     interpreting,
     last_to_arrive,
@@ -83,7 +76,6 @@ __all__ = [
     "GEMV_MAX_M",
     "Int4GemvConfig",
     "int4_gemv",
-    "int8_gemv",
     "plan_int4_gemv",
     "QuantMatmulConfig",
     "dequantize",
@@ -494,50 +486,39 @@ DEQUANT_K_MAJOR_BLOCK_N = 256
 
 
 @triton.jit
-def _dequantize_k_major_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, BITS: tl.constexpr, GROUP: tl.constexpr,
-                               BLOCK_N: tl.constexpr):
-    """Grid ``(cdiv(N, BLOCK_N), K // GROUP)``: one group's (``int8``: chunk's) word rows ``[WPG, BLOCK_N]`` of
-    ``w_ptr`` (int32 ``[K * BITS // 32, N]``, :func:`~questkv.ops.quant_reference.pack_k_major`) to rows
-    ``g * GROUP .. (g + 1) * GROUP`` of ``out_ptr`` ``[K, N]``: field ``e`` of word row ``j`` is row ``g * GROUP +
-    e * WPG + j``; ``int4``: ``(q - z) * s`` with ``s_ptr``, ``z_ptr`` ``[K // GROUP, N]``, ``int8``: ``q * s``
-    with ``s_ptr`` ``[N]``; float32, rounded once."""
-    WPG: tl.constexpr = GROUP * BITS // 32
+def _dequantize_k_major_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK_N), K // GROUP)``: one group's word rows ``[GROUP // 8, BLOCK_N]`` of ``w_ptr``
+    (int32 ``[K // 8, N]``, :func:`~questkv.ops.quant_reference.pack_int4_k_major`) to rows ``g * GROUP ..
+    (g + 1) * GROUP`` of ``out_ptr`` ``[K, N]``: nibble ``e`` of word row ``j`` is row ``g * GROUP + e * GROUP // 8
+    + j``, ``(q - z) * s`` in float32 rounded once; ``s_ptr``, ``z_ptr`` ``[K // GROUP, N]``."""
+    WPG: tl.constexpr = GROUP // 8
     g = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = (rn < N)[None, :]
     j = tl.arange(0, WPG)
     words = tl.load(w_ptr + (g * WPG + j)[:, None] * N + rn[None, :], mask=nmask, other=0)  # [WPG, BN]
-    if BITS == 4:
-        s = tl.load(s_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        z = tl.load(z_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    else:
-        s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    for e in tl.static_range(32 // BITS):
-        if BITS == 4:
-            w = (((words >> (4 * e)) & 15).to(tl.float32) - z) * s
-        else:
-            w = ((words << (24 - 8 * e)) >> 24).to(tl.float32) * s  # the signed byte e
+    s = tl.load(s_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    z = tl.load(z_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    for e in tl.static_range(8):
+        w = (((words >> (4 * e)) & 15).to(tl.float32) - z) * s
         tl.store(out_ptr + (g * GROUP + e * WPG + j)[:, None] * N + rn[None, :], w.to(out_ptr.dtype.element_ty),
                  mask=nmask)
 
 
-def dequantize_k_major(words: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], method: str,
-                       group_size: int = 128, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_k_major(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 128,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Triton :func:`questkv.ops.quant_reference.dequantize_k_major`: the float weight, transposed (``[K, N]``), of
-    an ``int4`` or ``int8`` weight held as the GEMV's K-major words, in one launch (the reference's values:
-    float32 math, one rounding). The prefill path of a layer whose only copy of the codes is the GEMV's."""
-    check_choice("dequantize_k_major method", method, METHODS)
-    k = words.shape[0] * (8 if method == "int4" else 4)
-    n = _check_k_major(k, words, scales, zeros, method, group_size, "dequantize_k_major")
-    scales = scales.contiguous()  # no-ops for a layer's buffers
-    zeros = zeros.contiguous() if zeros is not None else scales
+    an ``int4`` weight held as :func:`int4_gemv`'s K-major words, in one launch (the reference's values: float32
+    math, one rounding). The prefill path of a layer whose only copy of the codes is the GEMV's."""
+    k = words.shape[0] * 8
+    n = _check_k_major(k, words, scales, zeros, group_size, "dequantize_k_major")
+    scales, zeros = scales.contiguous(), zeros.contiguous()  # no-ops for a layer's buffers
     out = torch.empty((k, n), dtype=dtype, device=words.device)
     if n == 0 or k == 0:
         return out
-    group = group_size if method == "int4" else INT8_K_MAJOR_CHUNK
-    _dequantize_k_major_kernel[(triton.cdiv(n, DEQUANT_K_MAJOR_BLOCK_N), k // group)](
-        words.contiguous(), scales, zeros, out, n, BITS=4 if method == "int4" else 8, GROUP=group,
-        BLOCK_N=DEQUANT_K_MAJOR_BLOCK_N, num_warps=4, enable_fp_fusion=False,
+    _dequantize_k_major_kernel[(triton.cdiv(n, DEQUANT_K_MAJOR_BLOCK_N), k // group_size)](
+        words.contiguous(), scales, zeros, out, n, GROUP=group_size, BLOCK_N=DEQUANT_K_MAJOR_BLOCK_N, num_warps=4,
+        enable_fp_fusion=False,
     )
     return out
 
@@ -559,37 +540,6 @@ def _nibble_pair(words, e: tl.constexpr, ASM: tl.constexpr):
     else:
         t = (v & 0x000F000F) | 0x43004300
     return t.to(tl.float32, bitcast=True), (t << 16).to(tl.float32, bitcast=True)
-
-
-_BYTE_OFFSET = tl.constexpr(384.0)  # a byte's float, 256 + (q + 128), less its signed code q
-
-
-@triton.jit
-def _byte_float(words, e: tl.constexpr, ASM: tl.constexpr):
-    """Byte ``e`` of every word, a signed code ``q``, as the float32 ``256 + (q + 128)``, exactly: the byte shifted
-    to mantissa bits 15-22, its sign bit flipped and the exponent of 256 set in one ``lop3``."""
-    if e == 0:
-        v = words << 15
-    elif e == 1:
-        v = words << 7
-    elif e == 2:
-        v = words >> 1
-    else:
-        v = words >> 9  # arithmetic: the sign copies land above the mask
-    if ASM:  # (v & 0x007F8000) ^ 0x43C00000
-        t = tl.inline_asm_elementwise("lop3.b32 $0, $1, 8355840, 1136656384, 106;", "=r,r", [v], dtype=tl.int32,
-                                      is_pure=True, pack=1)
-    else:
-        t = (v & 0x007F8000) ^ 0x43C00000
-    return t.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _gemv_byte_row(f, x_ptr, x_off, d, x_sum):
-    """One row of ``x``: ``d += f * x[x_off]`` (``[ROWS, BN]``) and the sum of the ``x`` values taken."""
-    xv = tl.load(x_ptr + x_off).to(tl.float32)  # [ROWS], the same for the whole warp
-    d += f * xv[:, None]
-    return d, x_sum + xv
 
 
 @triton.jit
@@ -620,20 +570,19 @@ def _gemv_store(acc, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.
 
 
 @triton.jit
-def _k_major_gemv_kernel(
+def _int4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, counter_ptr, out_ptr,
     M, N, groups, groups_per_split, stride_xm, stride_om,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    SPLIT_K: tl.constexpr, REDUCE_CHUNK: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ASM: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+    REDUCE_CHUNK: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), split)``; ``x_ptr`` ``[M, K]`` with ``M == BLOCK_M`` (1 to 4: one accumulator
-    per row, the codes unpacked once for all); ``w_ptr`` int32 ``[K * BITS // 32, N]``
-    (:func:`~questkv.ops.quant_reference.pack_k_major`); ``BITS == 4``: ``s_ptr``, ``z_ptr`` ``[K // GROUP, N]``;
-    ``BITS == 8``: ``s_ptr`` ``[N]``, ``GROUP`` the layout's chunk; ``part_ptr`` float32 ``[split, M, N]``;
-    ``counter_ptr`` one zeroed int32 per output block; ``ROWS`` word rows per load (a divisor of
-    ``GROUP * BITS // 32``)."""
-    WPG: tl.constexpr = GROUP * BITS // 32  # words per group, per output
+    per row, the codes unpacked once for all); ``w_ptr`` int32 ``[K // 8, N]``
+    (:func:`~questkv.ops.quant_reference.pack_int4_k_major`); ``s_ptr``, ``z_ptr`` ``[K // GROUP, N]``;
+    ``part_ptr`` float32 ``[split, M, N]``; ``counter_ptr`` one zeroed int32 per output block; ``ROWS`` word
+    rows per load (a divisor of ``GROUP // 8``)."""
+    WPG: tl.constexpr = GROUP // 8  # words per group, per output
     TILES: tl.constexpr = WPG // ROWS  # word tiles per group
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -676,54 +625,29 @@ def _k_major_gemv_kernel(
             else:
                 next_words = tl.load(w_ptrs, mask=more & nmask[None, :], other=0)
             for e in tl.static_range(4):
-                x_off = g * GROUP + e * WPG + h * ROWS + j  # [ROWS] features of field e
-                if BITS == 4:
-                    high, low = _nibble_pair(words, e, ASM)
-                    d0, xl0, xh0 = _gemv_row(high, low, x_ptr, x_off, 4 * WPG, d0, xl0, xh0)
-                    if BLOCK_M > 1:
-                        d1, xl1, xh1 = _gemv_row(high, low, x_ptr + stride_xm, x_off, 4 * WPG, d1, xl1, xh1)
-                    if BLOCK_M > 2:
-                        d2, xl2, xh2 = _gemv_row(high, low, x_ptr + 2 * stride_xm, x_off, 4 * WPG, d2, xl2, xh2)
-                    if BLOCK_M > 3:
-                        d3, xl3, xh3 = _gemv_row(high, low, x_ptr + 3 * stride_xm, x_off, 4 * WPG, d3, xl3, xh3)
-                else:
-                    f = _byte_float(words, e, ASM)
-                    d0, xl0 = _gemv_byte_row(f, x_ptr, x_off, d0, xl0)
-                    if BLOCK_M > 1:
-                        d1, xl1 = _gemv_byte_row(f, x_ptr + stride_xm, x_off, d1, xl1)
-                    if BLOCK_M > 2:
-                        d2, xl2 = _gemv_byte_row(f, x_ptr + 2 * stride_xm, x_off, d2, xl2)
-                    if BLOCK_M > 3:
-                        d3, xl3 = _gemv_byte_row(f, x_ptr + 3 * stride_xm, x_off, d3, xl3)
+                high, low = _nibble_pair(words, e, ASM)
+                x_off = g * GROUP + e * WPG + h * ROWS + j  # [ROWS] features of nibble e
+                d0, xl0, xh0 = _gemv_row(high, low, x_ptr, x_off, 4 * WPG, d0, xl0, xh0)
+                if BLOCK_M > 1:
+                    d1, xl1, xh1 = _gemv_row(high, low, x_ptr + stride_xm, x_off, 4 * WPG, d1, xl1, xh1)
+                if BLOCK_M > 2:
+                    d2, xl2, xh2 = _gemv_row(high, low, x_ptr + 2 * stride_xm, x_off, 4 * WPG, d2, xl2, xh2)
+                if BLOCK_M > 3:
+                    d3, xl3, xh3 = _gemv_row(high, low, x_ptr + 3 * stride_xm, x_off, 4 * WPG, d3, xl3, xh3)
             words = next_words
-        if BITS == 4:
-            if EVEN_N:
-                s = tl.load(s_ptr + g * N + rn).to(tl.float32)
-                z = tl.load(z_ptr + g * N + rn).to(tl.float32)
-            else:
-                s = tl.load(s_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
-            acc0 = _gemv_group(acc0, d0, xl0, xh0, s, z)
-            if BLOCK_M > 1:
-                acc1 = _gemv_group(acc1, d1, xl1, xh1, s, z)
-            if BLOCK_M > 2:
-                acc2 = _gemv_group(acc2, d2, xl2, xh2, s, z)
-            if BLOCK_M > 3:
-                acc3 = _gemv_group(acc3, d3, xl3, xh3, s, z)
-        else:  # the chunk's codes less the bytes' offset; the row scale comes once, below
-            acc0 += tl.sum(d0, axis=0) - _BYTE_OFFSET * tl.sum(xl0, axis=0)
-            if BLOCK_M > 1:
-                acc1 += tl.sum(d1, axis=0) - _BYTE_OFFSET * tl.sum(xl1, axis=0)
-            if BLOCK_M > 2:
-                acc2 += tl.sum(d2, axis=0) - _BYTE_OFFSET * tl.sum(xl2, axis=0)
-            if BLOCK_M > 3:
-                acc3 += tl.sum(d3, axis=0) - _BYTE_OFFSET * tl.sum(xl3, axis=0)
-    if BITS == 8:
-        s = tl.load(s_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-        acc0 *= s
-        acc1 *= s
-        acc2 *= s
-        acc3 *= s
+        if EVEN_N:
+            s = tl.load(s_ptr + g * N + rn).to(tl.float32)
+            z = tl.load(z_ptr + g * N + rn).to(tl.float32)
+        else:
+            s = tl.load(s_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
+        acc0 = _gemv_group(acc0, d0, xl0, xh0, s, z)
+        if BLOCK_M > 1:
+            acc1 = _gemv_group(acc1, d1, xl1, xh1, s, z)
+        if BLOCK_M > 2:
+            acc2 = _gemv_group(acc2, d2, xl2, xh2, s, z)
+        if BLOCK_M > 3:
+            acc3 = _gemv_group(acc3, d3, xl3, xh3, s, z)
     if SPLIT_K:
         part = part_ptr + pid_s * M * N + rn
         tl.store(part, acc0, mask=nmask)
@@ -764,14 +688,12 @@ class Int4GemvConfig:
 
 
 def plan_int4_gemv(n: int, k: int, group_size: int = 128, device: Optional[torch.device] = None,
-                   m: int = 1, bits: int = 4) -> Int4GemvConfig:
+                   m: int = 1) -> Int4GemvConfig:
     """The launch :func:`int4_gemv` uses for ``m`` rows (``benchmarks/results/linear-h200-gemv.md``'s sweep of
     llama3.1-8b's shapes at one row on an H200: 8 word rows per load everywhere; 256 outputs per program up to
     8192 outputs and 512 above; as many groups per program as give :data:`GEMV_PROGRAMS_PER_SM` programs per SM,
     at most one group each). Three and four rows load 4 word rows at a time (their accumulators take the
-    registers; ``int8``, ``bits=8`` with ``group_size`` its chunk, loads 4 for two rows and 2 for more: twice
-    as many spill at sm_90). ``device``: as
-    :func:`plan_quant_matmul`."""
+    registers). ``device``: as :func:`plan_quant_matmul`."""
     num_warps = 2 if n <= 8192 else 4
     if n < 1024:
         num_warps = 1
@@ -779,8 +701,7 @@ def plan_int4_gemv(n: int, k: int, group_size: int = 128, device: Optional[torch
     groups = k // group_size
     tiles = math.ceil(n / block_n)
     split = min(groups, max(1, math.ceil(GEMV_PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
-    rows = (8 if m <= 2 else 4) if bits == 4 else (8 if m == 1 else 4 if m == 2 else 2)
-    return Int4GemvConfig(block_n, num_warps, min(rows, group_size * bits // 32), split)
+    return Int4GemvConfig(block_n, num_warps, min(8 if m <= 2 else 4, group_size // 8), split)
 
 
 def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -794,32 +715,12 @@ def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
-    return _k_major_gemv(x, words, scales, zeros, "int4", group_size, bias, config, "int4_gemv")
-
-
-def int8_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              config: Optional[Int4GemvConfig] = None) -> torch.Tensor:
-    """:func:`int4_gemv` for an ``int8`` weight (one scale per output row, ``scales`` ``[N]``) whose codes are
-    ``words`` (``[K // 4, N]`` int32, :func:`~questkv.ops.quant_reference.pack_int8_k_major`): each byte becomes
-    the float ``256 + q + 128`` with one shift and one ``lop3``, the offset comes off once per chunk of
-    :data:`~questkv.ops.quant_reference.INT8_K_MAJOR_CHUNK` features and the scale once per output.
-
-    Returns:
-        ``[M, N]`` in ``x.dtype``.
-    """
-    return _k_major_gemv(x, words, scales, None, "int8", INT8_K_MAJOR_CHUNK, bias, config, "int8_gemv")
-
-
-def _k_major_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                  method: str, group_size: int, bias: Optional[torch.Tensor], config: Optional[Int4GemvConfig],
-                  owner: str) -> torch.Tensor:
-    """One :func:`_k_major_gemv_kernel` launch (``group_size``: ``int8``'s chunk)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
-        raise ValueError(f"{owner} takes 1 to {GEMV_MAX_M} rows, x [M, K]; got shape {tuple(x.shape)}")
+        raise ValueError(f"int4_gemv takes 1 to {GEMV_MAX_M} rows, x [M, K]; got shape {tuple(x.shape)}")
     m, k = x.shape
-    n = _check_k_major(k, words, scales, zeros, method, group_size, owner)
+    n = _check_k_major(k, words, scales, zeros, group_size, "int4_gemv")
     x = x.contiguous()
-    cfg = config or plan_int4_gemv(n, k, group_size, x.device, m, 4 if method == "int4" else 8)
+    cfg = config or plan_int4_gemv(n, k, group_size, x.device, m)
     groups = k // group_size
     per_split = math.ceil(groups / cfg.split)
     split = math.ceil(groups / per_split)  # no empty split
@@ -830,33 +731,29 @@ def _k_major_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, ze
         counters = ticket_counters(x.device, grid[0])
     else:
         part = counters = out  # never read
-    _k_major_gemv_kernel[grid](
-        x, words, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, part,
-        counters, out, m, n, groups, per_split, x.stride(0), out.stride(0),
-        BITS=4 if method == "int4" else 8, GROUP=group_size, BLOCK_M=m, BLOCK_N=cfg.block_n, ROWS=cfg.rows,
-        SPLIT_K=split > 1, REDUCE_CHUNK=16, EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias is not None,
-        ASM=not interpreting(), USE_PDL=use_pdl(x.device), num_warps=cfg.num_warps, launch_pdl=use_pdl(x.device),
+    _int4_gemv_kernel[grid](
+        x, words, scales, zeros, bias if bias is not None else scales, part, counters, out,
+        m, n, groups, per_split, x.stride(0), out.stride(0),
+        GROUP=group_size, BLOCK_M=m, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=split > 1, REDUCE_CHUNK=16,
+        EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias is not None, ASM=not interpreting(), USE_PDL=use_pdl(x.device),
+        num_warps=cfg.num_warps, launch_pdl=use_pdl(x.device),
     )
     return out
 
 
-def _check_k_major(k: int, words: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], method: str,
-                   group_size: int, owner: str) -> int:
-    """Check an ``int4`` or ``int8`` weight of ``k`` input features held as K-major words; returns its ``N``."""
-    per_word = 8 if method == "int4" else 4
-    if method == "int4" and (group_size not in GROUP_SIZES or k % group_size):
+def _check_k_major(k: int, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   owner: str) -> int:
+    """Check an ``int4`` weight of ``k`` input features held as K-major words; returns its ``N``."""
+    if group_size not in GROUP_SIZES or k % group_size:
         raise ValueError(f"{owner}: group_size must be one of {GROUP_SIZES} dividing K={k}, got {group_size}")
-    if method == "int8" and k % INT8_K_MAJOR_CHUNK:
-        raise ValueError(f"{owner}: int8 needs K a multiple of {INT8_K_MAJOR_CHUNK}, got {k}")
     n = words.shape[-1]
-    if words.dim() != 2 or tuple(words.shape) != (k // per_word, n) or words.dtype != torch.int32:
-        raise ValueError(f"{owner}: words must be int32 [K // {per_word}, N] = [{k // per_word}, N], got "
-                         f"{words.dtype} {tuple(words.shape)}")
-    shapes = {"scales": (k // group_size, n), "zeros": (k // group_size, n)} if method == "int4" else {"scales": (n,)}
-    for name, shape in shapes.items():
-        t = scales if name == "scales" else zeros
-        if t is None or tuple(t.shape) != shape:
-            raise ValueError(f"{owner}: {name} must be {list(shape)}, got {None if t is None else tuple(t.shape)}")
+    if words.dim() != 2 or tuple(words.shape) != (k // 8, n) or words.dtype != torch.int32:
+        raise ValueError(f"{owner}: words must be int32 [K // 8, N] = [{k // 8}, N], got {words.dtype} "
+                         f"{tuple(words.shape)}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t is None or tuple(t.shape) != (k // group_size, n):
+            raise ValueError(f"{owner}: {name} must be [{k // group_size}, {n}], got "
+                             f"{None if t is None else tuple(t.shape)}")
     return n
 
 
