@@ -355,11 +355,12 @@ def check_tiny_fp32() -> dict:
     return results
 
 
-def check_int4_fp32(quantize_lm_head: bool = False) -> dict:
-    """An int4 engine's CUDA path (graphs and the int4 kernels: decode rows through ``int4_gemv``, prefill through
-    the dequantizing GEMM; at batch 1 from the GEMV's words, the layers' only copy) against its eager
-    torch-reference path (every quantized layer on the ``torch`` backend), a small fp32 Llama quantized at load
-    (its LM head too with ``quantize_lm_head``), one prompt and three, dense and Quest."""
+def check_quantized_fp32(method: str = "int4", quantize_lm_head: bool = False) -> dict:
+    """An int4 or int8 engine's CUDA path (graphs and the quantized kernels: int4 decode rows through ``int4_gemv``,
+    int8's through the Triton kernel, prefill through the dequantizing GEMM; int4 at batch 1 from the GEMV's words,
+    the layers' only copy) against its eager torch-reference path (every quantized layer on the ``torch``
+    backend), a small fp32 Llama quantized at load (its LM head too with ``quantize_lm_head``), one prompt and
+    three, dense and Quest."""
     cfg = _tiny_llama()
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (900, 1300, 420)]
@@ -370,7 +371,7 @@ def check_int4_fp32(quantize_lm_head: bool = False) -> dict:
             tokens = {}
 
             def build(q, **kwargs):
-                return LLM(cfg, quest=q, quantization="int4", load_format="dummy", dtype="float32", device="cuda",
+                return LLM(cfg, quest=q, quantization=method, load_format="dummy", dtype="float32", device="cuda",
                            max_num_seqs=batch, kv_cache_memory=256 << 20, seed=6, quantize_lm_head=quantize_lm_head,
                            **kwargs)
 
@@ -500,12 +501,12 @@ def main() -> None:
     parser.add_argument("--tag", default="h200", help="file name suffix: e2e-TAG.json")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the HF baselines")
     parser.add_argument("--skip-checks", action="store_true", help="leave out the correctness checks")
-    parser.add_argument("--checks", default="fp32,chunked,mixed,8b,int4",
+    parser.add_argument("--checks", default="fp32,chunked,mixed,8b,int4,int8",
                         help="comma-separated correctness checks to run before timing: fp32 (CUDA path == eager "
                         "reference, tiny fp32 model), chunked (chunked prefill + prefix hits == one-step prefill), "
                         "mixed (steps mixing decodes and prefill chunks == unchunked prefill), 8b (engine vs HF at "
-                        "the 8B shape, bf16), int4 (an int4 engine's CUDA path == its eager reference, tiny fp32 "
-                        "model) (default: all five)")
+                        "the 8B shape, bf16), int4 / int8 (a quantized engine's CUDA path == its eager reference, tiny "
+                        "fp32 model) (default: all six)")
     parser.add_argument("--checks-only", action="store_true", help="run the correctness checks and no timing")
     parser.add_argument("--points", default="all", help="comma-separated point indices into POINTS, or 'all'")
     parser.add_argument("--quantization", choices=["int4", "int8"], default=None,
@@ -525,8 +526,8 @@ def main() -> None:
     except ValueError:
         parser.error(f"--selection-intervals takes comma-separated ints, got {args.selection_intervals!r}")
     checks = set(args.checks.split(",")) - {""}
-    if not checks <= {"fp32", "chunked", "mixed", "8b", "int4"}:
-        parser.error(f"--checks takes a comma list of fp32, chunked, mixed, 8b, int4; got {args.checks!r}")
+    if not checks <= {"fp32", "chunked", "mixed", "8b", "int4", "int8"}:
+        parser.error(f"--checks takes a comma list of fp32, chunked, mixed, 8b, int4, int8; got {args.checks!r}")
     if any(c < 2 for c in intervals):
         parser.error(f"--selection-intervals must be >= 2 each, got {args.selection_intervals}")
     record = {"provenance": provenance("cuda"), "page_size": PAGE, "dense_layers": DENSE_LAYERS, "dtype": "bfloat16",
@@ -541,7 +542,8 @@ def main() -> None:
                                 ("chunked", "check_chunked_prefix_fp32", check_chunked_prefix_fp32),
                                 ("mixed", "check_mixed_steps_fp32", check_mixed_steps_fp32),
                                 ("8b", "check_8b_bf16", lambda: check_8b_against_hf(dummy_config("llama3.1-8b"))),
-                                ("int4", "check_int4_fp32", lambda: check_int4_fp32(args.quantize_lm_head))):
+                                ("int4", "check_int4_fp32", lambda: check_quantized_fp32("int4", args.quantize_lm_head)),
+                                ("int8", "check_int8_fp32", lambda: check_quantized_fp32("int8", args.quantize_lm_head))):
             if check in checks:
                 record[key] = run()
                 print(key, json.dumps(record[key]), flush=True)

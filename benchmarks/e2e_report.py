@@ -338,11 +338,12 @@ def render_markdown(record: dict) -> str:
                          f"logits rel. error {errs} (HF top-2 gap {gaps})")
             lines.append(line)
         lines.append("")
-    int4 = record.get("check_int4_fp32")
-    if int4:
-        lines += _token_checks("fp32 small Llama quantized to int4 at load, one prompt and three: CUDA-graph path (the "
-                               "int4 kernels) vs eager torch-reference path, greedy tokens:", int4)
-    if not fp32 and not b8 and not chunked and not mixed and not int4:
+    quantized = {m: record.get(f"check_{m}_fp32") for m in ("int4", "int8")}
+    for method, check in quantized.items():
+        if check:
+            lines += _token_checks(f"fp32 small Llama quantized to {method} at load, one prompt and three: CUDA-graph "
+                                   f"path (the {method} kernels) vs eager torch-reference path, greedy tokens:", check)
+    if not fp32 and not b8 and not chunked and not mixed and not any(quantized.values()):
         lines += ["(not run)", ""]
     if record["points"]:  # none: a --checks-only run
         lines += (targets_section(record) + all_points_section(record) + reuse_section(record)
