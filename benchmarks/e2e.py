@@ -542,8 +542,8 @@ def main() -> None:
                                 ("chunked", "check_chunked_prefix_fp32", check_chunked_prefix_fp32),
                                 ("mixed", "check_mixed_steps_fp32", check_mixed_steps_fp32),
                                 ("8b", "check_8b_bf16", lambda: check_8b_against_hf(dummy_config("llama3.1-8b"))),
-                                ("int4", "check_int4_fp32", lambda: check_quantized_fp32("int4", args.quantize_lm_head)),
-                                ("int8", "check_int8_fp32", lambda: check_quantized_fp32("int8", args.quantize_lm_head))):
+                                *((m, f"check_{m}_fp32", lambda m=m: check_quantized_fp32(m, args.quantize_lm_head))
+                                  for m in ("int4", "int8"))):
             if check in checks:
                 record[key] = run()
                 print(key, json.dumps(record[key]), flush=True)

@@ -196,8 +196,9 @@ class EngineConfig:
         """What the prefix cache's hash chain starts from: the model's identity (name or config), dtype, weight
         quantization and Quest page layout, so that pages are only ever shared by the same computation."""
         model = self.model if isinstance(self.model, str) else repr(sorted(self.model.to_dict().items()))
-        return repr((model, self.dtype, self.quantization, self.quantize_lm_head, self.load_format, self.seed if self.load_format == "dummy"
-                     else None, self.page_size)).encode()
+        seed = self.seed if self.load_format == "dummy" else None
+        return repr((model, self.dtype, self.quantization, self.quantize_lm_head, self.load_format, seed,
+                     self.page_size)).encode()
 
     @property
     def use_async_scheduling(self) -> bool:
@@ -214,9 +215,9 @@ class CacheSpec:
     num_pages: int
     max_pages_per_seq: int
     max_model_len: int
-    page_size: int = 16
-    page_bytes: int = 0
-    weight_bytes: int = 0
+    page_size: int
+    page_bytes: int
+    weight_bytes: int
 
     @property
     def kv_tokens(self) -> int:

@@ -42,7 +42,8 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
         share = int(total * config.gpu_memory_utilization) - weight_bytes - reserved_bytes
         budget = min(share, free) - activations - _ACTIVATION_RESERVE_BYTES
         where = (f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / 2**30:.1f} GiB less "
-                 f"{(weight_bytes + reserved_bytes) / 2**30:.2f} GiB of weights and buffers, {free / 2**30:.1f} GiB free")
+                 f"{(weight_bytes + reserved_bytes) / 2**30:.2f} GiB of weights and buffers, "
+                 f"{free / 2**30:.1f} GiB free")
     elif budget is None:
         budget = _CPU_KV_CACHE_BYTES
         where = "the CPU default of 1 GiB"

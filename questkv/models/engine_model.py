@@ -67,7 +67,8 @@ def load_engine_model(
 
     Args:
         quantization: the engine's: one of :data:`PACKED_FORMATS` asks for (and must match) a packed checkpoint;
-            ``None`` or one of :data:`~questkv.engine.config.ROUND_TO_NEAREST` loads float weights, unless the folder is packed.
+            ``None`` or one of :data:`~questkv.engine.config.ROUND_TO_NEAREST` loads float weights, unless the
+            folder is packed.
         tp: build rank ``tp.rank``'s tensor-parallel shard (:class:`LlamaForCausalLM`'s ``tp``), or ``None``.
         small_batches: whether packed linears keep the copies that serve 2 to 4 rows
             (:meth:`~questkv.layers.quantized_linear.QuantizedLinear.set_backend`).
