@@ -10,7 +10,8 @@ replays; each replay cycles over enough copies of the weight that no call finds 
   before it through programmatic dependent launch, which in a decode step only a kernel before it that triggers
   early allows: ``benchmarks/e2e.py`` is the arbiter);
 * ``int4`` (group 128) through each backend: ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's
-  plan), ``gemv`` (its small-batch kernel ``int4_gemv`` on the K-major copy, ``M <= 4``), ``tinygemm``
+  plan), ``gemv`` (its small-batch kernel ``int4_gemv`` on the K-major copy, ``M <= 4``), ``words``
+  (``int4_words_matmul``: tensor cores over the same K-major words, ``M >= 2``), ``tinygemm``
   (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``
   only) and ``words-dequant`` (the same from the GEMV's words, ``dequantize_k_major``: the prefill of an engine
   that never batches, whose layers hold only those);
@@ -21,8 +22,9 @@ replays; each replay cycles over enough copies of the weight that no call finds 
   baseline);
 * with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4``,
   ``int8g16``, ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows), up to 4 rows of
-  ``int4_gemv`` and at one row of the bf16 ``gemv``: the best one and its config tell how to retune
-  ``plan_quant_matmul`` / ``plan_int4_gemv`` / ``plan_gemv``.
+  ``int4_gemv``, 2 rows and more of ``int4_words_matmul`` and at one row of the bf16 ``gemv`` (``--sweep-kernels``
+  picks them): the best one and its config tell how to retune ``plan_quant_matmul`` / ``plan_int4_gemv`` /
+  ``plan_int4_words_matmul`` / ``plan_gemv``.
 
 Every timed call is first checked against the reference: its relative error stands beside its time. Each time
 stands beside its bytes floor (weight + scales + x + out, at the bandwidth of a device-to-device copy
@@ -81,6 +83,7 @@ ROTATE_BYTES = 384 * 2**20  # weight bytes one graph replay reads at least (abou
 MAX_COPIES = 32
 MIN_CALLS_PER_REPLAY = 8
 TARGETS = {"int4_m1_ms": 1.57, "int8_speedup_m1": 1.6}  # the issue's targets (llama3.1-8b, all linears of a token)
+SWEEP_KERNELS = ("triton", "bf16-gemv", "int4-gemv", "int4-words")
 CHECK_TOL = 2e-2  # relative (norm) error vs the float32 reference on the dequantized weight; bf16 output ~4e-3
 
 
@@ -250,6 +253,11 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
         if m <= GEMV_MAX_M:
             out["int4-gemv"] = [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP)
                                 for w, q in zip(shape.gemv, shape.q["int4"])]
+        if m > 1:  # tensor cores over the same words
+            from questkv.ops.triton.quant_matmul import int4_words_matmul
+
+            out["int4-words"] = [lambda w=w, q=q: int4_words_matmul(x, w, q[1], q[2], GROUP)
+                                 for w, q in zip(shape.gemv, shape.q["int4"])]
         if m >= args.dequant_min_m:  # the path of a layer whose only copy is the GEMV's words
             from questkv.ops.triton.quant_matmul import dequantize_k_major
 
@@ -339,6 +347,25 @@ def gemv_sweep_configs(n: int, k: int, device: torch.device, m: int = 1) -> list
     return list(dict.fromkeys(configs))
 
 
+def words_sweep_configs(m: int, n: int, k: int, device: torch.device) -> list:
+    """Alternative launches of ``int4_words_matmul`` for ``m`` rows (the plan first): outputs per program, warps,
+    pipeline stages, one dot per nibble or per group, which operand the weight is, and other splits."""
+    from questkv.ops.triton.quant_matmul import plan_int4_words_matmul
+
+    plan = plan_int4_words_matmul(m, n, k, GROUP, device)
+    groups = k // GROUP
+    configs = [plan]
+    configs += [dataclasses.replace(plan, block_n=bn, num_warps=w) for bn, w in ((32, 4), (128, 4), (128, 8), (256, 8))]
+    configs += [dataclasses.replace(plan, slabs=sl, swap_ab=sw) for sl, sw in ((False, True), (True, False),
+                                                                               (False, False))]
+    configs += [dataclasses.replace(plan, num_stages=st) for st in (1, 3, 4)]
+    configs += [dataclasses.replace(plan, split=s) for s in (max(1, plan.split // 2), min(groups, 2 * plan.split),
+                                                             min(groups, 4 * plan.split))]
+    if plan.block_m > 16:
+        configs += [dataclasses.replace(plan, block_m=plan.block_m // 2)]
+    return list(dict.fromkeys(configs))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the run
 
@@ -384,10 +411,12 @@ def run(args) -> dict:
                     print(f"{model:12s} {name:8s} M={m:3d} {backend:16s} {us:9.1f} us  floor {floor_us:8.1f} us  "
                           f"rel err {err:.1e}", flush=True)
                 sweep = model in args.sweep_models and m in args.sweep_ms and (not args.smoke or name == "o")
+                kernels = set(args.sweep_kernels)
                 if args.sweep and sweep and (device.type == "cuda" or interp):
                     from questkv.ops.triton.quant_matmul import quant_matmul as kernel
 
-                    for qname in (nm for nm in args.methods if m <= 8 or QUANT[nm][0] != "int8"):
+                    for qname in (nm for nm in args.methods if "triton" in kernels
+                                  and (m <= 8 or QUANT[nm][0] != "int8")):
                         q = shape.q[qname]
                         want = reference(x, qname, q[0])
                         method, group = QUANT[qname]
@@ -396,21 +425,28 @@ def run(args) -> dict:
                             lambda cfg, method=method, group=group: [
                                 lambda qq=qq: kernel(x, *qq, method, group, config=cfg) for qq in q],
                             timer, reps, warmup)
-                    if m == 1:
+                    if m == 1 and "bf16-gemv" in kernels:
                         from questkv.ops.triton.gemv import gemv
 
                         sweep_launches(
                             results, (model, name, m, "bf16-gemv"), bf16_gemv_sweep_configs(n, k, device),
                             x.double() @ shape.w[0].double().t(),
                             lambda cfg: [lambda w=w: gemv(x, w, config=cfg) for w in shape.w], timer, reps, warmup)
-                    from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv
+                    from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv, int4_words_matmul
 
-                    if m <= GEMV_MAX_M and shape.gemv:
+                    if m <= GEMV_MAX_M and shape.gemv and "int4-gemv" in kernels:
 
                         sweep_launches(
                             results, (model, name, m, "int4-gemv"), gemv_sweep_configs(n, k, device, m),
                             reference(x, "int4", shape.q["int4"][0]),
                             lambda cfg: [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP, config=cfg)
+                                         for w, q in zip(shape.gemv, shape.q["int4"])],
+                            timer, reps, warmup)
+                    if m > 1 and shape.gemv and "int4-words" in kernels:
+                        sweep_launches(
+                            results, (model, name, m, "int4-words"), words_sweep_configs(m, n, k, device),
+                            reference(x, "int4", shape.q["int4"][0]),
+                            lambda cfg: [lambda w=w, q=q: int4_words_matmul(x, w, q[1], q[2], GROUP, config=cfg)
                                          for w, q in zip(shape.gemv, shape.q["int4"])],
                             timer, reps, warmup)
             del shape
@@ -424,7 +460,7 @@ def run(args) -> dict:
 def token_sums(results: dict) -> list[dict]:
     """Per model, M and backend: microseconds of all linears of one token (layers x 4 shapes + LM head), with the
     LM head in bf16 and quantized (same backend); the sweep's best per shape as ``<method>-triton-swept`` (the
-    Triton kernel) and ``int4-gemv-swept``."""
+    Triton kernel), ``int4-gemv-swept`` and ``int4-words-swept``."""
     times = {(t["model"], t["shape"], t["m"], t["backend"]): t for t in results["times"]}
     best = {}
     for s in results["sweep"]:
@@ -439,8 +475,9 @@ def token_sums(results: dict) -> list[dict]:
         for m in sorted({t["m"] for t in results["times"] if t["model"] == model}):
             backends = sorted({t["backend"] for t in results["times"] if t["model"] == model and t["m"] == m})
             # a swept method's best tiling per shape, against the planned launch of its backend
-            timed = {(f"{k[3]}-swept" if k[3].endswith("-gemv") else f"{k[3]}-triton-swept"):
-                     (k[3] if k[3].endswith("-gemv") else f"{k[3]}-triton", k[3])
+            # a QUANT name's sweep is its Triton kernel's; a kernel's own (int4-gemv, int4-words) keeps its name
+            timed = {(f"{k[3]}-swept" if "-" in k[3] else f"{k[3]}-triton-swept"):
+                     (k[3] if "-" in k[3] else f"{k[3]}-triton", k[3])
                      for k in best if k[0] == model and k[2] == m}
             for backend in backends + sorted(timed):
                 def us(shape, b=backend):
@@ -517,12 +554,14 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--sweep-models", nargs="+", default=["llama3.1-8b"])
     parser.add_argument("--sweep-ms", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--sweep-kernels", nargs="+", default=list(SWEEP_KERNELS), choices=list(SWEEP_KERNELS),
+                        help="the kernels whose tilings --sweep times")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton through the interpreter)")
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
         torch.set_num_threads(1)
-        args.sweep_models, args.sweep_ms = ["tiny"], [1]  # the sweep's code path, on one small shape
+        args.sweep_models, args.sweep_ms = ["tiny"], [1, 3]  # the sweep's code path, on one small shape
     elif not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (or --smoke)")
     info, results = run(args)

@@ -758,6 +758,202 @@ def _check_k_major(k: int, words: torch.Tensor, scales: torch.Tensor, zeros: tor
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# several rows of int4: tensor cores over the GEMV's words
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4WordsConfig:
+    """One :func:`int4_words_matmul` launch: ``block_m`` rows and ``block_n`` outputs per program, ``split``
+    programs per output tile (each a range of whole groups); ``slabs``: one ``tl.dot`` per nibble (``K = G // 8``
+    features each, the words' own layout) rather than one per group over the tile reshaped to ``[G, block_n]``;
+    ``swap_ab``: the weight tile is the MMA's ``A`` operand (rows = outputs) and ``x`` the narrow ``B``."""
+
+    block_m: int
+    block_n: int
+    split: int
+    num_warps: int = 4
+    num_stages: int = 2
+    slabs: bool = True
+    swap_ab: bool = True
+
+
+@triton.jit
+def _int4_words_dot_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, counter_ptr, out_ptr,
+    M, N, groups, groups_per_split, stride_xm, stride_om,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    SLABS: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N), split, cdiv(M, BLOCK_M))``; ``x_ptr`` ``[M, K]``; ``w_ptr`` int32 ``[K // 8, N]``
+    (:func:`~questkv.ops.quant_reference.pack_int4_k_major`); ``s_ptr``, ``z_ptr`` ``[K // GROUP, N]``;
+    ``part_ptr`` float32 ``[split, M, N]``; ``counter_ptr`` one zeroed int32 per output tile.
+
+    Per group, ``d = x_g @ (OFFSET16 + q_g)`` through ``tl.dot`` (``(q | MAGIC16)`` is that 16-bit float exactly;
+    ``UPCAST``: ``q`` in float32 and ``OFFSET16 == 0``), then ``acc += s * (d - (z + OFFSET16) * sum(x_g))``."""
+    WPG: tl.constexpr = GROUP // 8
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = rm < M
+    j = tl.arange(0, WPG)
+    r = tl.arange(0, GROUP)
+    feature = (r % 8) * WPG + r // 8  # row r = 8 j + e of the reshaped tile holds nibble e of word row j
+    g_start = pid_s * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, groups)
+    w_ptrs = w_ptr + (g_start * WPG + j)[:, None] * N + rn[None, :]  # [WPG, BN], advanced one group at a time
+    if EVEN_N:
+        words = tl.load(w_ptrs)
+    else:
+        words = tl.load(w_ptrs, mask=nmask[None, :], other=0)
+    if USE_PDL:
+        gdc_wait()
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(g_start, g_end):
+        w_ptrs += WPG * N
+        if EVEN_N:
+            next_words = tl.load(w_ptrs, mask=g + 1 < g_end, other=0)
+        else:
+            next_words = tl.load(w_ptrs, mask=(g + 1 < g_end) & nmask[None, :], other=0)
+        x_base = x_ptr + rm[:, None] * stride_xm + g * GROUP  # [BM, 1]
+        if SLABS:
+            d = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+            x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for e in tl.static_range(8):
+                xe = tl.load(x_base + (e * WPG + j)[None, :], mask=mmask[:, None], other=0.0)  # [BM, WPG]
+                x_sum += tl.sum(xe.to(tl.float32), axis=1)
+                b = _int4_words_nibble(words, e, xe.dtype, UPCAST, MAGIC16)  # [WPG, BN]
+                if UPCAST:
+                    xe = xe.to(tl.float32)
+                if SWAP_AB:
+                    d = tl.dot(tl.trans(b), tl.trans(xe), d, input_precision="ieee" if UPCAST else None)
+                else:
+                    d = tl.dot(xe, b, d, input_precision="ieee" if UPCAST else None)
+        else:
+            xt = tl.load(x_base + feature[None, :], mask=mmask[:, None], other=0.0)  # [BM, GROUP], tile order
+            x_sum = tl.sum(xt.to(tl.float32), axis=1)
+            b = tl.reshape(_int4_words_nibbles(words, xt.dtype, UPCAST, MAGIC16), [GROUP, BLOCK_N])
+            if UPCAST:
+                xt = xt.to(tl.float32)
+            if SWAP_AB:
+                d = tl.dot(tl.trans(b), tl.trans(xt), input_precision="ieee" if UPCAST else None)
+            else:
+                d = tl.dot(xt, b, input_precision="ieee" if UPCAST else None)
+        if EVEN_N:
+            s = tl.load(s_ptr + g * N + rn).to(tl.float32)
+            z = tl.load(z_ptr + g * N + rn).to(tl.float32)
+        else:
+            s = tl.load(s_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
+        z += OFFSET16
+        if SWAP_AB:
+            acc += (d - z[:, None] * x_sum[None, :]) * s[:, None]
+        else:
+            acc += (d - x_sum[:, None] * z[None, :]) * s[None, :]
+        words = next_words
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BM, BN]
+    omask = mmask[:, None] & nmask[None, :]
+    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    if SPLIT_K:
+        part_off = rm[:, None] * N + rn[None, :]
+        tl.store(part_ptr + pid_s * M * N + part_off, acc, mask=omask)
+        splits = tl.num_programs(1)
+        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+        if last_to_arrive(counter, splits):
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for sp in range(0, splits):
+                total += tl.load(part_ptr + sp * M * N + part_off, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=omask)
+            reset_ticket(counter)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _int4_words_nibble(words, e: tl.constexpr, dtype: tl.constexpr, UPCAST: tl.constexpr, MAGIC16: tl.constexpr):
+    """Nibble ``e`` of every word: ``OFFSET16 + q`` in ``dtype`` (``UPCAST``: ``q`` in float32)."""
+    q = (words >> (4 * e)) & 15 if e > 0 else words & 15
+    if UPCAST:
+        return q.to(tl.float32)
+    return (q | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _int4_words_nibbles(words, dtype: tl.constexpr, UPCAST: tl.constexpr, MAGIC16: tl.constexpr):
+    """Every nibble: ``[WPG, 8, BN]``, ``[j, e]`` = nibble ``e`` of word row ``j``, as :func:`_int4_words_nibble`."""
+    q = (words[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 15
+    if UPCAST:
+        return q.to(tl.float32)
+    return (q | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+
+
+def plan_int4_words_matmul(m: int, n: int, k: int, group_size: int = 128,
+                           device: Optional[torch.device] = None) -> Int4WordsConfig:
+    """The launch :func:`int4_words_matmul` uses for ``x`` ``[m, k]`` and ``n`` outputs: 16 to 64 rows per
+    program, 64 outputs, the tile's ``K`` split to reach :data:`PROGRAMS_PER_SM` programs per SM."""
+    block_m = min(64, max(16, next_pow2(m)))
+    block_n = 64
+    tiles = math.ceil(n / block_n) * math.ceil(m / block_m)
+    groups = k // group_size
+    split = min(groups, max(1, math.ceil(PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
+    return Int4WordsConfig(block_m, block_n, split, slabs=group_size // 8 >= 16)
+
+
+def int4_words_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int = 128, bias: Optional[torch.Tensor] = None,
+                      config: Optional[Int4WordsConfig] = None) -> torch.Tensor:
+    """``y = x @ w.T + bias`` for ``x`` ``[M, K]`` (bf16 / fp16 / fp32) and an ``int4`` weight held as
+    :func:`int4_gemv`'s words (``[K // 8, N]`` int32), ``scales`` and ``zeros`` ``[K // group_size, N]``, on
+    tensor cores; ``config`` overrides :func:`plan_int4_words_matmul`.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"int4_words_matmul: x must be [M, K], got shape {tuple(x.shape)}")
+    m, k = x.shape
+    n = _check_k_major(k, words, scales, zeros, group_size, "int4_words_matmul")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or plan_int4_words_matmul(m, n, k, group_size, x.device)
+    if cfg.slabs and group_size // 8 < 16:
+        raise ValueError(f"int4_words_matmul: slabs need group_size >= 128 (tl.dot's K >= 16), got {group_size}")
+    x = x.contiguous()
+    groups = k // group_size
+    per_split = math.ceil(groups / cfg.split)
+    split = math.ceil(groups / per_split)  # no empty split
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = ticket_counters(x.device, grid[0] * grid[2])
+    else:
+        part = counters = out  # never read
+    upcast = x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16)
+    magic16, offset16 = (0, 0.0) if upcast else {torch.bfloat16: (0x4300, 128.0),
+                                                  torch.float16: (0x6400, 1024.0)}[x.dtype]
+    _int4_words_dot_kernel[grid](
+        x, words, scales, zeros, bias if bias is not None else scales, part, counters, out,
+        m, n, groups, per_split, x.stride(0), out.stride(0),
+        GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split > 1, SLABS=cfg.slabs,
+        SWAP_AB=cfg.swap_ab, EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias is not None, UPCAST=upcast,
+        MAGIC16=magic16, OFFSET16=offset16, USE_PDL=use_pdl(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl(x.device),
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # torch's int4 kernel (tinygemm), CUDA and bf16 only
 
 
