@@ -119,6 +119,35 @@ _SCRIPT = textwrap.dedent(
     for m in (2, 3, 4):  # one accumulator per row
         compile_gemv(28672, 4096, m=m)
     compile_gemv(1000, 896, 32, bias=True, m=4)
+
+    def compile_words(m, n, k, group=128, dtype="bf16", bias=False):
+        kernel = qm._int4_words_dot_kernel
+        cfg = qm.plan_int4_words_matmul(m, n, k, group)
+        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
+                    "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
+        magic, offset = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}.get(dtype, (0, 0.0))
+        constexprs = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split > 1,
+                          SLABS=cfg.slabs, SWAP_AB=cfg.swap_ab, EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias,
+                          UPCAST=dtype == "fp32", MAGIC16=magic, OFFSET16=offset, USE_PDL=True)
+        signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
+                     for name in kernel.arg_names}
+        attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+                 for name in (*pointers, "N", "stride_xm", "stride_om")}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        info = ptxas_info(compiled)
+        print("int4_words_matmul", m, n, k, group, dtype, cfg, info)
+        assert "0 bytes spill stores" in info, info
+        if dtype != "fp32":
+            assert "wgmma.mma_async" in compiled.asm["ptx"], "not on Hopper's tensor cores"
+
+    # tensor cores over the same words: the rows of a batched decode step
+    for m in (2, 16, 64):
+        for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):
+            compile_words(m, n, k)
+    compile_words(8, 1000, 896, 32, bias=True)
+    compile_words(16, 4096, 4096, dtype="fp16")
+    compile_words(16, 576, 1536, 64, dtype="fp32")
     # prefill's dequantize kernel: every format into bf16 (int4 bytes unpacked in pairs), fp32 for int8
     for method, group, out in (("int4", 128, "bf16"), ("int4", 32, "fp16"), ("int8", 128, "fp32"),
                                ("int8_grouped", 16, "bf16")):

@@ -232,6 +232,58 @@ def test_int4_gemv_matches_the_reference(m, dtype, group_size, n, k, bias, confi
     assert torch.equal(qk.int4_gemv(x, words, qw.scales, qw.zeros, group_size, b, config=config), got)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# several rows of int4 on tensor cores, over the GEMV's words (interpreter)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m, dtype, group_size, n, k, bias, config", [
+    (5, torch.float32, 128, N_ODD, K, True, None),  # the plan: outputs and rows masked, several splits
+    (16, torch.bfloat16, 128, 64, 256, False, None),
+    (3, torch.float16, 128, 70, 384, True, qk.Int4WordsConfig(16, 32, 2, slabs=False)),  # one dot per group
+    (17, torch.float16, 32, 70, 320, False, qk.Int4WordsConfig(16, 32, 3, slabs=False, swap_ab=False)),
+    (9, torch.float32, 128, 64, 256, True, qk.Int4WordsConfig(16, 32, 1, slabs=True, swap_ab=False)),  # no tickets
+    (40, torch.bfloat16, 64, 96, 256, True, qk.Int4WordsConfig(32, 64, 4, slabs=False))])  # two row tiles
+def test_int4_words_matmul_matches_the_reference(m, dtype, group_size, n, k, bias, config):
+    seed = zlib.crc32(f"words {m} {dtype} {group_size} {n} {k}".encode()) % 1000
+    qw = _weight("int4", n, k, seed, dtype, group_size)
+    x, b = _inputs(m, k, n, seed, dtype)
+    b = b if bias else None
+    words = ref.pack_int4_k_major(qw.qweight, group_size)
+    got = qk.int4_words_matmul(x, words, qw.scales, qw.zeros, group_size, b, config=config)
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    want = ref.quant_matmul(x.float(), qw.qweight, qw.scales.float(), qw.zeros.float(), "int4", group_size, f32(b))
+    assert got.dtype == dtype and got.shape == (m, n)
+    err = (got.float() - want).abs().max().item() / want.abs().max().item()
+    assert err <= _TOL[dtype], err
+    assert int(ticket_counters(x.device, 8).abs().sum()) == 0  # the tickets reset themselves
+    assert torch.equal(qk.int4_words_matmul(x, words, qw.scales, qw.zeros, group_size, b, config=config), got)
+
+
+def test_int4_words_matmul_plans_row_tiles_and_enough_programs():
+    for m in (2, 5, 16, 17, 64):
+        for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):
+            cfg = qk.plan_int4_words_matmul(m, n, k, 128)
+            assert cfg.block_m == min(64, max(16, 1 << (m - 1).bit_length())) and cfg.slabs
+            assert 1 <= cfg.split <= k // 128
+            tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
+            assert tiles * cfg.split >= min(qk.PROGRAMS_PER_SM * 132, tiles * (k // 128))
+    assert not qk.plan_int4_words_matmul(8, 4096, 4096, 64).slabs  # 8 word rows per group: too few for a dot
+
+
+def test_int4_words_matmul_rejects_bad_arguments_naming_them():
+    qw = _weight("int4", 16, 256, seed=43)
+    words = ref.pack_int4_k_major(qw.qweight, 128)
+    with pytest.raises(ValueError, match=r"int4_words_matmul: x must be \[M, K\], got shape \(256,\)"):
+        qk.int4_words_matmul(torch.randn(256), words, qw.scales, qw.zeros)
+    with pytest.raises(ValueError, match=r"int4_words_matmul: words must be int32 \[K // 8, N\]"):
+        qk.int4_words_matmul(torch.randn(2, 256), words.t().contiguous(), qw.scales, qw.zeros)
+    with pytest.raises(ValueError, match=r"slabs need group_size >= 128 .*got 64"):
+        qw64 = _weight("int4", 16, 256, seed=44, group_size=64)
+        qk.int4_words_matmul(torch.randn(2, 256), ref.pack_int4_k_major(qw64.qweight, 64), qw64.scales, qw64.zeros,
+                             64, config=qk.Int4WordsConfig(16, 32, 1, slabs=True))
+
+
 @pytest.mark.parametrize("method, group_size, n, k", [
     ("int4", 128, N_ODD, K), ("int4", 32, 70, 320), ("int8", 128, N_ODD, 300), ("int8_grouped", 16, 65, 272),
     ("int8_grouped", 32, 64, 512)])

@@ -884,8 +884,10 @@ def _int4_words_nibble(words, e: tl.constexpr, dtype: tl.constexpr, UPCAST: tl.c
     """Nibble ``e`` of every word: ``OFFSET16 + q`` in ``dtype`` (``UPCAST``: ``q`` in float32)."""
     q = (words >> (4 * e)) & 15 if e > 0 else words & 15
     if UPCAST:
-        return q.to(tl.float32)
-    return (q | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+        b = q.to(tl.float32)
+    else:
+        b = (q | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+    return b
 
 
 @triton.jit
@@ -893,8 +895,10 @@ def _int4_words_nibbles(words, dtype: tl.constexpr, UPCAST: tl.constexpr, MAGIC1
     """Every nibble: ``[WPG, 8, BN]``, ``[j, e]`` = nibble ``e`` of word row ``j``, as :func:`_int4_words_nibble`."""
     q = (words[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 15
     if UPCAST:
-        return q.to(tl.float32)
-    return (q | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+        b = q.to(tl.float32)
+    else:
+        b = (q | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+    return b
 
 
 def plan_int4_words_matmul(m: int, n: int, k: int, group_size: int = 128,
