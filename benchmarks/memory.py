@@ -1,6 +1,6 @@
 """What an engine holds and what it fits, on one GPU: weights (counted once and held) and tokens of KV cache, for
 bf16 and weight-only quantized linears, at batch 1 (``max_num_seqs=1``: int4 layers keep one copy of their codes)
-and batched (``max_num_seqs=16``: two more copies, for 2 to 64 rows).
+and batched (``max_num_seqs=16``: int4 bf16 layers make one more copy, tinygemm's, for 2 to 4 rows).
 
 Each configuration builds ``LLM`` with random weights at the model's real shapes and the engine's own memory plan
 (``gpu_memory_utilization``, as a user would run it), reads :attr:`~questkv.engine.llm.LLM.cache_spec` and
@@ -63,8 +63,8 @@ def render(record: dict) -> str:
              f"- GPU: {prov.get('machine', '?')}; date: {prov.get('date', '?')}",
              f"- gpu_memory_utilization {record['gpu_memory_utilization']}, max_model_len {record['max_model_len']}, "
              "bf16 activations and KV; weights counted once = every parameter and buffer with one copy of each "
-             "quantized layer's codes; held = all of them (int4 at max_num_seqs > 1: two more copies of the codes "
-             "for 2 to 64 rows)", "",
+             "quantized layer's codes; held = all of them (int4 bf16 at max_num_seqs > 1: one more copy of the codes, "
+             "tinygemm's, for 2 to 4 rows)", "",
              "| config | max_num_seqs | weights GB (once) | GiB | held GB | KV cache GiB | KV tokens | vs bf16 |",
              "|---|---|---|---|---|---|---|---|"]
     base = {r["max_num_seqs"]: r["kv_tokens"] for r in record["rows"] if r["config"] == "bf16"}

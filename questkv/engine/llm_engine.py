@@ -46,7 +46,7 @@ def load_shard(config: EngineConfig, tp: Optional[TensorParallel]) -> EngineMode
 
 def _batches_sequences(config: EngineConfig) -> bool:
     """Whether decode steps may hold several rows: an engine of one sequence at a time decodes one row, and its
-    quantized linears need no tinygemm copy for 2 to 4 rows (a short prompt's few rows take the GEMV)."""
+    int4 linears need no tinygemm copy for 2 to 4 rows (a short prompt's few rows take the words)."""
     return config.max_num_seqs > 1
 
 

@@ -48,30 +48,32 @@ __all__ = [
 ]
 
 # ``auto`` on CUDA, by rows M (all linears of one llama3.1-8b token on an H200, LM head bf16;
-# benchmarks/results/linear-h200-gemv.md and -gemv-rows.md): an int4 layer takes questkv's K-major GEMV for one row
-# (1.95 ms against 2.44 for torch's tinygemm and 3.37 for the Triton FMA loop), tinygemm (bf16 only) for 2 to 4
-# rows (2.56 / 2.89 / 3.31 ms at M = 2 / 3 / 4, against 3.17 / 4.02 / 4.75 for the GEMV, which int4 layers in
-# other dtypes take there, and 6.5 / - / 13.9 for the Triton kernel), the Triton kernel up to 64 rows (4.63 ms at
-# M = 8 against 5.22 for tinygemm), and above that (prefill) dequantizes into a float weight for one GEMM, whose
-# cost is shared by the prompt's rows: int4 from the GEMV's words (linear-h200-words-dequant.md: 10.8 / 48.9 ms at
-# M = 256 / 2048 against 14.7 / 51.7 from the checkpoint layout). int8 and int8_grouped (imported GGUF Q8_0 / Q6_K
-# layers) follow the same rows rule without the int4 kernels.
+# benchmarks/results/linear-h200-gemv.md, -gemv-rows.md and -words.md): an int4 layer holds one copy of its codes,
+# the K-major words, and takes questkv's GEMV over them for one and two rows (1.95 ms at M = 1 against 2.44 for
+# torch's tinygemm; 3.19 at M = 2 against 3.88 on tensor cores), tinygemm (bf16 only, its own copy, made where the
+# model batches) for 2 to 4 rows (2.58 / 3.30 ms at M = 2 / 4), tensor cores over the words up to 64 rows
+# (``int4_words_matmul``: 3.94 / 4.06 / 4.29 / 5.51 ms at M = 4 / 8 / 16 / 32, against 14.0 / 4.60 / 4.63 / 5.90 for
+# the Triton kernel over the checkpoint layout), and above that (prefill) the float weight written from the words
+# for one GEMM, whose cost is shared by the prompt's rows (linear-h200-words-dequant.md: 10.8 / 48.9 ms at M = 256 /
+# 2048 against 14.7 / 51.7 from the checkpoint layout). int8 and int8_grouped (imported GGUF Q8_0 / Q6_K layers)
+# take the Triton kernel up to 64 rows and the float weight above.
+AUTO_GEMV_MAX_M = 2
 TINYGEMM_MAX_M = 4
 TRITON_MAX_M = 64
 
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm", "gemv")
-"""How a quantized layer multiplies. ``auto``: on CUDA by rows, int4 through ``gemv`` for one row and for up to
-:data:`~questkv.ops.triton.quant_matmul.GEMV_MAX_M` rows where ``tinygemm`` (bf16 only) does not serve 2 to
-:data:`TINYGEMM_MAX_M`, then every format through ``triton`` up to :data:`TRITON_MAX_M`, ``dequant`` above (int4
-from the GEMV's words, :func:`~questkv.ops.triton.quant_matmul.dequantize_k_major`);
-``torch`` otherwise; ``torch``: the reference (dequantize to float32, float32 matmul); ``triton``:
+"""How a quantized layer multiplies. ``auto``: on CUDA by rows (the table above), int4 from its K-major words
+through ``int4_gemv`` up to :data:`AUTO_GEMV_MAX_M` rows, tinygemm's copy (if the layer made one) for 2 to
+:data:`TINYGEMM_MAX_M`, ``int4_words_matmul`` up to :data:`TRITON_MAX_M` and the float weight written from the words
+above; every other format through ``triton`` up to :data:`TRITON_MAX_M` and ``dequant`` above; ``torch`` off CUDA.
+``torch``: the reference (dequantize to float32, float32 matmul); ``triton``:
 :func:`questkv.ops.triton.quant_matmul.quant_matmul`;
 ``dequant``: dequantize to ``x``'s dtype (on CUDA in one Triton launch,
 :func:`questkv.ops.triton.quant_matmul.dequantize`; torch ops elsewhere), then ``F.linear`` (prefill's);
-``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16); ``gemv``:
-:func:`questkv.ops.triton.quant_matmul.int4_gemv` for up to 4 rows, ``triton`` for more (``int4``, CUDA). The last two
-are layers' only: each needs its own copy of the weight (non-persistent buffers, made by
-:meth:`QuantizedLinear.set_backend`)."""
+``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16); ``gemv``: the K-major words alone,
+:func:`~questkv.ops.triton.quant_matmul.int4_gemv` for up to 4 rows and
+:func:`~questkv.ops.triton.quant_matmul.int4_words_matmul` for more (``int4``, CUDA). The last two, and ``auto``'s
+int4 on CUDA, use copies the layer makes in :meth:`QuantizedLinear.set_backend` (non-persistent buffers)."""
 
 
 class QuantLayout(NamedTuple):
@@ -233,18 +235,18 @@ class QuantizedLinear(nn.Module):
                 target.copy_(tensor)
 
     def set_backend(self, backend: str, small_batches: bool = True) -> None:
-        """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`). ``tinygemm`` and ``gemv`` convert
-        the weight into a second, non-persistent copy now (call it outside CUDA graph capture), ``auto`` makes the
-        copies its small batches use (on CUDA: ``gemv``'s for int4, ``tinygemm``'s for int4 bf16); copies the new
-        backend does not use are dropped.
+        """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`); copies of the codes the new backend
+        does not use are dropped. Call it outside CUDA graph capture: it may convert the weight.
 
-        ``small_batches=False`` (a model that multiplies more than one row only now and then: an engine that never
-        batches sequences, whose prompts are prefilled once) keeps one copy of an int4 layer's codes on CUDA, the
-        GEMV's words: up to 4 rows take the GEMV, more are multiplied by the float weight written from the words
-        (:func:`~questkv.ops.triton.quant_matmul.dequantize_k_major`). The ``qweight`` buffer is then ``None``;
-        the state dict still holds it (rebuilt from the words), and another backend rebuilds it."""
+        On CUDA, ``auto`` and ``gemv`` keep an int4 layer's codes as one copy, the K-major words that
+        :func:`~questkv.ops.triton.quant_matmul.int4_gemv` and
+        :func:`~questkv.ops.triton.quant_matmul.int4_words_matmul` read: the ``qweight`` buffer is then ``None``,
+        the state dict still holds it (rebuilt from the words), and the other backends rebuild it.
+        ``small_batches`` (``auto``, bf16): also make ``tinygemm``'s copy for 2 to :data:`TINYGEMM_MAX_M` rows, a
+        second copy of the codes that is faster there (all linears of a llama3.1-8b token at M = 2 / 4: 2.58 / 3.30
+        ms against 3.19 / 3.94 from the words); an engine makes it when it batches sequences."""
         check_choice(f"{type(self).__name__}.backend", backend, BACKENDS)
-        if self.qweight is None:  # only the GEMV's words were kept: the checkpoint layout comes back first
+        if self.qweight is None:  # only the words were kept: the checkpoint layout comes back first
             self.register_buffer("qweight", quant_reference.unpack_int4_k_major(self.gemv_words, self.group_size))
         if backend == "tinygemm" and not self._tinygemm_fits():
             raise ValueError(f"{type(self).__name__}.backend 'tinygemm' needs int4 bf16 weights on CUDA, got "
@@ -265,10 +267,9 @@ class QuantizedLinear(nn.Module):
         if backend == "gemv" or (auto and self._gemv_fits()):
             words = quant_reference.pack_int4_k_major(self.qweight, self.group_size)
             self.register_buffer("gemv_words", words, persistent=False)
+            self.register_buffer("qweight", None)
         else:
             self._buffers.pop("gemv_words", None)
-        if auto and not small_batches and self._gemv_fits():
-            self.register_buffer("qweight", None)
         self.backend = backend
 
     def _gemv_fits(self) -> bool:
@@ -302,25 +303,31 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, K]
         m = x2.shape[0]
-        words = self._buffers.get("gemv_words")  # the copies set_backend made for small batches
         if self.backend == "tinygemm" or (self.backend == "auto" and "tinygemm_packed" in self._buffers
                                           and 1 < m <= TINYGEMM_MAX_M):
             from questkv.ops.triton.quant_matmul import tinygemm_matmul
 
             y = tinygemm_matmul(x2, self.tinygemm_packed, self.tinygemm_scales_and_zeros, self.group_size, self.bias)
-            return y.reshape(*lead, self.out_features)
-        if words is not None and self.backend in ("auto", "gemv"):
-            from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv
-
-            if 0 < m <= GEMV_MAX_M:
-                y = int4_gemv(x2, words, self.scales, self.zeros, self.group_size, self.bias)
-                return y.reshape(*lead, self.out_features)
-            if self.qweight is None or (self.backend == "auto" and m > TRITON_MAX_M):
-                y = self._dequantized_words_matmul(x2, words)  # the only copy, or prefill's fastest source
-                return y.reshape(*lead, self.out_features)
-        backend = "triton" if self.backend == "gemv" else self.backend
-        y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias, backend)
+        elif self.qweight is None:
+            y = self._words_matmul(x2)
+        else:
+            y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias,
+                             self.backend)
         return y.reshape(*lead, self.out_features)  # [..., N]
+
+    def _words_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` times the int4 weight held as the K-major words alone (:meth:`set_backend`): the GEMV
+        for up to :data:`AUTO_GEMV_MAX_M` rows (``gemv``: ``GEMV_MAX_M``), tensor cores up to :data:`TRITON_MAX_M`
+        (``gemv``: any), the float weight written from the words above."""
+        from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv, int4_words_matmul
+
+        m = x.shape[0]
+        gemv = self.backend == "gemv"
+        if 0 < m <= (GEMV_MAX_M if gemv else AUTO_GEMV_MAX_M):
+            return int4_gemv(x, self.gemv_words, self.scales, self.zeros, self.group_size, self.bias)
+        if m <= TRITON_MAX_M or gemv:
+            return int4_words_matmul(x, self.gemv_words, self.scales, self.zeros, self.group_size, self.bias)
+        return self._dequantized_words_matmul(x, self.gemv_words)
 
     def _dequantized_words_matmul(self, x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         """``x`` ``[M, K]`` times the float weight written from the GEMV's words (the reference off CUDA)."""

@@ -70,7 +70,7 @@ def load_engine_model(
             ``None`` or one of :data:`~questkv.engine.config.ROUND_TO_NEAREST` loads float weights, unless the
             folder is packed.
         tp: build rank ``tp.rank``'s tensor-parallel shard (:class:`LlamaForCausalLM`'s ``tp``), or ``None``.
-        small_batches: whether packed linears keep the copies that serve 2 to 4 rows
+        small_batches: whether packed int4 linears also make tinygemm's copy, faster at 2 to 4 rows
             (:meth:`~questkv.layers.quantized_linear.QuantizedLinear.set_backend`).
 
     Raises:

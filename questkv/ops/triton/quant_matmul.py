@@ -37,6 +37,13 @@ each further row (so tinygemm serves bf16 at 2 to 4 rows). The split over groups
 the partials summed in fixed chunks; the first word tile is loaded before the programmatic-launch wait and each
 later one a tile ahead.
 
+More rows of ``int4`` go through tensor cores over the same words, :func:`int4_words_matmul`: per group, each
+nibble ``e`` of a ``[G // 8, BLOCK_N]`` word tile is a ``[G // 8, BLOCK_N]`` slab of 16-bit floats ``OFFSET16 + q``
+(``(q | 0x4300)`` is bf16 ``128 + q`` exactly; fp16: ``0x6400``, ``1024 + q``) for the features ``e * G // 8 + j``,
+which are contiguous in ``x``: eight ``tl.dot`` calls of ``K = G // 8`` (the weight as the ``A`` operand, so a
+few rows of ``x`` are the narrow ``B`` of a ``wgmma m64nBMk16``), then the group's scale and zero point as in the
+dot loop above. An int4 layer then needs no other copy of its codes for any number of rows.
+
 ``tinygemm_pack`` / ``tinygemm_matmul`` convert an ``int4`` weight for ``torch.ops.aten._weight_int4pack_mm``
 (bf16 only), the CUDA backend for bf16 at 2 to 4 rows.
 
@@ -75,8 +82,11 @@ __all__ = [
     "FMA_MAX_M",
     "GEMV_MAX_M",
     "Int4GemvConfig",
+    "Int4WordsConfig",
     "int4_gemv",
+    "int4_words_matmul",
     "plan_int4_gemv",
+    "plan_int4_words_matmul",
     "QuantMatmulConfig",
     "dequantize",
     "dequantize_k_major",
@@ -903,14 +913,19 @@ def _int4_words_nibbles(words, dtype: tl.constexpr, UPCAST: tl.constexpr, MAGIC1
 
 def plan_int4_words_matmul(m: int, n: int, k: int, group_size: int = 128,
                            device: Optional[torch.device] = None) -> Int4WordsConfig:
-    """The launch :func:`int4_words_matmul` uses for ``x`` ``[m, k]`` and ``n`` outputs: 16 to 64 rows per
-    program, 64 outputs, the tile's ``K`` split to reach :data:`PROGRAMS_PER_SM` programs per SM."""
+    """The launch :func:`int4_words_matmul` uses for ``x`` ``[m, k]`` and ``n`` outputs, the fastest of
+    ``benchmarks/results/linear-h200-words.md``'s sweep of llama3.1-8b's shapes at 2, 8, 16 and 64 rows on an H200
+    (down at 64 rows excepted: 65.3 µs against 62.1 for 64 outputs and half the split): 16 to 64 rows per program; up to 16 rows, 64 outputs and 4 warps (128 outputs where
+    there are more than 16384: gate/up 51.5 against 54.6 µs at 2 rows, the LM head 194 against 230), more rows
+    128 outputs and 8 warps (M = 64: qkv 26.2 against 34.9 µs with 64 outputs and 4 warps, gate/up 100 against
+    137); one dot per nibble; the weight as the MMA's ``A`` operand; the tile's ``K`` split to reach
+    :data:`PROGRAMS_PER_SM` programs per SM."""
     block_m = min(64, max(16, next_pow2(m)))
-    block_n = 64
+    block_n, num_warps = (64, 4) if block_m <= 16 and n <= 16384 else (128, 4) if block_m <= 16 else (128, 8)
     tiles = math.ceil(n / block_n) * math.ceil(m / block_m)
     groups = k // group_size
     split = min(groups, max(1, math.ceil(PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
-    return Int4WordsConfig(block_m, block_n, split, slabs=group_size // 8 >= 16)
+    return Int4WordsConfig(block_m, block_n, split, num_warps, slabs=group_size // 8 >= 16)
 
 
 def int4_words_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
