@@ -919,12 +919,14 @@ def plan_int4_words_matmul(m: int, n: int, k: int, group_size: int = 128,
     there are more than 16384: gate/up 51.5 against 54.6 µs at 2 rows, the LM head 194 against 230), more rows
     128 outputs and 8 warps (M = 64: qkv 26.2 against 34.9 µs with 64 outputs and 4 warps, gate/up 100 against
     137); one dot per nibble; the weight as the MMA's ``A`` operand; the tile's ``K`` split to reach
-    :data:`PROGRAMS_PER_SM` programs per SM."""
+    :data:`PROGRAMS_PER_SM` programs per SM, half as many from 32 rows (``linear-h200-words-plan.md``, M = 32: qkv
+    21.6 against 23.3 µs, o 15.6 against 20.0, down 39.0 against 43.4)."""
     block_m = min(64, max(16, next_pow2(m)))
     block_n, num_warps = (64, 4) if block_m <= 16 and n <= 16384 else (128, 4) if block_m <= 16 else (128, 8)
     tiles = math.ceil(n / block_n) * math.ceil(m / block_m)
     groups = k // group_size
-    split = min(groups, max(1, math.ceil(PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
+    programs = PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) // (1 if block_m <= 16 else 2)
+    split = min(groups, max(1, math.ceil(programs / tiles)))
     return Int4WordsConfig(block_m, block_n, split, num_warps, slabs=group_size // 8 >= 16)
 
 
