@@ -128,7 +128,7 @@ _SCRIPT = textwrap.dedent(
         magic, offset = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}.get(dtype, (0, 0.0))
         constexprs = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split > 1,
                           SLABS=cfg.slabs, SWAP_AB=cfg.swap_ab, EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias,
-                          UPCAST=dtype == "fp32", MAGIC16=magic, OFFSET16=offset, USE_PDL=True)
+                          UPCAST=dtype == "fp32", MAGIC16=magic, OFFSET16=offset)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in kernel.arg_names}
         attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]

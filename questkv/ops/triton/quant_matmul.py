@@ -793,7 +793,7 @@ def _int4_words_dot_kernel(
     M, N, groups, groups_per_split, stride_xm, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     SLABS: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), split, cdiv(M, BLOCK_M))``; ``x_ptr`` ``[M, K]``; ``w_ptr`` int32 ``[K // 8, N]``
     (:func:`~questkv.ops.quant_reference.pack_int4_k_major`); ``s_ptr``, ``z_ptr`` ``[K // GROUP, N]``;
@@ -819,8 +819,6 @@ def _int4_words_dot_kernel(
         words = tl.load(w_ptrs)
     else:
         words = tl.load(w_ptrs, mask=nmask[None, :], other=0)
-    if USE_PDL:
-        gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g in range(g_start, g_end):
         w_ptrs += WPG * N
@@ -885,8 +883,6 @@ def _int4_words_dot_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
-    if USE_PDL:
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -937,6 +933,10 @@ def int4_words_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
     :func:`int4_gemv`'s words (``[K // 8, N]`` int32), ``scales`` and ``zeros`` ``[K // group_size, N]``, on
     tensor cores; ``config`` overrides :func:`plan_int4_words_matmul`.
 
+    Launched without programmatic dependent launch, unlike the GEMV: in the engine (llama3.1-8b int4, B=16/32k on
+    an H200) it cost 0.4 ms a step (dense 21.42 against 20.90 ms, Quest 9.29 against 8.93), its programs launched
+    early holding SMs that the kernel before still needed.
+
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
@@ -968,8 +968,7 @@ def int4_words_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
         m, n, groups, per_split, x.stride(0), out.stride(0),
         GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split > 1, SLABS=cfg.slabs,
         SWAP_AB=cfg.swap_ab, EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias is not None, UPCAST=upcast,
-        MAGIC16=magic16, OFFSET16=offset16, USE_PDL=use_pdl(x.device),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl(x.device),
+        MAGIC16=magic16, OFFSET16=offset16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
