@@ -934,8 +934,9 @@ def int4_words_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
     tensor cores; ``config`` overrides :func:`plan_int4_words_matmul`.
 
     Launched without programmatic dependent launch, unlike the GEMV: in the engine (llama3.1-8b int4, B=16/32k on
-    an H200) it cost 0.4 ms a step (dense 21.42 against 20.90 ms, Quest 9.29 against 8.93), its programs launched
-    early holding SMs that the kernel before still needed.
+    an H200, ``benchmarks/results/e2e-h200-int4-b16-new.md`` against ``-nopdl.md``) it cost 0.4–0.5 ms a step
+    (dense 21.41 against 20.90 ms, Quest 9.30 against 8.91), its programs launched early holding SMs that the
+    kernel before still needed.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
