@@ -349,16 +349,15 @@ def gemv_sweep_configs(n: int, k: int, device: torch.device, m: int = 1) -> list
 
 def words_sweep_configs(m: int, n: int, k: int, device: torch.device) -> list:
     """Alternative launches of ``int4_words_matmul`` for ``m`` rows (the plan first): outputs per program, warps,
-    pipeline stages, features per dot (one, two or four nibbles, or the group), which operand the weight is, and
-    other splits."""
+    pipeline stages, one dot per nibble or per group, which operand the weight is, and other splits."""
     from questkv.ops.triton.quant_matmul import plan_int4_words_matmul
 
     plan = plan_int4_words_matmul(m, n, k, GROUP, device)
     groups = k // GROUP
     configs = [plan]
     configs += [dataclasses.replace(plan, block_n=bn, num_warps=w) for bn, w in ((32, 4), (128, 4), (128, 8), (256, 8))]
-    configs += [dataclasses.replace(plan, dot_k=dk, swap_ab=sw) for dk, sw in ((32, True), (64, True), (128, True),
-                                                                                (16, False))]
+    configs += [dataclasses.replace(plan, slabs=sl, swap_ab=sw) for sl, sw in ((False, True), (True, False),
+                                                                               (False, False))]
     configs += [dataclasses.replace(plan, num_stages=st) for st in (1, 3, 4)]
     configs += [dataclasses.replace(plan, split=s) for s in (max(1, plan.split // 2), min(groups, 2 * plan.split),
                                                              min(groups, 4 * plan.split))]

@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 
 _SCRIPT = textwrap.dedent(
     """
-    import dataclasses
     import os
     import subprocess
     import tempfile
@@ -121,15 +120,14 @@ _SCRIPT = textwrap.dedent(
         compile_gemv(28672, 4096, m=m)
     compile_gemv(1000, 896, 32, bias=True, m=4)
 
-    def compile_words(m, n, k, group=128, dtype="bf16", bias=False, dot_k=None):
+    def compile_words(m, n, k, group=128, dtype="bf16", bias=False):
         kernel = qm._int4_words_dot_kernel
         cfg = qm.plan_int4_words_matmul(m, n, k, group)
-        cfg = cfg if dot_k is None else dataclasses.replace(cfg, dot_k=dot_k)
         pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
                     "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         magic, offset = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}.get(dtype, (0, 0.0))
         constexprs = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split > 1,
-                          DOT_K=cfg.dot_k, SWAP_AB=cfg.swap_ab, EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias,
+                          SLABS=cfg.slabs, SWAP_AB=cfg.swap_ab, EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias,
                           UPCAST=dtype == "fp32", MAGIC16=magic, OFFSET16=offset)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in kernel.arg_names}
@@ -150,8 +148,6 @@ _SCRIPT = textwrap.dedent(
     compile_words(8, 1000, 896, 32, bias=True)
     compile_words(16, 4096, 4096, dtype="fp16")
     compile_words(16, 576, 1536, 64, dtype="fp32")
-    for dot_k in (32, 64):  # nibbles joined in pairs and fours
-        compile_words(16, 4096, 4096, dot_k=dot_k)
     # prefill's dequantize kernel: every format into bf16 (int4 bytes unpacked in pairs), fp32 for int8
     for method, group, out in (("int4", 128, "bf16"), ("int4", 32, "fp16"), ("int8", 128, "fp32"),
                                ("int8_grouped", 16, "bf16")):

@@ -774,17 +774,16 @@ def _check_k_major(k: int, words: torch.Tensor, scales: torch.Tensor, zeros: tor
 @dataclasses.dataclass(frozen=True)
 class Int4WordsConfig:
     """One :func:`int4_words_matmul` launch: ``block_m`` rows and ``block_n`` outputs per program, ``split``
-    programs per output tile (each a range of whole groups); ``dot_k``: features per ``tl.dot``, at least 16: ``G //
-    8`` takes one nibble's slab of the word tile (the words' own layout), 2 or 4 times that as many consecutive
-    nibbles joined, ``G`` the whole group, its tile reshaped to ``[G, block_n]``; ``swap_ab``: the weight tile is the
-    MMA's ``A`` operand (rows = outputs) and ``x`` the narrow ``B``."""
+    programs per output tile (each a range of whole groups); ``slabs``: one ``tl.dot`` per nibble (``K = G // 8``
+    features each, the words' own layout) rather than one per group over the tile reshaped to ``[G, block_n]``;
+    ``swap_ab``: the weight tile is the MMA's ``A`` operand (rows = outputs) and ``x`` the narrow ``B``."""
 
     block_m: int
     block_n: int
     split: int
     num_warps: int = 4
     num_stages: int = 2
-    dot_k: int = 16
+    slabs: bool = True
     swap_ab: bool = True
 
 
@@ -793,7 +792,7 @@ def _int4_words_dot_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, counter_ptr, out_ptr,
     M, N, groups, groups_per_split, stride_xm, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SLABS: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), split, cdiv(M, BLOCK_M))``; ``x_ptr`` ``[M, K]``; ``w_ptr`` int32 ``[K // 8, N]``
@@ -803,7 +802,6 @@ def _int4_words_dot_kernel(
     Per group, ``d = x_g @ (OFFSET16 + q_g)`` through ``tl.dot`` (``(q | MAGIC16)`` is that 16-bit float exactly;
     ``UPCAST``: ``q`` in float32 and ``OFFSET16 == 0``), then ``acc += s * (d - (z + OFFSET16) * sum(x_g))``."""
     WPG: tl.constexpr = GROUP // 8
-    NIBBLES: tl.constexpr = DOT_K // WPG  # consecutive nibbles per dot: their features are consecutive in x
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -812,7 +810,6 @@ def _int4_words_dot_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = rm < M
     j = tl.arange(0, WPG)
-    jk = tl.arange(0, DOT_K)
     r = tl.arange(0, GROUP)
     feature = (r % 8) * WPG + r // 8  # row r = 8 j + e of the reshaped tile holds nibble e of word row j
     g_start = pid_s * groups_per_split
@@ -830,13 +827,13 @@ def _int4_words_dot_kernel(
         else:
             next_words = tl.load(w_ptrs, mask=(g + 1 < g_end) & nmask[None, :], other=0)
         x_base = x_ptr + rm[:, None] * stride_xm + g * GROUP  # [BM, 1]
-        if NIBBLES < 8:
+        if SLABS:
             d = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
             x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for e in tl.static_range(0, 8, NIBBLES):
-                xe = tl.load(x_base + (e * WPG + jk)[None, :], mask=mmask[:, None], other=0.0)  # [BM, DOT_K]
+            for e in tl.static_range(8):
+                xe = tl.load(x_base + (e * WPG + j)[None, :], mask=mmask[:, None], other=0.0)  # [BM, WPG]
                 x_sum += tl.sum(xe.to(tl.float32), axis=1)
-                b = _int4_words_slab(words, e, NIBBLES, xe.dtype, UPCAST, MAGIC16)  # [DOT_K, BN]
+                b = _int4_words_nibble(words, e, xe.dtype, UPCAST, MAGIC16)  # [WPG, BN]
                 if UPCAST:
                     xe = xe.to(tl.float32)
                 if SWAP_AB:
@@ -900,24 +897,6 @@ def _int4_words_nibble(words, e: tl.constexpr, dtype: tl.constexpr, UPCAST: tl.c
 
 
 @triton.jit
-def _int4_words_slab(words, e: tl.constexpr, NIBBLES: tl.constexpr, dtype: tl.constexpr, UPCAST: tl.constexpr,
-                     MAGIC16: tl.constexpr):
-    """Nibbles ``e .. e + NIBBLES - 1`` (1, 2 or 4) of ``[WPG, BN]`` words, stacked: ``[NIBBLES * WPG, BN]``, row
-    ``i * WPG + j`` = nibble ``e + i`` of word row ``j`` (feature ``(e + i) * WPG + j`` of the group)."""
-    b = _int4_words_nibble(words, e, dtype, UPCAST, MAGIC16)
-    if NIBBLES > 1:  # join puts the new axis last: [WPG, BN, 2(, 2)] -> [.., WPG, BN] -> rows by nibble
-        pair = tl.join(b, _int4_words_nibble(words, e + 1, dtype, UPCAST, MAGIC16))
-        if NIBBLES == 2:
-            b = tl.reshape(tl.permute(pair, (2, 0, 1)), [2 * words.shape[0], words.shape[1]])
-        else:
-            pair2 = tl.join(_int4_words_nibble(words, e + 2, dtype, UPCAST, MAGIC16),
-                            _int4_words_nibble(words, e + 3, dtype, UPCAST, MAGIC16))
-            quad = tl.join(pair, pair2)  # [WPG, BN, 2 (which pair), 2 (which of it)]
-            b = tl.reshape(tl.permute(quad, (3, 2, 0, 1)), [4 * words.shape[0], words.shape[1]])
-    return b
-
-
-@triton.jit
 def _int4_words_nibbles(words, dtype: tl.constexpr, UPCAST: tl.constexpr, MAGIC16: tl.constexpr):
     """Every nibble: ``[WPG, 8, BN]``, ``[j, e]`` = nibble ``e`` of word row ``j``, as :func:`_int4_words_nibble`."""
     q = (words[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 15
@@ -935,7 +914,7 @@ def plan_int4_words_matmul(m: int, n: int, k: int, group_size: int = 128,
     (down at 64 rows excepted: 65.3 µs against 62.1 for 64 outputs and half the split): 16 to 64 rows per program; up to 16 rows, 64 outputs and 4 warps (128 outputs where
     there are more than 16384: gate/up 51.5 against 54.6 µs at 2 rows, the LM head 194 against 230), more rows
     128 outputs and 8 warps (M = 64: qkv 26.2 against 34.9 µs with 64 outputs and 4 warps, gate/up 100 against
-    137); one dot per nibble (groups under 128: per 16 features); the weight as the MMA's ``A`` operand; the tile's ``K`` split to reach
+    137); one dot per nibble; the weight as the MMA's ``A`` operand; the tile's ``K`` split to reach
     :data:`PROGRAMS_PER_SM` programs per SM, half as many from 32 rows (``linear-h200-words-plan.md``, M = 32: qkv
     21.6 against 23.3 µs, o 15.6 against 20.0, down 39.0 against 43.4)."""
     block_m = min(64, max(16, next_pow2(m)))
@@ -944,7 +923,7 @@ def plan_int4_words_matmul(m: int, n: int, k: int, group_size: int = 128,
     groups = k // group_size
     programs = PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) // (1 if block_m <= 16 else 2)
     split = min(groups, max(1, math.ceil(programs / tiles)))
-    return Int4WordsConfig(block_m, block_n, split, num_warps, dot_k=max(16, group_size // 8))
+    return Int4WordsConfig(block_m, block_n, split, num_warps, slabs=group_size // 8 >= 16)
 
 
 def int4_words_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -970,10 +949,8 @@ def int4_words_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
     if m == 0 or n == 0:
         return out
     cfg = config or plan_int4_words_matmul(m, n, k, group_size, x.device)
-    dot_ks = sorted({f * group_size // 8 for f in (1, 2, 4, 8) if f * group_size // 8 >= 16})
-    if cfg.dot_k not in dot_ks:
-        raise ValueError(f"int4_words_matmul: dot_k must be one of {dot_ks} for group_size {group_size} (1, 2, 4 or 8 "
-                         f"nibbles of {group_size // 8} features, at least 16), got {cfg.dot_k}")
+    if cfg.slabs and group_size // 8 < 16:
+        raise ValueError(f"int4_words_matmul: slabs need group_size >= 128 (tl.dot's K >= 16), got {group_size}")
     x = x.contiguous()
     groups = k // group_size
     per_split = math.ceil(groups / cfg.split)
@@ -990,7 +967,7 @@ def int4_words_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
     _int4_words_dot_kernel[grid](
         x, words, scales, zeros, bias if bias is not None else scales, part, counters, out,
         m, n, groups, per_split, x.stride(0), out.stride(0),
-        GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split > 1, DOT_K=cfg.dot_k,
+        GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split > 1, SLABS=cfg.slabs,
         SWAP_AB=cfg.swap_ab, EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias is not None, UPCAST=upcast,
         MAGIC16=magic16, OFFSET16=offset16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
