@@ -909,21 +909,33 @@ def _int4_words_nibbles(words, dtype: tl.constexpr, UPCAST: tl.constexpr, MAGIC1
 
 def plan_int4_words_matmul(m: int, n: int, k: int, group_size: int = 128,
                            device: Optional[torch.device] = None) -> Int4WordsConfig:
-    """The launch :func:`int4_words_matmul` uses for ``x`` ``[m, k]`` and ``n`` outputs, the fastest of
-    ``benchmarks/results/linear-h200-words.md``'s sweep of llama3.1-8b's shapes at 2, 8, 16 and 64 rows on an H200
-    (down at 64 rows excepted: 65.3 µs against 62.1 for 64 outputs and half the split): 16 to 64 rows per program; up to 16 rows, 64 outputs and 4 warps (128 outputs where
-    there are more than 16384: gate/up 51.5 against 54.6 µs at 2 rows, the LM head 194 against 230), more rows
-    128 outputs and 8 warps (M = 64: qkv 26.2 against 34.9 µs with 64 outputs and 4 warps, gate/up 100 against
-    137); one dot per nibble; the weight as the MMA's ``A`` operand; the tile's ``K`` split to reach
-    :data:`PROGRAMS_PER_SM` programs per SM, half as many from 32 rows (``linear-h200-words-plan.md``, M = 32: qkv
-    21.6 against 23.3 µs, o 15.6 against 20.0, down 39.0 against 43.4)."""
+    """The launch :func:`int4_words_matmul` uses for ``x`` ``[m, k]`` and ``n`` outputs, from sweeps of
+    llama3.1-8b's shapes on an H200 (``benchmarks/results/linear-h200-words.md``: 2, 8, 16 and 64 rows;
+    ``-words-plan.md``: 32; ``-words-dotk.md``: 8 and 16):
+
+    * 16 to 64 rows per program; one dot per nibble (a dot over the whole group, or over nibbles joined, goes
+      through shared memory: gate/up at 8 rows 88 and 337 µs against 64); the weight as the MMA's ``A`` operand;
+    * up to 16 rows, 64 outputs and 4 warps, or 128 where there are more than 16384 outputs (gate/up 51.5 against
+      54.6 µs at 2 rows, the LM head 194 against 230), those with 3 pipeline stages (gate/up 62.3 against 64.0 µs
+      at 8 rows, the LM head 195 against 200);
+    * more rows, 128 outputs and 8 warps (64 rows: qkv 26.2 against 34.9 µs with 64 outputs and 4 warps, gate/up
+      100 against 137; down 65.3 against the best 62.1);
+    * the tile's ``K`` split to reach :data:`PROGRAMS_PER_SM` programs per SM; twice as many for 128 outputs up to
+      16 rows where the tiles alone do not reach that (gate/up at 8 rows: 58.2 µs split 6 ways against 64.0 split
+      3 ways; the LM head's tiles are enough), half as many from 32 rows (32 rows: qkv 21.6 against 23.3 µs, o 15.6
+      against 20.0, down 39.0 against 43.4)."""
     block_m = min(64, max(16, next_pow2(m)))
     block_n, num_warps = (64, 4) if block_m <= 16 and n <= 16384 else (128, 4) if block_m <= 16 else (128, 8)
+    num_stages = 3 if block_m <= 16 and block_n == 128 else 2
     tiles = math.ceil(n / block_n) * math.ceil(m / block_m)
     groups = k // group_size
-    programs = PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) // (1 if block_m <= 16 else 2)
+    programs = PROGRAMS_PER_SM * num_sms(device or torch.device("cpu"))
+    if block_m > 16:
+        programs //= 2
+    elif block_n == 128 and tiles < programs:
+        programs *= 2
     split = min(groups, max(1, math.ceil(programs / tiles)))
-    return Int4WordsConfig(block_m, block_n, split, num_warps, slabs=group_size // 8 >= 16)
+    return Int4WordsConfig(block_m, block_n, split, num_warps, num_stages, slabs=group_size // 8 >= 16)
 
 
 def int4_words_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
