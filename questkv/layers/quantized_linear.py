@@ -48,12 +48,13 @@ __all__ = [
 ]
 
 # ``auto`` on CUDA, by rows M (all linears of one llama3.1-8b token on an H200, LM head bf16;
-# benchmarks/results/linear-h200-words-final.md): an int4 layer holds one copy of its codes, the K-major words, and
-# takes questkv's GEMV over them for one and two rows (1.94 ms at M = 1 against 2.43 for torch's tinygemm; 3.19 at
-# M = 2 against 4.13 on tensor cores), tinygemm (bf16 only, its own copy, made where the model batches) for 2 to 4
-# rows (2.56 / 3.30 ms at M = 2 / 4), tensor cores over the words up to 64 rows (``int4_words_matmul``: 4.21 / 4.32
-# / 4.57 / 5.73 / 7.18 ms at M = 4 / 8 / 16 / 32 / 64, against 13.9 / 4.58 / 4.62 / 5.86 / 8.05 for the Triton
-# kernel over the checkpoint layout), and above that (prefill) the float weight written from the words for one
+# benchmarks/results/linear-h200-words-final.md, and -words-plan2.md for 3 to 16 rows at the retuned plan): an int4
+# layer holds one copy of its codes, the K-major words, and takes questkv's GEMV over them for one and two rows
+# (1.94 ms at M = 1 against 2.43 for torch's tinygemm; 3.19 at M = 2 against 4.13 on tensor cores), tinygemm (bf16
+# only, its own copy, made where the model batches) for 2 to 4 rows (2.56 / 3.30 ms at M = 2 / 4), tensor cores over
+# the words up to 64 rows (``int4_words_matmul``: 3.89 / 3.91 / 4.01 / 4.20 ms at M = 3 / 4 / 8 / 16, against 4.02 /
+# 4.75 for the GEMV at 3 / 4 and 4.61 / 4.63 for the Triton kernel over the checkpoint layout at 8 / 16; 5.73 / 7.18
+# at M = 32 / 64 against 5.86 / 8.05), and above that (prefill) the float weight written from the words for one
 # GEMM, whose cost is shared by the prompt's rows (linear-h200-words-dequant.md: 10.8 / 48.9 ms at M = 256 / 2048
 # against 14.7 / 51.7 from the checkpoint layout). int8 and int8_grouped (imported GGUF Q8_0 / Q6_K layers) take
 # the Triton kernel up to 64 rows and the float weight above.
@@ -244,7 +245,7 @@ class QuantizedLinear(nn.Module):
         the state dict still holds it (rebuilt from the words), and the other backends rebuild it.
         ``small_batches`` (``auto``, bf16): also make ``tinygemm``'s copy for 2 to :data:`TINYGEMM_MAX_M` rows, a
         second copy of the codes that is faster there (all linears of a llama3.1-8b token at M = 2 / 4: 2.56 / 3.30
-        ms against 3.19 / 4.21 from the words); an engine makes it when it batches sequences."""
+        ms against 3.19 / 3.91 from the words); an engine makes it when it batches sequences."""
         check_choice(f"{type(self).__name__}.backend", backend, BACKENDS)
         if self.qweight is None:  # only the words were kept: the checkpoint layout comes back first
             self.register_buffer("qweight", quant_reference.unpack_int4_k_major(self.gemv_words, self.group_size))
