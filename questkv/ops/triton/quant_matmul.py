@@ -309,6 +309,16 @@ def _quant_matmul_kernel(
     if not GROUP_SCALES:  # int8: one scale per row
         s = tl.load(s_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
         acc = acc * s[None, :]
+    _store_tile(acc, rm, rn, mmask, nmask, M, N, stride_om, part_ptr, counter_ptr, bias_ptr, out_ptr, pid_s, pid_m,
+                pid_n, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(acc, rm, rn, mmask, nmask, M, N, stride_om, part_ptr, counter_ptr, bias_ptr, out_ptr, pid_s, pid_m,
+                pid_n, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The end of a tiled launch: a float32 ``acc`` ``[BM, BN]`` (rows ``rm``, outputs ``rn``) plus the bias, stored in
+    ``out_ptr``'s dtype. With ``SPLIT_K`` it is one split's partial: stored to ``part_ptr`` (``[split, M, N]``), and the
+    last split of the tile to arrive (a ticket per tile) sums the partials in split order, stores and resets it."""
     omask = mmask[:, None] & nmask[None, :]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     if SPLIT_K:
@@ -317,7 +327,7 @@ def _quant_matmul_kernel(
         num_splits = tl.num_programs(1)
         counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
         if last_to_arrive(counter, num_splits):
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total = tl.zeros(acc.shape, dtype=tl.float32)
             for sp in range(0, num_splits):
                 total += tl.load(part_ptr + sp * M * N + part_off, mask=omask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
@@ -864,25 +874,8 @@ def _int4_words_dot_kernel(
         words = next_words
     if SWAP_AB:
         acc = tl.trans(acc)  # [BM, BN]
-    omask = mmask[:, None] & nmask[None, :]
-    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    if SPLIT_K:
-        part_off = rm[:, None] * N + rn[None, :]
-        tl.store(part_ptr + pid_s * M * N + part_off, acc, mask=omask)
-        splits = tl.num_programs(1)
-        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
-        if last_to_arrive(counter, splits):
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for sp in range(0, splits):
-                total += tl.load(part_ptr + sp * M * N + part_off, mask=omask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=omask)
-            reset_ticket(counter)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+    _store_tile(acc, rm, rn, mmask, nmask, M, N, stride_om, part_ptr, counter_ptr, bias_ptr, out_ptr, pid_s, pid_m,
+                pid_n, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
