@@ -359,9 +359,9 @@ def check_quantized_fp32(method: str = "int4", quantize_lm_head: bool = False) -
     """An int4 or int8 engine's CUDA path (graphs and the quantized kernels: int4 from the K-major words, the
     layers' only copy of the codes here (float32: no tinygemm copy), decode rows through ``int4_gemv`` at batch 1
     and ``int4_words_matmul`` at batch 3, prefill through the float weight written from the words; int8 through the
-    Triton kernel and the dequantizing GEMM) against its eager torch-reference path (every quantized layer on the ``torch``
-    backend), a small fp32 Llama quantized at load (its LM head too with ``quantize_lm_head``), one prompt and
-    three, dense and Quest."""
+    Triton kernel and the dequantizing GEMM) against its eager torch-reference path (every quantized layer on the
+    ``torch`` backend), a small fp32 Llama quantized at load (its LM head too with ``quantize_lm_head``), one prompt
+    and three, dense and Quest."""
     cfg = _tiny_llama()
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (900, 1300, 420)]

@@ -434,21 +434,17 @@ def run(args) -> dict:
                             lambda cfg: [lambda w=w: gemv(x, w, config=cfg) for w in shape.w], timer, reps, warmup)
                     from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv, int4_words_matmul
 
-                    if m <= GEMV_MAX_M and shape.gemv and "int4-gemv" in kernels:
-
-                        sweep_launches(
-                            results, (model, name, m, "int4-gemv"), gemv_sweep_configs(n, k, device, m),
-                            reference(x, "int4", shape.q["int4"][0]),
-                            lambda cfg: [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP, config=cfg)
-                                         for w, q in zip(shape.gemv, shape.q["int4"])],
-                            timer, reps, warmup)
-                    if m > 1 and shape.gemv and "int4-words" in kernels:
-                        sweep_launches(
-                            results, (model, name, m, "int4-words"), words_sweep_configs(m, n, k, device),
-                            reference(x, "int4", shape.q["int4"][0]),
-                            lambda cfg: [lambda w=w, q=q: int4_words_matmul(x, w, q[1], q[2], GROUP, config=cfg)
-                                         for w, q in zip(shape.gemv, shape.q["int4"])],
-                            timer, reps, warmup)
+                    over_words = (  # the kernels that read the K-major words: (name, rows, configs, launcher)
+                        ("int4-gemv", m <= GEMV_MAX_M, lambda: gemv_sweep_configs(n, k, device, m), int4_gemv),
+                        ("int4-words", m > 1, lambda: words_sweep_configs(m, n, k, device), int4_words_matmul))
+                    for kname, rows_ok, configs, launch in over_words:
+                        if rows_ok and shape.gemv and kname in kernels:
+                            sweep_launches(
+                                results, (model, name, m, kname), configs(), reference(x, "int4", shape.q["int4"][0]),
+                                lambda cfg, launch=launch: [
+                                    lambda w=w, q=q: launch(x, w, q[1], q[2], GROUP, config=cfg)
+                                    for w, q in zip(shape.gemv, shape.q["int4"])],
+                                timer, reps, warmup)
             del shape
             if device.type == "cuda":
                 torch.cuda.empty_cache()

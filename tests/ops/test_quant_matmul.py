@@ -217,19 +217,26 @@ _GEMV_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2 ** -7}
     (4, torch.bfloat16, 256, 64, 512, False, None),
     (4, torch.float32, 128, N_ODD, K, True, qk.Int4GemvConfig(128, 1, 8, 1))])
 def test_int4_gemv_matches_the_reference(m, dtype, group_size, n, k, bias, config):
-    seed = zlib.crc32(f"gemv {m} {dtype} {group_size} {n} {k}".encode()) % 1000
+    _check_k_major_kernel(qk.int4_gemv, _GEMV_TOL, m, dtype, group_size, n, k, bias, config)
+
+
+def _check_k_major_kernel(kernel, tol, m, dtype, group_size, n, k, bias, config):
+    """``kernel`` (``int4_gemv`` or ``int4_words_matmul``) on a random int4 weight packed into K-major words, against
+    the reference on the checkpoint layout, to ``tol[dtype]`` of the largest output; its tickets reset themselves and
+    a second call repeats the result bit for bit."""
+    seed = zlib.crc32(f"{kernel.__name__} {m} {dtype} {group_size} {n} {k}".encode()) % 1000
     qw = _weight("int4", n, k, seed, dtype, group_size)
     x, b = _inputs(m, k, n, seed, dtype)
     b = b if bias else None
     words = ref.pack_int4_k_major(qw.qweight, group_size)
-    got = qk.int4_gemv(x, words, qw.scales, qw.zeros, group_size, b, config=config)
+    got = kernel(x, words, qw.scales, qw.zeros, group_size, b, config=config)
     f32 = lambda t: None if t is None else t.float()  # noqa: E731
     want = ref.quant_matmul(x.float(), qw.qweight, qw.scales.float(), qw.zeros.float(), "int4", group_size, f32(b))
     assert got.dtype == dtype and got.shape == (m, n)
     err = (got.float() - want).abs().max().item() / want.abs().max().item()
-    assert err <= _GEMV_TOL[dtype], err
-    assert int(ticket_counters(x.device, 1).abs().sum()) == 0  # the tickets reset themselves
-    assert torch.equal(qk.int4_gemv(x, words, qw.scales, qw.zeros, group_size, b, config=config), got)
+    assert err <= tol[dtype], err
+    assert int(ticket_counters(x.device, 8).abs().sum()) == 0  # the tickets reset themselves
+    assert torch.equal(kernel(x, words, qw.scales, qw.zeros, group_size, b, config=config), got)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,19 +252,7 @@ def test_int4_gemv_matches_the_reference(m, dtype, group_size, n, k, bias, confi
     (9, torch.float32, 128, 64, 256, True, qk.Int4WordsConfig(16, 32, 1, slabs=True, swap_ab=False)),  # no tickets
     (40, torch.bfloat16, 64, 96, 256, True, qk.Int4WordsConfig(32, 64, 4, slabs=False))])  # two row tiles
 def test_int4_words_matmul_matches_the_reference(m, dtype, group_size, n, k, bias, config):
-    seed = zlib.crc32(f"words {m} {dtype} {group_size} {n} {k}".encode()) % 1000
-    qw = _weight("int4", n, k, seed, dtype, group_size)
-    x, b = _inputs(m, k, n, seed, dtype)
-    b = b if bias else None
-    words = ref.pack_int4_k_major(qw.qweight, group_size)
-    got = qk.int4_words_matmul(x, words, qw.scales, qw.zeros, group_size, b, config=config)
-    f32 = lambda t: None if t is None else t.float()  # noqa: E731
-    want = ref.quant_matmul(x.float(), qw.qweight, qw.scales.float(), qw.zeros.float(), "int4", group_size, f32(b))
-    assert got.dtype == dtype and got.shape == (m, n)
-    err = (got.float() - want).abs().max().item() / want.abs().max().item()
-    assert err <= _TOL[dtype], err
-    assert int(ticket_counters(x.device, 8).abs().sum()) == 0  # the tickets reset themselves
-    assert torch.equal(qk.int4_words_matmul(x, words, qw.scales, qw.zeros, group_size, b, config=config), got)
+    _check_k_major_kernel(qk.int4_words_matmul, _TOL, m, dtype, group_size, n, k, bias, config)
 
 
 def test_int4_words_matmul_plans_row_tiles_and_enough_programs():

@@ -159,13 +159,7 @@ def _quant_matmul_kernel(
     # int8 fields are two's complement: flipping bit 7 makes them q + 128, which the offset removes
     MAGIC: tl.constexpr = _MAGIC | (128 if BITS == 8 else 0)
     OFFSET: tl.constexpr = 8388608.0 + (128.0 if BITS == 8 else 0.0)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = rn < N
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = rm < M
+    pid_n, pid_s, pid_m, rn, nmask, rm, mmask = _tile(M, N, BLOCK_M, BLOCK_N)
     kw_start = pid_s * words_per_split
     kw_end = tl.minimum(kw_start + words_per_split, k_words)
     e = tl.arange(0, EPW)
@@ -311,6 +305,18 @@ def _quant_matmul_kernel(
         acc = acc * s[None, :]
     _store_tile(acc, rm, rn, mmask, nmask, M, N, stride_om, part_ptr, counter_ptr, bias_ptr, out_ptr, pid_s, pid_m,
                 pid_n, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tiled launch's program on grid ``(output tiles, splits, row tiles)``: its program ids ``(n, split, m)``, its
+    outputs ``rn`` and rows ``rm`` with their in-range masks."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return pid_n, pid_s, pid_m, rn, rn < N, rm, rm < M
 
 
 @triton.jit
@@ -812,13 +818,7 @@ def _int4_words_dot_kernel(
     Per group, ``d = x_g @ (OFFSET16 + q_g)`` through ``tl.dot`` (``(q | MAGIC16)`` is that 16-bit float exactly;
     ``UPCAST``: ``q`` in float32 and ``OFFSET16 == 0``), then ``acc += s * (d - (z + OFFSET16) * sum(x_g))``."""
     WPG: tl.constexpr = GROUP // 8
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = rn < N
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = rm < M
+    pid_n, pid_s, pid_m, rn, nmask, rm, mmask = _tile(M, N, BLOCK_M, BLOCK_N)
     j = tl.arange(0, WPG)
     r = tl.arange(0, GROUP)
     feature = (r % 8) * WPG + r // 8  # row r = 8 j + e of the reshaped tile holds nibble e of word row j
