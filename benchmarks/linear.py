@@ -137,7 +137,8 @@ def copy_bandwidth(device: torch.device, reps: int = 30) -> float:
 
 
 def weight_bytes(name: str, k: int, n: int) -> int:
-    """Bytes of one weight ``[n, k]`` in ``name`` (``bf16`` or a :data:`QUANT` name) with bf16 scales."""
+    """Bytes of one weight ``[n, k]`` in ``name`` (``bf16`` or a :data:`QUANT` name) with bf16 scales (int4: byte zero
+    points)."""
     if name == "bf16":
         return 2 * n * k
     method, group = QUANT[name]
@@ -145,13 +146,16 @@ def weight_bytes(name: str, k: int, n: int) -> int:
         return n * k + 2 * n
     if method == "int8_grouped":
         return n * k + 2 * (k // group) * n
-    return n * k // 2 + 2 * 2 * (k // group) * n  # packed values + bf16 scales and zeros
+    return n * k // 2 + (2 + 1) * (k // group) * n  # packed values + bf16 scales and byte zero points
 
 
 def quantize(w: torch.Tensor, name: str) -> ref.QuantizedWeight:
     """``w`` ``[n, k]`` in the :data:`QUANT` format ``name``; ``int8_grouped`` (a checkpoint format that
     :func:`~questkv.ops.quant_reference.quantize_weight` does not make) rounded to nearest per group here."""
     method, group = QUANT[name]
+    if method == "int4":  # the integer zero points in bytes, as a QuantizedLinear holds them
+        qweight, scales, zeros = ref.quantize_weight(w, method, group)
+        return ref.QuantizedWeight(qweight, scales, zeros.to(torch.uint8))
     if method != "int8_grouped":
         return ref.quantize_weight(w, method, group)
     n, k = w.shape

@@ -121,7 +121,9 @@ class QuantizedLinear(nn.Module):
     Buffers (format: :mod:`questkv.ops.quant_reference`): ``qweight`` (``int4``: ``[N, K // 2]`` uint8; ``int8``,
     ``int8_grouped``: ``[N, K]`` int8), ``scales`` (``int4``, ``int8_grouped``: ``[K // group_size, N]``; ``int8``:
     ``[N]``), ``zeros`` (``int4``: ``[K // group_size, N]``; else ``None``), all in the state dict; ``bias`` ``[N]``
-    is a frozen parameter. Built empty (then :meth:`load_packed` or fill the buffers), by :meth:`empty_like` or by
+    is a frozen parameter. Zero points are held as uint8 while they are all integers in ``0..255`` (round to
+    nearest, AWQ, GPTQ, GGUF ``Q4_0``: a byte per group where the scales' dtype takes two); a load that brings any
+    other value (GGUF ``Q4_1`` / ``Q4_K`` offsets) first widens them to the scales' dtype, so no value is rounded. Built empty (then :meth:`load_packed` or fill the buffers), by :meth:`empty_like` or by
     :meth:`from_float`.
 
     Args:
@@ -150,7 +152,7 @@ class QuantizedLinear(nn.Module):
         if method == "int4":
             self.register_buffer("qweight", torch.zeros((n, k // 2), dtype=torch.uint8, device=device))
             self.register_buffer("scales", torch.ones((k // group_size, n), dtype=dtype, device=device))
-            self.register_buffer("zeros", torch.zeros((k // group_size, n), dtype=dtype, device=device))
+            self.register_buffer("zeros", torch.zeros((k // group_size, n), dtype=torch.uint8, device=device))
         else:
             scale_shape = (n,) if method == "int8" else (k // group_size, n)
             self.register_buffer("qweight", torch.zeros((n, k), dtype=torch.int8, device=device))
@@ -201,9 +203,9 @@ class QuantizedLinear(nn.Module):
     @torch.no_grad()
     def load_packed(self, name: str, loaded: QuantizedWeight, rows: Optional[slice] = None) -> None:
         """Copy a packed weight in this layer's format into output rows ``rows`` (all by default), after checking
-        every shape; scales and zero points are cast to the layer's dtype (``name``, the checkpoint name, only
-        serves the error message). A layer that holds only the GEMV's words (:meth:`set_backend`) packs the codes
-        into them.
+        every shape; scales are cast to the layer's dtype, zero points held as the class docstring says (``name``,
+        the checkpoint name, only serves the error message). A layer that holds only the GEMV's words
+        (:meth:`set_backend`) packs the codes into them.
 
         Args:
             loaded: ``qweight``, ``scales``, ``zeros`` as :mod:`questkv.ops.quant_reference` stores them for
@@ -227,6 +229,9 @@ class QuantizedLinear(nn.Module):
                                  f"expects {tuple(target.shape)}")
             if part == "qweight" and tensor.dtype != target.dtype:
                 raise ValueError(f"weight {name!r}: qweight must be {target.dtype}, got {tensor.dtype}")
+        if loaded.zeros is not None:
+            self._hold_zeros(loaded.zeros)
+            targets["zeros"] = self.zeros[:, rows]
         for part, target in targets.items():
             tensor = getattr(loaded, part)
             if part == "qweight" and self.qweight is None:
@@ -234,6 +239,15 @@ class QuantizedLinear(nn.Module):
                 self.gemv_words[:, rows] = words
             elif target is not None:
                 target.copy_(tensor)
+
+    def _hold_zeros(self, zeros: torch.Tensor) -> None:
+        """Widen uint8 zero points to the scales' dtype unless every value of ``zeros`` is an integer in
+        ``0..255`` (the uint8 ones are exact in it)."""
+        if self.zeros.dtype != torch.uint8 or zeros.dtype == torch.uint8:
+            return
+        z = zeros.float()
+        if not bool(torch.all((z == z.round()) & (z >= 0) & (z <= 255))):
+            self.register_buffer("zeros", self.zeros.to(self.scales.dtype))
 
     def set_backend(self, backend: str, small_batches: bool = True) -> None:
         """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`); copies of the codes the new backend
@@ -292,6 +306,8 @@ class QuantizedLinear(nn.Module):
             destination[prefix + "qweight"] = quant_reference.unpack_int4_k_major(self.gemv_words, self.group_size)
 
     def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        if self.zeros is not None and isinstance(state_dict.get(prefix + "zeros"), torch.Tensor):
+            self._hold_zeros(state_dict[prefix + "zeros"])
         key = prefix + "qweight"
         if self.qweight is not None or key not in state_dict:
             return super()._load_from_state_dict(state_dict, prefix, *args)

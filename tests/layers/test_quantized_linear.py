@@ -169,6 +169,31 @@ def test_a_layer_holding_only_the_gemv_words_multiplies_saves_and_loads_as_befor
                           slice(0, 16))
 
 
+def test_integer_zero_points_are_held_as_bytes_and_fractions_widen_them_without_rounding():
+    """Round to nearest's zero points (integers in 0..15) take one byte per group instead of the scales' two, and the
+    layer multiplies as before; packed rows with fractional zero points (GGUF Q4_1 / Q4_K offsets) widen the
+    whole buffer to the scales' dtype, keeping the byte rows and the fractions exact; a state dict with fractions
+    loads into a fresh (byte) layer the same way; a shape error widens nothing."""
+    gen = torch.Generator().manual_seed(5)
+    linear = nn.Linear(256, 48, bias=False).to(torch.bfloat16)
+    nn.init.normal_(linear.weight, generator=gen)
+    layer = QuantizedLinear.from_float(linear, "int4", group_size=64, backend="torch")
+    assert layer.zeros.dtype == torch.uint8 and layer.scales.dtype == torch.bfloat16
+    want = ref.quantize_weight(linear.weight, "int4", 64)
+    assert torch.equal(layer.zeros, want.zeros.to(torch.uint8))
+    assert torch.equal(layer.dequantized_weight(), dequantize(want.qweight, want.scales, want.zeros, "int4", 64))
+    fraction = torch.rand(4, 16, generator=gen).to(torch.bfloat16) + want.zeros[:, :16]
+    with pytest.raises(ValueError, match="qweight has shape"):
+        layer.load_packed("w", QuantizedWeight(want.qweight[:16, :64], want.scales[:, :16], fraction), slice(0, 16))
+    assert layer.zeros.dtype == torch.uint8
+    layer.load_packed("w", QuantizedWeight(want.qweight[:16], want.scales[:, :16], fraction), slice(8, 24))
+    assert layer.zeros.dtype == torch.bfloat16
+    assert torch.equal(layer.zeros[:, 8:24], fraction) and torch.equal(layer.zeros[:, 24:], want.zeros[:, 24:])
+    fresh = QuantizedLinear(256, 48, "int4", group_size=64, dtype=torch.bfloat16, backend="torch")
+    fresh.load_state_dict(layer.state_dict())
+    assert fresh.zeros.dtype == torch.bfloat16 and torch.equal(fresh.zeros, layer.zeros)
+
+
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
 def test_an_engine_that_never_batches_keeps_no_tinygemm_copy(monkeypatch, max_num_seqs):
     """``small_batches``: every engine builds its int4 layers with the K-major words as their copy of the codes

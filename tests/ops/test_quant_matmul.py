@@ -140,7 +140,8 @@ def _check_kernel(method, m, dtype, use_dot, seed, n=N_ODD, k=K, group_size=128,
     cfg = qk.plan_quant_matmul(m, n, k, method, group_size, torch.device("cpu"), use_dot=use_dot)
     if swap_ab is not None:
         cfg = dataclasses.replace(cfg, swap_ab=swap_ab)
-    got = qk.quant_matmul(x, *qw, method, group_size, bias=b, config=cfg)
+    zeros = None if qw.zeros is None else _held_zeros(qw.zeros, dtype)
+    got = qk.quant_matmul(x, qw.qweight, qw.scales, zeros, method, group_size, bias=b, config=cfg)
     f32 = lambda t: None if t is None else t.float()  # noqa: E731
     want = ref.quant_matmul(x.float(), qw.qweight, qw.scales.float(), f32(qw.zeros), method, group_size, f32(b))
     assert got.dtype == dtype and got.shape == (m, n)
@@ -229,14 +230,21 @@ def _check_k_major_kernel(kernel, tol, m, dtype, group_size, n, k, bias, config)
     x, b = _inputs(m, k, n, seed, dtype)
     b = b if bias else None
     words = ref.pack_int4_k_major(qw.qweight, group_size)
-    got = kernel(x, words, qw.scales, qw.zeros, group_size, b, config=config)
+    zeros = _held_zeros(qw.zeros, dtype)
+    got = kernel(x, words, qw.scales, zeros, group_size, b, config=config)
     f32 = lambda t: None if t is None else t.float()  # noqa: E731
     want = ref.quant_matmul(x.float(), qw.qweight, qw.scales.float(), qw.zeros.float(), "int4", group_size, f32(b))
     assert got.dtype == dtype and got.shape == (m, n)
     err = (got.float() - want).abs().max().item() / want.abs().max().item()
     assert err <= tol[dtype], err
     assert int(ticket_counters(x.device, 8).abs().sum()) == 0  # the tickets reset themselves
-    assert torch.equal(kernel(x, words, qw.scales, qw.zeros, group_size, b, config=config), got)
+    assert torch.equal(kernel(x, words, qw.scales, zeros, group_size, b, config=config), got)
+
+
+def _held_zeros(zeros, dtype):
+    """Round-to-nearest's integer zero points as a layer holds them: bytes for the bf16 cases, the float dtype for
+    the others (the kernels read both)."""
+    return zeros.to(torch.uint8) if dtype == torch.bfloat16 else zeros
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -313,7 +321,7 @@ def test_the_k_major_dequantize_kernel_gives_the_references_transposed_weight(gr
     the checkpoint layout it was packed from."""
     qw = _weight("int4", n, k, zlib.crc32(f"deq-k {group_size} {n} {dtype}".encode()) % 1000, dtype, group_size)
     words = ref.pack_int4_k_major(qw.qweight, group_size)
-    got = qk.dequantize_k_major(words, qw.scales, qw.zeros, group_size, dtype)
+    got = qk.dequantize_k_major(words, qw.scales, _held_zeros(qw.zeros, dtype), group_size, dtype)
     want = ref.dequantize_k_major(words, qw.scales, qw.zeros, group_size, dtype)
     assert got.dtype == dtype and got.shape == (k, n) and got.is_contiguous()
     assert torch.equal(want, ref.dequantize(*qw, "int4", group_size, dtype).t())
