@@ -15,7 +15,9 @@ Formats (``method``):
     word ``(n, j)`` holds ``q[n, 8j + i]`` in bits ``4i .. 4i + 3``: the kernels load words.
   - ``scales``, ``zeros``: ``[K // group_size, N]`` (groups, then output features, as GPTQ stores them), in the
     model's float dtype. A zero point is any float: round to nearest makes integers in ``0..15``, imported
-    checkpoints others (GGUF ``Q4_1`` / ``Q4_K`` offsets give fractions, GPTQ's v1 format ``1..16``).
+    checkpoints others (GGUF ``Q4_1`` / ``Q4_K`` offsets give fractions, GPTQ's v1 format ``1..16``). Integer zero
+    points may also be uint8 (a :class:`~questkv.layers.quantized_linear.QuantizedLinear` holds them so): the
+    reference and the kernels read either.
   - ``w[n, k] = (q[n, k] - zeros[k // group_size, n]) * scales[k // group_size, n]``.
 
 * ``"int8"``: symmetric, one scale per output feature (row).
