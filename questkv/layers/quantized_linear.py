@@ -332,36 +332,6 @@ class QuantizedLinear(nn.Module):
                              self.backend)
         return y.reshape(*lead, self.out_features)  # [..., N]
 
-    def takes_rms_norm(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`rms_norm_forward` can fold an RMSNorm into this layer's product for ``x``
-        ``[..., in_features]``: one row (a decode step at batch 1) of a layer that holds only the int4 GEMV's words
-        (on CUDA, ``auto`` and ``gemv``), which :meth:`forward` multiplies with that GEMV too. With two rows or more
-        the GEMV's registers would spill (an sm_90 compile)."""
-        # only the words: the layer is on CUDA (set_backend); one row: with more, the GEMV's registers spill
-        return self.qweight is None and x.numel() == self.in_features
-
-    def rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer applied to the RMSNorm of ``h = x + residual`` (weight ``norm_weight``, ``eps``) in one GEMV
-        launch (:func:`~questkv.ops.triton.quant_matmul.rms_norm_words_matmul`), where :meth:`takes_rms_norm`.
-
-        Args:
-            x, residual: ``[..., in_features]``, one dtype. norm_weight: ``[in_features]``. eps: the norm's.
-
-        Returns:
-            ``(y, h)``: ``[..., out_features]`` and ``x``'s shape, in ``x.dtype``.
-        """
-        if not self.takes_rms_norm(x):
-            raise ValueError(f"{type(self).__name__}.rms_norm_forward needs rows that the int4 GEMV multiplies "
-                             f"(takes_rms_norm), got x {tuple(x.shape)}, backend {self.backend}, "
-                             f"{'no words' if self.qweight is not None else 'the words'}")
-        from questkv.ops.triton.quant_matmul import rms_norm_words_matmul
-
-        y, h = rms_norm_words_matmul(x.reshape(-1, self.in_features), residual.reshape(-1, self.in_features),
-                                     norm_weight, eps, self.gemv_words, self.scales, self.zeros, self.group_size,
-                                     self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features), h.view(x.shape)
-
     def _words_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[M, K]`` times the int4 weight held as the K-major words alone (:meth:`set_backend`): the GEMV
         for up to :data:`AUTO_GEMV_MAX_M` rows (``gemv``: ``GEMV_MAX_M``), tensor cores up to :data:`TRITON_MAX_M`

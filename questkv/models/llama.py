@@ -23,7 +23,6 @@ from questkv.layers.activation import SiluAndMul
 from questkv.layers.attention import Attention
 from questkv.layers.linear import Linear, MergedLinear, copy_param
 from questkv.layers.norm import RMSNorm
-from questkv.layers.norm_linear import rms_norm_linear
 from questkv.layers.parallel import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -218,11 +217,10 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext"
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext"
     ) -> torch.Tensor:
-        """``qkv`` ``[T, q_size + 2 * kv_size]``, ``qkv_proj``'s output (the decoder layer applies it, with its norm
-        folded in where a kernel takes both), ``cos``/``sin`` ``[T, head_dim // 2]`` → ``[T, hidden_size]``."""
-        q, k, v = self.qkv_proj.split(qkv)
+        """``x`` ``[T, hidden_size]``, ``cos``/``sin`` ``[T, head_dim // 2]`` → ``[T, hidden_size]``."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_q_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -247,15 +245,13 @@ class LlamaMLP(nn.Module):
             mark_column_parallel(self.gate_up_proj, (spec.intermediate_size,) * 2, tp)
             mark_row_parallel(self.down_proj, tp)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``gate_up`` ``[T, 2 * intermediate]``, ``gate_up_proj``'s output (applied by the decoder layer, as the QKV
-        projection) → ``[T, hidden_size]``."""
-        return self.reduce(self.down_proj(self.act_fn(gate_up)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden_size]`` → ``[T, hidden_size]``."""
+        return self.reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks; the residual add is fused into the next norm, and each norm into the
-    projection after it where a kernel takes both (:func:`~questkv.layers.norm_linear.rms_norm_linear`)."""
+    """Pre-norm attention and MLP blocks; the residual add is fused into the next norm."""
 
     def __init__(self, spec: ModelSpec, layer_idx: int, quest: Optional[QuestConfig],
                  tp: Optional[TensorParallel] = None) -> None:
@@ -276,12 +272,12 @@ class LlamaDecoderLayer(nn.Module):
         """``x`` ``[T, hidden_size]`` (this layer's input is ``x + residual``; ``residual`` None in layer 0)
         → ``(mlp_out, residual)``, each ``[T, hidden_size]``, with the same convention for the next layer."""
         if residual is None:
-            qkv, residual = self.self_attn.qkv_proj(self.input_layernorm(x)), x
+            h, residual = self.input_layernorm(x), x
         else:
-            qkv, residual = rms_norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        h = self.self_attn(qkv, cos, sin, ctx)
-        gate_up, residual = rms_norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
-        return self.mlp(gate_up), residual
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):

@@ -60,7 +60,6 @@ __all__ = [
     "pack_int4_k_major",
     "quant_matmul",
     "quantize_weight",
-    "rms_norm_words_matmul",
     "unpack_int4",
     "unpack_int4_k_major",
 ]
@@ -238,32 +237,6 @@ def dequantize_k_major(words: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     """The float weight, transposed, that an ``int4`` weight held as :func:`pack_int4_k_major`'s words ``[K // 8,
     N]`` int32 stands for: ``[K, N]`` contiguous in ``dtype`` (``x @`` it is ``x @ w.T``; computed in float32)."""
     return dequantize(unpack_int4_k_major(words, group_size), scales, zeros, "int4", group_size, dtype).t().contiguous()
-
-
-def rms_norm_words_matmul(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                          words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 128,
-                          bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's RMSNorm (its residual add first) and the ``int4`` linear after it, as one op.
-
-    ``h = x + residual`` rounded to ``x``'s dtype (the next residual stream), then
-    ``y = ((norm_weight * h) @ w.T) / sqrt(mean(h ** 2) + eps) + bias`` in float32, for ``w`` held as the K-major
-    ``words`` (:func:`pack_int4_k_major`). The normalised row is not rounded to the dtype on the way (transformers'
-    ``LlamaRMSNorm`` rounds it twice): in float32 the two orders agree to rounding.
-
-    Args:
-        x, residual: ``[M, K]`` float, the same dtype. norm_weight: ``[K]``. eps: added to the mean square.
-        words, scales, zeros, group_size, bias: the ``int4`` weight as :func:`dequantize_k_major` takes it, ``[N]``.
-
-    Returns:
-        ``(y, h)``: ``[M, N]`` and ``[M, K]`` in ``x.dtype``.
-    """
-    h = (x.float() + residual.float()).to(x.dtype)
-    hf = h.float()
-    w = dequantize_k_major(words, scales, zeros, group_size)  # [K, N] float32
-    y = (hf * norm_weight.float()) @ w / torch.sqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype), h
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

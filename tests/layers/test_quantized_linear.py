@@ -16,8 +16,6 @@ from torch import nn
 from questkv.engine.llm import LLM
 from questkv.engine.sampling_params import SamplingParams
 from questkv.layers.linear import MergedLinear
-from questkv.layers.norm import RMSNorm
-from questkv.layers.norm_linear import rms_norm_linear
 from questkv.layers.quantized_linear import QuantizedLinear, QuantizedMergedLinear, quantize_linears
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 from questkv.ops import quant_reference as ref
@@ -196,40 +194,6 @@ def test_integer_zero_points_are_held_as_bytes_and_fractions_widen_them_without_
     assert fresh.zeros.dtype == torch.bfloat16 and torch.equal(fresh.zeros, layer.zeros)
 
 
-def test_an_rms_norm_folds_into_the_gemv_exactly_where_the_gemv_multiplies(monkeypatch):
-    """``rms_norm_linear``: the norm folds into the int4 GEMV for one row on both backends that hold only the words
-    (never a layer with the checkpoint layout, nor a norm on its torch backend), giving the norm-then-linear result
-    to float32 rounding and the same new residual; elsewhere (2-4 rows too) it is the norm, then the linear (the
-    CUDA-only words made on the CPU, the kernels in the interpreter)."""
-    qk = pytest.importorskip("questkv.ops.triton.quant_matmul")
-    monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: self.method == "int4")
-    gen = torch.Generator().manual_seed(12)
-    layer = QuantizedLinear.from_float(nn.Linear(256, 40, bias=True), "int4", backend="auto", small_batches=False)
-    layer.bias.uniform_(-1, 1, generator=gen)
-    norm = RMSNorm(256, eps=1e-5)
-    norm.weight.data.uniform_(0.5, 1.5, generator=gen)
-    fused = []
-    monkeypatch.setattr(qk, "rms_norm_words_matmul", lambda *a, real=qk.rms_norm_words_matmul, **k:
-                        fused.append(a[0].shape[0]) or real(*a, **k))
-    x, residual = torch.randn(4, 256, generator=gen), 3 * torch.randn(4, 256, generator=gen)
-    for backend, rows_fused in (("auto", (1,)), ("gemv", (1,))):
-        layer.set_backend(backend, small_batches=False)
-        for norm_backend in ("torch", "auto"):
-            norm.backend = norm_backend
-            for rows in (1, 2, 3, 4):
-                fused.clear()
-                y, h = rms_norm_linear(norm, layer, x[:rows], residual[:rows])
-                want_normed, want_h = norm(x[:rows], residual[:rows])
-                want = layer(want_normed)
-                assert fused == ([rows] if norm_backend == "auto" and rows in rows_fused else []), (backend, rows)
-                assert torch.equal(h, want_h)
-                torch.testing.assert_close(y, want, rtol=0, atol=1e-5 * want.abs().max().item())
-    layer.set_backend("torch")
-    assert not layer.takes_rms_norm(x[:1])
-    with pytest.raises(ValueError, match="rms_norm_forward needs rows that the int4 GEMV multiplies"):
-        layer.rms_norm_forward(x[:1], residual[:1], norm.weight, norm.eps)
-
-
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
 def test_an_engine_that_never_batches_keeps_no_tinygemm_copy(monkeypatch, max_num_seqs):
     """``small_batches``: every engine builds its int4 layers with the K-major words as their copy of the codes
@@ -249,17 +213,9 @@ def test_an_engine_that_never_batches_keeps_no_tinygemm_copy(monkeypatch, max_nu
     assert all(m.qweight is None for m in layers)  # the words: the codes' copy for every row count
     assert len(packed) == (len(layers) if max_num_seqs > 1 else 0)
     if max_num_seqs == 1:  # one copy serves prefill (float weight from the words) and decode (the GEMV)
-        fused = []  # the norms on their fused backend (as the engine puts them on CUDA): folded into the GEMV
-        for module in llm.engine.runner.model.modules():
-            if isinstance(module, RMSNorm):
-                module.backend = "auto"
-        monkeypatch.setattr(qk, "rms_norm_words_matmul", lambda *a, real=qk.rms_norm_words_matmul, **k:
-                            fused.append(a[0].shape[0]) or real(*a, **k))
         prompts, params = [[5, 17, 3, 88, 41, 9, 60], [30, 2, 71]], SamplingParams(temperature=0, max_tokens=6,
                                                                                    ignore_eos=True)
         got = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        # every one-row decode step of every layer but the first (its input norm has no residual) folds both norms
-        assert fused and set(fused) == {1} and len(fused) % (2 * config.num_hidden_layers - 1) == 0, fused
         llm.close()
         monkeypatch.undo()  # the same engine on the torch reference
         reference = LLM(config, load_format="dummy", device="cpu", dtype="float32", max_model_len=64,

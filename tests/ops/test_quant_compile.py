@@ -48,7 +48,7 @@ _SCRIPT = textwrap.dedent(
 
     def compile_quant(method, cfg, dtype="bf16", group=128, even_k=True, bias=False):
         bits = 4 if method == "int4" else 8
-        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": "u8" if dtype == "bf16" else dtype, "bias_ptr": dtype,
+        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
                     "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         magic16 = {"bf16": 0x4300, "fp16": 0x6400}.get(dtype, 0) if cfg.use_dot and bits == 4 else 0
         constexprs = dict(BITS=bits, GROUP=qm._group(method, group), GROUP_SCALES=method != "int8",
@@ -91,24 +91,22 @@ _SCRIPT = textwrap.dedent(
     compile_quant("int8_grouped", qm.plan_quant_matmul(32, 4096, 4096, "int8_grouped", 32, use_dot=True), group=32,
                   dtype="fp32")
 
-    def compile_gemv(n, k, group=128, dtype="bf16", bias=False, m=1, norm=False):
+    def compile_gemv(n, k, group=128, dtype="bf16", bias=False, m=1):
         kernel = qm._int4_gemv_kernel
-        cfg = qm.plan_int4_gemv(n, k, group, m=m, norm=norm)
-        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": "u8" if dtype == "bf16" else dtype,
-                    "bias_ptr": dtype, "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype, "res_ptr": dtype,
-                    "g_ptr": dtype, "h_ptr": dtype, "sq_ptr": "fp32"}
+        cfg = qm.plan_int4_gemv(n, k, group, m=m)
+        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
+                    "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         constexprs = dict(GROUP=group, BLOCK_M=m, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=cfg.split > 1, REDUCE_CHUNK=16,
-                          EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias, ASM=True, USE_PDL=True, HAS_NORM=norm)
-        signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers
-                     else "fp32" if name == "eps" else "i32" for name in kernel.arg_names}
+                          EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias, ASM=True, USE_PDL=True)
+        signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
+                     for name in kernel.arg_names}
         attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
                  for name in (*pointers, "N", "stride_xm", "stride_om")}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                                   options={"num_warps": cfg.num_warps})
         info = ptxas_info(compiled)
-        print("int4_gemv", m, n, k, group, dtype, cfg, "norm" if norm else "", info)
-        # byte zero points at four word rows a load (four rows of x, or the norm folded in) spill one register
-        assert "0 bytes spill stores" in info or (cfg.rows == 4 and "4 bytes spill stores" in info), info
+        print("int4_gemv", m, n, k, group, dtype, cfg, info)
+        assert "0 bytes spill stores" in info, info
         assert "ld.global.v4.b32" in compiled.asm["ptx"], "packed weights not loaded 128 bits at a time"
         assert "lop3.b32" in compiled.asm["ptx"]
 
@@ -121,15 +119,11 @@ _SCRIPT = textwrap.dedent(
     for m in (2, 3, 4):  # one accumulator per row
         compile_gemv(28672, 4096, m=m)
     compile_gemv(1000, 896, 32, bias=True, m=4)
-    # the RMSNorm folded in, at one row as layers fold it (the QKV and gate/up projections; an odd width, group 32)
-    for n, k in ((6144, 4096), (28672, 4096), (12288, 4096), (22016, 4096)):
-        compile_gemv(n, k, norm=True)
-    compile_gemv(1000, 896, 32, bias=True, norm=True)
 
     def compile_words(m, n, k, group=128, dtype="bf16", bias=False):
         kernel = qm._int4_words_dot_kernel
         cfg = qm.plan_int4_words_matmul(m, n, k, group)
-        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": "u8" if dtype == "bf16" else dtype, "bias_ptr": dtype,
+        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
                     "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         magic, offset = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}.get(dtype, (0, 0.0))
         constexprs = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split > 1,

@@ -221,52 +221,6 @@ def test_int4_gemv_matches_the_reference(m, dtype, group_size, n, k, bias, confi
     _check_k_major_kernel(qk.int4_gemv, _GEMV_TOL, m, dtype, group_size, n, k, bias, config)
 
 
-@pytest.mark.parametrize("m, dtype, group_size, n, k, bias, config", [
-    (1, torch.float32, 128, N_ODD, K, True, None),  # the plan: outputs masked, several splits
-    (2, torch.bfloat16, 32, 256, 256, False, qk.Int4GemvConfig(128, 1, 4, 3)),  # ragged splits, two output blocks
-    (1, torch.bfloat16, 128, 128, 512, True, qk.Int4GemvConfig(128, 1, 8, 1)),  # one split: no partial sums
-    (3, torch.float16, 64, 200, 256, False, qk.Int4GemvConfig(128, 1, 8, 4))])
-def test_the_gemv_with_the_rms_norm_folded_in_matches_the_reference(m, dtype, group_size, n, k, bias, config):
-    """The GEMV's RMSNorm prologue (residual add, norm weight, the split's sums of squares scaling the outputs)
-    against the reference op: the new residual stream ``h`` bit for bit (one bf16 unit under the interpreter, which
-    truncates), the product to the GEMV's tolerance; equal
-    to normalising first and multiplying after (float32, to rounding); its tickets reset themselves."""
-    seed = zlib.crc32(f"norm {m} {dtype} {group_size} {n} {k}".encode()) % 1000
-    qw = _weight("int4", n, k, seed, dtype, group_size)
-    x, b = _inputs(m, k, n, seed, dtype)
-    gen = torch.Generator().manual_seed(seed + 2)
-    residual = torch.randn((m, k), generator=gen).to(dtype) * 3
-    g = (0.5 + torch.rand(k, generator=gen)).to(dtype)
-    b = b if bias else None
-    words = ref.pack_int4_k_major(qw.qweight, group_size)
-    zeros = _held_zeros(qw.zeros, dtype)
-    y, h = qk.rms_norm_words_matmul(x, residual, g, 1e-5, words, qw.scales, zeros, group_size, b, config=config)
-    want_y, want_h = ref.rms_norm_words_matmul(x, residual, g, 1e-5, words, qw.scales, qw.zeros, group_size, b)
-    assert y.dtype == dtype and y.shape == (m, n) and h.dtype == dtype
-    if dtype == torch.bfloat16:  # the interpreter's bf16 cast truncates where a GPU rounds: one unit at most
-        torch.testing.assert_close(h.float(), want_h.float(), rtol=2 ** -7, atol=0)
-    else:
-        assert torch.equal(h, want_h)
-    err = (y.float() - want_y.float()).abs().max().item() / want_y.float().abs().max().item()
-    assert err <= _GEMV_TOL[dtype], err
-    assert int(ticket_counters(x.device, 8).abs().sum()) == 0
-    if dtype == torch.float32:  # the reference is the norm, then the matmul
-        hf = want_h.float()
-        normed = g * hf / torch.sqrt(hf.pow(2).mean(dim=-1, keepdim=True) + 1e-5)
-        unfused = ref.quant_matmul(normed, qw.qweight, qw.scales, qw.zeros, "int4", group_size, b)
-        torch.testing.assert_close(want_y, unfused, rtol=1e-5, atol=1e-5 * unfused.abs().max().item())
-
-
-def test_the_gemv_with_the_rms_norm_folded_in_refuses_a_residual_or_weight_of_another_shape():
-    qw = _weight("int4", 64, 256, 3)
-    words = ref.pack_int4_k_major(qw.qweight, 128)
-    x = torch.randn(1, 256)
-    with pytest.raises(ValueError, match="residual must match x"):
-        qk.rms_norm_words_matmul(x, torch.randn(2, 256), torch.ones(256), 1e-6, words, qw.scales, qw.zeros)
-    with pytest.raises(ValueError, match=r"norm_weight be \[256\]"):
-        qk.rms_norm_words_matmul(x, torch.randn(1, 256), torch.ones(128), 1e-6, words, qw.scales, qw.zeros)
-
-
 def _check_k_major_kernel(kernel, tol, m, dtype, group_size, n, k, bias, config):
     """``kernel`` (``int4_gemv`` or ``int4_words_matmul``) on a random int4 weight packed into K-major words, against
     the reference on the checkpoint layout, to ``tol[dtype]`` of the largest output; its tickets reset themselves and

@@ -84,7 +84,6 @@ __all__ = [
     "Int4GemvConfig",
     "Int4WordsConfig",
     "int4_gemv",
-    "rms_norm_words_matmul",
     "int4_words_matmul",
     "plan_int4_gemv",
     "plan_int4_words_matmul",
@@ -570,35 +569,14 @@ def _nibble_pair(words, e: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _gemv_x(x_ptr, off, res_ptr, g_ptr, h_ptr, store_h, HAS_NORM: tl.constexpr):
-    """``x[off]`` (``[ROWS]``, the same for the whole warp) in float32, and (``HAS_NORM``) its square's contribution to
-    the row's RMS. With ``HAS_NORM`` the row is ``h = x + res`` rounded to ``x``'s dtype (stored at ``h_ptr`` where
-    ``store_h``), multiplied by the norm weight ``g`` (the rows' common ``1 / rms`` scales the output instead)."""
-    x = tl.load(x_ptr + off)
-    if HAS_NORM:
-        h = (x.to(tl.float32) + tl.load(res_ptr + off).to(tl.float32)).to(x.dtype)
-        tl.store(h_ptr + off, h, mask=store_h)
-        h = h.to(tl.float32)
-        value = h * tl.load(g_ptr + off).to(tl.float32)
-        square = h * h
-    else:
-        value = x.to(tl.float32)
-        square = value  # not used
-    return value, square
-
-
-@triton.jit
-def _gemv_row(high, low, x_ptr, x_off, HIGH_OFF: tl.constexpr, d, x_low, x_high, squares, res_ptr, g_ptr, h_ptr,
-              store_h, HAS_NORM: tl.constexpr):
-    """One row of ``x``: ``d += high * x[x_off + HIGH_OFF] + low * x[x_off]`` (``[ROWS, BN]``), the sums of the
-    ``x`` values taken and (``HAS_NORM``, :func:`_gemv_x`) of their squares."""
-    xl, sl = _gemv_x(x_ptr, x_off, res_ptr, g_ptr, h_ptr, store_h, HAS_NORM)
-    xh, sh = _gemv_x(x_ptr, x_off + HIGH_OFF, res_ptr, g_ptr, h_ptr, store_h, HAS_NORM)
+def _gemv_row(high, low, x_ptr, x_off, HIGH_OFF: tl.constexpr, d, x_low, x_high):
+    """One row of ``x``: ``d += high * x[x_off + HIGH_OFF] + low * x[x_off]`` (``[ROWS, BN]``) and the sums of
+    the ``x`` values taken."""
+    xl = tl.load(x_ptr + x_off).to(tl.float32)  # [ROWS], the same for the whole warp
+    xh = tl.load(x_ptr + x_off + HIGH_OFF).to(tl.float32)
     d += high * xh[:, None]
     d += low * xl[:, None]
-    if HAS_NORM:
-        squares += sl + sh
-    return d, x_low + xl, x_high + xh, squares
+    return d, x_low + xl, x_high + xh
 
 
 @triton.jit
@@ -611,11 +589,7 @@ def _gemv_group(acc, d, x_low, x_high, s, z):
 
 
 @triton.jit
-def _gemv_store(acc, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr, squares, K, eps,
-                HAS_NORM: tl.constexpr):
-    """Store one row of outputs; with ``HAS_NORM``, first scaled by ``1 / sqrt(squares / K + eps)``."""
-    if HAS_NORM:
-        acc = acc / tl.sqrt_rn(squares / K + eps)
+def _gemv_store(acc, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
@@ -623,21 +597,17 @@ def _gemv_store(acc, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.
 
 @triton.jit
 def _int4_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, counter_ptr, out_ptr, res_ptr, g_ptr, h_ptr, sq_ptr,
-    M, N, groups, groups_per_split, stride_xm, stride_om, eps,
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, counter_ptr, out_ptr,
+    M, N, groups, groups_per_split, stride_xm, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
     REDUCE_CHUNK: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
-    USE_PDL: tl.constexpr, HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), split)``; ``x_ptr`` ``[M, K]`` with ``M == BLOCK_M`` (1 to 4: one accumulator
     per row, the codes unpacked once for all); ``w_ptr`` int32 ``[K // 8, N]``
     (:func:`~questkv.ops.quant_reference.pack_int4_k_major`); ``s_ptr``, ``z_ptr`` ``[K // GROUP, N]``;
     ``part_ptr`` float32 ``[split, M, N]``; ``counter_ptr`` one zeroed int32 per output block; ``ROWS`` word
-    rows per load (a divisor of ``GROUP // 8``). ``HAS_NORM``: the input is RMSNorm of ``h = x + res`` (``res_ptr``
-    ``[M, K]`` with ``x``'s strides, ``g_ptr`` ``[K]`` the norm weight, ``eps``): the programs of the first output
-    block store ``h`` at ``h_ptr`` (``x``'s strides), each program multiplies by ``g * h`` and sums ``h ** 2`` over
-    its groups (``sq_ptr`` float32 ``[cdiv(N, BLOCK_N), split, M]`` with a split), and the outputs are scaled by
-    ``1 / sqrt(mean(h ** 2) + eps)`` once the row's sum is whole."""
+    rows per load (a divisor of ``GROUP // 8``)."""
     WPG: tl.constexpr = GROUP // 8  # words per group, per output
     TILES: tl.constexpr = WPG // ROWS  # word tiles per group
     pid_n = tl.program_id(0)
@@ -660,11 +630,6 @@ def _int4_gemv_kernel(
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    sq0 = tl.zeros([ROWS], dtype=tl.float32)  # HAS_NORM: the sum of h ** 2 over this program's groups, per row
-    sq1 = sq0
-    sq2 = sq0
-    sq3 = sq0
-    store_h = pid_n == 0
     for g in range(g_start, g_end):
         d0 = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)  # sum(f * x) per word row, reduced once per group
         d1 = d0
@@ -688,19 +653,13 @@ def _int4_gemv_kernel(
             for e in tl.static_range(4):
                 high, low = _nibble_pair(words, e, ASM)
                 x_off = g * GROUP + e * WPG + h * ROWS + j  # [ROWS] features of nibble e
-                d0, xl0, xh0, sq0 = _gemv_row(high, low, x_ptr, x_off, 4 * WPG, d0, xl0, xh0, sq0, res_ptr,
-                                              g_ptr, h_ptr, store_h, HAS_NORM)
+                d0, xl0, xh0 = _gemv_row(high, low, x_ptr, x_off, 4 * WPG, d0, xl0, xh0)
                 if BLOCK_M > 1:
-                    d1, xl1, xh1, sq1 = _gemv_row(high, low, x_ptr + stride_xm, x_off, 4 * WPG, d1, xl1, xh1, sq1,
-                                                  res_ptr + stride_xm, g_ptr, h_ptr + stride_xm, store_h, HAS_NORM)
+                    d1, xl1, xh1 = _gemv_row(high, low, x_ptr + stride_xm, x_off, 4 * WPG, d1, xl1, xh1)
                 if BLOCK_M > 2:
-                    d2, xl2, xh2, sq2 = _gemv_row(high, low, x_ptr + 2 * stride_xm, x_off, 4 * WPG, d2, xl2, xh2,
-                                                  sq2, res_ptr + 2 * stride_xm, g_ptr, h_ptr + 2 * stride_xm,
-                                                  store_h, HAS_NORM)
+                    d2, xl2, xh2 = _gemv_row(high, low, x_ptr + 2 * stride_xm, x_off, 4 * WPG, d2, xl2, xh2)
                 if BLOCK_M > 3:
-                    d3, xl3, xh3, sq3 = _gemv_row(high, low, x_ptr + 3 * stride_xm, x_off, 4 * WPG, d3, xl3, xh3,
-                                                  sq3, res_ptr + 3 * stride_xm, g_ptr, h_ptr + 3 * stride_xm,
-                                                  store_h, HAS_NORM)
+                    d3, xl3, xh3 = _gemv_row(high, low, x_ptr + 3 * stride_xm, x_off, 4 * WPG, d3, xl3, xh3)
             words = next_words
         if EVEN_N:
             s = tl.load(s_ptr + g * N + rn).to(tl.float32)
@@ -715,7 +674,6 @@ def _int4_gemv_kernel(
             acc2 = _gemv_group(acc2, d2, xl2, xh2, s, z)
         if BLOCK_M > 3:
             acc3 = _gemv_group(acc3, d3, xl3, xh3, s, z)
-    k = groups * GROUP
     if SPLIT_K:
         part = part_ptr + pid_s * M * N + rn
         tl.store(part, acc0, mask=nmask)
@@ -725,52 +683,23 @@ def _int4_gemv_kernel(
             tl.store(part + 2 * N, acc2, mask=nmask)
         if BLOCK_M > 3:
             tl.store(part + 3 * N, acc3, mask=nmask)
-        splits = tl.num_programs(1)
-        sq_part = sq_ptr + (pid_n * splits + pid_s) * M
-        if HAS_NORM:
-            tl.store(sq_part, tl.sum(sq0, axis=0))
-            if BLOCK_M > 1:
-                tl.store(sq_part + 1, tl.sum(sq1, axis=0))
-            if BLOCK_M > 2:
-                tl.store(sq_part + 2, tl.sum(sq2, axis=0))
-            if BLOCK_M > 3:
-                tl.store(sq_part + 3, tl.sum(sq3, axis=0))
         counter = counter_ptr + pid_n
+        splits = tl.num_programs(1)
         if last_to_arrive(counter, splits):
             for row in tl.static_range(BLOCK_M):
                 total = sum_split_partials(part_ptr + row * N, M * N, rn, nmask, splits, REDUCE_CHUNK)
-                squares = 0.0
-                if HAS_NORM:
-                    squares = _sum_split_squares(sq_ptr + pid_n * splits * M + row, M, splits, REDUCE_CHUNK)
-                _gemv_store(total, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS, squares, k, eps,
-                            HAS_NORM)
+                _gemv_store(total, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
             reset_ticket(counter)
     else:
-        _gemv_store(acc0, 0, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS, tl.sum(sq0, axis=0), k, eps,
-                    HAS_NORM)
+        _gemv_store(acc0, 0, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
         if BLOCK_M > 1:
-            _gemv_store(acc1, 1, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS, tl.sum(sq1, axis=0), k, eps,
-                        HAS_NORM)
+            _gemv_store(acc1, 1, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
         if BLOCK_M > 2:
-            _gemv_store(acc2, 2, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS, tl.sum(sq2, axis=0), k, eps,
-                        HAS_NORM)
+            _gemv_store(acc2, 2, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
         if BLOCK_M > 3:
-            _gemv_store(acc3, 3, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS, tl.sum(sq3, axis=0), k, eps,
-                        HAS_NORM)
+            _gemv_store(acc3, 3, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
     if USE_PDL:
         gdc_launch_dependents()
-
-
-@triton.jit
-def _sum_split_squares(sq_ptr, stride, splits, REDUCE_CHUNK: tl.constexpr):
-    """The sum over ``splits`` float32 values ``sq_ptr + s * stride`` (one row's sums of squares), in fixed chunks
-    in split order, read past L1 (other programs wrote them)."""
-    c = tl.arange(0, REDUCE_CHUNK)
-    total = 0.0
-    for first in range(0, splits, REDUCE_CHUNK):
-        sp = first + c
-        total += tl.sum(tl.load(sq_ptr + sp * stride, mask=sp < splits, other=0.0, cache_modifier=".cg"), axis=0)
-    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -785,14 +714,12 @@ class Int4GemvConfig:
 
 
 def plan_int4_gemv(n: int, k: int, group_size: int = 128, device: Optional[torch.device] = None,
-                   m: int = 1, norm: bool = False) -> Int4GemvConfig:
+                   m: int = 1) -> Int4GemvConfig:
     """The launch :func:`int4_gemv` uses for ``m`` rows (``benchmarks/results/linear-h200-gemv.md``'s sweep of
     llama3.1-8b's shapes at one row on an H200: 8 word rows per load everywhere; 256 outputs per program up to
     8192 outputs and 512 above; as many groups per program as give :data:`GEMV_PROGRAMS_PER_SM` programs per SM,
     at most one group each). Three and four rows load 4 word rows at a time (their accumulators take the
-    registers), and so does the RMSNorm prologue (``norm``: its three loads of ``x``, the residual and the norm
-    weight per feature take them; 168 registers against 255 and a spill at 8 in an sm_90 compile). ``device``: as
-    :func:`plan_quant_matmul`."""
+    registers). ``device``: as :func:`plan_quant_matmul`."""
     num_warps = 2 if n <= 8192 else 4
     if n < 1024:
         num_warps = 1
@@ -800,8 +727,7 @@ def plan_int4_gemv(n: int, k: int, group_size: int = 128, device: Optional[torch
     groups = k // group_size
     tiles = math.ceil(n / block_n)
     split = min(groups, max(1, math.ceil(GEMV_PROGRAMS_PER_SM * num_sms(device or torch.device("cpu")) / tiles)))
-    rows = 4 if m > 2 or norm else 8
-    return Int4GemvConfig(block_n, num_warps, min(rows, group_size // 8), split)
+    return Int4GemvConfig(block_n, num_warps, min(8 if m <= 2 else 4, group_size // 8), split)
 
 
 def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -815,38 +741,12 @@ def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
-    return _launch_int4_gemv(x, words, scales, zeros, group_size, bias, config, None)[0]
-
-
-def rms_norm_words_matmul(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                          words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 128,
-                          bias: Optional[torch.Tensor] = None,
-                          config: Optional[Int4GemvConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`questkv.ops.quant_reference.rms_norm_words_matmul` in one :func:`int4_gemv` launch, for up to
-    :data:`GEMV_MAX_M` rows: the programs of the first output block store ``h = x + residual``, every program
-    multiplies by ``norm_weight * h`` and sums ``h ** 2`` over its groups, and the split's last program scales
-    the outputs by the row's ``1 / rms``. No norm kernel runs before the GEMV.
-
-    Returns:
-        ``(y, h)``: ``[M, N]`` and ``[M, K]`` in ``x.dtype``.
-    """
-    if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm_words_matmul: residual must match x ({tuple(x.shape)}, {x.dtype}) and "
-                         f"norm_weight be [{x.shape[-1]}]; got {tuple(residual.shape)}, {residual.dtype} and "
-                         f"{tuple(norm_weight.shape)}")
-    return _launch_int4_gemv(x, words, scales, zeros, group_size, bias, config,
-                             (residual.contiguous(), norm_weight.contiguous(), float(eps)))
-
-
-def _launch_int4_gemv(x, words, scales, zeros, group_size, bias, config, norm):
-    """One :func:`int4_gemv` launch, with the RMSNorm prologue when ``norm`` is ``(residual, weight, eps)``;
-    returns ``(y, h)`` (``h`` None without it)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
         raise ValueError(f"int4_gemv takes 1 to {GEMV_MAX_M} rows, x [M, K]; got shape {tuple(x.shape)}")
     m, k = x.shape
     n = _check_k_major(k, words, scales, zeros, group_size, "int4_gemv")
     x = x.contiguous()
-    cfg = config or plan_int4_gemv(n, k, group_size, x.device, m, norm is not None)
+    cfg = config or plan_int4_gemv(n, k, group_size, x.device, m)
     groups = k // group_size
     per_split = math.ceil(groups / cfg.split)
     split = math.ceil(groups / per_split)  # no empty split
@@ -857,18 +757,14 @@ def _launch_int4_gemv(x, words, scales, zeros, group_size, bias, config, norm):
         counters = ticket_counters(x.device, grid[0])
     else:
         part = counters = out  # never read
-    residual, weight, eps = norm if norm is not None else (x, scales, 0.0)  # not read without the norm
-    h = torch.empty_like(x) if norm is not None else x
-    squares = (torch.empty((grid[0], split, m), dtype=torch.float32, device=x.device)
-               if norm is not None and split > 1 else out)
     _int4_gemv_kernel[grid](
-        x, words, scales, zeros, bias if bias is not None else scales, part, counters, out, residual, weight, h,
-        squares, m, n, groups, per_split, x.stride(0), out.stride(0), eps,
+        x, words, scales, zeros, bias if bias is not None else scales, part, counters, out,
+        m, n, groups, per_split, x.stride(0), out.stride(0),
         GROUP=group_size, BLOCK_M=m, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=split > 1, REDUCE_CHUNK=16,
         EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias is not None, ASM=not interpreting(), USE_PDL=use_pdl(x.device),
-        HAS_NORM=norm is not None, num_warps=cfg.num_warps, launch_pdl=use_pdl(x.device),
+        num_warps=cfg.num_warps, launch_pdl=use_pdl(x.device),
     )
-    return out, (h if norm is not None else None)
+    return out
 
 
 def _check_k_major(k: int, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
