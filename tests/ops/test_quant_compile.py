@@ -29,6 +29,9 @@ _SCRIPT = textwrap.dedent(
 
     from questkv.ops.triton import quant_matmul as qm
 
+    def zero_dtype(dtype):  # int4 zero points as a QuantizedLinear holds round to nearest's: bytes beside bf16
+        return "u8" if dtype == "bf16" else dtype
+
     TARGET = GPUTarget("cuda", 90, 32)
     KERNEL = qm._quant_matmul_kernel
     # integer arguments that are multiples of 16 at run time for the model shapes (specialised by a launch)
@@ -48,8 +51,9 @@ _SCRIPT = textwrap.dedent(
 
     def compile_quant(method, cfg, dtype="bf16", group=128, even_k=True, bias=False):
         bits = 4 if method == "int4" else 8
-        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
-                    "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
+        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype,
+                    "z_ptr": zero_dtype(dtype) if method == "int4" else dtype,
+                    "bias_ptr": dtype, "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         magic16 = {"bf16": 0x4300, "fp16": 0x6400}.get(dtype, 0) if cfg.use_dot and bits == 4 else 0
         constexprs = dict(BITS=bits, GROUP=qm._group(method, group), GROUP_SCALES=method != "int8",
                           GROUPS_PER_ITER=cfg.groups_per_iter, HAS_BIAS=bias, BLOCK_M=cfg.block_m,
@@ -94,8 +98,8 @@ _SCRIPT = textwrap.dedent(
     def compile_gemv(n, k, group=128, dtype="bf16", bias=False, m=1):
         kernel = qm._int4_gemv_kernel
         cfg = qm.plan_int4_gemv(n, k, group, m=m)
-        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
-                    "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
+        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": zero_dtype(dtype),
+                    "bias_ptr": dtype, "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         constexprs = dict(GROUP=group, BLOCK_M=m, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=cfg.split > 1, REDUCE_CHUNK=16,
                           EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias, ASM=True, USE_PDL=True)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
@@ -123,8 +127,8 @@ _SCRIPT = textwrap.dedent(
     def compile_words(m, n, k, group=128, dtype="bf16", bias=False):
         kernel = qm._int4_words_dot_kernel
         cfg = qm.plan_int4_words_matmul(m, n, k, group)
-        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "bias_ptr": dtype,
-                    "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
+        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": zero_dtype(dtype),
+                    "bias_ptr": dtype, "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         magic, offset = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}.get(dtype, (0, 0.0))
         constexprs = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split > 1,
                           SLABS=cfg.slabs, SWAP_AB=cfg.swap_ab, EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias,
@@ -152,7 +156,8 @@ _SCRIPT = textwrap.dedent(
     for method, group, out in (("int4", 128, "bf16"), ("int4", 32, "fp16"), ("int8", 128, "fp32"),
                                ("int8_grouped", 16, "bf16")):
         kernel = qm._dequantize_kernel
-        pointers = {"q_ptr": "u8" if method == "int4" else "i8", "s_ptr": out, "z_ptr": out, "out_ptr": out}
+        pointers = {"q_ptr": "u8" if method == "int4" else "i8", "s_ptr": out,
+                    "z_ptr": zero_dtype(out) if method == "int4" else out, "out_ptr": out}
         constexprs = dict(BITS=4 if method == "int4" else 8, GROUP=group, GROUP_SCALES=method != "int8",
                           BLOCK_N=qm.DEQUANT_BLOCK[0], BLOCK_K=qm.DEQUANT_BLOCK[1])
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
@@ -167,7 +172,7 @@ _SCRIPT = textwrap.dedent(
     # the same from the GEMV's K-major words, one group per program
     for group, out in ((128, "bf16"), (32, "fp32")):
         kernel = qm._dequantize_k_major_kernel
-        pointers = {"w_ptr": "i32", "s_ptr": out, "z_ptr": out, "out_ptr": out}
+        pointers = {"w_ptr": "i32", "s_ptr": out, "z_ptr": zero_dtype(out), "out_ptr": out}
         constexprs = dict(GROUP=group, BLOCK_N=qm.DEQUANT_K_MAJOR_BLOCK_N)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in kernel.arg_names}
