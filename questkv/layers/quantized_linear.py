@@ -123,8 +123,8 @@ class QuantizedLinear(nn.Module):
     ``[N]``), ``zeros`` (``int4``: ``[K // group_size, N]``; else ``None``), all in the state dict; ``bias`` ``[N]``
     is a frozen parameter. Zero points are held as uint8 while they are all integers in ``0..255`` (round to
     nearest, AWQ, GPTQ, GGUF ``Q4_0``: a byte per group where the scales' dtype takes two); a load that brings any
-    other value (GGUF ``Q4_1`` / ``Q4_K`` offsets) first widens them to the scales' dtype, so no value is rounded. Built empty (then :meth:`load_packed` or fill the buffers), by :meth:`empty_like` or by
-    :meth:`from_float`.
+    other value (GGUF ``Q4_1`` / ``Q4_K`` offsets) first widens them to the scales' dtype, so no value is rounded.
+    Built empty (then :meth:`load_packed` or fill the buffers), by :meth:`empty_like` or by :meth:`from_float`.
 
     Args:
         in_features (``K``), out_features (``N``): as ``nn.Linear``.
@@ -306,8 +306,9 @@ class QuantizedLinear(nn.Module):
             destination[prefix + "qweight"] = quant_reference.unpack_int4_k_major(self.gemv_words, self.group_size)
 
     def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
-        if self.zeros is not None and isinstance(state_dict.get(prefix + "zeros"), torch.Tensor):
-            self._hold_zeros(state_dict[prefix + "zeros"])
+        zeros = state_dict.get(prefix + "zeros")
+        if self.zeros is not None and isinstance(zeros, torch.Tensor) and zeros.shape == self.zeros.shape:
+            self._hold_zeros(zeros)  # a shape error is torch's to raise, with the zero points unchanged
         key = prefix + "qweight"
         if self.qweight is not None or key not in state_dict:
             return super()._load_from_state_dict(state_dict, prefix, *args)
