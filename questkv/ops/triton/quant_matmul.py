@@ -589,6 +589,24 @@ def _gemv_group(acc, d, x_low, x_high, s, z):
 
 
 @triton.jit
+def _word_tile(w_ptrs, nmask, valid, EVEN_N: tl.constexpr):
+    """A ``[rows, BLOCK_N]`` tile of K-major words (zeros where not ``valid``, or past ``N`` unless ``EVEN_N``)."""
+    if EVEN_N:
+        return tl.load(w_ptrs, mask=valid, other=0)
+    return tl.load(w_ptrs, mask=valid & nmask[None, :], other=0)
+
+
+@triton.jit
+def _group_scale_zero(s_ptr, z_ptr, g, N, rn, nmask, EVEN_N: tl.constexpr):
+    """Group ``g``'s scales and zero points of outputs ``rn`` (``[BLOCK_N]``) in float32, from ``[K // GROUP, N]``
+    (zero points in any dtype: bytes or the scales')."""
+    if EVEN_N:
+        return tl.load(s_ptr + g * N + rn).to(tl.float32), tl.load(z_ptr + g * N + rn).to(tl.float32)
+    return (tl.load(s_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32),
+            tl.load(z_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _gemv_store(acc, row, rn, nmask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
@@ -620,10 +638,7 @@ def _int4_gemv_kernel(
     w_ptrs = w_ptr + (g_start * WPG + j)[:, None] * N + rn[None, :]  # [ROWS, BN], advanced one tile at a time
     # each tile is loaded one tile ahead of its use; the first before waiting for the kernels this launch may
     # overlap (weights are never written on the device: only x is theirs)
-    if EVEN_N:
-        words = tl.load(w_ptrs)
-    else:
-        words = tl.load(w_ptrs, mask=nmask[None, :], other=0)
+    words = _word_tile(w_ptrs, nmask, True, EVEN_N)
     if USE_PDL:
         gdc_wait()
     acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -646,10 +661,7 @@ def _int4_gemv_kernel(
         for h in tl.static_range(TILES):
             w_ptrs += ROWS * N
             more = (g + 1 < g_end) | (h + 1 < TILES)  # the split's last tile has no next one
-            if EVEN_N:
-                next_words = tl.load(w_ptrs, mask=more, other=0)
-            else:
-                next_words = tl.load(w_ptrs, mask=more & nmask[None, :], other=0)
+            next_words = _word_tile(w_ptrs, nmask, more, EVEN_N)
             for e in tl.static_range(4):
                 high, low = _nibble_pair(words, e, ASM)
                 x_off = g * GROUP + e * WPG + h * ROWS + j  # [ROWS] features of nibble e
@@ -661,12 +673,7 @@ def _int4_gemv_kernel(
                 if BLOCK_M > 3:
                     d3, xl3, xh3 = _gemv_row(high, low, x_ptr + 3 * stride_xm, x_off, 4 * WPG, d3, xl3, xh3)
             words = next_words
-        if EVEN_N:
-            s = tl.load(s_ptr + g * N + rn).to(tl.float32)
-            z = tl.load(z_ptr + g * N + rn).to(tl.float32)
-        else:
-            s = tl.load(s_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
+        s, z = _group_scale_zero(s_ptr, z_ptr, g, N, rn, nmask, EVEN_N)
         acc0 = _gemv_group(acc0, d0, xl0, xh0, s, z)
         if BLOCK_M > 1:
             acc1 = _gemv_group(acc1, d1, xl1, xh1, s, z)
@@ -825,17 +832,11 @@ def _int4_words_dot_kernel(
     g_start = pid_s * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, groups)
     w_ptrs = w_ptr + (g_start * WPG + j)[:, None] * N + rn[None, :]  # [WPG, BN], advanced one group at a time
-    if EVEN_N:
-        words = tl.load(w_ptrs)
-    else:
-        words = tl.load(w_ptrs, mask=nmask[None, :], other=0)
+    words = _word_tile(w_ptrs, nmask, True, EVEN_N)
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g in range(g_start, g_end):
         w_ptrs += WPG * N
-        if EVEN_N:
-            next_words = tl.load(w_ptrs, mask=g + 1 < g_end, other=0)
-        else:
-            next_words = tl.load(w_ptrs, mask=(g + 1 < g_end) & nmask[None, :], other=0)
+        next_words = _word_tile(w_ptrs, nmask, g + 1 < g_end, EVEN_N)
         x_base = x_ptr + rm[:, None] * stride_xm + g * GROUP  # [BM, 1]
         if SLABS:
             d = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -860,12 +861,7 @@ def _int4_words_dot_kernel(
                 d = tl.dot(tl.trans(b), tl.trans(xt), input_precision="ieee" if UPCAST else None)
             else:
                 d = tl.dot(xt, b, input_precision="ieee" if UPCAST else None)
-        if EVEN_N:
-            s = tl.load(s_ptr + g * N + rn).to(tl.float32)
-            z = tl.load(z_ptr + g * N + rn).to(tl.float32)
-        else:
-            s = tl.load(s_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * N + rn, mask=nmask, other=0.0).to(tl.float32)
+        s, z = _group_scale_zero(s_ptr, z_ptr, g, N, rn, nmask, EVEN_N)
         z += OFFSET16
         if SWAP_AB:
             acc += (d - z[:, None] * x_sum[None, :]) * s[:, None]
