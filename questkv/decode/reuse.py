@@ -22,8 +22,11 @@ from typing import Optional
 
 import torch
 
+from questkv import ops
 from questkv.config import QuestConfig
 from questkv.decode.step import Reselection
+from questkv.ops import reference
+from questkv.ops.reference import ReusedSelections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,7 @@ class SelectionMemory:
         max_seqs: cache sequence slots (``PagedKVCache.max_seqs``).
         query_width: adaptive reuse (``config.reselect_similarity`` set): elements of a selecting head's query
             (``num_q_heads // num_sel_heads * head_dim``); dtype: of the queries (the model's).
+        backend: of the gather and store ops (:func:`questkv.ops.resolve_backend`).
 
     Buffers: ``pages`` ``[num_sparse_layers, max_seqs, num_sel_heads, budget_pages + extra_pages]`` int32 and
     ``selected_at`` ``[max_seqs]`` int32 (the page count when the slot's sequence last selected, ``-1`` for
@@ -105,11 +109,13 @@ class SelectionMemory:
     """
 
     def __init__(self, config: QuestConfig, num_layers: int, num_sel_heads: int, max_seqs: int,
-                 device: torch.device | str, query_width: int = 0, dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str, query_width: int = 0, dtype: torch.dtype = torch.float32,
+                 backend: str = "auto") -> None:
         if config.is_dense or config.selection_interval < 2:
             raise ValueError(f"SelectionMemory needs a sparse config with selection_interval >= 2, got {config}")
         if config.reselect_similarity is not None and query_width < 1:
             raise ValueError(f"SelectionMemory with reselect_similarity needs query_width >= 1, got {query_width}")
+        self.backend = backend
         self.page_size = config.page_size
         self.budget_pages = config.budget_pages
         self.extra_pages = config.reuse_extra_pages
@@ -162,13 +168,8 @@ class SelectionMemory:
         """A step where every row selects and none keeps its selection (one with a dense request,
         :meth:`forget`): count it for the selection rate of slots ``seq_ids`` (``[batch]`` int64)."""
         self.forget(seq_ids)
-        self._count(seq_ids, torch.full_like(seq_ids, self.sparse_layers * self.num_sel_heads))
-
-    def _count(self, seq_ids: torch.Tensor, selections: torch.Tensor) -> None:
-        """Add one decode step making ``selections`` (``[batch]`` int64) (layer, head) selections per slot."""
-        self.selections.index_add_(0, seq_ids, selections)
-        self.steps.index_add_(0, seq_ids, torch.ones_like(seq_ids))
-        self.last_selections.index_copy_(0, seq_ids, selections)
+        reference.count_selections(self.counters, seq_ids,
+                                   torch.full_like(seq_ids, self.sparse_layers * self.num_sel_heads))
 
     def selection_rate(self, slot: int, discard_last: bool = False) -> Optional[float]:
         """The fraction of (decode step, sparse layer, selecting head) of slot ``slot``'s sequence, since its
@@ -202,36 +203,23 @@ class SelectionMemory:
             raise ValueError("SelectionMemory.rows takes thresholds exactly when the config has reselect_similarity")
         if not selecting and thresholds is not None:
             raise ValueError("SelectionMemory.rows: with adaptive reuse a step may always select (selecting=True)")
-        pages = (seq_lens + self.page_size - 1) // self.page_size  # [B]
-        before = self.selected_at.index_select(0, seq_ids)  # [B]
-        active = (due != 0) | (before < 0) | (pages - before > self.extra_pages)
-        selected_at = torch.where(active, pages, before)
-        selected = self.pages.index_select(1, seq_ids)  # [L, B, H, W]
+        rows = ops.gather_selections(self.pages, self.selected_at, seq_ids, due, seq_lens, self.page_size,
+                                     self.budget_pages, self.head_selected_at, backend=self.backend)
         adaptive = None
-        made_at = selected_at[:, None]  # [B, 1]: every head's selection is its row's
         if self.queries is not None:
-            head_before = self.head_selected_at.index_select(1, seq_ids)  # [L, B, H]
-            made_at = torch.where(active[None, :, None], pages[None, :, None], head_before)  # [L, B, H]
-            adaptive = AdaptiveRows(seq_ids, thresholds, self.queries, torch.empty_like(made_at), made_at)
-        begun = made_at[..., None] + torch.arange(self.extra_pages, device=seq_ids.device, dtype=torch.int32)
-        extra = torch.where(begun < pages[:, None, None], begun, -1)  # [(L,) B, H or 1, E]: pages begun since
-        selected[..., self.budget_pages:] = extra  # broadcast over layers (and heads, without adaptive reuse)
-        return ReuseRows(active.to(torch.int32), selected, selected_at.to(torch.int32), pages.to(torch.int32),
-                         adaptive, selecting)
+            adaptive = AdaptiveRows(seq_ids, thresholds, self.queries, torch.empty_like(rows.made_at), rows.made_at)
+        return ReuseRows(rows.active, rows.selected, rows.selected_at, rows.num_pages, adaptive, selecting)
 
     def store(self, seq_ids: torch.Tensor, rows: ReuseRows) -> None:
         """Keep the step's selections (``rows`` from :meth:`rows` of the same ``seq_ids``) for the next steps and
         count the (layer, head) selections the step made."""
-        self.pages.index_copy_(1, seq_ids, rows.selected)
-        self.selected_at.index_copy_(0, seq_ids, rows.selected_at)
-        if rows.adaptive is None:
-            selections = rows.active.long() * (self.sparse_layers * self.num_sel_heads)
-        else:
-            head_active = rows.adaptive.head_active != 0  # [L, B, H]
-            made_at = torch.where(head_active, rows.num_pages[None, :, None], rows.adaptive.head_selected_at)
-            self.head_selected_at.index_copy_(1, seq_ids, made_at)
-            selections = head_active.sum((0, 2))
-        self._count(seq_ids, selections)
+        adaptive = rows.adaptive
+        made_at = head_active = None
+        if adaptive is not None:
+            made_at, head_active = adaptive.head_selected_at, adaptive.head_active
+        gathered = ReusedSelections(rows.active, rows.selected, rows.selected_at, rows.num_pages, made_at)
+        ops.store_selections(self.pages, self.selected_at, self.counters, seq_ids, gathered, self.head_selected_at,
+                             head_active, backend=self.backend)
 
 
 def selection_seq_len(seq_len: int, num_prompt_tokens: int, interval: int) -> int:

@@ -22,6 +22,7 @@ __all__ = [
     "LayerPages",
     "append_kv",
     "encode_page_keys",
+    "gather_selections",
     "linear",
     "page_scores",
     "page_scores_codes",
@@ -32,6 +33,7 @@ __all__ = [
     "rms_norm",
     "rope_append_kv",
     "silu_and_mul",
+    "store_selections",
 ]
 
 
@@ -122,4 +124,20 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, query_starts, seq_l
     """See :func:`questkv.ops.reference.paged_prefill_attention`."""
     return resolve_backend(q, backend).paged_prefill_attention(
         q, k_pages, v_pages, page_table, query_starts, seq_lens, max_query_len, sm_scale
+    )
+
+
+def gather_selections(pages, selected_at, slots, due, seq_lens, page_size, budget_pages, head_selected_at=None,
+                      backend="auto"):
+    """See :func:`questkv.ops.reference.gather_selections` (selection reuse)."""
+    return resolve_backend(pages, backend).gather_selections(
+        pages, selected_at, slots, due, seq_lens, page_size, budget_pages, head_selected_at
+    )
+
+
+def store_selections(pages, selected_at, counters, slots, rows, head_selected_at=None, head_active=None,
+                     backend="auto") -> None:
+    """See :func:`questkv.ops.reference.store_selections` (selection reuse)."""
+    resolve_backend(pages, backend).store_selections(
+        pages, selected_at, counters, slots, rows, head_selected_at, head_active
     )

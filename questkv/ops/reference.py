@@ -616,6 +616,141 @@ def check_reselect_args(active, q, queries, slots, forced, thresholds, selected,
                          f"got {tuple(selected.shape)}")
 
 
+class ReusedSelections(NamedTuple):
+    """One decode step's selections in batch order, from :func:`gather_selections` (shapes there)."""
+
+    active: torch.Tensor
+    selected: torch.Tensor
+    selected_at: torch.Tensor
+    num_pages: torch.Tensor
+    made_at: Optional[torch.Tensor]
+
+
+def gather_selections(
+    pages: torch.Tensor,
+    selected_at: torch.Tensor,
+    slots: torch.Tensor,
+    due: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    budget_pages: int,
+    head_selected_at: Optional[torch.Tensor] = None,
+) -> ReusedSelections:
+    """Lay a selection memory's last selections out in batch order for one decode step (selection reuse).
+
+    A row selects (``active``) when ``due`` says so, when its slot holds no selection (``selected_at < 0``) or
+    when more pages began since its selection than the memory's extra columns hold. Every row gets its slot's
+    stored selection in its first ``budget_pages`` columns (an active row's are overwritten by the step's select)
+    and, in the extra columns ``[budget_pages, width)``, the pages begun since the selection was made (``-1``
+    past the row's pages): counted from ``selected_at``, or per (layer, head) from ``head_selected_at`` with
+    adaptive reuse. No host synchronisation.
+
+    Args:
+        pages: ``[num_sparse_layers, max_seqs, num_sel_heads, width]`` int32, the memory's selections.
+        selected_at: ``[max_seqs]`` int32, each slot's page count at its last selection (``-1``: none).
+        slots: ``[batch]`` int64 cache slots of the rows (padding rows may repeat one).
+        due: ``[batch]`` integer, nonzero where the row's phase makes it select.
+        seq_lens: ``[batch]`` int32, the current token included.
+        head_selected_at: adaptive reuse: ``[num_sparse_layers, max_seqs, num_sel_heads]`` int32, the page count
+            at each head's last selection.
+
+    Returns:
+        ``active`` ``[batch]`` int32; ``selected`` ``[num_sparse_layers, batch, num_sel_heads, width]`` int32;
+        ``selected_at`` ``[batch]`` int32 (the step's page count for active rows); ``num_pages`` ``[batch]``
+        int32; ``made_at`` ``[num_sparse_layers, batch, num_sel_heads]`` int32, the page count each head's
+        selection is counted from (adaptive reuse), else ``None``.
+    """
+    check_selection_memory(pages, selected_at, slots, budget_pages, head_selected_at)
+    extra_pages = pages.shape[-1] - budget_pages
+    count = num_pages(seq_lens, page_size)  # [B]
+    before = selected_at.index_select(0, slots).long()
+    active = (due != 0) | (before < 0) | (count - before > extra_pages)
+    row_at = torch.where(active, count, before)
+    selected = pages.index_select(1, slots)  # [L, B, H, W]
+    made_at = None
+    at = row_at[:, None]  # [B, 1]: every head's selection is its row's
+    if head_selected_at is not None:
+        at = torch.where(active[None, :, None], count[None, :, None], head_selected_at.index_select(1, slots).long())
+        made_at = at.to(torch.int32)
+    begun = at[..., None] + torch.arange(extra_pages, device=slots.device)
+    selected[..., budget_pages:] = torch.where(begun < count[:, None, None], begun, -1)
+    return ReusedSelections(active.to(torch.int32), selected, row_at.to(torch.int32), count.to(torch.int32), made_at)
+
+
+def store_selections(
+    pages: torch.Tensor,
+    selected_at: torch.Tensor,
+    counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    rows: ReusedSelections,
+    head_selected_at: Optional[torch.Tensor] = None,
+    head_active: Optional[torch.Tensor] = None,
+) -> None:
+    """Keep a step's selections (``rows`` from :func:`gather_selections` of the same ``slots``, its ``selected``
+    written by the step) in the memory and count the (layer, head) selections the step made: every head of an
+    active row, or with adaptive reuse the heads flagged in ``head_active``
+    (``[num_sparse_layers, batch, num_sel_heads]`` int32), whose page counts then go into ``head_selected_at``
+    (the step's for a flagged head, ``rows.made_at`` for the others). ``counters``: the memory's
+    ``selections``, ``steps`` and ``last_selections`` ``[max_seqs]`` int64 (:func:`count_selections`). Padding
+    rows sharing a slot race there; real rows have slots of their own. No host synchronisation."""
+    check_stored_selections(pages, selected_at, slots, rows, head_selected_at, head_active)
+    layers, heads = pages.shape[0], pages.shape[2]
+    pages.index_copy_(1, slots, rows.selected)
+    selected_at.index_copy_(0, slots, rows.selected_at)
+    if head_active is None:
+        made = rows.active.long() * (layers * heads)
+    else:
+        flags = head_active != 0  # [L, B, H]
+        head_selected_at.index_copy_(1, slots, torch.where(flags, rows.num_pages[None, :, None], rows.made_at))
+        made = flags.sum((0, 2))
+    count_selections(counters, slots, made)
+
+
+def count_selections(counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                     made: torch.Tensor) -> None:
+    """Add one decode step making ``made`` (``[batch]`` int64) (layer, head) selections to slots ``slots``'
+    counters (``selections``, ``steps``, ``last_selections``, each ``[max_seqs]`` int64): the first two add up,
+    the last holds the step's."""
+    selections, steps, last_selections = counters
+    selections.index_add_(0, slots, made)
+    steps.index_add_(0, slots, torch.ones_like(made))
+    last_selections.index_copy_(0, slots, made)
+
+
+def check_selection_memory(pages: torch.Tensor, selected_at: torch.Tensor, slots: torch.Tensor, budget_pages: int,
+                           head_selected_at: Optional[torch.Tensor] = None) -> None:
+    """``ValueError`` unless a selection memory's tensors agree (:func:`gather_selections`' shapes)."""
+    if pages.dim() != 4 or pages.dtype != torch.int32 or not 1 <= budget_pages <= pages.shape[-1]:
+        raise ValueError(f"pages must be [num_sparse_layers, max_seqs, num_sel_heads, width >= budget_pages="
+                         f"{budget_pages}] int32, got {tuple(pages.shape)} {pages.dtype}")
+    layers, max_seqs, heads, _ = pages.shape
+    if tuple(selected_at.shape) != (max_seqs,) or selected_at.dtype != torch.int32:
+        raise ValueError(f"selected_at must be [{max_seqs}] int32, got {tuple(selected_at.shape)} {selected_at.dtype}")
+    if slots.dim() != 1 or slots.dtype != torch.int64:
+        raise ValueError(f"slots must be [batch] int64, got {tuple(slots.shape)} {slots.dtype}")
+    if head_selected_at is not None and (tuple(head_selected_at.shape) != (layers, max_seqs, heads)
+                                         or head_selected_at.dtype != torch.int32):
+        raise ValueError(f"head_selected_at must be [{layers}, {max_seqs}, {heads}] int32, got "
+                         f"{tuple(head_selected_at.shape)} {head_selected_at.dtype}")
+
+
+def check_stored_selections(pages: torch.Tensor, selected_at: torch.Tensor, slots: torch.Tensor,
+                            rows: ReusedSelections, head_selected_at: Optional[torch.Tensor],
+                            head_active: Optional[torch.Tensor]) -> None:
+    """``ValueError`` unless :func:`store_selections`' arguments agree."""
+    check_selection_memory(pages, selected_at, slots, 1, head_selected_at)
+    layers, _, heads, width = pages.shape
+    if tuple(rows.selected.shape) != (layers, slots.shape[0], heads, width):
+        raise ValueError(f"rows.selected must be [{layers}, {slots.shape[0]}, {heads}, {width}], got "
+                         f"{tuple(rows.selected.shape)}")
+    adaptive = head_active is not None
+    if (head_selected_at is not None) != adaptive or (rows.made_at is not None) != adaptive:
+        raise ValueError("store_selections takes head_selected_at, head_active and rows.made_at together "
+                         "(adaptive reuse) or none of them")
+    if adaptive and tuple(head_active.shape) != (layers, slots.shape[0], heads):
+        raise ValueError(f"head_active must be [{layers}, {slots.shape[0]}, {heads}], got {tuple(head_active.shape)}")
+
+
 def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:
     """Indices sorting the last-but-one dim by ``rank[..., 0]`` then ``rank[..., 1]``, descending, stable."""
     order = rank[..., 1].argsort(dim=-1, descending=True, stable=True)

@@ -18,12 +18,14 @@ from questkv.ops.triton.estimate import page_scores, page_scores_into
 from questkv.ops.triton.gemv import linear
 from questkv.ops.triton.prefill_attention import paged_prefill_attention
 from questkv.ops.triton.reselect import reselect_heads_into
+from questkv.ops.triton.reuse import gather_selections, store_selections
 from questkv.ops.triton.select import select_buffers, select_pages, select_pages_into
 
 __all__ = [
     "append_kv",
     "attention_buffers",
     "encode_page_keys",
+    "gather_selections",
     "linear",
     "page_scores",
     "page_scores_codes",
@@ -40,4 +42,5 @@ __all__ = [
     "select_pages",
     "select_pages_into",
     "silu_and_mul",
+    "store_selections",
 ]

@@ -1,0 +1,118 @@
+"""The selection-memory kernels (selection reuse) against the torch reference, under the Triton interpreter (CPU):
+the same gathered rows and, after a step, the same memory and counters, bit for bit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from questkv.ops import reference  # noqa: E402
+from questkv.ops.triton import reuse  # noqa: E402
+
+PAGE = 4
+
+
+def _memory(layers, max_seqs, heads, width, adaptive, gen):
+    """A memory with random selections, some slots without one (``selected_at`` -1), random counters."""
+    pages = torch.randint(-1, 60, (layers, max_seqs, heads, width), generator=gen, dtype=torch.int32)
+    selected_at = torch.randint(-1, 12, (max_seqs,), generator=gen, dtype=torch.int32)
+    counters = tuple(torch.randint(0, 100, (max_seqs,), generator=gen, dtype=torch.int64) for _ in range(3))
+    head_at = None
+    if adaptive:
+        head_at = torch.randint(-1, 12, (layers, max_seqs, heads), generator=gen, dtype=torch.int32)
+    return pages, selected_at, counters, head_at
+
+
+def _clone(memory):
+    pages, selected_at, counters, head_at = memory
+    return (pages.clone(), selected_at.clone(), tuple(c.clone() for c in counters),
+            None if head_at is None else head_at.clone())
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("layers,heads,budget,width", [(2, 3, 4, 5), (1, 4, 3, 7), (3, 2, 6, 6), (0, 2, 2, 3)])
+def test_the_kernels_gather_and_store_as_the_reference_does(adaptive, layers, heads, budget, width):
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    max_seqs, batch = 6, 4
+    memory = _memory(layers, max_seqs, heads, width, adaptive, gen)
+    slots = torch.randperm(max_seqs, generator=gen)[:batch]  # real rows: slots of their own
+    due = torch.randint(0, 2, (batch,), generator=gen)
+    # page counts from one below the stored ones to one past what the extra columns hold: rows that keep, that
+    # just fit, that outgrow them
+    grown = torch.randint(-1, width - budget + 2, (batch,), generator=gen)
+    lens = ((memory[1][slots].clamp(min=1) + grown).clamp(min=1) * PAGE
+            - torch.randint(0, PAGE, (batch,), generator=gen)).to(torch.int32)
+    results = []
+    for module in (reference, reuse):
+        pages, selected_at, counters, head_at = state = _clone(memory)
+        rows = module.gather_selections(pages, selected_at, slots, due, lens, PAGE, budget, head_at)
+        gathered = tuple(t.clone() for t in rows if t is not None)
+        # the step: new selections in the active rows' budget columns, per-head flags with adaptive reuse
+        step_gen = torch.Generator().manual_seed(seed + 1)
+        new = torch.randint(0, 60, rows.selected.shape, generator=step_gen, dtype=torch.int32)
+        rows.selected.copy_(torch.where(rows.active.bool()[None, :, None, None], new, rows.selected))
+        head_active = None
+        if adaptive:
+            head_active = torch.randint(0, 2, (layers, batch, heads), generator=step_gen, dtype=torch.int32)
+        module.store_selections(pages, selected_at, counters, slots, rows, head_at, head_active)
+        results.append((gathered, state))
+    (ref_rows, ref_state), (got_rows, got_state) = results
+    assert len(ref_rows) == len(got_rows) == (5 if adaptive else 4)
+    for name, want, got in zip(("active", "selected", "selected_at", "num_pages", "made_at"), ref_rows, got_rows):
+        assert got.dtype == want.dtype and torch.equal(got, want), (name, seed)
+    for want, got in zip(ref_state[:2] + ref_state[2] + ref_state[3:], got_state[:2] + got_state[2] + got_state[3:]):
+        if want is not None:
+            assert torch.equal(got, want), seed
+    # the gather itself: a row is active by its phase, by having no selection, or by outgrowing its extra columns
+    before = memory[1][slots]
+    count = (lens + PAGE - 1) // PAGE
+    active = (due != 0) | (before < 0) | (count - before > width - budget)
+    assert ref_rows[0].tolist() == active.int().tolist()
+    assert torch.equal(ref_rows[1][..., :budget], memory[0][:, slots, :, :budget])
+
+
+def test_padding_rows_that_share_a_scratch_slot_leave_the_real_rows_slots_as_the_reference_does():
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    memory = _memory(2, 5, 2, 4, False, gen)
+    slots = torch.tensor([3, 1, 4, 4, 4])  # slot 4: scratch of three padding rows
+    due = torch.tensor([1, 0, 0, 0, 0])
+    lens = torch.full((5,), 9, dtype=torch.int32)
+    states = []
+    for module in (reference, reuse):
+        pages, selected_at, counters, head_at = state = _clone(memory)
+        rows = module.gather_selections(pages, selected_at, slots, due, lens, PAGE, 3)
+        module.store_selections(pages, selected_at, counters, slots, rows)
+        states.append(state)
+    (ref_pages, ref_at, ref_counters, _), (got_pages, got_at, got_counters, _) = states
+    real = [0, 1, 2, 3]
+    assert torch.equal(got_pages[:, real], ref_pages[:, real]) and torch.equal(got_at[real], ref_at[real])
+    for want, got in zip(ref_counters, got_counters):
+        assert torch.equal(got[real], want[real])
+
+
+def test_bad_memories_and_rows_are_refused_before_any_launch():
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    pages, selected_at, counters, _ = _memory(2, 4, 2, 5, False, gen)
+    slots = torch.tensor([0, 2])
+    due = torch.zeros(2, dtype=torch.int64)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    for module in (reference, reuse):
+        with pytest.raises(ValueError, match="budget_pages=6"):
+            module.gather_selections(pages, selected_at, slots, due, lens, PAGE, 6)
+        with pytest.raises(ValueError, match="selected_at must be"):
+            module.gather_selections(pages, selected_at[:3], slots, due, lens, PAGE, 3)
+        with pytest.raises(ValueError, match="slots must be"):
+            module.gather_selections(pages, selected_at, slots.int(), due, lens, PAGE, 3)
+        rows = reference.gather_selections(pages, selected_at, slots, due, lens, PAGE, 3)
+        before = pages.clone()
+        with pytest.raises(ValueError, match="together"):
+            module.store_selections(pages, selected_at, counters, slots, rows,
+                                    head_active=torch.zeros(2, 2, 2, dtype=torch.int32))
+        with pytest.raises(ValueError, match="rows.selected must be"):
+            module.store_selections(pages, selected_at, counters, slots[:1], rows)
+        assert torch.equal(pages, before)
