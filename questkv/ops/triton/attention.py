@@ -29,9 +29,10 @@ _LOG2E = 1.4426950408889634
 # keys per inner iteration (whole pages), programs per SM the split count aims at (rounded down so the grid fits
 # one wave), and software-pipelining depth. A dense grid of at most _FEW_PROGRAMS (sequence, KV head) pairs takes
 # longer splits: 40.6 against 42.1 µs at B=1/32k and 129.8 against 130.3 at B=1/128k (8 KV heads), where B=8
-# (64 pairs) keeps the shorter ones (243.7 against 247.5). A sparse program takes 73.7 KB of shared memory, so an
-# H200 SM holds 3 of them (ncu); aiming at more gave MHA's 32 heads at B=1 17 splits of 8 pages (1.37 waves),
-# where 3 per SM gives 9 splits of 16 (one wave).
+# (64 pairs) keeps the shorter ones (243.7 against 247.5). A sparse program's K/V tile takes 72 KiB of shared
+# memory, so an H200 SM holds 3 of them: aiming at 8 gave MHA's 32 heads at B=1 17 splits of 8 pages (1.37 waves),
+# 3 gives 9 splits of 16 in one wave (benchmarks/results/e2e-h200-int4-head-splits3.md against -splits8.md: Quest
+# at C = 8 2.94 -> 2.89 ms, B=4/128k 5.84 -> 5.67; no point slower).
 _CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2)}
 _FEW_PROGRAMS = 16
 _NUM_WARPS = 4
