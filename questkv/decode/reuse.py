@@ -34,29 +34,38 @@ class ReuseRows:
     """One decode step's selections in batch order.
 
     Attributes:
-        active: ``[batch]`` int32, 1 where the row estimates and selects in this step (every head of it), 0 where
-            it reuses (adaptive reuse: where each head decides on the device, see ``head_active``).
-        selected: ``[num_sparse_layers, batch, num_sel_heads, budget_pages + extra_pages]`` int32 logical
-            pages, ``-1`` padding: a reusing row's last selection (its first ``budget_pages`` columns) and the
-            pages begun since (the last ``extra_pages``); an active row's selection is written into its first
-            ``budget_pages`` columns by the step, its last ones are ``-1``. With adaptive reuse the pages begun
-            since are counted per (layer, row, head) from that head's own last selection, and a head that
-            reselects in the step has its last columns set to ``-1`` by the reselect op.
-        selected_at: ``[batch]`` int32, the page count of each row's selection (this step's for active rows);
-            with adaptive reuse, of the row's last whole-row selection (the phase's).
-        num_pages: ``[batch]`` int32, each row's page count in this step.
+        gathered: from :func:`questkv.ops.gather_selections`; its fields read as this class's properties.
         adaptive: adaptive reuse (``QuestConfig.reselect_similarity``), else ``None``.
         selecting: ``False`` when the host knows that no row of the step selects (every row is off its phase and
             holds a selection; padding rows aside): the sparse layers launch the attend alone, and ``active`` is all
             zero on the real rows. Never ``False`` with adaptive reuse.
     """
 
-    active: torch.Tensor
-    selected: torch.Tensor
-    selected_at: torch.Tensor
-    num_pages: torch.Tensor
+    gathered: ReusedSelections
     adaptive: Optional["AdaptiveRows"] = None
     selecting: bool = True
+
+    @property
+    def active(self) -> torch.Tensor:
+        """``[batch]`` int32, 1 where the row estimates and selects in this step (every head of it), 0 where it
+        reuses (adaptive reuse: where each head decides on the device, see ``head_active``)."""
+        return self.gathered.active
+
+    @property
+    def selected(self) -> torch.Tensor:
+        """``[num_sparse_layers, batch, num_sel_heads, budget_pages + extra_pages]`` int32 logical pages, ``-1``
+        padding: a reusing row's last selection (its first ``budget_pages`` columns) and the pages begun since (the
+        last ``extra_pages``); an active row's selection is written into its first ``budget_pages`` columns by the
+        step, its last ones are ``-1``. With adaptive reuse the pages begun since are counted per (layer, row, head)
+        from that head's own last selection, and a head that reselects in the step has its last columns set to
+        ``-1`` by the reselect op."""
+        return self.gathered.selected
+
+    @property
+    def selected_at(self) -> torch.Tensor:
+        """``[batch]`` int32, the page count of each row's selection (this step's for active rows); with adaptive
+        reuse, of the row's last whole-row selection (the phase's)."""
+        return self.gathered.selected_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,18 +217,14 @@ class SelectionMemory:
         adaptive = None
         if self.queries is not None:
             adaptive = AdaptiveRows(seq_ids, thresholds, self.queries, torch.empty_like(rows.made_at), rows.made_at)
-        return ReuseRows(rows.active, rows.selected, rows.selected_at, rows.num_pages, adaptive, selecting)
+        return ReuseRows(rows, adaptive, selecting)
 
     def store(self, seq_ids: torch.Tensor, rows: ReuseRows) -> None:
         """Keep the step's selections (``rows`` from :meth:`rows` of the same ``seq_ids``) for the next steps and
         count the (layer, head) selections the step made."""
-        adaptive = rows.adaptive
-        made_at = head_active = None
-        if adaptive is not None:
-            made_at, head_active = adaptive.head_selected_at, adaptive.head_active
-        gathered = ReusedSelections(rows.active, rows.selected, rows.selected_at, rows.num_pages, made_at)
-        ops.store_selections(self.pages, self.selected_at, self.counters, seq_ids, gathered, self.head_selected_at,
-                             head_active, backend=self.backend)
+        head_active = None if rows.adaptive is None else rows.adaptive.head_active
+        ops.store_selections(self.pages, self.selected_at, self.counters, seq_ids, rows.gathered,
+                             self.head_selected_at, head_active, backend=self.backend)
 
 
 def selection_seq_len(seq_len: int, num_prompt_tokens: int, interval: int) -> int:
