@@ -47,20 +47,37 @@ def _append_kv_kernel(
     keys in place (no other program touches them), stores them and the values in the pool, and folds them
     into the page bounds.
 
-    With ``USE_PDL`` it waits for the kernels before it, then at once lets the next kernel launch: the decode
-    attention after it loads every page but a sequence's last (the one a decode step writes) before its own
-    wait, so the two overlap."""
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    With ``USE_PDL`` it first loads what the kernel before it never writes (the step's slots and rotary tables,
+    which are written before the kernels that produce q, keys and values), then waits for the kernels before it and
+    at once lets the next kernel launch: the decode attention after it loads every page but a sequence's last (the
+    one a decode step writes) before its own wait, so the two overlap."""
     tok = tl.program_id(0)
     head = tl.program_id(1)
     h = tl.arange(0, BLOCK_H)
     first_mask = h < FIRST
     second_mask = h < HEAD_DIM - FIRST
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    page = slot // PAGE_SIZE
+    prev_slot = tl.load(slots_ptr + tok - 1, mask=tok > 0, other=0).to(tl.int64)
+    leader = (tok == 0) | (prev_slot // PAGE_SIZE != page)
+    # A page's tokens of one call are consecutive, so a leader's run lies in the next PAGE_SIZE rows; the other
+    # programs' masks are all off.
+    rows = tok + tl.arange(0, PAGE_SIZE)
+    in_run = (rows < num_tokens) & leader
+    row_slots = tl.load(slots_ptr + rows, mask=in_run, other=0).to(tl.int64)
+    same = in_run & (row_slots // PAGE_SIZE == page)
+    offsets = row_slots % PAGE_SIZE
+    mask1 = same[:, None] & first_mask[None, :]
+    mask2 = same[:, None] & second_mask[None, :]
     if ROTATE:
         cos = tl.load(cos_ptr + tok * stride_ct + h, mask=first_mask)[None, :]
         sin = tl.load(sin_ptr + tok * stride_st + h, mask=first_mask)[None, :]
+        cos_rows = tl.load(cos_ptr + rows[:, None] * stride_ct + h[None, :], mask=mask1)
+        sin_rows = tl.load(sin_ptr + rows[:, None] * stride_st + h[None, :], mask=mask1)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if ROTATE:
         g = tl.arange(0, BLOCK_G)
         q_mask = (g < GROUP)[:, None] & first_mask[None, :]
         q_row = q_ptr + tok * stride_qt + (head * GROUP + g)[:, None] * stride_qh + h[None, :]
@@ -68,52 +85,41 @@ def _append_kv_kernel(
         tl.store(q_row, q1, mask=q_mask)
         tl.store(q_row + FIRST, q2, mask=q_mask)
 
-    slot = tl.load(slots_ptr + tok).to(tl.int64)
-    page = slot // PAGE_SIZE
-    prev_slot = tl.load(slots_ptr + tok - 1, mask=tok > 0, other=0).to(tl.int64)
-    if (tok == 0) | (prev_slot // PAGE_SIZE != page):
-        # A page's tokens of one call are consecutive, so they lie in the next PAGE_SIZE rows.
-        rows = tok + tl.arange(0, PAGE_SIZE)
-        row_slots = tl.load(slots_ptr + rows, mask=rows < num_tokens, other=0).to(tl.int64)
-        same = (rows < num_tokens) & (row_slots // PAGE_SIZE == page)
-        offsets = row_slots % PAGE_SIZE
-        key_rows = keys_ptr + rows[:, None].to(tl.int64) * stride_xt + head * stride_xh + h[None, :]
-        mask1 = same[:, None] & first_mask[None, :]
-        mask2 = same[:, None] & second_mask[None, :]
-        k1 = tl.load(key_rows, mask=mask1)
-        k2 = tl.load(key_rows + FIRST, mask=mask2)
-        if ROTATE:
-            cos_rows = tl.load(cos_ptr + rows[:, None] * stride_ct + h[None, :], mask=mask1)
-            sin_rows = tl.load(sin_ptr + rows[:, None] * stride_st + h[None, :], mask=mask1)
-            k1, k2 = _rotate_pair(k1, k2, cos_rows, sin_rows)
-            tl.store(key_rows, k1, mask=mask1)
-            tl.store(key_rows + FIRST, k2, mask=mask2)
-        k1 = k1.to(k_pages_ptr.dtype.element_ty)
-        k2 = k2.to(k_pages_ptr.dtype.element_ty)
-        dest = k_pages_ptr + page * stride_kp + offsets[:, None] * stride_kt + head * stride_kh + h[None, :]
-        tl.store(dest, k1, mask=mask1)
-        tl.store(dest + FIRST, k2, mask=mask2)
-        d = tl.arange(0, BLOCK_D)
-        v_mask = same[:, None] & (d < HEAD_DIM)[None, :]
-        value = tl.load(values_ptr + rows[:, None].to(tl.int64) * stride_yt + head * stride_yh + d[None, :], mask=v_mask)
-        tl.store(v_pages_ptr + page * stride_vp + offsets[:, None] * stride_vt + head * stride_vh + d[None, :],
-                 value.to(v_pages_ptr.dtype.element_ty), mask=v_mask)
+    key_rows = keys_ptr + rows[:, None].to(tl.int64) * stride_xt + head * stride_xh + h[None, :]
+    k1 = tl.load(key_rows, mask=mask1)
+    k2 = tl.load(key_rows + FIRST, mask=mask2)
+    if ROTATE:
+        k1, k2 = _rotate_pair(k1, k2, cos_rows, sin_rows)
+        tl.store(key_rows, k1, mask=mask1)
+        tl.store(key_rows + FIRST, k2, mask=mask2)
+    k1 = k1.to(k_pages_ptr.dtype.element_ty)
+    k2 = k2.to(k_pages_ptr.dtype.element_ty)
+    dest = k_pages_ptr + page * stride_kp + offsets[:, None] * stride_kt + head * stride_kh + h[None, :]
+    tl.store(dest, k1, mask=mask1)
+    tl.store(dest + FIRST, k2, mask=mask2)
+    d = tl.arange(0, BLOCK_D)
+    v_mask = same[:, None] & (d < HEAD_DIM)[None, :]
+    value = tl.load(values_ptr + rows[:, None].to(tl.int64) * stride_yt + head * stride_yh + d[None, :], mask=v_mask)
+    tl.store(v_pages_ptr + page * stride_vp + offsets[:, None] * stride_vt + head * stride_vh + d[None, :],
+             value.to(v_pages_ptr.dtype.element_ty), mask=v_mask)
 
-        # exact: min / max of the stored keys
-        lo1 = tl.min(tl.where(mask1, k1.to(tl.float32), float("inf")), axis=0)
-        hi1 = tl.max(tl.where(mask1, k1.to(tl.float32), float("-inf")), axis=0)
-        lo2 = tl.min(tl.where(mask2, k2.to(tl.float32), float("inf")), axis=0)
-        hi2 = tl.max(tl.where(mask2, k2.to(tl.float32), float("-inf")), axis=0)
-        bound = page * stride_bp + head * stride_bh + h
-        if slot % PAGE_SIZE != 0:  # the page already holds tokens: widen its bounds
-            lo1 = tl.minimum(lo1, tl.load(kmin_ptr + bound, mask=first_mask).to(tl.float32))
-            hi1 = tl.maximum(hi1, tl.load(kmax_ptr + bound, mask=first_mask).to(tl.float32))
-            lo2 = tl.minimum(lo2, tl.load(kmin_ptr + bound + FIRST, mask=second_mask).to(tl.float32))
-            hi2 = tl.maximum(hi2, tl.load(kmax_ptr + bound + FIRST, mask=second_mask).to(tl.float32))
-        tl.store(kmin_ptr + bound, lo1.to(kmin_ptr.dtype.element_ty), mask=first_mask)
-        tl.store(kmax_ptr + bound, hi1.to(kmax_ptr.dtype.element_ty), mask=first_mask)
-        tl.store(kmin_ptr + bound + FIRST, lo2.to(kmin_ptr.dtype.element_ty), mask=second_mask)
-        tl.store(kmax_ptr + bound + FIRST, hi2.to(kmax_ptr.dtype.element_ty), mask=second_mask)
+    # exact: min / max of the stored keys
+    lo1 = tl.min(tl.where(mask1, k1.to(tl.float32), float("inf")), axis=0)
+    hi1 = tl.max(tl.where(mask1, k1.to(tl.float32), float("-inf")), axis=0)
+    lo2 = tl.min(tl.where(mask2, k2.to(tl.float32), float("inf")), axis=0)
+    hi2 = tl.max(tl.where(mask2, k2.to(tl.float32), float("-inf")), axis=0)
+    bound = page * stride_bp + head * stride_bh + h
+    if leader & (slot % PAGE_SIZE != 0):  # the page already holds tokens: widen its bounds
+        lo1 = tl.minimum(lo1, tl.load(kmin_ptr + bound, mask=first_mask).to(tl.float32))
+        hi1 = tl.maximum(hi1, tl.load(kmax_ptr + bound, mask=first_mask).to(tl.float32))
+        lo2 = tl.minimum(lo2, tl.load(kmin_ptr + bound + FIRST, mask=second_mask).to(tl.float32))
+        hi2 = tl.maximum(hi2, tl.load(kmax_ptr + bound + FIRST, mask=second_mask).to(tl.float32))
+    lead1 = first_mask & leader
+    lead2 = second_mask & leader
+    tl.store(kmin_ptr + bound, lo1.to(kmin_ptr.dtype.element_ty), mask=lead1)
+    tl.store(kmax_ptr + bound, hi1.to(kmax_ptr.dtype.element_ty), mask=lead1)
+    tl.store(kmin_ptr + bound + FIRST, lo2.to(kmin_ptr.dtype.element_ty), mask=lead2)
+    tl.store(kmax_ptr + bound + FIRST, hi2.to(kmax_ptr.dtype.element_ty), mask=lead2)
 
 
 def _check_pool(k_pages, v_pages, kmin, kmax, slots, keys, values) -> None:

@@ -31,13 +31,15 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps, 
                      stride_s, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per row of ``H`` values: ``h = x + residual`` (rounded to ``x``'s dtype, stored to ``sum_ptr``),
     then ``weight * (h * rsqrt(mean(h^2) + eps))`` with the normalised row rounded to ``x``'s dtype before the
-    weight and the product rounded to ``out``'s."""
+    weight and the product rounded to ``out``'s. The weight, never written on the device, is loaded before the
+    wait for the kernels before it."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
@@ -46,7 +48,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps, 
     h = x.to(tl.float32)
     inv = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / H + eps)
     normed = (h * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
