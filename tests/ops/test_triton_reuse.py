@@ -1,5 +1,6 @@
 """The selection-memory kernels (selection reuse) against the torch reference, under the Triton interpreter (CPU):
-the same gathered rows and, after a step, the same memory and counters, bit for bit."""
+the same gathered rows and, after a step, the same memory and counters, bit for bit; and a hypothesis state machine
+that keeps one memory with each through random steps."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import random
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 pytest.importorskip("triton")
 
@@ -116,3 +120,68 @@ def test_bad_memories_and_rows_are_refused_before_any_launch():
         with pytest.raises(ValueError, match="rows.selected must be"):
             module.store_selections(pages, selected_at, counters, slots[:1], rows)
         assert torch.equal(pages, before)
+
+
+class SelectionMemoryMachine(RuleBasedStateMachine):
+    """One memory kept by the reference ops and one by the kernels, through decode steps of random rows (each in a
+    slot of its own), phases, growth (rows that keep their selection, that outgrow the extra columns) and
+    forgotten slots; a step writes new selections into its active rows and, with adaptive reuse, flags random
+    heads. Both must gather the same rows and hold the same memory and counters after every step."""
+
+    LAYERS, HEADS, BUDGET, WIDTH, MAX_SEQS = 2, 3, 3, 5, 4
+    ADAPTIVE = False
+
+    @initialize(seed=st.integers(0, 2**31 - 1))
+    def a_random_memory(self, seed):
+        gen = torch.Generator().manual_seed(seed)
+        memory = _memory(self.LAYERS, self.MAX_SEQS, self.HEADS, self.WIDTH, self.ADAPTIVE, gen)
+        self.memories = {reference: _clone(memory), reuse: _clone(memory)}
+        self.lens = torch.randint(1, 12 * PAGE, (self.MAX_SEQS,), generator=gen, dtype=torch.int32)
+
+    @rule(data=st.data())
+    def step(self, data):
+        batch = data.draw(st.integers(1, self.MAX_SEQS))
+        slots = torch.tensor(data.draw(st.permutations(range(self.MAX_SEQS)))[:batch])
+        due = torch.tensor(data.draw(st.lists(st.integers(0, 1), min_size=batch, max_size=batch)))
+        grown = data.draw(st.lists(st.integers(1, 2 * PAGE * (self.WIDTH - self.BUDGET + 1)), min_size=batch,
+                                   max_size=batch))
+        self.lens[slots] += torch.tensor(grown, dtype=torch.int32)
+        seed = data.draw(st.integers(0, 2**31 - 1))
+        gathered = []
+        for module, (pages, selected_at, counters, head_at) in self.memories.items():
+            rows = module.gather_selections(pages, selected_at, slots, due, self.lens[slots], PAGE, self.BUDGET,
+                                            head_at)
+            gathered.append(tuple(t.clone() for t in rows if t is not None))
+            gen = torch.Generator().manual_seed(seed)
+            new = torch.randint(0, 60, rows.selected.shape, generator=gen, dtype=torch.int32)
+            rows.selected[..., :self.BUDGET].copy_(torch.where(rows.active.bool()[None, :, None, None],
+                                                               new, rows.selected)[..., :self.BUDGET])
+            head_active = None
+            if self.ADAPTIVE:
+                head_active = torch.randint(0, 2, (self.LAYERS, batch, self.HEADS), generator=gen, dtype=torch.int32)
+                head_active |= rows.active[None, :, None]
+            module.store_selections(pages, selected_at, counters, slots, rows, head_at, head_active)
+        for want, got in zip(*gathered):
+            assert torch.equal(got, want)
+
+    @rule(slot=st.integers(0, MAX_SEQS - 1))
+    def forget(self, slot):
+        for _, selected_at, _, _ in self.memories.values():
+            selected_at[slot] = -1
+
+    @invariant()
+    def the_memories_agree(self):
+        (ref_pages, ref_at, ref_counters, ref_head), (pages, at, counters, head) = self.memories.values()
+        assert torch.equal(pages, ref_pages) and torch.equal(at, ref_at)
+        assert all(torch.equal(got, want) for got, want in zip(counters, ref_counters))
+        assert head is None or torch.equal(head, ref_head)
+
+
+class AdaptiveSelectionMemoryMachine(SelectionMemoryMachine):
+    ADAPTIVE = True
+
+
+TestSelectionMemoryMachine = SelectionMemoryMachine.TestCase
+TestSelectionMemoryMachine.settings = settings(max_examples=40, stateful_step_count=10, deadline=None)
+TestAdaptiveSelectionMemoryMachine = AdaptiveSelectionMemoryMachine.TestCase
+TestAdaptiveSelectionMemoryMachine.settings = settings(max_examples=40, stateful_step_count=10, deadline=None)
