@@ -120,6 +120,13 @@ def test_bad_memories_and_rows_are_refused_before_any_launch():
         with pytest.raises(ValueError, match="rows.selected must be"):
             module.store_selections(pages, selected_at, counters, slots[:1], rows)
         assert torch.equal(pages, before)
+    strided = pages.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, another layout
+    with pytest.raises(ValueError, match="pages must be contiguous"):
+        reuse.gather_selections(strided, selected_at, slots, due, lens, PAGE, 3)
+    rows = reference.gather_selections(pages, selected_at, slots, due, lens, PAGE, 3)
+    with pytest.raises(ValueError, match="pages must be contiguous"):
+        reuse.store_selections(strided, selected_at, counters, slots, rows)
+    assert torch.equal(strided, pages)
 
 
 class SelectionMemoryMachine(RuleBasedStateMachine):

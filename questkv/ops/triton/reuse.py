@@ -111,6 +111,14 @@ def _store_selections_kernel(
         gdc_launch_dependents()
 
 
+def _check_memory_contiguous(**tensors: Optional[torch.Tensor]) -> None:
+    """The kernels index the memory's tensors as contiguous: raise ``ValueError`` for one that is not."""
+    for name, tensor in tensors.items():
+        if tensor is not None and not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()} for shape "
+                             f"{tuple(tensor.shape)}")
+
+
 def gather_selections(
     pages: torch.Tensor,
     selected_at: torch.Tensor,
@@ -122,8 +130,9 @@ def gather_selections(
     head_selected_at: Optional[torch.Tensor] = None,
 ) -> ReusedSelections:
     """Triton :func:`questkv.ops.reference.gather_selections` (one launch, no host synchronisation). The memory's
-    tensors must be contiguous."""
+    tensors must be contiguous (``ValueError`` otherwise)."""
     check_selection_memory(pages, selected_at, slots, budget_pages, head_selected_at)
+    _check_memory_contiguous(pages=pages, selected_at=selected_at, head_selected_at=head_selected_at)
     layers, max_seqs, heads, width = pages.shape
     batch = slots.shape[0]
     device = pages.device
@@ -133,7 +142,7 @@ def gather_selections(
     made_at = torch.empty((layers, batch, heads), dtype=torch.int32, device=device) if adaptive else None
     if batch:
         _gather_selections_kernel[(max(layers, 1), batch)](
-            pages.contiguous(), selected_at, slots.contiguous(), due.contiguous(), seq_lens.contiguous(),
+            pages, selected_at, slots.contiguous(), due.contiguous(), seq_lens.contiguous(),
             head_selected_at if adaptive else selected_at,
             active, selected, row_at, count, made_at if adaptive else active,
             max_seqs, batch,
@@ -154,18 +163,22 @@ def store_selections(
     head_active: Optional[torch.Tensor] = None,
 ) -> None:
     """Triton :func:`questkv.ops.reference.store_selections` (one launch, no host synchronisation). The memory's
-    tensors must be contiguous; padding rows sharing a slot race there (scratch)."""
+    tensors (counters included) must be contiguous (``ValueError`` otherwise); padding rows sharing a slot race
+    there (scratch)."""
     check_stored_selections(pages, selected_at, slots, rows, head_selected_at, head_active)
+    selections, steps, last_selections = counters
+    _check_memory_contiguous(pages=pages, selected_at=selected_at, head_selected_at=head_selected_at,
+                             selections=selections, steps=steps, last_selections=last_selections)
     layers, max_seqs, heads, width = pages.shape
     batch = slots.shape[0]
     adaptive = head_active is not None
     if not batch:
         return
-    selections, steps, last_selections = counters
     _store_selections_kernel[(max(layers, 1), batch)](
         pages, selected_at, selections, steps, last_selections, slots.contiguous(),
-        rows.selected.contiguous(), rows.selected_at, rows.active, rows.num_pages,
-        rows.made_at if adaptive else rows.active, head_selected_at if adaptive else selected_at,
+        rows.selected.contiguous(), rows.selected_at.contiguous(), rows.active.contiguous(),
+        rows.num_pages.contiguous(),
+        rows.made_at.contiguous() if adaptive else rows.active, head_selected_at if adaptive else selected_at,
         head_active.contiguous() if adaptive else rows.active,
         max_seqs, batch,
         LAYERS=layers, HEADS=heads, WIDTH=width, BLOCK_L=next_pow2(max(layers, 1)), BLOCK_H=next_pow2(heads),
