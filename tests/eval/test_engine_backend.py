@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from questkv import cli
+from questkv.decode.step import sparse_tokens_attended
 from questkv.eval import agreement, engine_backend, harness, report, sweep
 from questkv.eval.harness import Setting
 from tests.helpers import tiny_llama
@@ -83,12 +84,6 @@ def test_the_engine_gives_the_hf_paths_answers_and_scores_where_both_run(model_d
             assert hf[key]["mean_tokens_attended"] == pytest.approx(recorder.mean_attended(COVERING, batched=True))
 
 
-def attended(seq_len: int, budget: int) -> float:
-    """Quest's accounting of one decode step at ``seq_len`` tokens (the fed one included): its pages up to
-    ``budget``, each counted whole."""
-    return min(-(-seq_len // PAGE), budget // PAGE) * PAGE
-
-
 class OutputRecorder(engine_backend.EngineSource):
     """Builds the engines of :class:`~questkv.eval.engine_backend.EngineSource` and records each request's
     output with its sampling parameters."""
@@ -112,14 +107,18 @@ class OutputRecorder(engine_backend.EngineSource):
     def mean_attended(self, budget: int, batched: bool = False) -> float:
         """The recorded Quest requests of the accuracy tasks (those that stop at EOS): the mean over those that
         output a token past the prefill's of their mean tokens attended per decode step. A step feeds output
-        token ``j`` at ``len(prompt) + j + 1`` tokens; a request's last token (a stop token too) is never fed.
+        token ``j`` at ``len(prompt) + j + 1`` tokens, counted by :func:`sparse_tokens_attended` (every select covers
+        the context here); a request's last token (a stop token too) is never fed.
         ``batched``: the HF path's accounting instead, every row stepped as long as the longest."""
         requests = [out for out, params in self.outputs if not params.dense and params.stop_token_ids]
         steps = [len(out.token_ids) - 1 for out in requests]
         if batched:
             steps = [max(steps)] * len(steps)
-        means = [sum(attended(len(out.prompt_token_ids) + j + 1, budget) for j in range(n)) / n
-                 for out, n in zip(requests, steps) if n]
+        means = []
+        for out, n in zip(requests, steps):
+            if n:
+                seq_lens = len(out.prompt_token_ids) + torch.arange(1, n + 1)
+                means.append(float(sparse_tokens_attended(seq_lens, torch.full_like(seq_lens, budget), PAGE).mean()))
         return sum(means) / len(means)
 
 
