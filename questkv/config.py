@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional, get_args
 
-from questkv.validation import check_choice, check_float, check_int
+from questkv.validation import check_bool, check_choice, check_float, check_int, check_optional_int
 
 Selection = Literal["kv_head", "q_head"]
 GroupReduction = Literal["sum", "max"]
@@ -91,11 +91,6 @@ class QuestConfig:
         1, "decode steps per page selection of a sequence; in between it attends its last selection plus the pages "
         "begun since (1: select every step, the paper)", "--selection-interval", minimum=1,
     )
-    reselect_similarity: Optional[float] = _knob(
-        None, "adaptive reuse: a head reselects before its interval is up when the cosine similarity of its query "
-        "to the query of its last selection falls below this, in [-1, 1] (needs --selection-interval >= 2; "
-        "'off': never)", "--reselect-similarity", none="off", interval=(-1.0, 1.0),
-    )
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):  # each field's own values, from its metadata
@@ -110,12 +105,6 @@ class QuestConfig:
                 check_int(name, value, minimum=meta["minimum"])
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"QuestConfig.page_size must be a power of two, got {self.page_size}")
-        if self.reselect_similarity is not None and (self.token_budget is None or self.selection_interval < 2):
-            raise ValueError(
-                f"QuestConfig.reselect_similarity={self.reselect_similarity} reselects within a reused selection's "
-                f"interval: it needs a sparse config (token_budget set, got {self.token_budget}) with "
-                f"selection_interval >= 2 (got {self.selection_interval})"
-            )
         if self.token_budget is None:
             return
         if self.token_budget % self.page_size:
@@ -168,3 +157,73 @@ PAGE_POLICY_OPTIONS: tuple[str, ...] = tuple(
 )
 """The fields that shape a page selection besides the budget and page size: the options of every
 page policy (``quest``, ``oracle``, ``quest-topp``) and of an evaluation's page policies."""
+
+
+def check_request_fields(owner: str, token_budget: object, selection_interval: object, dense: object) -> None:
+    """``ValueError`` unless a request's own Quest fields are well formed, whatever its engine: ``token_budget``
+    and ``selection_interval`` ``None`` or an int >= 1, ``dense`` a bool that excludes both. ``owner`` names them
+    in the message (``"SamplingParams"``; ``"quest"``, the server's request object)."""
+    check_optional_int(f"{owner}.token_budget", token_budget, minimum=1)
+    check_optional_int(f"{owner}.selection_interval", selection_interval, minimum=1)
+    check_bool(f"{owner}.dense", dense)
+    for name, value in (("token_budget", token_budget), ("selection_interval", selection_interval)):
+        if dense and value is not None:
+            raise ValueError(f"{owner}.dense=True attends every page; it excludes {name}={value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestQuest:
+    """One request's Quest settings, resolved against its engine's :class:`QuestConfig` once, at admission
+    (:meth:`resolve`): what the runner, the attention accounting and the server's echo read.
+
+    Attributes:
+        token_budget: tokens the request's sparse layers attend per decode step (a multiple of the page size
+            within the engine's budget); ``None``: the request decodes densely (it asked to, or the engine is
+            dense).
+        selection_interval: decode steps per page selection (``1`` when dense).
+    """
+
+    token_budget: Optional[int] = None
+    selection_interval: int = 1
+
+    @property
+    def dense(self) -> bool:
+        """Whether the request attends every page on every layer."""
+        return self.token_budget is None
+
+    @classmethod
+    def resolve(cls, engine: Optional[QuestConfig], token_budget: Optional[int] = None,
+                selection_interval: Optional[int] = None, dense: bool = False,
+                owner: str = "SamplingParams") -> "RequestQuest":
+        """The settings a request asking for ``token_budget`` / ``selection_interval`` / ``dense`` (``None``: the
+        engine's) gets on an engine configured with ``engine`` (``None`` or dense: no Quest).
+
+        Raises:
+            ValueError: naming ``owner.field``, the value and what is allowed: a malformed field
+                (:func:`check_request_fields`), a budget or interval on an engine without Quest, a budget that
+                is not a multiple of the page size within ``[page_size * (forced pages + 1), engine budget]``, an
+                interval above the engine's (whose extra page columns bound how long a selection is reused).
+        """
+        check_request_fields(owner, token_budget, selection_interval, dense)
+        if engine is None or engine.is_dense:
+            for name, value in (("token_budget", token_budget), ("selection_interval", selection_interval)):
+                if value is not None:
+                    raise ValueError(f"{owner}.{name}={value} needs an engine with Quest "
+                                     "(quest=QuestConfig(token_budget=...))")
+            return cls()
+        if dense:
+            return cls()
+        budget = engine.token_budget if token_budget is None else token_budget
+        lowest = engine.page_size * (engine.forced_pages + 1)
+        if budget % engine.page_size or not lowest <= budget <= engine.token_budget:
+            raise ValueError(
+                f"{owner}.token_budget must be a multiple of page_size={engine.page_size} in "
+                f"[{lowest}, {engine.token_budget}] (the engine's budget), got {budget}"
+            )
+        interval = engine.selection_interval if selection_interval is None else selection_interval
+        if interval > engine.selection_interval:
+            raise ValueError(
+                f"{owner}.selection_interval must be in [1, {engine.selection_interval}] (the engine's "
+                f"QuestConfig.selection_interval, which sizes the reused selections), got {interval}"
+            )
+        return cls(budget, interval)

@@ -7,12 +7,6 @@ usable selection; on the other steps every sparse layer attends the pages that l
 pages begun since. :class:`SelectionMemory` holds those selections per cache sequence slot and lays them out in
 batch order for a step (:meth:`SelectionMemory.rows`), with device ops only, so a step with reuse captures in a
 CUDA graph: the estimate and select kernels skip the rows that reuse (their ``active`` flag is 0).
-
-Adaptive reuse (``QuestConfig.reselect_similarity``): on a step where a row would reuse, each sparse layer's
-reselect op (:func:`questkv.ops.reference.reselect_heads_into`, one launch) flags the heads whose query drifted
-from the query of their last selection; those estimate and select alone (the ops' ``[batch, num_sel_heads]``
-flags) and attend no pages begun since, while the others attend their own last selection plus the pages begun
-since it. The memory keeps each head's last query and selection page count for that.
 """
 
 from __future__ import annotations
@@ -24,7 +18,6 @@ import torch
 
 from questkv import ops
 from questkv.config import QuestConfig
-from questkv.decode.step import Reselection
 from questkv.ops import reference
 from questkv.ops.reference import ReusedSelections
 
@@ -35,20 +28,18 @@ class ReuseRows:
 
     Attributes:
         gathered: from :func:`questkv.ops.gather_selections`; its fields read as this class's properties.
-        adaptive: adaptive reuse (``QuestConfig.reselect_similarity``), else ``None``.
         selecting: ``False`` when the host knows that no row of the step selects (every row is off its phase and
             holds a selection; padding rows aside): the sparse layers launch the attend alone, and ``active`` is all
-            zero on the real rows. Never ``False`` with adaptive reuse.
+            zero on the real rows.
     """
 
     gathered: ReusedSelections
-    adaptive: Optional["AdaptiveRows"] = None
     selecting: bool = True
 
     @property
     def active(self) -> torch.Tensor:
         """``[batch]`` int32, 1 where the row estimates and selects in this step (every head of it), 0 where it
-        reuses (adaptive reuse: where each head decides on the device, see ``head_active``)."""
+        reuses."""
         return self.gathered.active
 
     @property
@@ -56,42 +47,13 @@ class ReuseRows:
         """``[num_sparse_layers, batch, num_sel_heads, budget_pages + extra_pages]`` int32 logical pages, ``-1``
         padding: a reusing row's last selection (its first ``budget_pages`` columns) and the pages begun since (the
         last ``extra_pages``); an active row's selection is written into its first ``budget_pages`` columns by the
-        step, its last ones are ``-1``. With adaptive reuse the pages begun since are counted per (layer, row, head)
-        from that head's own last selection, and a head that reselects in the step has its last columns set to
-        ``-1`` by the reselect op."""
+        step, its last ones are ``-1``."""
         return self.gathered.selected
 
     @property
     def selected_at(self) -> torch.Tensor:
-        """``[batch]`` int32, the page count of each row's selection (this step's for active rows); with adaptive
-        reuse, of the row's last whole-row selection (the phase's)."""
+        """``[batch]`` int32, the page count of each row's selection (this step's for active rows)."""
         return self.gathered.selected_at
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptiveRows:
-    """What adaptive reuse adds to a step's :class:`ReuseRows` (sparse layer ``i`` reads index ``i`` of each).
-
-    Attributes:
-        slots: ``[batch]`` int64 cache slots of the rows.
-        thresholds: ``[batch]`` float32 similarity thresholds of the rows.
-        queries: ``[num_sparse_layers, max_seqs, num_sel_heads, group * head_dim]``, the memory's last queries
-            (read and written in place by the layers' reselect ops).
-        head_active: ``[num_sparse_layers, batch, num_sel_heads]`` int32, written by each layer's reselect op:
-            1 where the (row, head) selects in this step.
-        head_selected_at: ``[num_sparse_layers, batch, num_sel_heads]`` int32, the page count of each head's last
-            selection before this step (this step's for the rows in ``active``).
-    """
-
-    slots: torch.Tensor
-    thresholds: torch.Tensor
-    queries: torch.Tensor
-    head_active: torch.Tensor
-    head_selected_at: torch.Tensor
-
-    def layer(self, index: int) -> Reselection:
-        """Sparse layer ``index``'s :class:`~questkv.decode.step.Reselection`."""
-        return Reselection(self.queries[index], self.slots, self.thresholds, self.head_active[index])
 
 
 class SelectionMemory:
@@ -102,28 +64,21 @@ class SelectionMemory:
         num_layers: the model's layers (the first ``config.dense_layers`` have no selection).
         num_sel_heads: heads that select (KV heads for ``kv_head`` selection, query heads for ``q_head``).
         max_seqs: cache sequence slots (``PagedKVCache.max_seqs``).
-        query_width: adaptive reuse (``config.reselect_similarity`` set): elements of a selecting head's query
-            (``num_q_heads // num_sel_heads * head_dim``); dtype: of the queries (the model's).
         backend: of the gather and store ops (:func:`questkv.ops.resolve_backend`).
 
     Buffers: ``pages`` ``[num_sparse_layers, max_seqs, num_sel_heads, budget_pages + extra_pages]`` int32 and
     ``selected_at`` ``[max_seqs]`` int32 (the page count when the slot's sequence last selected, ``-1`` for
-    none: a slot whose sequence was (re)prefilled or whose step could not keep its selection). With adaptive
-    reuse also ``queries`` ``[num_sparse_layers, max_seqs, num_sel_heads, query_width]`` in ``dtype`` (the query
-    that made each head's last selection) and ``head_selected_at`` ``[num_sparse_layers, max_seqs,
-    num_sel_heads]`` int32 (the page count at each head's last selection). The selection-rate counters,
+    none: a slot whose sequence was (re)prefilled or whose step could not keep its selection). The selection-rate
+    counters,
     ``selections``, ``steps`` and ``last_selections`` ``[max_seqs]`` int64: (sparse layer, head) selections and
     decode steps of each slot's sequence since its (re)prefill, and the selections of its latest step, on the
     device (:meth:`selection_rate` reads them).
     """
 
     def __init__(self, config: QuestConfig, num_layers: int, num_sel_heads: int, max_seqs: int,
-                 device: torch.device | str, query_width: int = 0, dtype: torch.dtype = torch.float32,
-                 backend: str = "auto") -> None:
+                 device: torch.device | str, backend: str = "auto") -> None:
         if config.is_dense or config.selection_interval < 2:
             raise ValueError(f"SelectionMemory needs a sparse config with selection_interval >= 2, got {config}")
-        if config.reselect_similarity is not None and query_width < 1:
-            raise ValueError(f"SelectionMemory with reselect_similarity needs query_width >= 1, got {query_width}")
         self.backend = backend
         self.page_size = config.page_size
         self.budget_pages = config.budget_pages
@@ -137,25 +92,15 @@ class SelectionMemory:
         self.selections = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.steps = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.last_selections = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        self.queries = self.head_selected_at = None
-        if config.reselect_similarity is not None:
-            heads = (self.sparse_layers, max_seqs, num_sel_heads)
-            self.queries = torch.zeros(heads + (query_width,), dtype=dtype, device=device)
-            self.head_selected_at = torch.full(heads, -1, dtype=torch.int32, device=device)
 
     @staticmethod
-    def nbytes(config: QuestConfig, num_layers: int, num_sel_heads: int, max_seqs: int, query_width: int = 0,
-               dtype: torch.dtype = torch.float32) -> int:
+    def nbytes(config: QuestConfig, num_layers: int, num_sel_heads: int, max_seqs: int) -> int:
         """Device bytes a memory of these arguments takes (0 when the config has no reuse)."""
         if config.is_dense or config.selection_interval < 2:
             return 0
         sparse_layers = num_layers - min(config.dense_layers, num_layers)
         width = config.budget_pages + config.reuse_extra_pages
-        total = 4 * (sparse_layers * max_seqs * num_sel_heads * width + max_seqs) + 3 * 8 * max_seqs
-        if config.reselect_similarity is not None:
-            heads = sparse_layers * max_seqs * num_sel_heads
-            total += heads * (query_width * torch.empty(0, dtype=dtype).element_size() + 4)
-        return total
+        return 4 * (sparse_layers * max_seqs * num_sel_heads * width + max_seqs) + 3 * 8 * max_seqs
 
     @property
     def counters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,8 +139,8 @@ class SelectionMemory:
             return None
         return selections / (steps * self.sparse_layers * self.num_sel_heads)
 
-    def rows(self, seq_ids: torch.Tensor, due: torch.Tensor, seq_lens: torch.Tensor,
-             thresholds: Optional[torch.Tensor] = None, selecting: bool = True) -> ReuseRows:
+    def rows(self, seq_ids: torch.Tensor, due: torch.Tensor, seq_lens: torch.Tensor, selecting: bool = True
+             ) -> ReuseRows:
         """The step's selections of slots ``seq_ids`` in batch order.
 
         A row selects when ``due`` says so, when its slot holds no selection, or when more pages began since
@@ -205,26 +150,17 @@ class SelectionMemory:
             seq_ids: ``[batch]`` int64 cache slots (padding rows may repeat one).
             due: ``[batch]`` integer, nonzero where the row's phase makes it select.
             seq_lens: ``[batch]`` int32, the current token included.
-            thresholds: adaptive reuse only (and then required): ``[batch]`` float32 similarity thresholds.
             selecting: ``False``: the caller knows that no real row selects (see :attr:`ReuseRows.selecting`).
         """
-        if (thresholds is None) != (self.queries is None):
-            raise ValueError("SelectionMemory.rows takes thresholds exactly when the config has reselect_similarity")
-        if not selecting and thresholds is not None:
-            raise ValueError("SelectionMemory.rows: with adaptive reuse a step may always select (selecting=True)")
         rows = ops.gather_selections(self.pages, self.selected_at, seq_ids, due, seq_lens, self.page_size,
-                                     self.budget_pages, self.head_selected_at, backend=self.backend)
-        adaptive = None
-        if self.queries is not None:
-            adaptive = AdaptiveRows(seq_ids, thresholds, self.queries, torch.empty_like(rows.made_at), rows.made_at)
-        return ReuseRows(rows, adaptive, selecting)
+                                     self.budget_pages, backend=self.backend)
+        return ReuseRows(rows, selecting)
 
     def store(self, seq_ids: torch.Tensor, rows: ReuseRows) -> None:
         """Keep the step's selections (``rows`` from :meth:`rows` of the same ``seq_ids``) for the next steps and
         count the (layer, head) selections the step made."""
-        head_active = None if rows.adaptive is None else rows.adaptive.head_active
         ops.store_selections(self.pages, self.selected_at, self.counters, seq_ids, rows.gathered,
-                             self.head_selected_at, head_active, backend=self.backend)
+                             backend=self.backend)
 
 
 def selection_seq_len(seq_len: int, num_prompt_tokens: int, interval: int) -> int:

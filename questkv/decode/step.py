@@ -8,7 +8,7 @@ whole model's decode step captures in a CUDA graph. :func:`quest_decode` is a on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -18,23 +18,6 @@ from questkv.ops.pages import LayerPages
 
 if TYPE_CHECKING:
     from questkv.cache.paged import PagedKVCache
-
-
-class Reselection(NamedTuple):
-    """One sparse layer's adaptive-reuse inputs of :meth:`QuestDecodeStep.sparse` (the arguments of
-    :func:`questkv.ops.reference.reselect_heads_into` that the step does not hold).
-
-    Attributes:
-        queries: ``[max_seqs, num_sel_heads, group * head_dim]`` in ``q``'s dtype, the layer's last queries.
-        slots: ``[batch]`` int64 cache slots of the rows.
-        thresholds: ``[batch]`` float32 similarity thresholds.
-        head_active: ``[batch, num_sel_heads]`` int32, written: the (row, head) flags the estimate and select read.
-    """
-
-    queries: torch.Tensor
-    slots: torch.Tensor
-    thresholds: torch.Tensor
-    head_active: torch.Tensor
 
 
 class QuestDecodeStep:
@@ -63,9 +46,7 @@ class QuestDecodeStep:
 
     Selection reuse (:mod:`questkv.decode.reuse`): :meth:`sparse` given ``active`` and ``selected`` estimates
     and selects only the active rows, into ``selected``, and attends every row's ``selected`` (with
-    ``selecting=False``, a step where no row is active, it launches the attend alone); given a
-    :class:`Reselection` too (adaptive reuse) it first decides per (row, head) which reselect (one more
-    launch on the Triton backend), and only those estimate and select.
+    ``selecting=False``, a step where no row is active, it launches the attend alone).
     """
 
     def __init__(
@@ -124,7 +105,7 @@ class QuestDecodeStep:
         active: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Page scores of ``q`` ``[batch, num_q_heads, head_dim]`` into ``self.scores``, for the rows whose
-        ``active`` ``[batch]`` (or ``[batch, num_sel_heads]``) int32 flag is nonzero (``None``: every row)."""
+        ``active`` ``[batch]`` int32 flag is nonzero (``None``: every row)."""
         cfg = self.config
         return self.backend.page_scores_into(
             self.scores, q, layer.kmin, layer.kmax, page_table, seq_lens, cfg.page_size, cfg.selection,
@@ -168,7 +149,6 @@ class QuestDecodeStep:
         budgets: Optional[torch.Tensor] = None,
         active: Optional[torch.Tensor] = None,
         selected: Optional[torch.Tensor] = None,
-        reselection: Optional[Reselection] = None,
         selecting: bool = True,
     ) -> torch.Tensor:
         """Quest attention (estimate, select, attend) into ``self.out``; returns ``self.out``.
@@ -183,28 +163,17 @@ class QuestDecodeStep:
                 select in this step, and the ``[batch, num_sel_heads, budget_pages + reuse_extra_pages]`` int32
                 selections that every row attends (an inactive row's as given, see
                 :class:`~questkv.decode.reuse.ReuseRows`).
-            reselection: adaptive reuse (with ``active`` and ``selected``): the rows not in ``active`` reselect
-                per head where their query drifted (:func:`~questkv.ops.reference.reselect_heads_into`, which
-                clears those heads' extra columns of ``selected``); ``reselection.head_active`` holds the flags.
-            selecting: ``False`` when the caller knows that no row is active (selection reuse without adaptive
-                reuse): only the attend launches, over ``selected``; ``active`` must then be all zero (not checked
-                here: no host sync).
+            selecting: ``False`` when the caller knows that no row is active (selection reuse): only the attend
+                launches, over ``selected``; ``active`` must then be all zero (not checked here: no host sync).
         """
         if self.selected is None:
             raise ValueError("QuestDecodeStep.sparse needs a sparse config (token_budget set)")
-        if (active is None) != (selected is None) or (reselection is not None and active is None):
-            raise ValueError("QuestDecodeStep.sparse takes active and selected together (selection reuse) or neither, "
-                             "and reselection only with them")
+        if (active is None) != (selected is None):
+            raise ValueError("QuestDecodeStep.sparse takes active and selected together (selection reuse) or neither")
         if not selecting:
-            if selected is None or reselection is not None:
-                raise ValueError("QuestDecodeStep.sparse with selecting=False needs selected (selection reuse) and "
-                                 "no reselection (adaptive reuse decides on the device)")
+            if selected is None:
+                raise ValueError("QuestDecodeStep.sparse with selecting=False needs selected (selection reuse)")
             return self.attend(q, layer, page_table, seq_lens, sm_scale, selected)
-        if reselection is not None:
-            active = self.backend.reselect_heads_into(
-                reselection.head_active, q, reselection.queries, reselection.slots, active, reselection.thresholds,
-                selected, self.config.budget_pages,
-            )
         self.estimate(q, layer, page_table, seq_lens, active)
         self.select(seq_lens, budgets, active=active, selected=selected)
         return self.attend(q, layer, page_table, seq_lens, sm_scale, selected)

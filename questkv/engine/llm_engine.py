@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 import torch
 
-from questkv.config import QuestConfig
+from questkv.config import RequestQuest
 from questkv.decode.reuse import selection_seq_len
 from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import ROUND_TO_NEAREST, EngineConfig
@@ -136,7 +136,6 @@ class LLMEngine:
             max_num_batched_tokens=config.prefill_tokens_per_step(max_model_len),
             eos_token_ids=self.eos_token_ids,
             max_model_len=max_model_len,
-            sparse_decode=self._sparse_layers > 0,
             chunked_prefill=config.enable_chunked_prefill,
         )
         self._ids = itertools.count()
@@ -176,71 +175,36 @@ class LLMEngine:
         if len(prompts) != len(params):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         checked = [self.validate_request(prompt, param) for prompt, param in zip(prompts, params)]
-        return [self._queue(text, token_ids, param) for (text, token_ids), param in zip(checked, params)]
+        return [self._queue(*checked_request, param) for checked_request, param in zip(checked, params)]
 
-    def _queue(self, text: Optional[str], token_ids: list[int], params: SamplingParams,
+    def _queue(self, text: Optional[str], token_ids: list[int], quest: RequestQuest, params: SamplingParams,
                request_id: Optional[str] = None) -> str:
         """Queue a request that :meth:`validate_request` accepted; returns its id."""
         request_id = str(next(self._ids)) if request_id is None else request_id
-        seq = Sequence(request_id, token_ids, params, prompt=text,
+        seq = Sequence(request_id, token_ids, params, prompt=text, quest=quest,
                        detokenizer=None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer))
         self.scheduler.add(seq)  # checks the length and the pool
         return request_id
 
-    def validate_request(self, prompt: Prompt, params: SamplingParams) -> tuple[Optional[str], list[int]]:
-        """Every check of :meth:`add_request`, changing nothing; returns the prompt's text and token ids."""
+    def validate_request(self, prompt: Prompt, params: SamplingParams
+                         ) -> tuple[Optional[str], list[int], RequestQuest]:
+        """Every check of :meth:`add_request`, changing nothing; returns the prompt's text and token ids and the
+        request's Quest settings resolved against the engine's (:meth:`resolve_quest`)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         self._check_vocab("SamplingParams.forced_token_ids", params.forced_token_ids)
-        self.check_budget(params.token_budget)
-        self.check_selection_interval(params.selection_interval)
-        self.check_reselect_similarity(params.reselect_similarity)
+        quest = self.resolve_quest(params.token_budget, params.selection_interval, params.dense)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; a dummy-weight model has none (use stop_token_ids)")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
-        return text, token_ids
+        return text, token_ids, quest
 
-    def check_budget(self, token_budget: Optional[int]) -> None:
-        """Raise ``ValueError`` unless a request may carry ``token_budget`` on this engine."""
-        if token_budget is None:
-            return
-        quest = self._sparse_quest("token_budget", token_budget)
-        lowest = quest.page_size * (quest.forced_pages + 1)
-        if token_budget % quest.page_size or not lowest <= token_budget <= quest.token_budget:
-            raise ValueError(
-                f"SamplingParams.token_budget must be a multiple of page_size={quest.page_size} in "
-                f"[{lowest}, {quest.token_budget}] (the engine's budget), got {token_budget}"
-            )
-
-    def check_selection_interval(self, interval: Optional[int]) -> None:
-        """Raise ``ValueError`` unless a request may carry ``selection_interval`` on this engine."""
-        if interval is None:
-            return
-        quest = self._sparse_quest("selection_interval", interval)
-        if interval > quest.selection_interval:
-            raise ValueError(
-                f"SamplingParams.selection_interval must be in [1, {quest.selection_interval}] (the engine's "
-                f"QuestConfig.selection_interval, which sizes the reused selections), got {interval}"
-            )
-
-    def check_reselect_similarity(self, similarity: Optional[float]) -> None:
-        """Raise ``ValueError`` unless a request may carry ``reselect_similarity`` on this engine."""
-        if similarity is None:
-            return
-        quest = self._sparse_quest("reselect_similarity", similarity)
-        if quest.reselect_similarity is None:
-            raise ValueError(
-                f"SamplingParams.reselect_similarity={similarity} needs an engine with adaptive reuse "
-                "(QuestConfig.reselect_similarity set, which keeps every head's last query)"
-            )
-
-    def _sparse_quest(self, field: str, value) -> QuestConfig:
-        """The engine's sparse Quest config, for a request's ``field``; ``ValueError`` on a dense engine."""
-        quest = self.config.quest
-        if quest is None or quest.is_dense:
-            raise ValueError(f"SamplingParams.{field}={value} needs an engine with Quest (quest=QuestConfig(token_budget=...))")
-        return quest
+    def resolve_quest(self, token_budget: Optional[int] = None, selection_interval: Optional[int] = None,
+                      dense: bool = False, owner: str = "SamplingParams") -> RequestQuest:
+        """A request's Quest settings on this engine (:meth:`RequestQuest.resolve`; ``ValueError`` naming
+        ``owner.field``); reads the engine's configuration only, so any thread may call it."""
+        return RequestQuest.resolve(self.config.quest, token_budget, selection_interval, dense, owner)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, then return an output for every live sequence of the step processed:
@@ -366,16 +330,16 @@ class LLMEngine:
         seqs = batch.seqs[:batch.num_decodes]
         contexts = list(batch.seq_lens[:batch.num_decodes])  # the new token included
         attended = list(map(float, contexts))
-        quest = self.config.quest
-        sparse_rows = [i for i, seq in enumerate(seqs) if self._sparse_layers and not seq.sampling_params.dense]
+        page_size = self.cache.page_size
+        sparse_rows = [i for i, seq in enumerate(seqs) if not seq.quest.dense]
         if sparse_rows:
-            budgets = [seqs[i].sampling_params.token_budget or quest.token_budget for i in sparse_rows]
+            budgets = [seqs[i].quest.token_budget for i in sparse_rows]
             # A reused selection, made at a shorter length, attends the pages begun since it in full too.
-            made_at = [selection_seq_len(contexts[i], seqs[i].num_prompt_tokens,
-                                         self.runner.selection_interval_of(seqs[i])) for i in sparse_rows]
-            begun = [-(-contexts[i] // quest.page_size) - -(-at // quest.page_size) for i, at in zip(sparse_rows, made_at)]
-            sparse = sparse_tokens_attended(torch.tensor(made_at), torch.tensor(budgets), quest.page_size).tolist()
-            sparse = [tokens + pages * quest.page_size for tokens, pages in zip(sparse, begun)]  # host: no device sync
+            made_at = [selection_seq_len(contexts[i], seqs[i].num_prompt_tokens, seqs[i].quest.selection_interval)
+                       for i in sparse_rows]
+            begun = [-(-contexts[i] // page_size) - -(-at // page_size) for i, at in zip(sparse_rows, made_at)]
+            sparse = sparse_tokens_attended(torch.tensor(made_at), torch.tensor(budgets), page_size).tolist()
+            sparse = [tokens + pages * page_size for tokens, pages in zip(sparse, begun)]  # host: no device sync
             layers = self.spec.num_layers
             for i, tokens in zip(sparse_rows, sparse):
                 attended[i] = ((layers - self._sparse_layers) * contexts[i] + self._sparse_layers * tokens) / layers

@@ -47,20 +47,10 @@ from questkv.models.fusion import fuse_elementwise
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 
 # Rows of the packed decode inputs: token ids, positions, sequence lengths, token budgets, page-table rows, the
-# row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS), whether
-# the row's phase makes it select (selection reuse), and its adaptive-reuse similarity threshold (a float64's
-# bits, read on the device through a dtype view).
-_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _THRESHOLDS = range(8)
-_NUM_INPUTS = 8
-
-
-def _float_bits(value: float) -> int:
-    """``value`` as a float64's bits in an int64 (a row of the packed inputs; the device reads it back through a
-    ``torch.float64`` view)."""
-    return int(np.float64(value).view(np.int64))
-
-
-_NEVER_RESELECT = _float_bits(-1.0)  # the threshold that never reselects early
+# row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS), and whether
+# the row's phase makes it select (selection reuse).
+_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE = range(7)
+_NUM_INPUTS = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,10 +147,9 @@ class ModelRunner:
         self.num_q_heads, num_kv_heads = spec.num_q_heads // size, spec.num_kv_heads // size  # this rank's
         sel_heads = self.num_q_heads if quest is not None and quest.selection == "q_head" else num_kv_heads
         memory_args = (spec.num_layers, sel_heads, max_seqs)
-        query_width = dict(query_width=self.num_q_heads // sel_heads * spec.head_dim, dtype=config.torch_dtype)
         # Quantized layers keep their packed weights as buffers; the selection memory is sized like them, up front.
         weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-        memory_bytes = 0 if quest is None else SelectionMemory.nbytes(quest, *memory_args, **query_width)
+        memory_bytes = 0 if quest is None else SelectionMemory.nbytes(quest, *memory_args)
         local = dataclasses.replace(spec, num_q_heads=self.num_q_heads, num_kv_heads=num_kv_heads)
         self.cache_spec = plan_cache(config, local, max_model_len, self.device, weight_bytes, memory_bytes)
         if tp is not None:  # one page table drives every rank: each pool holds as many pages as the smallest
@@ -175,7 +164,7 @@ class ModelRunner:
         )
         self.memory = None
         if memory_bytes:
-            self.memory = SelectionMemory(quest, *memory_args, self.device, **query_width)
+            self.memory = SelectionMemory(quest, *memory_args, self.device)
         bind_cache(model, self.cache)
         if config.use_cuda_graphs and config.compile_elementwise:
             fuse_elementwise(model)
@@ -187,7 +176,7 @@ class ModelRunner:
         batch_sizes = graph_batch_sizes(config.max_num_seqs) if config.use_cuda_graphs else ()
         self.graphs = DecodeGraphs(batch_sizes, self.cache.max_pages_per_seq, self.device,
                                    warmup_keeps=self.memory.counters if self.memory is not None else (),
-                                   reusing_steps=self._reuses_fixed)
+                                   reusing_steps=self.memory is not None)
         # Rank 0's mirror of the selection memory: the cache slots that hold a selection a next step may reuse
         # (a prefill clears its slots, a step with a dense request its rows', any other decode step sets its rows').
         self._kept: set[int] = set()
@@ -326,21 +315,16 @@ class ModelRunner:
         memory."""
         padded = self.graphs.padded(len(seqs))
         width = self.graphs.width(self.cache.pages_for_tokens(max(seq_lens)))
-        all_pages = self.budget is not None and any(seq.sampling_params.dense for seq in seqs)
+        all_pages = self.budget is not None and any(seq.quest.dense for seq in seqs)
         host = self._stage_inputs(seqs, seq_lens, padded, width)
         slots = [seq.cache_id for seq in seqs]
-        selecting = (not self._reuses_fixed or all_pages or bool(host[_DUE, :len(seqs)].any())
+        selecting = (self.memory is None or all_pages or bool(host[_DUE, :len(seqs)].any())
                      or not self._kept.issuperset(slots))
         if all_pages:  # the step forgets every row's selection (SelectionMemory.count_selecting_step)
             self._kept.difference_update(slots)
         elif self.memory is not None:
             self._kept.update(slots)
         return (padded, width, all_pages, selecting), host
-
-    @property
-    def _reuses_fixed(self) -> bool:
-        """Selection reuse at a fixed interval (adaptive reuse decides on the device: its steps may always select)."""
-        return self.memory is not None and self.memory.queries is None
 
     def _publish(self, batch: ScheduledBatch, **step) -> None:
         """Rank 0 with tensor parallelism: send the other ranks the step (``prefill=`` and/or ``decode=`` of
@@ -394,7 +378,6 @@ class ModelRunner:
         host[_ROWS].fill_(self.scratch_seq)
         host[_SRC].fill_(-1)
         host[_DUE].fill_(1)
-        host[_THRESHOLDS].fill_(_NEVER_RESELECT)
         if seqs:
             rows = []
             for seq, seq_len in zip(seqs, seq_lens):
@@ -407,8 +390,7 @@ class ModelRunner:
                 rows.append([token if known else 0, position, seq_len,
                              self._budget_of(seq, width), seq.cache_id,
                              -1 if known else self._sampled_rows[seq.request_id],
-                             is_due(seq_len, seq.num_prompt_tokens, self.selection_interval_of(seq)),
-                             self._threshold_bits_of(seq)])
+                             is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval)])
             host[:, :len(rows)] = torch.tensor(rows, dtype=torch.int64).T
         self._inputs[:, :padded].copy_(host, non_blocking=True)
         return host
@@ -460,10 +442,7 @@ class ModelRunner:
             if all_pages:  # a dense request's budget outgrows the memory's columns: every row selects, none keeps it
                 self.memory.count_selecting_step(inputs[_ROWS])
             else:
-                thresholds = None
-                if self.memory.queries is not None:
-                    thresholds = inputs[_THRESHOLDS].view(torch.float64).to(torch.float32)
-                reuse = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens, thresholds, selecting)
+                reuse = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens, selecting)
                 if not selecting and self.device.type == "cpu":  # free here; a sync (and no capture) on CUDA
                     wrong = ((reuse.active != 0) & (inputs[_ROWS] != self.scratch_seq)).nonzero()[:, 0].tolist()
                     if wrong:
@@ -486,26 +465,11 @@ class ModelRunner:
             self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.num_q_heads, width)
         return self._steps[key]
 
-    def selection_interval_of(self, seq: Sequence) -> int:
-        """The request's selection interval, or the engine's (1 on a dense engine)."""
-        quest = self.config.quest
-        interval = seq.sampling_params.selection_interval
-        return interval if interval is not None else (1 if quest is None else quest.selection_interval)
-
-    def _threshold_bits_of(self, seq: Sequence) -> int:
-        """The bits (as a float64) of the request's adaptive-reuse threshold, or the engine's (-1.0, never, without
-        adaptive reuse)."""
-        quest = self.config.quest
-        threshold = seq.sampling_params.reselect_similarity
-        if threshold is None:
-            threshold = -1.0 if quest is None or quest.reselect_similarity is None else quest.reselect_similarity
-        return _float_bits(threshold)
-
     def selection_rate(self, seq: Sequence, slot: Optional[int], discard_last: bool = False) -> Optional[float]:
         """The finished request's :attr:`~questkv.engine.sequence.RequestMetrics.selection_rate` (its cache slot
         ``slot``, now freed: its counters stay until the slot's next prefill; ``discard_last``: its latest decode
         step's tokens were discarded, see :meth:`SelectionMemory.selection_rate`); reads the device once."""
-        if self.budget is None or seq.sampling_params.dense or slot is None:
+        if seq.quest.dense or slot is None:
             return None
         if self.memory is None:
             return 1.0  # every decode step selects
@@ -513,13 +477,10 @@ class ModelRunner:
 
     def _budget_of(self, seq: Sequence, width: int) -> int:
         """The sequence's token budget: 0 on a dense engine (no layer reads it), every column of the
-        page table for a dense request."""
-        params = seq.sampling_params
+        page table for a dense request in a Quest step."""
         if self.budget is None:
             return 0
-        if params.dense:
-            return width * self.cache.page_size
-        return self.budget if params.token_budget is None else params.token_budget
+        return width * self.cache.page_size if seq.quest.dense else seq.quest.token_budget
 
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
         """``[num_sampled]`` int64 sampled tokens (greedy rows by argmax) from ``[num_sampled, vocab]`` ``logits``.

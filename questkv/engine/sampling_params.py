@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional, Union
 
+from questkv.config import check_request_fields
 from questkv.validation import check_bool, check_float, check_int, check_optional_int, check_text
 
 __all__ = ["GREEDY_BELOW", "SamplingParams"]
@@ -43,8 +44,8 @@ class SamplingParams:
         ignore_eos: keep generating past the model's end-of-sequence tokens.
         token_budget: this request's Quest token budget per decode step (>= 1); ``None`` uses the engine's.
             The engine refuses a budget above its own configuration's.
-        dense: attend every page on every layer (no Quest) even on a Quest engine; excludes ``token_budget``,
-            ``selection_interval`` and ``reselect_similarity``.
+        dense: attend every page on every layer (no Quest) even on a Quest engine; excludes ``token_budget`` and
+            ``selection_interval``.
         selection_interval: this request's decode steps per page selection (>= 1, see
             :attr:`questkv.QuestConfig.selection_interval`); ``None`` uses the engine's. The engine refuses one
             above its configuration's (whose extra page columns bound how long a selection may be reused).
@@ -58,9 +59,6 @@ class SamplingParams:
             apply only after the forced tokens. The engine checks the ids against the vocabulary.
         detokenize: keep the output text (``RequestOutput.text``) up to date; ``False`` leaves it empty and saves
             the per-step detokenisation, for callers that read ``token_ids`` only (excludes ``stop``).
-        reselect_similarity: this request's adaptive-reuse threshold in ``[-1, 1]`` (see
-            :attr:`questkv.QuestConfig.reselect_similarity`; ``-1``: never reselect early, the fixed interval);
-            ``None`` uses the engine's. Needs an engine with ``reselect_similarity`` set (which keeps the queries).
     """
 
     temperature: float = 1.0
@@ -76,7 +74,6 @@ class SamplingParams:
     selection_interval: Optional[int] = None
     forced_token_ids: Union[tuple[int, ...], Iterable[int], None] = ()
     detokenize: bool = True
-    reselect_similarity: Optional[float] = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalised values are written once, here
@@ -91,16 +88,7 @@ class SamplingParams:
         set_(self, "stop", _stop_strings(self.stop))
         set_(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         check_bool("SamplingParams.ignore_eos", self.ignore_eos)
-        check_optional_int("SamplingParams.token_budget", self.token_budget, minimum=1)
-        check_bool("SamplingParams.dense", self.dense)
-        check_optional_int("SamplingParams.selection_interval", self.selection_interval, minimum=1)
-        if self.reselect_similarity is not None:
-            check_float("SamplingParams.reselect_similarity", self.reselect_similarity, low=-1.0, high=1.0)
-        for name in ("token_budget", "selection_interval", "reselect_similarity"):
-            if self.dense and getattr(self, name) is not None:
-                raise ValueError(
-                    f"SamplingParams.dense=True attends every page; it excludes {name}={getattr(self, name)}"
-                )
+        check_request_fields("SamplingParams", self.token_budget, self.selection_interval, self.dense)
         check_bool("SamplingParams.detokenize", self.detokenize)
         if self.stop and not self.detokenize:
             raise ValueError(f"SamplingParams.stop={list(self.stop)!r} is matched in the output text; it needs "

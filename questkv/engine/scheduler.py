@@ -150,8 +150,6 @@ class Scheduler:
             ``max_num_seqs``, so that every decode fits).
         eos_token_ids: the model's end-of-sequence ids (ignored by requests with ``ignore_eos``).
         max_model_len: the most tokens (prompt plus generated) of one sequence.
-        sparse_decode: whether decode steps of non-dense requests attend sparsely (Quest layers): then only the
-            pages a prefill wrote are offered to the prefix cache.
         chunked_prefill: split prefills into chunks and mix them with the decode tokens in steps of at most
             ``max_num_batched_tokens`` tokens (see above).
 
@@ -166,7 +164,6 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_ids: Iterable[int],
         max_model_len: int,
-        sparse_decode: bool = False,
         chunked_prefill: bool = False,
     ) -> None:
         if not isinstance(cache, PagedKVCache):
@@ -187,7 +184,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.sparse_decode = bool(sparse_decode)
         self.chunked_prefill = bool(chunked_prefill)
         self._prefilling: Optional[Sequence] = None
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -543,14 +539,14 @@ class Scheduler:
             self._prefilling = None
 
     def _register(self, seq: Sequence) -> None:
-        """Offer the sequence's newly filled pages to the prefix cache (cheap when none filled up). With sparse
-        decode steps only its prefilled pages: a token that a Quest step computed attended part of its context,
-        so its K/V are not those of a prefill of the same tokens (a dense request's are)."""
+        """Offer the sequence's newly filled pages to the prefix cache (cheap when none filled up). A Quest request
+        (``seq.quest``) offers only its prefilled pages: a token that a Quest step computed attended part of its
+        context, so its K/V are not those of a prefill of the same tokens (a dense request's are)."""
         cache = self.cache
         if not cache.prefix_caching:
             return
         known = min(cache.seq_len(seq.cache_id), seq.num_tokens)
-        if self.sparse_decode and not seq.sampling_params.dense:
+        if not seq.quest.dense:
             known = min(known, seq.num_prefilled_tokens)
         if known // cache.page_size > cache.num_registered_pages(seq.cache_id):
             cache.register(seq.cache_id, seq.all_token_ids[:known])

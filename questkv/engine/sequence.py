@@ -12,6 +12,7 @@ import enum
 import time
 from typing import Any, Optional, Union
 
+from questkv.config import RequestQuest
 from questkv.engine.sampling_params import SamplingParams
 
 __all__ = ["RequestMetrics", "RequestOutput", "Sequence", "SequenceStatus"]
@@ -50,6 +51,8 @@ class Sequence:
         prompt_token_ids: the prompt, at least one token.
         sampling_params: how to sample and when to stop.
         prompt: the prompt text when the request came as text (for :class:`RequestOutput`), else ``None``.
+        quest: its Quest settings, resolved against the engine's at admission (the engine sets them; the default
+            is dense).
         arrival_time: when the request arrived.
         output_token_ids: tokens generated so far, kept across preemptions (they are recomputed, not lost).
         status: see :class:`SequenceStatus`.
@@ -88,6 +91,7 @@ class Sequence:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     prompt: Optional[str] = None
+    quest: RequestQuest = dataclasses.field(default_factory=RequestQuest)
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -178,7 +182,7 @@ class Sequence:
             decode_tps = (self.num_output_tokens - 1) / elapsed if elapsed > 0 else None
         mean_attended = self.tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = self.sparse_tokens_attended_sum / self.decode_steps if self.decode_steps else None
-        sparse = None if self.sampling_params.dense or not self.sparse_tokens_attended_sum else sparse
+        sparse = None if self.quest.dense or not self.sparse_tokens_attended_sum else sparse
         return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions, sparse,
                               self.num_cached_tokens or 0, self.selection_rate)
 
@@ -227,6 +231,7 @@ class RequestOutput:
         stop_reason: the stop string or stop token id that matched, else ``None``.
         finished: whether the request is done.
         metrics: see :class:`RequestMetrics`.
+        quest: the request's Quest settings as the engine resolved them (:class:`~questkv.config.RequestQuest`).
         forced_choices: per forced output so far (``SamplingParams.forced_token_ids``), the token the request's
             sampler chose there (greedy: the argmax); empty without forced tokens.
         forced_logprobs: per forced output so far, the natural log-probability of the forced token
@@ -242,6 +247,7 @@ class RequestOutput:
     stop_reason: Union[int, str, None]
     finished: bool
     metrics: RequestMetrics
+    quest: RequestQuest = RequestQuest()
     forced_choices: tuple[int, ...] = ()
     forced_logprobs: tuple[float, ...] = ()
 
@@ -258,6 +264,7 @@ class RequestOutput:
             stop_reason=seq.stop_reason,
             finished=seq.is_finished,
             metrics=seq.metrics(),
+            quest=seq.quest,
             forced_choices=tuple(seq.forced_choices),
             forced_logprobs=tuple(seq.forced_logprobs),
         )

@@ -490,7 +490,7 @@ def _resolve_config(
     elif config.selection_interval != 1 and not config.is_dense:
         raise ValueError(
             f"QuestConfig.selection_interval={config.selection_interval}: selection reuse runs in the engine "
-            "(questkv.LLM, questkv serve), adaptive reuse (reselect_similarity) too; the HF drop-in selects every "
+            "(questkv.LLM, questkv serve); the HF drop-in selects every "
             "step (allowed: 1)"
         )
     num_layers = model.config.num_hidden_layers

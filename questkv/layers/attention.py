@@ -124,14 +124,12 @@ class Attention(nn.Module):
 
     def _sparse_decode(self, q: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
         reuse = rows.reuse
-        active = selected = reselection = None
+        active = selected = None
         selecting = True
         if reuse is not None:
             active, selected, selecting = reuse.active, reuse.selected[self.sparse_index], reuse.selecting
-            reselection = None if reuse.adaptive is None else reuse.adaptive.layer(self.sparse_index)
         return rows.step.sparse(
-            q, self.pages, rows.page_table, rows.seq_lens, self.sm_scale, rows.budgets, active, selected, reselection,
-            selecting,
+            q, self.pages, rows.page_table, rows.seq_lens, self.sm_scale, rows.budgets, active, selected, selecting
         )
 
 

@@ -127,17 +127,13 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, query_starts, seq_l
     )
 
 
-def gather_selections(pages, selected_at, slots, due, seq_lens, page_size, budget_pages, head_selected_at=None,
-                      backend="auto"):
+def gather_selections(pages, selected_at, slots, due, seq_lens, page_size, budget_pages, backend="auto"):
     """See :func:`questkv.ops.reference.gather_selections` (selection reuse)."""
     return resolve_backend(pages, backend).gather_selections(
-        pages, selected_at, slots, due, seq_lens, page_size, budget_pages, head_selected_at
+        pages, selected_at, slots, due, seq_lens, page_size, budget_pages
     )
 
 
-def store_selections(pages, selected_at, counters, slots, rows, head_selected_at=None, head_active=None,
-                     backend="auto") -> None:
+def store_selections(pages, selected_at, counters, slots, rows, backend="auto") -> None:
     """See :func:`questkv.ops.reference.store_selections` (selection reuse)."""
-    resolve_backend(pages, backend).store_selections(
-        pages, selected_at, counters, slots, rows, head_selected_at, head_active
-    )
+    resolve_backend(pages, backend).store_selections(pages, selected_at, counters, slots, rows)

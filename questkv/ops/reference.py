@@ -33,9 +33,7 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
   sequence ``budget_pages``. Callers validate the values on the host (the ops never synchronise).
 * ``active``: ``[batch]`` int32 flags of :func:`page_scores_into` and :func:`select_pages_into`
   (selection reuse: a sequence re-estimates and re-selects only every ``selection_interval``-th step),
-  or ``[batch, num_sel_heads]`` int32 flags per (sequence, selecting head) (adaptive reuse, from
-  :func:`reselect_heads_into`), or ``None`` for every sequence. A (sequence, head) whose flag is 0 leaves its
-  rows of ``out`` untouched; the flags are read on the device, so one CUDA graph serves every pattern
+  or ``None`` for every sequence. A sequence whose flag is 0 leaves its rows of ``out`` untouched; the flags are read on the device, so one CUDA graph serves every pattern
   (:func:`check_active`).
 
 Every op also has an ``*_into`` form writing into preallocated outputs, with the same signature as
@@ -546,76 +544,6 @@ def paged_decode_attention_into(
     return out.copy_(paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale))
 
 
-def reselect_heads_into(
-    active: torch.Tensor,
-    q: torch.Tensor,
-    queries: torch.Tensor,
-    slots: torch.Tensor,
-    forced: torch.Tensor,
-    thresholds: torch.Tensor,
-    selected: torch.Tensor,
-    budget_pages: int,
-) -> torch.Tensor:
-    """Which (sequence, selecting head) re-estimates and re-selects in this step (adaptive selection reuse).
-
-    A head reselects when its sequence is ``forced`` (its phase, or no usable selection) or when the cosine
-    similarity of its query to the query that made its last selection, clamped to ``[-1, 1]``, is below its
-    sequence's threshold (so ``-1`` never reselects early). A ``kv_head`` selecting head's query is its group's
-    ``num_q_heads // num_kv_heads`` query heads side by side (``[group * head_dim]``); a ``q_head`` head's is its
-    own (group 1). Similarity is computed in float32 as ``q . q_last / sqrt(|q|^2 |q_last|^2)`` (0 when either is
-    zero). For every reselecting head the op stores ``q`` as its slot's last query and sets the columns
-    ``[budget_pages, width)`` of its ``selected`` row to ``-1`` (no pages begun since a selection made now); the
-    rest of ``queries`` and ``selected`` is left as it is. No host synchronisation.
-
-    Args:
-        active: ``[batch, num_sel_heads]`` int32, written: 1 where the head reselects, else 0.
-        q: ``[batch, num_q_heads, head_dim]``, post-RoPE.
-        queries: ``[max_seqs, num_sel_heads, group * head_dim]`` in ``q``'s dtype, per cache slot the query
-            that made each head's last selection (read, and written for the reselecting heads).
-        slots: ``[batch]`` int64 cache slots of the rows (padding rows may repeat one: their writes race there).
-        forced: ``[batch]`` int32, nonzero where every head of the row selects.
-        thresholds: ``[batch]`` float32 similarity thresholds in ``[-1, 1]``.
-        selected: ``[batch, num_sel_heads, width]`` int32 selections, ``width >= budget_pages``.
-
-    Returns:
-        ``active``.
-    """
-    check_reselect_args(active, q, queries, slots, forced, thresholds, selected, budget_pages)
-    query = q.reshape(*active.shape, -1)  # [B, H, G * D]: a head's query group side by side
-    last = queries.index_select(0, slots).float()  # [B, H, G * D]
-    now = query.float()
-    norms = ((now * now).sum(-1) * (last * last).sum(-1)).sqrt()
-    similarity = ((now * last).sum(-1) / norms.clamp(min=torch.finfo(torch.float32).tiny)).clamp(-1.0, 1.0)
-    flags = (forced[:, None] != 0) | (similarity < thresholds[:, None])  # [B, H]
-    active.copy_(flags.to(torch.int32))
-    queries.index_copy_(0, slots, torch.where(flags[..., None], query, queries.index_select(0, slots)))
-    extra = selected[..., budget_pages:]  # a view: writing it writes selected
-    extra.copy_(extra.masked_fill(flags[..., None], -1))
-    return active
-
-
-def check_reselect_args(active, q, queries, slots, forced, thresholds, selected, budget_pages) -> None:
-    """``ValueError`` unless :func:`reselect_heads_into`'s arguments agree (``active``'s shape gives the batch and
-    the selecting heads, which must divide ``q``'s heads)."""
-    if active.dim() != 2 or q.dim() != 3 or q.shape[0] != active.shape[0] or q.shape[1] % active.shape[1]:
-        raise ValueError(f"active must be [batch, num_sel_heads] with num_sel_heads dividing q's heads, got active "
-                         f"{tuple(active.shape)} and q {tuple(q.shape)}")
-    batch, heads = active.shape
-    width = q.shape[1] // heads * q.shape[2]  # a selecting head's query: its group's query heads side by side
-    expected = {"active": (active, (batch, heads), torch.int32), "slots": (slots, (batch,), torch.int64),
-                "forced": (forced, (batch,), torch.int32), "thresholds": (thresholds, (batch,), torch.float32)}
-    for name, (tensor, shape, dtype) in expected.items():
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape}, got "
-                             f"{tuple(tensor.shape)} {tensor.dtype}")
-    if queries.dim() != 3 or tuple(queries.shape[1:]) != (heads, width) or queries.dtype != q.dtype:
-        raise ValueError(f"queries must be [max_seqs, {heads}, {width}] {q.dtype}, got "
-                         f"{tuple(queries.shape)} {queries.dtype}")
-    if selected.dim() != 3 or tuple(selected.shape[:2]) != (batch, heads) or selected.shape[2] < budget_pages:
-        raise ValueError(f"selected must have shape ({batch}, {heads}, >= budget_pages={budget_pages}), "
-                         f"got {tuple(selected.shape)}")
-
-
 class ReusedSelections(NamedTuple):
     """One decode step's selections in batch order, from :func:`gather_selections` (shapes there)."""
 
@@ -623,7 +551,6 @@ class ReusedSelections(NamedTuple):
     selected: torch.Tensor
     selected_at: torch.Tensor
     num_pages: torch.Tensor
-    made_at: Optional[torch.Tensor]
 
 
 def gather_selections(
@@ -634,7 +561,6 @@ def gather_selections(
     seq_lens: torch.Tensor,
     page_size: int,
     budget_pages: int,
-    head_selected_at: Optional[torch.Tensor] = None,
 ) -> ReusedSelections:
     """Lay a selection memory's last selections out in batch order for one decode step (selection reuse).
 
@@ -642,8 +568,7 @@ def gather_selections(
     when more pages began since its selection than the memory's extra columns hold. Every row gets its slot's
     stored selection in its first ``budget_pages`` columns (an active row's are overwritten by the step's select)
     and, in the extra columns ``[budget_pages, width)``, the pages begun since the selection was made (``-1``
-    past the row's pages): counted from ``selected_at``, or per (layer, head) from ``head_selected_at`` with
-    adaptive reuse. No host synchronisation.
+    past the row's pages), counted from ``selected_at``. No host synchronisation.
 
     Args:
         pages: ``[num_sparse_layers, max_seqs, num_sel_heads, width]`` int32, the memory's selections.
@@ -651,30 +576,22 @@ def gather_selections(
         slots: ``[batch]`` int64 cache slots of the rows (padding rows may repeat one).
         due: ``[batch]`` integer, nonzero where the row's phase makes it select.
         seq_lens: ``[batch]`` int32, the current token included.
-        head_selected_at: adaptive reuse: ``[num_sparse_layers, max_seqs, num_sel_heads]`` int32, the page count
-            at each head's last selection.
 
     Returns:
         ``active`` ``[batch]`` int32; ``selected`` ``[num_sparse_layers, batch, num_sel_heads, width]`` int32;
         ``selected_at`` ``[batch]`` int32 (the step's page count for active rows); ``num_pages`` ``[batch]``
-        int32; ``made_at`` ``[num_sparse_layers, batch, num_sel_heads]`` int32, the page count each head's
-        selection is counted from (adaptive reuse), else ``None``.
+        int32.
     """
-    check_selection_memory(pages, selected_at, slots, budget_pages, head_selected_at)
+    check_selection_memory(pages, selected_at, slots, budget_pages)
     extra_pages = pages.shape[-1] - budget_pages
     count = num_pages(seq_lens, page_size)  # [B]
     before = selected_at.index_select(0, slots).long()
     active = (due != 0) | (before < 0) | (count - before > extra_pages)
     row_at = torch.where(active, count, before)
     selected = pages.index_select(1, slots)  # [L, B, H, W]
-    made_at = None
-    at = row_at[:, None]  # [B, 1]: every head's selection is its row's
-    if head_selected_at is not None:
-        at = torch.where(active[None, :, None], count[None, :, None], head_selected_at.index_select(1, slots).long())
-        made_at = at.to(torch.int32)
-    begun = at[..., None] + torch.arange(extra_pages, device=slots.device)
+    begun = row_at[:, None, None] + torch.arange(extra_pages, device=slots.device)  # [B, 1, extra]
     selected[..., budget_pages:] = torch.where(begun < count[:, None, None], begun, -1)
-    return ReusedSelections(active.to(torch.int32), selected, row_at.to(torch.int32), count.to(torch.int32), made_at)
+    return ReusedSelections(active.to(torch.int32), selected, row_at.to(torch.int32), count.to(torch.int32))
 
 
 def store_selections(
@@ -683,27 +600,17 @@ def store_selections(
     counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     slots: torch.Tensor,
     rows: ReusedSelections,
-    head_selected_at: Optional[torch.Tensor] = None,
-    head_active: Optional[torch.Tensor] = None,
 ) -> None:
     """Keep a step's selections (``rows`` from :func:`gather_selections` of the same ``slots``, its ``selected``
     written by the step) in the memory and count the (layer, head) selections the step made: every head of an
-    active row, or with adaptive reuse the heads flagged in ``head_active``
-    (``[num_sparse_layers, batch, num_sel_heads]`` int32), whose page counts then go into ``head_selected_at``
-    (the step's for a flagged head, ``rows.made_at`` for the others). ``counters``: the memory's
+    active row. ``counters``: the memory's
     ``selections``, ``steps`` and ``last_selections`` ``[max_seqs]`` int64 (:func:`count_selections`). Padding
     rows sharing a slot race there; real rows have slots of their own. No host synchronisation."""
-    check_stored_selections(pages, selected_at, slots, rows, head_selected_at, head_active)
+    check_stored_selections(pages, selected_at, slots, rows)
     layers, heads = pages.shape[0], pages.shape[2]
     pages.index_copy_(1, slots, rows.selected)
     selected_at.index_copy_(0, slots, rows.selected_at)
-    if head_active is None:
-        made = rows.active.long() * (layers * heads)
-    else:
-        flags = head_active != 0  # [L, B, H]
-        head_selected_at.index_copy_(1, slots, torch.where(flags, rows.num_pages[None, :, None], rows.made_at))
-        made = flags.sum((0, 2))
-    count_selections(counters, slots, made)
+    count_selections(counters, slots, rows.active.long() * (layers * heads))
 
 
 def count_selections(counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slots: torch.Tensor,
@@ -717,38 +624,27 @@ def count_selections(counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor], 
     last_selections.index_copy_(0, slots, made)
 
 
-def check_selection_memory(pages: torch.Tensor, selected_at: torch.Tensor, slots: torch.Tensor, budget_pages: int,
-                           head_selected_at: Optional[torch.Tensor] = None) -> None:
+def check_selection_memory(pages: torch.Tensor, selected_at: torch.Tensor, slots: torch.Tensor, budget_pages: int
+                           ) -> None:
     """``ValueError`` unless a selection memory's tensors agree (:func:`gather_selections`' shapes)."""
     if pages.dim() != 4 or pages.dtype != torch.int32 or not 1 <= budget_pages <= pages.shape[-1]:
         raise ValueError(f"pages must be [num_sparse_layers, max_seqs, num_sel_heads, width >= budget_pages="
                          f"{budget_pages}] int32, got {tuple(pages.shape)} {pages.dtype}")
-    layers, max_seqs, heads, _ = pages.shape
+    max_seqs = pages.shape[1]
     if tuple(selected_at.shape) != (max_seqs,) or selected_at.dtype != torch.int32:
         raise ValueError(f"selected_at must be [{max_seqs}] int32, got {tuple(selected_at.shape)} {selected_at.dtype}")
     if slots.dim() != 1 or slots.dtype != torch.int64:
         raise ValueError(f"slots must be [batch] int64, got {tuple(slots.shape)} {slots.dtype}")
-    if head_selected_at is not None and (tuple(head_selected_at.shape) != (layers, max_seqs, heads)
-                                         or head_selected_at.dtype != torch.int32):
-        raise ValueError(f"head_selected_at must be [{layers}, {max_seqs}, {heads}] int32, got "
-                         f"{tuple(head_selected_at.shape)} {head_selected_at.dtype}")
 
 
 def check_stored_selections(pages: torch.Tensor, selected_at: torch.Tensor, slots: torch.Tensor,
-                            rows: ReusedSelections, head_selected_at: Optional[torch.Tensor],
-                            head_active: Optional[torch.Tensor]) -> None:
+                            rows: ReusedSelections) -> None:
     """``ValueError`` unless :func:`store_selections`' arguments agree."""
-    check_selection_memory(pages, selected_at, slots, 1, head_selected_at)
+    check_selection_memory(pages, selected_at, slots, 1)
     layers, _, heads, width = pages.shape
     if tuple(rows.selected.shape) != (layers, slots.shape[0], heads, width):
         raise ValueError(f"rows.selected must be [{layers}, {slots.shape[0]}, {heads}, {width}], got "
                          f"{tuple(rows.selected.shape)}")
-    adaptive = head_active is not None
-    if (head_selected_at is not None) != adaptive or (rows.made_at is not None) != adaptive:
-        raise ValueError("store_selections takes head_selected_at, head_active and rows.made_at together "
-                         "(adaptive reuse) or none of them")
-    if adaptive and tuple(head_active.shape) != (layers, slots.shape[0], heads):
-        raise ValueError(f"head_active must be [{layers}, {slots.shape[0]}, {heads}], got {tuple(head_active.shape)}")
 
 
 def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from pydantic import field_validator, model_validator
 
+from questkv.config import RequestQuest
+from questkv.engine.sequence import RequestMetrics
 from questkv.validation import check_text
 
 __all__ = [
@@ -68,30 +70,13 @@ class _Strict(BaseModel):
 
 class QuestOptions(_Strict):
     """Our extension: ``{"token_budget": 512}`` (a Quest budget, a multiple of the page size up to the engine's),
-    ``{"selection_interval": 2}`` (decode steps per page selection, up to the engine's), ``{"reselect_similarity":
-    0.9}`` (adaptive reuse's threshold in [-1, 1], on an engine with adaptive reuse), any of them, ``{"dense":
-    true}`` (attend every page), or ``{}`` (the engine's default)."""
+    ``{"selection_interval": 2}`` (decode steps per page selection, up to the engine's), both, ``{"dense": true}``
+    (attend every page), or ``{}`` (the engine's default). Only the types are checked here: the values are the
+    engine's to judge (:meth:`questkv.config.RequestQuest.resolve`, with the same messages)."""
 
     token_budget: Optional[StrictInt] = None
     dense: StrictBool = False
     selection_interval: Optional[StrictInt] = None
-    reselect_similarity: Optional[float] = None
-
-    @model_validator(mode="after")
-    def _exclusive(self) -> QuestOptions:
-        if self.token_budget is not None and self.token_budget < 1:
-            _refuse("quest.token_budget",
-                    f"quest.token_budget must be a positive multiple of the page size, got {self.token_budget}")
-        if self.selection_interval is not None and self.selection_interval < 1:
-            _refuse("quest.selection_interval",
-                    f"quest.selection_interval must be a positive integer, got {self.selection_interval}")
-        if self.reselect_similarity is not None and not -1.0 <= self.reselect_similarity <= 1.0:
-            _refuse("quest.reselect_similarity",
-                    f"quest.reselect_similarity must be in [-1.0, 1.0], got {self.reselect_similarity}")
-        for name in ("token_budget", "selection_interval", "reselect_similarity"):
-            if self.dense and getattr(self, name) is not None:
-                _refuse("quest", f"quest.dense=true attends every page; it excludes {name}={getattr(self, name)}")
-        return self
 
 
 class StreamOptions(_Strict):
@@ -387,16 +372,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def quest_echo(token_budget: Optional[int], dense: bool, selection_interval: Optional[int],
-               mean_tokens_attended: Optional[float], reselect_similarity: Optional[float] = None,
-               selection_rate: Optional[float] = None) -> dict:
-    """Our extension in each final response: the budget, the selection interval and the adaptive-reuse threshold
-    used (``None`` when dense; the threshold ``None`` without adaptive reuse), the KV tokens one decode step
-    attended, averaged over the request's decode steps (``0.0`` when it had none: one output token), and the
-    fraction of (decode step, sparse layer, head) that selected (``None`` when dense or without decode steps)."""
-    return {"token_budget": token_budget, "dense": dense, "selection_interval": selection_interval,
-            "reselect_similarity": reselect_similarity, "mean_tokens_attended": float(mean_tokens_attended or 0.0),
-            "selection_rate": selection_rate}
+def quest_echo(quest: RequestQuest, metrics: RequestMetrics) -> dict:
+    """Our extension in each final response: the budget and the selection interval the engine resolved for the
+    request (``None`` when dense), the KV tokens one decode step attended, averaged over the request's decode steps
+    (``0.0`` when it had none: one output token), and the fraction of (decode step, sparse layer, head) that
+    selected (``None`` when dense or without decode steps)."""
+    return {"token_budget": quest.token_budget, "dense": quest.dense,
+            "selection_interval": None if quest.dense else quest.selection_interval,
+            "mean_tokens_attended": float(metrics.mean_tokens_attended or 0.0),
+            "selection_rate": metrics.selection_rate}
 
 
 def _with_token_ids(choice: dict, token_ids: Optional[list[int]]) -> dict:

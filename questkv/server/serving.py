@@ -152,10 +152,7 @@ class OpenAIServing:
         self.request_timeout = float(request_timeout)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.spec.vocab_size
-        self.engine_quest = engine.config.quest
-        self._check_budget = engine.check_budget  # reads the engine's configuration only
-        self._check_selection_interval = engine.check_selection_interval
-        self._check_reselect_similarity = engine.check_reselect_similarity
+        self._resolve_quest = engine.resolve_quest  # reads the engine's configuration only
         # Tokens one request may cache (the pool as built, before any request; capped by a page-table row): a
         # request that leaves max_tokens out gets the rest of the context, within this.
         cache = engine.cache
@@ -290,16 +287,10 @@ class OpenAIServing:
         except ValueError as error:
             raise RequestError(str(error), param="max_tokens" if "max_tokens" in str(error) else prompt_param) from None
         quest = body.quest or QuestOptions()
-        checks = (("token_budget", self._check_budget), ("selection_interval", self._check_selection_interval),
-                  ("reselect_similarity", self._check_reselect_similarity))
-        for name, check in checks:
-            value = getattr(quest, name)
-            if value is None:
-                continue
-            try:  # the engine's own rule, its message in the request's words
-                check(value)
-            except ValueError as error:
-                raise RequestError(str(error).replace("SamplingParams.", "quest."), param=f"quest.{name}") from None
+        try:  # the engine's own rule, its message naming the request's fields
+            self._resolve_quest(quest.token_budget, quest.selection_interval, quest.dense, owner="quest")
+        except ValueError as error:
+            raise RequestError(str(error), param=_engine_param(str(error), prompt_param)) from None
         if body.stop_list and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this model (dummy weights) has none", param="stop")
         return SamplingParams(  # its ValueError names the field (to_request_error maps it to a 400)
@@ -307,20 +298,8 @@ class OpenAIServing:
             top_p=1.0 if body.top_p is None else float(body.top_p),
             seed=body.seed, max_tokens=max_tokens, stop=body.stop_list,
             token_budget=quest.token_budget, dense=quest.dense, ignore_eos=body.ignore_eos,
-            selection_interval=quest.selection_interval, reselect_similarity=quest.reselect_similarity,
+            selection_interval=quest.selection_interval,
         )
-
-    def _quest_echo(self, params: SamplingParams, metrics) -> dict:
-        """The response's ``quest`` object from the request's ``params`` and its
-        :class:`~questkv.engine.sequence.RequestMetrics`."""
-        engine_sparse = self.engine_quest is not None and not self.engine_quest.is_dense
-        dense = params.dense or not engine_sparse
-        budget = None if dense else (params.token_budget or self.engine_quest.token_budget)
-        interval = None if dense else (params.selection_interval or self.engine_quest.selection_interval)
-        similarity = None if dense or self.engine_quest.reselect_similarity is None else (
-            self.engine_quest.reselect_similarity if params.reselect_similarity is None else params.reselect_similarity)
-        return protocol.quest_echo(budget, dense, interval, metrics.mean_tokens_attended, similarity,
-                                   metrics.selection_rate)
 
     # ---- running a request -------------------------------------------------------------------------------------
 
@@ -362,9 +341,8 @@ def _too_large(size: str, limit: int) -> RequestError:
 
 def _engine_param(message: str, prompt_param: str) -> Optional[str]:
     """The request field an engine ``ValueError`` is about."""
-    for word, param in (("token_budget", "quest.token_budget"), ("selection_interval", "quest.selection_interval"),
-                        ("reselect_similarity", "quest.reselect_similarity"),
-                        ("max_tokens", "max_tokens"), ("top_p", "top_p"),
+    for word, param in (("dense=", "quest.dense"), ("token_budget", "quest.token_budget"),
+                        ("selection_interval", "quest.selection_interval"), ("max_tokens", "max_tokens"), ("top_p", "top_p"),
                         ("temperature", "temperature"), ("seed", "seed"), ("stop", "stop"), ("prompt", prompt_param)):
         if word in message:
             return param
@@ -389,7 +367,7 @@ class _Run:
 
     def _final(self, output: RequestOutput) -> tuple[dict, dict]:
         usage = protocol.usage(self.num_prompt_tokens, len(output.token_ids), output.metrics.num_cached_tokens)
-        return usage, self.serving._quest_echo(self.params, output.metrics)
+        return usage, protocol.quest_echo(output.quest, output.metrics)
 
     def _fail(self, event) -> RequestError:
         error = self.serving._event_error(event, "prompt")

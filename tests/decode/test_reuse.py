@@ -1,7 +1,6 @@
 """Selection reuse at the step level (fp32, CPU, torch reference backend): a reusing row attends exactly the pages
 its layer selected last plus the pages begun since, composed here by hand from the reference ops, and the memory
-keeps each cache slot's selection whatever order the slots come in. Adaptive reuse: each (row, head) attends its
-own last selection plus the pages begun since that one, and reselects exactly where its query drifted."""
+keeps each cache slot's selection whatever order the slots come in."""
 
 import random
 
@@ -17,9 +16,9 @@ from tests.helpers import random_cache
 PAGE, Q_HEADS, KV_HEADS, HEAD_DIM = 4, 4, 2, 8
 
 
-def config(interval: int, budget: int = 12, selection: str = "kv_head", similarity=None) -> QuestConfig:
+def config(interval: int, budget: int = 12, selection: str = "kv_head") -> QuestConfig:
     return QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=0, selection=selection,
-                       selection_interval=interval, backend="torch", reselect_similarity=similarity)
+                       selection_interval=interval, backend="torch")
 
 
 def expected_selection(q, layer, page_table, seq_lens, cfg: QuestConfig) -> torch.Tensor:
@@ -77,7 +76,7 @@ def test_a_reusing_row_attends_its_last_selection_plus_the_pages_begun_since(sel
         data.append_token(torch.randn(batch, KV_HEADS, HEAD_DIM), torch.randn(batch, KV_HEADS, HEAD_DIM))
 
 
-def test_a_step_without_selection_needs_fixed_reuse_and_launches_no_estimate_or_select(monkeypatch):
+def test_a_step_without_selection_needs_reuse_and_launches_no_estimate_or_select(monkeypatch):
     cfg = config(3)
     data = random_cache([random.randint(9, 30)], KV_HEADS, HEAD_DIM, PAGE)
     step = QuestDecodeStep(cfg, 1, Q_HEADS, KV_HEADS, HEAD_DIM, data.cache.max_pages_per_seq, torch.float32, "cpu")
@@ -85,10 +84,6 @@ def test_a_step_without_selection_needs_fixed_reuse_and_launches_no_estimate_or_
     q, layer = torch.randn(1, Q_HEADS, HEAD_DIM), data.cache.layer(0)
     with pytest.raises(ValueError, match="selecting=False needs selected"):
         step.sparse(q, layer, page_table, seq_lens, selecting=False)
-    adaptive = SelectionMemory(config(3, similarity=0.5), num_layers=1, num_sel_heads=KV_HEADS, max_seqs=2,
-                               device="cpu", query_width=Q_HEADS // KV_HEADS * HEAD_DIM)
-    with pytest.raises(ValueError, match="adaptive reuse a step may always select"):
-        adaptive.rows(torch.tensor([0]), torch.zeros(1), seq_lens, torch.zeros(1), selecting=False)
     monkeypatch.setattr(reference, "page_scores_into", lambda *a, **k: pytest.fail("estimate launched"))
     monkeypatch.setattr(reference, "select_pages_into", lambda *a, **k: pytest.fail("select launched"))
     selected = torch.full((1, KV_HEADS, cfg.budget_pages + cfg.reuse_extra_pages), -1, dtype=torch.int32)
@@ -138,88 +133,23 @@ def test_a_memory_needs_a_sparse_config_with_reuse_and_reports_its_bytes():
         QuestConfig(selection_interval=0)
 
 
-@pytest.mark.parametrize("selection", ["kv_head", "q_head"])
-@pytest.mark.parametrize("interval", [3, 9])  # 9 > page_size + 1: two pages may begin between selections
-def test_an_adaptive_head_attends_its_own_last_selection_plus_the_pages_begun_since_it(selection, interval):
-    similarity = random.uniform(-0.2, 0.2)  # random queries: about half of the heads drift below it each step
-    cfg = config(interval, selection=selection, similarity=similarity)
-    lens = [random.randint(20, 40), random.randint(41, 60)]
-    data = random_cache(lens, KV_HEADS, HEAD_DIM, PAGE, extra_tokens=3 * interval)
-    batch = len(lens)
-    heads = Q_HEADS if selection == "q_head" else KV_HEADS
-    memory = SelectionMemory(cfg, num_layers=1, num_sel_heads=heads, max_seqs=batch + 1, device="cpu",
-                             query_width=Q_HEADS // heads * HEAD_DIM)
-    width = data.cache.max_pages_per_seq
-    step = QuestDecodeStep(cfg, batch, Q_HEADS, KV_HEADS, HEAD_DIM, width, torch.float32, "cpu")
-    slots = torch.tensor([data.ids[1], data.ids[0]])
-    rows_of = [1, 0]
-    last_query = last_selection = made_at = None  # per (row, head), kept here by hand
-    drifted_steps = 0
-    for t in range(2 * interval + 1):
-        page_table, seq_lens = data.cache.batch([data.ids[i] for i in rows_of], max_pages=width)
-        layer = data.cache.layer(0)
-        q = torch.randn(batch, Q_HEADS, HEAD_DIM)
-        query = q.reshape(batch, heads, -1)
-        rows = memory.rows(slots, torch.full((batch,), int(t % interval == 0)), seq_lens,
-                           torch.full((batch,), similarity))
-        reselection = rows.adaptive.layer(0)
-        out = step.sparse(q, layer, page_table, seq_lens, None, None, rows.active, rows.selected[0],
-                          reselection).clone()
-        memory.store(slots, rows)
-        if t % interval == 0:
-            flags = torch.ones(batch, heads, dtype=torch.bool)
-        else:
-            flags = torch.nn.functional.cosine_similarity(query.double(), last_query.double(), dim=-1) < similarity
-            drifted_steps += int(flags.any() and not flags.all())
-        assert torch.equal(reselection.head_active, flags.to(torch.int32))
-        fresh = expected_selection(q, layer, page_table, seq_lens, cfg)
-        if t % interval == 0:
-            last_query, last_selection = query.clone(), fresh
-            made_at = seq_lens[:, None].expand(batch, heads).clone()
-        else:
-            last_query = torch.where(flags[..., None], query, last_query)
-            last_selection = torch.where(flags[..., None], fresh, last_selection)
-            made_at = torch.where(flags, seq_lens[:, None], made_at)
-        attended = torch.full((batch, heads, cfg.budget_pages + cfg.reuse_extra_pages), -1, dtype=torch.int32)
-        for b in range(batch):
-            for h in range(heads):
-                first, last = -(-int(made_at[b, h]) // PAGE), -(-int(seq_lens[b]) // PAGE)
-                pages = torch.cat([last_selection[b, h], torch.arange(first, last, dtype=torch.int32)])
-                attended[b, h, :len(pages)] = pages
-        assert torch.equal(rows.selected[0], attended)
-        expected = reference.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens, attended)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-        data.append_token(torch.randn(batch, KV_HEADS, HEAD_DIM), torch.randn(batch, KV_HEADS, HEAD_DIM))
-    assert drifted_steps > 0  # some steps mixed reselecting and keeping heads
-
-
 def test_the_selection_rate_counts_each_slots_selecting_layer_heads_and_restarts_with_a_prefill():
-    cfg = config(3, similarity=0.5)
-    memory = SelectionMemory(cfg, num_layers=2, num_sel_heads=KV_HEADS, max_seqs=4, device="cpu",
-                             query_width=Q_HEADS // KV_HEADS * HEAD_DIM)
+    cfg = config(3)
+    memory = SelectionMemory(cfg, num_layers=2, num_sel_heads=KV_HEADS, max_seqs=4, device="cpu")
     slots = torch.tensor([2, 0])
     lens = torch.tensor([9, 17], dtype=torch.int32)
     assert memory.selection_rate(2) is None
-    rows = memory.rows(slots, torch.zeros(2), lens, torch.full((2,), 0.5))
-    rows.adaptive.head_active.copy_(torch.ones(2, 2, KV_HEADS, dtype=torch.int32))  # as the layers' ops would
-    memory.store(slots, rows)  # nothing kept yet: every (layer, head) selects
-    rows = memory.rows(slots, torch.zeros(2), lens + 4, torch.full((2,), 0.5))  # one page more: still reusable
+    memory.store(slots, memory.rows(slots, torch.zeros(2), lens))  # nothing kept yet: every (layer, head) selects
+    rows = memory.rows(slots, torch.zeros(2), lens + 4)  # one page more: still reusable
     assert rows.active.tolist() == [0, 0]
-    rows.adaptive.head_active.copy_(torch.tensor([[[1, 0], [0, 0]], [[0, 0], [0, 1]]], dtype=torch.int32))
     memory.store(slots, rows)
-    assert memory.selection_rate(2) == (4 + 1) / 8 and memory.selection_rate(0) == (4 + 1) / 8
-    assert memory.head_selected_at[:, 2].tolist() == [[4, 3], [3, 3]]  # slot 2: 3 pages, then 4
-    assert memory.head_selected_at[:, 0].tolist() == [[5, 5], [5, 6]]  # slot 0: 5 pages, then 6
+    assert memory.selection_rate(2) == 4 / 8 and memory.selection_rate(0) == 4 / 8
+    assert memory.selected_at.tolist() == [5, -1, 3, -1]  # the page counts of the selections kept
     memory.count_selecting_step(torch.tensor([0]))
-    assert memory.selection_rate(0) == (4 + 1 + 4) / 12
-    assert memory.selection_rate(0, discard_last=True) == (4 + 1) / 8  # without the dense request's step
+    assert memory.selection_rate(0) == (4 + 4) / 12
+    assert memory.selection_rate(0, discard_last=True) == 4 / 8  # without the dense request's step
     assert memory.selection_rate(2, discard_last=True) == 4 / 4
     memory.restart(torch.tensor([0]))
-    assert memory.selection_rate(0) is None and memory.selection_rate(2) == (4 + 1) / 8
-    with pytest.raises(ValueError, match="thresholds exactly when"):
-        memory.rows(slots, torch.zeros(2), lens)
-    with pytest.raises(ValueError, match="query_width >= 1, got 0"):
-        SelectionMemory(cfg, 2, KV_HEADS, 4, "cpu")
-    assert SelectionMemory.nbytes(cfg, 2, KV_HEADS, 4, Q_HEADS // KV_HEADS * HEAD_DIM) == sum(
-        t.nbytes for t in (memory.pages, memory.selected_at, memory.selections, memory.steps, memory.last_selections,
-                           memory.queries, memory.head_selected_at))
+    assert memory.selection_rate(0) is None and memory.selection_rate(2) == 4 / 8
+    assert SelectionMemory.nbytes(cfg, 2, KV_HEADS, 4) == sum(
+        t.nbytes for t in (memory.pages, memory.selected_at, memory.selections, memory.steps, memory.last_selections))

@@ -69,8 +69,8 @@ def record_decode_paths(monkeypatch, llm) -> list[tuple]:
         return dense(self, q, layer, *args, **kwargs)
 
     def spy_sparse(self, q, layer, page_table, seq_lens, sm_scale=None, budgets=None, active=None, selected=None,
-                   reselection=None, selecting=True):
-        out = sparse(self, q, layer, page_table, seq_lens, sm_scale, budgets, active, selected, reselection, selecting)
+                   selecting=True):
+        out = sparse(self, q, layer, page_table, seq_lens, sm_scale, budgets, active, selected, selecting)
         got = None if budgets is None else budgets.clone()
         calls.append(("sparse", layer_of[id(layer)], (self.selected if selected is None else selected).clone(), got))
         return out

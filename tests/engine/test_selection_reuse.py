@@ -1,8 +1,7 @@
 """Selection reuse in the engine (``QuestConfig.selection_interval``) on CPU, fp32: a budget covering the context is
 still dense at any interval, a sequence's tokens do not depend on what shares its batch (its phase is its own), a
-request may lower the interval, and the estimate and select ops run only for the rows whose step is due. Adaptive
-reuse (``reselect_similarity``): its extreme thresholds give the fixed interval's and every step's tokens and
-selection rates, and a request may set its own. The tiny random model and prompts of ``test_llm.py``."""
+request may lower the interval, and the estimate and select ops run only for the rows whose step is due. The tiny
+random model and prompts of ``test_llm.py``."""
 
 import dataclasses
 import math
@@ -35,10 +34,8 @@ def test_a_budget_covering_the_context_gives_the_dense_tokens_at_any_interval(mo
     assert run(make_llm(model_dir, reusing(FULL, interval)), prompts, params) == run(make_llm(model_dir), prompts, params)
 
 
-@pytest.mark.parametrize("quest", [dataclasses.replace(FULL, selection_interval=3),
-                                   dataclasses.replace(FULL, selection_interval=3, reselect_similarity=0.5)],
-                         ids=["fixed", "adaptive"])
-def test_preemption_with_a_budget_covering_the_context_gives_the_dense_tokens(model_dir, quest):
+def test_preemption_with_a_budget_covering_the_context_gives_the_dense_tokens(model_dir):
+    quest = dataclasses.replace(FULL, selection_interval=3)
     unconstrained = make_llm(model_dir, FULL, max_model_len=64)
     per_seq = math.ceil(64 / PAGE)
     tiny = make_llm(model_dir, quest, max_model_len=64,
@@ -131,70 +128,17 @@ def test_an_interval_the_engine_cannot_serve_is_refused_before_anything_runs(mod
     assert not llm.engine.has_unfinished_requests()
 
 
-def adaptive(quest: QuestConfig, interval: int, similarity: float) -> QuestConfig:
-    return dataclasses.replace(quest, selection_interval=interval, reselect_similarity=similarity)
-
-
-@pytest.mark.parametrize("selection", ["kv_head", "q_head"])
-def test_a_threshold_that_always_reselects_gives_the_tokens_of_selecting_every_step_at_rate_one(model_dir, selection):
-    # a threshold of 1 reselects every head whose query is not exactly parallel to its last one (all of them here)
-    quest = dataclasses.replace(SMALL, selection=selection)
-    prompts = [prompt(random.randint(30, 90)) for _ in range(2)]
-    every_step = run(make_llm(model_dir, quest), prompts, greedy(16))
-    outputs = make_llm(model_dir, adaptive(quest, 4, 1.0)).generate(prompts, greedy(16), use_tqdm=False)
-    assert [out.token_ids for out in outputs] == every_step
-    assert [out.metrics.selection_rate for out in outputs] == [1.0, 1.0]
-
-
 @pytest.mark.parametrize("interval", [3, 6])
-def test_a_threshold_that_never_reselects_gives_the_fixed_intervals_tokens_and_rate(model_dir, interval):
+def test_the_selection_rate_of_a_fixed_interval_is_its_due_steps_share(model_dir, interval):
     prompts = [prompt(random.randint(30, 90)) for _ in range(2)]
     max_tokens = 17  # 16 decode steps: outputs 0, C, 2C, ... select
-    fixed = make_llm(model_dir, reusing(SMALL, interval)).generate(prompts, greedy(max_tokens), use_tqdm=False)
-    never = make_llm(model_dir, adaptive(SMALL, interval, -1.0)).generate(prompts, greedy(max_tokens), use_tqdm=False)
-    assert [out.token_ids for out in never] == [out.token_ids for out in fixed]
+    outputs = make_llm(model_dir, reusing(SMALL, interval)).generate(prompts, greedy(max_tokens), use_tqdm=False)
     rate = math.ceil((max_tokens - 1) / interval) / (max_tokens - 1)
-    assert [out.metrics.selection_rate for out in never] == [rate, rate]
-    assert [out.metrics.selection_rate for out in fixed] == [rate, rate]
-    assert [out.metrics.mean_tokens_attended for out in never] == [out.metrics.mean_tokens_attended for out in fixed]
-
-
-def test_adaptive_reuse_with_a_budget_covering_the_context_gives_the_dense_tokens(model_dir):
-    prompts = [prompt(random.randint(1, 90)) for _ in range(3)]
-    params = [greedy(random.randint(10, 30)) for _ in prompts]
-    tokens = run(make_llm(model_dir, adaptive(FULL, 5, random.uniform(0.0, 0.99))), prompts, params)
-    assert tokens == run(make_llm(model_dir), prompts, params)
-
-
-def test_adaptive_reuse_gives_each_request_its_tokens_alone_and_a_rate_between_the_fixed_and_one(model_dir):
-    llm = make_llm(model_dir, adaptive(SMALL, 4, 0.9))
-    lens = [1, random.randint(9, 40), random.randint(41, 100)]
-    prompts = [prompt(n) for n in lens]
-    params = [greedy(random.randint(1, 24), token_budget=random.choice([None, 8]),
-                     reselect_similarity=random.choice([None, 0.5, 0.99])) for _ in prompts]
-    assert run(llm, prompts, params) == alone(llm, prompts, params)
-    (out,) = llm.generate([prompt(50)], greedy(21), use_tqdm=False)
-    assert 5 / 20 <= out.metrics.selection_rate <= 1.0
-
-
-def test_a_request_may_set_its_own_threshold_on_an_adaptive_engine_only(model_dir):
-    prompts = [prompt(random.randint(30, 90)) for _ in range(2)]
-    fixed = run(make_llm(model_dir, reusing(SMALL, 4)), prompts, greedy(12))
-    assert run(make_llm(model_dir, adaptive(SMALL, 4, 0.95)), prompts, greedy(12, reselect_similarity=-1.0)) == fixed
-    with pytest.raises(ValueError, match="reselect_similarity=0.5 needs an engine with adaptive reuse"):
-        make_llm(model_dir, reusing(SMALL, 4)).generate([prompt(5)], greedy(4, reselect_similarity=0.5), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"SamplingParams.reselect_similarity must be in \[-1.0, 1.0\], got 1.5"):
-        SamplingParams(reselect_similarity=1.5)
-    with pytest.raises(ValueError, match="dense=True attends every page; it excludes reselect_similarity=0.5"):
-        SamplingParams(dense=True, reselect_similarity=0.5)
-    with pytest.raises(ValueError, match=r"QuestConfig.reselect_similarity=0.9 .* selection_interval >= 2 \(got 1\)"):
-        QuestConfig(token_budget=16, page_size=PAGE, reselect_similarity=0.9)
-    with pytest.raises(ValueError, match=r"QuestConfig.reselect_similarity must be in \[-1.0, 1.0\], got -2"):
-        adaptive(SMALL, 4, -2)
+    assert [out.metrics.selection_rate for out in outputs] == [rate, rate]
 
 
 def test_the_selection_rate_counts_a_dense_requests_steps_as_selecting_and_is_none_for_it(model_dir):
-    llm = make_llm(model_dir, adaptive(SMALL, 4, -1.0))
+    llm = make_llm(model_dir, reusing(SMALL, 4))
     outputs = llm.generate([prompt(40), prompt(30)], [greedy(9), greedy(9, dense=True)], use_tqdm=False)
     assert outputs[0].metrics.selection_rate == 1.0  # every step of its batch attends all pages of the dense one
     assert outputs[1].metrics.selection_rate is None

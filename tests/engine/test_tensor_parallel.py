@@ -120,22 +120,6 @@ def test_two_ranks_replay_steps_mixing_decodes_and_prefill_chunks_as_one_device(
     assert sharded.engine.cache.num_free_pages == POOL_PAGES - 1
 
 
-def test_two_ranks_with_adaptive_selection_reuse_give_the_tokens_of_one_device(tmp_path):
-    """Each rank decides the reselection of its own heads on its device, from the thresholds rank 0 sends (the
-    selection rate is rank 0's heads': the fixed interval's where no head reselects early)."""
-    folder = save_tiny_model(tmp_path, 97, seed=random.randrange(1 << 16), family="llama_mha")
-    quest = dataclasses.replace(QUEST, selection_interval=4, reselect_similarity=0.2)
-    prompts = [prompt(97, random.randint(10, 20)) for _ in range(3)]
-    params = [greedy_params(14), greedy_params(12, reselect_similarity=-1.0), greedy_params(9, token_budget=8)]
-    outputs = []
-    for size in (1, 2):
-        with LLM(str(folder), quest, kv_cache_memory=pool_bytes(folder, size), device="cpu", dtype="float32",
-                 max_model_len=MAX_LEN, max_num_seqs=8, tensor_parallel_size=size) as llm:
-            outputs.append(llm.generate(prompts, params, use_tqdm=False))
-    assert [out.token_ids for out in outputs[1]] == [out.token_ids for out in outputs[0]]
-    assert outputs[1][1].metrics.selection_rate == outputs[0][1].metrics.selection_rate == 3 / 11
-
-
 def test_an_int8_row_parallel_shard_holds_the_one_device_codes_and_row_scales(engines):
     single, sharded = engines
     if single.config.quantization != "int8":

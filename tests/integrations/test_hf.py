@@ -237,8 +237,6 @@ def test_bad_configs_are_rejected():
         questkv.enable(model, questkv.QuestConfig(token_budget=64, dense_layers=3))
     with pytest.raises(ValueError, match="selection_interval=2: selection reuse runs in the engine"):
         questkv.enable(model, questkv.QuestConfig(token_budget=64, selection_interval=2))
-    with pytest.raises(ValueError, match=r"selection_interval=2: selection reuse .*adaptive reuse \(reselect_similarity"):
-        questkv.enable(model, questkv.QuestConfig(token_budget=64, selection_interval=2, reselect_similarity=0.9))
     assert not hf.is_enabled(model)
 
 

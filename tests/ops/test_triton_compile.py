@@ -29,7 +29,7 @@ _SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
 
     from questkv.ops.triton import (append, attention, codes, elementwise, estimate, gemv, prefill_attention,
-                                    reselect, reuse, select)
+                                    reuse, select)
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -134,34 +134,22 @@ _SCRIPT = textwrap.dedent(
     compile_attention("fp32", False, 4, 1)
     compile_attention("fp32", True, 4, 1)
     compile_estimate("fp32", 1, 4, 1, False)
-    # adaptive reuse: the reselect kernel (a KV head's group of 4, a query head alone; PDL on and off)
-    for group, pdl in ((4, True), (1, False)):
-        compile_kernel(
-            reselect._reselect_heads_kernel,
-            {"active_ptr": "i32", "q_ptr": "bf16", "queries_ptr": "bf16", "slots_ptr": "i64", "forced_ptr": "i32",
-             "thresholds_ptr": "fp32", "selected_ptr": "i32"},
-            {"GROUP": group, "HEAD_DIM": 128, "BLOCK": group * 128, "BUDGET": 64, "BLOCK_E": 1, "USE_PDL": pdl},
-            num_warps=reselect._NUM_WARPS,
-        )
     # selection reuse: the memory's gather and store (llama2-7b's 30 sparse layers of 32 heads and 129 columns;
-    # fixed-interval and adaptive; PDL on and off)
-    for adaptive, pdl in ((False, True), (True, False)):
+    # PDL on and off)
+    for pdl in (True, False):
         compile_kernel(
             reuse._gather_selections_kernel,
             {"pages_ptr": "i32", "selected_at_ptr": "i32", "slots_ptr": "i64", "due_ptr": "i64", "lens_ptr": "i32",
-             "head_at_ptr": "i32", "active_ptr": "i32", "selected_ptr": "i32", "row_at_ptr": "i32",
-             "num_pages_ptr": "i32", "made_at_ptr": "i32"},
+             "active_ptr": "i32", "selected_ptr": "i32", "row_at_ptr": "i32", "num_pages_ptr": "i32"},
             {"LAYERS": 30, "HEADS": 32, "WIDTH": 129, "BUDGET": 128, "PAGE_SIZE": 16, "BLOCK_H": 32, "BLOCK_W": 256,
-             "ADAPTIVE": adaptive, "USE_PDL": pdl},
+             "USE_PDL": pdl},
             num_warps=reuse._NUM_WARPS,
         )
         compile_kernel(
             reuse._store_selections_kernel,
             {"pages_ptr": "i32", "selected_at_ptr": "i32", "selections_ptr": "i64", "steps_ptr": "i64",
-             "last_ptr": "i64", "slots_ptr": "i64", "selected_ptr": "i32", "row_at_ptr": "i32", "active_ptr": "i32",
-             "num_pages_ptr": "i32", "made_at_ptr": "i32", "head_at_ptr": "i32", "head_active_ptr": "i32"},
-            {"LAYERS": 30, "HEADS": 32, "WIDTH": 129, "BLOCK_L": 32, "BLOCK_H": 32, "BLOCK_W": 256,
-             "ADAPTIVE": adaptive, "USE_PDL": pdl},
+             "last_ptr": "i64", "slots_ptr": "i64", "selected_ptr": "i32", "row_at_ptr": "i32", "active_ptr": "i32"},
+            {"LAYERS": 30, "HEADS": 32, "WIDTH": 129, "BLOCK_H": 32, "BLOCK_W": 256, "USE_PDL": pdl},
             num_warps=reuse._NUM_WARPS,
         )
     # the one-program select: chunks and warps as the launcher picks them (select.row_launch) for tables of

@@ -60,12 +60,8 @@ def test_a_completion_request_takes_a_string_or_token_ids_and_the_quest_extensio
     ({"prompt": []}, "prompt"),
     ({"prompt": "x", "quest": {"budget": 64}}, "quest.budget"),
     ({"prompt": "x", "quest": {"token_budget": 64.0}}, "quest.token_budget"),
-    ({"prompt": "x", "quest": {"dense": True, "token_budget": 64}}, "quest"),
-    ({"prompt": "x", "quest": {"selection_interval": 0}}, "quest.selection_interval"),
-    ({"prompt": "x", "quest": {"dense": True, "selection_interval": 2}}, "quest"),
-    ({"prompt": "x", "quest": {"reselect_similarity": 1.5}}, "quest.reselect_similarity"),
-    ({"prompt": "x", "quest": {"reselect_similarity": "0.9"}}, "quest.reselect_similarity"),
-    ({"prompt": "x", "quest": {"dense": True, "reselect_similarity": 0.5}}, "quest"),
+    ({"prompt": "x", "quest": {"selection_interval": 2.0}}, "quest.selection_interval"),
+    ({"prompt": "x", "quest": {"dense": "yes"}}, "quest.dense"),
     ({"prompt": "x", "max_token": 5}, "max_token"),
     ({"prompt": "x", "logprobs": 3}, "logprobs"),
     ({}, "prompt"),
@@ -232,8 +228,10 @@ def test_the_app_answers_a_completion_and_refuses_what_the_engine_cannot_run(eng
                                                         json={"prompt": prompt, "quest": {"token_budget": 6}}),
                 "quest.selection_interval": await client.post(  # above the engine's (1)
                     "/v1/completions", json={"prompt": prompt, "quest": {"selection_interval": 2}}),
-                "quest.reselect_similarity": await client.post(  # the engine has no adaptive reuse
-                    "/v1/completions", json={"prompt": prompt, "quest": {"reselect_similarity": 0.5}}),
+                "quest.dense": await client.post(  # the engine's rule (RequestQuest.resolve), as for SamplingParams
+                    "/v1/completions", json={"prompt": prompt, "quest": {"dense": True, "token_budget": 4}}),
+                "quest.selection_interval_0": await client.post(
+                    "/v1/completions", json={"prompt": prompt, "quest": {"selection_interval": 0}}),
                 "messages": await client.post("/v1/chat/completions",
                                               json={"messages": [{"role": "user", "content": "x"}]}),
             }
@@ -250,8 +248,12 @@ def test_the_app_answers_a_completion_and_refuses_what_the_engine_cannot_run(eng
     assert body["quest"]["token_budget"] == 4 and body["quest"]["dense"] is False
     for param, response in bad.items():
         assert response.status_code == (404 if param == "model" else 400), response.text
-        assert response.json()["error"]["param"] == param
-    assert 'questkv_requests_total{status="invalid"} 7.0' in metrics
+        assert response.json()["error"]["param"] == param.removesuffix("_0")
+    assert bad["quest.dense"].json()["error"]["message"] == (
+        "quest.dense=True attends every page; it excludes token_budget=4")
+    assert bad["quest.selection_interval_0"].json()["error"]["message"] == (
+        "quest.selection_interval must be >= 1, got 0")
+    assert 'questkv_requests_total{status="invalid"} 8.0' in metrics
 
 
 def test_ignore_eos_is_accepted_as_vllms_extension_and_must_be_a_bool():

@@ -17,7 +17,6 @@ from questkv.ops.triton.elementwise import rms_norm, silu_and_mul
 from questkv.ops.triton.estimate import page_scores, page_scores_into
 from questkv.ops.triton.gemv import linear
 from questkv.ops.triton.prefill_attention import paged_prefill_attention
-from questkv.ops.triton.reselect import reselect_heads_into
 from questkv.ops.triton.reuse import gather_selections, store_selections
 from questkv.ops.triton.select import select_buffers, select_pages, select_pages_into
 
@@ -35,7 +34,6 @@ __all__ = [
     "paged_decode_attention_into",
     "paged_prefill_attention",
     "plan_splits",
-    "reselect_heads_into",
     "rms_norm",
     "rope_append_kv",
     "select_buffers",

@@ -23,11 +23,11 @@ _NUM_WARPS = 4
 
 @triton.jit
 def _gather_selections_kernel(
-    pages_ptr, selected_at_ptr, slots_ptr, due_ptr, lens_ptr, head_at_ptr,
-    active_ptr, selected_ptr, row_at_ptr, num_pages_ptr, made_at_ptr,
+    pages_ptr, selected_at_ptr, slots_ptr, due_ptr, lens_ptr,
+    active_ptr, selected_ptr, row_at_ptr, num_pages_ptr,
     max_seqs, batch,
     LAYERS: tl.constexpr, HEADS: tl.constexpr, WIDTH: tl.constexpr, BUDGET: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, ADAPTIVE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (sparse layer, row) copies the row's slot's ``[HEADS, BUDGET]`` selection and writes the
     extra columns; layer 0's program also writes the row's flag and page counts (grid ``(max(LAYERS, 1),
@@ -49,15 +49,9 @@ def _gather_selections_kernel(
         h = tl.arange(0, BLOCK_H)
         w = tl.arange(0, BLOCK_W)[None, :]
         hmask = h < HEADS
-        if ADAPTIVE:
-            head_before = tl.load(head_at_ptr + (layer * max_seqs + slot) * HEADS + h, mask=hmask, other=0)
-            at = tl.where(active, count, head_before)  # [BLOCK_H]
-            tl.store(made_at_ptr + (layer * batch + row) * HEADS + h, at, mask=hmask)
-        else:
-            at = tl.zeros([BLOCK_H], tl.int32) + row_at
         stored = tl.load(pages_ptr + ((layer * max_seqs + slot) * HEADS + h[:, None]) * WIDTH + w,
                          mask=hmask[:, None] & (w < BUDGET), other=-1)
-        begun = at[:, None] + (w - BUDGET)
+        begun = row_at + (w - BUDGET)
         value = tl.where(w < BUDGET, stored, tl.where(begun < count, begun, -1))
         tl.store(selected_ptr + ((layer * batch + row) * HEADS + h[:, None]) * WIDTH + w, value,
                  mask=hmask[:, None] & (w < WIDTH))
@@ -68,13 +62,12 @@ def _gather_selections_kernel(
 @triton.jit
 def _store_selections_kernel(
     pages_ptr, selected_at_ptr, selections_ptr, steps_ptr, last_ptr, slots_ptr,
-    selected_ptr, row_at_ptr, active_ptr, num_pages_ptr, made_at_ptr, head_at_ptr, head_active_ptr,
+    selected_ptr, row_at_ptr, active_ptr,
     max_seqs, batch,
-    LAYERS: tl.constexpr, HEADS: tl.constexpr, WIDTH: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, ADAPTIVE: tl.constexpr,
+    LAYERS: tl.constexpr, HEADS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One program per (sparse layer, row) copies the row's selections (and head page counts) to its slot; layer
+    """One program per (sparse layer, row) copies the row's selections to its slot; layer
     0's program also stores the row's page count and adds the step to the slot's counters (grid as the
     gather's)."""
     layer = tl.program_id(0)
@@ -82,27 +75,15 @@ def _store_selections_kernel(
     if USE_PDL:
         gdc_wait()
     slot = tl.load(slots_ptr + row)
-    h = tl.arange(0, BLOCK_H)
-    hmask = h < HEADS
     if layer < LAYERS:
+        h = tl.arange(0, BLOCK_H)
         w = tl.arange(0, BLOCK_W)[None, :]
-        mask = hmask[:, None] & (w < WIDTH)
+        mask = (h < HEADS)[:, None] & (w < WIDTH)
         value = tl.load(selected_ptr + ((layer * batch + row) * HEADS + h[:, None]) * WIDTH + w, mask=mask)
         tl.store(pages_ptr + ((layer * max_seqs + slot) * HEADS + h[:, None]) * WIDTH + w, value, mask=mask)
-        if ADAPTIVE:
-            flag = tl.load(head_active_ptr + (layer * batch + row) * HEADS + h, mask=hmask, other=0) != 0
-            made_at = tl.load(made_at_ptr + (layer * batch + row) * HEADS + h, mask=hmask)
-            made_at = tl.where(flag, tl.load(num_pages_ptr + row), made_at)
-            tl.store(head_at_ptr + (layer * max_seqs + slot) * HEADS + h, made_at, mask=hmask)
     if layer == 0:
         tl.store(selected_at_ptr + slot, tl.load(row_at_ptr + row))
-        if ADAPTIVE:
-            lay = tl.arange(0, BLOCK_L)[:, None]
-            flags = tl.load(head_active_ptr + (lay * batch + row) * HEADS + h[None, :],
-                            mask=(lay < LAYERS) & hmask[None, :], other=0)
-            made = tl.sum(tl.sum((flags != 0).to(tl.int64), axis=1), axis=0)
-        else:
-            made = tl.load(active_ptr + row).to(tl.int64) * (LAYERS * HEADS)
+        made = tl.load(active_ptr + row).to(tl.int64) * (LAYERS * HEADS)
         # not atomic: only padding rows share a slot, and theirs is scratch
         tl.store(selections_ptr + slot, tl.load(selections_ptr + slot) + made)
         tl.store(steps_ptr + slot, tl.load(steps_ptr + slot) + 1)
@@ -127,30 +108,26 @@ def gather_selections(
     seq_lens: torch.Tensor,
     page_size: int,
     budget_pages: int,
-    head_selected_at: Optional[torch.Tensor] = None,
 ) -> ReusedSelections:
     """Triton :func:`questkv.ops.reference.gather_selections` (one launch, no host synchronisation). The memory's
     tensors must be contiguous (``ValueError`` otherwise)."""
-    check_selection_memory(pages, selected_at, slots, budget_pages, head_selected_at)
-    _check_memory_contiguous(pages=pages, selected_at=selected_at, head_selected_at=head_selected_at)
+    check_selection_memory(pages, selected_at, slots, budget_pages)
+    _check_memory_contiguous(pages=pages, selected_at=selected_at)
     layers, max_seqs, heads, width = pages.shape
     batch = slots.shape[0]
     device = pages.device
     active, row_at, count = (torch.empty(batch, dtype=torch.int32, device=device) for _ in range(3))
     selected = torch.empty((layers, batch, heads, width), dtype=torch.int32, device=device)
-    adaptive = head_selected_at is not None
-    made_at = torch.empty((layers, batch, heads), dtype=torch.int32, device=device) if adaptive else None
     if batch:
         _gather_selections_kernel[(max(layers, 1), batch)](
             pages, selected_at, slots.contiguous(), due.contiguous(), seq_lens.contiguous(),
-            head_selected_at if adaptive else selected_at,
-            active, selected, row_at, count, made_at if adaptive else active,
+            active, selected, row_at, count,
             max_seqs, batch,
             LAYERS=layers, HEADS=heads, WIDTH=width, BUDGET=budget_pages, PAGE_SIZE=page_size,
-            BLOCK_H=next_pow2(heads), BLOCK_W=next_pow2(width), ADAPTIVE=adaptive, USE_PDL=use_pdl(device),
+            BLOCK_H=next_pow2(heads), BLOCK_W=next_pow2(width), USE_PDL=use_pdl(device),
             num_warps=_NUM_WARPS, launch_pdl=use_pdl(device),
         )
-    return ReusedSelections(active, selected, row_at, count, made_at)
+    return ReusedSelections(active, selected, row_at, count)
 
 
 def store_selections(
@@ -159,29 +136,22 @@ def store_selections(
     counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     slots: torch.Tensor,
     rows: ReusedSelections,
-    head_selected_at: Optional[torch.Tensor] = None,
-    head_active: Optional[torch.Tensor] = None,
 ) -> None:
     """Triton :func:`questkv.ops.reference.store_selections` (one launch, no host synchronisation). The memory's
     tensors (counters included) must be contiguous (``ValueError`` otherwise); padding rows sharing a slot race
     there (scratch)."""
-    check_stored_selections(pages, selected_at, slots, rows, head_selected_at, head_active)
+    check_stored_selections(pages, selected_at, slots, rows)
     selections, steps, last_selections = counters
-    _check_memory_contiguous(pages=pages, selected_at=selected_at, head_selected_at=head_selected_at,
-                             selections=selections, steps=steps, last_selections=last_selections)
+    _check_memory_contiguous(pages=pages, selected_at=selected_at, selections=selections, steps=steps, last_selections=last_selections)
     layers, max_seqs, heads, width = pages.shape
     batch = slots.shape[0]
-    adaptive = head_active is not None
     if not batch:
         return
     _store_selections_kernel[(max(layers, 1), batch)](
         pages, selected_at, selections, steps, last_selections, slots.contiguous(),
         rows.selected.contiguous(), rows.selected_at.contiguous(), rows.active.contiguous(),
-        rows.num_pages.contiguous(),
-        rows.made_at.contiguous() if adaptive else rows.active, head_selected_at if adaptive else selected_at,
-        head_active.contiguous() if adaptive else rows.active,
         max_seqs, batch,
-        LAYERS=layers, HEADS=heads, WIDTH=width, BLOCK_L=next_pow2(max(layers, 1)), BLOCK_H=next_pow2(heads),
-        BLOCK_W=next_pow2(width), ADAPTIVE=adaptive, USE_PDL=use_pdl(pages.device),
+        LAYERS=layers, HEADS=heads, WIDTH=width, BLOCK_H=next_pow2(heads), BLOCK_W=next_pow2(width),
+        USE_PDL=use_pdl(pages.device),
         num_warps=_NUM_WARPS, launch_pdl=use_pdl(pages.device),
     )
