@@ -1,4 +1,4 @@
-"""Markdown and PNG report of an end-to-end run (``benchmarks/e2e.py``): every number comes from its JSON.
+"""Markdown and PNG report of an end-to-end run (``benchmarks/e2e_bench.py``): every number comes from its JSON.
 
     python benchmarks/e2e_report.py benchmarks/results/e2e-h200.json
 
@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from questkv.models.shapes import DUMMY_SHAPES  # noqa: E402
 
@@ -22,7 +23,7 @@ DENSE_FLOOR_POINT, DENSE_FLOOR_FACTOR = ("llama3.1-8b", 1, 32 * 1024), 1.15
 HF_EAGER_POINT, HF_EAGER_FACTOR = ("llama3.1-8b", 1, 32 * 1024), 12.0
 HF_STATIC_POINT, HF_STATIC_FACTOR = ("llama3.1-8b", 1, 32 * 1024), 3.5
 PLOT_MODEL = "llama3.1-8b"
-BASE_CONTEXT = 1024  # the "attention is negligible" point of e2e.py's POINTS
+BASE_CONTEXT = 1024  # the "attention is negligible" point of e2e_bench.py's POINTS
 
 
 def _k(context: int) -> str:
@@ -384,7 +385,7 @@ def plot(record: dict, path: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json", type=Path, help="e2e-TAG.json written by benchmarks/e2e.py")
+    parser.add_argument("json", type=Path, help="e2e-TAG.json written by benchmarks/e2e_bench.py")
     args = parser.parse_args(argv)
     record: dict[str, Any] = json.loads(args.json.read_text())
     md, png = args.json.with_suffix(".md"), args.json.with_suffix(".png")

@@ -29,7 +29,8 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import questkv  # noqa: E402
 from questkv.eval.provenance import git_commit  # noqa: E402

@@ -4,7 +4,7 @@ For each point (Llama-3.1-8B attention by default, ``--model llama2-7b`` for MHA
 configuration, the script builds a fresh
 :class:`~questkv.decode.QuestDecodeStep` with the kernels' module constants set to that configuration, checks
 its output against the torch reference on the point's data, and times under CUDA graphs (the method and data of
-``benchmarks/kernels.py``):
+``benchmarks/kernels_bench.py``):
 
 * dense paged decode (``step.dense``) over tokens per inner iteration x programs per SM x pipeline stages x warps;
 * sparse attention over a fixed selection (``step.attend``), the same grid;
@@ -30,10 +30,10 @@ from typing import Iterator
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import DEVICE, DTYPE, MODELS, PAGE_SIZE, _rel_err, point_data, time_graph  # noqa: E402
+from benchmarks.kernels_bench import DEVICE, DTYPE, MODELS, PAGE_SIZE, _rel_err, point_data, time_graph  # noqa: E402
 
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.decode import QuestDecodeStep  # noqa: E402
@@ -199,7 +199,7 @@ def main() -> int:
     md = [f"# Kernel launch configurations on {info['gpu']}", "",
           f"- command: `{info['command']}`", f"- commit: `{info['commit']}`, date: {info['date']}",
           f"- torch {info['torch']}, triton {info['triton']}; {args.model} attention, {DTYPE}, page {PAGE_SIZE}",
-          "- median GPU µs per call under CUDA graphs (kernels.py's method); every configuration checked against "
+          "- median GPU µs per call under CUDA graphs (kernels_bench.py's method); every configuration checked against "
           "the torch reference on the point's data (attention 1e-2, estimate 1e-5 relative error)",
           "- grids: attention " + json.dumps(ATTENTION_GRID) + "; estimate " + json.dumps(ESTIMATE_GRID),
           "", "## Best against the defaults", "", *best_lines(points, args.model), ""]

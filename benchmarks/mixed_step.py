@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DECODE_STEPS = 12
 
@@ -40,7 +41,7 @@ def run(cfg, decodes: int, decode_tokens: int, prompt_tokens: int, chunk: int, m
     """The timed and profiled steps of the sequence in the module's docstring, on a dense engine of ``cfg``
     (random weights) on ``device``: ``decodes`` running requests of ``decode_tokens`` tokens, prompts of
     ``prompt_tokens`` in chunks of ``chunk``; a pool of ``decodes + 3`` sequences of ``max_model_len`` tokens."""
-    from benchmarks.e2e import kv_bytes_per_token, synthetic_prefill
+    from benchmarks.e2e_bench import kv_bytes_per_token, synthetic_prefill
     from torch.profiler import ProfilerActivity, profile
 
     from questkv import LLM, SamplingParams

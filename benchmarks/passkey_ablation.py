@@ -24,7 +24,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import questkv  # noqa: E402
 from questkv.eval import passkey  # noqa: E402

@@ -8,7 +8,7 @@ well). Per engine: the documents are prefilled once (their pages cached), then f
 ``--requests`` fresh prompts (document ``i % docs`` + random tail) is generated for one token: wall time (median of
 ``--repeats``), the tokens the prefix cache covered, and a torch-profiler table of that step's host and GPU time by
 kernel (one more batch, profiled); and a fresh prompt of a document's length alone (no hit), prefilled in the
-engine's default chunks, timed and profiled the same way (against the one-step prefill ``e2e.py`` times). Random ("dummy") weights at a real shape, bf16, page 16::
+engine's default chunks, timed and profiled the same way (against the one-step prefill ``e2e_bench.py`` times). Random ("dummy") weights at a real shape, bf16, page 16::
 
     python benchmarks/prefix_prefill.py --out benchmarks/results/prefix-prefill-h200
 
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402

@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PAGE_SIZE = 16
 HEADS = 8

@@ -78,7 +78,8 @@ from typing import Any, Optional
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(ROOT))
 
 from questkv.eval.provenance import provenance  # noqa: E402
 

@@ -1,17 +1,12 @@
 """benchmarks/e2e_report.py on a tiny fake e2e JSON."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("matplotlib")
 
-_SPEC = importlib.util.spec_from_file_location(
-    "e2e_report", Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_report.py")
-e2e_report = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(e2e_report)
+from benchmarks import e2e_report  # noqa: E402
 
 
 def _engine(ms, graph, attended):
@@ -41,7 +36,7 @@ def test_report(tmp_path):
     long["hf_eager"] = {"ms_per_token": 30.0, "tokens_per_s": 33.3, "prefill_s": 4.0}
     long["hf_static"] = {"ms_per_token": 900.0, "tokens_per_s": 1.1, "prefill_s": 1.5}
     long["prefill_s"] = 1.3
-    record = {"provenance": {"command": "e2e.py", "commit": "abc", "machine": "FakeGPU", "date": "today",
+    record = {"provenance": {"command": "e2e_bench.py", "commit": "abc", "machine": "FakeGPU", "date": "today",
                              "torch": "t", "transformers": "x"},
               "page_size": 16, "dense_layers": 2, "dtype": "bfloat16", "warmup_steps": 6, "timed_steps": 32,
               "bandwidth_bytes_per_s": 4e12, "points": [base, long],

@@ -1,17 +1,13 @@
 """benchmarks/eval_reuse.py: the GPU sweeps of issue 26 run end to end on the CPU (a tiny random model, tiny
 lengths, through ``questkv eval sweep``), and the device calls it prints."""
 
-import importlib.util
 import json
 import random
 from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "eval_reuse", Path(__file__).resolve().parents[1] / "benchmarks" / "eval_reuse.py")
-eval_reuse = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(eval_reuse)
+from benchmarks import eval_reuse
 
 
 def test_every_sweep_runs_on_a_tiny_model_on_the_cpu(tmp_path):

@@ -1,16 +1,11 @@
 """benchmarks/eval_targets.py on hand-made cells: each target's verdict, no-signal and missing cells."""
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "eval_targets", Path(__file__).resolve().parents[1] / "benchmarks" / "eval_targets.py")
-eval_targets = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(eval_targets)
+from benchmarks import eval_targets
 
 L = 16384
 

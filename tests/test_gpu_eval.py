@@ -1,19 +1,14 @@
 """benchmarks/gpu_eval.py, the parts that run here: splitting, joining and checking a GGUF, and staging."""
 
 import importlib.metadata
-import importlib.util
 import os
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_eval
 from questkv.models import loader
-
-_SPEC = importlib.util.spec_from_file_location(
-    "gpu_eval", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_eval.py")
-gpu_eval = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(gpu_eval)
 
 
 @pytest.fixture()

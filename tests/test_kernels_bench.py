@@ -1,20 +1,14 @@
-"""benchmarks/kernels.py, the parts that run here: the key-code checks (Triton under the interpreter), the
+"""benchmarks/kernels_bench.py, the parts that run here: the key-code checks (Triton under the interpreter), the
 'estimate from 2-bit codes' fields with a stand-in timer, and their table."""
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-_SPEC = importlib.util.spec_from_file_location(
-    "kernels_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py")
-kernels_bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(kernels_bench)
-
+from benchmarks import kernels_bench  # noqa: E402
 from questkv.ops import LayerPages, reference  # noqa: E402
 
 

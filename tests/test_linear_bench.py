@@ -1,10 +1,8 @@
-"""benchmarks/linear.py, the parts that run here: its ``--smoke`` runs (Triton under the interpreter) check every
+"""benchmarks/linear_bench.py, the parts that run here: its ``--smoke`` runs (Triton under the interpreter) check every
 backend against the reference before timing it and write the error beside the time (the ``int8_grouped`` formats,
 the int4 GEMV, bf16 and its one-row GEMV); its round-to-nearest ``int8_grouped`` weights stay within half a step."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +11,7 @@ from questkv.ops import quant_reference as ref
 
 pytest.importorskip("triton")
 
-_SPEC = importlib.util.spec_from_file_location(
-    "linear_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "linear.py")
-linear_bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(linear_bench)
+from benchmarks import linear_bench  # noqa: E402
 
 
 def test_smoke_run_checks_and_times_grouped_int8_beside_bf16(tmp_path):

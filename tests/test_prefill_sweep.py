@@ -1,17 +1,12 @@
 """benchmarks/prefill_sweep.py's data, check and baseline on tiny CPU shapes (the kernel under the interpreter)."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-_SPEC = importlib.util.spec_from_file_location(
-    "prefill_sweep", Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_sweep.py")
-prefill_sweep = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(prefill_sweep)
+from benchmarks import prefill_sweep  # noqa: E402
 
 
 @pytest.mark.parametrize("cached", [0, 9])

@@ -13,8 +13,8 @@ client's outcome (HTTP status, ``disconnect``, transport error) and by the serve
 status, p50 / p99 / max ``/health`` latency during the run, the server's RSS and KV pages (free / total) at the
 start and at the end (after it is idle again), and whether every request was counted exactly once. Outside CI:
 
-    python benchmarks/soak.py --requests 300 --out /tmp/soak-300
-    python benchmarks/soak.py --out benchmarks/results/soak-cpu            # 10000 requests, hours on 2 cores
+    python benchmarks/soak_bench.py --requests 300 --out /tmp/soak-300
+    python benchmarks/soak_bench.py --out benchmarks/results/soak-cpu            # 10000 requests, hours on 2 cores
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import Any, Optional
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_load import Server as ServeLoadServer, percentile  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
@@ -249,7 +250,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = parser.parse_args(argv)
 
     # Taken before the server starts: the commit and date of the code it runs, not of the checkout at the end.
-    origin = provenance("cpu", command="python benchmarks/soak.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    command = "python benchmarks/soak_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    origin = provenance("cpu", command=command)
     server_args = [args.model, *args.server_args.split(), "--max-request-bytes", str(args.max_request_bytes)]
     server = Server(server_args, args.threads)
     try:

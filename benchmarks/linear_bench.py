@@ -8,7 +8,7 @@ replays; each replay cycles over enough copies of the weight that no call finds 
 * ``bf16``: ``torch.nn.functional.linear`` on the float weight (cuBLAS), and at one row ``bf16-gemv``, questkv's
   GEMV (:mod:`questkv.ops.triton.gemv`; back to back in a graph, each call's first weight tile overlaps the call
   before it through programmatic dependent launch, which in a decode step only a kernel before it that triggers
-  early allows: ``benchmarks/e2e.py`` is the arbiter);
+  early allows: ``benchmarks/e2e_bench.py`` is the arbiter);
 * ``int4`` (group 128) through each backend: ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's
   plan), ``gemv`` (its small-batch kernel ``int4_gemv`` on the K-major copy, ``M <= 4``), ``words``
   (``int4_words_matmul``: tensor cores over the same K-major words, ``M >= 2``), ``tinygemm``
@@ -34,11 +34,11 @@ measured in the same run). The sum over all linears of one token (layers x 4 sha
 
 Usage (GPU)::
 
-    python benchmarks/linear.py --out benchmarks/results/linear-h200
+    python benchmarks/linear_bench.py --out benchmarks/results/linear-h200
 
 Only ``int8_grouped`` at llama3.1-8b's shapes (under a minute)::
 
-    python benchmarks/linear.py --models llama3.1-8b --ms 1 4 16 64 --methods int8g16 int8g32 --no-sweep \
+    python benchmarks/linear_bench.py --models llama3.1-8b --ms 1 4 16 64 --methods int8g16 int8g32 --no-sweep \
         --out benchmarks/results/linear-int8g-h200
 
 On a CPU, ``--smoke`` runs tiny shapes through the reference, ``dequant`` and the Triton interpreter (and the sweep
@@ -63,7 +63,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.graph_timing import graph_replay_us  # noqa: E402
 from questkv.ops import quant_reference as ref  # noqa: E402

@@ -10,7 +10,7 @@ Decode contexts are filled synthetically: the scheduler admits each request and 
 usual, then random K/V (and their page bounds) are written instead of running the prompt through the
 model; decode reads the same bytes either way. Prefill is timed for real, separately, at batch 1.
 
-    python benchmarks/e2e.py --out-dir benchmarks/results --tag h200
+    python benchmarks/e2e_bench.py --out-dir benchmarks/results --tag h200
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
@@ -51,6 +52,8 @@ POINTS = [
     ("llama3.1-8b", 1, 8 * 1024, 2048, None),
     ("llama3.1-8b", 1, 64 * 1024, 2048, None),
     ("llama3.1-8b", 4, 32 * 1024, 2048, None),
+    ("llama3.1-8b", 4, 1024, 2048, None),  # the route's short contexts (with points 0, 5, 6, 8): never below dense
+    ("llama3.1-8b", 4, 8 * 1024, 2048, None),
 ]
 WARMUP_STEPS, TIMED_STEPS = 6, 32
 
@@ -333,8 +336,6 @@ def check_tiny_fp32() -> dict:
     results = {}
     for name, quest in (("dense", None), ("quest-256", QuestConfig(token_budget=256)),
                         ("quest-256-reuse-4", QuestConfig(token_budget=256, selection_interval=4)),
-                        ("quest-256-reuse-4-adaptive-0",
-                         QuestConfig(token_budget=256, selection_interval=4, reselect_similarity=0.0)),
                         ("quest-full", QuestConfig(token_budget=2048)),
                         ("quest-full-reuse-4", QuestConfig(token_budget=2048, selection_interval=4)),
                         ("dense-batch-1", None), ("quest-256-batch-1", QuestConfig(token_budget=256))):
@@ -521,6 +522,9 @@ def main() -> None:
     parser.add_argument("--selection-intervals", default="",
                         help="comma-separated C >= 2: also time a Quest engine that selects every C decode steps "
                         "(QuestConfig.selection_interval) per C (default: none)")
+    parser.add_argument("--dense-context-ratio", type=float, default=QuestConfig().dense_context_ratio,
+                        help="the Quest engines' QuestConfig.dense_context_ratio: decode steps stay dense while the "
+                        "context holds at most this many budgets (default: QuestConfig's)")
     args = parser.parse_args()
     try:
         intervals = [int(c) for c in args.selection_intervals.split(",") if c]
@@ -554,8 +558,10 @@ def main() -> None:
     points = POINTS if args.points == "all" else [POINTS[int(i)] for i in args.points.split(",")]
     for name, batch, context, budget, target in points:
         cfg = dummy_config(name, max_position_embeddings=max(context + 1024, 4096))
-        quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
-        point = {"model": name, "batch": batch, "context": context, "budget": budget, "target": target}
+        quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS,
+                            dense_context_ratio=args.dense_context_ratio)
+        point = {"model": name, "batch": batch, "context": context, "budget": budget, "target": target,
+                 "dense_context_ratio": args.dense_context_ratio}
         point["engine_dense"] = time_engine(cfg, None, batch, context, **quant)
         point["engine_quest"] = time_engine(cfg, quest, batch, context, **quant)
         if args.dense_cublas:

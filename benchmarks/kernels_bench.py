@@ -27,7 +27,7 @@ device-to-device copy. Writes ``kernels-<tag>.json`` and ``kernels-<tag>.md`` an
 
 Usage (on the GPU machine)::
 
-    python benchmarks/kernels.py --out-dir benchmarks/results --tag h200
+    python benchmarks/kernels_bench.py --out-dir benchmarks/results --tag h200
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.graph_timing import graph_replay_us  # noqa: E402
 from questkv.ops import LayerPages  # noqa: E402
@@ -713,7 +714,7 @@ def main() -> int:
     args = parser.parse_args()
     args.intervals = parse_intervals(parser, args.selection_intervals)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks/kernels_bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
     # FlashInfer's own guidance: tensor cores for grouped queries; for MHA both are measured
     args.fi_tensor_cores = {"llama3.1-8b": (True,), "llama2-7b": (True, False)}

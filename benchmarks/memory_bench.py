@@ -8,7 +8,7 @@ Each configuration builds ``LLM`` with random weights at the model's real shapes
 
 Usage (GPU)::
 
-    python benchmarks/memory.py --model llama3.1-8b --out benchmarks/results/memory-h200
+    python benchmarks/memory_bench.py --model llama3.1-8b --out benchmarks/results/memory-h200
 
 writes ``<out>.json`` and ``<out>.md`` with provenance.
 """
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from questkv.engine.llm import LLM  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
