@@ -21,11 +21,9 @@ from questkv.ops.pages import LayerPages
 __all__ = [
     "LayerPages",
     "append_kv",
-    "encode_page_keys",
     "gather_selections",
     "linear",
     "page_scores",
-    "page_scores_codes",
     "select_pages",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -88,20 +86,6 @@ def page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection="kv_he
     """See :func:`questkv.ops.reference.page_scores`."""
     return resolve_backend(q, backend).page_scores(
         q, kmin, kmax, page_table, seq_lens, page_size, selection, group_reduction
-    )
-
-
-def encode_page_keys(codes, k_pages, kmin, kmax, pages, bits, backend: str = "auto") -> None:
-    """See :func:`questkv.ops.reference.encode_page_keys` (opt-in low-bit key codes; layout in
-    :mod:`questkv.ops.reference`)."""
-    resolve_backend(k_pages, backend).encode_page_keys(codes, k_pages, kmin, kmax, pages, bits)
-
-
-def page_scores_codes(q, codes, kmin, kmax, page_table, seq_lens, page_size, bits, selection="kv_head",
-                      group_reduction="sum", rerank="max", sm_scale=None, backend="auto"):
-    """See :func:`questkv.ops.reference.page_scores_codes`."""
-    return resolve_backend(q, backend).page_scores_codes(
-        q, codes, kmin, kmax, page_table, seq_lens, page_size, bits, selection, group_reduction, rerank, sm_scale
     )
 
 

@@ -18,42 +18,39 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
 * Page selections are *logical* page indices (positions in a page-table row), ``[batch,
   num_sel_heads, k]`` int32 sorted ascending with ``-1`` padding at the end; ``num_sel_heads`` is
   ``num_kv_heads`` (one set per KV head, shared by its query group) or ``num_q_heads``.
-* ``codes`` (the opt-in low-bit key copy, see :func:`encode_page_keys`): ``[num_pages, page_size,
-  num_kv_heads, head_dim * bits // 8]`` uint8, ``bits`` in :data:`KEY_CODE_BITS`. Channel ``d`` of a
-  key is the index ``c = clamp(floor((k_d - kmin_d) / w_d), 0, 2**bits - 1)`` of the one of
-  ``2**bits`` equal cells ``w_d = (kmax_d - kmin_d) / 2**bits`` of its page's bounds that holds it
-  (``c = 0`` where ``w_d = 0``), decoded to the cell's centre ``kmin_d + (c + 0.5) w_d`` (``kmin_d``
-  where ``w_d = 0``): :func:`quantize_key_codes` and :func:`decode_key_cells`. Codes are packed
-  little-end first along ``head_dim``: element ``d`` lives in byte ``d * bits // 8`` at bit offset
-  ``(d * bits) % 8`` (``bits = 8``: one byte per element). ``head_dim * bits`` must be a multiple of
-  8. A page's codes are written once, when it is full and its bounds final; those of the current,
-  partial page may be stale, which is harmless because the selection always keeps the current page.
 * ``budgets``: ``[batch]`` int32 token budget of each sequence (a multiple of ``page_size``, at most
   ``budget_pages * page_size`` and at least the forced pages plus the current one); ``None`` gives every
   sequence ``budget_pages``. Callers validate the values on the host (the ops never synchronise).
 * ``active``: ``[batch]`` int32 flags of :func:`page_scores_into` and :func:`select_pages_into`
   (selection reuse: a sequence re-estimates and re-selects only every ``selection_interval``-th step),
-  or ``None`` for every sequence. A sequence whose flag is 0 leaves its rows of ``out`` untouched; the flags are read on the device, so one CUDA graph serves every pattern
-  (:func:`check_active`).
+  or ``None`` for every sequence. A sequence whose flag is 0 leaves its rows of ``out`` untouched; the flags are
+  read on the device, so one CUDA graph serves every pattern (:func:`questkv.ops.checks.check_active`).
 
-Every op also has an ``*_into`` form writing into preallocated outputs, with the same signature as
-the Triton kernels' (:mod:`questkv.ops.triton`), so :class:`questkv.decode.QuestDecodeStep` calls
-either backend the same way.
+The estimate, the selection and the decode attention also have an ``*_into`` form writing into preallocated
+outputs, with the same signature as the Triton kernels' (:mod:`questkv.ops.triton`), so
+:class:`questkv.decode.QuestDecodeStep` calls either backend the same way; :func:`attention_buffers` and
+:func:`select_buffers` give the (empty) scratch the kernels' forms take. The types the ops take and return live in
+:mod:`questkv.ops.pages`, the argument checks they share with the kernels in :mod:`questkv.ops.checks`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from questkv.config import GROUP_REDUCTIONS, RERANKS, SELECTIONS
-
-KEY_CODE_BITS: tuple[int, ...] = (1, 2, 4, 8)
-"""Widths of the low-bit key codes (``codes``, see the module docstring)."""
+from questkv.ops.checks import (
+    check_active,
+    check_mode,
+    check_prefill_attention,
+    check_select_out,
+    check_selection_memory,
+    check_stored_selections,
+)
+from questkv.ops.pages import AttentionBuffers, ReusedSelections, SelectBuffers
 
 
 def append_kv(
@@ -197,6 +194,7 @@ def page_scores(
     Returns:
         ``[batch, num_sel_heads, max_pages]`` float32; pages past a sequence's length are ``-inf``.
     """
+    check_mode(selection, group_reduction)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
     group = num_q_heads // num_kv_heads
@@ -371,41 +369,6 @@ def paged_prefill_attention(
     return out
 
 
-def check_prefill_attention(
-    q: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    page_table: torch.Tensor,
-    query_starts: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> None:
-    """``ValueError`` unless the shapes, dtypes and devices of :func:`paged_prefill_attention`'s tensors
-    agree (no host synchronisation: the values are the caller's to get right)."""
-    if q.dim() != 3 or not q.dtype.is_floating_point:
-        raise ValueError(f"q must be a float [num_tokens, num_q_heads, head_dim] tensor, got {q.dtype} "
-                         f"of shape {tuple(q.shape)}")
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    if k_pages.dim() != 4 or k_pages.shape[3] != head_dim or not k_pages.dtype.is_floating_point:
-        raise ValueError(f"k_pages must be a float [num_pages, page_size, num_kv_heads, {head_dim}] tensor, got "
-                         f"{k_pages.dtype} of shape {tuple(k_pages.shape)}")
-    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"v_pages must match k_pages ({k_pages.dtype}, {tuple(k_pages.shape)}), got "
-                         f"{v_pages.dtype}, {tuple(v_pages.shape)}")
-    num_kv_heads = k_pages.shape[2]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    for name, tensor, shape in (("seq_lens", seq_lens, (batch,)), ("query_starts", query_starts, (batch + 1,)),
-                                ("page_table", page_table, (batch, page_table.shape[-1]))):
-        if tensor.dtype != torch.int32 or tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} must be int32 of shape {shape} (batch from seq_lens), got {tensor.dtype} "
-                             f"of shape {tuple(tensor.shape)}")
-    for name, tensor in (("k_pages", k_pages), ("v_pages", v_pages), ("page_table", page_table),
-                         ("query_starts", query_starts), ("seq_lens", seq_lens)):
-        if tensor.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {tensor.device}")
-
-
 def num_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     """Pages holding each sequence: ``ceil(seq_lens / page_size)``, ``[batch]`` int64."""
     return (seq_lens.long() + page_size - 1) // page_size
@@ -427,16 +390,6 @@ def forced_page_mask(
     return (index < sink_pages) | (index >= num_pages(seq_lens, page_size)[:, None] - 1 - recent_pages)
 
 
-class AttentionBuffers(NamedTuple):
-    """Scratch of the split attention kernel (:func:`questkv.ops.triton.attention_buffers`); the
-    reference needs none, so all its fields are ``None``."""
-
-    part_out: Optional[torch.Tensor] = None
-    part_lse: Optional[torch.Tensor] = None
-    counters: Optional[torch.Tensor] = None
-    items_per_split: int = 0
-
-
 def attention_buffers(
     batch: int,
     num_q_heads: int,
@@ -450,17 +403,6 @@ def attention_buffers(
 ) -> AttentionBuffers:
     """The reference attention needs no scratch: an empty :class:`AttentionBuffers`."""
     return AttentionBuffers()
-
-
-class SelectBuffers(NamedTuple):
-    """Scratch of the split select kernels (:func:`questkv.ops.triton.select_buffers`); the
-    reference needs none, so all its fields are ``None``."""
-
-    hist: Optional[torch.Tensor] = None
-    chunk_hist: Optional[torch.Tensor] = None
-    chunk_above: Optional[torch.Tensor] = None
-    counters: Optional[torch.Tensor] = None
-    chunk_pages: int = 0
 
 
 def select_buffers(
@@ -544,15 +486,6 @@ def paged_decode_attention_into(
     return out.copy_(paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale))
 
 
-class ReusedSelections(NamedTuple):
-    """One decode step's selections in batch order, from :func:`gather_selections` (shapes there)."""
-
-    active: torch.Tensor
-    selected: torch.Tensor
-    selected_at: torch.Tensor
-    num_pages: torch.Tensor
-
-
 def gather_selections(
     pages: torch.Tensor,
     selected_at: torch.Tensor,
@@ -624,29 +557,6 @@ def count_selections(counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor], 
     last_selections.index_copy_(0, slots, made)
 
 
-def check_selection_memory(pages: torch.Tensor, selected_at: torch.Tensor, slots: torch.Tensor, budget_pages: int
-                           ) -> None:
-    """``ValueError`` unless a selection memory's tensors agree (:func:`gather_selections`' shapes)."""
-    if pages.dim() != 4 or pages.dtype != torch.int32 or not 1 <= budget_pages <= pages.shape[-1]:
-        raise ValueError(f"pages must be [num_sparse_layers, max_seqs, num_sel_heads, width >= budget_pages="
-                         f"{budget_pages}] int32, got {tuple(pages.shape)} {pages.dtype}")
-    max_seqs = pages.shape[1]
-    if tuple(selected_at.shape) != (max_seqs,) or selected_at.dtype != torch.int32:
-        raise ValueError(f"selected_at must be [{max_seqs}] int32, got {tuple(selected_at.shape)} {selected_at.dtype}")
-    if slots.dim() != 1 or slots.dtype != torch.int64:
-        raise ValueError(f"slots must be [batch] int64, got {tuple(slots.shape)} {slots.dtype}")
-
-
-def check_stored_selections(pages: torch.Tensor, selected_at: torch.Tensor, slots: torch.Tensor,
-                            rows: ReusedSelections) -> None:
-    """``ValueError`` unless :func:`store_selections`' arguments agree."""
-    check_selection_memory(pages, selected_at, slots, 1)
-    layers, _, heads, width = pages.shape
-    if tuple(rows.selected.shape) != (layers, slots.shape[0], heads, width):
-        raise ValueError(f"rows.selected must be [{layers}, {slots.shape[0]}, {heads}, {width}], got "
-                         f"{tuple(rows.selected.shape)}")
-
-
 def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:
     """Indices sorting the last-but-one dim by ``rank[..., 0]`` then ``rank[..., 1]``, descending, stable."""
     order = rank[..., 1].argsort(dim=-1, descending=True, stable=True)
@@ -654,285 +564,7 @@ def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:
     return order.gather(-1, primary.argsort(dim=-1, descending=True, stable=True))
 
 
-# ----------------------------------------------------------------------------------------------
-# low-bit key codes (opt-in; layout in the module docstring)
-
-
-def key_code_bytes(head_dim: int, bits: int) -> int:
-    """Bytes of one key's codes, ``head_dim * bits // 8``; ``ValueError`` unless ``bits`` is one of
-    :data:`KEY_CODE_BITS` and ``head_dim * bits`` a multiple of 8."""
-    if isinstance(bits, bool) or bits not in KEY_CODE_BITS:
-        raise ValueError(f"bits must be one of {KEY_CODE_BITS}, got {bits!r}")
-    if head_dim < 1 or (head_dim * bits) % 8:
-        raise ValueError(f"head_dim * bits must be a positive multiple of 8, got head_dim={head_dim}, bits={bits}")
-    return head_dim * bits // 8
-
-
-def check_key_codes(codes: torch.Tensor, num_kv_heads: int, head_dim: int, bits: int, page_size: Optional[int] = None,
-                    num_pages: Optional[int] = None) -> None:
-    """``ValueError`` unless ``codes`` is uint8 ``[num_pages, page_size, num_kv_heads, key_code_bytes(head_dim, bits)]``
-    (``num_pages`` and ``page_size`` checked when given)."""
-    nbytes = key_code_bytes(head_dim, bits)
-    if codes.dtype != torch.uint8 or codes.dim() != 4:
-        raise ValueError(f"codes must be a 4-D uint8 tensor, got {codes.dtype} of shape {tuple(codes.shape)}")
-    want = (codes.shape[0] if num_pages is None else num_pages, codes.shape[1] if page_size is None else page_size,
-            num_kv_heads, nbytes)
-    if tuple(codes.shape) != want:
-        raise ValueError(f"codes must have shape {want} for bits={bits}, got {tuple(codes.shape)}")
-
-
-def quantize_key_codes(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
-    """Cell indices (unpacked) of ``keys`` ``[..., page_size, H, D]`` within their pages' bounds ``[..., H, D]``:
-    ``[..., page_size, H, D]`` uint8 in ``[0, 2**bits)``, computed in float32 as the module docstring says
-    (a NaN key, i.e. an unwritten slot, gets code 0)."""
-    low = kmin.float().unsqueeze(-3)
-    cells = 2**bits
-    width = (kmax.float().unsqueeze(-3) - low) * (1.0 / cells)  # exact: a power of two
-    safe = torch.where(width > 0, width, 1.0)
-    cell = torch.floor((keys.float() - low) / safe)
-    cell = torch.where(cell > 0, cell, 0.0)  # NaN -> 0
-    cell = torch.where(cell < cells - 1, cell, float(cells - 1))
-    return torch.where(width > 0, cell, 0.0).to(torch.uint8)
-
-
-def pack_key_codes(cells: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., D]`` cell indices (integers in ``[0, 2**bits)``) -> ``[..., D * bits // 8]`` uint8, packed
-    little-end first (module docstring)."""
-    per = 8 // bits
-    head_dim = cells.shape[-1]
-    key_code_bytes(head_dim, bits)
-    grouped = cells.to(torch.int32).reshape(*cells.shape[:-1], head_dim // per, per)
-    shifts = torch.arange(per, device=cells.device, dtype=torch.int32) * bits
-    return (grouped << shifts).sum(-1).to(torch.uint8)
-
-
-def unpack_key_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_key_codes`: ``[..., D * bits // 8]`` uint8 -> ``[..., D]`` int32 cell indices."""
-    per = 8 // bits
-    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
-    cells = (codes.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
-    return cells.flatten(-2)
-
-
-def decode_key_cells(cells: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
-    """Decoded keys, float32 ``[..., page_size, H, D]``, from unpacked cell indices ``[..., page_size, H, D]``
-    (:func:`quantize_key_codes`) and the pages' bounds ``[..., H, D]``: ``kmin + (c + 0.5) * w``, or
-    ``kmin`` where ``w = 0``."""
-    low = kmin.float().unsqueeze(-3)
-    width = (kmax.float().unsqueeze(-3) - low) * (1.0 / 2**bits)
-    return torch.where(width > 0, low + (cells.float() + 0.5) * width, low)
-
-
-def decode_key_codes(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
-    """Decoded keys, float32 ``[..., page_size, H, D]``, from packed ``codes`` ``[..., page_size, H, D * bits // 8]``
-    and the pages' bounds ``[..., H, D]`` (:func:`decode_key_cells` of the unpacked codes)."""
-    return decode_key_cells(unpack_key_codes(codes, bits), kmin, kmax, bits)
-
-
-def encode_page_keys(
-    codes: torch.Tensor,
-    k_pages: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    pages: torch.Tensor,
-    bits: int,
-) -> None:
-    """Write the low-bit codes of the physical ``pages`` from their keys and bounds, in place (what a
-    cache does once per page, when the page fills and its bounds are final).
-
-    Args:
-        codes: ``[num_pages, page_size, num_kv_heads, head_dim * bits // 8]`` uint8 (layout: module docstring).
-        k_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``, any float dtype.
-        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, dtype of ``k_pages``.
-        pages: ``[n]`` int32 physical pages (distinct); every slot of each is encoded (a slot holding
-            NaN gets code 0).
-        bits: one of :data:`KEY_CODE_BITS`.
-    """
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    check_key_codes(codes, num_kv_heads, head_dim, bits, page_size, num_pages)
-    if pages.dim() != 1:
-        raise ValueError(f"pages must be 1-D, got shape {tuple(pages.shape)}")
-    index = pages.long()
-    cells = quantize_key_codes(k_pages[index], kmin[index], kmax[index], bits)
-    codes[index] = pack_key_codes(cells, bits)
-
-
-def page_scores_codes(
-    q: torch.Tensor,
-    codes: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-    bits: int,
-    selection: str = "kv_head",
-    group_reduction: str = "sum",
-    rerank: str = "max",
-    sm_scale: Optional[float] = None,
-) -> torch.Tensor:
-    """Page scores from the low-bit key codes, ``k_t`` decoded from ``codes`` (:func:`decode_key_codes`),
-    for every query head ``h`` and page ``p``:
-
-    * ``rerank="max"``: the largest logit ``max_t q_h . k_t`` over the page's written tokens;
-    * ``rerank="mass"``: the page's attention mass among the sequence's pages, the softmax over pages of
-      ``lse_hp = logsumexp_t(sm_scale * q_h . k_t)`` (:func:`page_mass_from_lse`).
-
-    Under ``kv_head`` selection each KV head's query group is combined with ``group_reduction``
-    (``"sum"`` or ``"max"``, :func:`combine_group`), under ``q_head`` kept per query head. With codes
-    written from the pages' final bounds this is :class:`questkv.policies.paged.QuestRerankPolicy`'s
-    score for the same ``rerank`` at ``key_bits=bits`` with a shortlist covering every page. The
-    current, partial page's codes may be stale, so its score is meaningless (:func:`select_pages` always
-    keeps that page); under ``"mass"`` it also takes part in each query head's normalisation, a factor
-    common to that head's pages, which leaves a query head's ranking unchanged but not always a ``kv_head``
-    group's combination.
-
-    Args:
-        q: ``[batch, num_q_heads, head_dim]``.
-        codes: ``[num_pages, page_size, num_kv_heads, head_dim * bits // 8]`` uint8.
-        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``.
-        page_table: ``[batch, max_pages]`` int32. seq_lens: ``[batch]`` int32.
-        bits: the codes' width, one of :data:`KEY_CODE_BITS`.
-        rerank: ``"max"`` or ``"mass"`` (:data:`questkv.config.RERANKS`).
-        sm_scale: the softmax scale of ``"mass"`` (``head_dim**-0.5`` when ``None``); unused by ``"max"``.
-
-    Returns:
-        ``[batch, num_sel_heads, max_pages]`` float32 (float32 math); pages past a sequence's length are
-        ``-inf`` (in both modes, so that :func:`select_pages` ranks them last alike).
-    """
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = kmin.shape[1]
-    check_key_codes(codes, num_kv_heads, head_dim, bits, page_size)
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    _check_mode(selection, group_reduction)
-    check_rerank(rerank, sm_scale)
-    max_pages = page_table.shape[1]
-    table = page_table.long()
-    keys = decode_key_codes(codes[table], kmin[table], kmax[table], bits)  # [B, P, ps, Hkv, D]
-    logits = page_logits(q, keys, seq_lens)  # [B, Hq, P, ps]
-    valid = valid_pages(seq_lens, page_size, max_pages)
-    if rerank == "mass":
-        scale = head_dim**-0.5 if sm_scale is None else sm_scale
-        sel_heads = num_q_heads if selection == "q_head" else num_kv_heads
-        pages = valid[:, None, :].expand(batch, sel_heads, max_pages)
-        return page_mass_from_lse(torch.logsumexp(logits * scale, dim=-1), pages, num_kv_heads, selection,
-                                  group_reduction).contiguous()
-    scores = combine_group(logits.amax(-1), num_kv_heads, selection, group_reduction)
-    return scores.masked_fill(~valid[:, None, :], float("-inf")).contiguous()
-
-
-def combine_group(per_q_head: torch.Tensor, num_kv_heads: int, selection: str, group_reduction: str) -> torch.Tensor:
-    """``[batch, num_q_heads, P]`` -> ``[batch, num_sel_heads, P]``: kept per query head (``q_head``), or
-    each KV head's query group reduced with ``group_reduction`` (``"sum"`` or ``"max"``) under ``kv_head``."""
-    if selection == "q_head":
-        return per_q_head
-    batch, num_q_heads, max_pages = per_q_head.shape
-    grouped = per_q_head.view(batch, num_kv_heads, num_q_heads // num_kv_heads, max_pages)  # [B, Hkv, G, P]
-    return grouped.sum(2) if group_reduction == "sum" else grouped.amax(2)
-
-
-def page_mass_from_lse(
-    lse: torch.Tensor, pages: torch.Tensor, num_kv_heads: int, selection: str, group_reduction: str
-) -> torch.Tensor:
-    """Attention mass of each page among a row's ``pages``, from the per-query-head page log-partition
-    sums: ``softmax_p(lse_hp)`` over the pages of the row, then :func:`combine_group`. Shared by
-    :func:`page_scores_codes` (``rerank="mass"``, both backends) and
-    :class:`questkv.policies.paged.QuestRerankPolicy` (``rerank="mass"``, ``pages`` its shortlist).
-
-    Args:
-        lse: ``[batch, num_q_heads, max_pages]`` float32, ``logsumexp_t(sm_scale * q_h . k_t)`` over each
-            page's written tokens (values outside ``pages`` are ignored).
-        pages: ``[batch, num_sel_heads, max_pages]`` bool, the pages competing for each row's mass (under
-            ``kv_head`` a KV head's set is its whole query group's).
-
-    Returns:
-        ``[batch, num_sel_heads, max_pages]`` float32, each query head's masses summing to 1 over ``pages``
-        before the group combines them; ``-inf`` outside ``pages``.
-    """
-    group = lse.shape[1] // num_kv_heads
-    per_q_pages = pages if selection == "q_head" else pages.repeat_interleave(group, 1)  # [B, Hq, P]
-    mass = torch.softmax(lse.masked_fill(~per_q_pages, float("-inf")), dim=-1)
-    return combine_group(mass, num_kv_heads, selection, group_reduction).masked_fill(~pages, float("-inf"))
-
-
-def page_logits(q: torch.Tensor, keys: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Every page token's logit ``q_h . k_t`` (no softmax scale): ``[batch, num_q_heads, max_pages,
-    page_size]`` float32, ``-inf`` at slots past a sequence's length.
-
-    Args:
-        q: ``[batch, num_q_heads, head_dim]``.
-        keys: ``[batch, max_pages, page_size, num_kv_heads, head_dim]``, each sequence's pages in
-            page-table order (gathered keys, or keys decoded from codes).
-        seq_lens: ``[batch]`` int32.
-    """
-    batch, num_q_heads, head_dim = q.shape
-    _, max_pages, page_size, num_kv_heads, _ = keys.shape
-    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    logits = torch.einsum("bkgd,bptkd->bkgpt", qg, keys.float()).reshape(batch, num_q_heads, max_pages, page_size)
-    position = torch.arange(max_pages * page_size, device=q.device).view(max_pages, page_size)
-    written = position[None] < seq_lens.long()[:, None, None]  # [B, P, ps]
-    return logits.masked_fill(~written[:, None], float("-inf"))
-
-
-def page_scores_codes_into(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    codes: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-    bits: int,
-    selection: str = "kv_head",
-    group_reduction: str = "sum",
-    rerank: str = "max",
-    sm_scale: Optional[float] = None,
-) -> torch.Tensor:
-    """:func:`page_scores_codes` into ``out`` ``[batch, num_sel_heads, max_pages]`` float32; returns ``out``."""
-    return out.copy_(page_scores_codes(q, codes, kmin, kmax, page_table, seq_lens, page_size, bits, selection,
-                                       group_reduction, rerank, sm_scale))
-
-
-def check_active(active: torch.Tensor, batch: int, num_sel_heads: int, device: torch.device) -> None:
-    """``ValueError`` unless ``active`` (the ``*_into`` ops' flags) is a contiguous int32 tensor on ``device``
-    of shape ``[batch]`` (per sequence) or ``[batch, num_sel_heads]`` (per sequence and selecting head)."""
-    if not isinstance(active, torch.Tensor):
-        raise ValueError(f"active must be None or a [batch] or [batch, num_sel_heads] int32 tensor, "
-                         f"got {type(active).__name__}")
-    if (tuple(active.shape) not in ((batch,), (batch, num_sel_heads)) or active.dtype != torch.int32
-            or active.device != torch.device(device) or not active.is_contiguous()):
-        raise ValueError(f"active must be a contiguous int32 tensor of shape ({batch},) or ({batch}, {num_sel_heads}) "
-                         f"on {device}, got shape {tuple(active.shape)}, {active.dtype} on {active.device}"
-                         f"{'' if active.is_contiguous() else ', not contiguous'}")
-
-
-def check_select_out(out: torch.Tensor, batch: int, num_sel_heads: int, budget_pages: int) -> None:
-    """``ValueError`` unless ``out`` is ``[batch, num_sel_heads, width]`` with ``width >= budget_pages``
-    (the selection fills its first ``budget_pages`` columns)."""
-    if out.dim() != 3 or tuple(out.shape[:2]) != (batch, num_sel_heads) or out.shape[2] < budget_pages:
-        raise ValueError(f"out must have shape ({batch}, {num_sel_heads}, >= budget_pages={budget_pages}), "
-                         f"got {tuple(out.shape)}")
-
-
 def _where_active(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` ``[batch, num_sel_heads, ...]`` in the rows whose ``active`` flag (``[batch]`` or ``[batch,
     num_sel_heads]``) is nonzero, ``old`` elsewhere (no host synchronisation)."""
     return torch.where(active.view(*active.shape, *([1] * (new.dim() - active.dim()))) != 0, new, old)
-
-
-def _check_mode(selection: str, group_reduction: str) -> None:
-    if selection not in SELECTIONS:
-        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
-    if group_reduction not in GROUP_REDUCTIONS:
-        raise ValueError(f"group_reduction must be one of {GROUP_REDUCTIONS}, got {group_reduction!r}")
-
-
-def check_rerank(rerank: str, sm_scale: Optional[float]) -> None:
-    """``ValueError`` unless ``rerank`` is one of :data:`questkv.config.RERANKS` and ``sm_scale`` is ``None``
-    or a positive finite number."""
-    if rerank not in RERANKS:
-        raise ValueError(f"rerank must be one of {RERANKS}, got {rerank!r}")
-    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and 0 < sm_scale < math.inf):
-        raise ValueError(f"sm_scale must be None or a positive finite number, got {sm_scale!r}")

@@ -26,9 +26,8 @@ from questkv.config import QuestConfig
 from questkv.policies.attention import MaskedAttention, masked_decode_attention
 from questkv.policies.base import DecodeOutput, DecodePolicy
 from questkv.policies.eviction import EvictionPolicy, EvictionState, H2OPolicy, StreamingPolicy, TOVAPolicy
-from questkv.policies.paged import (
-    FullPolicy, OraclePolicy, PagePolicy, PageSelection, QuestPolicy, QuestRerankPolicy, QuestTopPPolicy,
-)
+from questkv.policies.paged import FullPolicy, OraclePolicy, PagePolicy, PageSelection, QuestPolicy, QuestTopPPolicy
+from questkv.policies.rerank import QuestRerankPolicy
 from questkv.validation import check_choice
 
 POLICIES: dict[str, type[DecodePolicy]] = {

@@ -13,7 +13,7 @@ import math
 from typing import Any, Mapping, Optional
 
 from questkv.config import QuestConfig
-from questkv.policies.paged import KEY_BITS
+from questkv.policies.rerank import KEY_BITS
 from questkv.validation import check_choice, check_float, check_int
 
 PAGE_BOUND_POLICIES: tuple[str, ...] = ("quest", "quest-topp", "quest-rerank")

@@ -5,7 +5,8 @@ All of them produce a selection in the format of :func:`questkv.ops.reference.se
 :func:`questkv.ops.reference.paged_decode_attention`, so they share the Quest kernels' layout.
 ``num_sel_heads`` is ``num_kv_heads`` under ``selection="kv_head"`` and ``num_q_heads`` under
 ``"q_head"``. The sink, recent and current pages are always selected, as in
-:class:`questkv.QuestConfig`, and count against the budget.
+:class:`questkv.QuestConfig`, and count against the budget. The two-stage ``quest-rerank`` builds on
+:class:`PagePolicy` in :mod:`questkv.policies.rerank`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from questkv.config import PAGE_POLICY_OPTIONS, RERANKS, QuestConfig
+from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 from questkv.ops import LayerPages, reference
 from questkv.policies.attention import masked_decode_attention
 from questkv.policies.base import DecodeOutput, DecodePolicy
-from questkv.validation import check_choice, check_float, check_int
+from questkv.validation import check_float, check_int
 
 
 class PageSelection(NamedTuple):
@@ -99,9 +100,13 @@ class PagePolicy(DecodePolicy):
         return DecodeOutput(out, selection.num_pages * self.page_size, selection.pages)
 
     def _combine_group(self, per_q_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-        """``[batch, num_q_heads, P]`` -> ``[batch, num_sel_heads, P]`` per ``selection`` and
-        ``group_reduction`` (:func:`questkv.ops.reference.combine_group`)."""
-        return reference.combine_group(per_q_head, num_kv_heads, self.config.selection, self.config.group_reduction)
+        """``[batch, num_q_heads, P]`` -> ``[batch, num_sel_heads, P]``: kept per query head under ``q_head``
+        selection, each KV head's query group reduced with ``group_reduction`` (sum or max) under ``kv_head``."""
+        if self.config.selection == "q_head":
+            return per_q_head
+        batch, num_q_heads, max_pages = per_q_head.shape
+        grouped = per_q_head.view(batch, num_kv_heads, num_q_heads // num_kv_heads, max_pages)  # [B, Hkv, G, P]
+        return grouped.sum(2) if self.config.group_reduction == "sum" else grouped.amax(2)
 
 
 class FullPolicy(PagePolicy):
@@ -252,124 +257,3 @@ class QuestTopPPolicy(PagePolicy):
         if pages.shape[-1] < config.budget_pages:
             pages = torch.cat([pages, pages.new_full((batch, heads, config.budget_pages - max_pages), -1)], dim=-1)
         return pages.to(torch.int32)
-
-
-KEY_BITS: tuple[int, ...] = reference.KEY_CODE_BITS
-"""Widths of :class:`QuestRerankPolicy`'s low-bit key codes (``key_bits``; ``None``: exact keys)."""
-
-
-def quantize_within_bounds(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bits: int) -> torch.Tensor:
-    """Keys as a ``bits``-bit code per element within their page's bounds, decoded (float32).
-
-    Channel ``i`` of a key in a page with bounds ``[kmin_i, kmax_i]`` is stored as the index ``c`` of
-    the one of ``2**bits`` equal cells of that interval that holds it, and decoded to the cell's
-    centre ``kmin_i + (c + 0.5) (kmax_i - kmin_i) / 2**bits`` (``kmin_i`` where the interval is a
-    point): the codes of :func:`questkv.ops.reference.encode_page_keys`, unpacked. Only ``c`` is new
-    per token: the bounds are Quest's, read for the estimate anyway.
-
-    Args:
-        keys: ``[..., page_size, H, D]``, each page's keys.
-        kmin, kmax: ``[..., H, D]``, the same pages' bounds (the page dimension broadcast in).
-        bits: one of :data:`KEY_BITS`.
-    """
-    return reference.decode_key_cells(reference.quantize_key_codes(keys, kmin, kmax, bits), kmin, kmax, bits)
-
-
-class QuestRerankPolicy(PagePolicy):
-    """Two-stage Quest: the page bound shortlists, the shortlisted pages' exact keys re-rank.
-
-    Stage 1 is Quest at ``shortlist`` times the budget: the top ``shortlist * budget_pages`` pages
-    per (sequence, selection head) by :func:`questkv.ops.reference.page_scores` (the sink, recent
-    and current pages forced in). Stage 2 reads the keys of those pages only and scores each one
-    exactly, per query head ``h``:
-
-    * ``rerank="max"``: the page's largest logit ``max_t q_h . k_t`` over its written tokens, the
-      exact value that Quest's bound ``sum_i max(q_hi kmin_i, q_hi kmax_i)`` over-estimates (a page
-      whose bound is loose, because its keys are mixed, drops to its true best key);
-    * ``rerank="mass"``: the page's attention mass within the shortlist, ``Z_hp / sum_j Z_hj`` with
-      ``Z_hp = sum_t exp(s q_h . k_t)`` (``s`` the softmax scale) and ``j`` over the shortlist: the
-      oracle's ranking restricted to the shortlist (:func:`questkv.ops.reference.page_mass_from_lse`).
-
-    Under ``kv_head`` selection the query group's scores combine with ``group_reduction`` as Quest's
-    do. The top ``budget_pages`` shortlisted pages by that score are attended, the forced pages
-    always. ``shortlist=1`` is Quest exactly; the extra cost is the shortlist's keys, read once
-    (:func:`questkv.policies.cost.kv_bytes_per_step`).
-
-    With ``key_bits`` set, stage 2 reads a low-bit copy of the keys instead of the keys: each channel
-    as a ``key_bits``-bit code within its page's bounds (:func:`quantize_within_bounds`), so a
-    shortlist costs ``key_bits / 16`` of its bf16 keys and can be long (``shortlist`` large enough
-    covers every page). A cache would write a page's codes once, when the page is full and its
-    bounds final; this reference derives them from the keys at each step, which gives the same codes
-    (the current page, whose bounds still change, is always attended).
-
-    Args:
-        shortlist: pages shortlisted per attended page, an int >= 1.
-        rerank: ``"max"`` or ``"mass"`` (see above).
-        key_bits: ``None`` (exact keys) or a width of :data:`KEY_BITS`.
-        other arguments: as in :class:`PagePolicy`.
-    """
-
-    name = "quest-rerank"
-    options = PagePolicy.options + ("shortlist", "rerank", "key_bits")
-
-    def __init__(
-        self, token_budget: Optional[int], page_size: int = QuestConfig.page_size, shortlist: int = 4,
-        rerank: str = "max", key_bits: Optional[int] = None, **options
-    ) -> None:
-        self.shortlist = check_int("policy 'quest-rerank': shortlist", shortlist, minimum=1)
-        self.rerank = check_choice("policy 'quest-rerank': rerank", rerank, RERANKS)
-        if key_bits is not None:
-            check_int("policy 'quest-rerank': key_bits", key_bits, minimum=1)
-            check_choice("policy 'quest-rerank': key_bits", key_bits, KEY_BITS)
-        self.key_bits = key_bits
-        super().__init__(token_budget, page_size, **options)
-
-    def shortlist_pages(
-        self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor
-    ) -> torch.Tensor:
-        """Stage 1: ``[batch, num_sel_heads, shortlist * budget_pages]`` int32, Quest's selection at
-        ``shortlist`` times the budget (format of :func:`questkv.ops.reference.select_pages`)."""
-        config = self.config
-        scores = reference.page_scores(
-            q, layer.kmin, layer.kmax, page_table, seq_lens, self.page_size, config.selection, config.group_reduction
-        )
-        return reference.select_pages(
-            scores, seq_lens, self.page_size, self.shortlist * config.budget_pages, config.sink_pages,
-            config.recent_pages,
-        )
-
-    def rerank_scores(
-        self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor,
-        shortlisted: torch.Tensor, sm_scale: Optional[float] = None,
-    ) -> torch.Tensor:
-        """Stage 2: ``[batch, num_sel_heads, max_pages]`` float32 page scores from the keys (or their
-        low-bit codes; see the class docstring); ``-inf`` for pages outside a row's shortlist.
-
-        Args:
-            shortlisted: ``[batch, num_sel_heads, max_pages]`` bool, the pages of
-                :meth:`shortlist_pages` (a row's other pages are never scored).
-        """
-        head_dim = q.shape[2]
-        num_kv_heads = layer.kmin.shape[1]
-        table = page_table.long()
-        keys = layer.k_pages[table]  # [B, P, ps, Hkv, D]
-        if self.key_bits is not None:
-            keys = quantize_within_bounds(keys, layer.kmin[table], layer.kmax[table], self.key_bits)
-        logits = reference.page_logits(q, keys, seq_lens)  # [B, Hq, P, ps]
-        if self.rerank == "max":
-            return self._combine_group(logits.amax(-1), num_kv_heads).masked_fill(~shortlisted, float("-inf"))
-        scale = head_dim**-0.5 if sm_scale is None else sm_scale
-        return reference.page_mass_from_lse(torch.logsumexp(logits * scale, dim=-1), shortlisted, num_kv_heads,
-                                            self.config.selection, self.config.group_reduction)
-
-    def _select(self, q, layer, page_table, seq_lens, sm_scale):
-        config = self.config
-        short = self.shortlist_pages(q, layer, page_table, seq_lens)
-        batch, heads, _ = short.shape
-        max_pages = page_table.shape[1]
-        shortlisted = torch.zeros(batch, heads, max_pages + 1, dtype=torch.bool, device=q.device)
-        shortlisted.scatter_(-1, torch.where(short >= 0, short, max_pages).long(), True)
-        scores = self.rerank_scores(q, layer, page_table, seq_lens, shortlisted[..., :max_pages], sm_scale)
-        return reference.select_pages(
-            scores, seq_lens, self.page_size, config.budget_pages, config.sink_pages, config.recent_pages
-        )

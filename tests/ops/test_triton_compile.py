@@ -28,8 +28,7 @@ _SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from questkv.ops.triton import (append, attention, codes, elementwise, estimate, gemv, prefill_attention,
-                                    reuse, select)
+    from questkv.ops.triton import append, attention, elementwise, estimate, gemv, prefill_attention, reuse, select
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -184,59 +183,6 @@ _SCRIPT = textwrap.dedent(
         for p in range(passes):
             compile_kernel(select._split_histogram_kernel, split_pointers, {**split, "PASS": p})
         compile_kernel(select._split_compact_kernel, split_pointers, {**split, "BLOCK_C": 16, "PAD_BLOCK": 256})
-    # low-bit key codes (opt-in): the encoder at every width, the scores kernel (max and mass) for every mode and
-    # width, bf16 / fp16 queries (16-bit dots) and fp32 (IEEE), groups of 1 to 16, pages of 16 and 8,
-    # 1- and 2-byte code words, several blocks per program; with the launcher's block size, warps and
-    # register cap (codes.scores_block_pages, codes.scores_max_registers). Llama-3.1-8B's shape (bf16,
-    # group 4, head_dim 128, pages of 16, 2-bit codes) must not spill.
-    for bits in (1, 2, 4, 8):
-        compile_kernel(
-            codes._encode_page_keys_kernel,
-            {"codes_ptr": "u8", "k_pages_ptr": "bf16", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "pages_ptr": "i32"},
-            {"PAGE_SIZE": 16, "BLOCK_T": 16, "HEAD_DIM": 128, "NBYTES": 128 * bits // 8, "BLOCK_B": 128 * bits // 8,
-             "BITS": bits},
-            num_warps=4,
-        )
-    def compile_codes(q_dtype, mode, group, bits, page_size, unit, mass=False):
-        dot_fp32 = q_dtype == "fp32"
-        nbytes = 128 * bits // 8
-        block_p = codes.scores_block_pages(page_size, 128, group, bits, dot_fp32)
-        return compile_kernel(
-            codes._page_scores_codes_kernel,
-            {"q_ptr": q_dtype, "codes_ptr": "u8", "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
-             "lens_ptr": "i32", "out_ptr": "fp32"},
-            {"PAGE_SIZE": page_size, "PS_PAD": page_size, "GROUP": group, "BLOCK_G": group, "HEAD_DIM": 128,
-             "BLOCK_D": 128, "BITS": bits, "UNIT": unit, "NUM_UNITS": nbytes // unit, "BLOCK_U": nbytes // unit,
-             "BLOCK_P": block_p, "BLOCKS": 4, "MODE": mode, "DOT_FP32": dot_fp32, "FP16": q_dtype == "fp16",
-             "MASS": mass},
-            floats=("sm_scale",),
-            num_warps=codes._NUM_WARPS, maxnreg=codes.scores_max_registers(group, dot_fp32),
-            divisible=("max_pages", "magic", "stride_qb", "stride_qh", "stride_cp", "stride_ct", "stride_bp",
-                       "stride_bh", "stride_tb", "stride_ob", "stride_oh", *(("stride_ch",) if unit == 4 else ())),
-        )
-
-
-    for config in (
-            ("bf16", 1, 4, 2, 16, 4), ("bf16", 2, 4, 1, 16, 4), ("bf16", 0, 4, 4, 16, 4), ("bf16", 1, 4, 8, 16, 4),
-            ("bf16", 1, 1, 2, 16, 4), ("bf16", 1, 8, 2, 8, 4), ("bf16", 0, 16, 2, 16, 4), ("fp16", 1, 4, 2, 16, 4),
-            ("fp16", 1, 4, 8, 16, 4), ("bf16", 1, 4, 2, 16, 2), ("bf16", 1, 4, 2, 16, 1), ("fp32", 1, 4, 2, 16, 4),
-            ("fp32", 0, 8, 8, 16, 4)):
-        compiled = compile_codes(*config)
-        if config == ("bf16", 1, 4, 2, 16, 4):
-            info = ptxas_info(compiled)
-            print("page_scores_codes llama-3.1-8b:", info)
-            assert "0 bytes spill stores" in info, info
-    # rerank="mass" (launched with MODE 0 into the lse scratch): every width, groups of 1 to 16, fp16 and fp32
-    # queries, 2-byte words; no spills at Llama-3.1-8B's shape either
-    for config in (
-            ("bf16", 0, 4, 2, 16, 4), ("bf16", 0, 4, 1, 16, 4), ("bf16", 0, 4, 4, 16, 4), ("bf16", 0, 4, 8, 16, 4),
-            ("bf16", 0, 1, 2, 16, 4), ("bf16", 0, 16, 2, 8, 4), ("fp16", 0, 4, 2, 16, 4), ("bf16", 0, 4, 2, 16, 2),
-            ("fp32", 0, 4, 2, 16, 4)):
-        compiled = compile_codes(*config, mass=True)
-        if config == ("bf16", 0, 4, 2, 16, 4):
-            info = ptxas_info(compiled)
-            print("page_scores_codes mass llama-3.1-8b:", info)
-            assert "0 bytes spill stores" in info, info
     # paged prefill attention: the launcher's tiles (prefill_attention.tile_tokens) and warps for bf16 and fp32
     # (IEEE), groups of 1, 4 (Llama-3.1-8B) and 7, head_dim 128 and 64, pages of 16 and 64, a short query's
     # 16-row tile, an fp32 pool under bf16 queries (cast in the kernel), keys split over programs (few tiles);

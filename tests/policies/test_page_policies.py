@@ -1,4 +1,5 @@
-"""Page-selection policies: full, quest, oracle, quest-topp against brute force."""
+"""Page-selection policies: full, quest, oracle, quest-topp and quest-rerank (its low-bit key codes too) against
+brute force."""
 
 import math
 
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 
 from questkv.ops import reference
 from questkv.policies import make_policy
-from questkv.policies.paged import quantize_within_bounds
+from questkv.policies.rerank import KEY_BITS, quantize_within_bounds
 
 HEADS = [(4, 2), (2, 2), (4, 1)]  # (q heads, kv heads): GQA, MHA, MQA
 
@@ -390,3 +391,61 @@ def test_low_bit_rerank_over_every_page_tracks_the_exact_rerank_as_bits_grow(ran
             same += (exact.pages == coded.pages).float().mean().item()
         agree[bits] = same / 8
     assert agree[8] > 0.95 and agree[8] > agree[1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("selection, reduction", RERANK_MODES)
+def test_low_bit_max_scores_approach_the_exact_max_logit_as_bits_grow(random_cache, seed, selection, reduction):
+    """With a shortlist covering every page, the max rerank's scores from codes approach its scores from the exact
+    keys as the width grows: the error shrinks at every width, and 8 bits is within 1 %."""
+    torch.manual_seed(seed)
+    cache = random_cache([31, 20], num_kv_heads=2, head_dim=32)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(2, 8, 32)
+    sel_heads = 8 if selection == "q_head" else 2
+    shortlisted = reference.valid_pages(seq_lens, 4, page_table.shape[1])[:, None].expand(2, sel_heads, -1)
+
+    def scores(key_bits):
+        policy = make_policy("quest-rerank", 8, page_size=4, shortlist=64, selection=selection,
+                             group_reduction=reduction, key_bits=key_bits)
+        return policy.rerank_scores(q, layer, page_table, seq_lens, shortlisted)
+
+    exact = scores(None)
+    finite = torch.isfinite(exact)
+    assert torch.equal(finite, shortlisted)
+    errors = {}
+    for bits in KEY_BITS:
+        coded = scores(bits)
+        assert torch.equal(torch.isfinite(coded), finite)
+        errors[bits] = ((coded[finite] - exact[finite]).norm() / exact[finite].norm()).item()
+    assert errors[1] > errors[2] > errors[4] > errors[8], errors
+    assert errors[8] < 1e-2, errors
+
+
+@pytest.mark.parametrize("key_bits", [None, 8])
+@pytest.mark.parametrize("selection, reduction", RERANK_MODES)
+def test_mass_ranks_first_the_page_holding_the_mass_without_the_best_logit(cache_of, key_bits, selection, reduction):
+    """Page 0 holds the best logit (one key at 6 on the query's axis, the rest at -10), page 1 the mass (eight
+    keys at 5: 8 e^5 > e^6 at sm_scale 1), page 2 little of either, page 3 is the current page: "mass" ranks
+    page 1 first and selects it with a budget of two pages, "max" ranks page 0 first and selects that."""
+    gen = torch.Generator().manual_seed(0)
+    page_size, head_dim, noise = 8, 16, 0.01
+    keys = torch.randn(3 * page_size + 2, 1, head_dim, generator=gen)
+    keys[:, 0, 0] = -10.0
+    keys[3, 0, 0] = 6.0
+    keys[page_size:2 * page_size, 0, 0] = 5.0
+    keys[2 * page_size:3 * page_size, 0, 0] = torch.rand(page_size, generator=gen) - 2.0
+    cache = cache_of([keys], [torch.randn(keys.shape, generator=gen)], page_size)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = noise * torch.randn(1, 2, head_dim, generator=gen)
+    q[:, :, 0] = 1.0 + noise * torch.rand(1, 2, generator=gen)
+    for rerank, best in (("mass", 1), ("max", 0)):
+        policy = make_policy("quest-rerank", 2 * page_size, page_size, shortlist=2, rerank=rerank, key_bits=key_bits,
+                             selection=selection, group_reduction=reduction)
+        shortlisted = policy.shortlist_pages(q, layer, page_table, seq_lens)
+        assert (shortlisted[0] == torch.arange(4, dtype=torch.int32)).all()  # the shortlist covers every page
+        every_page = torch.ones(shortlisted.shape[:2] + page_table.shape[1:], dtype=torch.bool)
+        scores = policy.rerank_scores(q, layer, page_table, seq_lens, every_page, sm_scale=1.0)
+        assert (scores[0, :, :3].argmax(-1) == best).all(), (rerank, scores)
+        pages = policy.select(q, layer, page_table, seq_lens, sm_scale=1.0).pages
+        assert (pages[0] == torch.tensor([best, 3], dtype=torch.int32)).all(), (rerank, pages)

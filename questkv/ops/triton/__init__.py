@@ -12,7 +12,6 @@ from questkv.ops.triton.attention import (
     paged_decode_attention_into,
     plan_splits,
 )
-from questkv.ops.triton.codes import encode_page_keys, page_scores_codes, page_scores_codes_into
 from questkv.ops.triton.elementwise import rms_norm, silu_and_mul
 from questkv.ops.triton.estimate import page_scores, page_scores_into
 from questkv.ops.triton.gemv import linear
@@ -23,12 +22,9 @@ from questkv.ops.triton.select import select_buffers, select_pages, select_pages
 __all__ = [
     "append_kv",
     "attention_buffers",
-    "encode_page_keys",
     "gather_selections",
     "linear",
     "page_scores",
-    "page_scores_codes",
-    "page_scores_codes_into",
     "page_scores_into",
     "paged_decode_attention",
     "paged_decode_attention_into",

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops.reference import AttentionBuffers
+from questkv.ops.pages import AttentionBuffers
 from questkv.ops.triton._common import (
     block_scores,
     check_last_dim_contiguous,

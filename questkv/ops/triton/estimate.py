@@ -9,8 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops import reference
-from questkv.ops.reference import check_active
+from questkv.ops.checks import check_active, check_mode
 from questkv.ops.triton._common import (
     active_strides,
     check_last_dim_contiguous,
@@ -40,8 +39,7 @@ def _store_page_scores(out_ptr, seq, head, rows, p, per_q, valid, in_row, gmask,
     """Store one KV head's page scores ``per_q`` ``[BLOCK_G, BLOCK_P]`` (its query group's rows
     ``rows``, pages ``p``) into the score rows of sequence ``seq``: per query head (``MODE`` 0), or
     the group's sum (1) / max (2) in the KV head's row; ``-inf`` at pages past the sequence
-    (``~valid``), nothing past the table (``~in_row``) or for padding query rows (``~gmask``).
-    Shared by the bound estimate and the key-code estimate (:mod:`questkv.ops.triton.codes`)."""
+    (``~valid``), nothing past the table (``~in_row``) or for padding query rows (``~gmask``)."""
     if MODE == 0:
         tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + p[None, :],
                  tl.where(valid[None, :], per_q, float("-inf")), mask=gmask[:, None] & in_row[None, :])
@@ -156,7 +154,7 @@ def _page_scores_kernel(
 
 
 def _mode(selection: str, group_reduction: str) -> int:
-    reference._check_mode(selection, group_reduction)
+    check_mode(selection, group_reduction)
     if selection == "q_head":
         return _MODE_Q_HEAD
     return _MODE_SUM if group_reduction == "sum" else _MODE_MAX
@@ -172,7 +170,7 @@ def check_page_scores_args(
     selection: str,
     group_reduction: str,
 ) -> tuple[int, int]:
-    """The checks every page-score launcher (bounds or key codes) makes on its shared arguments;
+    """The checks :func:`page_scores_into` makes on its arguments but ``active``;
     returns ``(mode, group)``: the kernel's ``MODE`` and the query heads per KV head."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]

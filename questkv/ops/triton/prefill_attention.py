@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from questkv.ops.reference import check_prefill_attention
+from questkv.ops.checks import check_prefill_attention
 from questkv.ops.triton._common import (
     block_scores,
     check_last_dim_contiguous,

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops.reference import ReusedSelections, check_selection_memory, check_stored_selections
+from questkv.ops.checks import check_selection_memory, check_stored_selections
+from questkv.ops.pages import ReusedSelections
 from questkv.ops.triton._common import next_pow2, use_pdl
 
 _NUM_WARPS = 4

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from questkv.ops.reference import SelectBuffers, check_active, check_select_out
+from questkv.ops.checks import check_active, check_select_out
+from questkv.ops.pages import SelectBuffers
 from questkv.ops.triton._common import (
     active_strides,
     check_last_dim_contiguous,
