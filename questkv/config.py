@@ -56,6 +56,9 @@ class QuestConfig:
             The current page is always attended in addition.
         backend: ``"auto"`` (Triton kernels for CUDA tensors, the torch reference otherwise),
             ``"torch"`` or ``"triton"``.
+        dense_context_ratio: a decode step attends densely while its sequence's context is at most this many
+            token budgets (``1``: only while the budget covers the context, where Quest selects every page):
+            the route's cost model, :mod:`questkv.decode.route`.
         selection_interval: decode steps per page selection of a sequence (LServe's reuse): a sequence
             estimates and selects on its first decode step and every ``selection_interval``-th one after
             it, and in between attends the pages it selected last plus every page begun since (at most
@@ -86,6 +89,11 @@ class QuestConfig:
     backend: Backend = _knob(
         "auto", "kernels: Triton for CUDA tensors and the torch reference otherwise (auto), or one of them",
         "--backend", choices=BACKENDS,
+    )
+    dense_context_ratio: float = _knob(
+        1.0, "decode steps stay dense while the context holds at most this many token budgets (Quest's estimate and "
+        "select cost more than they save there, measured; 1: only while the budget covers the context)",
+        "--dense-context-ratio", interval=(1.0, 1e9),
     )
     selection_interval: int = _knob(
         1, "decode steps per page selection of a sequence; in between it attends its last selection plus the pages "

@@ -36,6 +36,8 @@ class DecodeRows:
         reuse: selection reuse: the rows that select in this step and every sparse layer's selections (sparse
             layer ``i``, the model's layer ``dense_layers + i``, reads ``reuse.selected[i]``); ``None``: every row
             selects.
+        dense: every row of the step decodes densely (:class:`~questkv.decode.route.StepRoute` ``DENSE``): sparse
+            layers attend every page too (``step`` is a dense one).
     """
 
     page_table: torch.Tensor
@@ -43,6 +45,7 @@ class DecodeRows:
     step: QuestDecodeStep
     budgets: Optional[torch.Tensor] = None
     reuse: Optional[ReuseRows] = None
+    dense: bool = False
 
     @property
     def num_tokens(self) -> int:

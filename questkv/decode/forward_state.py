@@ -31,6 +31,8 @@ class ForwardState:
         past_positions: positions (pads included) every layer held before this forward.
         stored_slots: ``[stored tokens]`` int64, the slot of every stored token, sequence after
             sequence, in order; set only when :attr:`reads_dense_kv` (else ``None``).
+        dense_rows: per sequence, whether a decode step of its length attends densely on Quest layers
+            (:func:`~questkv.decode.route.decodes_densely`), or ``None`` without Quest.
     """
 
     new_token_mask: torch.Tensor
@@ -40,6 +42,7 @@ class ForwardState:
     seq_lens: torch.Tensor
     past_positions: int
     stored_slots: Optional[torch.Tensor] = None
+    dense_rows: Optional[list[bool]] = None
 
     def __post_init__(self) -> None:
         if self.reads_dense_kv and self.stored_slots is None:

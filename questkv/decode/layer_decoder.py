@@ -200,6 +200,7 @@ class LayerDecoder:
         budgets: Optional[torch.Tensor] = None,
         state: Optional[DecodeState] = None,
         prefill_scores: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
+        dense_rows: Optional[list[bool]] = None,
     ) -> torch.Tensor:
         """Decode attention of layer ``layer_idx`` along its route.
 
@@ -217,6 +218,9 @@ class LayerDecoder:
                 layer when its state is created: ``layer_idx`` -> ``[batch, num_kv_heads, >= prefill
                 tokens]`` float32 attention every stored token received in the prefill (each
                 sequence's tokens in order), or ``None``.
+            dense_rows: per sequence, whether its step decodes densely on ``"sparse"`` layers too
+                (:func:`~questkv.decode.route.decodes_densely` of its length and ``config.token_budget``: the
+                engine's route); ``None``: none does.
 
         Returns:
             ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype; on ``"dense"`` and ``"sparse"``
@@ -224,18 +228,30 @@ class LayerDecoder:
         """
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"LayerDecoder.decode: layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
-        return self._run[layer_idx](self, layer_idx, q, layer, page_table, seq_lens, sm_scale, budgets, state, prefill_scores)
+        return self._run[layer_idx](self, layer_idx, q, layer, page_table, seq_lens, sm_scale, budgets, state,
+                                    prefill_scores, dense_rows)
 
-    def _dense(self, layer_idx, q, layer, page_table, seq_lens, sm_scale, budgets, state, prefill_scores):
+    def _dense(self, layer_idx, q, layer, page_table, seq_lens, sm_scale, budgets, state, prefill_scores, dense_rows):
         return self._step_for(q, layer, page_table).dense(q, layer, page_table, seq_lens, sm_scale)
 
-    def _sparse(self, layer_idx, q, layer, page_table, seq_lens, sm_scale, budgets, state, prefill_scores):
+    def _sparse(self, layer_idx, q, layer, page_table, seq_lens, sm_scale, budgets, state, prefill_scores,
+                dense_rows):
+        step = self._step_for(q, layer, page_table)
+        dense = None if dense_rows is None or not any(dense_rows) else torch.tensor(dense_rows, device=q.device)
         if state is not None and layer_idx == self.config.dense_layers:
             # Every Quest layer attends the same page count: charge them all once per decode step.
-            state.charge(self.tokens_attended(seq_lens, budgets), self._quest_layers)
-        return self._step_for(q, layer, page_table).sparse(q, layer, page_table, seq_lens, sm_scale, budgets)
+            tokens = self.tokens_attended(seq_lens, budgets)
+            state.charge(tokens if dense is None else torch.where(dense, seq_lens.double(), tokens),
+                         self._quest_layers)
+        if dense is None:
+            return step.sparse(q, layer, page_table, seq_lens, sm_scale, budgets)
+        if all(dense_rows):
+            return step.dense(q, layer, page_table, seq_lens, sm_scale)
+        sparse = step.sparse(q, layer, page_table, seq_lens, sm_scale, budgets).clone()  # the step's buffer, reused
+        return torch.where(dense[:, None, None], step.dense(q, layer, page_table, seq_lens, sm_scale), sparse)
 
-    def _policy(self, layer_idx, q, layer, page_table, seq_lens, sm_scale, budgets, state, prefill_scores):
+    def _policy(self, layer_idx, q, layer, page_table, seq_lens, sm_scale, budgets, state, prefill_scores,
+                dense_rows):
         if state is None:
             raise ValueError(f"LayerDecoder.decode of policy layer {layer_idx} needs a DecodeState (the policy's state)")
         if budgets is not None:

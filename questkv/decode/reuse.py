@@ -19,7 +19,7 @@ import torch
 from questkv import ops
 from questkv.config import QuestConfig
 from questkv.ops import reference
-from questkv.ops.reference import ReusedSelections
+from questkv.ops.pages import ReusedSelections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +31,13 @@ class ReuseRows:
         selecting: ``False`` when the host knows that no row of the step selects (every row is off its phase and
             holds a selection; padding rows aside): the sparse layers launch the attend alone, and ``active`` is all
             zero on the real rows.
+        stored: a step with dense and Quest rows (the runner's mixed step): these rows are widened from the memory's
+            ``stored`` rows, which the step's store narrows them back into; else ``None``.
     """
 
     gathered: ReusedSelections
     selecting: bool = True
+    stored: Optional["ReuseRows"] = None
 
     @property
     def active(self) -> torch.Tensor:
@@ -118,12 +121,17 @@ class SelectionMemory:
         for counter in self.counters:
             counter.index_fill_(0, seq_ids, 0)
 
-    def count_selecting_step(self, seq_ids: torch.Tensor) -> None:
-        """A step where every row selects and none keeps its selection (one with a dense request,
-        :meth:`forget`): count it for the selection rate of slots ``seq_ids`` (``[batch]`` int64)."""
+    def forget_where(self, seq_ids: torch.Tensor, flags: torch.Tensor) -> None:
+        """:meth:`forget` the slots ``seq_ids`` (``[batch]`` int64) whose ``flags`` (``[batch]`` bool) are set, on the
+        device (no host synchronisation: padding rows sharing a slot leave it as the last of them says)."""
+        kept = self.selected_at.index_select(0, seq_ids)
+        self.selected_at.index_copy_(0, seq_ids, torch.where(flags, torch.full_like(kept, -1), kept))
+
+    def count_dense_step(self, seq_ids: torch.Tensor) -> None:
+        """A step where every row decodes densely (its route): no selection is made or kept; counted as a step
+        without selections for the selection rate of slots ``seq_ids`` (``[batch]`` int64)."""
         self.forget(seq_ids)
-        reference.count_selections(self.counters, seq_ids,
-                                   torch.full_like(seq_ids, self.sparse_layers * self.num_sel_heads))
+        reference.count_selections(self.counters, seq_ids, torch.zeros_like(seq_ids))
 
     def selection_rate(self, slot: int, discard_last: bool = False) -> Optional[float]:
         """The fraction of (decode step, sparse layer, selecting head) of slot ``slot``'s sequence, since its

@@ -1,9 +1,10 @@
 """The decode step's CUDA graphs and their key policy: which batch sizes and page-table widths get a graph, and
 capture, replay and release of the graphs.
 
-A graph is keyed by ``(batch, width, all_pages, selecting)``: the padded batch size, the page-table columns the
+A graph is keyed by ``(batch, width, route, selecting)``: the padded batch size, the page-table columns the
 step scans (a power of two, so that estimate and select scan at most twice the pages of the longest sequence),
-whether a dense request shares a Quest batch (its step may select every column), and whether any row may select
+the step's :class:`~questkv.decode.route.StepRoute` (every row dense, every row Quest, or both kinds: its step may
+select every column), and whether any row may select
 (with selection reuse a step where every row reuses its last selection is a graph of its own, without the
 estimate and select launches). The step's body and its static inputs are the runner's
 (:class:`~questkv.engine.model_runner.ModelRunner`); this module only knows the keys.
@@ -16,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from questkv.decode.route import StepRoute
+
 __all__ = ["DecodeGraphs", "GraphKey", "graph_batch_sizes", "graph_widths", "table_width"]
 
 # Batch sizes with a captured decode graph: these, then every multiple of 16 up to max_num_seqs.
@@ -23,8 +26,8 @@ _GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
 # Page-table widths with a decode graph: powers of two from this up to max_pages_per_seq.
 _MIN_GRAPH_PAGES = 64
 
-GraphKey = tuple[int, int, bool, bool]
-Body = Callable[[int, int, bool, bool], torch.Tensor]
+GraphKey = tuple[int, int, StepRoute, bool]
+Body = Callable[[int, int, StepRoute, bool], torch.Tensor]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -62,17 +65,23 @@ class DecodeGraphs:
         device: the CUDA device.
         warmup_keeps: tensors that the eager warm-up run before a capture must leave as they were: counters a step
             adds to (a graph captured on first use runs its step once more when it replays).
-        reusing_steps: the engine reuses selections (``selection_interval`` > 1, not adaptive): the graphs of steps
-            where no row selects are captured at start too.
+        reusing_steps: the engine reuses selections (``selection_interval`` > 1): the graphs of steps where no row
+            selects are captured at start too.
+        sparse: the engine has Quest layers: its Quest steps are captured at start, beside the dense ones.
+        dense_pages: with ``sparse``, the widest page table of a step routed dense by its context (the route's
+            ratio times the budget): dense steps are captured at start up to its graph width.
 
-    ``body(batch, width, all_pages, selecting)``, passed to :meth:`run` and :meth:`capture`, runs one decode step
+    ``body(batch, width, route, selecting)``, passed to :meth:`run` and :meth:`capture`, runs one decode step
     over the runner's static inputs and returns its ``[batch, vocab]`` float32 logits; device ops only (capturable).
     """
 
     def __init__(self, batch_sizes: tuple[int, ...], max_pages_per_seq: int, device: torch.device,
-                 warmup_keeps: tuple[torch.Tensor, ...] = (), reusing_steps: bool = False) -> None:
+                 warmup_keeps: tuple[torch.Tensor, ...] = (), reusing_steps: bool = False, sparse: bool = False,
+                 dense_pages: int = 0) -> None:
         self.batch_sizes = batch_sizes
         self.reusing_steps = reusing_steps
+        self.sparse = sparse
+        self.dense_pages = dense_pages
         self.warmup_keeps = warmup_keeps
         self.max_pages_per_seq = max_pages_per_seq
         self._device = device
@@ -99,11 +108,18 @@ class DecodeGraphs:
         return logits
 
     def missing(self) -> list[GraphKey]:
-        """The keys a server captures at start (every batch size and width, no dense request; with
-        ``reusing_steps`` each also without selection), largest first, that have no graph yet."""
+        """The keys a server captures at start, largest first, that have no graph yet: every batch size and width
+        of a dense engine's steps; a Quest engine's Quest steps (with ``reusing_steps`` each also without
+        selection) and its dense steps up to the width of ``dense_pages`` (no dense request: a mixed step is
+        captured when it first runs)."""
         selecting = (True, False) if self.reusing_steps else (True,)
-        keys = [(batch, width, False, select) for batch in sorted(self.batch_sizes, reverse=True)
-                for width in graph_widths(self.max_pages_per_seq) for select in selecting]
+        widths = graph_widths(self.max_pages_per_seq)
+        dense_widths = [w for w in widths if w <= self.width(self.dense_pages)] if self.sparse else widths
+        keys = []
+        for batch in sorted(self.batch_sizes, reverse=True):
+            if self.sparse:
+                keys += [(batch, width, StepRoute.SPARSE, select) for width in widths for select in selecting]
+            keys += [(batch, width, StepRoute.DENSE, True) for width in dense_widths]
         return [key for key in keys if key not in self._graphs]
 
     def capture(self, key: GraphKey, body: Body) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from questkv.config import RequestQuest
 from questkv.decode.reuse import selection_seq_len
+from questkv.decode.route import decodes_densely
 from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import ROUND_TO_NEAREST, EngineConfig
 from questkv.distributed.group import TensorParallel
@@ -326,12 +327,14 @@ class LLMEngine:
 
     def _account_attention(self, batch: ScheduledBatch, live: list[bool]) -> None:
         """Add each live decode row's KV tokens attended in this step, averaged over layers and heads (dense layers
-        and dense requests: the whole context; Quest layers: Quest's page accounting); ``live``: per sampling row."""
+        and rows that decode densely, :func:`~questkv.decode.route.decodes_densely`: the whole context; Quest layers:
+        Quest's page accounting); ``live``: per sampling row."""
         seqs = batch.seqs[:batch.num_decodes]
         contexts = list(batch.seq_lens[:batch.num_decodes])  # the new token included
         attended = list(map(float, contexts))
         page_size = self.cache.page_size
-        sparse_rows = [i for i, seq in enumerate(seqs) if not seq.quest.dense]
+        sparse_rows = [i for i, seq in enumerate(seqs)
+                       if not decodes_densely(self.config.quest, seq.quest.token_budget, contexts[i])]
         if sparse_rows:
             budgets = [seqs[i].quest.token_budget for i in sparse_rows]
             # A reused selection, made at a shorter length, attends the pages begun since it in full too.
@@ -346,6 +349,9 @@ class LLMEngine:
             sparse_of = dict(zip(sparse_rows, sparse))
         else:
             sparse_of = {}
+        if self._sparse_layers:  # a Quest request's step routed dense: its sparse layers read the whole context
+            sparse_of.update({i: float(contexts[i]) for i, seq in enumerate(seqs)
+                              if not seq.quest.dense and i not in sparse_of})
         for i, (seq, tokens, was_live) in enumerate(zip(seqs, attended, live)):
             if was_live:
                 seq.tokens_attended_sum += tokens

@@ -33,7 +33,8 @@ import torch
 
 from questkv.cache.paged import PagedKVCache
 from questkv.decode.context import DecodeRows, PrefillRows, StepContext
-from questkv.decode.reuse import SelectionMemory, is_due
+from questkv.decode.reuse import ReuseRows, SelectionMemory, is_due
+from questkv.decode.route import StepRoute, decodes_densely, step_route
 from questkv.decode.step import QuestDecodeStep
 from questkv.distributed.group import TensorParallel
 from questkv.engine.config import EngineConfig
@@ -45,12 +46,13 @@ from questkv.layers.attention import bind_cache
 from questkv.layers.sampler import Sampler
 from questkv.models.fusion import fuse_elementwise
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
+from questkv.ops.pages import ReusedSelections
 
 # Rows of the packed decode inputs: token ids, positions, sequence lengths, token budgets, page-table rows, the
-# row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS), and whether
-# the row's phase makes it select (selection reuse).
-_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE = range(7)
-_NUM_INPUTS = 7
+# row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS), whether
+# the row's phase makes it select (selection reuse), and whether it decodes densely (its route).
+_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _DENSE = range(8)
+_NUM_INPUTS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +148,8 @@ class ModelRunner:
         size = 1 if tp is None else tp.size
         self.num_q_heads, num_kv_heads = spec.num_q_heads // size, spec.num_kv_heads // size  # this rank's
         sel_heads = self.num_q_heads if quest is not None and quest.selection == "q_head" else num_kv_heads
+        sparse_layers = 0 if quest is None or quest.is_dense else sum(map(quest.is_sparse_layer, range(spec.num_layers)))
+        self._selection_shape = (sparse_layers, sel_heads)  # of a step's selections, per row
         memory_args = (spec.num_layers, sel_heads, max_seqs)
         # Quantized layers keep their packed weights as buffers; the selection memory is sized like them, up front.
         weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -174,9 +178,12 @@ class ModelRunner:
         self.budget = config.quest.token_budget if config.quest is not None else None
         self.sampler = Sampler()
         batch_sizes = graph_batch_sizes(config.max_num_seqs) if config.use_cuda_graphs else ()
+        dense_pages = 0 if self.budget is None else self.cache.pages_for_tokens(
+            min(int(quest.dense_context_ratio * self.budget), self.cache.max_pages_per_seq * config.page_size))
         self.graphs = DecodeGraphs(batch_sizes, self.cache.max_pages_per_seq, self.device,
                                    warmup_keeps=self.memory.counters if self.memory is not None else (),
-                                   reusing_steps=self.memory is not None)
+                                   reusing_steps=self.memory is not None, sparse=self.budget is not None,
+                                   dense_pages=dense_pages)
         # Rank 0's mirror of the selection memory: the cache slots that hold a selection a next step may reuse
         # (a prefill clears its slots, a step with a dense request its rows', any other decode step sets its rows').
         self._kept: set[int] = set()
@@ -315,16 +322,17 @@ class ModelRunner:
         memory."""
         padded = self.graphs.padded(len(seqs))
         width = self.graphs.width(self.cache.pages_for_tokens(max(seq_lens)))
-        all_pages = self.budget is not None and any(seq.quest.dense for seq in seqs)
-        host = self._stage_inputs(seqs, seq_lens, padded, width)
+        dense_rows = [decodes_densely(self.config.quest, seq.quest.token_budget, seq_len)
+                      for seq, seq_len in zip(seqs, seq_lens)]
+        route = step_route(dense_rows)
+        host = self._stage_inputs(seqs, seq_lens, padded, width, dense_rows)
         slots = [seq.cache_id for seq in seqs]
-        selecting = (self.memory is None or all_pages or bool(host[_DUE, :len(seqs)].any())
+        selecting = (self.memory is None or route != StepRoute.SPARSE or bool(host[_DUE, :len(seqs)].any())
                      or not self._kept.issuperset(slots))
-        if all_pages:  # the step forgets every row's selection (SelectionMemory.count_selecting_step)
-            self._kept.difference_update(slots)
-        elif self.memory is not None:
-            self._kept.update(slots)
-        return (padded, width, all_pages, selecting), host
+        if self.memory is not None:  # a dense row's step forgets its selection, a Quest row's keeps one
+            self._kept.update(slot for slot, dense in zip(slots, dense_rows) if not dense)
+            self._kept.difference_update(slot for slot, dense in zip(slots, dense_rows) if dense)
+        return (padded, width, route, selecting), host
 
     def _publish(self, batch: ScheduledBatch, **step) -> None:
         """Rank 0 with tensor parallelism: send the other ranks the step (``prefill=`` and/or ``decode=`` of
@@ -364,11 +372,12 @@ class ModelRunner:
             tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
             self._sampled[:message.count].copy_(tokens)
 
-    def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], padded: int, width: int
-                      ) -> torch.Tensor:
+    def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], padded: int, width: int,
+                      dense_rows: tuple[bool, ...] = ()) -> torch.Tensor:
         """Copy the packed decode inputs of the decode rows ``seqs`` (their KV lengths ``seq_lens``, page-table width
-        ``width``) to the device; rows past them (up to the padded batch ``padded``) read and write one token of
-        the scratch sequence. Returns the host copy, ``[_NUM_INPUTS, padded]`` int64."""
+        ``width``, whether each decodes densely ``dense_rows``) to the device; rows past them (up to the padded batch
+        ``padded``) read and write one token of the scratch sequence. Returns the host copy, ``[_NUM_INPUTS,
+        padded]`` int64."""
         host = self._host_inputs[self._flip][:, :padded]
         self._flip ^= 1
         host[_IDS].zero_()
@@ -378,9 +387,10 @@ class ModelRunner:
         host[_ROWS].fill_(self.scratch_seq)
         host[_SRC].fill_(-1)
         host[_DUE].fill_(1)
+        host[_DENSE].zero_()
         if seqs:
             rows = []
-            for seq, seq_len in zip(seqs, seq_lens):
+            for seq, seq_len, dense in zip(seqs, seq_lens, dense_rows):
                 position = seq_len - 1
                 token = seq.last_token
                 known = position == seq.num_tokens - 1  # else the input is the token in flight from the last step
@@ -388,9 +398,9 @@ class ModelRunner:
                     # A forced output in flight: its token is known here (the in-flight one is the sampler's choice).
                     token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True
                 rows.append([token if known else 0, position, seq_len,
-                             self._budget_of(seq, width), seq.cache_id,
+                             seq.quest.token_budget or self.budget or 0, seq.cache_id,
                              -1 if known else self._sampled_rows[seq.request_id],
-                             is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval)])
+                             is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval), int(dense)])
             host[:, :len(rows)] = torch.tensor(rows, dtype=torch.int64).T
         self._inputs[:, :padded].copy_(host, non_blocking=True)
         return host
@@ -414,15 +424,15 @@ class ModelRunner:
             self.graphs.capture(key, self._decode_body)
         return len(keys)
 
-    def _decode_body(self, batch: int, width: int, all_pages: bool, selecting: bool) -> torch.Tensor:
+    def _decode_body(self, batch: int, width: int, route: StepRoute, selecting: bool) -> torch.Tensor:
         """One decode-only step over the packed inputs (graph-capturable: device ops only); ``[batch, vocab]``
         float32 logits."""
-        ids, positions, slots, rows = self._decode_rows(batch, width, all_pages, selecting)
+        ids, positions, slots, rows = self._decode_rows(batch, width, route, selecting)
         hidden = self.model(ids, positions, StepContext(slots, decode=rows))
         self._store_selections(batch, rows)
         return self.model.compute_logits(hidden)
 
-    def _decode_rows(self, batch: int, width: int, all_pages: bool, selecting: bool
+    def _decode_rows(self, batch: int, width: int, route: StepRoute, selecting: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeRows]:
         """The decode rows of the packed inputs (the first ``batch``, padding included) as the model reads them:
         ``[batch]`` int64 input ids (an in-flight token read from the previous step's sampled tokens), ``[batch]``
@@ -435,12 +445,15 @@ class ModelRunner:
         page_table = self.cache.page_table.index_select(0, inputs[_ROWS])[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
         slots = page_table.gather(1, (positions // page_size)[:, None])[:, 0].long() * page_size + positions % page_size
-        budgets = inputs[_BUDGETS].to(torch.int32) if self.budget is not None else None
+        budgets = None if route == StepRoute.DENSE else inputs[_BUDGETS].to(torch.int32)
         seq_lens = inputs[_LENS].to(torch.int32)
+        step = self._step(batch, width, route)
         reuse = None
-        if self.memory is not None:
-            if all_pages:  # a dense request's budget outgrows the memory's columns: every row selects, none keeps it
-                self.memory.count_selecting_step(inputs[_ROWS])
+        if route == StepRoute.MIXED:
+            reuse = self._mixed_rows(inputs, seq_lens, step.selected.shape[-1])
+        elif self.memory is not None:
+            if route == StepRoute.DENSE:  # nothing selects; the next sparse step of each row selects afresh
+                self.memory.count_dense_step(inputs[_ROWS])
             else:
                 reuse = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens, selecting)
                 if not selecting and self.device.type == "cpu":  # free here; a sync (and no capture) on CUDA
@@ -448,19 +461,52 @@ class ModelRunner:
                     if wrong:
                         raise RuntimeError(f"rows {wrong} select in a step launched without selection: the host's "
                                            "mirror of the selection memory is out of step")
-        return ids, positions, slots, DecodeRows(page_table, seq_lens, self._step(batch, width, all_pages), budgets,
-                                                 reuse)
+        return ids, positions, slots, DecodeRows(page_table, seq_lens, step, budgets, reuse,
+                                                 dense=route == StepRoute.DENSE)
+
+    def _mixed_rows(self, inputs: torch.Tensor, seq_lens: torch.Tensor, columns: int) -> ReuseRows:
+        """The selections of a step with dense and Quest rows (:class:`StepRoute` ``MIXED``), ``columns`` wide (the
+        step's, >= the page-table width): a dense row "selects" every page it holds and runs no estimate or select
+        (``active`` 0); a Quest row selects by its budget, or reuses its kept selection, as in a Quest step. With
+        selection reuse the memory's rows are kept in :attr:`ReuseRows.stored` for :meth:`_store_selections`."""
+        dense = inputs[_DENSE] != 0  # [batch] bool
+        pages = torch.arange(columns, dtype=torch.int32, device=self.device)
+        count = (seq_lens + self.cache.page_size - 1) // self.cache.page_size  # [batch] int32
+        every_page = torch.where(pages[None, :] < count[:, None], pages[None, :], -1)  # [batch, columns] int32
+        layers, heads = self._selection_shape
+        stored = None
+        if self.memory is not None:
+            stored = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens)
+            kept = torch.nn.functional.pad(stored.selected, (0, columns - stored.selected.shape[-1]), value=-1)
+            active = stored.active * (~dense).to(torch.int32)
+        else:
+            kept = torch.full((layers, dense.shape[0], heads, columns), -1, dtype=torch.int32, device=self.device)
+            active = (~dense).to(torch.int32)
+        selected = torch.where(dense[None, :, None, None], every_page[None, :, None, :], kept)  # [L, B, H, columns]
+        rows = ReusedSelections(active, selected, seq_lens, count)  # the layers read active and selected only
+        return ReuseRows(rows, stored=stored)
 
     def _store_selections(self, batch: int, rows: DecodeRows) -> None:
-        """After the forward, keep the selections of the first ``batch`` decode rows for selection reuse."""
-        if rows.reuse is not None:
-            self.memory.store(self._inputs[_ROWS, :batch], rows.reuse)
+        """After the forward, keep the selections of the first ``batch`` decode rows for selection reuse (a mixed
+        step: its Quest rows' selections, narrowed to the memory's columns; its dense rows keep none)."""
+        reuse = rows.reuse
+        if reuse is None or self.memory is None:
+            return
+        slots = self._inputs[_ROWS, :batch]
+        if reuse.stored is None:
+            self.memory.store(slots, reuse)
+            return
+        stored = reuse.stored
+        narrow = stored.gathered._replace(active=reuse.active,
+                                          selected=reuse.selected[..., :stored.selected.shape[-1]])
+        self.memory.store(slots, ReuseRows(narrow))
+        self.memory.forget_where(slots, self._inputs[_DENSE, :batch] != 0)
 
-    def _step(self, batch: int, width: int, all_pages: bool) -> QuestDecodeStep:
-        key = (batch, width, all_pages)
+    def _step(self, batch: int, width: int, route: StepRoute) -> QuestDecodeStep:
+        key = (batch, width, route)
         if key not in self._steps:
-            quest = self.config.quest
-            if all_pages:
+            quest = None if route == StepRoute.DENSE else self.config.quest
+            if route == StepRoute.MIXED:  # selections as wide as the page table: a dense row's hold every page
                 quest = dataclasses.replace(quest, token_budget=max(width * self.cache.page_size, quest.token_budget))
             self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.num_q_heads, width)
         return self._steps[key]
@@ -474,13 +520,6 @@ class ModelRunner:
         if self.memory is None:
             return 1.0  # every decode step selects
         return self.memory.selection_rate(slot, discard_last)
-
-    def _budget_of(self, seq: Sequence, width: int) -> int:
-        """The sequence's token budget: 0 on a dense engine (no layer reads it), every column of the
-        page table for a dense request in a Quest step."""
-        if self.budget is None:
-            return 0
-        return width * self.cache.page_size if seq.quest.dense else seq.quest.token_budget
 
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
         """``[num_sampled]`` int64 sampled tokens (greedy rows by argmax) from ``[num_sampled, vocab]`` ``logits``.

@@ -48,6 +48,7 @@ from questkv.cache.paged import PagedKVCache
 from questkv.config import QuestConfig
 from questkv.decode.forward_state import ForwardState
 from questkv.decode.layer_decoder import DecodeState, LayerDecoder
+from questkv.decode.route import decodes_densely
 from questkv.ops import LayerPages
 from questkv.policies.base import DecodePolicy
 from questkv.policies.eviction import prefill_attention
@@ -245,7 +246,9 @@ class QuestCache(Cache):
         # A chunk over a non-empty cache: every layer then reads all stored K/V (found once here).
         dense_read = ForwardState.needs_stored_slots(new_positions, past)
         stored_slots = self._stored_slots(self.paged) if dense_read else None
-        self._forward = ForwardState(mask, rows, slots, page_table, seq_lens, past, stored_slots)
+        quest = self.decoder.config
+        dense_rows = [decodes_densely(quest, quest.token_budget, self.paged.seq_len(seq)) for seq in self.seq_ids]
+        self._forward = ForwardState(mask, rows, slots, page_table, seq_lens, past, stored_slots, dense_rows)
 
     def _update_layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Store one layer's new keys/values ``[batch, num_kv_heads, new_positions, head_dim]``.
@@ -281,7 +284,7 @@ class QuestCache(Cache):
         layer, page_table, seq_lens = self.decode_view(layer_idx)
         out = self.decoder.decode(
             layer_idx, query, layer, page_table, seq_lens, scaling, state=self.decode_state,
-            prefill_scores=self._prefill_scores,
+            prefill_scores=self._prefill_scores, dense_rows=self._forward.dense_rows,
         )
         # The step's buffer is overwritten by the next layer: autograd must not save it.
         return out.clone() if torch.is_grad_enabled() else out

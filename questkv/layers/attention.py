@@ -123,6 +123,8 @@ class Attention(nn.Module):
         return rows.step.dense(q, self.pages, rows.page_table, rows.seq_lens, self.sm_scale)
 
     def _sparse_decode(self, q: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
+        if rows.dense:  # the step's route (questkv.decode.route): no row gains from Quest here
+            return self._dense_decode(q, rows)
         reuse = rows.reuse
         active = selected = None
         selecting = True

@@ -145,9 +145,11 @@ def test_the_selection_rate_counts_each_slots_selecting_layer_heads_and_restarts
     memory.store(slots, rows)
     assert memory.selection_rate(2) == 4 / 8 and memory.selection_rate(0) == 4 / 8
     assert memory.selected_at.tolist() == [5, -1, 3, -1]  # the page counts of the selections kept
-    memory.count_selecting_step(torch.tensor([0]))
-    assert memory.selection_rate(0) == (4 + 4) / 12
-    assert memory.selection_rate(0, discard_last=True) == 4 / 8  # without the dense request's step
+    memory.count_dense_step(torch.tensor([0]))  # a step that decoded densely: no selection, none kept
+    assert memory.selection_rate(0) == 4 / 12 and memory.selected_at[0] == -1
+    assert memory.selection_rate(0, discard_last=True) == 4 / 8  # without the dense step
+    memory.forget_where(slots, torch.tensor([True, False]))
+    assert memory.selected_at.tolist() == [-1, -1, -1, -1]
     assert memory.selection_rate(2, discard_last=True) == 4 / 4
     memory.restart(torch.tensor([0]))
     assert memory.selection_rate(0) is None and memory.selection_rate(2) == 4 / 8

@@ -137,33 +137,50 @@ def test_the_selection_rate_of_a_fixed_interval_is_its_due_steps_share(model_dir
     assert [out.metrics.selection_rate for out in outputs] == [rate, rate]
 
 
-def test_the_selection_rate_counts_a_dense_requests_steps_as_selecting_and_is_none_for_it(model_dir):
+def test_a_dense_request_in_the_batch_leaves_a_quest_requests_reuse_as_it_is_alone(model_dir):
     llm = make_llm(model_dir, reusing(SMALL, 4))
-    outputs = llm.generate([prompt(40), prompt(30)], [greedy(9), greedy(9, dense=True)], use_tqdm=False)
-    assert outputs[0].metrics.selection_rate == 1.0  # every step of its batch attends all pages of the dense one
+    prompts, params = [prompt(40), prompt(30)], [greedy(9), greedy(9, dense=True)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    alone = llm.generate(prompts[:1], params[:1], use_tqdm=False)[0]
+    assert outputs[0].token_ids == alone.token_ids
+    assert outputs[0].metrics.selection_rate == alone.metrics.selection_rate == 2 / 8  # decode steps 0 and 4 select
     assert outputs[1].metrics.selection_rate is None
 
 
-class _NeverForgets(set):
-    """A broken mirror of the selection memory: it misses every slot whose selection was dropped."""
+class _AlwaysKept(set):
+    """A broken mirror of the selection memory: it claims a kept selection for every slot."""
 
-    def difference_update(self, *others) -> None:
-        pass
+    def issuperset(self, other) -> bool:
+        return True
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["mirror", "broken mirror"])
-def test_a_step_after_a_dense_requests_step_selects_and_a_wrong_host_mirror_is_caught(model_dir, broken):
-    llm = make_llm(model_dir, reusing(SMALL, 4))
+def test_a_quest_step_after_steps_routed_dense_selects_and_a_wrong_host_mirror_is_caught(model_dir, broken):
+    llm = make_llm(model_dir, reusing(SMALL, 4))  # budget 16 tokens, dense_context_ratio 1
     if broken:
-        llm.engine.runner._kept = _NeverForgets()
+        llm.engine.runner._kept = _AlwaysKept()
     engine = llm.engine
-    engine.add_request(prompt(40), greedy(12))
-    engine.step()  # its prefill
-    engine.add_request(prompt(30), greedy(3, dense=True))  # its steps forget the first request's selection
-    if broken:  # the first decode step after the dense request's last one is off its phase: it must select
+    # A 10-token prompt: decode steps 0-5 (11 to 16 tokens) are routed dense, the budget covering the context;
+    # step 6 (17 tokens) is its first Quest step, off its phase (6 % 4): it must select, its memory forgotten.
+    engine.add_request(prompt(10), greedy(12))
+    if broken:
         with pytest.raises(RuntimeError, match=r"rows \[0\] select in a step launched without selection"):
             while engine.has_unfinished_requests():
                 engine.step()
-    else:
-        while engine.has_unfinished_requests():
-            engine.step()
+        return
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].metrics.selection_rate == 2 / 11  # steps 6 and 8 select; 11 decode steps in all
+
+
+
+def test_a_dense_context_ratio_gives_the_dense_tokens_up_to_its_context_and_each_requests_tokens_alone(model_dir):
+    quest = dataclasses.replace(SMALL, dense_context_ratio=4.0, selection_interval=3)  # dense up to 64 tokens
+    llm = make_llm(model_dir, quest)
+    short = [prompt(random.randint(5, 30)) for _ in range(2)]
+    params = greedy(64 - 31)  # every step within 64 tokens: the dense engine's tokens
+    assert run(llm, short, params) == run(make_llm(model_dir), short, params)
+    mixed = [prompt(10), prompt(90), prompt(50)]  # dense, Quest, dense then Quest rows in one batch
+    mixed_params = [greedy(30), greedy(20), greedy(30, token_budget=8)]
+    assert run(llm, mixed, mixed_params) == alone(llm, mixed, mixed_params)
