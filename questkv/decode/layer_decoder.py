@@ -241,8 +241,10 @@ class LayerDecoder:
         if state is not None and layer_idx == self.config.dense_layers:
             # Every Quest layer attends the same page count: charge them all once per decode step.
             tokens = self.tokens_attended(seq_lens, budgets)
-            state.charge(tokens if dense is None else torch.where(dense, seq_lens.double(), tokens),
-                         self._quest_layers)
+            if dense is not None:  # a row routed dense reads its whole pages, as Quest's accounting charges them
+                page = self.config.page_size
+                tokens = torch.where(dense, ((seq_lens.long() + page - 1) // page * page).double(), tokens)
+            state.charge(tokens, self._quest_layers)
         if dense is None:
             return step.sparse(q, layer, page_table, seq_lens, sm_scale, budgets)
         if all(dense_rows):

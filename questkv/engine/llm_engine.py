@@ -333,12 +333,15 @@ class LLMEngine:
         contexts = list(batch.seq_lens[:batch.num_decodes])  # the new token included
         attended = list(map(float, contexts))
         page_size = self.cache.page_size
-        sparse_rows = [i for i, seq in enumerate(seqs)
-                       if not decodes_densely(self.config.quest, seq.quest.token_budget, contexts[i])]
+        sparse_rows = [i for i, seq in enumerate(seqs) if not seq.quest.dense]
+        # A Quest request's step routed dense reads its whole pages, as Quest's accounting charges them.
+        routed = {i for i in sparse_rows if decodes_densely(self.config.quest, seqs[i].quest.token_budget, contexts[i])}
         if sparse_rows:
-            budgets = [seqs[i].quest.token_budget for i in sparse_rows]
+            budgets = [-(-contexts[i] // page_size) * page_size if i in routed else seqs[i].quest.token_budget
+                       for i in sparse_rows]
             # A reused selection, made at a shorter length, attends the pages begun since it in full too.
-            made_at = [selection_seq_len(contexts[i], seqs[i].num_prompt_tokens, seqs[i].quest.selection_interval)
+            made_at = [contexts[i] if i in routed else
+                       selection_seq_len(contexts[i], seqs[i].num_prompt_tokens, seqs[i].quest.selection_interval)
                        for i in sparse_rows]
             begun = [-(-contexts[i] // page_size) - -(-at // page_size) for i, at in zip(sparse_rows, made_at)]
             sparse = sparse_tokens_attended(torch.tensor(made_at), torch.tensor(budgets), page_size).tolist()
@@ -349,9 +352,6 @@ class LLMEngine:
             sparse_of = dict(zip(sparse_rows, sparse))
         else:
             sparse_of = {}
-        if self._sparse_layers:  # a Quest request's step routed dense: its sparse layers read the whole context
-            sparse_of.update({i: float(contexts[i]) for i, seq in enumerate(seqs)
-                              if not seq.quest.dense and i not in sparse_of})
         for i, (seq, tokens, was_live) in enumerate(zip(seqs, attended, live)):
             if was_live:
                 seq.tokens_attended_sum += tokens
