@@ -9,9 +9,6 @@ random data, this script times under CUDA graphs (medians of many graph replays 
   each ``C`` of ``--selection-intervals``: a window of ``C`` steps as the engine runs them, step 0 with every
   sequence active, steps 1..C-1 the attend alone over the last selection plus the pages begun since (the engine's
   graph of a step where no row selects; :func:`time_amortized`);
-* the page estimate from 2-bit key codes (``page_scores_codes``, the opt-in low-bit key copy of
-  ``quest-rerank``'s ``key_bits`` estimator; not wired into the step), ranked by max logit and by attention
-  mass, next to the Quest estimate;
 * questkv dense paged decode (the same attention kernel over every page);
 * the attention kernel (dense, and the Quest step's attend) over a head-major copy of the same pools
   (storage ``[num_pages, num_kv_heads, page_size, head_dim]``, :func:`head_major`): what a head-major page
@@ -83,7 +80,6 @@ AMORTIZED_TARGETS = [  # (label, model, batch, context, budget, µs per step at 
     ("B=1, L=32k, budget 2048", "llama3.1-8b", 1, 32768, 2048, 12.0, 23.8),
     ("B=32, L=32k, budget 2048", "llama3.1-8b", 32, 32768, 2048, 110.0, 159.3),
 ]
-CODE_BITS = 2  # width of the key codes timed ("estimate from 2-bit codes")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,8 +228,6 @@ def _check_kernels() -> list[dict]:
         record(f"{model} dense attention", _rel_err(out, out_ref), 1e-2)
         out_hm = kernels.paged_decode_attention(q, head_major(k_pages), head_major(v_pages), table, lens)
         record(f"{model} dense attention, head-major pool == page-major (exact)", float(not torch.equal(out_hm, out)), 0.0)
-        for name, err, tol in key_codes_checks(q, k_pages, kmin, kmax, table, lens):
-            record(f"{model} {name}", err, tol)
         for name, err, tol in active_flag_checks(q, kmin, kmax, table, lens, gen):
             record(f"{model} {name}", err, tol)
         config = QuestConfig(token_budget=1024, sink_pages=1, recent_pages=1, backend="triton")
@@ -246,32 +240,6 @@ def _check_kernels() -> list[dict]:
         )
         record(f"{model} QuestDecodeStep budget 1024", _rel_err(got, want), 1e-2)
     return results
-
-
-def key_codes_checks(q, k_pages, kmin, kmax, table, lens) -> list[tuple[str, float, float]]:
-    """(name, error, tolerance) of the low-bit key codes at every width: ``encode_page_keys`` of every page
-    of ``table`` exactly the reference's, and ``page_scores_codes`` against the reference on those codes in
-    each selection mode and rerank (``max``, ``mass``; bf16 queries: each decoded key enters the dots as two
-    bf16 terms, ~16 bits)."""
-    num_pages, _, hkv, d = k_pages.shape
-    pages = table.flatten().contiguous()
-    checks = []
-    for bits in reference.KEY_CODE_BITS:
-        codes, ref_codes = (torch.full((num_pages, PAGE_SIZE, hkv, reference.key_code_bytes(d, bits)), 0xA5,
-                                       dtype=torch.uint8, device=k_pages.device) for _ in range(2))
-        kernels.encode_page_keys(codes, k_pages, kmin, kmax, pages, bits)
-        reference.encode_page_keys(ref_codes, k_pages, kmin, kmax, pages, bits)
-        checks.append((f"encode_page_keys {bits}-bit (exact)", float(not torch.equal(codes, ref_codes)), 0.0))
-        for selection, reduction in (("kv_head", "sum"), ("kv_head", "max"), ("q_head", "sum")):
-            for rerank in RERANKS:
-                args = (table, lens, PAGE_SIZE, bits, selection, reduction, rerank)
-                want = reference.page_scores_codes(q, ref_codes, kmin, kmax, *args)
-                got = kernels.page_scores_codes(q, codes, kmin, kmax, *args)
-                finite = torch.isfinite(want)
-                same_mask = torch.equal(finite, torch.isfinite(got))
-                checks.append((f"page_scores_codes {bits}-bit {selection}/{reduction} {rerank}",
-                               _rel_err(got[finite], want[finite]) if same_mask else 1.0, 1e-4))
-    return checks
 
 
 def active_flag_checks(q, kmin, kmax, table, lens, gen) -> list[tuple[str, float, float]]:
@@ -352,12 +320,6 @@ def flashinfer_wrappers(batch, hq, hkv, d, table, tensor_core_modes):
 # one benchmark point
 
 
-def codes_estimate_bytes(batch: int, npages: int, hkv: int, d: int, bits: int, elt: int) -> int:
-    """Bytes the estimate from ``bits``-bit key codes must read for one layer: the codes of every page
-    (``PAGE_SIZE * hkv * d * bits / 8`` per page) plus both bounds (``2 * hkv * d * elt`` per page)."""
-    return batch * npages * (PAGE_SIZE * hkv * reference.key_code_bytes(d, bits) + 2 * hkv * d * elt)
-
-
 def head_major(pages: torch.Tensor) -> torch.Tensor:
     """``pages`` ``[num_pages, page_size, num_kv_heads, head_dim]`` copied into head-major storage
     ``[num_pages, num_kv_heads, page_size, head_dim]`` and returned as a view of the original shape: the same
@@ -389,31 +351,6 @@ def point_data(model: str, batch: int, context: int, min_budget: int, max_gb: fl
         "gen": gen, "n_layers": n_layers, "npages": npages, "elt": elt, "kv_bytes": kv_bytes,
         "bound_bytes": bound_bytes, "pool_bytes": pool_bytes,
     }
-
-
-def time_codes_estimate(q, layers, table, lens, timer: Callable[[Callable[[int], object]], float]) -> dict:
-    """The 'estimate from 2-bit codes' fields of a point: every page of every layer encoded once (outside the
-    timing), then ``timer(enqueue)`` (:func:`time_graph` on the GPU) of ``page_scores_codes_into`` (kv_head/sum)
-    on layer ``i``, ranked by max logit: ``estimate_codes2_us``, ``estimate_codes2_bytes`` (codes + bounds),
-    ``estimate_codes2_tbps``; and ranked by attention mass (the kernel's lse, then the torch softmax and group
-    sum): ``estimate_codes2_mass_us``, ``estimate_codes2_mass_tbps`` (the same bytes)."""
-    batch, max_pages = table.shape
-    num_pages, _, hkv, d = layers[0].k_pages.shape
-    all_pages = torch.arange(num_pages, dtype=torch.int32, device=q.device)
-    codes = []
-    for layer in layers:
-        codes.append(torch.empty((num_pages, PAGE_SIZE, hkv, reference.key_code_bytes(d, CODE_BITS)),
-                                 dtype=torch.uint8, device=q.device))
-        kernels.encode_page_keys(codes[-1], layer.k_pages, layer.kmin, layer.kmax, all_pages, CODE_BITS)
-    out = torch.empty((batch, hkv, max_pages), dtype=torch.float32, device=q.device)
-    nbytes = codes_estimate_bytes(batch, max_pages, hkv, d, CODE_BITS, layers[0].k_pages.element_size())
-    fields = {"estimate_codes2_bytes": nbytes}
-    for rerank, prefix in (("max", "estimate_codes2"), ("mass", "estimate_codes2_mass")):
-        micros = timer(lambda i, rerank=rerank: kernels.page_scores_codes_into(
-            out, q, codes[i], layers[i].kmin, layers[i].kmax, table, lens, PAGE_SIZE, CODE_BITS, rerank=rerank))
-        fields[f"{prefix}_us"] = micros
-        fields[f"{prefix}_tbps"] = nbytes / (micros * 1e-6) / 1e12
-    return fields
 
 
 def time_head_major(point, dense, dense_out, steps, q, layers, table, lens, timer) -> None:
@@ -526,7 +463,6 @@ def run_point(model, batch, context, budgets, args, flashinfer_ok) -> dict:
         )
         del sdpa_k, sdpa_v
 
-    point.update(time_codes_estimate(q, layers, table, lens, lambda enqueue: time_graph(enqueue, n_layers, reps, warmup)))
 
     point["sparse"], steps = [], []
     for budget in budgets:
@@ -605,23 +541,6 @@ def table_lines(points: list[dict]) -> list[str]:
                 f"{_fmt(r.get('speedup_vs_flashinfer'), 2)} | {_fmt(r['ideal_speedup'], 2)} | {_fmt(r['step_tbps'], 2)} "
                 f"| {ratio} | {r.get('graph_equals_eager', '-')} |"
             )
-    return lines
-
-
-def codes_lines(points: list[dict]) -> list[str]:
-    """The 'estimate from 2-bit codes' table: its time, bytes (codes + bounds) and TB/s at each point, ranked
-    by max logit and by attention mass, next to the Quest estimate (bounds only) of the point's first budget."""
-    lines = ["| model | B | L | estimate from 2-bit codes µs | codes + bounds MB | TB/s | ranked by mass µs | mass TB/s "
-             "| Quest estimate µs |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for p in points:
-        if "estimate_codes2_us" not in p:
-            continue
-        quest = p["sparse"][0]["estimate_us"] if p["sparse"] else None
-        lines.append(f"| {p['model']} | {p['batch']} | {p['context'] // 1024}k | {_fmt(p['estimate_codes2_us'])} "
-                     f"| {_fmt(p['estimate_codes2_bytes'] / 1e6)} | {_fmt(p['estimate_codes2_tbps'], 2)} "
-                     f"| {_fmt(p.get('estimate_codes2_mass_us'))} | {_fmt(p.get('estimate_codes2_mass_tbps'), 2)} "
-                     f"| {_fmt(quest)} |")
     return lines
 
 
@@ -807,10 +726,6 @@ def main() -> int:
         "",
         *amortized_lines(points, args.intervals),
         "",
-        f"## Estimate from {CODE_BITS}-bit key codes (opt-in, not in the step)",
-        "",
-        *codes_lines(points),
-        "",
         "## Attention over a head-major copy of the pools (storage [num_pages, num_kv_heads, page_size, head_dim])",
         "",
         *head_major_lines(points),
@@ -818,7 +733,7 @@ def main() -> int:
     ]
     (out_dir / f"kernels-{args.tag}.md").write_text("\n".join(md))
     print("\n".join(["", *target_lines(points), "", *table_lines(points), "", *amortized_lines(points, args.intervals),
-                     "", *codes_lines(points), "", *head_major_lines(points)]))
+                     "", *head_major_lines(points)]))
     return 0 if all(c["ok"] for c in checks) else 1
 
 
