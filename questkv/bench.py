@@ -75,12 +75,13 @@ def measure(engine, spec: LatencySpec, progress: bool = True, desc: str = "") ->
         ``{"prefill_s", "decode_ms_per_step", "decode_tokens_per_s", "e2e_s"}`` (medians over the timed
         iterations; an iteration's prefill is the sum of its prefill steps, its decode step time the median of
         its decode steps, ``None`` without one), ``"mean_tokens_attended"`` and ``"kv_fraction"`` (of the mean
-        context) of the decode steps, ``"iterations"``: the same per timed iteration, and ``"weight_bytes"`` and
+        context, at most 1: :func:`questkv.generate.kv_read`) of the decode steps, ``"iterations"``: the same per timed iteration, and ``"weight_bytes"`` and
         ``"kv_tokens"``: what the engine holds and how many tokens of KV its pool fits.
     """
     from tqdm.auto import tqdm
 
     from questkv.engine.sampling_params import SamplingParams
+    from questkv.generate import kv_read, mean_decode_context
 
     device = engine.config.torch_device
     rng = random.Random(spec.seed)  # the same prompts for every engine of a run
@@ -117,9 +118,8 @@ def measure(engine, spec: LatencySpec, progress: bool = True, desc: str = "") ->
         })
     result = {key: _median([it[key] for it in iterations])
               for key in ("prefill_s", "decode_ms_per_step", "decode_tokens_per_s", "e2e_s", "mean_tokens_attended")}
-    mean_context = spec.input_len + spec.output_len / 2  # decode step i (1 ... output_len - 1) holds input_len + i
-    attended = result["mean_tokens_attended"]
-    result["kv_fraction"] = None if attended is None else attended / mean_context
+    result["mean_tokens_attended"], result["kv_fraction"] = kv_read(
+        result["mean_tokens_attended"], mean_decode_context(spec.input_len, spec.output_len))
     result["iterations"] = iterations
     memory = engine.runner.cache_spec
     result.update(weight_bytes=memory.weight_bytes, kv_tokens=memory.kv_tokens)

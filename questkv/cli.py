@@ -112,6 +112,7 @@ def _add_model_args(parser) -> None:
 
 
 def _add_generate(subparsers) -> None:
+    from questkv.demo import DEMO_PAGE_SIZE
     from questkv.models import ALIASES, DEFAULT_MODEL
 
     parser = subparsers.add_parser(
@@ -126,7 +127,9 @@ def _add_generate(subparsers) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", help="read the prompt from this file")
-    add_quest_args(parser.add_argument_group("Quest"))
+    add_quest_args(parser.add_argument_group("Quest"), defaults={"page_size": DEMO_PAGE_SIZE}, help={
+        "page_size": f"tokens per KV-cache page, a power of two; {DEMO_PAGE_SIZE} by default as in `questkv demo`: on "
+        f"the default model page {DEMO_PAGE_SIZE} matched full attention on passkey prompts and page 16 did not"})
     parser.add_argument("--max-new-tokens", type=int_at_least(1), default=128,
                         help="tokens to generate (default: 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
@@ -309,7 +312,6 @@ def _add_eval(subparsers) -> None:
                          help=f"comma-separated policies: {', '.join(POLICIES)}, each optionally with options of its "
                          "own that override the flags below, NAME:option=value:... (e.g. quest:selection=q_head, "
                          "quest:page_size=8, quest:selection_interval=4 (engine only), "
-                         "quest:selection_interval=8:reselect_similarity=0.95 (adaptive reuse, engine only), "
                          "quest-topp:top_p=0.9:min_budget=128, quest-rerank:shortlist=4:rerank=max, "
                          "quest-rerank:shortlist=16:key_bits=2) "
                          "(default: full,quest)")
@@ -492,7 +494,7 @@ def _add_serve(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve",
         help=_HELP["serve"],
-        description="Serve MODEL over HTTP with OpenAI's /v1/completions and /v1/chat/completions (streaming too), "
+        description="Serve --model over HTTP with OpenAI's /v1/completions and /v1/chat/completions (streaming too), "
         "/v1/models, /health and /metrics. A request may pick its own Quest budget with the body field "
         '"quest": {"token_budget": N} (up to --budget) or {"dense": true}.',
     )

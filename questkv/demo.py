@@ -135,16 +135,19 @@ class PasskeyRun:
 
     Attributes:
         name: ``"dense"`` or ``"quest"``. token_budget: Quest's budget (``None``: dense).
-        text: the answer. found: its first integer is the key.
+        text: the answer. new_tokens: its tokens (the first from the prefill, each other from a decode step).
+        found: its first integer is the key.
         decode_tokens_per_s: the request's decode speed (``None`` with fewer than two tokens).
         mean_tokens_attended: KV tokens a decode step read, averaged over steps, layers and heads.
-        kv_fraction: ``mean_tokens_attended`` / the mean context of the decode steps.
+        kv_fraction: ``mean_tokens_attended`` / the mean context of the decode steps
+            (:func:`questkv.generate.kv_read`).
         prefill_seconds: time to the first token.
     """
 
     name: str
     token_budget: Optional[int]
     text: str
+    new_tokens: int
     found: bool
     decode_tokens_per_s: Optional[float]
     mean_tokens_attended: Optional[float]
@@ -181,6 +184,7 @@ def run_passkey_demo(
     from questkv.engine.llm import LLM
     from questkv.engine.sampling_params import SamplingParams
     from questkv.eval import passkey
+    from questkv.generate import kv_read, mean_decode_context
     from questkv.validation import check_float, check_int
 
     check_int("length", length, minimum=64)
@@ -207,16 +211,17 @@ def run_passkey_demo(
         del llm
         gc.collect()
         metrics = out.metrics
-        mean_context = len(prompt_ids) + len(out.token_ids) / 2
-        attended = metrics.mean_tokens_attended
+        attended, fraction = kv_read(metrics.mean_tokens_attended, mean_decode_context(len(prompt_ids),
+                                                                                       len(out.token_ids)))
         runs.append(PasskeyRun(
             name="dense" if quest is None else "quest",
             token_budget=None if quest is None else quest.token_budget,
             text=out.text,
+            new_tokens=len(out.token_ids),
             found=passkey.is_correct(out.text, key),
             decode_tokens_per_s=metrics.decode_tokens_per_s,
             mean_tokens_attended=attended,
-            kv_fraction=None if attended is None else attended / mean_context,
+            kv_fraction=fraction,
             prefill_seconds=metrics.time_to_first_token,
         ))
     return {
@@ -257,5 +262,10 @@ def format_passkey_demo(result: dict) -> str:
                     f"{run['token_budget']} in each of {layers - dense_layers} sparse layers, "
                     f"all in {dense_layers} dense)")
         lines.append(f"{name:<18} {run['text']!r:<24} {'yes' if run['found'] else 'no':<10} {speed:>12}   {read}")
+    steps = sorted({run["new_tokens"] - 1 for run in result["runs"] if run["decode_tokens_per_s"] is not None})
+    if steps:
+        count = str(steps[0]) if len(steps) == 1 else f"{steps[0]} to {steps[-1]}"
+        lines += [""] + textwrap.wrap(f"decode tok/s is timed over {count} decode steps per answer, too few to time "
+                                      "steadily: noisy on a shared CPU, it varies from run to run.", 116)
     lines += [""] + textwrap.wrap(PAGE_NOTE, 116)
     return "\n".join(lines)

@@ -13,10 +13,33 @@ from typing import Optional, TextIO
 from questkv.config import QuestConfig
 from questkv.validation import check_bool, check_int
 
-__all__ = ["GenerationStats", "generate_text", "stream_request"]
+__all__ = ["GenerationStats", "generate_text", "kv_read", "mean_decode_context", "stream_request"]
 
 _STDOUT = object()  # the default stream: sys.stdout when called (not when defined: tests swap it)
 _PARTIAL = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to: held back until it completes
+
+
+def mean_decode_context(prompt_tokens: int, new_tokens: int) -> float:
+    """KV tokens a decode step of a request holds, averaged over its decode steps: the first new token comes from
+    the prefill, decode step ``i`` (1 ... ``new_tokens - 1``) holds ``prompt_tokens + i``."""
+    return prompt_tokens + new_tokens / 2
+
+
+def kv_read(mean_tokens_attended: Optional[float], mean_context: float) -> tuple[Optional[float], Optional[float]]:
+    """The KV tokens a decode step read and their share of the KV cache: ``(tokens, tokens / mean_context)``,
+    ``tokens`` = ``min(mean_tokens_attended, mean_context)`` (both means over the decode steps).
+
+    The engine counts each page a Quest layer selects in full, the current, partial page too, so a budget that
+    covers a short context counts up to a page per sparse layer more tokens than the context holds; a decode step
+    never reads more than its whole context, hence the cap (on the means: the engine reports no step's count).
+
+    Returns:
+        ``(None, None)`` without a decode step (``mean_tokens_attended is None``).
+    """
+    if mean_tokens_attended is None:
+        return None, None
+    tokens = min(mean_tokens_attended, mean_context)
+    return tokens, tokens / mean_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +51,8 @@ class GenerationStats:
         new_tokens: tokens generated.
         prefill_seconds: arrival to the first new token (the engine's ``time_to_first_token``).
         decode_tokens_per_s: tokens after the first per second; ``None`` with fewer than two tokens.
-        mean_tokens_attended: KV tokens one decode step attended, averaged over steps, layers and heads;
-            ``None`` without a decode step.
+        mean_tokens_attended: KV tokens one decode step attended, averaged over steps, layers and heads, at most
+            :attr:`mean_context` (:func:`kv_read`); ``None`` without a decode step.
         finish_reason: ``"stop"`` or ``"length"``.
     """
 
@@ -46,14 +69,13 @@ class GenerationStats:
 
     @property
     def mean_context(self) -> float:
-        """Mean KV tokens per decode step when dense: decode step ``i`` (1 ... new_tokens - 1) holds
-        ``prompt_tokens + i`` tokens."""
-        return self.prompt_tokens + self.new_tokens / 2
+        """Mean KV tokens per decode step (:func:`mean_decode_context`): what a dense step reads."""
+        return mean_decode_context(self.prompt_tokens, self.new_tokens)
 
     @property
     def kv_fraction(self) -> Optional[float]:
-        """``mean_tokens_attended / mean_context``: the share of the KV cache one decode step read (1.0 dense)."""
-        return None if self.mean_tokens_attended is None else self.mean_tokens_attended / self.mean_context
+        """The share of the KV cache one decode step read, at most 1.0 (dense) (:func:`kv_read`)."""
+        return kv_read(self.mean_tokens_attended, self.mean_context)[1]
 
     def summary(self) -> str:
         """One line: prompt, prefill, decode and attention."""
@@ -66,7 +88,7 @@ class GenerationStats:
         return line
 
 
-def stream_request(engine, prompt, params, stream: Optional[TextIO] = None):
+def stream_request(engine, prompt, params, stream: Optional[TextIO] = None, progress: bool = False):
     """Add one request to ``engine``, step until it finishes, writing its text to ``stream`` as it grows.
 
     Args:
@@ -74,24 +96,34 @@ def stream_request(engine, prompt, params, stream: Optional[TextIO] = None):
         prompt: text or token ids.
         params: its :class:`~questkv.engine.sampling_params.SamplingParams`.
         stream: where the text goes (flushed every step); ``None``: nowhere.
+        progress: until the first token, a tqdm bar on stderr counting the prompt tokens the engine's steps
+            prefilled (a long prompt's chunks move it), erased once the text starts.
 
     Returns:
         The request's final :class:`~questkv.engine.sequence.RequestOutput`.
     """
+    from tqdm.auto import tqdm
+
     request_id = engine.add_request(prompt, params)
+    counted = engine.scheduler.step_tokens  # input tokens of the launched steps, by kind of row
+    before = counted["prefill"]
     printed, last = "", None
-    while last is None or not last.finished:
-        if not engine.has_unfinished_requests():
-            raise RuntimeError(f"request {request_id} is unfinished but the engine has no request left")
-        for out in engine.step():
-            if out.request_id != request_id:
-                continue
-            last = out
-            text = out.text if out.finished else out.text.rstrip(_PARTIAL)
-            if stream is not None and text.startswith(printed) and len(text) > len(printed):
-                stream.write(text[len(printed):])
-                stream.flush()
-                printed = text
+    with tqdm(desc="prefill", unit="tok", leave=False, disable=not progress) as prefill:
+        while last is None or not last.finished:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"request {request_id} is unfinished but the engine has no request left")
+            outputs = engine.step()
+            prefill.update(counted["prefill"] - before - prefill.n)
+            for out in outputs:
+                if out.request_id != request_id:
+                    continue
+                prefill.close()  # its first token: the prefill is done (closing again does nothing)
+                last = out
+                text = out.text if out.finished else out.text.rstrip(_PARTIAL)
+                if stream is not None and text.startswith(printed) and len(text) > len(printed):
+                    stream.write(text[len(printed):])
+                    stream.flush()
+                    printed = text
     return last
 
 
@@ -105,6 +137,7 @@ def generate_text(
     chat: bool = False,
     seed: int = 0,
     stream: Optional[TextIO] = _STDOUT,
+    progress: bool = True,
     **engine_kwargs,
 ) -> GenerationStats:
     """Build the engine for ``model`` (dense, or Quest with ``quest``), stream a continuation of ``prompt``.
@@ -117,6 +150,8 @@ def generate_text(
         temperature, top_p: sampling; ``temperature == 0`` is greedy.
         seed: the engine's and the request's seed.
         stream: where the text goes as it is generated (default stdout); ``None``: nowhere.
+        progress: a tqdm bar on stderr counting the prompt tokens prefilled until the first token
+            (:func:`stream_request`).
         **engine_kwargs: other :class:`~questkv.engine.config.EngineConfig` fields (``device``, ``dtype``,
             ``max_model_len``, ``enforce_eager``, ...).
 
@@ -136,17 +171,18 @@ def generate_text(
     stream = sys.stdout if stream is _STDOUT else stream
     llm = LLM(model, quest=quest, seed=seed, max_num_seqs=1, **engine_kwargs)
     request = render_chat(llm.tokenizer, prompt) if chat else prompt
-    out = stream_request(llm.engine, request, params, stream)
+    out = stream_request(llm.engine, request, params, stream, progress)
     if stream is not None:
         stream.write("\n")
         stream.flush()
     metrics = out.metrics
+    context = mean_decode_context(len(out.prompt_token_ids), len(out.token_ids))
     return GenerationStats(
         prompt_tokens=len(out.prompt_token_ids),
         new_tokens=len(out.token_ids),
         prefill_seconds=metrics.time_to_first_token,
         decode_tokens_per_s=metrics.decode_tokens_per_s,
-        mean_tokens_attended=metrics.mean_tokens_attended,
+        mean_tokens_attended=kv_read(metrics.mean_tokens_attended, context)[0],
         finish_reason=out.finish_reason,
     )
 

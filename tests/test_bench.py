@@ -72,6 +72,14 @@ def test_dense_only_and_quest_only_run_one_engine(tmp_path):
     assert list(quest["results"]) == ["quest"]
 
 
+def test_a_budget_larger_than_the_context_reads_the_whole_context_and_no_more(tmp_path, capsys):
+    document = run(["--input-len", "10", "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
+                    "--budget", "64", "--page-size", "16", "--dense-layers", "1", "--quest-only"], tmp_path)
+    row = document["results"]["quest"]
+    assert row["mean_tokens_attended"] == pytest.approx(10 + 4 / 2) and row["kv_fraction"] == pytest.approx(1.0)
+    assert row["kv_fraction"] <= 1 and " 100.0% " in capsys.readouterr().out
+
+
 def test_one_output_token_has_no_decode_step(tmp_path):
     document = run(["--input-len", "10", "--output-len", "1", "--num-iters", "1", "--num-iters-warmup", "0",
                     "--dense-only"], tmp_path)

@@ -10,12 +10,13 @@ import pytest
 from questkv import QuestConfig, cli
 from questkv.cli_args import FIELDS, add_quest_args, flag, quest_config, quest_options, resolve_dtype, seconds
 from questkv.config import BACKENDS, GROUP_REDUCTIONS, PAGE_POLICY_OPTIONS, SELECTIONS
+from questkv.demo import DEMO_PAGE_SIZE
+from questkv.models import DEFAULT_MODEL
 
 FLAGS = {
     "token_budget": "--budget", "page_size": "--page-size", "dense_layers": "--dense-layers",
     "selection": "--selection", "group_reduction": "--group-reduction", "sink_pages": "--sink-pages", "recent_pages": "--recent-pages",
-    "backend": "--backend", "selection_interval": "--selection-interval",
-    "reselect_similarity": "--reselect-similarity",
+    "backend": "--backend", "dense_context_ratio": "--dense-context-ratio", "selection_interval": "--selection-interval",
 }
 
 
@@ -49,12 +50,11 @@ def test_flags_build_the_config():
     expected = QuestConfig(
         token_budget=budget, page_size=page_size, dense_layers=rng.randrange(4), selection=rng.choice(SELECTIONS),
         group_reduction=rng.choice(GROUP_REDUCTIONS), sink_pages=sink, recent_pages=recent,
-        backend=rng.choice(BACKENDS), selection_interval=rng.randint(2, 9), reselect_similarity=rng.uniform(-1, 1),
+        backend=rng.choice(BACKENDS), dense_context_ratio=rng.uniform(1, 8), selection_interval=rng.randint(2, 9),
     )
     argv = [item for name in FIELDS for item in (FLAGS[name], str(getattr(expected, name)))]
     assert quest_config(parser_with().parse_args(argv)) == expected
     assert quest_config(parser_with().parse_args(["--budget", "full"])).token_budget is None
-    assert parser_with().parse_args(["--reselect-similarity", "off"]).reselect_similarity is None
 
 
 def test_choices_and_help_come_from_the_fields():
@@ -95,8 +95,9 @@ def test_plural_flags_take_lists_and_a_subset_of_fields():
         (["--recent-pages", "1.5"], "recent-pages '1.5' is not a non-negative integer"),
         (["--selection", "page"], "argument --selection: invalid choice: 'page'"),
         (["--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
-        (["--reselect-similarity", "1.5"], "reselect-similarity '1.5' is not a number in [-1.0, 1.0] or 'off'"),
-        (["--reselect-similarity", "high"], "reselect-similarity 'high' is not a number in [-1.0, 1.0] or 'off'"),
+        (["--dense-context-ratio", "0.5"], "dense-context-ratio '0.5' is not a number in [1.0, 1000000000.0]"),
+        (["--dense-context-ratio", "high"], "dense-context-ratio 'high' is not a number in [1.0, 1000000000.0]"),
+        (["--reselect-similarity", "0.9"], "unrecognized arguments: --reselect-similarity"),
     ],
 )
 def test_bad_values_are_refused_by_name(argv, message, capsys):
@@ -142,7 +143,7 @@ def test_commands_take_their_quest_flags_from_the_config():
     parser = cli.build_parser()
     defaults = {field.name: field.default for field in dataclasses.fields(QuestConfig)}
     generate = parser.parse_args(["generate", "--prompt", "hi"])
-    assert quest_config(generate) == QuestConfig()
+    assert quest_config(generate) == QuestConfig(page_size=DEMO_PAGE_SIZE)  # the demo's page size (below)
     evaluation = parser.parse_args(["eval", "sweep", "--tasks", "passkey"])
     names = ["token_budget", "page_size", "dense_layers", *PAGE_POLICY_OPTIONS]
     assert quest_options(evaluation) == {**{n: defaults[n] for n in names}, "token_budget": [256, 512]}
@@ -205,3 +206,39 @@ def test_every_engine_command_takes_the_quantization_and_quantize_lm_head():
         assert kwargs["quantization"] == "int4" and kwargs["quantize_lm_head"] is True
     args = parser.parse_args(["eval", "ppl", "--model", "m", "--quantization", "int8", "--quantize-lm-head"])
     assert args.quantization == "int8" and args.quantize_lm_head is True
+
+
+def test_generate_defaults_to_the_page_size_that_finds_the_key_on_the_default_model():
+    """The README and the demo: on the default model page 8 matched full attention on passkey prompts, page 16 did
+    not; `questkv generate` (whose default model that is) takes the demo's page size by default."""
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--budget", "256"])
+    assert args.model == DEFAULT_MODEL and args.page_size == DEMO_PAGE_SIZE == 8
+    assert quest_config(args) == QuestConfig(token_budget=256, page_size=8)
+    assert cli.build_parser().parse_args(["generate", "--prompt", "hi", "--page-size", "16"]).page_size == 16
+
+
+def test_every_model_command_takes_model_and_serve_keeps_its_positional_alias(capsys):
+    from questkv.server.cli import add_serve_args, serve_model
+
+    parser = cli.build_parser()
+    for argv in (["generate", "--prompt", "hi"], ["demo"], ["bench", "latency"], ["eval", "ppl"]):
+        assert parser.parse_args([*argv, "--model", "m"]).model == "m"
+    serve = argparse.ArgumentParser(prog="serve")
+    add_serve_args(serve)
+    for argv in (["--model", "m"], ["m"], ["m", "--model", "m"], ["--port", "0", "m"]):
+        assert serve_model(serve.parse_args(argv)) == "m"
+    with pytest.raises(ValueError, match="a model is required: --model MODEL"):
+        serve_model(serve.parse_args([]))
+    with pytest.raises(ValueError, match="MODEL 'a' and --model 'b' differ"):
+        serve_model(serve.parse_args(["a", "--model", "b"]))
+    serve.print_help()
+    text = capsys.readouterr().out
+    assert "--model MODEL" in text and "the same as --model, positional" in text
+
+
+def test_serve_refuses_a_missing_or_doubled_model_before_loading_one(capsys, monkeypatch):
+    monkeypatch.setattr("questkv.engine.llm_engine.LLMEngine", None)  # loading a model would fail the test
+    for argv, message in ((["serve"], "a model is required"), (["serve", "a", "--model", "b"], "differ")):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "questkv serve: error: " in err and message in err

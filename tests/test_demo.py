@@ -42,7 +42,7 @@ def test_the_passkey_demo_answers_with_a_dense_and_a_quest_engine(model_dir):
     assert (dense["name"], dense["token_budget"], quest["name"], quest["token_budget"]) == ("dense", None, "quest", 16)
     for run in result["runs"]:
         assert run["found"] == passkey.is_correct(run["text"], result["key"])
-        assert run["prefill_seconds"] > 0
+        assert run["prefill_seconds"] > 0 and 1 <= run["new_tokens"] <= max_tokens
     if dense["kv_fraction"] is not None:  # the random model may end at once (no decode step)
         assert dense["kv_fraction"] == pytest.approx(1.0)
     if quest["kv_fraction"] is not None:  # 2 dense layers read the context, 1 sparse layer the budget
@@ -55,11 +55,11 @@ def test_the_passkey_demo_answers_with_a_dense_and_a_quest_engine(model_dir):
 def test_the_passkey_demo_report_names_the_key_each_answer_and_the_page_size_note():
     result = {"model": "m", "prompt_tokens": 3000, "depth": 0.5, "key": 4242, "page_size": 8, "dense_layers": 2,
               "num_layers": 30, "runs": [
-                  dict(name="dense", token_budget=None, text=" 4242.", found=True, decode_tokens_per_s=4.25,
-                       mean_tokens_attended=3005.0, kv_fraction=1.0, prefill_seconds=10.0),
-                  dict(name="quest", token_budget=256, text=" 4243.", found=False, decode_tokens_per_s=8.0,
-                       mean_tokens_attended=439.3, kv_fraction=0.1462, prefill_seconds=10.0),
-                  dict(name="quest", token_budget=512, text="", found=False, decode_tokens_per_s=None,
+                  dict(name="dense", token_budget=None, text=" 4242.", new_tokens=10, found=True,
+                       decode_tokens_per_s=4.25, mean_tokens_attended=3005.0, kv_fraction=1.0, prefill_seconds=10.0),
+                  dict(name="quest", token_budget=256, text=" 4243.", new_tokens=10, found=False,
+                       decode_tokens_per_s=8.0, mean_tokens_attended=439.3, kv_fraction=0.1462, prefill_seconds=10.0),
+                  dict(name="quest", token_budget=512, text="", new_tokens=1, found=False, decode_tokens_per_s=None,
                        mean_tokens_attended=None, kv_fraction=None, prefill_seconds=10.0),
               ]}
     report = format_passkey_demo(result)
@@ -69,6 +69,13 @@ def test_the_passkey_demo_report_names_the_key_each_answer_and_the_page_size_not
     assert "' 4243.'" in quest and " no " in quest and "14.6% (439 tokens of 3005: 256 in each of 28 sparse" in quest
     assert "n/a" in empty
     assert "page 16 did not" in PAGE_NOTE
+    # the decode speed of 9 steps is noisy, and the report says so (the answer without a decode step has none)
+    assert "decode tok/s is timed over 9 decode steps per answer, too few to time steadily: noisy on a shared CPU" \
+        in " ".join(report.split())
+    two = {**result, "runs": [{**result["runs"][0], "new_tokens": 4}, result["runs"][1]]}
+    assert "timed over 3 to 9 decode steps per answer" in " ".join(format_passkey_demo(two).split())
+    silent = {**result, "runs": [result["runs"][2]]}
+    assert "decode tok/s is timed" not in format_passkey_demo(silent)
 
 
 def test_the_demo_command_prints_the_report_and_writes_json(model_dir, tmp_path, capsys):

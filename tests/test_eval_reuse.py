@@ -27,25 +27,25 @@ def test_every_sweep_runs_on_a_tiny_model_on_the_cpu(tmp_path):
     assert set(agreement["agreement_texts"]) == {"agreement_book", "agreement_code"}
     assert {c["metric"] for c in documents["eval-reuse-ppl-qwen2.5-coder-1.5b-32k"]["cells"]} == {"ppl"}
     assert {c["length"] for c in documents["eval-reuse-qwen2.5-coder-1.5b-32k"]["cells"]} == {256}
-    for name, policies in (("adaptive", eval_reuse.ADAPTIVE_POLICIES), ("selection", eval_reuse.SELECTION_POLICIES)):
-        cells = documents[f"eval-{name}-agreement-qwen2.5-coder-1.5b-16k"]["cells"]
-        assert {c["policy"] for c in cells} == set(policies.split(",")) and {c["metric"] for c in cells} == {"agreement"}
-        cells = documents[f"eval-{name}-qwen2.5-coder-1.5b-16k"]["cells"]
-        assert {c["policy"] for c in cells} == set(policies.split(",")) and len({c["task"] for c in cells}) == 5
-    adaptive = [c for c in documents["eval-adaptive-qwen2.5-coder-1.5b-16k"]["cells"]
-                if "reselect_similarity" in c["policy"]]
-    assert adaptive and all(0 < c["selection_rate"] <= 1 for c in adaptive)
+    policies = set(eval_reuse.SELECTION_POLICIES.split(","))
+    cells = documents["eval-selection-agreement-qwen2.5-coder-1.5b-16k"]["cells"]
+    assert {c["policy"] for c in cells} == policies and {c["metric"] for c in cells} == {"agreement"}
+    cells = documents["eval-selection-qwen2.5-coder-1.5b-16k"]["cells"]
+    assert {c["policy"] for c in cells} == policies and len({c["task"] for c in cells}) == 5
+    reusing = [c for c in documents["eval-reuse-ppl-qwen2.5-coder-1.5b-32k"]["cells"]
+               if "selection_interval" in c["policy"]]  # 8 scored tokens: 8 decode steps, selecting every C
+    assert reusing and all(0 < c["selection_rate"] < 1 for c in reusing)
     for name in ("eval-lowbit-qwen2.5-coder-1.5b-16k", "eval-lowbit-ppl-qwen2.5-coder-1.5b-32k"):  # rounded at load
         assert documents[name]["spec"]["quantization"] == "int8" and documents[name]["cells"]
     # A resumed run skips an invocation only when its file holds every cell the invocation makes.
     paths = {p.stem: p for p in paths}
     for name, runs in eval_reuse.SWEEPS.items():
         assert all(eval_reuse.is_complete(paths[name], eval_reuse.smoke_args(args)) for args in runs)
-    document = documents["eval-adaptive-qwen2.5-coder-1.5b-16k"]
+    document = documents["eval-selection-qwen2.5-coder-1.5b-16k"]
     document["cells"].pop(random.randrange(len(document["cells"])))
     partial = tmp_path / "partial.json"
     partial.write_text(json.dumps(document))
-    (args,) = eval_reuse.SWEEPS["eval-adaptive-qwen2.5-coder-1.5b-16k"]
+    (args,) = eval_reuse.SWEEPS["eval-selection-qwen2.5-coder-1.5b-16k"]
     assert not eval_reuse.is_complete(partial, eval_reuse.smoke_args(args))
     assert not eval_reuse.is_complete(None, args)
 

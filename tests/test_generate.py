@@ -13,7 +13,7 @@ import torch
 from questkv import QuestConfig, cli
 from questkv.engine.llm import LLM
 from questkv.engine.sampling_params import SamplingParams
-from questkv.generate import GenerationStats, generate_text
+from questkv.generate import GenerationStats, generate_text, kv_read, mean_decode_context
 from tests.helpers import save_tiny_model
 
 VOCAB = 96
@@ -97,6 +97,43 @@ def test_generate_with_quest_attends_the_budget_in_the_sparse_layers(model_dir, 
     assert out == ref.text + "\n" and f"({stats.kv_fraction:.1%} of the KV cache)" in err
 
 
+def test_a_budget_larger_than_the_context_reads_the_whole_context_and_no_more(model_dir, capsys):
+    """``--budget 64`` on a short prompt: the share of the KV cache read is 100 %, never more."""
+    quest = QuestConfig(token_budget=64, page_size=16, dense_layers=1)
+    prompt, ref = long_answer(model_dir, random.randint(3, 12), 8, quest)
+    stats = generate_text(prompt, quest, model=str(model_dir), max_new_tokens=8, stream=None, device="cpu",
+                          dtype="float32", max_model_len=128)
+    assert stats.mean_tokens_attended == pytest.approx(stats.mean_context) and stats.kv_fraction == pytest.approx(1)
+    assert cli.main(["generate", "--model", str(model_dir), "--prompt", prompt, "--budget", "64", "--page-size", "16",
+                     "--max-new-tokens", "8", *ENGINE]) == 0
+    assert "(100.0% of the KV cache)" in capsys.readouterr().err
+
+
+def test_kv_read_caps_the_pages_counted_in_full_at_the_context():
+    """Quest's accounting counts every selected page in full, the current, partial one too: 2 pages of 16 for a
+    context of 20 tokens count 32; a step reads at most its context."""
+    context = mean_decode_context(prompt_tokens=15, new_tokens=10)
+    assert context == 20
+    assert kv_read(32.0, context) == (20, 1.0)
+    assert kv_read(5.0, context) == (5.0, 0.25)
+    assert kv_read(None, context) == (None, None)
+    stats = GenerationStats(prompt_tokens=15, new_tokens=10, prefill_seconds=0.5, decode_tokens_per_s=3.0,
+                            mean_tokens_attended=32.0, finish_reason="length")
+    assert stats.kv_fraction == 1.0
+
+
+def test_the_prefill_progress_goes_to_stderr_and_the_text_alone_to_stdout(model_dir, capsys):
+    prompt, ref = long_answer(model_dir, random.randint(20, 40), 6)
+    stats = generate_text(prompt, model=str(model_dir), max_new_tokens=6, device="cpu", dtype="float32",
+                          max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    out, err = capsys.readouterr()
+    assert out == ref.text + "\n" and "prefill" in err and "tok" in err  # a bar over the prompt's chunks of 8
+    assert stats.prompt_tokens == len(ref.prompt_token_ids)
+    generate_text(prompt, model=str(model_dir), max_new_tokens=6, device="cpu", dtype="float32", max_model_len=128,
+                  progress=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_chat_renders_the_prompt_with_the_tokenizers_template(model_dir, capsys):
     message = words(random.randint(3, 10))
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=128)
@@ -126,14 +163,14 @@ def test_stats_without_a_decode_step_report_no_decode_speed():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--budget", "24"], "multiple of page_size"),
+    (["--budget", "20"], "multiple of page_size=8"),  # the default page size is the demo's
     (["--budget", "64,128"], "one value"),
     (["--temperature", "-1"], "SamplingParams.temperature must be in [0.0, inf], got -1.0"),
     (["--top-p", "0"], "SamplingParams.top_p must be in (0.0, 1.0], got 0.0"),
     (["--max-new-tokens", "0"], "argument --max-new-tokens: '0' is not an integer >= 1"),
     (["--selection", "page"], "invalid choice: 'page'"),
     (["--sink-pages", "-1"], "sink-pages '-1' is not a non-negative integer"),
-    (["--budget", "32", "--sink-pages", "1", "--recent-pages", "1"], "fewer than the 3 always-kept pages"),
+    (["--budget", "16", "--sink-pages", "1", "--recent-pages", "1"], "fewer than the 3 always-kept pages"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["--max-model-len", "1"], "argument --max-model-len: '1' is not an integer >= 2"),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import functools
+from typing import Callable, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -75,18 +76,28 @@ class LLM:
         self,
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., tqdm]] = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion.
 
         Args:
             prompts: a text, a list of token ids, or a list of either.
             sampling_params: one for all prompts, or one per prompt (default ``SamplingParams()``).
-            use_tqdm: show a progress bar over finished requests.
+            use_tqdm: a progress bar on stderr over finished requests, as vLLM's: its postfix counts the prompt
+                tokens prefilled and the tokens decoded so far in this call, so that the chunks of a long prompt
+                move it before any request finishes; ``False``: none; a callable: what makes the bar instead of
+                ``tqdm`` (e.g. ``functools.partial(tqdm, leave=False)``), called with ``total``, ``desc`` and ``unit``.
 
         Returns:
             One finished :class:`RequestOutput` per prompt, in the prompts' order.
+
+        Raises:
+            ValueError: a bad prompt or sampling parameter (no request is queued then), or a ``use_tqdm`` that is
+                neither a bool nor callable.
         """
+        if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+            raise ValueError(f"LLM.generate use_tqdm must be a bool or a callable making a tqdm bar, got {use_tqdm!r}")
+        make_bar = use_tqdm if callable(use_tqdm) else functools.partial(tqdm, disable=not use_tqdm)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -97,13 +108,18 @@ class LLM:
         # Every request is checked before any is queued, so a bad one leaves the engine untouched.
         order = {request_id: i for i, request_id in enumerate(self.engine.add_requests(prompts, params))}
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req") as bar:
+        counted = self.engine.scheduler.step_tokens  # input tokens of the launched steps, by kind of row
+        before = dict(counted)
+        with make_bar(total=len(order), desc="generate", unit="req") as bar:
             try:
                 while self.engine.has_unfinished_requests():
+                    finished = len(results)
                     for output in self.engine.step():
                         if output.finished and output.request_id in order:
                             results[output.request_id] = output
-                            bar.update(1)
+                    bar.set_postfix_str(f"prefill {counted['prefill'] - before['prefill']} tok, "
+                                        f"decode {counted['decode'] - before['decode']} tok", refresh=False)
+                    bar.update(len(results) - finished)  # redraws the postfix too (at most every 0.1 s)
             except BaseException:  # a failed step (or Ctrl-C): abort this call's requests, leave the engine usable
                 for request_id in order:
                     self.engine.abort_request(request_id)

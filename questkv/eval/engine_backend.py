@@ -15,9 +15,9 @@ The protocol is the HF path's (:mod:`questkv.eval.harness`), request by request:
 
 One engine serves every setting of an engine-level config (:func:`engine_configs`: the page size and the page
 selection's options; the largest budget and selection interval among them): each (setting, sample) is a request
-of its own with the setting's ``token_budget``, ``selection_interval`` and ``reselect_similarity``
-(``dense=True`` for ``full``), sample after sample, so that one prompt's copies are admitted together and continuous
-batching decodes the settings together. The engine's prefix cache (on by default) computes a prompt once: its first copy prefills it, chunk after
+of its own with the setting's ``token_budget`` and ``selection_interval`` (``dense=True`` for ``full``), sample
+after sample, so that one prompt's copies are admitted together and continuous batching decodes the settings
+together. The engine's prefix cache (on by default) computes a prompt once: its first copy prefills it, chunk after
 chunk with chunked prefill (the engine's default), and the others start on its full pages, computing only the
 tokens past them (at most a page each; see :class:`questkv.engine.scheduler.Scheduler`). Those tokens attend the
 cached pages, so a copy's K/V of its last page and logits of its last prompt token equal the first's up to float
@@ -30,8 +30,11 @@ recomputed request would prefill its forced tokens densely).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
+
+from tqdm.auto import tqdm
 
 from questkv.config import QuestConfig
 from questkv.eval import agreement, perplexity, tasks
@@ -83,10 +86,9 @@ def engine_configs(settings: Sequence[Setting], page_size: int, dense_layers: in
     """The engines that run ``settings`` and the settings each serves, in the settings' order.
 
     Settings of one page size and one page selection (``selection``, ``group_reduction``, ``sink_pages``,
-    ``recent_pages``) share an engine with their largest budget and selection interval, and adaptive reuse
-    (the largest ``reselect_similarity``; each request brings its own, ``-1`` for a setting without) when one of
-    them reselects adaptively; ``full`` joins the first engine of the evaluation's ``page_size`` (any engine
-    without one), or gets a dense engine alone.
+    ``recent_pages``) share an engine with their largest budget and selection interval (each request brings its
+    own); ``full`` joins the first engine of the evaluation's ``page_size`` (any engine without one), or gets a
+    dense engine alone.
     """
     groups: dict[tuple, list[Setting]] = {}
     for setting in settings:
@@ -95,10 +97,7 @@ def engine_configs(settings: Sequence[Setting], page_size: int, dense_layers: in
             groups.setdefault((setting.page_size or page_size, options), []).append(setting)
     out: list[tuple[Optional[QuestConfig], list[Setting]]] = [
         (QuestConfig(token_budget=max(s.budget for s in group), page_size=size, dense_layers=dense_layers,
-                     selection_interval=max(s.selection_interval for s in group),
-                     reselect_similarity=max((s.reselect_similarity for s in group
-                                              if s.reselect_similarity is not None), default=None),
-                     **dict(options)), group)
+                     selection_interval=max(s.selection_interval for s in group), **dict(options)), group)
         for (size, options), group in groups.items()
     ]
     full = [s for s in settings if s.policy == "full"]
@@ -171,10 +170,13 @@ class EngineRun:
         llm: the engine (:meth:`EngineSource.build`).
         inputs: the length's requests.
         eos_token_id: the tokenizer's end-of-sequence id, the accuracy tasks' stop (``None``: none).
+        progress: a tqdm bar on stderr over each wave of requests (:meth:`questkv.LLM.generate`'s, its postfix the
+            prompt tokens prefilled and the tokens decoded), erased when the wave is done.
     """
 
-    def __init__(self, llm, inputs: Inputs, eos_token_id: Optional[int]) -> None:
+    def __init__(self, llm, inputs: Inputs, eos_token_id: Optional[int], progress: bool = False) -> None:
         self.llm, self.inputs, self.eos_token_id = llm, inputs, eos_token_id
+        self.use_tqdm = functools.partial(tqdm, leave=False) if progress else False
 
     def run(self, task: str, settings: Sequence[Setting]) -> list[tuple[Setting, dict, float]]:
         """Score ``settings`` on ``task``: ``(setting, result, seconds)`` each, ``result`` as a sweep cell has
@@ -214,9 +216,6 @@ class EngineRun:
             kwargs["dense"] = True
         else:
             kwargs.update(token_budget=setting.budget, selection_interval=setting.selection_interval)
-            if self.llm.config.quest.reselect_similarity is not None:  # an adaptive engine: -1 is the fixed interval
-                kwargs["reselect_similarity"] = (-1.0 if setting.reselect_similarity is None
-                                                 else setting.reselect_similarity)
         return SamplingParams(**kwargs)
 
     def _generate(self, requests: list[tuple[Item, Setting]], reference: bool = False, group: int = 1) -> list:
@@ -241,7 +240,7 @@ class EngineRun:
         outputs = []
         for wave in waves:
             params = [self._params(item, setting, reference) for item, setting in wave]
-            outputs += self.llm.generate([list(item.prompt) for item, _ in wave], params, use_tqdm=False)
+            outputs += self.llm.generate([list(item.prompt) for item, _ in wave], params, use_tqdm=self.use_tqdm)
         return outputs
 
     def _score(self, task: str, items: list[Item], outputs: list) -> dict:
@@ -291,11 +290,13 @@ def run_length(
     dense_layers: int,
     emit: Callable[[str, Setting, dict, float, dict, int], None],
     eos_token_id: Optional[int],
-    progress: Callable[[str], None] = lambda text: None,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> None:
     """Run the ``(task, setting)`` pairs ``todo`` at ``inputs.length``, one engine per engine-level config
     (each closed before the next is built); ``emit(task, setting, result, seconds, shape, page_size)`` is called
-    for every pair as soon as its pass is done."""
+    for every pair as soon as its pass is done. ``progress``: called with a line before each engine and task, and
+    each wave of requests shows a tqdm bar (:class:`EngineRun`); ``None``: silent."""
+    say = progress or (lambda text: None)
     settings = list(dict.fromkeys(setting for _, setting in todo))
     wanted = set(todo)
     for quest, group in engine_configs(settings, page_size, dense_layers):
@@ -305,13 +306,13 @@ def run_length(
             continue
         max_model_len = max(inputs.max_model_len(task) for task in by_task)
         widest = max(len(inputs.items(task)) * len(chosen) for task, chosen in by_task.items())
-        progress(f"length={inputs.length}: building an engine ({'dense' if quest is None else quest})")
+        say(f"length={inputs.length}: building an engine ({'dense' if quest is None else quest})")
         llm = source.build(quest, max_model_len, max(widest, 1))
         try:
             shape = engine_shape(llm)
-            run = EngineRun(llm, inputs, eos_token_id)
+            run = EngineRun(llm, inputs, eos_token_id, progress=progress is not None)
             for task, chosen in by_task.items():
-                progress(f"length={inputs.length} task={task}: {', '.join(s.label for s in chosen)}")
+                say(f"length={inputs.length} task={task}: {', '.join(s.label for s in chosen)}")
                 for setting, result, seconds in run.run(task, chosen):
                     emit(task, setting, result, seconds, shape, llm.config.page_size)
         finally:

@@ -30,7 +30,7 @@ EVAL_BACKENDS: tuple[str, ...] = ("auto", "engine", "hf")
 drop-in, every policy) or ``auto`` (the engine where it runs the setting, else HF)."""
 ENGINE_POLICIES: tuple[str, ...] = ("full", "quest")
 """The policies the engine backend runs."""
-ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {"quest": ("selection_interval", "reselect_similarity")}
+ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {"quest": ("selection_interval",)}
 """Policy options that only the engine backend runs (the HF drop-in selects pages every step)."""
 
 
@@ -40,9 +40,8 @@ def parse_policy(text: str, name: str = "policy") -> tuple[str, tuple[tuple[str,
     ``NAME`` is a key of :data:`questkv.policies.POLICIES`; the options are its own (see
     :func:`questkv.policies.make_policy`), ``page_size`` (the page size of that setting's cache,
     instead of the evaluation's) or, for ``quest``, ``selection_interval`` (decode steps per page
-    selection, :attr:`questkv.QuestConfig.selection_interval`) and ``reselect_similarity`` (adaptive reuse,
-    :attr:`questkv.QuestConfig.reselect_similarity`), engine backend only; ``full`` takes none. A value reads as
-    an int, else a float, else stays a string: ``"quest-rerank:shortlist=4:rerank=mass"`` ->
+    selection, :attr:`questkv.QuestConfig.selection_interval`, engine backend only); ``full`` takes none. A value
+    reads as an int, else a float, else stays a string: ``"quest-rerank:shortlist=4:rerank=mass"`` ->
     ``("quest-rerank", (("rerank", "mass"), ("shortlist", 4)))``, options sorted by name (:func:`format_policy`
     writes it back).
 
@@ -131,11 +130,6 @@ class Setting:
     def selection_interval(self) -> int:
         """Decode steps per page selection (1 unless the policy string sets ``selection_interval``)."""
         return dict(self.options).get("selection_interval", 1)
-
-    @property
-    def reselect_similarity(self) -> Optional[float]:
-        """Adaptive reuse's similarity threshold (``None`` unless the policy string sets ``reselect_similarity``)."""
-        return dict(self.options).get("reselect_similarity")
 
     def backend(self, eval_backend: str = "auto") -> str:
         """``"engine"`` or ``"hf"``: what runs this setting under ``eval_backend`` (:data:`EVAL_BACKENDS`).
@@ -247,13 +241,14 @@ def _step(model, cache, tokens: torch.Tensor, positions: torch.Tensor, want_logi
 @torch.inference_mode()
 def decode_greedy(
     model, cache, next_positions: torch.Tensor, tails: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-    eos_token_id: Optional[int],
+    eos_token_id: Optional[int], progress: bool = False,
 ) -> list[list[int]]:
     """Feed each row its tail one token per step, then decode greedily; every step is a decode step.
 
     Row ``b`` consumes ``tails[b]`` (non-empty), then generates until EOS or ``max_new_tokens[b]``
     (>= 0) tokens. Rows that finish early keep receiving their last token (never read again) until
-    every row is done.
+    every row is done. ``progress``: a tqdm bar on stderr over the steps (up to the longest row's), erased at
+    the end.
 
     Returns:
         The generated token ids per row (EOS excluded).
@@ -267,49 +262,64 @@ def decode_greedy(
     feed = [tail[0] for tail in tails]
     positions = next_positions.clone()
     step = 0
-    while not all(done):
-        need_logits = any(not done[b] and step >= len(tails[b]) - 1 and max_new_tokens[b] > 0 for b in range(batch))
-        logits = _step(model, cache, torch.tensor(feed, device=device), positions, need_logits)
-        positions += 1
-        step += 1
-        chosen = logits.argmax(-1).tolist() if need_logits else None
-        for b in range(batch):
-            if done[b]:
-                continue
-            if step < len(tails[b]):
-                feed[b] = tails[b][step]
-                continue
-            if max_new_tokens[b] == 0:
-                done[b] = True
-                continue
-            token = chosen[b]
-            if token == eos_token_id:
-                done[b] = True
-                continue
-            outputs[b].append(token)
-            feed[b] = token
-            done[b] = len(outputs[b]) >= max_new_tokens[b]
+    most = max(len(tail) + max(n, 1) - 1 for tail, n in zip(tails, max_new_tokens))  # steps of the longest row
+    with _steps_bar(most, progress) as bar:
+        while not all(done):
+            need_logits = any(not done[b] and step >= len(tails[b]) - 1 and max_new_tokens[b] > 0
+                              for b in range(batch))
+            logits = _step(model, cache, torch.tensor(feed, device=device), positions, need_logits)
+            positions += 1
+            step += 1
+            bar.update(1)
+            chosen = logits.argmax(-1).tolist() if need_logits else None
+            for b in range(batch):
+                if done[b]:
+                    continue
+                if step < len(tails[b]):
+                    feed[b] = tails[b][step]
+                    continue
+                if max_new_tokens[b] == 0:
+                    done[b] = True
+                    continue
+                token = chosen[b]
+                if token == eos_token_id:
+                    done[b] = True
+                    continue
+                outputs[b].append(token)
+                feed[b] = token
+                done[b] = len(outputs[b]) >= max_new_tokens[b]
     return outputs
 
 
+def _steps_bar(total: int, progress: bool):
+    """A tqdm bar on stderr over ``total`` decode steps, erased when closed (disabled without ``progress``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="decode", unit="step", leave=False, disable=not progress)
+
+
 @torch.inference_mode()
-def score_tokens(model, cache, next_positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def score_tokens(model, cache, next_positions: torch.Tensor, targets: torch.Tensor,
+                 progress: bool = False) -> torch.Tensor:
     """Teacher-forced negative log-likelihoods through decode steps.
 
     Args:
         targets: ``[batch, n + 1]`` token ids; ``targets[:, 0]`` is each row's next token after the
             prefilled context. Step ``i`` feeds ``targets[:, i]`` and scores ``targets[:, i + 1]``.
+        progress: a tqdm bar on stderr over the ``n`` steps, erased at the end.
 
     Returns:
         ``[batch, n]`` float64 negative log-likelihoods (nats).
     """
     positions = next_positions.clone()
     nll = []
-    for i in range(targets.shape[1] - 1):
-        logits = _step(model, cache, targets[:, i], positions, True)
-        positions += 1
-        log_probs = torch.log_softmax(logits, dim=-1)
-        nll.append(-log_probs.gather(1, targets[:, i + 1 : i + 2]).squeeze(1).double())
+    with _steps_bar(targets.shape[1] - 1, progress) as bar:
+        for i in range(targets.shape[1] - 1):
+            logits = _step(model, cache, targets[:, i], positions, True)
+            positions += 1
+            log_probs = torch.log_softmax(logits, dim=-1)
+            nll.append(-log_probs.gather(1, targets[:, i + 1 : i + 2]).squeeze(1).double())
+            bar.update(1)
     return torch.stack(nll, dim=1)
 
 

@@ -27,8 +27,8 @@ the plot puts its points at its ``mean_tokens_attended`` and the table appends t
 parentheses. Agreement reads as a percentage with one decimal (``"97.7%"``). :func:`markdown` adds the
 backend of each policy, a table of the agreement cells' perplexities when there are any, the KV bytes
 per step as a share of full attention (:func:`format_bytes_table`), to compare settings at equal bytes, and the
-selection rates (:func:`format_selection_rate_table`), to compare fixed and adaptive selection reuse at equal
-rate.
+selection rates (:func:`format_selection_rate_table`), how often each setting selected pages (selection reuse
+lowers it).
 """
 
 from __future__ import annotations
@@ -312,6 +312,6 @@ def markdown(document: dict, plot_name: str | None = None) -> str:
                   format_bytes_table(document["cells"])]
     if any(cell.get("selection_rate") is not None for cell in document["cells"]):
         lines += ["", "Selection rate: the share of (decode step, sparse layer, head) that estimated and selected "
-                  "pages (engine; selection reuse lowers it, adaptive reuse raises it where queries drift):", "",
+                  "pages (engine; selection reuse lowers it):", "",
                   format_selection_rate_table(document["cells"])]
     return "\n".join(lines + [""])

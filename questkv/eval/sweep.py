@@ -15,8 +15,7 @@ the JSON document of an earlier run (:func:`document`), adding only what it lack
 
 A policy of the grid is a policy string (:func:`questkv.eval.harness.parse_policy`): a name of
 :data:`questkv.policies.POLICIES`, optionally with its own options, e.g. ``quest:selection=q_head``,
-``quest:page_size=8``, ``quest:selection_interval=4`` (engine only), adaptive reuse
-``quest:selection_interval=8:reselect_similarity=0.95`` (engine only), ``quest-topp:min_budget=128:top_p=0.9``
+``quest:page_size=8``, ``quest:selection_interval=4`` (engine only), ``quest-topp:min_budget=128:top_p=0.9``
 or ``quest-rerank:shortlist=4``. Its own options override the spec's (``selection``, ``top_p``, ...); a
 ``page_size`` of its own gets its own dense prefill (same prompts), so one sweep compares page sizes too.
 
@@ -227,7 +226,8 @@ def run_sweep(
     """Run every cell of ``spec`` not in ``done``; returns all cells (``done`` ones first).
 
     The engine's cells run first, length by length, each engine closed before the next is built; then the
-    HF path's.
+    HF path's. With ``progress``, tqdm bars on stderr: one over the cells (its postfix says what runs), and below
+    it one over each batch of engine requests (a request per setting and sample) or HF decode steps.
 
     Args:
         model: a causal LM that :func:`questkv.enable` supports (enabled here, left enabled), or a function
@@ -240,21 +240,25 @@ def run_sweep(
     Raises:
         ValueError: an engine cell is pending and ``engine`` is ``None``.
     """
+    from tqdm.auto import tqdm
+
     cells = list(done)
     finished = {cell_key(cell) for cell in cells}
+    with tqdm(total=len(pending_settings(spec, cells)), desc="eval", unit="cell", disable=not progress) as bar:
 
-    def emit(cell: dict) -> None:
-        cells.append(cell)
-        finished.add(cell_key(cell))
-        if on_cell is not None:
-            on_cell(cell)
+        def emit(cell: dict) -> None:
+            cells.append(cell)
+            finished.add(cell_key(cell))
+            bar.update(1)
+            if on_cell is not None:
+                on_cell(cell)
 
-    _run_engine_cells(tokenizer, spec, finished, emit, engine, progress)
-    _run_hf_cells(model, tokenizer, spec, finished, emit, progress)
+        _run_engine_cells(tokenizer, spec, finished, emit, engine, bar)
+        _run_hf_cells(model, tokenizer, spec, finished, emit, bar)
     return cells
 
 
-def _run_engine_cells(tokenizer, spec: SweepSpec, finished: set, emit, engine, progress: bool) -> None:
+def _run_engine_cells(tokenizer, spec: SweepSpec, finished: set, emit, engine, bar) -> None:
     settings = [s for s in spec.settings() if spec.backend(s) == "engine"]
     todo = {length: [(task, s) for task in spec.tasks for s in settings
                      if (task, length, s.name, s.budget) not in finished] for length in spec.lengths}
@@ -269,7 +273,6 @@ def _run_engine_cells(tokenizer, spec: SweepSpec, finished: set, emit, engine, p
     tasks_due = {task for pairs in todo.values() for task, _ in pairs}
     ppl_text = perplexity.load_text(spec.text_file) if PPL in tasks_due else None
     texts = {task: agreement.load_text(task, spec.code_commit)[0] for task in agreement.TASKS if task in tasks_due}
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
     for length, pairs in todo.items():
         if not pairs:
             continue
@@ -283,12 +286,10 @@ def _run_engine_cells(tokenizer, spec: SweepSpec, finished: set, emit, engine, p
                   "seconds": seconds, "backend": "engine"})
 
         engine_backend.run_length(engine, inputs, pairs, spec.page_size, spec.dense_layers, add,
-                                  tokenizer.eos_token_id, say)
+                                  tokenizer.eos_token_id, None if bar.disable else bar.set_postfix_str)
 
 
-def _run_hf_cells(model, tokenizer, spec: SweepSpec, finished: set, emit, progress: bool) -> None:
-    from tqdm.auto import tqdm
-
+def _run_hf_cells(model, tokenizer, spec: SweepSpec, finished: set, emit, bar) -> None:
     plan = []  # (length, task group, page size, pending settings of that page size)
     settings = [s for s in spec.settings() if spec.backend(s) == "hf"]
     accuracy_tasks = [task for task in spec.tasks if task in tasks.TASKS]
@@ -303,7 +304,6 @@ def _run_hf_cells(model, tokenizer, spec: SweepSpec, finished: set, emit, progre
         return
     if callable(model) and not isinstance(model, torch.nn.Module):
         model = model()
-    bar = tqdm(total=sum(len(p) for *_, p in plan), desc="eval", unit="setting", disable=not progress)
     text = perplexity.load_text(spec.text_file) if any(group == [PPL] for _, group, _, _ in plan) else None
     shape = model_shape(model)
     for length, group, page_size, pending in plan:
@@ -319,7 +319,7 @@ def _run_hf_cells(model, tokenizer, spec: SweepSpec, finished: set, emit, progre
             harness.enable_setting(model, setting, page_size, spec.dense_layers)
             cache = harness.snapshot(prefilled)
             start = time.perf_counter()
-            results = runner.run(cache, next_positions)
+            results = runner.run(cache, next_positions, progress=not bar.disable)
             if torch.device(model.device).type == "cuda":
                 torch.cuda.synchronize()
             seconds = round(time.perf_counter() - start, 3)
@@ -338,10 +338,8 @@ def _run_hf_cells(model, tokenizer, spec: SweepSpec, finished: set, emit, progre
                 })
             del cache  # frees its page pool now (a QuestCache holds no reference cycle)
             _release_cuda_memory(model)
-            bar.update(1)
         del prefilled
         _release_cuda_memory(model)
-    bar.close()
 
 
 def _release_cuda_memory(model) -> None:
@@ -361,10 +359,10 @@ class _TaskBatch:
         ]
         self.contexts = [list(sample.context_ids) for sample in self.samples]
 
-    def run(self, cache, next_positions) -> dict[str, dict]:
+    def run(self, cache, next_positions, progress: bool = False) -> dict[str, dict]:
         generated = harness.decode_greedy(
             self.model, cache, next_positions, [list(s.tail_ids) for s in self.samples],
-            [s.max_new_tokens for s in self.samples], self.tokenizer.eos_token_id,
+            [s.max_new_tokens for s in self.samples], self.tokenizer.eos_token_id, progress,
         )
         attended = _mean_tokens_attended(cache)
         by_task: dict[str, dict] = {}
@@ -392,8 +390,8 @@ class _PplBatch:
         self.contexts = ids[:, :split].tolist()
         self.targets = ids[:, split:].to(model.device)
 
-    def run(self, cache, next_positions) -> dict[str, dict]:
-        nll = harness.score_tokens(self.model, cache, next_positions, self.targets)
+    def run(self, cache, next_positions, progress: bool = False) -> dict[str, dict]:
+        nll = harness.score_tokens(self.model, cache, next_positions, self.targets, progress)
         per_window = [round(float(torch.exp(row.mean())), 4) for row in nll]
         attended = _mean_tokens_attended(cache)
         return {

@@ -19,16 +19,20 @@ import sys
 from questkv.cli_args import add_engine_args, add_quest_args, engine_kwargs, int_at_least, quest_config, seconds
 from questkv.server import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
-__all__ = ["add_serve_args", "run_server"]
+__all__ = ["add_serve_args", "run_server", "serve_model"]
 
 logger = logging.getLogger("questkv.server")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Add ``MODEL``, the engine flags, the Quest flags and the server flags to ``parser``."""
-    parser.add_argument("model", metavar="MODEL",
+    """Add ``--model`` (or its positional alias ``MODEL``: :func:`serve_model` reads them), the engine flags, the
+    Quest flags and the server flags to ``parser``."""
+    parser.add_argument("--model", default=None,
                         help="what questkv.LLM takes: an alias (smollm2-135m), an HF folder or a .gguf file; with "
-                        "--load-format dummy, a folder with config.json (random weights; its tokenizer if it has one)")
+                        "--load-format dummy, a folder with config.json (random weights; its tokenizer if it has "
+                        "one) (required: --model or MODEL)")
+    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                        help="the same as --model, positional (`questkv serve MODEL`, as vLLM's serve)")
     add_engine_args(parser, seed_help="seeds dummy weights and requests without a seed", serving=True)
     quest = parser.add_argument_group("quest (the engine's; a request may lower the budget or ask for dense)")
     add_quest_args(quest)
@@ -55,6 +59,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--access-log", action="store_true", help="log every request")
 
 
+def serve_model(args: argparse.Namespace) -> str:
+    """The model to serve: ``--model`` or the positional ``MODEL``.
+
+    Raises:
+        ValueError: neither is given, or both are and differ.
+    """
+    named, positional = args.model, args.model_positional
+    if named is None and positional is None:
+        raise ValueError("a model is required: --model MODEL (or MODEL, positional)")
+    if named is not None and positional is not None and named != positional:
+        raise ValueError(f"MODEL {positional!r} and --model {named!r} differ; give the model once")
+    return named if named is not None else positional
+
+
 def _engine_config(args: argparse.Namespace):
     from questkv.engine.config import EngineConfig
 
@@ -66,6 +84,7 @@ def run_server(args: argparse.Namespace) -> int:
     when the engine failed for good: a tensor-parallel rank died or hung)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        args = argparse.Namespace(**{**vars(args), "model": serve_model(args)})
         config = _engine_config(args)  # bad knobs fail here, before the model loads
     except ValueError as error:
         print(f"questkv serve: error: {error}", file=sys.stderr)

@@ -118,6 +118,38 @@ def test_batched_requests_of_ragged_lengths_give_each_requests_tokens_alone(mode
         assert out.finished and out.finish_reason == "length" and len(out.token_ids) == sp.max_tokens
 
 
+def test_the_progress_bar_counts_requests_and_the_tokens_prefilled_and_decoded_on_stderr(model_dir, capsys):
+    import io
+
+    from tqdm import tqdm
+
+    llm = make_llm(model_dir, enable_prefix_caching=False)
+    lens, outs = [random.randint(5, 40), random.randint(41, 90)], [random.randint(2, 9), random.randint(2, 9)]
+    prompts = [prompt(n) for n in lens]
+    outputs = llm.generate(prompts, [greedy(k) for k in outs])
+    captured = capsys.readouterr()
+    assert captured.out == ""  # stdout stays the caller's
+    last = captured.err.split("\r")[-1]
+    assert "generate: 100%" in last and "2/2" in last
+    assert f"prefill {sum(lens)} tok, decode {sum(outs) - 2} tok" in last  # each request's first token: its prefill
+    quiet = llm.generate(prompts, [greedy(k) for k in outs], use_tqdm=False)
+    assert [o.token_ids for o in quiet] == [o.token_ids for o in outputs] and capsys.readouterr().err == ""
+    made, sink = [], io.StringIO()
+
+    def make_bar(**kwargs):  # what vLLM's use_tqdm takes too: a callable making the bar
+        made.append(kwargs)
+        return tqdm(file=sink, **kwargs)
+
+    assert [o.token_ids for o in llm.generate(prompts, [greedy(k) for k in outs], use_tqdm=make_bar)] == [
+        o.token_ids for o in outputs]
+    assert made == [{"total": 2, "desc": "generate", "unit": "req"}] and "2/2" in sink.getvalue()
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="LLM.generate use_tqdm must be a bool or a callable making a tqdm bar, "
+                                         "got 'yes'"):
+        llm.generate(prompts, greedy(2), use_tqdm="yes")
+    assert not llm.engine.has_unfinished_requests()  # refused before any request was queued
+
+
 def test_a_single_prompt_may_be_given_as_token_ids_or_text(model_dir):
     llm = make_llm(model_dir)
     p = prompt(7)

@@ -191,6 +191,16 @@ def test_selection_reuse_runs_on_the_engine_only(model_dir, word_tokenizer, caps
     assert "only the engine runs" in capsys.readouterr().err
 
 
+def test_progress_shows_the_cells_and_each_waves_requests_on_stderr(model_dir, word_tokenizer, capsys):
+    spec = make_spec(tasks=["ppl"], budgets=[16], samples=2)
+    cells = sweep.run_sweep(None, word_tokenizer, spec, engine=source(model_dir))
+    out, err = capsys.readouterr()
+    assert len(cells) == 2 and out == ""
+    assert "eval: 100%" in err.split("\r")[-1] and "2/2" in err  # the bar over the cells, left at the end
+    assert "length=96 task=ppl: full, quest@16" in err  # its postfix: what runs
+    assert re.search(r"generate: +0%.* 0/\d+ .*req/s", err)  # a bar over each wave of requests, erased when done
+
+
 def test_auto_runs_full_and_quest_on_the_engine_and_the_other_policies_on_the_hf_path(
         model_dir, hf_model, word_tokenizer):
     spec = make_spec(tasks=["passkey"], policies=["full", "quest:selection=q_head", "streaming"], budgets=[16],
@@ -317,25 +327,17 @@ def test_quantization_reaches_the_engine_and_is_refused_for_the_hf_path(model_di
         dataclasses.replace(spec, quantization=None, quantize_lm_head=True)
 
 
-def test_adaptive_reuse_shares_an_engine_with_the_fixed_interval_and_reports_its_selection_rate(
-        model_dir, word_tokenizer):
+def test_a_selection_interval_shares_plain_quests_engine_and_reports_its_selection_rate(model_dir, word_tokenizer):
     fixed = "quest:selection_interval=3"
-    never, always = (f"quest:reselect_similarity={t}:selection_interval=3" for t in (-1, 1))
-    spec = make_spec(tasks=["ppl"], policies=["quest", fixed, never, always], budgets=[16])
+    spec = make_spec(tasks=["ppl"], policies=["quest", fixed], budgets=[16])
     ((quest, group),) = engine_backend.engine_configs(spec.settings(), PAGE, 1)
-    assert (quest.selection_interval, quest.reselect_similarity, len(group)) == (3, 1, 4)
+    assert (quest.selection_interval, len(group)) == (3, 2)  # each request brings its own interval
     cells = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=source(model_dir)))
-    cell = {policy: cells[("ppl", LENGTH, policy, 16)] for policy in ("quest", fixed, never, always)}
-    # 8 scored tokens: 8 decode steps, of which outputs 0, 3 and 6 select with a fixed interval of 3
-    assert cell[fixed]["selection_rate"] == cell[never]["selection_rate"] == 3 / 8
-    assert cell["quest"]["selection_rate"] == cell[always]["selection_rate"] == 1.0
-    # the same maths through other kernels: perplexities equal to float32 rounding, then reported to 4 decimals, so
-    # two equal values may still round one unit apart
-    same = dict(rel=1e-6, abs=1e-4 + 1e-9)
-    assert cell[never]["scores"] == pytest.approx(cell[fixed]["scores"], **same)
-    assert cell[always]["scores"] == pytest.approx(cell["quest"]["scores"], **same)
+    cell = {policy: cells[("ppl", LENGTH, policy, 16)] for policy in ("quest", fixed)}
+    # 8 scored tokens: 8 decode steps, of which outputs 0, 3 and 6 select with an interval of 3
+    assert cell[fixed]["selection_rate"] == 3 / 8 and cell["quest"]["selection_rate"] == 1.0
     assert cell[fixed]["kv_bytes_per_step"] < cell["quest"]["kv_bytes_per_step"]  # bounds read 3 steps in 8
     document = sweep.document("tiny", spec, list(cells.values()), [{"command": "test"}])
     assert "Selection rate:" in report.markdown(document)
-    with pytest.raises(ValueError, match="reselect_similarity=0.5 reselects within .* selection_interval >= 2"):
-        Setting("quest", 16, (("reselect_similarity", 0.5),), ":reselect_similarity=0.5").build(PAGE, 1)
+    with pytest.raises(ValueError, match="policy 'quest' takes no option 'reselect_similarity'"):  # removed
+        harness.parse_policy("quest:reselect_similarity=0.9:selection_interval=8")

@@ -163,16 +163,28 @@ def test_selection_rate_table_and_markdown():
     rate = random.uniform(0.1, 0.9)
     cells = [
         dict(task="ppl", length=4096, policy="full", budget=None, metric="ppl", value=3.0, selection_rate=None),
-        dict(task="ppl", length=4096, policy="quest:reselect_similarity=0.9:selection_interval=8", budget=64,
-             metric="ppl", value=3.5, selection_rate=rate),
-        dict(task="ppl", length=4096, policy="quest:selection_interval=8", budget=64, metric="ppl", value=3.6),
+        dict(task="ppl", length=4096, policy="quest:selection_interval=8", budget=64, metric="ppl", value=3.5,
+             selection_rate=rate),
+        dict(task="ppl", length=4096, policy="quest:selection_interval=4", budget=64, metric="ppl", value=3.6),
     ]
     lines = report.format_selection_rate_table(cells).splitlines()
     assert lines[2:] == ["| ppl | 4096 | full |  |  |",
-                         f"| ppl | 4096 | quest:reselect_similarity=0.9:selection_interval=8 |  | {rate:.1%} |",
-                         "| ppl | 4096 | quest:selection_interval=8 |  |  |"]
+                         "| ppl | 4096 | quest:selection_interval=4 |  |  |",
+                         f"| ppl | 4096 | quest:selection_interval=8 |  | {rate:.1%} |"]
     document = {"model": "m", "runs": [], "spec": {}, "cells": cells}
     assert "Selection rate:" in report.markdown(document)
     assert report.format_selection_rate_table(cells) in report.markdown(document)
     older = {**document, "cells": [{k: v for k, v in c.items() if k != "selection_rate"} for c in cells]}
     assert "Selection rate" not in report.markdown(older)
+
+
+def test_a_results_file_of_the_removed_adaptive_reuse_still_reports():
+    """Its policy strings (``quest:reselect_similarity=0.9:selection_interval=8``) are rows like any other."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks/results/eval-adaptive-qwen2.5-coder-1.5b-16k.json"
+    document = json.loads(path.read_text())
+    adaptive = {cell["policy"] for cell in document["cells"] if "reselect_similarity" in cell["policy"]}
+    text = report.markdown(document)
+    assert adaptive and all(f"| {policy} |" in text for policy in adaptive) and "Selection rate:" in text

@@ -351,7 +351,10 @@ def test_cli_sweep_writes_json_md_png_and_resumes(tmp_path, patched_loader, caps
     assert all(c["run"] == 0 for c in document["cells"])
     png, md = path.with_suffix(".png"), path.with_suffix(".md")
     assert png.read_bytes().startswith(b"\x89PNG") and "sweep.png" in md.read_text()
-    assert "ppl" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "ppl" in out and "\r" not in out and "eval:" not in out  # the table alone on stdout
+    assert "eval: 100%" in err.split("\r")[-1] and "4/4" in err  # the progress over the cells, on stderr
+    assert re.search(r"decode: +0%.* 0/\d+ ", err)  # and over each setting's decode steps, erased when done
     # Rerun: everything is done, the model is never loaded, nothing changes.
     patched_loader["fail"] = True
     png.unlink()
