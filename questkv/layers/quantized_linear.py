@@ -1,12 +1,12 @@
 """Weight-only quantized linear layers and the swap of a model's ``nn.Linear`` s for them.
 
-Owns :class:`QuantizedLinear` (packed weight, scales and zero points as buffers; ``forward`` through
-:func:`quant_matmul`), :class:`QuantizedMergedLinear` (the same, keeping a fused QKV or gate/up projection's
-shards and ``split``; packed checkpoint shards load into its rows), :func:`quantize_linears` (round-to-nearest,
-in place, after the weights are loaded) and the backend choice of :func:`quant_matmul`. The formats and the torch
-reference live in :mod:`questkv.ops.quant_reference`, the CUDA kernels in :mod:`questkv.ops.triton.quant_matmul`;
-which models get quantized, and when, is the engine's business; reading packed checkpoints is
-:mod:`questkv.models.gguf_native`'s and :mod:`questkv.models.quantized_checkpoints`'.
+Owns :class:`QuantizedLinear` (codes, scales and zero points as buffers; ``forward`` through
+:func:`questkv.ops.int4_matmul` or :func:`questkv.ops.quant_matmul`), :class:`QuantizedMergedLinear` (the same,
+keeping a fused QKV or gate/up projection's shards and ``split``; packed checkpoint shards load into its rows) and
+:func:`quantize_linears` (round-to-nearest, in place, after the weights are loaded). The formats and the torch
+reference live in :mod:`questkv.ops.quant_reference`; which kernel multiplies how many rows is the ops' business
+(:mod:`questkv.ops.triton.quant_ops` on CUDA); which models get quantized, and when, is the engine's; reading packed
+checkpoints is :mod:`questkv.models.gguf_native`'s and :mod:`questkv.models.quantized_checkpoints`'.
 
 Embeddings always stay in the model dtype. The LM head stays too by default (``skip=("lm_head",)``): its error
 lands directly on the logits (the layer most sensitive to rounding, kept in 16 bits by GPTQ and AWQ as well), a
@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from questkv import ops
+from questkv.config import BACKENDS
 from questkv.layers.linear import MergedLinear, copy_param, shard_offsets
 from questkv.ops import quant_reference
 from questkv.ops.quant_reference import (
@@ -36,45 +37,14 @@ from questkv.ops.quant_reference import (
 from questkv.validation import check_choice, check_int
 
 __all__ = [
-    "BACKENDS",
     "METHODS",
     "QuantLayout",
     "QuantizedLinear",
     "QuantizedMergedLinear",
     "check_quantizable",
     "model_weight_bytes",
-    "quant_matmul",
     "quantize_linears",
 ]
-
-# ``auto`` on CUDA, by rows M (all linears of one llama3.1-8b token on an H200, LM head bf16;
-# benchmarks/results/linear-h200-words-final.md, and -words-plan2.md for 3 to 16 rows at the retuned plan): an int4
-# layer holds one copy of its codes, the K-major words, and takes questkv's GEMV over them for one and two rows
-# (1.94 ms at M = 1 against 2.43 for torch's tinygemm; 3.19 at M = 2 against 4.13 on tensor cores), tinygemm (bf16
-# only, its own copy, made where the model batches) for 2 to 4 rows (2.56 / 3.30 ms at M = 2 / 4), tensor cores over
-# the words up to 64 rows (``int4_words_matmul``: 3.89 / 3.91 / 4.01 / 4.20 ms at M = 3 / 4 / 8 / 16, against 4.02 /
-# 4.75 for the GEMV at 3 / 4 and 4.61 / 4.63 for the Triton kernel over the checkpoint layout at 8 / 16; 5.73 / 7.18
-# at M = 32 / 64 against 5.86 / 8.05), and above that (prefill) the float weight written from the words for one
-# GEMM, whose cost is shared by the prompt's rows (linear-h200-words-dequant.md: 10.8 / 48.9 ms at M = 256 / 2048
-# against 14.7 / 51.7 from the checkpoint layout). int8 and int8_grouped (imported GGUF Q8_0 / Q6_K layers) take
-# the Triton kernel up to 64 rows and the float weight above.
-AUTO_GEMV_MAX_M = 2
-TINYGEMM_MAX_M = 4
-TRITON_MAX_M = 64
-
-BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "dequant", "tinygemm", "gemv")
-"""How a quantized layer multiplies. ``auto``: on CUDA by rows (the table above), int4 from its K-major words
-through ``int4_gemv`` up to :data:`AUTO_GEMV_MAX_M` rows, tinygemm's copy (if the layer made one) for 2 to
-:data:`TINYGEMM_MAX_M`, ``int4_words_matmul`` up to :data:`TRITON_MAX_M` and the float weight written from the words
-above; every other format through ``triton`` up to :data:`TRITON_MAX_M` and ``dequant`` above; ``torch`` off CUDA.
-``torch``: the reference (dequantize to float32, float32 matmul); ``triton``:
-:func:`questkv.ops.triton.quant_matmul.quant_matmul`;
-``dequant``: dequantize to ``x``'s dtype (on CUDA in one Triton launch,
-:func:`questkv.ops.triton.quant_matmul.dequantize`; torch ops elsewhere), then ``F.linear`` (prefill's);
-``tinygemm``: ``torch.ops.aten._weight_int4pack_mm`` (``int4``, CUDA, bf16); ``gemv``: the K-major words alone,
-:func:`~questkv.ops.triton.quant_matmul.int4_gemv` for up to 4 rows and
-:func:`~questkv.ops.triton.quant_matmul.int4_words_matmul` for more (``int4``, CUDA). The last two, and ``auto``'s
-int4 on CUDA, use copies the layer makes in :meth:`QuantizedLinear.set_backend` (non-persistent buffers)."""
 
 
 class QuantLayout(NamedTuple):
@@ -86,45 +56,19 @@ class QuantLayout(NamedTuple):
     shape: tuple[int, int]
 
 
-def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                 method: str, group_size: int = DEFAULT_GROUP_SIZE, bias: Optional[torch.Tensor] = None,
-                 backend: str = "auto") -> torch.Tensor:
-    """``y = x @ w.T + bias`` for a quantized weight, on the backend chosen by ``backend``.
-
-    Args:
-        x: ``[M, K]`` float. qweight, scales, zeros, method, group_size: the weight
-            (:mod:`questkv.ops.quant_reference`). bias: ``[N]`` or ``None``.
-        backend: one of :data:`BACKENDS` except ``tinygemm`` and ``gemv``.
-
-    Returns:
-        ``[M, N]`` in ``x.dtype``.
-    """
-    check_choice("quant_matmul backend", backend, BACKENDS[:-2])
-    if backend == "auto":
-        backend = ("triton" if x.shape[0] <= TRITON_MAX_M else "dequant") if x.is_cuda else "torch"
-    if backend == "torch":
-        return quant_reference.quant_matmul(x, qweight, scales, zeros, method, group_size, bias)
-    if backend == "dequant":
-        quant_reference.check_quant_args(x, qweight, scales, zeros, method, group_size)
-        unpack = dequantize
-        if x.is_cuda:
-            from questkv.ops.triton.quant_matmul import dequantize as unpack  # the same values in one launch
-        return F.linear(x, unpack(qweight, scales, zeros, method, group_size, dtype=x.dtype), bias)
-    from questkv.ops.triton import quant_matmul as kernels  # needs triton; CPU-only installs never get here
-
-    return kernels.quant_matmul(x, qweight, scales, zeros, method, group_size, bias)
-
-
 class QuantizedLinear(nn.Module):
     """``y = x @ w.T + bias`` with ``w`` stored quantized (``int4`` groups or ``int8`` rows).
 
-    Buffers (format: :mod:`questkv.ops.quant_reference`): ``qweight`` (``int4``: ``[N, K // 2]`` uint8; ``int8``,
-    ``int8_grouped``: ``[N, K]`` int8), ``scales`` (``int4``, ``int8_grouped``: ``[K // group_size, N]``; ``int8``:
-    ``[N]``), ``zeros`` (``int4``: ``[K // group_size, N]``; else ``None``), all in the state dict; ``bias`` ``[N]``
-    is a frozen parameter. Zero points are held as uint8 while they are all integers in ``0..255`` (round to
-    nearest, AWQ, GPTQ, GGUF ``Q4_0``: a byte per group where the scales' dtype takes two); a load that brings any
-    other value (GGUF ``Q4_1`` / ``Q4_K`` offsets) first widens them to the scales' dtype, so no value is rounded.
-    Built empty (then :meth:`load_packed` or fill the buffers), by :meth:`empty_like` or by :meth:`from_float`.
+    Buffers (format: :mod:`questkv.ops.quant_reference`): ``int4``: ``words`` ``[K // 8, N]`` int32, the codes in
+    :func:`~questkv.ops.quant_reference.pack_int4_k_major`'s layout, the one copy every row count reads (the state
+    dict holds them as ``qweight`` ``[N, K // 2]`` uint8, the checkpoint layout, converted on save and load);
+    ``int8``, ``int8_grouped``: ``qweight`` ``[N, K]`` int8. ``scales`` (``int4``, ``int8_grouped``: ``[K //
+    group_size, N]``; ``int8``: ``[N]``), ``zeros`` (``int4``: ``[K // group_size, N]``; else ``None``), in the
+    state dict; ``bias`` ``[N]`` is a frozen parameter. Zero points are held as uint8 while they are all integers in
+    ``0..255`` (round to nearest, AWQ, GPTQ, GGUF ``Q4_0``: a byte per group where the scales' dtype takes two); a
+    load that brings any other value (GGUF ``Q4_1`` / ``Q4_K`` offsets) first widens them to the scales' dtype, so
+    no value is rounded. Built empty (then :meth:`load_packed` or fill the buffers), by :meth:`empty_like` or by
+    :meth:`from_float`.
 
     Args:
         in_features (``K``), out_features (``N``): as ``nn.Linear``.
@@ -132,7 +76,7 @@ class QuantizedLinear(nn.Module):
         group_size: ``int4`` / ``int8_grouped`` group (``GROUP_SIZES`` / ``INT8_GROUP_SIZES`` of
             :mod:`questkv.ops.quant_reference`, dividing ``in_features``).
         dtype: dtype of scales, zero points, bias and output (default: torch's default dtype). device: where.
-        backend: one of :data:`BACKENDS` (:meth:`set_backend`).
+        backend: the ops' backend, one of :data:`questkv.config.BACKENDS` (:meth:`set_backend`).
     """
 
     def __init__(self, in_features: int, out_features: int, method: str = "int4", bias: bool = False,
@@ -150,7 +94,8 @@ class QuantizedLinear(nn.Module):
         dtype = dtype or torch.get_default_dtype()
         n, k = out_features, in_features
         if method == "int4":
-            self.register_buffer("qweight", torch.zeros((n, k // 2), dtype=torch.uint8, device=device))
+            self.register_buffer("words", torch.zeros((k // 8, n), dtype=torch.int32, device=device),
+                                 persistent=False)
             self.register_buffer("scales", torch.ones((k // group_size, n), dtype=dtype, device=device))
             self.register_buffer("zeros", torch.zeros((k // group_size, n), dtype=torch.uint8, device=device))
         else:
@@ -171,7 +116,7 @@ class QuantizedLinear(nn.Module):
                    backend: str = "torch") -> "QuantizedLinear":
         """An empty quantized layer of ``linear``'s shape (a :class:`~questkv.layers.linear.MergedLinear` gives a
         :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype, its bias
-        copied. The ``torch`` backend by default: the small-batch copies of a still-empty weight would be packed for
+        copied. The ``torch`` backend by default: tinygemm's copy of a still-empty weight would be packed for
         nothing (call :meth:`set_backend` once the weight is filled)."""
         weight = linear.weight
         kwargs = dict(method=method, bias=linear.bias is not None, group_size=group_size, dtype=weight.dtype,
@@ -203,18 +148,19 @@ class QuantizedLinear(nn.Module):
     @torch.no_grad()
     def load_packed(self, name: str, loaded: QuantizedWeight, rows: Optional[slice] = None) -> None:
         """Copy a packed weight in this layer's format into output rows ``rows`` (all by default), after checking
-        every shape; scales are cast to the layer's dtype, zero points held as the class docstring says (``name``,
-        the checkpoint name, only serves the error message). A layer that holds only the GEMV's words
-        (:meth:`set_backend`) packs the codes into them.
+        every shape; ``int4`` codes are packed into the words, scales cast to the layer's dtype, zero points held
+        as the class docstring says (``name``, the checkpoint name, only serves the error message). tinygemm's copy,
+        if any, is dropped (:meth:`set_backend` remakes it).
 
         Args:
             loaded: ``qweight``, ``scales``, ``zeros`` as :mod:`questkv.ops.quant_reference` stores them for
                 ``rows.stop - rows.start`` output features, on any device.
         """
         rows = slice(0, self.out_features) if rows is None else rows
-        codes = self.qweight
-        if codes is None:  # a same-shaped stand-in to check against; the codes go into the words below
+        if self.method == "int4":  # a same-shaped stand-in to check against; the codes go into the words below
             codes = torch.empty((self.out_features, self.in_features // 2), dtype=torch.uint8, device="meta")
+        else:
+            codes = self.qweight
         targets = {"qweight": codes[rows], "scales": self.scales[..., rows],
                    "zeros": None if self.zeros is None else self.zeros[:, rows]}
         for part, target in targets.items():
@@ -232,11 +178,11 @@ class QuantizedLinear(nn.Module):
         if loaded.zeros is not None:
             self._hold_zeros(loaded.zeros)
             targets["zeros"] = self.zeros[:, rows]
+        self._drop_tinygemm()
         for part, target in targets.items():
             tensor = getattr(loaded, part)
-            if part == "qweight" and self.qweight is None:
-                words = quant_reference.pack_int4_k_major(tensor.to(self.gemv_words.device), self.group_size)
-                self.gemv_words[:, rows] = words
+            if part == "qweight" and self.method == "int4":
+                self.words[:, rows] = quant_reference.pack_int4_k_major(tensor.to(self.words.device), self.group_size)
             elif target is not None:
                 target.copy_(tensor)
 
@@ -250,67 +196,55 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("zeros", self.zeros.to(self.scales.dtype))
 
     def set_backend(self, backend: str, small_batches: bool = True) -> None:
-        """Choose how :meth:`forward` multiplies (one of :data:`BACKENDS`); copies of the codes the new backend
-        does not use are dropped. Call it outside CUDA graph capture: it may convert the weight.
+        """Choose the ops' backend :meth:`forward` passes (one of :data:`questkv.config.BACKENDS`: ``auto`` picks
+        the kernels for CUDA tensors and the reference otherwise). Call it outside CUDA graph capture: it may pack
+        a copy of the weight.
 
-        On CUDA, ``auto`` and ``gemv`` keep an int4 layer's codes as one copy, the K-major words that
-        :func:`~questkv.ops.triton.quant_matmul.int4_gemv` and
-        :func:`~questkv.ops.triton.quant_matmul.int4_words_matmul` read: the ``qweight`` buffer is then ``None``,
-        the state dict still holds it (rebuilt from the words), and the other backends rebuild it.
-        ``small_batches`` (``auto``, bf16): also make ``tinygemm``'s copy for 2 to :data:`TINYGEMM_MAX_M` rows, a
-        second copy of the codes that is faster there (all linears of a llama3.1-8b token at M = 2 / 4: 2.56 / 3.30
-        ms against 3.19 / 3.91 from the words); an engine makes it when it batches sequences."""
+        ``small_batches`` (``auto``, an ``int4`` bf16 layer on CUDA): also hold tinygemm's copy of the codes
+        (:func:`questkv.ops.tinygemm_pack`, non-persistent buffers), a second copy that is faster at 2 to 4 rows
+        (:mod:`questkv.ops.triton.quant_ops`); an engine makes it when it batches sequences. Any other choice
+        drops it."""
         check_choice(f"{type(self).__name__}.backend", backend, BACKENDS)
-        if self.qweight is None:  # only the words were kept: the checkpoint layout comes back first
-            self.register_buffer("qweight", quant_reference.unpack_int4_k_major(self.gemv_words, self.group_size))
-        if backend == "tinygemm" and not self._tinygemm_fits():
-            raise ValueError(f"{type(self).__name__}.backend 'tinygemm' needs int4 bf16 weights on CUDA, got "
-                             f"{self.method} {self.scales.dtype} on {self.qweight.device.type}")
-        if backend == "gemv" and not self._gemv_fits():
-            raise ValueError(f"{type(self).__name__}.backend 'gemv' needs int4 weights on CUDA, got {self.method} "
-                             f"on {self.qweight.device.type}")
-        auto = backend == "auto"
-        if backend == "tinygemm" or (auto and small_batches and self._tinygemm_fits()):
-            from questkv.ops.triton.quant_matmul import tinygemm_pack
-
-            packed, scales_and_zeros = tinygemm_pack(self.qweight, self.scales, self.zeros, self.group_size)
+        if backend == "auto" and small_batches and self._tinygemm_fits():
+            packed, scales_and_zeros = ops.tinygemm_pack(self.words, self.scales, self.zeros, self.group_size)
             self.register_buffer("tinygemm_packed", packed, persistent=False)
             self.register_buffer("tinygemm_scales_and_zeros", scales_and_zeros, persistent=False)
         else:
-            for name in ("tinygemm_packed", "tinygemm_scales_and_zeros"):
-                self._buffers.pop(name, None)
-        if backend == "gemv" or (auto and self._gemv_fits()):
-            words = quant_reference.pack_int4_k_major(self.qweight, self.group_size)
-            self.register_buffer("gemv_words", words, persistent=False)
-            self.register_buffer("qweight", None)
-        else:
-            self._buffers.pop("gemv_words", None)
+            self._drop_tinygemm()
         self.backend = backend
 
-    def _gemv_fits(self) -> bool:
-        return self.method == "int4" and self.scales.device.type == "cuda"
-
     def _tinygemm_fits(self) -> bool:
-        return self._gemv_fits() and self.scales.dtype == torch.bfloat16
+        return self.method == "int4" and self.scales.device.type == "cuda" and self.scales.dtype == torch.bfloat16
+
+    def _drop_tinygemm(self) -> None:
+        for name in ("tinygemm_packed", "tinygemm_scales_and_zeros"):
+            self._buffers.pop(name, None)
+
+    def _tinygemm(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """tinygemm's copy ``(packed, scales_and_zeros)`` if this layer holds one (:meth:`set_backend`)."""
+        if "tinygemm_packed" not in self._buffers:
+            return None
+        return self.tinygemm_packed, self.tinygemm_scales_and_zeros
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[out_features, in_features]`` this layer multiplies by (a new tensor)."""
-        if self.qweight is None:
-            return quant_reference.dequantize_k_major(self.gemv_words, self.scales, self.zeros, self.group_size,
-                                                      dtype).t()
+        if self.method == "int4":
+            codes = quant_reference.unpack_int4_k_major(self.words, self.group_size)
+            return dequantize(codes, self.scales, self.zeros, "int4", self.group_size, dtype)
         return dequantize(self.qweight, self.scales, self.zeros, self.method, self.group_size, dtype)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.qweight is None:  # the state dict keeps the checkpoint layout whatever copy the layer holds
-            destination[prefix + "qweight"] = quant_reference.unpack_int4_k_major(self.gemv_words, self.group_size)
+        if self.method == "int4":  # the state dict keeps the checkpoint layout
+            destination[prefix + "qweight"] = quant_reference.unpack_int4_k_major(self.words, self.group_size)
 
     def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
         zeros = state_dict.get(prefix + "zeros")
         if self.zeros is not None and isinstance(zeros, torch.Tensor) and zeros.shape == self.zeros.shape:
             self._hold_zeros(zeros)  # a shape error is torch's to raise, with the zero points unchanged
+        self._drop_tinygemm()
         key = prefix + "qweight"
-        if self.qweight is not None or key not in state_dict:
+        if self.method != "int4" or key not in state_dict:
             return super()._load_from_state_dict(state_dict, prefix, *args)
         codes = state_dict.pop(key)  # load_state_dict hands each module its own copy of the dict
         super()._load_from_state_dict(state_dict, prefix, *args)
@@ -320,40 +254,13 @@ class QuantizedLinear(nn.Module):
         """``x`` ``[..., in_features]`` (usually ``[T, in_features]``) → ``[..., out_features]`` in ``x.dtype``."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, K]
-        m = x2.shape[0]
-        if self.backend == "tinygemm" or (self.backend == "auto" and "tinygemm_packed" in self._buffers
-                                          and 1 < m <= TINYGEMM_MAX_M):
-            from questkv.ops.triton.quant_matmul import tinygemm_matmul
-
-            y = tinygemm_matmul(x2, self.tinygemm_packed, self.tinygemm_scales_and_zeros, self.group_size, self.bias)
-        elif self.qweight is None:
-            y = self._words_matmul(x2)
+        if self.method == "int4":
+            y = ops.int4_matmul(x2, self.words, self.scales, self.zeros, self.group_size, self.bias, self._tinygemm(),
+                                backend=self.backend)
         else:
-            y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias,
-                             self.backend)
+            y = ops.quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias,
+                                 backend=self.backend)
         return y.reshape(*lead, self.out_features)  # [..., N]
-
-    def _words_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[M, K]`` times the int4 weight held as the K-major words alone (:meth:`set_backend`): the GEMV
-        for up to :data:`AUTO_GEMV_MAX_M` rows (``gemv``: ``GEMV_MAX_M``), tensor cores up to :data:`TRITON_MAX_M`
-        (``gemv``: any), the float weight written from the words above."""
-        from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv, int4_words_matmul
-
-        m = x.shape[0]
-        gemv = self.backend == "gemv"
-        if 0 < m <= (GEMV_MAX_M if gemv else AUTO_GEMV_MAX_M):
-            return int4_gemv(x, self.gemv_words, self.scales, self.zeros, self.group_size, self.bias)
-        if m <= TRITON_MAX_M or gemv:
-            return int4_words_matmul(x, self.gemv_words, self.scales, self.zeros, self.group_size, self.bias)
-        return self._dequantized_words_matmul(x, self.gemv_words)
-
-    def _dequantized_words_matmul(self, x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[M, K]`` times the float weight written from the GEMV's words (the reference off CUDA)."""
-        unpack = quant_reference.dequantize_k_major
-        if words.is_cuda:
-            from questkv.ops.triton.quant_matmul import dequantize_k_major as unpack  # the same values in one launch
-        wt = unpack(words, self.scales, self.zeros, self.group_size, dtype=x.dtype)  # [K, N]
-        return x @ wt if self.bias is None else torch.addmm(self.bias, x, wt)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.method != "int8" else ""
@@ -398,14 +305,13 @@ class QuantizedMergedLinear(QuantizedLinear):
 
 
 def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """``(counted_once, held)`` bytes of ``model``'s weights: every parameter and persistent buffer, with one copy
-    of each quantized layer's codes (the checkpoint layout, or the GEMV's words where they are the only copy: the
-    same bytes), and everything it holds (plus the copies for other row counts). RoPE tables, non-persistent
-    float buffers named ``*_cache``, are in neither."""
+    """``(counted_once, held)`` bytes of ``model``'s weights: every parameter and buffer with one copy of each
+    quantized layer's codes (``int4``: the words, the checkpoint layout's bytes), and everything it holds (plus
+    tinygemm's copies, :meth:`QuantizedLinear.set_backend`). RoPE tables, non-persistent float buffers named
+    ``*_cache``, are in neither."""
     held = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.endswith("_cache"))]
     copies = {id(b) for m in model.modules() if isinstance(m, QuantizedLinear)
-              for name, b in m.named_buffers(recurse=False)
-              if name.startswith("tinygemm_") or (name == "gemv_words" and m.qweight is not None)}
+              for name, b in m.named_buffers(recurse=False) if name.startswith("tinygemm_")}
     nbytes = [(t.numel() * t.element_size(), id(t) in copies) for t in held]
     return sum(n for n, copy in nbytes if not copy), sum(n for n, _ in nbytes)
 
@@ -455,7 +361,7 @@ def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_h
         model: any module. method: one of :data:`METHODS` (``ValueError`` naming ``quantization`` otherwise).
         skip: module names (or their last dotted parts) left in float; ``("lm_head",)`` by default (module docstring).
         group_size: ``int4`` group; it must divide every quantized layer's ``in_features``.
-        backend: one of :data:`BACKENDS` for every new layer.
+        backend: the ops' backend of every new layer, one of :data:`questkv.config.BACKENDS`.
         row_absmax: for ``int8``, each layer's whole rows' largest magnitudes when it holds part of them
             (:func:`questkv.layers.parallel.row_absmax`, tensor parallelism), or ``None`` for its own; called for
             every layer in ``named_modules`` order.

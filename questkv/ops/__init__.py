@@ -3,7 +3,8 @@
 Every op has a torch reference (:mod:`questkv.ops.reference`) and, for CUDA tensors, a Triton
 kernel with the same signature. ``backend="auto"`` picks the kernel for CUDA tensors and the
 reference otherwise; ``"torch"`` and ``"triton"`` force one. Layouts are documented in
-:mod:`questkv.ops.reference`.
+:mod:`questkv.ops.reference`; the quantized linear ops' references and formats are in
+:mod:`questkv.ops.quant_reference`, their CUDA twins in :mod:`questkv.ops.triton.quant_ops`.
 """
 
 from __future__ import annotations
@@ -15,23 +16,26 @@ from types import ModuleType
 import torch
 
 from questkv.config import BACKENDS
-from questkv.ops import reference
+from questkv.ops import quant_reference, reference
 from questkv.ops.pages import LayerPages
 
 __all__ = [
     "LayerPages",
     "append_kv",
     "gather_selections",
+    "int4_matmul",
     "linear",
     "page_scores",
     "select_pages",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "quant_matmul",
     "resolve_backend",
     "rms_norm",
     "rope_append_kv",
     "silu_and_mul",
     "store_selections",
+    "tinygemm_pack",
 ]
 
 
@@ -121,3 +125,29 @@ def gather_selections(pages, selected_at, slots, due, seq_lens, page_size, budge
 def store_selections(pages, selected_at, counters, slots, rows, backend="auto") -> None:
     """See :func:`questkv.ops.reference.store_selections` (selection reuse)."""
     resolve_backend(pages, backend).store_selections(pages, selected_at, counters, slots, rows)
+
+
+def _quant_module(tensor: torch.Tensor, backend: str) -> ModuleType:
+    """The module (:mod:`~questkv.ops.quant_reference` or :mod:`questkv.ops.triton.quant_ops`) that runs a quantized
+    linear op on ``tensor`` under ``backend``."""
+    if resolve_backend(tensor, backend) is reference:
+        return quant_reference
+    return importlib.import_module("questkv.ops.triton.quant_ops")
+
+
+def quant_matmul(x, qweight, scales, zeros, method, group_size=128, bias=None, backend="auto"):
+    """See :func:`questkv.ops.quant_reference.quant_matmul` (on CUDA ``int8`` and ``int8_grouped``, by rows:
+    :func:`questkv.ops.triton.quant_ops.quant_matmul`)."""
+    return _quant_module(x, backend).quant_matmul(x, qweight, scales, zeros, method, group_size, bias)
+
+
+def int4_matmul(x, words, scales, zeros, group_size=128, bias=None, tinygemm=None, backend="auto"):
+    """See :func:`questkv.ops.quant_reference.int4_matmul` (on CUDA by rows, ``tinygemm``'s copy for a few:
+    :func:`questkv.ops.triton.quant_ops.int4_matmul`)."""
+    return _quant_module(x, backend).int4_matmul(x, words, scales, zeros, group_size, bias, tinygemm)
+
+
+def tinygemm_pack(words, scales, zeros, group_size=128):
+    """See :func:`questkv.ops.triton.quant_ops.tinygemm_pack`: CUDA only (torch's int4 kernel has no reference;
+    :func:`int4_matmul`'s reference ignores the copy)."""
+    return _quant_module(words, "triton").tinygemm_pack(words, scales, zeros, group_size)

@@ -1,8 +1,9 @@
 """Weight-only quantized matmul: the storage formats, round-to-nearest quantization and the torch reference.
 
 Device-agnostic and clear: the CPU path of :class:`questkv.layers.quantized_linear.QuantizedLinear` and the
-oracle of the Triton kernels (:mod:`questkv.ops.triton.quant_matmul`, same signature). Picking a backend is
-:func:`questkv.layers.quantized_linear.quant_matmul`'s business; which module gets quantized is the layer's.
+oracle of the CUDA kernels. :func:`quant_matmul` and :func:`int4_matmul` are the references of the ops of the same
+names (:mod:`questkv.ops` picks this module or their CUDA twins, :mod:`questkv.ops.triton.quant_ops`, by device);
+which module gets quantized is the layer's.
 
 A linear layer's float ``weight`` is ``[N, K]`` (``out_features``, ``in_features``) and ``y = x @ weight.T``.
 Formats (``method``):
@@ -19,6 +20,8 @@ Formats (``method``):
     points may also be uint8 (a :class:`~questkv.layers.quantized_linear.QuantizedLinear` holds them so): the
     reference and the kernels read either.
   - ``w[n, k] = (q[n, k] - zeros[k // group_size, n]) * scales[k // group_size, n]``.
+  - A layer holds the codes as :func:`pack_int4_k_major`'s int32 words ``[K // 8, N]`` (what every CUDA kernel
+    reads, :func:`int4_matmul`); checkpoints and state dicts hold ``qweight``.
 
 * ``"int8"``: symmetric, one scale per output feature (row).
 
@@ -53,9 +56,11 @@ __all__ = [
     "INT8_GROUP_SIZES",
     "METHODS",
     "QuantizedWeight",
+    "check_int4_words",
     "check_quant_args",
     "dequantize",
     "dequantize_k_major",
+    "int4_matmul",
     "pack_int4",
     "pack_int4_k_major",
     "quant_matmul",
@@ -132,12 +137,16 @@ def pack_int4_k_major(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def unpack_int4_k_major(words: torch.Tensor, group_size: int) -> torch.Tensor:
     """The inverse of :func:`pack_int4_k_major`: words ``[K // 8, N]`` int32 → ``qweight`` ``[N, K // 2]`` uint8."""
+    return pack_int4(_k_major_codes(words, group_size))
+
+
+def _k_major_codes(words: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The codes ``q`` ``[N, K]`` uint8 in ``0..15`` of :func:`pack_int4_k_major`'s words ``[K // 8, N]`` int32."""
     kw, n = words.shape
     per = group_size // 8
     pairs = words.contiguous().view(torch.uint8).view(kw // per, per, n, 4)  # [G, per, N, 4]
     t = torch.stack((pairs & 15, pairs >> 4), dim=-1).view(kw // per, per, n, 8)  # [G, per, N, 8]
-    q = t.permute(2, 0, 3, 1).reshape(n, kw * 8)  # [N, G, 8, per] -> [N, K]
-    return pack_int4(q)
+    return t.permute(2, 0, 3, 1).reshape(n, kw * 8)  # [N, G, 8, per] -> [N, K]
 
 
 @torch.no_grad()
@@ -209,6 +218,24 @@ def check_quant_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return n, k
 
 
+def check_int4_words(k: int, words: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                     group_size: int, owner: str) -> int:
+    """Check an ``int4`` weight of ``k`` input features held as :func:`pack_int4_k_major`'s words (``words``
+    ``[K // 8, N]`` int32, ``scales`` and ``zeros`` ``[K // group_size, N]``); returns its ``N``. ``ValueError``
+    naming ``owner`` otherwise."""
+    if group_size not in GROUP_SIZES or k % group_size:
+        raise ValueError(f"{owner}: group_size must be one of {GROUP_SIZES} dividing K={k}, got {group_size}")
+    n = words.shape[-1]
+    if words.dim() != 2 or tuple(words.shape) != (k // 8, n) or words.dtype != torch.int32:
+        raise ValueError(f"{owner}: words must be int32 [K // 8, N] = [{k // 8}, N], got {words.dtype} "
+                         f"{tuple(words.shape)}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t is None or tuple(t.shape) != (k // group_size, n):
+            raise ValueError(f"{owner}: {name} must be [{k // group_size}, {n}], got "
+                             f"{None if t is None else tuple(t.shape)}")
+    return n
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], method: str,
                group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float weight ``[N, K]`` in ``dtype`` that a quantized weight (any of :data:`ALL_METHODS`) stands for
@@ -224,11 +251,16 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
         work = dtype if dtype in (torch.float16, torch.bfloat16) and scales.dtype == dtype else torch.float32
         w = qweight.to(work).view(n, k // group_size, group_size) * scales.to(work).t()[:, :, None]  # [N, G, g]
         return w.view(n, k).to(dtype)
-    q = unpack_int4(qweight).float()  # [N, K]
+    return _dequantize_codes(unpack_int4(qweight), scales, zeros, group_size, dtype)
+
+
+def _dequantize_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``int4`` codes ``q`` ``[N, K]`` (``0..15``) → the float weight ``[N, K]`` in ``dtype`` (float32 math)."""
     n, k = q.shape
     s = scales.float().t()[:, :, None]  # [N, G, 1]
     z = zeros.float().t()[:, :, None]
-    w = (q.reshape(n, k // group_size, group_size) - z) * s  # [N, G, g]
+    w = (q.float().reshape(n, k // group_size, group_size) - z) * s  # [N, G, g]
     return w.reshape(n, k).to(dtype)
 
 
@@ -236,7 +268,7 @@ def dequantize_k_major(words: torch.Tensor, scales: torch.Tensor, zeros: torch.T
                        group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float weight, transposed, that an ``int4`` weight held as :func:`pack_int4_k_major`'s words ``[K // 8,
     N]`` int32 stands for: ``[K, N]`` contiguous in ``dtype`` (``x @`` it is ``x @ w.T``; computed in float32)."""
-    return dequantize(unpack_int4_k_major(words, group_size), scales, zeros, "int4", group_size, dtype).t().contiguous()
+    return _dequantize_codes(_k_major_codes(words, group_size), scales, zeros, group_size, dtype).t().contiguous()
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -254,6 +286,29 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     check_quant_args(x, qweight, scales, zeros, method, group_size)
     w = dequantize(qweight, scales, zeros, method, group_size)  # [N, K] float32
     y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def int4_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int = DEFAULT_GROUP_SIZE, bias: Optional[torch.Tensor] = None,
+                tinygemm: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """``y = x @ w.T + bias`` for an ``int4`` weight held as :func:`pack_int4_k_major`'s words: dequantized to
+    float32, float32 matmul.
+
+    Args:
+        x: ``[M, K]`` float. words: ``[K // 8, N]`` int32. scales, zeros: ``[K // group_size, N]`` (zero points
+            in the scales' dtype or uint8). bias: ``[N]`` or ``None``.
+        tinygemm: the CUDA twin's copy for a few rows (``questkv.ops.tinygemm_pack``); the reference ignores it.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"int4_matmul: x must be [M, K], got shape {tuple(x.shape)}")
+    check_int4_words(x.shape[1], words, scales, zeros, group_size, "int4_matmul")
+    y = x.float() @ dequantize_k_major(words, scales, zeros, group_size)  # [M, N] float32
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

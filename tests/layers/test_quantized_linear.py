@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from questkv import ops
 from questkv.engine.llm import LLM
 from questkv.engine.sampling_params import SamplingParams
 from questkv.layers.linear import MergedLinear
@@ -73,7 +74,7 @@ def test_grouped_int8_multiplies_by_its_dequantized_weight_on_every_cpu_backend(
     weight = codes.float() * scales.t().repeat_interleave(16, dim=1)  # [24, 64]
     assert torch.equal(layer.dequantized_weight(), weight)
     x = torch.randn(5, 64, generator=gen)
-    for backend in ("auto", "torch", "dequant"):
+    for backend in ("auto", "torch"):
         layer.set_backend(backend)
         torch.testing.assert_close(layer(x), x @ weight.t() + layer.bias, rtol=1e-5, atol=1e-5)
     assert "group_size=16" in repr(layer)
@@ -97,56 +98,67 @@ def test_grouped_int8_through_the_triton_kernel_matches_the_torch_backend():
 
 
 def test_the_words_serve_every_row_count_through_the_gemv_tensor_cores_or_the_float_weight(monkeypatch):
-    """The dispatch of ``auto`` and ``gemv`` over the K-major words, an int4 layer's only copy on CUDA (made on the
-    CPU for the test: the kernels run in the interpreter; a float32 layer has no tinygemm copy): ``int4_gemv`` up to
-    2 rows (``gemv``: 4), ``int4_words_matmul`` up to 64 (``gemv``: any), the float weight from the words above;
-    a backend that does not use the words drops them and brings the checkpoint layout back."""
-    qk = pytest.importorskip("questkv.ops.triton.quant_matmul")
-    monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: self.method == "int4")
+    """An int4 layer's one copy of its codes, the K-major words, on the ``triton`` backend (the kernels in the
+    interpreter): ``int4_gemv`` up to 2 rows, ``int4_words_matmul`` up to 64, the float weight from the words
+    above; given tinygemm's copy (faked here: CUDA only), 2 to 4 rows take it instead."""
+    quant_ops = pytest.importorskip("questkv.ops.triton.quant_ops")
     gen = torch.Generator().manual_seed(8)
-    layer = QuantizedLinear.from_float(nn.Linear(256, 40, bias=True), "int4", backend="torch")
+    layer = QuantizedLinear.from_float(nn.Linear(256, 40, bias=True), "int4", backend="triton")
     layer.bias.uniform_(-1, 1, generator=gen)
-    codes = layer.qweight.clone()
+    assert "words" in dict(layer.named_buffers()) and "qweight" not in dict(layer.named_buffers())
     calls = []
     for name in ("int4_gemv", "int4_words_matmul", "dequantize_k_major"):
-        real = getattr(qk, name)
-        monkeypatch.setattr(qk, name, lambda *a, name=name, real=real, **k: calls.append((name, a[0].shape[0]))
+        real = getattr(quant_ops, name)
+        monkeypatch.setattr(quant_ops, name, lambda *a, name=name, real=real, **k: calls.append(name)
                             or real(*a, **k))
-    monkeypatch.setattr(ref, "dequantize_k_major", lambda *a, real=ref.dequantize_k_major, **k:
-                        calls.append(("dequantize_k_major", 0)) or real(*a, **k))
     x = torch.randn(65, 256, generator=gen)
     want = x @ layer.dequantized_weight().t() + layer.bias
     tol = 1e-4 * want.abs().max().item()  # the GEMV's high nibbles carry 15 / 65536 of x (tests/ops)
-    expected = {"auto": ["int4_gemv", "int4_gemv", "int4_words_matmul", "int4_words_matmul", "dequantize_k_major"],
-                "gemv": ["int4_gemv", "int4_gemv", "int4_gemv", "int4_words_matmul", "int4_words_matmul"]}
-    for backend in ("auto", "gemv"):
-        layer.set_backend(backend)
-        assert "gemv_words" in dict(layer.named_buffers()) and layer.qweight is None
-        assert "tinygemm_packed" not in dict(layer.named_buffers())
-        calls.clear()
-        for rows in (1, 2, 4, 64, 65):
-            torch.testing.assert_close(layer(x[:rows]), want[:rows], rtol=0, atol=tol)
-        assert [name for name, _ in calls] == expected[backend], calls
-    layer.set_backend("torch")
-    assert "gemv_words" not in dict(layer.named_buffers()) and torch.equal(layer.qweight, codes)
+    for rows in (1, 2, 4, 64, 65):
+        torch.testing.assert_close(layer(x[:rows]), want[:rows], rtol=0, atol=tol)
+    assert calls == ["int4_gemv", "int4_gemv", "int4_words_matmul", "int4_words_matmul", "dequantize_k_major"]
+    calls.clear()
+    monkeypatch.setattr(quant_ops, "tinygemm_matmul", lambda x, *a: calls.append("tinygemm") or want[:len(x)])
+    fake = (torch.zeros(1), torch.zeros(1))
+    for rows in (1, 2, 4, 5):
+        quant_ops.int4_matmul(x[:rows], layer.words, layer.scales, layer.zeros, 128, layer.bias, fake)
+    assert calls == ["int4_gemv", "tinygemm", "tinygemm", "int4_words_matmul"]
 
 
-def test_a_layer_holding_only_the_gemv_words_multiplies_saves_and_loads_as_before(monkeypatch):
-    """The K-major words as the int4 layer's only copy of its codes (the CUDA-only copy made on the CPU; the
-    kernels run in the interpreter): the same products at 1, 4 and 6 rows, the same state dict (checkpoint
-    layout), a state dict and packed rows load into it, and another backend brings the checkpoint layout back bit
-    for bit."""
-    pytest.importorskip("questkv.ops.triton.quant_matmul")
-    monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: self.method == "int4")
+def test_tinygemm_copy_is_made_under_auto_only_and_dropped_when_the_weight_changes(monkeypatch):
+    """``set_backend("auto")`` of an int4 bf16 CUDA layer (faked on the CPU) packs tinygemm's copy unless
+    ``small_batches=False``; another backend, a load of packed rows or a state dict drops it (stale otherwise)."""
+    monkeypatch.setattr(QuantizedLinear, "_tinygemm_fits", lambda self: self.method == "int4")
+    monkeypatch.setattr(ops, "tinygemm_pack", lambda *args: (torch.zeros(1), torch.zeros(1)))
+    layer = QuantizedLinear.from_float(nn.Linear(256, 16), "int4")
+    state = layer.state_dict()
+    held = lambda: "tinygemm_packed" in dict(layer.named_buffers())  # noqa: E731
+    assert held() and "tinygemm_packed" not in state
+    for change in (lambda: layer.set_backend("torch"), lambda: layer.set_backend("auto", small_batches=False),
+                   lambda: layer.load_state_dict(state),
+                   lambda: layer.load_packed("w", QuantizedWeight(state["qweight"], state["scales"], state["zeros"]))):
+        layer.set_backend("auto")
+        assert held()
+        change()
+        assert not held()
+
+
+def test_an_int4_layer_holds_only_the_words_and_saves_and_loads_the_checkpoint_layout():
+    """The K-major words as the int4 layer's only copy of its codes: the same products through the kernels at 1, 4
+    and 6 rows (interpreter), a state dict in the checkpoint layout, a state dict and packed rows load into the
+    words bit for bit."""
+    pytest.importorskip("questkv.ops.triton.quant_ops")
     gen = torch.Generator().manual_seed(21)
     linear = nn.Linear(256, 48, bias=True)
     nn.init.normal_(linear.weight, generator=gen)
     layer = QuantizedLinear.from_float(linear, "int4", group_size=64, backend="torch")
-    codes, state = layer.qweight.clone(), {k: v.clone() for k, v in layer.state_dict().items()}
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    codes = state["qweight"]
+    assert torch.equal(codes, ref.quantize_weight(linear.weight, "int4", 64).qweight)
+    assert torch.equal(layer.words, ref.pack_int4_k_major(codes, 64))
     x = torch.randn(6, 256, generator=gen)
     want = x @ layer.dequantized_weight().t() + layer.bias
-    layer.set_backend("auto", small_batches=False)
-    assert layer.qweight is None and "gemv_words" in dict(layer.named_buffers())
+    layer.set_backend("triton")
     assert torch.equal(layer.dequantized_weight(), dequantize(codes, layer.scales, layer.zeros, "int4", 64))
     tol = 1e-4 * want.abs().max().item()  # the GEMV's high nibbles carry 15 / 65536 of x (tests/ops)
     for rows in (1, 4, 6):
@@ -155,15 +167,13 @@ def test_a_layer_holding_only_the_gemv_words_multiplies_saves_and_loads_as_befor
     assert saved.keys() == state.keys() and all(torch.equal(saved[k], v) for k, v in state.items())
     fresh = QuantizedLinear(256, 48, "int4", bias=True, group_size=64, backend="torch")
     fresh.load_state_dict(saved)
-    assert torch.equal(fresh.qweight, codes)
+    assert torch.equal(fresh.state_dict()["qweight"], codes) and torch.equal(fresh.words, layer.words)
     other = QuantizedLinear.from_float(nn.Linear(256, 48, bias=True), "int4", group_size=64, backend="torch")
-    other.set_backend("auto", small_batches=False)
     other.load_state_dict(state)  # into the words
-    assert other.qweight is None
-    torch.testing.assert_close(other(x), want, rtol=0, atol=tol)
+    torch.testing.assert_close(other(x), want, rtol=1e-5, atol=1e-5)
     other.load_packed("w", QuantizedWeight(codes[:16].flip(0), layer.scales[:, :16], layer.zeros[:, :16]), slice(8, 24))
-    other.set_backend("torch")
-    assert torch.equal(other.qweight[8:24], codes[:16].flip(0)) and torch.equal(other.qweight[24:], codes[24:])
+    loaded = other.state_dict()["qweight"]
+    assert torch.equal(loaded[8:24], codes[:16].flip(0)) and torch.equal(loaded[24:], codes[24:])
     with pytest.raises(ValueError, match=r"qweight has shape \(16, 64\), the int4 layer expects \(16, 128\)"):
         layer.load_packed("w", QuantizedWeight(codes[:16, :64], layer.scales[:, :16], layer.zeros[:, :16]),
                           slice(0, 16))
@@ -196,23 +206,24 @@ def test_integer_zero_points_are_held_as_bytes_and_fractions_widen_them_without_
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
 def test_an_engine_that_never_batches_keeps_no_tinygemm_copy(monkeypatch, max_num_seqs):
-    """``small_batches``: every engine builds its int4 layers with the K-major words as their copy of the codes
-    (no checkpoint layout); one that batches makes tinygemm's copy too, one of one sequence at a time does not (the
-    CUDA-only copies faked on the CPU) and gives the torch reference's tokens."""
-    qk = pytest.importorskip("questkv.ops.triton.quant_matmul")
+    """``small_batches``: every engine builds its int4 layers with the K-major words as their one copy of the
+    codes; one that batches makes tinygemm's copy too, one of one sequence at a time does not (the CUDA-only copy
+    faked on the CPU), and its layers on the kernels (the interpreter) give the torch reference's tokens."""
+    pytest.importorskip("questkv.ops.triton.quant_ops")
     packed = []
-    monkeypatch.setattr(QuantizedLinear, "_gemv_fits", lambda self: self.method == "int4")
     monkeypatch.setattr(QuantizedLinear, "_tinygemm_fits", lambda self: self.method == "int4")
-    monkeypatch.setattr(qk, "tinygemm_pack", lambda *args: packed.append(1) or (torch.zeros(1), torch.zeros(1)))
+    monkeypatch.setattr(ops, "tinygemm_pack", lambda *args: packed.append(1) or (torch.zeros(1), torch.zeros(1)))
     config = tiny_config("llama3", hidden_size=128, intermediate_size=256, head_dim=32, vocab_size=96)
     llm = LLM(config, load_format="dummy", device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=1 << 20,
               quantization="int4", max_num_seqs=max_num_seqs)
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
-    assert layers and all("gemv_words" in dict(m.named_buffers()) for m in layers)
+    assert layers and all("words" in dict(m.named_buffers()) for m in layers)
     assert all(("tinygemm_packed" in dict(m.named_buffers())) == (max_num_seqs > 1) for m in layers)
-    assert all(m.qweight is None for m in layers)  # the words: the codes' copy for every row count
+    assert not any("qweight" in dict(m.named_buffers()) for m in layers)  # the words serve every row count
     assert len(packed) == (len(layers) if max_num_seqs > 1 else 0)
     if max_num_seqs == 1:  # one copy serves prefill (float weight from the words) and decode (the GEMV)
+        for layer in layers:
+            layer.set_backend("triton")
         prompts, params = [[5, 17, 3, 88, 41, 9, 60], [30, 2, 71]], SamplingParams(temperature=0, max_tokens=6,
                                                                                    ignore_eos=True)
         got = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -316,10 +327,8 @@ def test_bad_arguments_raise_value_errors_and_leave_the_model_float():
         QuantizedLinear(200, 8, "int4")
     with pytest.raises(ValueError, match="QuantizedLinear.backend must be one of"):
         QuantizedLinear(128, 8, "int4", backend="marlin")
-    with pytest.raises(ValueError, match="'tinygemm' needs int4 bf16 weights on CUDA"):
-        QuantizedLinear(128, 8, "int4", backend="tinygemm")
-    with pytest.raises(ValueError, match="'gemv' needs int4 weights on CUDA, got int4 on cpu"):
-        QuantizedLinear(128, 8, "int4", backend="gemv")
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'torch', 'triton'; got 'gemv'"):
+        QuantizedLinear(128, 8, "int4", backend="gemv")  # kernels are the ops' choice, by rows
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -1,8 +1,8 @@
-"""Compile the quantized-matmul Triton kernel for sm_90 (H100/H200) without a GPU, as tests/ops/test_triton_compile.py
+"""Compile the quantized-matmul Triton kernels for sm_90 (H100/H200) without a GPU, as tests/ops/test_triton_compile.py
 does for the Quest kernels: the interpreter misses compile-only errors (layouts of ``tl.split`` / ``tl.reshape``,
-``tl.dot`` operand dtypes, constexpr globals). Every loop and format the launcher can pick, in bf16 (the engine's
+``tl.dot`` operand dtypes, constexpr globals). Every loop and format the launchers can pick, in bf16 (the engine's
 dtype), with fp16 and fp32 once each; the batch-1 GEMVs must load their packed weights with 128-bit loads and not
-spill, and the int4 GEMV (1 to 4 rows) must unpack its nibble pairs with one ``lop3`` each.
+spill, and the int4 GEMV (1 and 2 rows) must unpack its nibble pairs with one ``lop3`` each.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ _SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from questkv.ops.triton import int4_gemv as qg
+    from questkv.ops.triton import int4_words as qw
     from questkv.ops.triton import quant_matmul as qm
 
     def zero_dtype(dtype):  # int4 zero points as a QuantizedLinear holds round to nearest's: bytes beside bf16
@@ -50,16 +52,12 @@ _SCRIPT = textwrap.dedent(
 
 
     def compile_quant(method, cfg, dtype="bf16", group=128, even_k=True, bias=False):
-        bits = 4 if method == "int4" else 8
-        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype,
-                    "z_ptr": zero_dtype(dtype) if method == "int4" else dtype,
-                    "bias_ptr": dtype, "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
-        magic16 = {"bf16": 0x4300, "fp16": 0x6400}.get(dtype, 0) if cfg.use_dot and bits == 4 else 0
-        constexprs = dict(BITS=bits, GROUP=qm._group(method, group), GROUP_SCALES=method != "int8",
+        pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "bias_ptr": dtype, "part_ptr": "fp32",
+                    "counter_ptr": "i32", "out_ptr": dtype}
+        constexprs = dict(GROUP=qm._group(method, group), GROUP_SCALES=method != "int8",
                           GROUPS_PER_ITER=cfg.groups_per_iter, HAS_BIAS=bias, BLOCK_M=cfg.block_m,
                           BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k > 1, USE_DOT=cfg.use_dot, UPCAST=False,
-                          IEEE=dtype == "fp32", EVEN_K=even_k, SWAP_AB=cfg.swap_ab, MAGIC16=magic16,
-                          OFFSET16=128.0 if magic16 == 0x4300 else 1024.0)
+                          IEEE=dtype == "fp32", EVEN_K=even_k, SWAP_AB=cfg.swap_ab)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in KERNEL.arg_names}
         attrs = {(KERNEL.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *DIVISIBLE)}
@@ -71,8 +69,8 @@ _SCRIPT = textwrap.dedent(
 
     # what the launcher plans for Llama-3.1-8B's gate/up projection at each batch, every format (int8_grouped in
     # GGUF Q6_K's groups of 16 and Q8_0's of 32)
-    for method, group, ms in (("int4", 128, (1, 2, 8, 64, 512)), ("int8", 128, (1, 16)),
-                              ("int8_grouped", 16, (1, 4, 16, 64)), ("int8_grouped", 32, (1, 16))):
+    for method, group, ms in (("int8", 128, (1, 2, 16, 64)), ("int8_grouped", 16, (1, 4, 16, 64)),
+                              ("int8_grouped", 32, (1, 16))):
         for m in ms:
             cfg = qm.plan_quant_matmul(m, 28672, 4096, method, group)
             compiled = compile_quant(method, cfg, group=group)
@@ -81,12 +79,10 @@ _SCRIPT = textwrap.dedent(
                 print(method, group, "batch-1 GEMV:", info)
                 assert "0 bytes spill stores" in info, info
                 assert "ld.global.v4.b32" in compiled.asm["ptx"], "packed weights not loaded 128 bits at a time"
-    # the other loop of each batch, a bias, a K tail, group 32, the non-swapped dot, fp16 and fp32 inputs
-    compile_quant("int4", qm.plan_quant_matmul(16, 4096, 4096, "int4", use_dot=False), bias=True)
-    compile_quant("int4", qm.plan_quant_matmul(2, 4096, 4096, "int4", use_dot=True), even_k=False)
-    compile_quant("int4", qm.plan_quant_matmul(1, 4096, 4096, "int4", 32), group=32)
-    compile_quant("int4", qm.plan_quant_matmul(1, 4096, 4096, "int4"), dtype="fp16")
-    compile_quant("int4", qm.plan_quant_matmul(16, 4096, 4096, "int4"), dtype="fp16")
+    # the other loop of each batch, a bias, a K tail, fp16 and fp32 inputs
+    compile_quant("int8", qm.plan_quant_matmul(16, 4096, 4096, "int8", use_dot=False), bias=True)
+    compile_quant("int8", qm.plan_quant_matmul(2, 4096, 4096, "int8", use_dot=True), even_k=False)
+    compile_quant("int8", qm.plan_quant_matmul(1, 4096, 4096, "int8"), dtype="fp16")
     compile_quant("int8", qm.plan_quant_matmul(16, 4096, 4096, "int8"), dtype="fp32")
     compile_quant("int8_grouped", qm.plan_quant_matmul(1, 4096, 4096, "int8_grouped", 16), group=16, bias=True,
                   even_k=False)
@@ -96,8 +92,8 @@ _SCRIPT = textwrap.dedent(
                   dtype="fp32")
 
     def compile_gemv(n, k, group=128, dtype="bf16", bias=False, m=1):
-        kernel = qm._int4_gemv_kernel
-        cfg = qm.plan_int4_gemv(n, k, group, m=m)
+        kernel = qg._int4_gemv_kernel
+        cfg = qg.plan_int4_gemv(n, k, group)
         pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": zero_dtype(dtype),
                     "bias_ptr": dtype, "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         constexprs = dict(GROUP=group, BLOCK_M=m, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT_K=cfg.split > 1, REDUCE_CHUNK=16,
@@ -120,13 +116,12 @@ _SCRIPT = textwrap.dedent(
     compile_gemv(1000, 896, 32, bias=True)
     compile_gemv(4096, 4096, dtype="fp16")
     compile_gemv(576, 1536, 64, dtype="fp32")
-    for m in (2, 3, 4):  # one accumulator per row
-        compile_gemv(28672, 4096, m=m)
-    compile_gemv(1000, 896, 32, bias=True, m=4)
+    compile_gemv(28672, 4096, m=2)  # one accumulator per row
+    compile_gemv(1000, 896, 32, bias=True, m=2)
 
     def compile_words(m, n, k, group=128, dtype="bf16", bias=False):
-        kernel = qm._int4_words_dot_kernel
-        cfg = qm.plan_int4_words_matmul(m, n, k, group)
+        kernel = qw._int4_words_dot_kernel
+        cfg = qw.plan_int4_words_matmul(m, n, k, group)
         pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": zero_dtype(dtype),
                     "bias_ptr": dtype, "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": dtype}
         magic, offset = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}.get(dtype, (0, 0.0))
@@ -152,14 +147,12 @@ _SCRIPT = textwrap.dedent(
     compile_words(8, 1000, 896, 32, bias=True)
     compile_words(16, 4096, 4096, dtype="fp16")
     compile_words(16, 576, 1536, 64, dtype="fp32")
-    # prefill's dequantize kernel: every format into bf16 (int4 bytes unpacked in pairs), fp32 for int8
-    for method, group, out in (("int4", 128, "bf16"), ("int4", 32, "fp16"), ("int8", 128, "fp32"),
-                               ("int8_grouped", 16, "bf16")):
+    # prefill's dequantize kernel: each format it reads into bf16, fp16 and fp32
+    for method, group, out in (("int8", 128, "fp32"), ("int8_grouped", 16, "bf16"), ("int8_grouped", 32, "fp16")):
         kernel = qm._dequantize_kernel
-        pointers = {"q_ptr": "u8" if method == "int4" else "i8", "s_ptr": out,
-                    "z_ptr": zero_dtype(out) if method == "int4" else out, "out_ptr": out}
-        constexprs = dict(BITS=4 if method == "int4" else 8, GROUP=group, GROUP_SCALES=method != "int8",
-                          BLOCK_N=qm.DEQUANT_BLOCK[0], BLOCK_K=qm.DEQUANT_BLOCK[1])
+        pointers = {"q_ptr": "i8", "s_ptr": out, "out_ptr": out}
+        constexprs = dict(GROUP=group, GROUP_SCALES=method != "int8", BLOCK_N=qm.DEQUANT_BLOCK[0],
+                          BLOCK_K=qm.DEQUANT_BLOCK[1])
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in kernel.arg_names}
         attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
@@ -171,9 +164,9 @@ _SCRIPT = textwrap.dedent(
         assert "0 bytes spill stores" in info, info
     # the same from the GEMV's K-major words, one group per program
     for group, out in ((128, "bf16"), (32, "fp32")):
-        kernel = qm._dequantize_k_major_kernel
+        kernel = qw._dequantize_k_major_kernel
         pointers = {"w_ptr": "i32", "s_ptr": out, "z_ptr": zero_dtype(out), "out_ptr": out}
-        constexprs = dict(GROUP=group, BLOCK_N=qm.DEQUANT_K_MAJOR_BLOCK_N)
+        constexprs = dict(GROUP=group, BLOCK_N=qw.DEQUANT_K_MAJOR_BLOCK_N)
         signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers else "i32"
                      for name in kernel.arg_names}
         attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, "N")}

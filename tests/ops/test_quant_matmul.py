@@ -1,5 +1,6 @@
 """Weight-only quantized matmul: the storage format against an independent unpack, round-to-nearest quantization,
-the torch reference, and the Triton kernel (under ``TRITON_INTERPRET=1``) against the reference.
+the torch reference, the dispatch of :mod:`questkv.ops`, and the Triton kernels (under ``TRITON_INTERPRET=1``)
+against the reference: ``int8`` / ``int8_grouped`` over the checkpoint layout, ``int4`` over K-major words.
 
 Tolerances: float32 inputs 1e-5 relative to the largest output (float32 sums in another order; the one-row
 GEMV 1e-4: its high nibbles carry their pair's low nibble in the float's last mantissa bits, up to 15 / 65536 of
@@ -15,11 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from questkv.layers.quantized_linear import quant_matmul as dispatch
+from questkv import ops
 from questkv.ops import quant_reference as ref
 
 qk = pytest.importorskip("questkv.ops.triton.quant_matmul")
+from questkv.ops.triton import int4_gemv as qg  # noqa: E402
+from questkv.ops.triton import int4_words as qwords  # noqa: E402
+from questkv.ops.triton import quant_ops  # noqa: E402
 from questkv.ops.triton._common import ticket_counters  # noqa: E402
+from questkv.ops.triton.quant_tiles import PROGRAMS_PER_SM  # noqa: E402
 
 N_ODD, K = 37, 384  # odd outputs; K = 3 groups of 128 (not a multiple of the FMA loop's 256: a tail iteration)
 
@@ -101,6 +106,10 @@ def test_reference_is_the_float_matmul_of_the_dequantized_weight(method):
     x, bias = _inputs(3, K, N_ODD, seed=7, dtype=torch.float32)
     want = x @ ref.dequantize(*qw, method).t() + bias
     torch.testing.assert_close(ref.quant_matmul(x, *qw, method, bias=bias), want, rtol=1e-5, atol=1e-5)
+    if method == "int4":  # the same weight held as K-major words
+        words = ref.pack_int4_k_major(qw.qweight, 128)
+        torch.testing.assert_close(ref.int4_matmul(x, words, qw.scales, qw.zeros, bias=bias), want, rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_bad_arguments_raise_value_errors_naming_them():
@@ -114,16 +123,28 @@ def test_bad_arguments_raise_value_errors_naming_them():
         ref.quantize_weight(torch.randn(4, 200), "int4", group_size=100)
     with pytest.raises(ValueError, match="scales must have shape"):
         ref.quant_matmul(x, qw.qweight, qw.scales.t(), qw.zeros, "int4")
-    with pytest.raises(ValueError, match="quant_matmul backend must be one of"):
-        dispatch(x, *qw, "int4", backend="cutlass")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.quant_matmul(x, *qw, "int4", backend="cutlass")
+    with pytest.raises(ValueError, match=r"int4_matmul: words must be int32 \[K // 8, N\]"):
+        ops.int4_matmul(x, qw.qweight, qw.scales, qw.zeros)
 
 
-def test_dispatch_picks_the_reference_on_cpu_and_dequant_agrees():
+def test_dispatch_picks_the_reference_on_cpu_and_the_kernels_by_rows_agree():
+    """``auto`` on the CPU is the reference; ``triton`` (the interpreter) takes the kernel up to
+    :data:`~questkv.ops.triton.quant_ops.TRITON_MAX_M` rows and the float weight above, each within the kernel
+    tolerance of the reference."""
     qw = _weight("int4", N_ODD, K, seed=11)
     x, bias = _inputs(4, K, N_ODD, seed=11, dtype=torch.float32)
     want = ref.quant_matmul(x, *qw, "int4", bias=bias)
-    assert torch.equal(dispatch(x, *qw, "int4", bias=bias), want)
-    torch.testing.assert_close(dispatch(x, *qw, "int4", bias=bias, backend="dequant"), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ops.quant_matmul(x, *qw, "int4", bias=bias), want)
+    words = ref.pack_int4_k_major(qw.qweight, 128)
+    assert torch.equal(ops.int4_matmul(x, words, qw.scales, qw.zeros, bias=bias),
+                       ref.int4_matmul(x, words, qw.scales, qw.zeros, bias=bias))
+    q8 = _weight("int8", N_ODD, K, seed=12)
+    for m in (3, quant_ops.TRITON_MAX_M + 1):
+        x, _ = _inputs(m, K, N_ODD, seed=m, dtype=torch.float32)
+        torch.testing.assert_close(ops.quant_matmul(x, *q8, "int8", bias=bias, backend="triton"),
+                                   ref.quant_matmul(x, *q8, "int8", bias=bias), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,7 +171,7 @@ def _check_kernel(method, m, dtype, use_dot, seed, n=N_ODD, k=K, group_size=128,
     return cfg
 
 
-@pytest.mark.parametrize("method", ref.METHODS)
+@pytest.mark.parametrize("method", ["int8"])  # int8_grouped: below
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, use_dot", [(1, False), (3, False), (16, False), (1, True), (16, True), (33, True)])
 def test_kernel_matches_the_reference(method, dtype, m, use_dot):
@@ -160,8 +181,8 @@ def test_kernel_matches_the_reference(method, dtype, m, use_dot):
 
 
 @pytest.mark.parametrize("method, group_size, m, use_dot, swap_ab", [
-    ("int4", 128, 2, False, None), ("int4", 128, 5, True, True), ("int8", 128, 1, False, None),
-    ("int4", 128, 16, True, False), ("int8_grouped", 16, 2, False, None), ("int8_grouped", 32, 17, True, True)])
+    ("int8", 128, 2, False, None), ("int8", 128, 5, True, True), ("int8", 128, 1, False, None),
+    ("int8", 128, 16, True, False), ("int8_grouped", 16, 2, False, None), ("int8_grouped", 32, 17, True, True)])
 def test_kernel_matches_the_reference_in_bfloat16(method, group_size, m, use_dot, swap_ab):
     _check_kernel(method, m, torch.bfloat16, use_dot, seed=m + 17, group_size=group_size, swap_ab=swap_ab)
 
@@ -184,15 +205,19 @@ def test_kernel_rejects_a_bad_grouped_int8_weight():
         qk.quant_matmul(torch.randn(2, 48), qw.qweight[:, :48], qw.scales[:1], None, "int8_grouped", 32)
     with pytest.raises(ValueError, match=r"scales must have shape \(4, 8\)"):
         qk.quant_matmul(x, qw.qweight, qw.scales.t().contiguous(), None, "int8_grouped", 16)
+    q4 = _weight("int4", 8, 64, seed=3, group_size=32)  # int4 is held as words: int4_matmul
+    with pytest.raises(ValueError, match=r"quant_matmul \(triton\) quantization must be one of 'int8', "
+                                         r"'int8_grouped'; got 'int4'"):
+        qk.quant_matmul(x, *q4, "int4", 32)
 
 
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_kernel_with_group_32_no_bias_and_one_split(use_dot):
-    cfg = _check_kernel("int4", 3, torch.float32, use_dot, seed=23, n=16, k=256, group_size=32, bias=False)
-    qw = _weight("int4", 16, 256, 29, torch.float32, group_size=32)
+    cfg = _check_kernel("int8_grouped", 3, torch.float32, use_dot, seed=23, n=16, k=256, group_size=32, bias=False)
+    qw = _weight("int8_grouped", 16, 256, 29, torch.float32, group_size=32)
     x, _ = _inputs(3, 256, 16, 29, torch.float32)
-    one = qk.quant_matmul(x, *qw, "int4", 32, config=dataclasses.replace(cfg, split_k=1))
-    torch.testing.assert_close(one, ref.quant_matmul(x, *qw, "int4", 32), rtol=1e-5, atol=1e-5)
+    one = qk.quant_matmul(x, *qw, "int8_grouped", 32, config=dataclasses.replace(cfg, split_k=1))
+    torch.testing.assert_close(one, ref.quant_matmul(x, *qw, "int8_grouped", 32), rtol=1e-5, atol=1e-5)
 
 
 def test_split_k_tickets_reset_themselves_and_results_repeat_bit_for_bit():
@@ -204,7 +229,7 @@ def test_split_k_tickets_reset_themselves_and_results_repeat_bit_for_bit():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the one-row int4 GEMV (interpreter)
+# the one- and two-row int4 GEMV (interpreter)
 # ---------------------------------------------------------------------------------------------------------------
 
 _GEMV_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2 ** -7}
@@ -212,13 +237,13 @@ _GEMV_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2 ** -7}
 
 @pytest.mark.parametrize("m, dtype, group_size, n, k, bias, config", [
     (1, torch.float32, 128, N_ODD, K, True, None),  # the plan: outputs masked, several splits
-    (2, torch.float32, 32, 256, 256, False, qk.Int4GemvConfig(128, 1, 4, 3)),  # even N, ragged splits (8 / 3)
-    (1, torch.bfloat16, 128, 128, 512, True, qk.Int4GemvConfig(128, 1, 8, 1)),  # one split: no tickets
-    (3, torch.float16, 64, 200, 256, True, qk.Int4GemvConfig(128, 1, 8, 4)),
-    (4, torch.bfloat16, 256, 64, 512, False, None),
-    (4, torch.float32, 128, N_ODD, K, True, qk.Int4GemvConfig(128, 1, 8, 1))])
+    (2, torch.float32, 32, 256, 256, False, qg.Int4GemvConfig(128, 1, 4, 3)),  # even N, ragged splits (8 / 3)
+    (1, torch.bfloat16, 128, 128, 512, True, qg.Int4GemvConfig(128, 1, 8, 1)),  # one split: no tickets
+    (2, torch.float16, 64, 200, 256, True, qg.Int4GemvConfig(128, 1, 8, 4)),
+    (2, torch.bfloat16, 256, 64, 512, False, None),
+    (2, torch.float32, 128, N_ODD, K, True, qg.Int4GemvConfig(128, 1, 8, 1))])
 def test_int4_gemv_matches_the_reference(m, dtype, group_size, n, k, bias, config):
-    _check_k_major_kernel(qk.int4_gemv, _GEMV_TOL, m, dtype, group_size, n, k, bias, config)
+    _check_k_major_kernel(qg.int4_gemv, _GEMV_TOL, m, dtype, group_size, n, k, bias, config)
 
 
 def _check_k_major_kernel(kernel, tol, m, dtype, group_size, n, k, bias, config):
@@ -255,48 +280,47 @@ def _held_zeros(zeros, dtype):
 @pytest.mark.parametrize("m, dtype, group_size, n, k, bias, config", [
     (5, torch.float32, 128, N_ODD, K, True, None),  # the plan: outputs and rows masked, several splits
     (16, torch.bfloat16, 128, 64, 256, False, None),
-    (3, torch.float16, 128, 70, 384, True, qk.Int4WordsConfig(16, 32, 2, slabs=False)),  # one dot per group
-    (17, torch.float16, 32, 70, 320, False, qk.Int4WordsConfig(16, 32, 3, slabs=False, swap_ab=False)),
-    (9, torch.float32, 128, 64, 256, True, qk.Int4WordsConfig(16, 32, 1, slabs=True, swap_ab=False)),  # no tickets
-    (40, torch.bfloat16, 64, 96, 256, True, qk.Int4WordsConfig(32, 64, 4, slabs=False))])  # two row tiles
+    (3, torch.float16, 128, 70, 384, True, qwords.Int4WordsConfig(16, 32, 2, slabs=False)),  # one dot per group
+    (17, torch.float16, 32, 70, 320, False, qwords.Int4WordsConfig(16, 32, 3, slabs=False, swap_ab=False)),
+    (9, torch.float32, 128, 64, 256, True, qwords.Int4WordsConfig(16, 32, 1, swap_ab=False)),  # no tickets
+    (40, torch.bfloat16, 64, 96, 256, True, qwords.Int4WordsConfig(32, 64, 4, slabs=False))])  # two row tiles
 def test_int4_words_matmul_matches_the_reference(m, dtype, group_size, n, k, bias, config):
-    _check_k_major_kernel(qk.int4_words_matmul, _TOL, m, dtype, group_size, n, k, bias, config)
+    _check_k_major_kernel(qwords.int4_words_matmul, _TOL, m, dtype, group_size, n, k, bias, config)
 
 
 def test_int4_words_matmul_plans_row_tiles_and_enough_programs():
     for m in (2, 5, 16, 17, 64):
         for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):
-            cfg = qk.plan_int4_words_matmul(m, n, k, 128)
+            cfg = qwords.plan_int4_words_matmul(m, n, k, 128)
             assert cfg.block_m == min(64, max(16, 1 << (m - 1).bit_length())) and cfg.slabs
             assert 1 <= cfg.split <= k // 128
             tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
-            programs = qk.PROGRAMS_PER_SM * 132 // (1 if m <= 16 else 2)
+            programs = PROGRAMS_PER_SM * 132 // (1 if m <= 16 else 2)
             if m <= 16 and cfg.block_n == 128 and -(-n // 128) < programs:  # gate/up: split twice as finely
                 programs *= 2
             assert tiles * cfg.split >= min(programs, tiles * (k // 128))
             assert cfg.split == 1 or tiles * (cfg.split - 1) < programs  # no more splits than that needs
-    assert not qk.plan_int4_words_matmul(8, 4096, 4096, 64).slabs  # 8 word rows per group: too few for a dot
+    assert not qwords.plan_int4_words_matmul(8, 4096, 4096, 64).slabs  # 8 word rows per group: too few for a dot
 
 
 def test_int4_words_matmul_rejects_bad_arguments_naming_them():
     qw = _weight("int4", 16, 256, seed=43)
     words = ref.pack_int4_k_major(qw.qweight, 128)
     with pytest.raises(ValueError, match=r"int4_words_matmul: x must be \[M, K\], got shape \(256,\)"):
-        qk.int4_words_matmul(torch.randn(256), words, qw.scales, qw.zeros)
+        qwords.int4_words_matmul(torch.randn(256), words, qw.scales, qw.zeros)
     with pytest.raises(ValueError, match=r"int4_words_matmul: words must be int32 \[K // 8, N\]"):
-        qk.int4_words_matmul(torch.randn(2, 256), words.t().contiguous(), qw.scales, qw.zeros)
+        qwords.int4_words_matmul(torch.randn(2, 256), words.t().contiguous(), qw.scales, qw.zeros)
     with pytest.raises(ValueError, match=r"slabs need group_size >= 128 .*got 64"):
         qw64 = _weight("int4", 16, 256, seed=44, group_size=64)
-        qk.int4_words_matmul(torch.randn(2, 256), ref.pack_int4_k_major(qw64.qweight, 64), qw64.scales, qw64.zeros,
-                             64, config=qk.Int4WordsConfig(16, 32, 1, slabs=True))
+        qwords.int4_words_matmul(torch.randn(2, 256), ref.pack_int4_k_major(qw64.qweight, 64), qw64.scales,
+                                 qw64.zeros, 64, config=qwords.Int4WordsConfig(16, 32, 1, slabs=True))
 
 
 @pytest.mark.parametrize("method, group_size, n, k", [
-    ("int4", 128, N_ODD, K), ("int4", 32, 70, 320), ("int8", 128, N_ODD, 300), ("int8_grouped", 16, 65, 272),
-    ("int8_grouped", 32, 64, 512)])
+    ("int8", 128, N_ODD, 300), ("int8_grouped", 16, 65, 272), ("int8_grouped", 32, 64, 512)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_dequantize_kernel_gives_the_references_values_exactly(method, group_size, n, k, dtype):
-    """Every format, partial tiles in both directions (N and K not multiples of the block), every dtype: the
+    """Every format it reads, partial tiles in both directions (N and K not multiples of the block), every dtype: the
     kernel's float weight equals the reference's bit for bit (float32 math, one rounding, no contraction), but for
     the interpreter's bf16 casts, which truncate where a GPU rounds to nearest: there, within one unit in the last
     place."""
@@ -308,9 +332,9 @@ def test_the_dequantize_kernel_gives_the_references_values_exactly(method, group
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
     else:
         assert torch.equal(got, want)
-    if method != "int8":  # scales (and zeros) handed over as transposed views read the same values
-        views = [None if t is None else t.t().contiguous().t() for t in (qw.scales, qw.zeros)]
-        assert torch.equal(qk.dequantize(qw.qweight, *views, method, group_size, dtype), got)
+    if method != "int8":  # scales handed over as a transposed view read the same values
+        view = qw.scales.t().contiguous().t()
+        assert torch.equal(qk.dequantize(qw.qweight, view, None, method, group_size, dtype), got)
 
 
 @pytest.mark.parametrize("group_size, n, k", [(128, 300, 384), (32, 70, 320), (64, 256, 128), (256, 37, 512)])
@@ -321,7 +345,7 @@ def test_the_k_major_dequantize_kernel_gives_the_references_transposed_weight(gr
     the checkpoint layout it was packed from."""
     qw = _weight("int4", n, k, zlib.crc32(f"deq-k {group_size} {n} {dtype}".encode()) % 1000, dtype, group_size)
     words = ref.pack_int4_k_major(qw.qweight, group_size)
-    got = qk.dequantize_k_major(words, qw.scales, _held_zeros(qw.zeros, dtype), group_size, dtype)
+    got = qwords.dequantize_k_major(words, qw.scales, _held_zeros(qw.zeros, dtype), group_size, dtype)
     want = ref.dequantize_k_major(words, qw.scales, qw.zeros, group_size, dtype)
     assert got.dtype == dtype and got.shape == (k, n) and got.is_contiguous()
     assert torch.equal(want, ref.dequantize(*qw, "int4", group_size, dtype).t())
@@ -330,27 +354,26 @@ def test_the_k_major_dequantize_kernel_gives_the_references_transposed_weight(gr
     else:
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match=rf"dequantize_k_major: zeros must be \[{k // group_size}, {n}\]"):
-        qk.dequantize_k_major(words, qw.scales, qw.zeros[:, 1:], group_size, dtype)
+        qwords.dequantize_k_major(words, qw.scales, qw.zeros[:, 1:], group_size, dtype)
 
 
 def test_int4_gemv_plans_whole_groups_and_enough_programs():
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (576, 1536)):
-        cfg = qk.plan_int4_gemv(n, k, 128)
+        cfg = qg.plan_int4_gemv(n, k, 128)
         assert cfg.block_n == 128 * cfg.num_warps and cfg.rows == 8 and 1 <= cfg.split <= k // 128
-        assert qk.plan_int4_gemv(n, k, 128, m=4).rows == 4
         programs = -(-n // cfg.block_n) * cfg.split
-        assert programs >= min(qk.GEMV_PROGRAMS_PER_SM * 132, -(-n // cfg.block_n) * (k // 128))
-    assert qk.plan_int4_gemv(4096, 4096, 32).rows == 4
+        assert programs >= min(qg.GEMV_PROGRAMS_PER_SM * 132, -(-n // cfg.block_n) * (k // 128))
+    assert qg.plan_int4_gemv(4096, 4096, 32).rows == 4
 
 
 def test_int4_gemv_rejects_bad_arguments_naming_them():
     qw = _weight("int4", 16, 256, seed=41)
     words = ref.pack_int4_k_major(qw.qweight, 128)
-    with pytest.raises(ValueError, match=r"int4_gemv takes 1 to 4 rows, x \[M, K\]; got shape \(5, 256\)"):
-        qk.int4_gemv(torch.randn(5, 256), words, qw.scales, qw.zeros)
+    with pytest.raises(ValueError, match=r"int4_gemv takes 1 to 2 rows, x \[M, K\]; got shape \(3, 256\)"):
+        qg.int4_gemv(torch.randn(3, 256), words, qw.scales, qw.zeros)
     with pytest.raises(ValueError, match=r"words must be int32 \[K // 8, N\] = \[32, N\], got torch.int32 \(16, 32\)"):
-        qk.int4_gemv(torch.randn(1, 256), words.t().contiguous(), qw.scales, qw.zeros)
+        qg.int4_gemv(torch.randn(1, 256), words.t().contiguous(), qw.scales, qw.zeros)
     with pytest.raises(ValueError, match=r"group_size must be one of \(32, 64, 128, 256\) dividing K=256, got 48"):
-        qk.int4_gemv(torch.randn(1, 256), words, qw.scales, qw.zeros, 48)
+        qg.int4_gemv(torch.randn(1, 256), words, qw.scales, qw.zeros, 48)
     with pytest.raises(ValueError, match=r"zeros must be \[2, 16\], got \(16, 2\)"):
-        qk.int4_gemv(torch.randn(1, 256), words, qw.scales, qw.zeros.t())
+        qg.int4_gemv(torch.randn(1, 256), words, qw.scales, qw.zeros.t())
