@@ -9,20 +9,19 @@ replays; each replay cycles over enough copies of the weight that no call finds 
   GEMV (:mod:`questkv.ops.triton.gemv`; back to back in a graph, each call's first weight tile overlaps the call
   before it through programmatic dependent launch, which in a decode step only a kernel before it that triggers
   early allows: ``benchmarks/e2e_bench.py`` is the arbiter);
-* ``int4`` (group 128) through each backend: ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's
-  plan), ``gemv`` (its small-batch kernel ``int4_gemv`` on the K-major copy, ``M <= 4``), ``words``
-  (``int4_words_matmul``: tensor cores over the same K-major words, ``M >= 2``), ``tinygemm``
-  (``torch.ops.aten._weight_int4pack_mm``), ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``
-  only) and ``words-dequant`` (the same from the GEMV's words, ``dequantize_k_major``: the prefill of an engine
-  that never batches, whose layers hold only those);
-* ``int8`` (per row) through ``triton``;
+* ``int4`` (group 128) through each kernel over the K-major words a layer holds: ``gemv`` (``int4_gemv``,
+  :mod:`questkv.ops.triton.int4_gemv`, ``M <= 2``), ``words`` (``int4_words_matmul``: tensor cores, ``M >= 2``)
+  and ``words-dequant`` (``dequantize_k_major`` + one GEMM, ``M >= --dequant-min-m``), and ``tinygemm``
+  (``torch.ops.aten._weight_int4pack_mm``, the copy a batching engine adds);
+* ``int8`` (per row) through ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's plan, at every
+  ``M``) and ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``);
 * ``int8g16`` / ``int8g32``: ``int8_grouped`` in GGUF ``Q6_K``'s groups of 16 and ``Q8_0``'s of 32 (codes and
   scales rounded to nearest here), through ``triton`` and ``dequant`` (``M >= --dequant-min-m``);
 * ``--methods`` picks the quantized formats (default: all; none: bf16 alone; ``bf16`` is always timed, the
   baseline);
-* with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int4``,
-  ``int8g16``, ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows), up to 4 rows of
-  ``int4_gemv``, 2 rows and more of ``int4_words_matmul`` and at one row of the bf16 ``gemv`` (``--sweep-kernels``
+* with ``--sweep`` (default on for llama3.1-8b), alternative tilings of the Triton kernel (``int8g16``,
+  ``int8g32`` and, for the GEMV rows, ``int8``; the ``--sweep-ms`` rows), up to 2 rows of ``int4_gemv``, 2 rows
+  and more of ``int4_words_matmul`` and at one row of the bf16 ``gemv`` (``--sweep-kernels``
   picks them): the best one and its config tell how to retune ``plan_quant_matmul`` / ``plan_int4_gemv`` /
   ``plan_int4_words_matmul`` / ``plan_gemv``.
 
@@ -193,8 +192,8 @@ class Shape:
         self.copies = {}  # bf16 or a QUANT name -> number of copies
         self.w = self._rotate("bf16", w)
         self.q = {name: self._rotate(name, *quantize(w, name)) for name in names}
-        # int4_gemv's K-major copy of each int4 copy (its own copy on the GPU too: the layers hold one beside the
-        # packed weight)
+        # the K-major words of each int4 copy (what a layer holds; the checkpoint layout stays for the reference
+        # and tinygemm's packer)
         self.gemv = [ref.pack_int4_k_major(q[0], GROUP) for q in self.q["int4"]] if "int4" in self.q else []
         self.tinygemm = None
         self.tinygemm_order: Optional[str] = None
@@ -213,15 +212,15 @@ class Shape:
 
     def prepare_tinygemm(self, x: torch.Tensor) -> dict:
         """Convert the int4 weight for tinygemm, in whichever nibble order its packer wants (checked on ``x``)."""
-        from questkv.ops.triton import quant_matmul as qk
+        from questkv.ops.triton import tinygemm as tg
 
         qweight, scales, zeros = self.q["int4"][0]
         want = reference(x, "int4", self.q["int4"][0])
         errors = {}
         for order, high in (("high nibble first", True), ("low nibble first", False)):
             try:
-                packed, sz = qk.tinygemm_pack(qweight, scales, zeros, GROUP, high_nibble_first=high)
-                errors[order] = _rel_err(qk.tinygemm_matmul(x, packed, sz, GROUP), want)
+                packed, sz = tg.tinygemm_pack(qweight, scales, zeros, GROUP, high_nibble_first=high)
+                errors[order] = _rel_err(tg.tinygemm_matmul(x, packed, sz, GROUP), want)
             except Exception as error:  # noqa: BLE001 - a packer that refuses this shape is a result too
                 errors[order] = f"{type(error).__name__}: {error}"
                 continue
@@ -233,10 +232,23 @@ class Shape:
         return errors
 
 
+def quant_call(x: torch.Tensor, q: tuple, method: str, group: int, kind: str, triton_ok: bool) -> torch.Tensor:
+    """``x @ w.T`` for ``q`` ``(qweight, scales, zeros)`` in ``int8`` / ``int8_grouped`` (or, for ``torch``, any
+    format) through ``kind``: ``torch`` (the reference), ``triton`` (the kernel) or ``dequant`` (the float weight,
+    in one Triton launch where Triton runs, then ``F.linear``)."""
+    if kind == "torch":
+        return ref.quant_matmul(x, *q, method, group)
+    if not triton_ok:
+        return F.linear(x, ref.dequantize(*q, method, group, dtype=x.dtype))
+    from questkv.ops.triton import quant_matmul as qm
+
+    if kind == "triton":
+        return qm.quant_matmul(x, *q, method, group)
+    return F.linear(x, qm.dequantize(*q, method, group, dtype=x.dtype))
+
+
 def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[Callable]], torch.Tensor]:
     """``({name: one call per weight copy}, x)`` for a random ``x`` of ``m`` rows."""
-    from questkv.layers.quantized_linear import quant_matmul
-
     gen = torch.Generator(device=shape.device).manual_seed(m)
     x = torch.randn((m, shape.k), generator=gen, device=shape.device).to(shape.dtype)
     cuda = shape.device.type == "cuda"
@@ -248,36 +260,38 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
         out["bf16-gemv"] = [lambda w=w: gemv(x, w) for w in shape.w]
     for name, copies in shape.q.items():
         method, group = QUANT[name]
-        kinds = (["triton"] if triton_ok else []) + (["dequant"] if m >= args.dequant_min_m or not cuda else [])
+        kinds = [] if method == "int4" else (["triton"] if triton_ok else []) + (
+            ["dequant"] if m >= args.dequant_min_m or not cuda else [])  # int4: over the words below
         for kind in kinds + ([] if cuda else ["torch"]):
             out[f"{name}-{kind}"] = [lambda q=q, method=method, group=group, kind=kind:
-                                     quant_matmul(x, *q, method, group, backend=kind) for q in copies]
+                                     quant_call(x, q, method, group, kind, triton_ok) for q in copies]
     if shape.gemv and triton_ok:
-        from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv
+        from questkv.ops.triton.int4_gemv import GEMV_MAX_M, int4_gemv
 
         if m <= GEMV_MAX_M:
             out["int4-gemv"] = [lambda w=w, q=q: int4_gemv(x, w, q[1], q[2], GROUP)
                                 for w, q in zip(shape.gemv, shape.q["int4"])]
         if m > 1:  # tensor cores over the same words
-            from questkv.ops.triton.quant_matmul import int4_words_matmul
+            from questkv.ops.triton.int4_words import int4_words_matmul
 
             out["int4-words"] = [lambda w=w, q=q: int4_words_matmul(x, w, q[1], q[2], GROUP)
                                  for w, q in zip(shape.gemv, shape.q["int4"])]
-        if m >= args.dequant_min_m:  # the path of a layer whose only copy is the GEMV's words
-            from questkv.ops.triton.quant_matmul import dequantize_k_major
+        if m >= args.dequant_min_m:  # an int4 layer's prefill
+            from questkv.ops.triton.int4_words import dequantize_k_major
 
             out["int4-words-dequant"] = [lambda w=w, q=q: x @ dequantize_k_major(w, q[1], q[2], GROUP, x.dtype)
                                          for w, q in zip(shape.gemv, shape.q["int4"])]
     if shape.tinygemm is not None:
-        from questkv.ops.triton.quant_matmul import tinygemm_matmul
+        from questkv.ops.triton.tinygemm import tinygemm_matmul
 
         out["int4-tinygemm"] = [lambda p=p: tinygemm_matmul(x, p[0], p[1], GROUP) for p in shape.tinygemm]
     return out, x
 
 
-def sweep_configs(m: int, n: int, k: int, device: torch.device, name: str = "int4"):
-    """Alternative tilings of the Triton kernel for the :data:`QUANT` format ``name`` at ``m`` rows (the plan
-    first; ``int8``: the FMA loop's only; ``int8_grouped``: also other input features per ``tl.dot``)."""
+def sweep_configs(m: int, n: int, k: int, device: torch.device, name: str):
+    """Alternative tilings of the Triton kernel for the :data:`QUANT` format ``name`` (``int8`` or an
+    ``int8_grouped`` one) at ``m`` rows (the plan first; ``int8``: the FMA loop's only; ``int8_grouped``: also
+    other input features per ``tl.dot``)."""
     from questkv.ops.triton.quant_matmul import plan_quant_matmul
 
     method, group = QUANT[name]
@@ -337,16 +351,15 @@ def bf16_gemv_sweep_configs(n: int, k: int, device: torch.device) -> list:
     return [c for c in dict.fromkeys(configs) if isinstance(c, GemvConfig)]
 
 
-def gemv_sweep_configs(n: int, k: int, device: torch.device, m: int = 1) -> list:
-    """Alternative launches of ``int4_gemv`` for ``m`` rows (the plan first): outputs per program, word rows per
-    load, and half, twice and every group as the split."""
-    from questkv.ops.triton.quant_matmul import Int4GemvConfig, plan_int4_gemv
+def gemv_sweep_configs(n: int, k: int, device: torch.device) -> list:
+    """Alternative launches of ``int4_gemv`` (the plan first): outputs per program, word rows per load, and half,
+    twice and every group as the split."""
+    from questkv.ops.triton.int4_gemv import Int4GemvConfig, plan_int4_gemv
 
-    plan = plan_int4_gemv(n, k, GROUP, device, m)
+    plan = plan_int4_gemv(n, k, GROUP, device)
     groups = k // GROUP
     configs = [plan]
-    configs += [Int4GemvConfig(128 * w, w, rows, plan.split) for w in (1, 2, 4, 8)
-                for rows in ((8, 16) if m <= 2 else (4, 8))]
+    configs += [Int4GemvConfig(128 * w, w, rows, plan.split) for w in (1, 2, 4, 8) for rows in (8, 16)]
     configs += [dataclasses.replace(plan, split=s) for s in (max(1, plan.split // 2), min(groups, 2 * plan.split),
                                                              groups)]
     return list(dict.fromkeys(configs))
@@ -355,7 +368,7 @@ def gemv_sweep_configs(n: int, k: int, device: torch.device, m: int = 1) -> list
 def words_sweep_configs(m: int, n: int, k: int, device: torch.device) -> list:
     """Alternative launches of ``int4_words_matmul`` for ``m`` rows (the plan first): outputs per program, warps,
     pipeline stages, one dot per nibble or per group, which operand the weight is, and other splits."""
-    from questkv.ops.triton.quant_matmul import plan_int4_words_matmul
+    from questkv.ops.triton.int4_words import plan_int4_words_matmul
 
     plan = plan_int4_words_matmul(m, n, k, GROUP, device)
     groups = k // GROUP
@@ -420,7 +433,7 @@ def run(args) -> dict:
                 if args.sweep and sweep and (device.type == "cuda" or interp):
                     from questkv.ops.triton.quant_matmul import quant_matmul as kernel
 
-                    for qname in (nm for nm in args.methods if "triton" in kernels
+                    for qname in (nm for nm in args.methods if "triton" in kernels and QUANT[nm][0] != "int4"
                                   and (m <= 8 or QUANT[nm][0] != "int8")):
                         q = shape.q[qname]
                         want = reference(x, qname, q[0])
@@ -437,10 +450,11 @@ def run(args) -> dict:
                             results, (model, name, m, "bf16-gemv"), bf16_gemv_sweep_configs(n, k, device),
                             x.double() @ shape.w[0].double().t(),
                             lambda cfg: [lambda w=w: gemv(x, w, config=cfg) for w in shape.w], timer, reps, warmup)
-                    from questkv.ops.triton.quant_matmul import GEMV_MAX_M, int4_gemv, int4_words_matmul
+                    from questkv.ops.triton.int4_gemv import GEMV_MAX_M, int4_gemv
+                    from questkv.ops.triton.int4_words import int4_words_matmul
 
                     over_words = (  # the kernels that read the K-major words: (name, rows, configs, launcher)
-                        ("int4-gemv", m <= GEMV_MAX_M, lambda: gemv_sweep_configs(n, k, device, m), int4_gemv),
+                        ("int4-gemv", m <= GEMV_MAX_M, lambda: gemv_sweep_configs(n, k, device), int4_gemv),
                         ("int4-words", m > 1, lambda: words_sweep_configs(m, n, k, device), int4_words_matmul))
                     for kname, rows_ok, configs, launch in over_words:
                         if rows_ok and shape.gemv and kname in kernels:
