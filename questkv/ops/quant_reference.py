@@ -13,15 +13,15 @@ Formats (``method``):
 
   - ``qweight``: ``[N, K // 2]`` uint8; byte ``(n, j)`` holds ``q[n, 2j]`` in bits 0-3 and ``q[n, 2j + 1]`` in
     bits 4-7, ``q`` in ``0..15``. Read as little-endian int32 (``qweight.view(torch.int32)``, ``[N, K // 8]``),
-    word ``(n, j)`` holds ``q[n, 8j + i]`` in bits ``4i .. 4i + 3``: the kernels load words.
+    word ``(n, j)`` holds ``q[n, 8j + i]`` in bits ``4i .. 4i + 3``.
   - ``scales``, ``zeros``: ``[K // group_size, N]`` (groups, then output features, as GPTQ stores them), in the
     model's float dtype. A zero point is any float: round to nearest makes integers in ``0..15``, imported
     checkpoints others (GGUF ``Q4_1`` / ``Q4_K`` offsets give fractions, GPTQ's v1 format ``1..16``). Integer zero
     points may also be uint8 (a :class:`~questkv.layers.quantized_linear.QuantizedLinear` holds them so): the
     reference and the kernels read either.
   - ``w[n, k] = (q[n, k] - zeros[k // group_size, n]) * scales[k // group_size, n]``.
-  - A layer holds the codes as :func:`pack_int4_k_major`'s int32 words ``[K // 8, N]`` (what every CUDA kernel
-    reads, :func:`int4_matmul`); checkpoints and state dicts hold ``qweight``.
+  - A layer holds the codes as :func:`pack_int4_k_major`'s int32 words ``[K // 8, N]``, the one copy every
+    ``int4`` kernel reads (:func:`int4_matmul`); checkpoints and state dicts hold ``qweight``.
 
 * ``"int8"``: symmetric, one scale per output feature (row).
 
@@ -120,7 +120,7 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4_k_major(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """An ``int4`` ``qweight`` ``[N, K // 2]`` as the single-row GEMV reads it: int32 words ``[K // 8, N]``.
+    """An ``int4`` ``qweight`` ``[N, K // 2]`` as an int4 layer holds it: int32 words ``[K // 8, N]``.
 
     Input features run down the words (consecutive ``N`` are contiguous: a row of words is one coalesced load for
     many outputs) and, inside each group of ``G = group_size`` features, across a word's nibbles by stride
