@@ -175,6 +175,53 @@ def time_engine(cfg, quest, batch, context, seed=0, quantization=None, linear_ba
             "kernels": kernels}
 
 
+def time_pair(cfg, quest, batch, context, rounds: int = 8, steps_per_round: int = 8, seed=0) -> dict:
+    """The dense engine and the Quest engine alive side by side, timed in alternation: ``rounds`` rounds, each
+    timing ``steps_per_round`` asynchronous decode steps of one engine, then of the other (the first of the two
+    alternating by round), and one graph replay measure (:func:`replay_ms`) of each; after 6 warm-up steps each.
+    Returns each engine's median over rounds of ms per step and of the graph replay, and the medians of the
+    per-round ratios dense / Quest: a ratio that the order of the runs, clocks or allocation cannot bias."""
+    total = 6 + rounds * steps_per_round + 4
+    need = batch * (context + total + 2 * PAGE) * kv_bytes_per_token(cfg) * (2 * PAGE + 2) // (2 * PAGE)
+    engines = {}
+    for name, config in (("dense", None), ("quest", quest)):
+        llm = LLM(cfg, quest=config, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
+                  max_model_len=context + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed,
+                  enable_chunked_prefill=False, async_scheduling=True)
+        gen = torch.Generator().manual_seed(seed)
+        params = SamplingParams(temperature=0, max_tokens=total + 4, ignore_eos=True)
+        for _ in range(batch):
+            llm.engine.add_request(torch.randint(0, cfg.vocab_size, (context - total - 2,), generator=gen).tolist(),
+                                   params)
+        synthetic_prefill(llm.engine)
+        for _ in range(6):
+            llm.engine.step()
+        engines[name] = llm
+    ms = {name: [] for name in engines}
+    graph = {name: [] for name in engines}
+    for r in range(rounds):
+        for name in (("dense", "quest") if r % 2 == 0 else ("quest", "dense")):
+            engine = engines[name].engine
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                engine.step()
+            torch.cuda.synchronize()
+            ms[name].append((time.perf_counter() - start) / steps_per_round * 1e3)
+            graph[name].append(replay_ms(engine.runner))
+    result = {name: {"ms_per_token": statistics.median(ms[name]), "graph_replay_ms": statistics.median(graph[name]),
+                     "ms_rounds": ms[name], "graph_rounds": graph[name]} for name in engines}
+    result["speedup"] = statistics.median(d / q for d, q in zip(ms["dense"], ms["quest"]))
+    result["graph_speedup"] = statistics.median(d / q for d, q in zip(graph["dense"], graph["quest"]))
+    result["rounds"], result["steps_per_round"] = rounds, steps_per_round
+    for llm in engines.values():
+        llm.close()
+    del engines
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
 def replay_ms(runner, replays: int = 20) -> float:
     """GPU time of one replay of the last captured decode graph: ``replays`` replays back to back between two
     CUDA events (after 5 untimed), divided by their number. The decode step without the host's scheduling, input
@@ -522,6 +569,9 @@ def main() -> None:
     parser.add_argument("--selection-intervals", default="",
                         help="comma-separated C >= 2: also time a Quest engine that selects every C decode steps "
                         "(QuestConfig.selection_interval) per C (default: none)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="also time each point's dense and Quest engines side by side in alternating rounds "
+                        "(time_pair: medians of per-round ratios; both engines held at once)")
     parser.add_argument("--dense-context-ratio", type=float, default=QuestConfig().dense_context_ratio,
                         help="the Quest engines' QuestConfig.dense_context_ratio: decode steps stay dense while the "
                         "context holds at most this many budgets (default: QuestConfig's)")
@@ -570,6 +620,11 @@ def main() -> None:
         dense_floor, quest_floor = floor_ms(cfg, weight_bytes, batch, context, budget, bandwidth)
         point.update(floor_dense_ms=dense_floor, floor_quest_ms=quest_floor, ideal_speedup=dense_floor / quest_floor)
         point["speedup"] = point["engine_dense"]["ms_per_token"] / point["engine_quest"]["ms_per_token"]
+        if args.interleaved:
+            point["interleaved"] = pair = time_pair(cfg, quest, batch, context)
+            print(f"{name} B={batch} L={context} interleaved: dense {pair['dense']['ms_per_token']:.2f} ms, quest "
+                  f"{pair['quest']['ms_per_token']:.2f} ms, x{pair['speedup']:.3f} (graphs x{pair['graph_speedup']:.3f})",
+                  flush=True)
         runs = {"dense": point["engine_dense"], "quest": point["engine_quest"]}
         if args.dense_cublas:
             runs["dense cuBLAS"] = point["engine_dense_cublas"]

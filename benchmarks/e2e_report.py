@@ -239,6 +239,27 @@ def reuse_section(record: dict) -> list[str]:
 
 
 
+def interleaved_section(record: dict) -> list[str]:
+    """The points timed with both engines alive in alternating rounds (``--interleaved``, ``time_pair``)."""
+    points = [p for p in record["points"] if "interleaved" in p]
+    if not points:
+        return []
+    lines = ["## Dense and Quest side by side (interleaved rounds)", "",
+             "Both engines held at once; each round times a few asynchronous steps of one, then of the other (the "
+             "order alternating), and one graph replay measure of each; medians over rounds, the speedup the median of "
+             "the per-round ratios dense / Quest. QuestConfig.dense_context_ratio of the run: "
+             f"{points[0].get('dense_context_ratio', '–')}.", "",
+             "| model | B | context | budget | dense ms | Quest ms | speedup | dense graph ms | Quest graph ms | "
+             "graph speedup | rounds |", "|" + "---|" * 11]
+    for p in points:
+        pair = p["interleaved"]
+        lines.append(f"| {p['model']} | {p['batch']} | {_k(p['context'])} | {p['budget']} | "
+                     f"{pair['dense']['ms_per_token']:.2f} | {pair['quest']['ms_per_token']:.2f} | "
+                     f"{pair['speedup']:.3f}× | {pair['dense']['graph_replay_ms']:.3f} | "
+                     f"{pair['quest']['graph_replay_ms']:.3f} | {pair['graph_speedup']:.3f}× | {pair['rounds']} |")
+    return lines + [""]
+
+
 def dense_linear_section(record: dict) -> list[str]:
     """The engine dense with its float linears through questkv's one-row GEMV (the default) against cuBLAS at every
     row, for the points timed both ways (``--dense-cublas``), with the bytes floor."""
@@ -347,8 +368,8 @@ def render_markdown(record: dict) -> str:
     if not fp32 and not b8 and not chunked and not mixed and not any(quantized.values()):
         lines += ["(not run)", ""]
     if record["points"]:  # none: a --checks-only run
-        lines += (targets_section(record) + all_points_section(record) + reuse_section(record)
-                  + dense_linear_section(record) + host_overlap_section(record) + where_time_goes(record))
+        lines += (targets_section(record) + all_points_section(record) + interleaved_section(record)
+                  + reuse_section(record) + dense_linear_section(record) + host_overlap_section(record) + where_time_goes(record))
     return "\n".join(lines)
 
 

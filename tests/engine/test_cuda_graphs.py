@@ -1,5 +1,5 @@
 """The decode graphs' key policy: batch sizes and page-table widths that get a graph (CPU: no capture here;
-benchmarks/e2e.py checks the captured CUDA path against the eager one)."""
+benchmarks/e2e_bench.py checks the captured CUDA path against the eager one)."""
 
 import pytest
 from hypothesis import given, settings

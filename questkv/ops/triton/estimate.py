@@ -21,7 +21,7 @@ from questkv.ops.triton._common import (
 )
 
 _MODE_Q_HEAD, _MODE_SUM, _MODE_MAX = 0, 1, 2
-# Launch configuration (measured on an H200, docs/gpu-kernels.md): pages per block; blocks per
+# Launch configuration (measured on an H200, docs/kernels.md): pages per block; blocks per
 # program (a pipelined loop) once one block per program gives at least _MIN_PROGRAMS_PER_SM
 # programs per SM, else 1; pipelining depth; warps. 32 pages per block is the fastest of the sweep at every point
 # of llama3.1-8b (1.01-1.05x over 64) and of llama2-7b's 32 KV heads (11.5 against 12.9 µs at B=1/32k;

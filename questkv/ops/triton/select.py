@@ -29,7 +29,7 @@ from questkv.ops.triton._common import (
 )
 
 # Keys each thread holds, and the warp range: fewer warps make the block-wide reductions cheaper,
-# more keys per thread cost registers (measured on an H200, docs/gpu-kernels.md).
+# more keys per thread cost registers (measured on an H200, docs/kernels.md).
 _KEYS_PER_THREAD = 8
 _MIN_WARPS, _MAX_WARPS = 4, 16
 # One-program path: a table of at most _ROW_SINGLE_PAGES columns is one chunk of next_pow2(columns)
@@ -46,7 +46,7 @@ _ROW_KEYS_PER_THREAD = 4
 # Split path: taken (unless forced) from this many page-table columns on (raised from 4096 when the
 # one-program path's cost began to follow the real pages: the engine's widths are powers of two, so a
 # 4096-column table holds rows of 2049-4096 pages, where the split path measured about as slow as the
-# old 4096-page block, docs/gpu-kernels.md; not yet re-timed, see benchmarks/select_cliff.py), for at most
+# old 4096-page block, docs/kernels.md; not yet re-timed, see benchmarks/select_cliff.py), for at most
 # _SPLIT_MAX_ROWS (sequence, head) rows (more rows already fill the GPU with one program each),
 # over chunks of _SPLIT_CHUNK_PAGES pages (a power of two), with digits of _DIGIT_BITS bits:
 # ceil(32 / bits) histogram passes, the last over the low bits left (8 -> 4 x 8, 11 -> 11/11/10).
