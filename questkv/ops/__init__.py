@@ -132,6 +132,11 @@ def _quant_module(tensor: torch.Tensor, backend: str) -> ModuleType:
     linear op on ``tensor`` under ``backend``."""
     if resolve_backend(tensor, backend) is reference:
         return quant_reference
+    return _triton_quant_ops()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_quant_ops() -> ModuleType:
     return importlib.import_module("questkv.ops.triton.quant_ops")
 
 
