@@ -2,15 +2,17 @@
 
 :class:`TensorParallel` is built before the model (the layers read ``rank`` and ``size`` to size their shards)
 and connected once every rank's process exists (:meth:`TensorParallel.connect`: a file store for the rendezvous,
-then a gloo backend on CPU or an NCCL one on CUDA, each collective bounded by ``timeout``). It holds the backend
-object itself, not torch's global default group, so that several engines (and the caller's own
+then a gloo backend on CPU or an NCCL one on CUDA, each collective bounded by ``timeout``); a rank that can tell
+when another has died (rank 0 watches the workers' processes) passes ``watch`` and stops waiting at once. It holds
+the backend object itself, not torch's global default group, so that several engines (and the caller's own
 ``torch.distributed`` use) can live in one process. A model built without it (``tp=None``) runs no collective.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,8 @@ import torch.distributed as dist
 from questkv.validation import check_int
 
 __all__ = ["TensorParallel"]
+
+_JOIN_POLL_S = 0.1  # how often a rank with a ``watch`` re-reads the store while it waits for the others to join
 
 
 class TensorParallel:
@@ -34,20 +38,46 @@ class TensorParallel:
         self.rank, self.size = rank, size
         self._backend: Optional[dist.ProcessGroup] = None
 
-    def connect(self, store_path: str, device: torch.device, timeout: float) -> None:
+    def connect(self, store_path: str, device: torch.device, timeout: float,
+                watch: Optional[Callable[[float], None]] = None) -> None:
         """Join the group: rendezvous in the file ``store_path`` (shared by every rank) and open a gloo
         (``device`` CPU) or NCCL (CUDA) backend whose collectives raise after ``timeout`` seconds.
-        Blocks until every rank has joined (or raises after ``timeout``)."""
+        Blocks until every rank has joined (or raises after ``timeout``).
+
+        ``watch(seconds)``, when given, waits up to ``seconds`` for a reason to stop waiting for the other ranks
+        and raises it (rank 0: a worker process that died). It is called between reads of the store while the
+        ranks join, and once more before the first collective, so a rank that dies before joining fails this
+        call at once instead of after ``timeout``.
+        """
         delta = datetime.timedelta(seconds=timeout)
         store = dist.FileStore(store_path, self.size)
         store.set_timeout(delta)
+        self._join(store, timeout, watch)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = delta
             self._backend = dist.ProcessGroupNCCL(store, self.rank, self.size, options)
         else:
             self._backend = dist.ProcessGroupGloo(store, self.rank, self.size, delta)
+        if watch is not None:
+            watch(0.0)  # a death while the backend was built found nothing to abort: the barrier would wait for it
         self.barrier(device)
+
+    def _join(self, store: dist.Store, timeout: float, watch: Optional[Callable[[float], None]]) -> None:
+        """Mark this rank joined in ``store`` and wait until every rank has, calling ``watch`` between reads."""
+        keys = [f"questkv/joined/{rank}" for rank in range(self.size)]
+        store.set(keys[self.rank], b"1")
+        if watch is None:
+            store.wait(keys)  # the store's timeout
+            return
+        deadline = time.monotonic() + timeout
+        while not store.check(keys):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+                raise RuntimeError(f"tensor-parallel rank {self.rank}: ranks {missing} did not join the group "
+                                   f"within {timeout} s")
+            watch(min(_JOIN_POLL_S, remaining))
 
     def set_timeout(self, timeout: float) -> None:
         """Bound every later collective by ``timeout`` seconds (after a start that may take longer)."""

@@ -21,51 +21,17 @@ from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import ROUND_TO_NEAREST, EngineConfig
 from questkv.distributed.group import TensorParallel
 from questkv.engine.detokenizer import IncrementalDetokenizer
+from questkv.engine.loading import load_shard, quantize_shard, skipped_linears
 from questkv.engine.model_runner import ModelRunner, SampledTokens
-from questkv.engine.tp_workers import START_TIMEOUT_S, TensorParallelError, WorkerPool
-from questkv.layers.parallel import row_absmax
-from questkv.layers.quantized_linear import check_quantizable, quantize_linears
+from questkv.engine.tp_workers import TensorParallelError, WorkerPool
+from questkv.layers.quantized_linear import check_quantizable
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
-from questkv.models.engine_model import EngineModel, load_engine_model
-from questkv.models.llama import LlamaForCausalLM
 from questkv.validation import check_text
 
 Prompt = Union[str, list[int]]
 logger = logging.getLogger("questkv.engine")
-
-
-def load_shard(config: EngineConfig, tp: Optional[TensorParallel]) -> EngineModel:
-    """The engine's model as ``config`` asks (rank ``tp.rank``'s shard with tensor parallelism), before
-    :func:`quantize_shard`: what rank 0 and every worker build alike."""
-    return load_engine_model(
-        config.model, config.quest, config.torch_dtype, config.torch_device, config.load_format, config.seed,
-        config.quantization, tp, small_batches=_batches_sequences(config),
-    )
-
-
-def _batches_sequences(config: EngineConfig) -> bool:
-    """Whether decode steps may hold several rows: an engine of one sequence at a time decodes one row, and its
-    int4 linears need no tinygemm copy for 2 to 4 rows (a short prompt's few rows take the words)."""
-    return config.max_num_seqs > 1
-
-
-def _skipped_linears(config: EngineConfig) -> tuple[str, ...]:
-    """The linears left in float when the engine rounds at load: the LM head unless ``quantize_lm_head``."""
-    return () if config.quantize_lm_head else ("lm_head",)
-
-
-def quantize_shard(model: LlamaForCausalLM, config: EngineConfig, tp: Optional[TensorParallel]) -> None:
-    """Quantize ``model``'s linears when ``config.quantization`` rounds to nearest (packed formats were loaded
-    packed). With tensor parallelism ``tp`` must be connected: int8 row scales of row-parallel layers are the
-    whole rows' (one all-reduce per layer, :func:`~questkv.layers.parallel.row_absmax`)."""
-    if config.quantization not in ROUND_TO_NEAREST:
-        return
-    quantize_linears(model, config.quantization, skip=_skipped_linears(config),
-                     row_absmax=None if tp is None else row_absmax(tp), small_batches=_batches_sequences(config))
-    if config.torch_device.type == "cuda":
-        torch.cuda.empty_cache()  # the float weights' blocks: the KV pool is sized from what is free
 
 
 class LLMEngine:
@@ -109,13 +75,12 @@ class LLMEngine:
         else:
             if config.quantization in ROUND_TO_NEAREST:  # a shard that cannot be quantized: before any process
                 try:
-                    check_quantizable(loaded.model, config.quantization, _skipped_linears(config))
+                    check_quantizable(loaded.model, config.quantization, skipped_linears(config))
                 except ValueError as error:
                     raise ValueError(f"{error}, its shard of tensor_parallel_size={tp.size}") from None
             self.workers = WorkerPool(config, max_model_len)
             try:
-                tp.connect(self.workers.store_path, config.torch_device, START_TIMEOUT_S)
-                self.workers.watch(tp)
+                self.workers.connect(tp)
                 quantize_shard(loaded.model, config, tp)
                 self.runner = ModelRunner(config, loaded.model, loaded.spec, max_model_len, tp, self.workers.send)
                 self.workers.wait_ready()

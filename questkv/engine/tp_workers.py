@@ -7,6 +7,12 @@ every :class:`~questkv.engine.model_runner.StepMessage` that comes down its pipe
 that can time out, and a worker whose rank 0 is gone reads end-of-file and exits (on Linux the kernel also kills it
 when rank 0 dies: ``PR_SET_PDEATHSIG``).
 
+Start: rank 0 waits for the workers in the rendezvous (:meth:`WorkerPool.connect`) while it watches their processes,
+so a worker that dies while it starts fails ``LLM(...)`` at once, naming the rank, its exit code and its error. The
+``spawn`` start method re-imports the main module in each worker before running it: a script whose top level starts
+a tensor-parallel engine (no ``if __name__ == "__main__":``) would start one in every worker; the worker exits
+instead, and rank 0's error says what the script needs.
+
 Faults: collectives give up after :func:`collective_timeout` seconds (a hung rank); a watchdog thread on rank 0
 waits on the workers' process sentinels and, when one exits, aborts the group so that a collective blocked on it
 returns at once. Either way the step raises :class:`TensorParallelError` naming the rank (and the worker's own error,
@@ -20,6 +26,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import multiprocessing.connection
+import multiprocessing.spawn
 import os
 import pickle
 import shutil
@@ -35,6 +42,8 @@ import torch.multiprocessing as mp
 
 from questkv.distributed.group import TensorParallel
 from questkv.engine.config import EngineConfig
+from questkv.engine.loading import load_shard, quantize_shard
+from questkv.engine.model_runner import ModelRunner
 
 __all__ = ["TensorParallelError", "WorkerPool", "collective_timeout", "worker_main"]
 
@@ -60,6 +69,10 @@ _STOP_GRACE = 10.0  # seconds a worker gets to exit after the stop message befor
 _EXIT_WAIT = 2.0  # seconds a failed step waits for a worker's exit that would explain it
 START_TIMEOUT_S = 900.0
 """Seconds the ranks wait for each other while they start (each loads its shard of the checkpoint)."""
+_WORKER_NAME = "questkv-tp-rank"  # a worker's process name: its rank follows
+_MAIN_REIMPORTED = 3  # a worker's exit code: re-importing the main module started a tensor-parallel engine
+_NEEDS_MAIN_GUARD = ("A script that starts a tensor-parallel engine needs that code under "
+                     'if __name__ == "__main__":, as vLLM\'s do')
 
 
 class TensorParallelError(RuntimeError):
@@ -75,7 +88,10 @@ class WorkerPool:
     """
 
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        _refuse_in_worker_bootstrap()
         self.size = config.tensor_parallel_size
+        self._device = config.torch_device
+        self._main = _main_module()
         self.timeout = collective_timeout()
         self._dir = tempfile.mkdtemp(prefix="questkv-tp-")
         self.store_path = os.path.join(self._dir, "rendezvous")
@@ -95,7 +111,7 @@ class WorkerPool:
                 ours, theirs = context.Pipe()
                 proc = context.Process(target=worker_main,
                                        args=(config, rank, self.store_path, max_model_len, self.timeout, theirs),
-                                       name=f"questkv-tp-rank{rank}", daemon=True)
+                                       name=f"{_WORKER_NAME}{rank}", daemon=True)
                 proc.start()
                 theirs.close()
                 self._conns.append(ours)
@@ -110,11 +126,19 @@ class WorkerPool:
         """The workers' process ids, rank 1 first."""
         return [proc.pid for proc in self._procs]
 
-    def watch(self, group: TensorParallel) -> None:
-        """Abort ``group`` (rank 0's, connected) as soon as a worker exits, so that no collective waits on it."""
-        self._group = group
-        if self._failure is not None:
-            group.abort()
+    def connect(self, group: TensorParallel) -> None:
+        """Connect ``group`` (rank 0's) with the workers' and abort it as soon as a worker exits, so that no
+        collective waits on it. :class:`TensorParallelError` naming the worker if one exits before every rank has
+        joined (within a poll of the store, :meth:`TensorParallel.connect`'s ``watch``), instead of a wait of
+        :data:`START_TIMEOUT_S` seconds."""
+        with self._lock:
+            self._group = group
+        group.connect(self.store_path, self._device, START_TIMEOUT_S, self._wait_for_death)
+
+    def _wait_for_death(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a worker to exit; :class:`TensorParallelError` naming it if one has."""
+        multiprocessing.connection.wait(self._sentinels(), timeout)
+        self.check()
 
     def _watch(self) -> None:
         ready = multiprocessing.connection.wait([*self._sentinels(), self._wake_r])
@@ -138,17 +162,29 @@ class WorkerPool:
             return self._failure is not None
 
     def _describe(self, rank: int) -> str:
+        """Why worker ``rank`` exited: the error it reported, else what its exit code says."""
         proc, conn = self._procs[rank - 1], self._conns[rank - 1]
         proc.join(timeout=1.0)  # its exit code
-        detail = ""
+        error = None
         try:
             while conn.poll():
                 kind, text = conn.recv()
                 if kind == "error":
-                    detail = f"; its error:\n{text}"
+                    error = text
         except (EOFError, OSError):
             pass
-        return f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}{detail}"
+        exited = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        if error is not None:
+            return f"{exited}; its error:\n{error}"
+        spawn = f"the spawn start method re-imports the main module {self._main!r} in each worker before running it"
+        if proc.exitcode == _MAIN_REIMPORTED:
+            return f"{exited}: {spawn}, and there it started a tensor-parallel engine of its own. {_NEEDS_MAIN_GUARD}"
+        if proc.exitcode == 1 and self._main is None:  # worker_main reports every error it exits with
+            return f"{exited} before it started, in the spawn start method's bootstrap (its traceback is on stderr)"
+        if proc.exitcode == 1:
+            return (f"{exited} before it started (its traceback is on stderr): {spawn}, and that failed. "
+                    f"{_NEEDS_MAIN_GUARD}; a script read from stdin (python -) cannot be re-imported: run a file")
+        return exited
 
     def fail(self, error: BaseException) -> TensorParallelError:
         """Mark the group failed after ``error`` broke a step part-way (the ranks are out of step: every later
@@ -227,6 +263,24 @@ class WorkerPool:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def _main_module() -> Optional[str]:
+    """The main module that the ``spawn`` start method re-imports in each worker before running it: its name
+    (``python -m``) or its file; None when there is none to re-import (an interactive session)."""
+    data = multiprocessing.spawn.get_preparation_data(_WORKER_NAME)
+    return data.get("init_main_from_name") or data.get("init_main_from_path")
+
+
+def _refuse_in_worker_bootstrap() -> None:
+    """Exit with :data:`_MAIN_REIMPORTED` if this process is a worker re-importing the main module (the ``spawn``
+    start method's bootstrap): a main module without ``if __name__ == "__main__":`` is starting an engine in it,
+    which would start workers of its own. Rank 0 reads the exit code and explains."""
+    name = multiprocessing.current_process().name
+    if name.startswith(_WORKER_NAME):
+        print(f"questkv: {name} re-imported the main module (the spawn start method does, before running the "
+              f"worker), and it starts a tensor-parallel engine. {_NEEDS_MAIN_GUARD}.", file=sys.stderr, flush=True)
+        raise SystemExit(_MAIN_REIMPORTED)
+
+
 def _die_with_parent() -> None:
     """Have the kernel kill this process when its parent dies (Linux; elsewhere the pipe's end-of-file does)."""
     if sys.platform.startswith("linux"):
@@ -243,9 +297,6 @@ def worker_main(config: EngineConfig, rank: int, store_path: str, max_model_len:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops the workers
     try:
-        from questkv.engine.llm_engine import load_shard, quantize_shard
-        from questkv.engine.model_runner import ModelRunner
-
         if config.torch_device.type == "cuda":
             torch.cuda.set_device(rank)
         tp = TensorParallel(rank, config.tensor_parallel_size)

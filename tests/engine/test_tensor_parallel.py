@@ -10,15 +10,19 @@ next step from every rank's device), the others synchronously; the Qwen2 engines
 cut in chunks beside the decodes' tokens (a step whose prefill rows are a partial one samples for its decode rows
 only). One engine of each size is shared by the tests of a
 model (a worker takes seconds to start); their pools are tiny (18 pages of 4 tokens), so a batch preempts. A packed
-GPTQ checkpoint (groups of 32) shards on group boundaries too.
+GPTQ checkpoint (groups of 32) shards on group boundaries too. A worker that dies while rank 0 waits for it in the
+rendezvous (a fake one that exits at once, a script without ``if __name__ == "__main__":``) fails the start naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -26,6 +30,8 @@ import pytest
 import torch
 
 from questkv import QuestConfig
+from questkv.distributed.group import TensorParallel
+from questkv.engine import tp_workers
 from questkv.engine.config import EngineConfig
 from questkv.engine.llm import LLM
 from questkv.engine.sampling_params import SamplingParams
@@ -227,3 +233,57 @@ def test_a_hung_worker_fails_the_step_within_the_collective_timeout_and_is_kille
         llm.engine.step()
     llm.close()
     wait_gone(workers)
+
+
+def _report_and_exit(config, rank, store_path, max_model_len, timeout, conn) -> None:
+    """A fake :func:`~questkv.engine.tp_workers.worker_main` that fails at once, reporting its error as it does."""
+    conn.send(("error", "ValueError: a fake worker's error"))
+    sys.exit(1)
+
+
+def _exit_silently(config, rank, store_path, max_model_len, timeout, conn) -> None:
+    """A fake worker that exits at once, reporting nothing: as one that dies in the spawn start method's bootstrap."""
+    os._exit(1)
+
+
+@pytest.mark.parametrize("fake,message", [
+    (_report_and_exit, r"; its error:\nValueError: a fake worker's error"),
+    (_exit_silently, r" before it started \(its traceback is on stderr\): .* needs that code under "
+                     r"if __name__ == \"__main__\":"),
+])
+def test_a_worker_that_exits_while_rank_0_waits_in_the_rendezvous_fails_the_wait_naming_it(monkeypatch, fake, message):
+    monkeypatch.setattr(tp_workers, "worker_main", fake)
+    config = EngineConfig(model=tiny_config("llama3"), load_format="dummy", device="cpu", tensor_parallel_size=2)
+    pool = tp_workers.WorkerPool(config, MAX_LEN)
+    try:
+        with pytest.raises(TensorParallelError,
+                           match=rf"tensor-parallel worker rank 1 \(pid {pool.pids[0]}\) exited with code 1{message}"):
+            pool.connect(TensorParallel(0, 2))
+    finally:
+        pool.close()
+    wait_gone(pool.pids)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NO_GUARD = """from questkv.engine.llm import LLM
+from tests.helpers import tiny_config
+
+LLM(tiny_config("llama3"), load_format="dummy", device="cpu", dtype="float32", max_model_len=64, tensor_parallel_size=2)
+"""
+
+
+@pytest.mark.parametrize("source", ["file", "stdin"])
+def test_a_script_without_a_main_guard_fails_the_start_naming_rank_1_and_the_guard_it_needs(tmp_path, source):
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_GUARD)
+    args = [sys.executable, str(script) if source == "file" else "-"]
+    done = subprocess.run(args, input=NO_GUARD if source == "stdin" else None, capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)  # a hang's bound
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1, done.stderr
+    assert last.startswith("questkv.engine.tp_workers.TensorParallelError: tensor-parallel worker rank 1 (pid "), last
+    assert 'needs that code under if __name__ == "__main__":' in last
+    if source == "file":  # the worker re-ran the script, which started an engine: it exits with code 3
+        assert f"exited with code 3: the spawn start method re-imports the main module {str(script)!r}" in last
+    else:  # the spawn start method cannot re-import <stdin>
+        assert "exited with code 1 before it started" in last and "(python -) cannot be re-imported" in last
