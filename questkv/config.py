@@ -24,7 +24,7 @@ SELECTIONS: tuple[str, ...] = get_args(Selection)
 GROUP_REDUCTIONS: tuple[str, ...] = get_args(GroupReduction)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 RERANKS: tuple[str, ...] = get_args(Rerank)
-"""How a page is scored from its keys (``QuestRerankPolicy``'s ``rerank``, ``page_scores_codes``'s ``rerank``):
+"""How the evaluation's ``quest-rerank`` page policy scores a page from its keys (``QuestRerankPolicy``'s ``rerank``):
 its best logit or its attention mass."""
 
 
@@ -91,7 +91,7 @@ class QuestConfig:
         "--backend", choices=BACKENDS,
     )
     dense_context_ratio: float = _knob(
-        1.0, "decode steps stay dense while the context holds at most this many token budgets (Quest's estimate and "
+        4.0, "decode steps stay dense while the context holds at most this many token budgets (Quest's estimate and "
         "select cost more than they save there, measured; 1: only while the budget covers the context)",
         "--dense-context-ratio", interval=(1.0, 1e9),
     )

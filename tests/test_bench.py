@@ -34,7 +34,7 @@ def run(argv, tmp_path):
 def test_latency_measures_dense_and_quest_side_by_side_and_writes_json_with_provenance(tmp_path, capsys):
     batch, input_len, output_len, iters = random.randint(1, 3), random.randint(40, 60), random.randint(3, 6), 2
     document = run(["--input-len", str(input_len), "--output-len", str(output_len), "--batch-size", str(batch),
-                    "--num-iters", str(iters), "--num-iters-warmup", "1", "--budget", "16", "--page-size", "4",
+                    "--num-iters", str(iters), "--num-iters-warmup", "1", "--budget", "16", "--page-size", "4", "--dense-context-ratio", "1",
                     "--dense-layers", "1", "--max-model-len", "80"], tmp_path)
     assert list(document["results"]) == ["dense", "quest"]
     assert {"command", "commit", "machine", "torch", "date"} <= set(document["provenance"])

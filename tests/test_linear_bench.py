@@ -41,12 +41,12 @@ def test_smoke_run_times_the_one_row_int4_gemv_and_sweeps_its_launches(tmp_path)
     linear_bench.main(["--smoke", "--methods", "int4", "--out", str(out)])
     payload = json.loads(out.with_suffix(".json").read_text())
     gemv = [t for t in payload["times"] if t["backend"] == "int4-gemv"]
-    assert {t["m"] for t in gemv} == {1, 3} and len(gemv) == 10  # up to 4 rows, every shape
+    assert {t["m"] for t in gemv} == {1} and len(gemv) == 5  # the GEMV serves 1-2 rows, every shape
     assert all(c["ok"] for c in payload["checks"])
     swept = [s for s in payload["sweep"] if s["method"] == "int4-gemv"]
     assert swept and swept[0]["planned"] and all(s["rel_err"] < linear_bench.CHECK_TOL for s in swept)
     sums = {(r["m"], r["backend"]) for r in payload["token_sums"]}
-    assert {(1, "int4-gemv"), (1, "int4-gemv-swept"), (1, "int4-triton-swept")} <= sums
+    assert {(1, "int4-gemv"), (1, "int4-gemv-swept")} <= sums
 
 
 def test_smoke_run_with_no_quantized_format_times_bf16_beside_its_one_row_gemv(tmp_path):

@@ -12,7 +12,7 @@ A step decodes densely where Quest cannot win:
   shape, batch 1, budget 2048 (committed ``benchmarks/results/e2e-h200-8k-bf16-final.md`` and the short-context
   points in ``docs/results.md``), Quest's step was 0.91x dense's at 1k (the budget covers it), 0.95x at 8k
   (4 budgets), 1.02x at 32k (16 budgets) and 1.16x at 64k: below about 4 budgets the sparse step costs more than
-  it saves, so the default ratio is 4.
+  it saves, so the default ratio is 4 (an evaluation sets 1: it measures Quest's answers at every context).
 
 The rule depends on the row's own length and budget only, never on what shares its batch, so a request's tokens do
 not depend on its batch.

@@ -97,7 +97,8 @@ def engine_configs(settings: Sequence[Setting], page_size: int, dense_layers: in
             groups.setdefault((setting.page_size or page_size, options), []).append(setting)
     out: list[tuple[Optional[QuestConfig], list[Setting]]] = [
         (QuestConfig(token_budget=max(s.budget for s in group), page_size=size, dense_layers=dense_layers,
-                     selection_interval=max(s.selection_interval for s in group), **dict(options)), group)
+                     selection_interval=max(s.selection_interval for s in group), dense_context_ratio=1.0,
+                     **dict(options)), group)  # Quest's answers at every context, as Setting.config's
         for (size, options), group in groups.items()
     ]
     full = [s for s in settings if s.policy == "full"]

@@ -123,7 +123,11 @@ class Setting:
             unknown = sorted(set(options) - set(PAGE_POLICY_OPTIONS) - set(ENGINE_OPTIONS["quest"]))
             if unknown:
                 raise ValueError(f"policy {self.policy!r} takes no option(s) {', '.join(unknown)}")
-            return QuestConfig(token_budget=self.budget, page_size=page_size, dense_layers=dense_layers, **options)
+            # Quest's selection at every context: the route's cost model (dense_context_ratio) is a speed choice, and
+            # an evaluation cell named quest must measure Quest's answers (the ratio 1 still routes a covering budget
+            # dense, which changes no answer)
+            return QuestConfig(token_budget=self.budget, page_size=page_size, dense_layers=dense_layers,
+                               dense_context_ratio=1.0, **options)
         return make_policy(self.policy, self.budget, page_size, **options)
 
     @property

@@ -236,7 +236,7 @@ def test_a_request_without_detokenization_gets_its_tokens_and_no_text(model_dir)
 
 
 def test_the_sparse_metric_is_the_budget_once_the_context_exceeds_it_and_none_when_dense(model_dir):
-    quest = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1)
+    quest = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1, dense_context_ratio=1.0)
     llm = make_llm(model_dir, quest)
     sparse, dense = llm.generate([prompt(60), prompt(60)], [greedy(8), greedy(8, dense=True)], use_tqdm=False)
     assert sparse.metrics.mean_sparse_tokens_attended == 16 and dense.metrics.mean_sparse_tokens_attended is None

@@ -23,7 +23,10 @@ from tests.helpers import greedy_params, save_tiny_model
 
 VOCAB, PAGE, MAX_LEN, LAYERS = 96, 4, 128, 3
 FULL = QuestConfig(token_budget=MAX_LEN, page_size=PAGE, dense_layers=1)  # covers every context
-SMALL = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1)
+# Quest's selection from the smallest contexts: dense_context_ratio=1 routes dense only where the budget covers the
+# context (the default's cost model would send these tiny contexts dense; tests/decode/test_route.py and the
+# dense_context_ratio tests of test_selection_reuse.py cover it).
+SMALL = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=1, dense_context_ratio=1.0)
 ENGINES = {"dense": None, "quest full budget": FULL, "quest small budget": SMALL}
 
 
@@ -298,7 +301,7 @@ def test_no_page_leaks_after_many_requests_with_preemptions_stops_and_aborts(mod
 
 
 def test_per_request_token_budgets_in_one_batch_give_each_requests_tokens_alone_at_its_budget(model_dir):
-    quest = QuestConfig(token_budget=32, page_size=PAGE, dense_layers=1)
+    quest = QuestConfig(token_budget=32, page_size=PAGE, dense_layers=1, dense_context_ratio=1.0)
     llm = make_llm(model_dir, quest)
     budgets = [8, 16, None, 24, 4, 32]
     prompts = [prompt(random.randint(40, 90)) for _ in budgets]

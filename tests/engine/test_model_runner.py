@@ -24,7 +24,7 @@ from tests.helpers import greedy_params, save_tiny_model
 
 VOCAB, PAGE, MAX_LEN, LAYERS = 96, 4, 128, 3
 FULL = QuestConfig(token_budget=MAX_LEN, page_size=PAGE, dense_layers=1)  # covers every context
-SMALL = QuestConfig(token_budget=12, page_size=PAGE, dense_layers=1)
+SMALL = QuestConfig(token_budget=12, page_size=PAGE, dense_layers=1, dense_context_ratio=1.0)  # Quest from tiny contexts
 
 
 @pytest.fixture(scope="module")
@@ -186,10 +186,11 @@ def test_a_small_budget_selects_only_its_pages_and_changes_the_logits(model_dir,
 def test_sparse_layers_decode_through_sparse_and_the_layers_below_dense_layers_through_dense(
     model_dir, monkeypatch, dense_layers
 ):
-    quest = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=dense_layers)
+    quest = QuestConfig(token_budget=16, page_size=PAGE, dense_layers=dense_layers, dense_context_ratio=1.0)
     llm = make_llm(model_dir, quest)
     calls = record_decode_paths(monkeypatch, llm)
-    llm.generate([prompt(random.randint(1, 40)), prompt(random.randint(1, 40))], greedy(5), use_tqdm=False)
+    # contexts past the budget: every decode step is routed to Quest (a covered one would run its sparse layers dense)
+    llm.generate([prompt(random.randint(17, 40)), prompt(random.randint(17, 40))], greedy(5), use_tqdm=False)
     expected = [("dense" if i < dense_layers else "sparse", i) for i in range(LAYERS)]
     assert [(path, layer) for path, layer, _, _ in calls] == expected * 4  # four decode steps, none in prefill
 
@@ -203,7 +204,7 @@ def test_a_dense_engine_never_calls_sparse(model_dir, monkeypatch, quest):
 
 
 def test_per_request_budgets_reach_every_sparse_layer_as_per_row_page_counts(model_dir, monkeypatch):
-    quest = QuestConfig(token_budget=32, page_size=PAGE, dense_layers=1)
+    quest = QuestConfig(token_budget=32, page_size=PAGE, dense_layers=1, dense_context_ratio=1.0)
     llm = make_llm(model_dir, quest)
     calls = record_decode_paths(monkeypatch, llm)
     budgets = [8, None, 16, 4, 32]

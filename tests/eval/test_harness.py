@@ -108,9 +108,11 @@ def test_score_tokens_under_full_is_the_dense_nll(tiny_model):
 
 def test_setting_build():
     full = Setting("full", None).build(PAGE, 2)
-    assert full == QuestConfig(token_budget=None, page_size=PAGE, dense_layers=2)
+    assert full == QuestConfig(token_budget=None, page_size=PAGE, dense_layers=2, dense_context_ratio=1.0)
     quest = Setting("quest", 32, (("selection", "q_head"),)).build(PAGE, 1)
-    assert quest == QuestConfig(token_budget=32, page_size=PAGE, dense_layers=1, selection="q_head")
+    # an evaluation measures Quest's answers at every context: the route's cost model off (dense_context_ratio 1)
+    assert quest == QuestConfig(token_budget=32, page_size=PAGE, dense_layers=1, selection="q_head",
+                                dense_context_ratio=1.0)
     h2o = Setting("h2o", 24, (("recent_tokens", 4),)).build(PAGE, 1)
     assert isinstance(h2o, H2OPolicy) and h2o.token_budget == 24 and h2o.recent_tokens == 4 and h2o.page_size == PAGE
     topp = Setting("quest-topp", 32, (("top_p", 0.5),)).build(PAGE, 1)

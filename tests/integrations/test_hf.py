@@ -119,8 +119,9 @@ def test_budget_covering_context_matches_unpatched(family):
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("selection,reduction", [("kv_head", "sum"), ("kv_head", "max"), ("q_head", "sum")])
 def test_small_budget_is_quest_over_selected_pages(family, selection, reduction):
-    config = questkv.QuestConfig(
-        token_budget=3 * PAGE, page_size=PAGE, dense_layers=1, selection=selection, group_reduction=reduction
+    config = questkv.QuestConfig(  # Quest's selection from a short context (the route's cost model off)
+        token_budget=3 * PAGE, page_size=PAGE, dense_layers=1, selection=selection, group_reduction=reduction,
+        dense_context_ratio=1.0,
     )
     ids = prompt(70)
     model = make_model(family)
@@ -310,7 +311,8 @@ class DecodeSpy:
 
 def test_decode_runs_through_the_one_decode_step(monkeypatch):
     model = make_model("llama-gqa")  # 3 layers
-    questkv.enable(model, questkv.QuestConfig(token_budget=2 * PAGE, page_size=PAGE, dense_layers=1))
+    questkv.enable(model, questkv.QuestConfig(token_budget=2 * PAGE, page_size=PAGE, dense_layers=1,
+                                              dense_context_ratio=1.0))
     ids = prompt(37)
     new_tokens = 12  # 11 decode steps: the first token comes from the prefill
     spy = DecodeSpy(monkeypatch)

@@ -104,7 +104,9 @@ def test_quest_policy_equals_quest_config(family, selection):
     ids = prompt(70, seed=torch.randint(0, 10**6, ()).item())
     dense = greedy(model, ids)
     budget = 3 * PAGE
-    questkv.enable(model, questkv.QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=1, selection=selection))
+    # the policy path has no route: Quest's selection at every context (dense_context_ratio 1) on the config path too
+    questkv.enable(model, questkv.QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=1, selection=selection,
+                                              dense_context_ratio=1.0))
     config_run = greedy(model, ids)
     questkv.enable(model, make_policy("quest", budget, page_size=PAGE, selection=selection), dense_layers=1)
     policy_run = greedy(model, ids)
@@ -347,7 +349,8 @@ def enabled_with_budget(name: str, budget: int):
     QuestConfig path, else the policy of that name)."""
     model = make_model("llama-gqa")
     if name == "quest-config":
-        questkv.enable(model, questkv.QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=1))
+        questkv.enable(model, questkv.QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=1,
+                                                  dense_context_ratio=1.0))  # Quest from short contexts
     else:
         questkv.enable(model, make_policy(name, budget, page_size=PAGE), dense_layers=1)
     return model
