@@ -11,9 +11,11 @@ any other exception -> 500 (logged; that request only, the connection kept), the
 each with OpenAI's error object, and each request counted once in ``questkv_requests_total``.
 
 The event loop only moves bytes: the body is read within ``max_request_bytes`` (else 413) and
-``body_read_timeout`` seconds (else 408; both close the connection), then parsed, validated and tokenised
-on one worker thread of its own (the tokenizer copy is not shared), so a multi-megabyte prompt never stalls
-``/health`` or the other streams.
+``body_read_timeout`` seconds (else 408; both close the connection), then parsed, validated and tokenised off the
+event loop, so a multi-megabyte prompt never stalls ``/health`` or the other streams. Two preparing threads share
+the server's tokenizer copy (never the engine thread's): bodies of ``large_body_bytes`` or more are prepared on
+one, the others on the other, each in arrival order, so a small request never waits behind a large prompt's
+tokenisation.
 
 Streams are server-sent events as OpenAI sends them: ``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``. The
 streamed text is always a prefix of the final text: while a request runs, the last ``len(longest stop) - 1``
@@ -49,6 +51,7 @@ __all__ = ["DEFAULT_BODY_READ_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "OpenAIServ
 logger = logging.getLogger("questkv.server")
 _POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+_LARGE_BODY_BYTES = 256 << 10  # a body of this size or more is prepared on the large bodies' thread
 
 
 def error_response(error: RequestError) -> JSONResponse:
@@ -157,15 +160,24 @@ class OpenAIServing:
         # request that leaves max_tokens out gets the rest of the context, within this.
         cache = engine.cache
         self.max_cached_tokens = min(cache.num_free_pages, cache.max_pages_per_seq) * cache.page_size
-        # The engine thread detokenises with the engine's tokenizer; the event loop encodes with its own copy.
+        # The engine thread detokenises with the engine's tokenizer; the preparing threads encode with this copy.
         self.tokenizer = None if engine.tokenizer is None else copy.deepcopy(engine.tokenizer)
+        if self.tokenizer is not None:
+            # A call settles a fast tokenizer's truncation and padding to what every later call asks (none), so
+            # the two preparing threads' calls only read it (they run in Rust, without the GIL, side by side).
+            self.tokenizer("", add_special_tokens=True)
         self.created = protocol.now()
-        # Parsing, validation and tokenisation run here, one request at a time, off the event loop.
-        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="questkv-prepare")
+        # Parsing, validation and tokenisation run off the event loop, bodies of large_body_bytes or more on a
+        # thread of their own: [0] the small bodies', [1] the large bodies'.
+        self.large_body_bytes = _LARGE_BODY_BYTES
+        self._prepare_pools = tuple(
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"questkv-prepare-{size}")
+            for size in ("small", "large"))
 
     def close(self) -> None:
-        """Stop the preparing thread (requests being prepared finish; none is started after)."""
-        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the preparing threads (requests being prepared finish; none is started after)."""
+        for pool in self._prepare_pools:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- endpoints ---------------------------------------------------------------------------------------------
 
@@ -176,12 +188,13 @@ class OpenAIServing:
         return await self._handle(request, self._prepare_chat, "chatcmpl", "messages")
 
     async def _handle(self, request: Request, prepare, prefix: str, prompt_param: str) -> Response:
-        """Read, prepare (on the preparing thread) and serve one request; every exception ends here."""
+        """Read, prepare (on the preparing thread of its body's size) and serve one request; every exception ends
+        here."""
         outcome = _Outcome(self.metrics)
         try:
             raw = await self._read_body(request)
             body, token_ids, params = await asyncio.get_running_loop().run_in_executor(
-                self._prepare_pool, prepare, raw)
+                self._prepare_pools[len(raw) >= self.large_body_bytes], prepare, raw)
             return await self._serve(request, body, token_ids, params, prefix, prompt_param, outcome)
         except Exception as error:  # the one place an exception becomes an HTTP answer
             answer = to_request_error(error, prompt_param)
