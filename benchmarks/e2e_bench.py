@@ -175,16 +175,19 @@ def time_engine(cfg, quest, batch, context, seed=0, quantization=None, linear_ba
             "kernels": kernels}
 
 
-def time_pair(cfg, quest, batch, context, rounds: int = 8, steps_per_round: int = 8, seed=0) -> dict:
+def time_pair(cfg, quest, batch, context, rounds: int = 8, steps_per_round: int = 8, seed=0,
+              built_first: str = "dense") -> dict:
     """The dense engine and the Quest engine alive side by side, timed in alternation: ``rounds`` rounds, each
     timing ``steps_per_round`` asynchronous decode steps of one engine, then of the other (the first of the two
     alternating by round), and one graph replay measure (:func:`replay_ms`) of each; after 6 warm-up steps each.
     Returns each engine's median over rounds of ms per step and of the graph replay, and the medians of the
-    per-round ratios dense / Quest: a ratio that the order of the runs, clocks or allocation cannot bias."""
+    per-round ratios dense / Quest: a ratio that the order of the runs or clocks cannot bias. ``built_first``
+    (``"dense"`` or ``"quest"``): the engine allocated first (its memory placement; swap it to see its effect)."""
     total = 6 + rounds * steps_per_round + 4
     need = batch * (context + total + 2 * PAGE) * kv_bytes_per_token(cfg) * (2 * PAGE + 2) // (2 * PAGE)
     engines = {}
-    for name, config in (("dense", None), ("quest", quest)):
+    order = (("dense", None), ("quest", quest))
+    for name, config in (order if built_first == "dense" else order[::-1]):
         llm = LLM(cfg, quest=config, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
                   max_model_len=context + PAGE, kv_cache_memory=int(need * 1.05) + (256 << 20), seed=seed,
                   enable_chunked_prefill=False, async_scheduling=True)
@@ -213,7 +216,7 @@ def time_pair(cfg, quest, batch, context, rounds: int = 8, steps_per_round: int 
                      "ms_rounds": ms[name], "graph_rounds": graph[name]} for name in engines}
     result["speedup"] = statistics.median(d / q for d, q in zip(ms["dense"], ms["quest"]))
     result["graph_speedup"] = statistics.median(d / q for d, q in zip(graph["dense"], graph["quest"]))
-    result["rounds"], result["steps_per_round"] = rounds, steps_per_round
+    result["rounds"], result["steps_per_round"], result["built_first"] = rounds, steps_per_round, built_first
     for llm in engines.values():
         llm.close()
     del engines
@@ -572,6 +575,8 @@ def main() -> None:
     parser.add_argument("--interleaved", action="store_true",
                         help="also time each point's dense and Quest engines side by side in alternating rounds "
                         "(time_pair: medians of per-round ratios; both engines held at once)")
+    parser.add_argument("--interleaved-built-first", choices=["dense", "quest"], default="dense",
+                        help="with --interleaved: which engine is allocated first (default: dense)")
     parser.add_argument("--dense-context-ratio", type=float, default=QuestConfig().dense_context_ratio,
                         help="the Quest engines' QuestConfig.dense_context_ratio: decode steps stay dense while the "
                         "context holds at most this many budgets (default: QuestConfig's)")
@@ -621,7 +626,8 @@ def main() -> None:
         point.update(floor_dense_ms=dense_floor, floor_quest_ms=quest_floor, ideal_speedup=dense_floor / quest_floor)
         point["speedup"] = point["engine_dense"]["ms_per_token"] / point["engine_quest"]["ms_per_token"]
         if args.interleaved:
-            point["interleaved"] = pair = time_pair(cfg, quest, batch, context)
+            point["interleaved"] = pair = time_pair(cfg, quest, batch, context,
+                                                    built_first=args.interleaved_built_first)
             print(f"{name} B={batch} L={context} interleaved: dense {pair['dense']['ms_per_token']:.2f} ms, quest "
                   f"{pair['quest']['ms_per_token']:.2f} ms, x{pair['speedup']:.3f} (graphs x{pair['graph_speedup']:.3f})",
                   flush=True)

@@ -248,7 +248,8 @@ def interleaved_section(record: dict) -> list[str]:
              "Both engines held at once; each round times a few asynchronous steps of one, then of the other (the "
              "order alternating), and one graph replay measure of each; medians over rounds, the speedup the median of "
              "the per-round ratios dense / Quest. QuestConfig.dense_context_ratio of the run: "
-             f"{points[0].get('dense_context_ratio', '–')}.", "",
+             f"{points[0].get('dense_context_ratio', '–')}; engine allocated first: "
+             f"{points[0]['interleaved'].get('built_first', 'dense')}.", "",
              "| model | B | context | budget | dense ms | Quest ms | speedup | dense graph ms | Quest graph ms | "
              "graph speedup | rounds |", "|" + "---|" * 11]
     for p in points:
