@@ -8,8 +8,7 @@ extension, errors), :mod:`.engine_loop` (the engine's thread), :mod:`.metrics` (
 
 __all__ = ["DEFAULT_BODY_READ_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "add_serve_args", "run_server"]
 
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt is about 0.5 MB of text, 0.9 MB of token ids
-DEFAULT_BODY_READ_TIMEOUT = 30.0  # seconds from a request's headers to the end of its body
+from questkv.server.limits import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
 
 def add_serve_args(parser) -> None:

@@ -17,7 +17,7 @@ import signal
 import sys
 
 from questkv.cli_args import add_engine_args, add_quest_args, engine_kwargs, int_at_least, quest_config, seconds
-from questkv.server import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
+from questkv.server.limits import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
 __all__ = ["add_serve_args", "run_server", "serve_model"]
 

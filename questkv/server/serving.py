@@ -40,7 +40,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from questkv.engine.scheduler import check_length
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.sequence import RequestOutput
-from questkv.server import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, protocol
+from questkv.server import protocol
+from questkv.server.limits import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from questkv.server.engine_loop import ACCEPTED, EngineFailure, EngineLoop, QueueFull, RequestStream, ShuttingDown
 from questkv.server.protocol import ChatCompletionRequest, CompletionRequest, QuestOptions, RequestError
 from questkv.validation import check_float, check_int, check_text
