@@ -1,6 +1,6 @@
 """The route of one sequence's decode step: dense attention or Quest's page selection. The one place that decides
 it, read by the engine's runner (:mod:`questkv.engine.model_runner`) and the HF drop-in
-(:mod:`questkv.decode.layer_decoder`) alike.
+(:mod:`questkv.integrations.layer_decoder`) alike.
 
 A step decodes densely where Quest cannot win:
 

@@ -17,12 +17,12 @@ What lives where:
   (which positions hold real tokens, the slots of the stored ones, dense K/V for a multi-token
   forward over a non-empty cache), sizes and grows the page pool, and records the prefill
   attention when asked;
-* :class:`questkv.decode.layer_decoder.LayerDecoder`, built once per :func:`enable`: which route
+* :class:`questkv.integrations.layer_decoder.LayerDecoder`, built once per :func:`enable`: which route
   each layer's decode steps take (dense paged attention below ``dense_layers``, Quest or the
   policy from there on), through one :class:`~questkv.decode.QuestDecodeStep` per decode shape,
   and the budget accounting (``mean_tokens_attended``), in a
-  :class:`~questkv.decode.layer_decoder.DecodeState` each cache owns;
-* :class:`questkv.decode.forward_state.ForwardState`: what one forward writes and reads (frozen);
+  :class:`~questkv.integrations.layer_decoder.DecodeState` each cache owns;
+* :class:`questkv.integrations.forward_state.ForwardState`: what one forward writes and reads (frozen);
 * :func:`questkv.policies.eviction.prefill_attention`: the prefill attention that seeds H2O.
 
 Padding: only tokens whose ``attention_mask`` is 1 are written to the paged cache, so pad
@@ -46,9 +46,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from questkv.cache.paged import PagedKVCache
 from questkv.config import QuestConfig
-from questkv.decode.forward_state import ForwardState
-from questkv.decode.layer_decoder import DecodeState, LayerDecoder
 from questkv.decode.route import decodes_densely
+from questkv.integrations.forward_state import ForwardState
+from questkv.integrations.layer_decoder import DecodeState, LayerDecoder
 from questkv.ops import LayerPages
 from questkv.policies.base import DecodePolicy
 from questkv.policies.eviction import prefill_attention

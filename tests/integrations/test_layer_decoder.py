@@ -11,8 +11,8 @@ import torch
 
 from questkv.cache.paged import PagedKVCache
 from questkv.config import QuestConfig
-from questkv.decode.layer_decoder import DecodeState, LayerDecoder
 from questkv.decode.step import QuestDecodeStep
+from questkv.integrations.layer_decoder import DecodeState, LayerDecoder
 from questkv.ops import reference
 from questkv.policies import make_policy
 
@@ -336,7 +336,7 @@ def test_bad_arguments_are_rejected():
 
 def test_the_decoder_is_framework_free():
     code = (
-        "import sys, questkv.decode.layer_decoder, questkv.decode.forward_state; "
+        "import sys, questkv.integrations.layer_decoder, questkv.integrations.forward_state; "
         "sys.exit(int('transformers' in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from questkv.decode.forward_state import ForwardState
+from questkv.integrations.forward_state import ForwardState
 
 
 def state(new_token_mask: torch.Tensor, past_positions: int, stored_slots=None) -> ForwardState:

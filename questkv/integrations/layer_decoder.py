@@ -18,8 +18,9 @@ included (Quest charges every selected page in full; policies report their own c
 
 What one batch of sequences accumulates across steps (the policies' per-layer state, the token
 tallies) lives in a :class:`DecodeState` the caller owns, one per batch (per
-:class:`~questkv.integrations.hf.QuestCache`), so one decoder serves many caches. No transformers
-here: the HF drop-in and the engine both use it.
+:class:`~questkv.integrations.hf.QuestCache`), so one decoder serves many caches. The HF drop-in's
+router (the engine routes in ``layers/attention.py``); no transformers here: the transformers protocol
+stays in :mod:`questkv.integrations.hf`.
 """
 
 from __future__ import annotations
