@@ -49,16 +49,15 @@ def check_prefill_attention(
             raise ValueError(f"{name} must be on q's device {q.device}, got {tensor.device}")
 
 
-def check_active(active: torch.Tensor, batch: int, num_sel_heads: int, device: torch.device) -> None:
-    """``ValueError`` unless ``active`` (the ``*_into`` ops' flags) is a contiguous int32 tensor on ``device``
-    of shape ``[batch]`` (per sequence) or ``[batch, num_sel_heads]`` (per sequence and selecting head)."""
+def check_active(active: torch.Tensor, batch: int, device: torch.device) -> None:
+    """``ValueError`` unless ``active`` (the ``*_into`` ops' flags, one per sequence) is a contiguous ``[batch]``
+    int32 tensor on ``device``."""
     if not isinstance(active, torch.Tensor):
-        raise ValueError(f"active must be None or a [batch] or [batch, num_sel_heads] int32 tensor, "
-                         f"got {type(active).__name__}")
-    if (tuple(active.shape) not in ((batch,), (batch, num_sel_heads)) or active.dtype != torch.int32
-            or active.device != torch.device(device) or not active.is_contiguous()):
-        raise ValueError(f"active must be a contiguous int32 tensor of shape ({batch},) or ({batch}, {num_sel_heads}) "
-                         f"on {device}, got shape {tuple(active.shape)}, {active.dtype} on {active.device}"
+        raise ValueError(f"active must be None or a contiguous [batch] int32 tensor, got {type(active).__name__}")
+    if (tuple(active.shape) != (batch,) or active.dtype != torch.int32 or active.device != torch.device(device)
+            or not active.is_contiguous()):
+        raise ValueError(f"active must be None or a contiguous int32 tensor of shape ({batch},) on {device}, "
+                         f"got shape {tuple(active.shape)}, {active.dtype} on {active.device}"
                          f"{'' if active.is_contiguous() else ', not contiguous'}")
 
 

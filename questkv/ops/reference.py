@@ -21,10 +21,10 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
 * ``budgets``: ``[batch]`` int32 token budget of each sequence (a multiple of ``page_size``, at most
   ``budget_pages * page_size`` and at least the forced pages plus the current one); ``None`` gives every
   sequence ``budget_pages``. Callers validate the values on the host (the ops never synchronise).
-* ``active``: ``[batch]`` int32 flags of :func:`page_scores_into` and :func:`select_pages_into`
-  (selection reuse: a sequence re-estimates and re-selects only every ``selection_interval``-th step),
-  or ``None`` for every sequence. A sequence whose flag is 0 leaves its rows of ``out`` untouched; the flags are
-  read on the device, so one CUDA graph serves every pattern (:func:`questkv.ops.checks.check_active`).
+* ``active``: contiguous ``[batch]`` int32 flags of :func:`page_scores_into` and :func:`select_pages_into`, one
+  per sequence (selection reuse: a sequence re-estimates and re-selects only every ``selection_interval``-th
+  step), or ``None`` for every sequence. A sequence whose flag is 0 leaves all its rows of ``out`` untouched; the
+  flags are read on the device, so one CUDA graph serves every pattern (:func:`questkv.ops.checks.check_active`).
 
 The estimate, the selection and the decode attention also have an ``*_into`` form writing into preallocated
 outputs, with the same signature as the Triton kernels' (:mod:`questkv.ops.triton`), so
@@ -431,11 +431,11 @@ def page_scores_into(
 ) -> torch.Tensor:
     """:func:`page_scores` into ``out`` ``[batch, num_sel_heads, max_pages]`` float32; returns ``out``.
 
-    ``active``: ``None`` (every sequence), ``[batch]`` or ``[batch, num_sel_heads]`` int32 on ``out``'s device
-    (:func:`check_active`); a sequence (or a (sequence, head)) whose flag is 0 leaves its rows of ``out``
-    untouched. Every row is computed and the active ones copied, with no host synchronisation."""
+    ``active``: ``None`` (every sequence) or contiguous ``[batch]`` int32 on ``out``'s device (:func:`check_active`);
+    a sequence whose flag is 0 leaves its rows of ``out`` untouched. Every row is computed and the active ones
+    copied, with no host synchronisation."""
     if active is not None:
-        check_active(active, out.shape[0], out.shape[1], out.device)
+        check_active(active, out.shape[0], out.device)
     scores = page_scores(q, kmin, kmax, page_table, seq_lens, page_size, selection, group_reduction)
     return out.copy_(scores if active is None else _where_active(active, scores, out))
 
@@ -457,13 +457,12 @@ def select_pages_into(
     int32 (``width >= budget_pages``; the columns past ``budget_pages`` are never touched); ``buffers``
     and ``split`` (the kernel's scratch and path) are unused here. Returns ``out``.
 
-    ``active``: ``None`` (every sequence), ``[batch]`` or ``[batch, num_sel_heads]`` int32 on ``out``'s device
-    (:func:`check_active`); a sequence (or a (sequence, head)) whose flag is 0 leaves its rows of ``out``
-    untouched (no host synchronisation)."""
+    ``active``: ``None`` (every sequence) or contiguous ``[batch]`` int32 on ``out``'s device (:func:`check_active`);
+    a sequence whose flag is 0 leaves its rows of ``out`` untouched (no host synchronisation)."""
     batch, heads, _ = scores.shape
     check_select_out(out, batch, heads, budget_pages)
     if active is not None:
-        check_active(active, batch, heads, out.device)
+        check_active(active, batch, out.device)
     chosen = select_pages(scores, seq_lens, page_size, budget_pages, sink_pages, recent_pages, budgets)
     columns = out[..., :budget_pages]  # a view: copying into it writes out
     columns.copy_(chosen if active is None else _where_active(active, chosen, columns))
@@ -565,6 +564,6 @@ def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:
 
 
 def _where_active(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` ``[batch, num_sel_heads, ...]`` in the rows whose ``active`` flag (``[batch]`` or ``[batch,
-    num_sel_heads]``) is nonzero, ``old`` elsewhere (no host synchronisation)."""
-    return torch.where(active.view(*active.shape, *([1] * (new.dim() - active.dim()))) != 0, new, old)
+    """``new`` ``[batch, num_sel_heads, width]`` in the rows of the sequences whose ``active`` flag (``[batch]``)
+    is nonzero, ``old`` elsewhere (no host synchronisation)."""
+    return torch.where(active[:, None, None] != 0, new, old)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
 
 import torch
 import triton
@@ -79,15 +78,6 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
     for name, tensor in tensors.items():
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tensor.stride()}")
-
-
-def active_strides(active: Optional[torch.Tensor]) -> tuple[int, int]:
-    """Element strides ``(per sequence, per selecting head)`` of an op's ``active`` flags: ``[batch]`` flags
-    are shared by a sequence's heads (head stride 0), ``[batch, num_sel_heads]`` are per head; ``(0, 0)``
-    for ``None`` (the kernels then never read them)."""
-    if active is None:
-        return 0, 0
-    return (1, 0) if active.dim() == 1 else (active.shape[1], 1)
 
 
 @triton.jit

@@ -11,7 +11,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from questkv.ops.checks import check_active, check_mode
 from questkv.ops.triton._common import (
-    active_strides,
     check_last_dim_contiguous,
     check_shape,
     interpreting,
@@ -93,7 +92,6 @@ def _page_scores_kernel(
     stride_bp, stride_bh,
     stride_tb,
     stride_ob, stride_oh,
-    stride_ab, stride_ah,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_ACTIVE: tl.constexpr, USE_PDL: tl.constexpr,
@@ -106,10 +104,8 @@ def _page_scores_kernel(
     so ``score = max(q, 0) @ kmax^T + min(q, 0) @ kmin^T``. Splitting ``q`` by sign is exact in
     any float dtype and products accumulate in float32. A program whose pages all lie past the
     sequence (up to ``max_pages``, the table width) only stores ``-inf``: no reads, no products, so
-    the work follows each sequence's pages. With ``HAS_ACTIVE`` the program reads the flags of its score
-    rows (``active[seq * stride_ab + row * stride_ah]``, ``row`` the KV head, or its group's query heads
-    for ``MODE`` 0): when all are 0 it returns before any other read or write, else it writes only the rows
-    whose flag is set (with ``MODE`` 1 or 2 a KV head's one flag covers its group). With ``USE_PDL``
+    the work follows each sequence's pages. With ``HAS_ACTIVE`` the program first reads its sequence's
+    flag (``active[seq]``): when it is 0 the program returns before any other read or write. With ``USE_PDL``
     it waits for the kernels before it only at its first read (the flag's, or the length's), and lets
     the next kernel launch once its loop is done."""
     head = tl.program_id(0)
@@ -117,18 +113,12 @@ def _page_scores_kernel(
     seq = tl.program_id(2).to(tl.int64)
     if USE_PDL:
         gdc_wait()
+    if HAS_ACTIVE:
+        if tl.load(active_ptr + seq) == 0:  # the sequence reuses its last selection: out[seq] stays as it is
+            return
     g = tl.arange(0, BLOCK_G)
     gmask = g < GROUP
     rows = head * GROUP + g
-    if HAS_ACTIVE:
-        if MODE == 0:
-            flag_rows = rows
-        else:
-            flag_rows = head + g * 0
-        flags = tl.load(active_ptr + seq * stride_ab + flag_rows * stride_ah, mask=gmask, other=0)
-        if tl.max(flags, axis=0) == 0:  # every row reuses its last selection: out[seq, rows] stays as it is
-            return
-        gmask = gmask & (flags != 0)
     num_pages = tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
@@ -206,15 +196,14 @@ def page_scores_into(
     (one launch, no host synchronisation). Returns ``out``.
 
     Args:
-        active: ``None`` (every sequence), ``[batch]`` or ``[batch, num_sel_heads]`` int32 on ``out``'s device:
-            a sequence (or a (sequence, head)) whose flag is 0 leaves its rows of ``out`` untouched (a program
-            whose rows are all inactive exits after reading the flags).
+        active: ``None`` (every sequence) or contiguous ``[batch]`` int32 on ``out``'s device: a sequence
+            whose flag is 0 leaves its rows of ``out`` untouched (its programs exit after reading the flag).
     """
     batch, _, head_dim = q.shape
     num_kv_heads, max_pages = kmin.shape[1], page_table.shape[1]
     mode, group = check_page_scores_args(out, q, kmin, kmax, page_table, seq_lens, selection, group_reduction)
     if active is not None:
-        check_active(active, batch, out.shape[1], out.device)
+        check_active(active, batch, out.device)
     blocks = triton.cdiv(max_pages, _BLOCK_P)
     per_program = _BLOCKS_PER_PROGRAM if num_kv_heads * blocks * batch >= _MIN_PROGRAMS_PER_SM * num_sms(q.device) else 1
     grid = (num_kv_heads, triton.cdiv(blocks, per_program), batch)
@@ -225,7 +214,6 @@ def page_scores_into(
         kmin.stride(0), kmin.stride(1),
         page_table.stride(0),
         out.stride(0), out.stride(1),
-        *active_strides(active),
         PAGE_SIZE=page_size, GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_P=_BLOCK_P, BLOCK_D=next_pow2(head_dim), MODE=mode,
         # float32 products when 16-bit operands would lose bits (or under the interpreter, whose

@@ -3,9 +3,9 @@
 Two paths with the same result: one program per (sequence, head) row, which loops over chunks of
 the row as many as the row's own pages fill (its cost follows each row's length, not the
 page-table width), and for long rows a split radix select over chunks of the row (several
-launches, global histograms). With ``active`` flags (per sequence, or per (sequence, head)) every program of
-an inactive row, in every launch, returns after reading its flag (the one-program kernel reads its row's
-length and budget beside it) and before reading a score: its output row and its scratch are left
+launches, global histograms). With ``active`` flags (one per sequence) every program of an inactive
+sequence's rows, in every launch, returns after reading its flag (the one-program kernel reads its row's
+length and budget beside it) and before reading a score: its output rows and their scratch are left
 as they are (the scratch of a row is its own, so nothing it skips is shared with another row).
 """
 
@@ -20,7 +20,6 @@ import triton.language as tl
 from questkv.ops.checks import check_active, check_select_out
 from questkv.ops.pages import SelectBuffers
 from questkv.ops.triton._common import (
-    active_strides,
     check_last_dim_contiguous,
     check_shape,
     last_to_arrive,
@@ -170,14 +169,13 @@ def _select_pages_kernel(
     max_pages,
     stride_sb, stride_sh,
     stride_ob, stride_oh,
-    stride_ab, stride_ah,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, HAS_BUDGETS: tl.constexpr, HAS_ACTIVE: tl.constexpr,
 ):
     """One program per (head, sequence) selects its row (:func:`_select_row`) in chunks of ``BLOCK``
     pages; with ``SINGLE`` in one chunk of ``BLOCK`` pages, or of ``BLOCK // 2`` for a row that fits in it
     (the cost of a row in a narrow table still follows its pages, in two steps). With ``HAS_BUDGETS`` the row picks ``budgets[seq] // PAGE_SIZE`` pages (at most ``BUDGET``).
-    With ``HAS_ACTIVE`` the program of a row whose flag (``active[seq * stride_ab + head * stride_ah]``) is 0
+    With ``HAS_ACTIVE`` the program of a row whose sequence's flag (``active[seq]``) is 0
     reads no score and writes nothing: it loads its flag beside its length and budget (independent loads, one
     round trip) and returns. (The flag tested before those two loads made ptxas cap the kernel at 64 registers
     and spill at the default chunk in an sm_90 compile, tests/ops/test_triton_compile.py; this order keeps 78
@@ -186,7 +184,7 @@ def _select_pages_kernel(
     seq = tl.program_id(1).to(tl.int64)
     active = 1
     if HAS_ACTIVE:
-        active = tl.load(active_ptr + seq * stride_ab + head * stride_ah)
+        active = tl.load(active_ptr + seq)
     num_pages, to_pick = _row_pages(lens_ptr, budgets_ptr, seq, max_pages, PAGE_SIZE, BUDGET, HAS_BUDGETS)
     if active == 0:  # the sequence keeps its last selection
         return
@@ -238,7 +236,6 @@ def _split_histogram_kernel(
     scores_ptr, lens_ptr, budgets_ptr, active_ptr, hist_ptr, chunk_hist_ptr, chunk_above_ptr,
     max_pages,
     stride_sb, stride_sh,
-    stride_ab, stride_ah,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     HAS_BUDGETS: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr, BINS: tl.constexpr,
     LAST_BINS: tl.constexpr, NUM_PASSES: tl.constexpr, HAS_ACTIVE: tl.constexpr, PASS: tl.constexpr,
@@ -249,11 +246,12 @@ def _split_histogram_kernel(
     passes, the threshold's top ``PASS`` digits; it histograms digit ``PASS`` of the chunk's keys
     that share them. Every pass but the last adds the histogram into the row's merged one (global
     atomics); the last pass (the low bits) stores it per chunk with the count of the chunk's keys
-    whose prefix is larger, which is what the compaction needs to place every chunk. A program of an
-    inactive row (``HAS_ACTIVE``, flag 0) returns at once: its row's histograms stay as they are.
+    whose prefix is larger, which is what the compaction needs to place every chunk. A program of a
+    row of an inactive sequence (``HAS_ACTIVE``, ``active[seq]`` 0) returns at once: its row's histograms
+    stay as they are.
     """
     if HAS_ACTIVE:
-        if tl.load(active_ptr + tl.program_id(2) * stride_ab + tl.program_id(1) * stride_ah) == 0:
+        if tl.load(active_ptr + tl.program_id(2)) == 0:
             return
     chunk, seq, head, row, i, valid, key, to_pick = _chunk_keys(
         scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_sh,
@@ -279,7 +277,6 @@ def _split_compact_kernel(
     max_pages,
     stride_sb, stride_sh,
     stride_ob, stride_oh,
-    stride_ab, stride_ah,
     PAGE_SIZE: tl.constexpr, BUDGET: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     HAS_BUDGETS: tl.constexpr, CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr, BINS: tl.constexpr,
     LAST_BINS: tl.constexpr, NUM_PASSES: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -292,11 +289,12 @@ def _split_compact_kernel(
     at ``T``; ties go to the lowest chunks first, so the chunk's output offset is the sum of the
     earlier chunks' kept pages and its own tie quota follows. It writes its kept pages in ascending
     order and its share of the ``-1`` padding, then takes a ticket: the row's last program zeroes
-    the merged histograms and the counter for the next launch. A program of an inactive
-    row (``HAS_ACTIVE``, flag 0) returns at once: no output, no ticket (its row's scratch was never touched).
+    the merged histograms and the counter for the next launch. A program of a row of an
+    inactive sequence (``HAS_ACTIVE``, ``active[seq]`` 0) returns at once: no output, no ticket (its row's
+    scratch was never touched).
     """
     if HAS_ACTIVE:
-        if tl.load(active_ptr + tl.program_id(2) * stride_ab + tl.program_id(1) * stride_ah) == 0:
+        if tl.load(active_ptr + tl.program_id(2)) == 0:
             return
     chunk, seq, head, row, i, valid, key, to_pick = _chunk_keys(
         scores_ptr, lens_ptr, budgets_ptr, max_pages, stride_sb, stride_sh,
@@ -404,17 +402,16 @@ def _select_split(out, buffers, scores, seq_lens, budgets, page_size, budget_pag
         num_warps=min(_MAX_WARPS, max(_MIN_WARPS, chunk_pages // (32 * _KEYS_PER_THREAD))),
     )
     budgets = seq_lens if budgets is None else budgets
-    strides = active_strides(active)
     active = seq_lens if active is None else active  # not read without HAS_ACTIVE
     for p in range(passes):
         _split_histogram_kernel[grid](
             scores, seq_lens, budgets, active, hist, chunk_hist, chunk_above,
-            max_pages, scores.stride(0), scores.stride(1), *strides,
+            max_pages, scores.stride(0), scores.stride(1),
             PASS=p, **common,
         )
     _split_compact_kernel[grid](
         scores, seq_lens, budgets, active, hist, chunk_hist, chunk_above, counters, out,
-        max_pages, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), *strides,
+        max_pages, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         BLOCK_C=next_pow2(num_chunks), PAD_BLOCK=next_pow2(triton.cdiv(budget_pages, num_chunks)), **common,
     )
 
@@ -443,7 +440,7 @@ def check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, rec
         if budgets.dtype != torch.int32:
             raise ValueError(f"budgets must be int32, got {budgets.dtype}")
     if active is not None:
-        check_active(active, batch, heads, out.device)
+        check_active(active, batch, out.device)
 
 
 def row_launch(max_pages: int) -> dict:
@@ -482,10 +479,9 @@ def select_pages_into(
             _SPLIT_MIN_PAGES`` and ``batch * num_sel_heads <= _SPLIT_MAX_ROWS``, the
             one-program-per-row kernel (one launch) otherwise; ``True`` / ``False`` force one.
             Both give the same result.
-        active: ``None`` (every sequence), ``[batch]`` or ``[batch, num_sel_heads]`` int32 on ``out``'s device:
-            a sequence (or a (sequence, head)) whose flag is 0 leaves its rows of ``out`` and of ``buffers``
-            untouched (on either path every program of theirs returns after reading the flag, before reading a
-            score).
+        active: ``None`` (every sequence) or contiguous ``[batch]`` int32 on ``out``'s device: a sequence
+            whose flag is 0 leaves its rows of ``out`` and of ``buffers`` untouched (on either path every
+            program of theirs returns after reading the flag, before reading a score).
     """
     batch, heads, max_pages = scores.shape
     check_select_args(out, batch, heads, seq_lens, budget_pages, sink_pages, recent_pages, budgets, active)
@@ -503,7 +499,6 @@ def select_pages_into(
         max_pages,
         scores.stride(0), scores.stride(1),
         out.stride(0), out.stride(1),
-        *active_strides(active),
         PAGE_SIZE=page_size, BUDGET=budget_pages, SINK=sink_pages, RECENT=recent_pages,
         HAS_BUDGETS=budgets is not None, HAS_ACTIVE=active is not None, **row_launch(max_pages),
     )
