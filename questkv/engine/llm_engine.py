@@ -110,12 +110,13 @@ class LLMEngine:
 
     def _fail_start(self, error: BaseException) -> None:
         """Kill the workers of a tensor-parallel start that failed and raise: ``error`` itself when it is a
-        ``ValueError`` (rank 0's configuration, which every rank shares) or no worker died, else
-        :class:`TensorParallelError` naming the worker that did."""
+        ``ValueError`` (rank 0's configuration, which every rank shares), already a :class:`TensorParallelError` (the
+        rendezvous saw the worker die), or no worker died, else :class:`TensorParallelError` naming the worker that
+        did."""
         workers, self.workers = self.workers, None
         failure = workers.fail(error)  # the group is failed: close() kills at once
         workers.close()
-        if isinstance(error, ValueError) or workers.dead_rank is None:
+        if isinstance(error, (ValueError, TensorParallelError)) or workers.dead_rank is None:
             raise error
         raise failure from error
 
