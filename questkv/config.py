@@ -4,7 +4,7 @@ Every field of :class:`QuestConfig` carries its allowed values (``minimum`` of a
 ``(low, high)`` of a float, both ends included, ``choices`` of a string; ``none``: the command-line word for
 ``None``, where ``None`` is allowed) and its
 command-line metadata (``help``, ``flag``; ``page_policy``: an option of the page policies), so the CLI
-flags (:mod:`questkv.cli_args`), the page policies' options (:mod:`questkv.policies.paged`) and the
+flags (:mod:`questkv.cli_args`), the page policies' options (:mod:`questkv.policies.page_selection`) and the
 evaluation settings (:mod:`questkv.eval`) take their names, defaults and choices from here.
 """
 

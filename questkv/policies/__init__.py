@@ -23,10 +23,17 @@ from __future__ import annotations
 from typing import Optional
 
 from questkv.config import QuestConfig
-from questkv.policies.attention import MaskedAttention, masked_decode_attention
 from questkv.policies.base import DecodeOutput, DecodePolicy
 from questkv.policies.eviction import EvictionPolicy, EvictionState, H2OPolicy, StreamingPolicy, TOVAPolicy
-from questkv.policies.paged import FullPolicy, OraclePolicy, PagePolicy, PageSelection, QuestPolicy, QuestTopPPolicy
+from questkv.policies.masked_attention import MaskedAttention, masked_decode_attention
+from questkv.policies.page_selection import (
+    FullPolicy,
+    OraclePolicy,
+    PagePolicy,
+    PageSelection,
+    QuestPolicy,
+    QuestTopPPolicy,
+)
 from questkv.policies.rerank import QuestRerankPolicy
 from questkv.validation import check_choice
 

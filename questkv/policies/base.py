@@ -2,8 +2,8 @@
 
 A policy decides which cached tokens one decode query attends, then attends them. Two families:
 
-* page-selection policies (:mod:`questkv.policies.paged`, :mod:`questkv.policies.rerank`) are stateless: every
-  step they pick logical pages from the whole cache (nothing is ever dropped) and attend them with
+* page-selection policies (:mod:`questkv.policies.page_selection`, :mod:`questkv.policies.rerank`) are stateless:
+  every step they pick logical pages from the whole cache (nothing is ever dropped) and attend them with
   :func:`questkv.ops.reference.paged_decode_attention`;
 * eviction policies (:mod:`questkv.policies.eviction`) keep a per-sequence, per-KV-head set of
   token positions that only shrinks (plus the newest token each step): a dropped token is gone for

@@ -36,8 +36,8 @@ from typing import Optional
 
 import torch
 
-from questkv.policies.attention import masked_decode_attention, token_positions
 from questkv.policies.base import DecodeOutput, DecodePolicy
+from questkv.policies.masked_attention import masked_decode_attention, token_positions
 
 # Prefill queries per chunk of :func:`prefill_attention`: bounds its ``[B, Hkv, G, chunk, T]`` float32 logits.
 PREFILL_QUERY_CHUNK = 256

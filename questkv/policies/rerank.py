@@ -16,7 +16,7 @@ import torch
 
 from questkv.config import RERANKS, QuestConfig
 from questkv.ops import LayerPages, reference
-from questkv.policies.paged import PagePolicy
+from questkv.policies.page_selection import PagePolicy
 from questkv.validation import check_choice, check_int
 
 KEY_BITS: tuple[int, ...] = (1, 2, 4, 8)

@@ -18,8 +18,8 @@ import torch
 
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 from questkv.ops import LayerPages, reference
-from questkv.policies.attention import masked_decode_attention
 from questkv.policies.base import DecodeOutput, DecodePolicy
+from questkv.policies.masked_attention import masked_decode_attention
 from questkv.validation import check_float, check_int
 
 
