@@ -39,7 +39,7 @@ from questkv.config import QuestConfig  # noqa: E402
 from questkv.decode import QuestDecodeStep  # noqa: E402
 from questkv.eval.provenance import git_commit  # noqa: E402
 from questkv.ops import reference  # noqa: E402
-from questkv.ops.triton import attention as attention_kernel  # noqa: E402
+from questkv.ops.triton import decode_attention as attention_kernel  # noqa: E402
 from questkv.ops.triton import estimate as estimate_kernel  # noqa: E402
 
 POINTS = [(1, 32768, 2048), (1, 131072, 4096), (8, 32768, 2048), (32, 32768, 2048)]  # (batch, context, budget)

@@ -28,7 +28,7 @@ _SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from questkv.ops.triton import append, attention, elementwise, estimate, gemv, prefill_attention, reuse, select
+    from questkv.ops.triton import append, decode_attention, elementwise, estimate, gemv, prefill_attention, reuse, select
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -66,20 +66,20 @@ _SCRIPT = textwrap.dedent(
         return " ".join(line.split("info    : ")[-1] for line in lines)
 
 
-    def compile_attention(dtype, dense, group, sel_per_kv, pdl=False, merge_chunk=attention._MERGE_CHUNK,
+    def compile_attention(dtype, dense, group, sel_per_kv, pdl=False, merge_chunk=decode_attention._MERGE_CHUNK,
                           kind=None):
         ieee = dtype == "fp32"
         return compile_kernel(
-            attention._decode_split_kernel,
+            decode_attention._decode_split_kernel,
             {"q_ptr": dtype, "k_pages_ptr": dtype, "v_pages_ptr": dtype, "table_ptr": "i32",
              "lens_ptr": "i32", "sel_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
              "counter_ptr": "i32", "out_ptr": dtype},
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": 16,
              "BLOCK_GM": group, "SEL_PER_KV": sel_per_kv,
-             "PAGES_PER_ITER": attention.pages_per_iter(16, kind or ("dense" if dense else "sparse")), "MERGE_CHUNK": merge_chunk,
+             "PAGES_PER_ITER": decode_attention.pages_per_iter(16, kind or ("dense" if dense else "sparse")), "MERGE_CHUNK": merge_chunk,
              "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl},
             floats=("qk_scale",),
-            num_warps=attention._NUM_WARPS,
+            num_warps=decode_attention._NUM_WARPS,
             # strides of B=1 with 32 / 8 heads, 129 selected pages (selection reuse), 17 splits
             divisible=("stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp", "stride_vt",
                        "stride_vh", "stride_tb", "stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oh"),
@@ -124,7 +124,7 @@ _SCRIPT = textwrap.dedent(
     # iteration, its first tile prefetched into L2 before the programmatic-launch wait); the divisibility of a
     # run's launch
     for dense, kind in ((False, None), (True, None), (True, "dense-few")):
-        compiled = compile_attention("bf16", dense, 4, 1, pdl=True, merge_chunk=attention._WIDE_MERGE_CHUNK, kind=kind)
+        compiled = compile_attention("bf16", dense, 4, 1, pdl=True, merge_chunk=decode_attention._WIDE_MERGE_CHUNK, kind=kind)
         info = ptxas_info(compiled)
         print("attention, wide merge:", kind, info)
         assert "0 bytes spill stores" in info, info

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from questkv import ops  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as tk  # noqa: E402
-from questkv.ops.triton import attention, estimate, select  # noqa: E402
+from questkv.ops.triton import decode_attention as attention, estimate, select  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (num_q_heads, num_kv_heads, head_dim): GQA and MHA

@@ -6,7 +6,7 @@ and CUDA graphs. Layouts: :mod:`questkv.ops.reference`.
 """
 
 from questkv.ops.triton.append import append_kv, rope_append_kv
-from questkv.ops.triton.attention import (
+from questkv.ops.triton.decode_attention import (
     attention_buffers,
     paged_decode_attention,
     paged_decode_attention_into,

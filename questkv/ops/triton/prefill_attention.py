@@ -8,7 +8,7 @@ limit of its last token: blocks wholly below its first token unmasked, the rest 
 are too few to fill the GPU (a few sequences with few new tokens after a long prefix), the keys are also split
 over programs and the partial results merged (flash-decoding). The reference, with the layout and the causal rule,
 is :func:`questkv.ops.reference.paged_prefill_attention`; the decode step's kernel is
-:mod:`questkv.ops.triton.attention`.
+:mod:`questkv.ops.triton.decode_attention`.
 """
 
 from __future__ import annotations
