@@ -49,14 +49,14 @@ from questkv.config import QuestConfig
 from questkv.decode.route import decodes_densely
 from questkv.integrations.forward_state import ForwardState
 from questkv.integrations.layer_decoder import DecodeState, LayerDecoder
+from questkv.models.families import FAMILIES, MODEL_TYPES
 from questkv.ops import LayerPages
 from questkv.policies.base import DecodePolicy
 from questkv.policies.eviction import prefill_attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "QuestCache", "cache_argument", "disable", "enable", "is_enabled"]
+__all__ = ["ATTN_IMPLEMENTATION", "QuestCache", "cache_argument", "disable", "enable", "is_enabled"]
 
 ATTN_IMPLEMENTATION = "questkv"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Forward keyword that carries the QuestCache down to the attention function.
 _CACHE_KWARG = "questkv_cache"
 # Tokens of headroom per sequence when the page pool is first sized (it grows by doubling).
@@ -458,13 +458,13 @@ def is_enabled(model: nn.Module) -> bool:
 def _check_model(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "generate"):
+    if model_type not in FAMILIES or not hasattr(model, "generate"):
         raise ValueError(
-            f"questkv.enable supports causal LMs of model_type {', '.join(SUPPORTED_MODEL_TYPES)}; "
+            f"questkv.enable supports causal LMs of model_type {', '.join(MODEL_TYPES)}; "
             f"got {type(model).__name__} (model_type={model_type!r})"
         )
     layer_types = getattr(config, "layer_types", None) or []
-    sliding = getattr(config, "sliding_window", None) if model_type == "mistral" else None
+    sliding = getattr(config, "sliding_window", None) if FAMILIES[model_type].sliding_window_everywhere else None
     if any(kind != "full_attention" for kind in layer_types) or sliding is not None:
         raise ValueError(
             f"questkv.enable does not support sliding-window attention (model_type={model_type!r}, "
@@ -548,7 +548,7 @@ def enable(
     """Run the model's decode steps through Quest (in place); calling it again swaps the config.
 
     Args:
-        model: a transformers causal LM of a supported family (Llama, Mistral, Qwen2, Qwen3).
+        model: a transformers causal LM of a supported family (:data:`~questkv.models.families.FAMILIES`).
         config: a :class:`QuestConfig` (``token_budget=None`` decodes densely from the paged
             cache), or a :class:`questkv.policies.DecodePolicy` from
             :func:`questkv.policies.make_policy` (``"h2o"``, ``"oracle"``, ...) that then decodes

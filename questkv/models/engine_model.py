@@ -1,4 +1,5 @@
-"""Build the engine's own model (:class:`~questkv.models.llama.LlamaForCausalLM`) from what users name.
+"""Build the engine's own model (the family's class, :mod:`questkv.models.families`: all
+:class:`~questkv.models.llama.LlamaForCausalLM` today) from what users name.
 
 A name, HF folder or ``.gguf`` (as :func:`questkv.load_model` takes) gives real weights and the
 tokenizer; a ``transformers`` config with ``load_format="dummy"`` gives random weights at its shapes
@@ -13,14 +14,15 @@ committed evaluations did). Either way the format is checked before the model is
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from questkv.config import QuestConfig
 from questkv.distributed.group import TensorParallel
 from questkv.layers.quantized_linear import QuantizedLinear
-from questkv.models.llama import LlamaForCausalLM, ModelSpec
+from questkv.models.families import model_family
+from questkv.models.llama import ModelSpec
 from questkv.models.loader import load_gguf, resolve_model_path
 from questkv.models.quantized_checkpoints import (
     METHODS as CHECKPOINT_METHODS,
@@ -28,6 +30,9 @@ from questkv.models.quantized_checkpoints import (
     checkpoint_quantization,
 )
 from questkv.models.weights import init_dummy_weights, load_safetensors_weights
+
+if TYPE_CHECKING:
+    from questkv.models.llama import LlamaForCausalLM
 
 PACKED_FORMATS = ("gguf",) + CHECKPOINT_METHODS
 """``quantization`` values that name how a checkpoint is stored: its packed weights are loaded as they are."""
@@ -63,7 +68,8 @@ def load_engine_model(
     tp: Optional[TensorParallel] = None,
     small_batches: bool = True,
 ) -> EngineModel:
-    """Build :class:`LlamaForCausalLM` for ``model`` (see the module docstring).
+    """Build the model of ``model``'s family (:meth:`~questkv.models.families.ModelFamily.model_class`; see the
+    module docstring).
 
     Args:
         quantization: the engine's: one of :data:`PACKED_FORMATS` asks for (and must match) a packed checkpoint;
@@ -113,7 +119,7 @@ def load_engine_model(
     torch.set_default_dtype(dtype)  # parameters born in their dtype, on their device: no copy
     try:
         with torch.device(device):
-            engine_model = LlamaForCausalLM(spec, quest, tp)
+            engine_model = model_family(spec.model_type).model_class()(spec, quest, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":

@@ -48,14 +48,11 @@ import numpy as np
 import torch
 
 from questkv.layers.quantized_linear import QuantLayout
+from questkv.models.families import GGUF_ARCHITECTURES, gguf_family
 from questkv.models.loader import ALIASES, cache_dir, package_file, sha256_file, staged_gguf
 from questkv.ops.quant_reference import QuantizedWeight, pack_int4
 
-__all__ = ["ARCHITECTURES", "PACKED_TYPES", "GGUFWeights", "gguf_config_and_tokenizer", "resolve_gguf",
-           "unpack_blocks"]
-
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
-"""``general.architecture`` values read natively (Mistral files say ``llama``)."""
+__all__ = ["PACKED_TYPES", "GGUFWeights", "gguf_config_and_tokenizer", "resolve_gguf", "unpack_blocks"]
 
 PACKED_TYPES: dict[str, tuple[str, int]] = {
     "Q4_0": ("int4", 32),
@@ -250,8 +247,9 @@ class GGUFWeights:
     name, type and shape is checked here, before any weight is read. Little-endian GGUF of version 2 or 3.
 
     Args:
-        path: the ``.gguf`` file. num_q_heads, num_kv_heads: the model's (a ``llama`` file's q/k rows are
-            permuted back by head).
+        path: the ``.gguf`` file, of an architecture in :data:`~questkv.models.families.GGUF_ARCHITECTURES`.
+        num_q_heads, num_kv_heads: the model's (the q/k rows of a family with ``gguf_qk_permuted`` are permuted back
+            by head).
 
     Attributes:
         architecture: the file's ``general.architecture``.
@@ -266,10 +264,11 @@ class GGUFWeights:
         self.path = Path(path)
         fields, tensors = _read_header(self.path)
         self.architecture = fields.get("general.architecture")
-        if self.architecture not in ARCHITECTURES:
+        family = gguf_family(self.architecture)
+        if family is None:
             raise ValueError(f"{self.path.name}: GGUF general.architecture {self.architecture!r} is not read natively; "
-                             f"supported: {', '.join(ARCHITECTURES)} (load it without quantization='gguf')")
-        self._heads = {"q_proj": num_q_heads, "k_proj": num_kv_heads} if self.architecture == "llama" else {}
+                             f"supported: {', '.join(GGUF_ARCHITECTURES)} (load it without quantization='gguf')")
+        self._heads = {"q_proj": num_q_heads, "k_proj": num_kv_heads} if family.gguf_qk_permuted else {}
         self._tensors = {}
         self.layouts: dict[str, QuantLayout] = {}
         self.types: dict[str, str] = {}

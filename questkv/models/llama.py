@@ -1,9 +1,10 @@
 """questkv's own Llama-family causal LM: Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3 in one module.
 
 The families differ only by flags of :class:`ModelSpec` (QKV bias, q/k RMSNorm, rope type, tied embeddings),
-read once from a transformers config. Owns the decoder stack, the fused projections' layout, the mapping of
-HF safetensors names onto it (:meth:`LlamaForCausalLM.load_weights`) and which linears hold a checkpoint's packed
-weights as they are stored (:meth:`LlamaForCausalLM.use_packed_linears`). Attention itself, and so the KV cache, is
+read once from a transformers config and the family's entry of :mod:`questkv.models.families`. Owns the decoder
+stack, the fused projections' layout, the mapping of HF safetensors names onto it
+(:meth:`LlamaForCausalLM.load_weights`) and which linears hold a checkpoint's packed weights as they are stored
+(:meth:`LlamaForCausalLM.use_packed_linears`). Attention itself, and so the KV cache, is
 ``questkv.layers.attention.Attention``'s: the model passes it post-RoPE queries, keys and values and the step's
 ``StepContext``, and never touches the cache.
 """
@@ -34,6 +35,7 @@ from questkv.layers.parallel import (
 )
 from questkv.layers.quantized_linear import QuantizedLinear, QuantLayout
 from questkv.layers.rotary import ROPE_TYPES, RopeScaling, RotaryEmbedding
+from questkv.models.families import MODEL_TYPES, model_family
 from questkv.ops.quant_reference import ALL_METHODS, QuantizedWeight, check_method
 from questkv.validation import check_bool, check_choice, check_float, check_int
 
@@ -42,9 +44,7 @@ if TYPE_CHECKING:  # transformers takes seconds to import; only from_hf_config r
 
     from questkv.decode.context import StepContext
 
-__all__ = ["MODEL_TYPES", "LlamaForCausalLM", "ModelSpec"]
-
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+__all__ = ["LlamaForCausalLM", "ModelSpec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +52,13 @@ class ModelSpec:
     """The shape and flags of one Llama-family model: all :class:`LlamaForCausalLM` needs to be built.
 
     Attributes:
-        model_type: one of :data:`MODEL_TYPES` (kept for messages; behaviour follows the flags below).
+        model_type: one of :data:`~questkv.models.families.MODEL_TYPES` (kept for messages; behaviour follows the
+            flags below).
         head_dim: per-head size, independent of ``hidden_size`` (Qwen3 uses ``head_dim * num_q_heads !=
             hidden_size``).
         rope_scaling: ``None`` for the ``default`` rope, else how ``linear`` or ``llama3`` rope stretches it.
-        attention_bias: the q/k/v projections have a bias (Qwen2 always; Llama and Qwen3 when configured).
-        o_proj_bias: the output projection has a bias (Llama and Qwen3 with ``attention_bias``; never Qwen2).
+        attention_bias: the q/k/v projections have a bias (Qwen2 always; the others when configured).
+        o_proj_bias: the output projection has a bias (Qwen2 never; the others with ``attention_bias``).
         mlp_bias: the gate/up/down projections have a bias (Llama's ``mlp_bias``).
         qk_norm: RMSNorm over ``head_dim`` of every query and key head before RoPE (Qwen3).
         tie_word_embeddings: the LM head shares the input embedding's weight.
@@ -103,22 +104,22 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: "PretrainedConfig") -> "ModelSpec":
-        """Read a transformers config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``).
+        """Read a transformers config of a supported family (:data:`~questkv.models.families.FAMILIES`: the
+        family's flags from there, the rest from the config).
 
         Raises:
             ValueError: for another architecture, a rope type other than ``default``, ``linear`` and
                 ``llama3``, partial rotary, sliding-window attention, or an activation other than SiLU, naming
                 the value and what is supported.
         """
-        model_type = getattr(config, "model_type", None)
-        check_choice("config.model_type", model_type, MODEL_TYPES)
+        family = model_family(getattr(config, "model_type", None))
         check_choice("config.hidden_act", getattr(config, "hidden_act", "silu"), ("silu",))
         _check_no_sliding_window(config)
         num_q_heads = config.num_attention_heads
         rope_theta, rope_scaling = _rope_from_config(config)
-        attention_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        config_bias = bool(getattr(config, "attention_bias", False))
         return cls(
-            model_type=model_type,
+            model_type=family.model_type,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -131,10 +132,10 @@ class ModelSpec:
             rope_scaling=rope_scaling,
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            o_proj_bias=attention_bias and model_type != "qwen2",
+            attention_bias=config_bias if family.qkv_bias is None else family.qkv_bias,
+            o_proj_bias=config_bias if family.o_proj_bias is None else family.o_proj_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=family.qk_norm,
         )
 
 

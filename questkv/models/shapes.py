@@ -1,7 +1,8 @@
 """Model shapes by name, for random-weight runs (``load_format="dummy"``) at real sizes without checkpoints.
 
-Owns the numbers (copied from the models' published ``config.json``); turning a config into a model is
-``ModelSpec.from_hf_config``'s and random weights are ``init_dummy_weights``'s.
+Owns the numbers (copied from the models' published ``config.json``); each shape names a supported family
+(:mod:`questkv.models.families`); turning a config into a model is ``ModelSpec.from_hf_config``'s and random weights
+are ``init_dummy_weights``'s.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+from questkv.models.families import model_family
 from questkv.validation import check_optional_int
 
 __all__ = ["DUMMY_SHAPES", "dummy_config"]
@@ -22,7 +24,7 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
-# name -> (model_type, transformers config keyword arguments)
+# name -> (model_type of a supported family, transformers config keyword arguments)
 DUMMY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     # meta-llama/Llama-3.1-8B
     "llama3.1-8b": ("llama", dict(
@@ -63,7 +65,8 @@ def dummy_config(name: str, max_position_embeddings: Optional[int] = None):
             pretraining length (``original_max_position_embeddings``) either way.
 
     Raises:
-        ValueError: an unknown name (the known ones are listed) or a bad ``max_position_embeddings``.
+        ValueError: an unknown name (the known ones are listed), a shape of an unsupported family (the families are
+            listed) or a bad ``max_position_embeddings``.
     """
     if name not in DUMMY_SHAPES:
         raise ValueError(f"dummy config name must be one of {', '.join(map(repr, DUMMY_SHAPES))}; got {name!r}")
@@ -71,7 +74,8 @@ def dummy_config(name: str, max_position_embeddings: Optional[int] = None):
     from transformers import AutoConfig
 
     model_type, kwargs = DUMMY_SHAPES[name]
+    family = model_family(model_type, f"DUMMY_SHAPES[{name!r}] model_type")
     kwargs = copy.deepcopy(kwargs)  # transformers edits rope_parameters in place
     if max_position_embeddings is not None:
         kwargs["max_position_embeddings"] = max_position_embeddings
-    return AutoConfig.for_model(model_type, **kwargs)
+    return AutoConfig.for_model(family.model_type, **kwargs)

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from questkv.layers.quantized_linear import QuantizedLinear, QuantizedMergedLinear
-from questkv.models import engine_model, gguf_native
+from questkv.models import gguf_native
 from questkv.models.engine_model import load_engine_model
+from questkv.models.families import ModelFamily
 from questkv.models.gguf_native import GGUFWeights, resolve_gguf, unpack_blocks
 from questkv.ops.quant_reference import dequantize, unpack_int4
 from tests.helpers import engine_greedy, greedy_params, tiny_config, tiny_hf_model
@@ -300,7 +301,7 @@ def test_bad_gguf_input_is_refused_before_any_weight_is_loaded(tmp_path, monkeyp
 
     cpu = torch.device("cpu")
     with monkeypatch.context() as patch:
-        patch.setattr(engine_model, "LlamaForCausalLM", no_model)
+        patch.setattr(ModelFamily, "model_class", lambda family: no_model)
         with pytest.raises(ValueError, match="EngineConfig.quantization='awq' does not match .*GGUF file; use "
                                              "quantization='gguf'"):
             load_engine_model(str(mixed_gguf), None, torch.float32, cpu, quantization="awq")

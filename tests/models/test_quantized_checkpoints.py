@@ -21,6 +21,7 @@ from questkv.engine.llm import LLM
 from questkv.layers.quantized_linear import QuantizedLinear
 from questkv.models import engine_model
 from questkv.models.engine_model import load_engine_model
+from questkv.models.families import ModelFamily
 from questkv.models.quantized_checkpoints import QuantizedCheckpoint
 from questkv.ops.quant_reference import dequantize
 from tests.helpers import greedy_params, tiny_config, tiny_hf_model, word_tokenizer
@@ -261,7 +262,7 @@ def _refused(folder, match, monkeypatch, quantization=None):
         raise AssertionError("the model was built")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine_model, "LlamaForCausalLM", no_model)
+        patch.setattr(ModelFamily, "model_class", lambda family: no_model)
         with pytest.raises(ValueError, match=match):
             load_engine_model(str(folder), None, torch.float32, torch.device("cpu"), quantization=quantization)
 
