@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from questkv.cache.paged import PagedKVCache
-from questkv.decode.reuse import ReuseRows
+from questkv.decode.selection_memory import ReuseRows
 from questkv.decode.step import QuestDecodeStep
 
 

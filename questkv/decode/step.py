@@ -44,7 +44,7 @@ class QuestDecodeStep:
     selection's pages begun since, are ``-1``), ``out`` ``[batch, num_q_heads, head_dim]`` in ``dtype``,
     and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`).
 
-    Selection reuse (:mod:`questkv.decode.reuse`): :meth:`sparse` given ``active`` and ``selected`` estimates
+    Selection reuse (:mod:`questkv.decode.selection_memory`): :meth:`sparse` given ``active`` and ``selected`` estimates
     and selects only the active rows, into ``selected``, and attends every row's ``selected`` (with
     ``selecting=False``, a step where no row is active, it launches the attend alone).
     """
@@ -77,7 +77,7 @@ class QuestDecodeStep:
         if not config.is_dense:
             width = config.budget_pages + config.reuse_extra_pages
             self.scores = torch.empty((batch, sel_heads, max_pages), dtype=torch.float32, device=device)
-            # The extra columns stay -1 here; a reused selection (decode/reuse.py) brings its own.
+            # The extra columns stay -1 here; a reused selection (decode/selection_memory.py) brings its own.
             self.selected = torch.full((batch, sel_heads, width), -1, dtype=torch.int32, device=device)
             self.select_buffers = self.backend.select_buffers(batch, sel_heads, max_pages, device)
             self._sparse_buffers = buffers(sel_heads, width, False)
@@ -162,7 +162,7 @@ class QuestDecodeStep:
             active, selected: selection reuse (both or neither): ``[batch]`` int32 flags of the rows that
                 select in this step, and the ``[batch, num_sel_heads, budget_pages + reuse_extra_pages]`` int32
                 selections that every row attends (an inactive row's as given, see
-                :class:`~questkv.decode.reuse.ReuseRows`).
+                :class:`~questkv.decode.selection_memory.ReuseRows`).
             selecting: ``False`` when the caller knows that no row is active (selection reuse): only the attend
                 launches, over ``selected``; ``active`` must then be all zero (not checked here: no host sync).
         """

@@ -15,7 +15,7 @@ from typing import Optional, Union
 import torch
 
 from questkv.config import RequestQuest
-from questkv.decode.reuse import selection_seq_len
+from questkv.decode.selection_memory import selection_seq_len
 from questkv.decode.route import decodes_densely
 from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import ROUND_TO_NEAREST, EngineConfig

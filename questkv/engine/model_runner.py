@@ -33,7 +33,7 @@ import torch
 
 from questkv.cache.paged import PagedKVCache
 from questkv.decode.context import DecodeRows, PrefillRows, StepContext
-from questkv.decode.reuse import ReuseRows, SelectionMemory, is_due
+from questkv.decode.selection_memory import ReuseRows, SelectionMemory, is_due
 from questkv.decode.route import StepRoute, decodes_densely, step_route
 from questkv.decode.step import QuestDecodeStep
 from questkv.distributed.group import TensorParallel

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from questkv.config import QuestConfig
-from questkv.decode.reuse import SelectionMemory, is_due, selection_seq_len
+from questkv.decode.selection_memory import SelectionMemory, is_due, selection_seq_len
 from questkv.decode.step import QuestDecodeStep
 from questkv.ops import reference
 from tests.helpers import random_cache
