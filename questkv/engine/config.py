@@ -64,8 +64,8 @@ class EngineConfig:
         quantization: weight-only quantization of the linear layers after loading: ``"int4"`` (groups of 128,
             asymmetric, round to nearest), ``"int8"`` (per output row), or ``None`` (the checkpoint's dtype).
             Embeddings and the LM head stay in ``dtype`` (see ``quantize_lm_head``). On CPU the torch reference,
-            on CUDA the Triton kernels; an int4 engine of one sequence at a time (``max_num_seqs=1``) holds one
-            copy of the codes on CUDA (the GEMV's), one that batches two more (the tensor-core kernels' layouts).
+            on CUDA the Triton kernels; an int4 layer holds its codes once, K-major (every device), and an engine
+            that batches (``max_num_seqs > 1``, bf16 on CUDA) adds tinygemm's copy for steps of 2-4 rows.
             A packed checkpoint loads packed instead (``questkv.models.engine_model``): ``"gguf"`` for a GGUF file
             or alias (without it, a GGUF is dequantized to ``dtype``); an HF folder with a ``quantization_config``
             is detected, and ``"awq"``, ``"gptq"``, ``"compressed-tensors"`` may name it (any other value is refused).
