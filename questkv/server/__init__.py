@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over the engine, with per-request Quest budgets.
 
-``python -m questkv.server MODEL [flags]`` (or ``questkv serve``); the pieces, top down: :mod:`.app` (routes),
+``python -m questkv.server --model MODEL [flags]`` (or ``questkv serve``); the pieces, top down: :mod:`.app` (routes),
 :mod:`.serving` (requests to engine calls and back), :mod:`.protocol` (OpenAI shapes, the ``quest``
 extension, errors), :mod:`.engine_loop` (the engine's thread), :mod:`.metrics` (``/metrics``), :mod:`.cli`
 (flags and start-up). Importing this package imports neither FastAPI nor uvicorn.

@@ -1,4 +1,5 @@
-"""``python -m questkv.server MODEL [engine flags] [Quest flags] --host 127.0.0.1 --port 8000``."""
+"""``python -m questkv.server --model MODEL [engine flags] [Quest flags] --host 127.0.0.1 --port 8000``
+(``MODEL`` alone, positional, also works)."""
 
 from __future__ import annotations
 
