@@ -70,7 +70,8 @@ def test_generate_streams_the_engines_greedy_text_then_prints_the_statistics(mod
 
 
 def test_generate_with_quest_attends_the_budget_in_the_sparse_layers(model_dir, capsys):
-    quest = QuestConfig(token_budget=16, page_size=4, dense_layers=1)
+    # Quest at every step (dense_context_ratio 1): the default's cost model routes contexts up to 64 tokens dense
+    quest = QuestConfig(token_budget=16, page_size=4, dense_layers=1, dense_context_ratio=1.0)
     prompt, ref = long_answer(model_dir, random.randint(60, 90), 10, quest)
     stream = []
 
