@@ -93,7 +93,7 @@ def test_generate_with_quest_attends_the_budget_in_the_sparse_layers(model_dir, 
     assert stats.kv_fraction < 0.6
     assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
     assert cli.main(["generate", "--model", str(model_dir), "--prompt", prompt, "--budget", "16", "--page-size", "4",
-                     "--dense-layers", "1", "--max-new-tokens", "10", *ENGINE]) == 0
+                     "--dense-layers", "1", "--dense-context-ratio", "1", "--max-new-tokens", "10", *ENGINE]) == 0
     out, err = capsys.readouterr()
     assert out == ref.text + "\n" and f"({stats.kv_fraction:.1%} of the KV cache)" in err
 
