@@ -373,7 +373,7 @@ class ModelRunner:
             self._sampled[:message.count].copy_(tokens)
 
     def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], padded: int, width: int,
-                      dense_rows: tuple[bool, ...] = ()) -> torch.Tensor:
+                      dense_rows: list[bool]) -> torch.Tensor:
         """Copy the packed decode inputs of the decode rows ``seqs`` (their KV lengths ``seq_lens``, page-table width
         ``width``, whether each decodes densely ``dense_rows``) to the device; rows past them (up to the padded batch
         ``padded``) read and write one token of the scratch sequence. Returns the host copy, ``[_NUM_INPUTS,
@@ -390,6 +390,8 @@ class ModelRunner:
         host[_DENSE].zero_()
         if seqs:
             rows = []
+            if len(dense_rows) != len(seqs):
+                raise RuntimeError(f"{len(seqs)} decode rows staged with {len(dense_rows)} routes")
             for seq, seq_len, dense in zip(seqs, seq_lens, dense_rows):
                 position = seq_len - 1
                 token = seq.last_token
@@ -420,7 +422,7 @@ class ModelRunner:
         if self._send is not None and keys:
             self._send(StepMessage((), capture=True))  # the other ranks capture theirs alongside (the collectives meet)
         for key in tqdm(keys, desc="capturing decode graphs", disable=not progress):
-            self._stage_inputs((), (), *key[:2])
+            self._stage_inputs((), (), *key[:2], [])
             self.graphs.capture(key, self._decode_body)
         return len(keys)
 

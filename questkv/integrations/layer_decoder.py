@@ -144,6 +144,8 @@ class LayerDecoder:
         self._run = tuple(run[route] for route in self.routes)
         self.max_cached_steps = max_cached_steps
         self._steps: collections.OrderedDict[_StepKey, QuestDecodeStep] = collections.OrderedDict()
+        # The routes of the forward being decoded, on its device: copied once per forward, read by every Quest layer.
+        self._dense_mask: tuple[tuple[tuple[bool, ...], torch.device], Optional[torch.Tensor]] = (((), None), None)
 
     @property
     def uses_prefill_attention(self) -> bool:
@@ -238,7 +240,7 @@ class LayerDecoder:
     def _sparse(self, layer_idx, q, layer, page_table, seq_lens, sm_scale, budgets, state, prefill_scores,
                 dense_rows):
         step = self._step_for(q, layer, page_table)
-        dense = None if dense_rows is None or not any(dense_rows) else torch.tensor(dense_rows, device=q.device)
+        dense = None if dense_rows is None or not any(dense_rows) else self._dense_rows_mask(dense_rows, q.device)
         if state is not None and layer_idx == self.config.dense_layers:
             # Every Quest layer attends the same page count: charge them all once per decode step.
             tokens = self.tokens_attended(seq_lens, budgets)
@@ -252,6 +254,13 @@ class LayerDecoder:
             return step.dense(q, layer, page_table, seq_lens, sm_scale)
         sparse = step.sparse(q, layer, page_table, seq_lens, sm_scale, budgets).clone()  # the step's buffer, reused
         return torch.where(dense[:, None, None], step.dense(q, layer, page_table, seq_lens, sm_scale), sparse)
+
+    def _dense_rows_mask(self, dense_rows: list[bool], device: torch.device) -> torch.Tensor:
+        """``[batch]`` bool on ``device``: ``dense_rows`` as a tensor, made once for the layers of one forward."""
+        key = (tuple(dense_rows), device)
+        if self._dense_mask[0] != key:
+            self._dense_mask = (key, torch.tensor(dense_rows, device=device))
+        return self._dense_mask[1]
 
     def _policy(self, layer_idx, q, layer, page_table, seq_lens, sm_scale, budgets, state, prefill_scores,
                 dense_rows):
