@@ -167,14 +167,64 @@ PAGE_POLICY_OPTIONS: tuple[str, ...] = tuple(
 page policy (``quest``, ``oracle``, ``quest-topp``) and of an evaluation's page policies."""
 
 
-def check_request_fields(owner: str, token_budget: object, selection_interval: object, dense: object) -> None:
+MAX_SPECULATIVE_TOKENS = 16
+"""The most draft tokens of one lossless round (the verify step scores at most 17 positions per sequence)."""
+
+SPECULATIVE_METHODS = ("quest",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Lossless Quest decoding, vLLM's ``speculative_config``: the model drafts with Quest's sparse attention and
+    verifies with dense attention, so its output is dense attention's.
+
+    Each round, a sequence decodes up to ``num_speculative_tokens`` draft tokens with its Quest budget (cheap: a
+    fraction of the KV bytes), then one dense forward scores them all; it keeps the longest prefix on which the
+    draft equals dense attention's choice (greedy) or passes speculative rejection sampling (temperature > 0), plus
+    dense attention's own next token. The draft's K/V are overwritten by the verify's and the rejected ones dropped.
+
+    Attributes:
+        method: ``"quest"``, the only drafter: the model itself with Quest's sparse attention.
+        num_speculative_tokens: draft tokens per round, in ``[1, 16]``; a request may ask for fewer (or 0: lossy
+            Quest) through ``SamplingParams.speculative_tokens``.
+    """
+
+    method: str = "quest"
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        check_choice("SpeculativeConfig.method", self.method, SPECULATIVE_METHODS)
+        check_int("SpeculativeConfig.num_speculative_tokens", self.num_speculative_tokens, minimum=1,
+                  maximum=MAX_SPECULATIVE_TOKENS)
+
+    @classmethod
+    def from_value(cls, value: object, owner: str = "speculative_config") -> Optional["SpeculativeConfig"]:
+        """``value`` as a config: ``None``, a :class:`SpeculativeConfig`, or a dict of its fields (vLLM's form,
+        ``{"method": "quest", "num_speculative_tokens": 4}``); ``ValueError`` naming an unknown key."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{owner} must be a dict like {{'method': 'quest', 'num_speculative_tokens': 4}} or "
+                             f"None, got {type(value).__name__}")
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"{owner} has unknown keys {unknown}; allowed: {sorted(names)}")
+        return cls(**value)
+
+
+def check_request_fields(owner: str, token_budget: object, selection_interval: object, dense: object,
+                         speculative_tokens: object = None) -> None:
     """``ValueError`` unless a request's own Quest fields are well formed, whatever its engine: ``token_budget``
-    and ``selection_interval`` ``None`` or an int >= 1, ``dense`` a bool that excludes both. ``owner`` names them
-    in the message (``"SamplingParams"``; ``"quest"``, the server's request object)."""
+    and ``selection_interval`` ``None`` or an int >= 1, ``speculative_tokens`` ``None`` or an int in ``[0, 16]``,
+    ``dense`` a bool that excludes the others. ``owner`` names them in the message (``"SamplingParams"``;
+    ``"quest"``, the server's request object)."""
     check_optional_int(f"{owner}.token_budget", token_budget, minimum=1)
     check_optional_int(f"{owner}.selection_interval", selection_interval, minimum=1)
+    check_optional_int(f"{owner}.speculative_tokens", speculative_tokens, minimum=0, maximum=MAX_SPECULATIVE_TOKENS)
     check_bool(f"{owner}.dense", dense)
-    for name, value in (("token_budget", token_budget), ("selection_interval", selection_interval)):
+    for name, value in (("token_budget", token_budget), ("selection_interval", selection_interval),
+                        ("speculative_tokens", speculative_tokens)):
         if dense and value is not None:
             raise ValueError(f"{owner}.dense=True attends every page; it excludes {name}={value}")
 
@@ -189,10 +239,13 @@ class RequestQuest:
             within the engine's budget); ``None``: the request decodes densely (it asked to, or the engine is
             dense).
         selection_interval: decode steps per page selection (``1`` when dense).
+        speculative_tokens: draft tokens per lossless round (:class:`SpeculativeConfig`); 0: the request's Quest
+            steps are its output (lossy), or it is dense.
     """
 
     token_budget: Optional[int] = None
     selection_interval: int = 1
+    speculative_tokens: int = 0
 
     @property
     def dense(self) -> bool:
@@ -202,17 +255,23 @@ class RequestQuest:
     @classmethod
     def resolve(cls, engine: Optional[QuestConfig], token_budget: Optional[int] = None,
                 selection_interval: Optional[int] = None, dense: bool = False,
-                owner: str = "SamplingParams") -> "RequestQuest":
-        """The settings a request asking for ``token_budget`` / ``selection_interval`` / ``dense`` (``None``: the
-        engine's) gets on an engine configured with ``engine`` (``None`` or dense: no Quest).
+                owner: str = "SamplingParams", speculative_tokens: Optional[int] = None,
+                speculative: Optional[SpeculativeConfig] = None) -> "RequestQuest":
+        """The settings a request asking for ``token_budget`` / ``selection_interval`` / ``dense`` /
+        ``speculative_tokens`` (``None``: the engine's) gets on an engine configured with ``engine`` (``None`` or
+        dense: no Quest) and ``speculative`` (``None``: no lossless mode).
 
         Raises:
             ValueError: naming ``owner.field``, the value and what is allowed: a malformed field
                 (:func:`check_request_fields`), a budget or interval on an engine without Quest, a budget that
                 is not a multiple of the page size within ``[page_size * (forced pages + 1), engine budget]``, an
-                interval above the engine's (whose extra page columns bound how long a selection is reused).
+                interval above the engine's (whose extra page columns bound how long a selection is reused),
+                draft tokens on an engine without a speculative config.
         """
-        check_request_fields(owner, token_budget, selection_interval, dense)
+        check_request_fields(owner, token_budget, selection_interval, dense, speculative_tokens)
+        if speculative is None and speculative_tokens:
+            raise ValueError(f"{owner}.speculative_tokens={speculative_tokens} needs an engine with lossless Quest "
+                             "(speculative_config={'method': 'quest', 'num_speculative_tokens': k})")
         if engine is None or engine.is_dense:
             for name, value in (("token_budget", token_budget), ("selection_interval", selection_interval)):
                 if value is not None:
@@ -234,4 +293,5 @@ class RequestQuest:
                 f"{owner}.selection_interval must be in [1, {engine.selection_interval}] (the engine's "
                 f"QuestConfig.selection_interval, which sizes the reused selections), got {interval}"
             )
-        return cls(budget, interval)
+        drafts = 0 if speculative is None else speculative.num_speculative_tokens
+        return cls(budget, interval, drafts if speculative_tokens is None else speculative_tokens)

@@ -385,6 +385,44 @@ class PagedKVCache:
             lens = self._to_device(torch.tensor([[s, self._lens[s]] for s in seq_ids], dtype=torch.long))
             self.seq_lens[lens[:, 0]] = lens[:, 1].to(torch.int32)
 
+    def rewind(self, seq_ids: Sequence[int], num_tokens: Sequence[int], bounds_from: Sequence[int]) -> None:
+        """Shorten each sequence ``seq_ids[i]`` to its first ``num_tokens[i]`` tokens (freeing the pages past them)
+        and recompute the key bounds of its pages that hold positions ``[bounds_from[i], num_tokens[i])`` from the
+        keys they now hold (:func:`~questkv.ops.reference.recompute_key_bounds`): after a lossless verify step,
+        whose draft keys widened the bounds and whose rejected positions are dropped. Pages before ``bounds_from``
+        are not touched, so a shared or registered page must lie before it; checked before anything changes."""
+        seq_ids, num_tokens, bounds_from = list(seq_ids), list(num_tokens), list(bounds_from)
+        if not len(seq_ids) == len(num_tokens) == len(bounds_from):
+            raise ValueError(f"rewind got {len(seq_ids)} sequences, {len(num_tokens)} lengths, {len(bounds_from)} starts")
+        size = self.page_size
+        for seq_id, count, start in zip(seq_ids, num_tokens, bounds_from):
+            self._check_seq(seq_id)
+            if not 0 <= start <= count <= self._lens[seq_id]:
+                raise ValueError(f"rewind: sequence {seq_id} of {self._lens[seq_id]} tokens cannot keep {count} "
+                                 f"tokens with bounds recomputed from position {start}")
+            for page in self._pages[seq_id][start // size:]:
+                if self._refs[page] > 1 or page in self._hash_of:
+                    raise ValueError(f"rewind: page {page} of sequence {seq_id} is shared or cached; it lies before "
+                                     f"position {start}")
+        pages, counts = [], []
+        for seq_id, count, start in zip(seq_ids, num_tokens, bounds_from):
+            owned = self._pages[seq_id]
+            kept = self.pages_for_tokens(count)
+            for page in reversed(owned[kept:]):
+                del self._refs[page]
+                self._free_pages.append(page)
+            del owned[kept:]
+            self._lens[seq_id] = count
+            for index in range(start // size, kept):
+                pages.append(owned[index])
+                counts.append(min(size, count - index * size))
+        if seq_ids:
+            lens = self._to_device(torch.tensor([[s, self._lens[s]] for s in seq_ids], dtype=torch.long))
+            self.seq_lens[lens[:, 0]] = lens[:, 1].to(torch.int32)
+        if pages:
+            index = self._to_device(torch.tensor([pages, counts], dtype=torch.long))
+            ops.recompute_key_bounds(self.k_pages, self.kmin, self.kmax, index[0], index[1])
+
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the cache's device without waiting for the device's queued work (a pinned copy on CUDA:
         a blocking copy would wait for every step already launched, defeating asynchronous scheduling)."""

@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from questkv.config import QuestConfig
+from questkv.config import QuestConfig, SpeculativeConfig
 from questkv.validation import check_bool, check_choice, check_float, check_int, check_optional_int
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -95,6 +95,11 @@ class EngineConfig:
             ranks 1..N-1 (:mod:`questkv.engine.tp_workers`); on CUDA rank ``r`` runs on ``cuda:r`` with NCCL, on CPU
             any N runs with gloo. The attention and KV heads and the intermediate size must be divisible by it
             (KV heads are not replicated). 1: the single-device engine, no process and no collective.
+        speculative_config: lossless Quest (:class:`~questkv.config.SpeculativeConfig`, or vLLM's dict form
+            ``{"method": "quest", "num_speculative_tokens": k}``): every Quest request drafts with Quest and verifies
+            with dense attention, so its output is dense attention's; needs ``quest``. The engine then processes each
+            step before it schedules the next (asynchronous scheduling off: a round's next step depends on how many
+            drafts the verify kept). ``None``: Quest's steps are the output (lossy).
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
@@ -117,6 +122,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    speculative_config: Optional[SpeculativeConfig] = None
     seed: int = 0
     load_format: str = "auto"
 
@@ -157,6 +163,17 @@ class EngineConfig:
         if self.torch_device.type == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size} needs as many CUDA "
                              f"devices, but {torch.cuda.device_count()} are visible")
+        speculative = SpeculativeConfig.from_value(self.speculative_config, "EngineConfig.speculative_config")
+        object.__setattr__(self, "speculative_config", speculative)
+        if speculative is not None and (self.quest is None or self.quest.is_dense):
+            raise ValueError("EngineConfig.speculative_config drafts with Quest's sparse attention: it needs "
+                             "quest=QuestConfig(token_budget=...)")
+        if speculative is not None and self.tensor_parallel_size > 1:
+            raise ValueError("EngineConfig.speculative_config with tensor_parallel_size > 1 is not supported yet (the "
+                             "other ranks would keep the rejected drafts' key bounds): use tensor_parallel_size=1")
+        if speculative is not None and self.async_scheduling:
+            raise ValueError("EngineConfig.speculative_config needs async_scheduling off (None or False): a lossless "
+                             "round's next step depends on the drafts its verify kept")
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")
@@ -202,7 +219,9 @@ class EngineConfig:
 
     @property
     def use_async_scheduling(self) -> bool:
-        """:attr:`async_scheduling`, its default resolved."""
+        """:attr:`async_scheduling`, its default resolved (off with a speculative config)."""
+        if self.speculative_config is not None:
+            return False
         return self.use_cuda_graphs if self.async_scheduling is None else self.async_scheduling
 
 

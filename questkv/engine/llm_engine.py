@@ -8,6 +8,7 @@ and the server alike: :meth:`LLMEngine.add_request`, :meth:`LLMEngine.step`,
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from typing import Optional, Union
@@ -103,6 +104,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=max_model_len,
             chunked_prefill=config.enable_chunked_prefill,
+            quest=config.quest,
         )
         self._ids = itertools.count()
         self._in_flight: Optional[tuple[ScheduledBatch, SampledTokens]] = None  # launched, not yet processed
@@ -161,17 +163,22 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         self._check_vocab("SamplingParams.forced_token_ids", params.forced_token_ids)
-        quest = self.resolve_quest(params.token_budget, params.selection_interval, params.dense)
+        quest = self.resolve_quest(params.token_budget, params.selection_interval, params.dense,
+                                   speculative_tokens=params.speculative_tokens)
+        if params.forced_token_ids and quest.speculative_tokens:  # teacher forcing replaces the drafts
+            quest = dataclasses.replace(quest, speculative_tokens=0)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; a dummy-weight model has none (use stop_token_ids)")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
         return text, token_ids, quest
 
     def resolve_quest(self, token_budget: Optional[int] = None, selection_interval: Optional[int] = None,
-                      dense: bool = False, owner: str = "SamplingParams") -> RequestQuest:
+                      dense: bool = False, owner: str = "SamplingParams",
+                      speculative_tokens: Optional[int] = None) -> RequestQuest:
         """A request's Quest settings on this engine (:meth:`RequestQuest.resolve`; ``ValueError`` naming
         ``owner.field``); reads the engine's configuration only, so any thread may call it."""
-        return RequestQuest.resolve(self.config.quest, token_budget, selection_interval, dense, owner)
+        return RequestQuest.resolve(self.config.quest, token_budget, selection_interval, dense, owner,
+                                    speculative_tokens, self.config.speculative_config)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, then return an output for every live sequence of the step processed:
@@ -196,7 +203,13 @@ class LLMEngine:
         """Append a launched step's tokens (waiting for them), apply the stops and build the outputs of the
         sequences that were live (finished ones: their tokens are discarded); a partial prefill (a chunk) has no
         token and no output."""
-        tokens = sampled.token_ids()
+        flat = sampled.token_ids()
+        tokens, at = [], 0
+        for row in range(batch.num_sampled):  # a verify row's tokens as one list
+            count = batch.num_sampled_tokens(row)
+            verify = batch.num_decodes <= row < batch.num_decodes + batch.num_verifies
+            tokens.append(flat[at:at + count] if verify else flat[at])
+            at += count
         seqs = batch.seqs[:batch.num_sampled]
         live = [not seq.is_finished for seq in seqs]
         slots = [seq.cache_id for seq in seqs]  # the update frees the finished ones'; their counters stay
@@ -207,8 +220,8 @@ class LLMEngine:
             self._account_attention(batch, live)
         finished = set(map(id, self.scheduler.update(batch, tokens, sampled.forced_logprobs())))
         outputs = []
-        for seq, slot, was_live in zip(seqs, slots, live):
-            if not was_live:
+        for row, (seq, slot, was_live) in enumerate(zip(seqs, slots, live)):
+            if not was_live or row in batch.drafts and not seq.is_finished:  # a draft adds no output
                 continue
             text = self._detokenize(seq)
             if seq.forced_text_len is None and seq.num_output_tokens == seq.num_forced_tokens:

@@ -43,7 +43,7 @@ from questkv.engine.kv_pool import plan_cache
 from questkv.engine.scheduler import ScheduledBatch
 from questkv.engine.sequence import Sequence
 from questkv.layers.attention import bind_cache
-from questkv.layers.sampler import Sampler
+from questkv.layers.sampler import Sampler, sample_from, uniform_noise
 from questkv.models.fusion import fuse_elementwise
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 from questkv.ops.pages import ReusedSelections
@@ -62,6 +62,7 @@ class PrefillInputs:
     Attributes:
         seq_ids, num_new_tokens, seq_lens, partial: the :class:`ScheduledBatch`'s, of its prefill rows.
         token_ids: the prefill rows' input tokens, sequence after sequence (``sum(num_new_tokens)`` of them).
+        num_verifies: the leading rows that are verify rows (lossless requests): their logits are every position's.
     """
 
     seq_ids: tuple[int, ...]
@@ -69,6 +70,7 @@ class PrefillInputs:
     seq_lens: tuple[int, ...]
     partial: bool
     token_ids: list[int]
+    num_verifies: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +190,7 @@ class ModelRunner:
         # (a prefill clears its slots, a step with a dense request its rows', any other decode step sets its rows').
         self._kept: set[int] = set()
         rows = max(batch_sizes, default=config.max_num_seqs)
-        pin = self.device.type == "cuda"
+        pin = self._pin = self.device.type == "cuda"
         # Two pinned staging buffers, used in turn: a step is staged while the copy of the one before may
         # still be queued behind the GPU (asynchronous scheduling).
         self._host_inputs = [torch.zeros((_NUM_INPUTS, rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
@@ -202,6 +204,8 @@ class ModelRunner:
         # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
         self._sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._sampled_rows: dict[str, int] = {}
+        # Lossless requests that sample: per cache slot, the distributions of the round's draft draws so far.
+        self._draft_probs: dict[int, list[torch.Tensor]] = {}
         self._steps: dict[tuple[int, int, bool], QuestDecodeStep] = {}
 
     @torch.inference_mode()
@@ -213,18 +217,22 @@ class ModelRunner:
 
         Returns:
             The sampled tokens: one per sampling sequence (``batch.seqs[:batch.num_sampled]``: every decode row
-            and each prefill row but a partial one), in batch order, read by :meth:`SampledTokens.token_ids`.
+            and each prefill row but a partial one), ``num_new_tokens`` on a verify row, in batch order, read by
+            :meth:`SampledTokens.token_ids`.
         """
         logits = self._prefill(batch) if batch.num_prefills else self._decode(batch)
-        tokens = self._sample(logits, batch)  # [num_sampled] int64 on the device
+        tokens = self._sample(logits, batch)  # [sampled tokens] int64 on the device
         count = batch.num_sampled
         if self.tp is not None and count:
             tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
-        self._sampled[:count].copy_(tokens)
-        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
+        if not batch.num_verifies:  # (a lossless engine's steps are synchronous: nothing reads a verify's tokens here)
+            self._sampled[:count].copy_(tokens)
+            self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
         flip = self._tokens_flip
         self._tokens_flip ^= 1
-        host = self._host_tokens[flip][:count]
+        if self._host_tokens[flip].shape[0] < tokens.shape[0]:
+            self._host_tokens[flip] = torch.zeros(tokens.shape[0], dtype=torch.int64, pin_memory=self._pin)
+        host = self._host_tokens[flip][:tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
         logprobs = self._forced_logprobs(logits, batch, flip)
         done = None
@@ -238,10 +246,11 @@ class ModelRunner:
         the host, valid once the step's event completes), from the step's ``logits`` (``[num_sampled, vocab]``
         float32, after the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
         targets, any_forced = [], False
-        for seq, seq_len in zip(batch.seqs[:batch.num_sampled], batch.seq_lens):
+        for row, (seq, seq_len) in enumerate(zip(batch.seqs[:batch.num_sampled], batch.seq_lens)):
             index = seq_len - seq.num_prompt_tokens  # the output this step samples for the row
-            forced = seq.is_forced(index)
-            targets.append(seq.sampling_params.forced_token_ids[index] if forced else 0)
+            forced = seq.is_forced(index)  # (never on a verify row: forced tokens exclude drafts)
+            targets.extend([seq.sampling_params.forced_token_ids[index] if forced else 0]
+                           * batch.num_sampled_tokens(row))
             any_forced |= forced
         if not any_forced:
             return None
@@ -263,8 +272,9 @@ class ModelRunner:
         n = batch.num_decodes
         ids = []
         for seq, seq_len, new in zip(batch.seqs[n:], batch.seq_lens[n:], batch.num_new_tokens[n:]):
-            ids.extend(seq.all_token_ids[seq_len - new:seq_len])
-        inputs = PrefillInputs(batch.seq_ids[n:], batch.num_new_tokens[n:], batch.seq_lens[n:], batch.partial, ids)
+            ids.extend((seq.all_token_ids + seq.draft_token_ids)[seq_len - new:seq_len])  # a verify row: its drafts
+        inputs = PrefillInputs(batch.seq_ids[n:], batch.num_new_tokens[n:], batch.seq_lens[n:], batch.partial, ids,
+                               batch.num_verifies)
         self._kept.difference_update(inputs.seq_ids)
         if not n:
             self._publish(batch, prefill=inputs)
@@ -288,9 +298,11 @@ class ModelRunner:
         page_table, seq_lens = self.cache.batch(inputs.seq_ids)
         prefill = PrefillRows(page_table, seq_lens, starts, cached if any(cached) else None)
         tokens = torch.tensor([inputs.token_ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
-        # The partial sequence, if any, is the last one: its last token samples nothing.
-        ends = torch.tensor(starts[1:len(starts) - inputs.partial], dtype=torch.int64)
-        last = ends.to(self.device, non_blocking=True) - 1
+        # The partial sequence, if any, is the last one: its last token samples nothing. A verify row samples at
+        # every position.
+        picked = [i for r in range(inputs.num_verifies) for i in range(starts[r], starts[r + 1])]
+        picked += [end - 1 for end in starts[inputs.num_verifies + 1:len(starts) - inputs.partial]]
+        last = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
         if self.memory is not None:  # the prefill rows' slots held their previous sequences' selections and counters
             self.memory.restart(torch.tensor(inputs.seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         if decode is None:
@@ -395,7 +407,8 @@ class ModelRunner:
             for seq, seq_len, dense in zip(seqs, seq_lens, dense_rows):
                 position = seq_len - 1
                 token = seq.last_token
-                known = position == seq.num_tokens - 1  # else the input is the token in flight from the last step
+                # else the input is the token in flight from the last step
+                known = position == seq.num_tokens + len(seq.draft_token_ids) - 1
                 if not known and seq.is_forced(position - seq.num_prompt_tokens):
                     # A forced output in flight: its token is known here (the in-flight one is the sampler's choice).
                     token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True
@@ -524,23 +537,65 @@ class ModelRunner:
         return self.memory.selection_rate(slot, discard_last)
 
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
-        """``[num_sampled]`` int64 sampled tokens (greedy rows by argmax) from ``[num_sampled, vocab]`` ``logits``.
-        A request draws with its seed and the index of the token it samples, so a preempted and recomputed request
-        draws as it would have."""
+        """The step's sampled tokens (greedy rows by argmax) from its ``logits``: ``[n, vocab]``, one row per token
+        sampled (a sampling row's one, a verify row's ``num_new_tokens``); ``[n]`` int64. A request draws with its
+        seed and the index of the output it samples, so a preempted and recomputed request draws as it would have.
+        A non-greedy verify row draws by speculative rejection sampling (:meth:`_reject`)."""
         seqs = batch.seqs[:batch.num_sampled]
         params = [seq.sampling_params for seq in seqs]
         if all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
-        floats = torch.tensor([[p.temperature, p.top_p] for p in params], dtype=torch.float32)
-        ints = torch.tensor(
-            [[p.top_k, self.seed_of(seq), seq_len - seq.num_prompt_tokens]
-             for p, seq, seq_len in zip(params, seqs, batch.seq_lens)], dtype=torch.int64
-        )
-        floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
+        floats, ints, first = [], [], []
+        for row, (p, seq, seq_len) in enumerate(zip(params, seqs, batch.seq_lens)):
+            count = batch.num_sampled_tokens(row)
+            first.append(len(ints))
+            for j in range(count):  # the row's outputs, from seq_len - count on
+                floats.append([p.temperature, p.top_p])
+                ints.append([p.top_k, self.seed_of(seq), seq_len - count + 1 + j - seq.num_prompt_tokens])
+        floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
+        ints = torch.tensor(ints, dtype=torch.int64).to(self.device, non_blocking=True)
         filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort
-        return self.sampler(
+        tokens = self.sampler(
             logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], apply_top_k_top_p=filtering
         )
+        sampling = [row for row, p in enumerate(params) if p.temperature > 0]
+        verifying = range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
+        for row in sampling:
+            seq, at = seqs[row], first[row]
+            if row in batch.drafts:  # its draw's distribution, for the verify's rejection test
+                probs = self.sampler.probabilities(logits[at:at + 1], floats[at:at + 1, 0], ints[at:at + 1, 0],
+                                                   floats[at:at + 1, 1])
+                kept = self._draft_probs.get(seq.cache_id, [])[:len(seq.draft_token_ids)]
+                self._draft_probs[seq.cache_id] = kept + [probs[0]]
+            elif row in verifying and seq.draft_token_ids:
+                count = len(seq.draft_token_ids)
+                rows = slice(at, at + count)
+                target = self.sampler.probabilities(logits[rows], floats[rows, 0], ints[rows, 0], floats[rows, 1])
+                drafted = torch.stack(self._draft_probs.pop(seq.cache_id)[:count])
+                tokens[rows] = self._reject(target, drafted, seq.draft_token_ids, ints[rows, 1], ints[rows, 2])
+        return tokens
+
+    def _reject(self, target: torch.Tensor, drafted: torch.Tensor, drafts: list[int], seeds: torch.Tensor,
+                steps: torch.Tensor) -> torch.Tensor:
+        """Speculative rejection sampling (Leviathan et al., Chen et al.) of one verify row's draft positions:
+        ``[j]`` int64, at each position the draft token when ``u * q(d) < p(d)`` (accepted with probability
+        ``min(1, p(d) / q(d))``), else a draw from ``max(0, p - q)`` normalised (never the draft token). The kept
+        run (drafts up to the first position that differs, plus the token there; a fully kept run takes the
+        verify's ordinary draw at its last position) is then distributed exactly as dense attention's sampling.
+
+        Args:
+            target, drafted: ``[j, vocab]`` float32 ``p`` (the verify's) and ``q`` (the draft steps') distributions.
+            drafts: the ``j`` draft tokens.
+            seeds, steps: ``[j]`` int64, each position's seed and output index; the test's uniform and the residual's
+                draw use streams of their own (the index with bit 31, resp. 30, set), apart from the ordinary draws.
+        """
+        drafts = torch.tensor(drafts, dtype=torch.int64).to(self.device, non_blocking=True)
+        p = target.gather(1, drafts[:, None])[:, 0]
+        q = drafted.gather(1, drafts[:, None])[:, 0]
+        uniform = uniform_noise(seeds, steps | (1 << 31), 1)[:, 0]
+        residual = (target - drafted).clamp(min=0)
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target)  # p == q: never rejected
+        return torch.where(uniform * q < p, drafts, sample_from(residual, seeds, steps | (1 << 30)))
 
     def seed_of(self, seq: Sequence) -> int:
         """The request's seed, or one derived from the engine seed and the request id."""

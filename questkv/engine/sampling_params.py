@@ -49,6 +49,9 @@ class SamplingParams:
         selection_interval: this request's decode steps per page selection (>= 1, see
             :attr:`questkv.QuestConfig.selection_interval`); ``None`` uses the engine's. The engine refuses one
             above its configuration's (whose extra page columns bound how long a selection may be reused).
+        speculative_tokens: draft tokens per lossless round on an engine with a ``speculative_config`` (in
+            ``[0, 16]``; 0: this request's Quest steps are its output, lossy); ``None`` uses the engine's. Refused
+            on an engine without one.
         forced_token_ids: teacher forcing: the request's first outputs are these tokens instead of sampled ones
             (each fed back through its own decode step, as a generated token is, so under Quest it goes through
             page selection); generation continues after them up to ``max_tokens``, which counts them too
@@ -72,6 +75,7 @@ class SamplingParams:
     token_budget: Optional[int] = None
     dense: bool = False
     selection_interval: Optional[int] = None
+    speculative_tokens: Optional[int] = None
     forced_token_ids: Union[tuple[int, ...], Iterable[int], None] = ()
     detokenize: bool = True
 
@@ -88,12 +92,16 @@ class SamplingParams:
         set_(self, "stop", _stop_strings(self.stop))
         set_(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         check_bool("SamplingParams.ignore_eos", self.ignore_eos)
-        check_request_fields("SamplingParams", self.token_budget, self.selection_interval, self.dense)
+        check_request_fields("SamplingParams", self.token_budget, self.selection_interval, self.dense,
+                             self.speculative_tokens)
         check_bool("SamplingParams.detokenize", self.detokenize)
         if self.stop and not self.detokenize:
             raise ValueError(f"SamplingParams.stop={list(self.stop)!r} is matched in the output text; it needs "
                              "detokenize=True")
         set_(self, "forced_token_ids", _token_ids("forced_token_ids", self.forced_token_ids))
+        if self.forced_token_ids and self.speculative_tokens:
+            raise ValueError(f"SamplingParams.speculative_tokens={self.speculative_tokens} drafts tokens, which "
+                             "forced_token_ids replaces: set speculative_tokens to 0 or None")
         if len(self.forced_token_ids) > self.max_tokens:
             raise ValueError(
                 f"SamplingParams.max_tokens must be >= len(forced_token_ids)={len(self.forced_token_ids)} (it counts "

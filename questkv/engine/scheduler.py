@@ -31,6 +31,8 @@ import time
 from typing import Iterable, Optional, Union
 
 from questkv.cache.paged import PagedKVCache
+from questkv.config import QuestConfig
+from questkv.decode.route import decodes_densely
 from questkv.engine.sequence import Sequence, SequenceStatus
 from questkv.validation import check_int
 
@@ -39,7 +41,7 @@ __all__ = ["ROW_KINDS", "STEP_KINDS", "ScheduledBatch", "Scheduler", "check_leng
 STEP_KINDS = ("decode", "prefill", "mixed")
 """The kinds of a scheduled step: decode rows only, prefill rows only, or both (chunked prefill)."""
 
-ROW_KINDS = ("decode", "prefill")
+ROW_KINDS = ("decode", "verify", "prefill")
 """The kinds of a step's rows (:attr:`Scheduler.step_tokens`)."""
 
 
@@ -52,6 +54,13 @@ class ScheduledBatch:
     (new, recomputed or chunked sequences), the last of which may be :attr:`partial`. Without chunked prefill a
     step holds one kind only; with it a step may hold both (a mixed step).
 
+    Lossless requests (:class:`~questkv.config.SpeculativeConfig`) bring two more kinds of row. A draft row is a
+    decode row whose sequence drafts (its input a draft token after the round's first step; its sampled token a
+    draft). A verify row (the :attr:`num_verifies` rows after the decode rows) feeds the round's last verified token
+    and its ``j`` drafts (``num_new_tokens`` ``j + 1``) at positions ``seq_lens[i] - j - 1`` to ``seq_lens[i] - 1``,
+    overwriting the drafts' K/V, and samples ``j + 1`` tokens: dense attention's token at each position. The runner
+    runs verify rows as prefill rows that already hold their earlier tokens.
+
     Attributes:
         seqs: the sequences, in batch order (the order of the sampled tokens).
         num_new_tokens: per sequence, the step's input tokens: 1 on a decode row; on a prefill row its tokens (the
@@ -61,6 +70,8 @@ class ScheduledBatch:
         seq_lens: per sequence, the tokens it caches once the step's inputs are written (its KV length in the
             step); the step's inputs are positions ``seq_lens[i] - num_new_tokens[i]`` to ``seq_lens[i] - 1``.
         num_decodes: the leading decode rows.
+        num_verifies: the verify rows after them.
+        drafts: the decode rows (indices) that are draft rows.
         partial: with chunking, whether the last sequence's prefill goes on in a later step (its ``seq_lens``
             stops short of its tokens): it samples nothing, so the step samples a token for ``seqs[:num_sampled]``
             only (every decode row, and each prefill row that completes).
@@ -71,11 +82,18 @@ class ScheduledBatch:
     seq_lens: tuple[int, ...]
     num_decodes: int = 0
     partial: bool = False
+    num_verifies: int = 0
+    drafts: tuple[int, ...] = ()
 
     @property
     def num_prefills(self) -> int:
-        """The prefill rows, after the decode rows (0: a decode-only step)."""
+        """The rows after the decode rows, verify rows included (0: a decode-only step): the runner's prefill rows."""
         return len(self.seqs) - self.num_decodes
+
+    def num_sampled_tokens(self, row: int) -> int:
+        """Tokens row ``row`` (a sampling row) samples: ``num_new_tokens`` on a verify row, else 1."""
+        verify = self.num_decodes <= row < self.num_decodes + self.num_verifies
+        return self.num_new_tokens[row] if verify else 1
 
     @property
     def num_sampled(self) -> int:
@@ -152,6 +170,17 @@ class Scheduler:
         max_model_len: the most tokens (prompt plus generated) of one sequence.
         chunked_prefill: split prefills into chunks and mix them with the decode tokens in steps of at most
             ``max_num_batched_tokens`` tokens (see above).
+        quest: the engine's Quest configuration, for the route of a lossless request's next step
+            (:func:`~questkv.decode.route.decodes_densely`: a step that would decode densely does not draft).
+
+    Lossless requests (``seq.quest.speculative_tokens`` k > 0) decode in rounds: while the route of its next step is
+    Quest's, a sequence drafts (decode rows whose tokens go to ``seq.draft_token_ids``) until it holds
+    :meth:`draft_limit` drafts; then every drafting sequence verifies in the same step (rounds stay aligned, so
+    that draft steps stay decode-only steps). A verify keeps the longest prefix of drafts that dense attention
+    agrees with, plus its token; the cache drops the rest (:meth:`~questkv.cache.paged.PagedKVCache.rewind`). A
+    sequence whose next step decodes densely, or that may add only one more token, decodes densely (a verify row
+    of no draft). Cache invariant with drafts: ``cache.seq_len == seq.num_tokens + len(seq.draft_token_ids) +
+    seq.num_in_flight - 1``.
 
     ``waiting`` (a deque) and ``running`` (a list, oldest first) are for reading; change them through the
     methods.
@@ -165,6 +194,7 @@ class Scheduler:
         eos_token_ids: Iterable[int],
         max_model_len: int,
         chunked_prefill: bool = False,
+        quest: Optional[QuestConfig] = None,
     ) -> None:
         if not isinstance(cache, PagedKVCache):
             raise ValueError(f"Scheduler.cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -185,6 +215,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.chunked_prefill = bool(chunked_prefill)
+        self.quest = quest
         self._prefilling: Optional[Sequence] = None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -259,12 +290,13 @@ class Scheduler:
         chunked sequence's next chunk, then admissions) in the rest of the token budget. ``None`` when nothing is
         left to launch. Pages for the step's input tokens are allocated here."""
         if self.chunked_prefill:
-            decodes = self._schedule_decode()
-            prefills, news = self._schedule_prefill(self.max_num_batched_tokens - len(decodes))
+            decodes, verifies = self._schedule_decode()
+            taken = len(decodes) + sum(len(seq.draft_token_ids) + 1 for seq in verifies)
+            prefills, news = self._schedule_prefill(self.max_num_batched_tokens - taken)
         else:
             prefills, news = self._schedule_prefill(self.max_num_batched_tokens)
-            decodes = [] if prefills else self._schedule_decode()
-        if not decodes and not prefills:
+            decodes, verifies = ([], []) if prefills else self._schedule_decode()
+        if not decodes and not verifies and not prefills:
             if not self.running and self.waiting and not self.waiting[0].num_in_flight:
                 seq = self.waiting[0]
                 raise RuntimeError(
@@ -273,17 +305,21 @@ class Scheduler:
                     f"{len(self.cache.sequences)} of {self.cache.max_seqs} cache sequence slots in use"
                 )
             return None
-        seqs = (*decodes, *prefills)
+        seqs = (*decodes, *verifies, *prefills)
+        verified = tuple(len(seq.draft_token_ids) + 1 for seq in verifies)
         self.step_counts["mixed" if decodes and prefills else "decode" if decodes else "prefill"] += 1
         self.step_tokens["decode"] += len(decodes)
+        self.step_tokens["verify"] += sum(verified)
         self.step_tokens["prefill"] += sum(news)
         return ScheduledBatch(
-            seqs, (1,) * len(decodes) + tuple(news), tuple(self.cache.seq_len(seq.cache_id) for seq in seqs),
-            num_decodes=len(decodes), partial=bool(prefills) and prefills[-1] is self._prefilling,
+            seqs, (1,) * len(decodes) + verified + tuple(news),
+            tuple(self.cache.seq_len(seq.cache_id) for seq in seqs), num_decodes=len(decodes),
+            partial=bool(prefills) and prefills[-1] is self._prefilling, num_verifies=len(verifies),
+            drafts=tuple(i for i, seq in enumerate(decodes) if self._drafts(seq)),
         )
 
     def update(
-        self, batch: ScheduledBatch, token_ids: Iterable[int], forced_logprobs: Optional[Iterable[float]] = None
+        self, batch: ScheduledBatch, token_ids: Iterable, forced_logprobs: Optional[Iterable[float]] = None
     ) -> list[Sequence]:
         """Append the token each sequence of ``batch`` sampled, apply the token stops (end-of-sequence unless
         ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``) and free the pages of the finished
@@ -295,9 +331,14 @@ class Scheduler:
         sampled token goes to ``seq.forced_choices`` and the row of ``forced_logprobs`` to
         ``seq.forced_logprobs``; only ``max_tokens`` and ``max_model_len`` stop there.
 
+        A draft row's token goes to ``seq.draft_token_ids``, with no stop. A verify row keeps the longest prefix of
+        its drafts that equals its tokens, then its token after them (dense attention's, or the rejection sampler's
+        draw); the cache drops the positions past them and recomputes the round's pages' key bounds; the kept
+        tokens are appended one by one, each with its stops (a stop inside the kept run ends it there).
+
         Args:
             token_ids: per sequence of ``batch.seqs[:batch.num_sampled]`` (a partial prefill samples nothing),
-                the token it sampled.
+                the token it sampled; on a verify row the list of its ``num_new_tokens`` tokens.
             forced_logprobs: per sampling sequence of ``batch``, the log-probability of its forced token (any value
                 in rows without one); needed when a live sequence is at a forced output.
 
@@ -305,52 +346,99 @@ class Scheduler:
             The sequences that finished in this update, in batch order.
         """
         sampled = batch.seqs[:batch.num_sampled]
-        tokens = list(token_ids)
-        if len(tokens) != len(sampled):
-            raise ValueError(f"update got {len(tokens)} token ids for a batch of {len(sampled)} sampling sequences")
+        rows = list(token_ids)
+        if len(rows) != len(sampled):
+            raise ValueError(f"update got {len(rows)} token ids for a batch of {len(sampled)} sampling sequences")
         logprobs = None if forced_logprobs is None else list(forced_logprobs)
         if logprobs is not None and len(logprobs) != len(sampled):
             raise ValueError(f"update got {len(logprobs)} forced log-probabilities for a batch of {len(sampled)}")
-        for i, token in enumerate(tokens):
-            try:
-                tokens[i] = operator.index(token)
-            except TypeError:
-                raise ValueError(f"update: token_ids[{i}] must be an int, got {token!r}") from None
-            if tokens[i] < 0:
-                raise ValueError(f"update: token_ids[{i}] must be >= 0, got {tokens[i]}")
-        live = [(i, seq, token) for i, (seq, token) in enumerate(zip(sampled, tokens)) if not seq.is_finished]
+        for i, row in enumerate(rows):
+            count = batch.num_sampled_tokens(i)
+            verify = batch.num_decodes <= i < batch.num_decodes + batch.num_verifies
+            tokens = list(row) if verify and isinstance(row, (list, tuple)) else [row]
+            if verify and len(tokens) != count:
+                raise ValueError(f"update: verify row {i} must get a list of {count} token ids, got {row!r}")
+            for j, token in enumerate(tokens):
+                try:
+                    tokens[j] = operator.index(token)
+                except TypeError:
+                    raise ValueError(f"update: token_ids[{i}] must be an int, got {token!r}") from None
+                if tokens[j] < 0:
+                    raise ValueError(f"update: token_ids[{i}] must be >= 0, got {tokens[j]}")
+            rows[i] = tokens
+        live = [(i, seq, tokens) for i, (seq, tokens) in enumerate(zip(sampled, rows)) if not seq.is_finished]
         if logprobs is None and any(seq.is_forced(seq.num_output_tokens) for _, seq, _ in live):
             raise ValueError("update: a sequence is at a forced output but no forced_logprobs were given")
         for _, seq, _ in live:
             cached = None if seq.cache_id is None else self.cache.seq_len(seq.cache_id)
-            running_ok = seq.status is SequenceStatus.RUNNING and cached == seq.num_tokens + seq.num_in_flight - 1
+            expected = seq.num_tokens + len(seq.draft_token_ids) + seq.num_in_flight - 1
+            running_ok = seq.status is SequenceStatus.RUNNING and cached == expected
             preempted_ok = seq.status is SequenceStatus.WAITING and cached is None
             if seq.num_in_flight < 1 or not (running_ok or preempted_ok):
                 raise RuntimeError(
                     f"request {seq.request_id!r} in the batch has status {seq.status.name}, {seq.num_tokens} tokens, "
-                    f"{seq.num_in_flight} in flight and {cached} cached; a scheduled sequence must be running with "
-                    f"its tokens and in-flight inputs cached (or preempted since)"
+                    f"{len(seq.draft_token_ids)} drafts, {seq.num_in_flight} in flight and {cached} cached; a "
+                    f"scheduled sequence must be running with its tokens and in-flight inputs cached (or preempted since)"
                 )
         for seq in sampled:
             seq.num_in_flight -= 1
+        verifying = range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
+        kept = {i: self._accept(seq, rows[i]) for i, seq, _ in live if i in verifying}
+        self._rewind([(seq, kept[i]) for i, seq, _ in live if i in kept and seq.cache_id is not None])
         now = time.perf_counter()
         finished = []
-        for i, seq, token in live:
-            forced = seq.is_forced(seq.num_output_tokens)
-            if forced:
-                seq.forced_choices.append(token)
-                seq.forced_logprobs.append(float(logprobs[i]))
-                token = seq.sampling_params.forced_token_ids[seq.num_output_tokens]
-            seq.output_token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if seq.cache_id is not None:
-                self._register(seq)  # before a finish frees its pages: a later turn may share its output
-            stop = self._token_stop(seq, token, forced)
-            if stop is not None:
-                self.finish(seq, *stop)
-                finished.append(seq)
+        drafts = set(batch.drafts)
+        for i, seq, tokens in live:
+            if i in kept:
+                tokens = kept[i]
+            elif i in drafts:
+                seq.draft_token_ids.append(tokens[0])
+                continue
+            for token in tokens:
+                stop = self._append(seq, token, logprobs[i] if logprobs is not None else None, now)
+                if stop is not None:
+                    self.finish(seq, *stop)
+                    finished.append(seq)
+                    break
         return finished
+
+    def _accept(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """The tokens a verify row keeps: its drafts while they equal ``tokens`` (dense attention's), then the token
+        after them; clears the drafts and counts the round."""
+        drafts = seq.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+            accepted += 1
+        seq.num_verify_steps += 1
+        seq.num_draft_tokens += len(drafts)
+        seq.num_accepted_tokens += accepted
+        return tokens[:accepted + 1]
+
+    def _rewind(self, rounds: list[tuple[Sequence, list[int]]]) -> None:
+        """Drop the verified sequences' positions past their kept tokens (all but the last, which is the next
+        input) and recompute the key bounds of the pages their round wrote."""
+        if rounds:
+            start = [seq.num_tokens - 1 for seq, _ in rounds]  # the round's first input: its last verified token
+            self.cache.rewind([seq.cache_id for seq, _ in rounds],
+                              [seq.num_tokens + len(kept) - 1 for seq, kept in rounds], start)
+        for seq, _ in rounds:
+            seq.draft_token_ids = []
+
+    def _append(self, seq: Sequence, token: int, logprob: Optional[float], now: float
+                ) -> Optional[tuple[SequenceStatus, Optional[int]]]:
+        """Append one sampled token of ``seq`` (its forced token at a forced output), offer its filled pages to the
+        prefix cache, and return the stop it hits, if any."""
+        forced = seq.is_forced(seq.num_output_tokens)
+        if forced:
+            seq.forced_choices.append(token)
+            seq.forced_logprobs.append(float(logprob))
+            token = seq.sampling_params.forced_token_ids[seq.num_output_tokens]
+        seq.output_token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.cache_id is not None:
+            self._register(seq)  # before a finish frees its pages: a later turn may share its output
+        return self._token_stop(seq, token, forced)
 
     def finish(
         self, seq: Sequence, status: SequenceStatus, reason: Union[int, str, None] = None
@@ -489,10 +577,11 @@ class Scheduler:
         held = len(cache.pages_of(seq.cache_id))
         return cache.pages_for_tokens(min(seq.num_tokens + 1, self._max_cached_tokens(seq))) - held
 
-    def _schedule_decode(self) -> list[Sequence]:
-        """The decode rows of a step, their next token's pages allocated: every running sequence that decodes,
-        after preempting the newest running sequences (a chunked one first, being the newest) while the pool
-        cannot hold them."""
+    def _schedule_decode(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The decode rows and the verify rows of a step, their next token's pages allocated: every running sequence
+        that decodes, after preempting the newest running sequences (a chunked one first, being the newest) while
+        the pool cannot hold them. A lossless sequence verifies when it holds :meth:`draft_limit` drafts, or when
+        another one verifies and it holds any."""
 
         def decoding() -> list[Sequence]:
             return [seq for seq in self.running if self._decodes(seq)]
@@ -512,7 +601,24 @@ class Scheduler:
         self.cache.allocate([seq.cache_id for seq in seqs], [1] * len(seqs))
         for seq in seqs:
             seq.num_in_flight += 1
-        return seqs
+        due = [seq for seq in seqs if self._drafts(seq) and len(seq.draft_token_ids) >= self.draft_limit(seq)]
+        verify = {id(seq) for seq in seqs if due and seq.draft_token_ids or seq in due}
+        return [seq for seq in seqs if id(seq) not in verify], [seq for seq in seqs if id(seq) in verify]
+
+    def draft_limit(self, seq: Sequence) -> int:
+        """Drafts the lossless ``seq`` takes this round: its ``speculative_tokens``, fewer where the round's
+        verify would otherwise pass ``max_tokens`` or ``max_model_len`` (it outputs up to one token more than its
+        drafts)."""
+        return min(seq.quest.speculative_tokens, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+
+    def _drafts(self, seq: Sequence) -> bool:
+        """Whether the decode row ``seq`` (its next position allocated) is in a lossless round: it speculates and
+        the route of its step is Quest's, or it already holds drafts."""
+        if not seq.quest.speculative_tokens:
+            return False
+        return bool(seq.draft_token_ids) or not decodes_densely(self.quest, seq.quest.token_budget,
+                                                                self.cache.seq_len(seq.cache_id))
 
     def _decodes(self, seq: Sequence) -> bool:
         """Whether the running ``seq`` is a decode row: its prefill is done and its in-flight tokens do not
@@ -528,6 +634,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)
+        seq.draft_token_ids = []  # a preempted round is recomputed from its verified tokens
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -541,12 +648,13 @@ class Scheduler:
     def _register(self, seq: Sequence) -> None:
         """Offer the sequence's newly filled pages to the prefix cache (cheap when none filled up). A Quest request
         (``seq.quest``) offers only its prefilled pages: a token that a Quest step computed attended part of its
-        context, so its K/V are not those of a prefill of the same tokens (a dense request's are)."""
+        context, so its K/V are not those of a prefill of the same tokens (a dense or lossless request's are:
+        a verify step overwrites the drafts' K/V with dense attention's)."""
         cache = self.cache
         if not cache.prefix_caching:
             return
         known = min(cache.seq_len(seq.cache_id), seq.num_tokens)
-        if not seq.quest.dense:
+        if not seq.quest.dense and not seq.quest.speculative_tokens:  # a lossless request's K/V are verified
             known = min(known, seq.num_prefilled_tokens)
         if known // cache.page_size > cache.num_registered_pages(seq.cache_id):
             cache.register(seq.cache_id, seq.all_token_ids[:known])

@@ -85,6 +85,11 @@ class Sequence:
         detokenizer: the engine's :class:`~questkv.engine.detokenizer.IncrementalDetokenizer` of the
             output, ``None`` without a tokenizer or when the request asks for no text
             (``SamplingParams.detokenize=False``).
+        draft_token_ids: a lossless request's (``quest.speculative_tokens``) tentative tokens of its current round,
+            sampled by its Quest draft steps and not output until a verify step keeps them; the cache holds their
+            positions too (see :mod:`questkv.engine.scheduler`).
+        num_verify_steps, num_draft_tokens, num_accepted_tokens: a lossless request's verify steps so far, the draft
+            tokens they scored and those they kept (the bonus token each verify adds is not counted as accepted).
     """
 
     request_id: str
@@ -112,6 +117,10 @@ class Sequence:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_tokens: Optional[int] = None
     detokenizer: Optional[Any] = None
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -161,7 +170,9 @@ class Sequence:
 
     @property
     def last_token(self) -> int:
-        """The newest token: the input of the next decode step."""
+        """The newest token (a draft one during a lossless round): the input of the next decode step."""
+        if self.draft_token_ids:
+            return self.draft_token_ids[-1]
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
@@ -183,8 +194,11 @@ class Sequence:
         mean_attended = self.tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = self.sparse_tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = None if self.quest.dense or not self.sparse_tokens_attended_sum else sparse
+        acceptance = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+        per_verify = ((self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+                      if self.num_verify_steps else None)
         return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions, sparse,
-                              self.num_cached_tokens or 0, self.selection_rate)
+                              self.num_cached_tokens or 0, self.selection_rate, acceptance, per_verify)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +222,10 @@ class RequestMetrics:
             reuse), counted on the device since the request's last (re)prefill; set once the request finishes,
             ``None`` before, for a dense request or engine, or without decode steps. With tensor parallelism: rank
             0's heads.
+        acceptance_rate: a lossless request's draft tokens that its verify steps kept, over those they scored
+            (``None`` without a verify step).
+        mean_tokens_per_verify: output tokens per verify step of a lossless request (kept drafts plus dense
+            attention's own token: between 1 and ``speculative_tokens + 1``), ``None`` without one.
     """
 
     time_to_first_token: Optional[float]
@@ -217,6 +235,8 @@ class RequestMetrics:
     mean_sparse_tokens_attended: Optional[float] = None
     num_cached_tokens: int = 0
     selection_rate: Optional[float] = None
+    acceptance_rate: Optional[float] = None
+    mean_tokens_per_verify: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["Sampler", "uniform_noise"]
+__all__ = ["Sampler", "sample_from", "uniform_noise"]
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio, odd: multiplying by it permutes the 32-bit integers
@@ -110,6 +110,21 @@ class Sampler(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
         return torch.where(greedy, greedy_tokens, scores.argmax(dim=-1))
+
+
+    def probabilities(self, logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+        """``[B, V]`` float32: the distribution :meth:`forward` samples each non-greedy row from (softmax of the
+        logits over the temperature, zero outside top-k and top-p); ``temperatures`` must be > 0."""
+        scaled = logits.float() / temperatures.float()[:, None]
+        return scaled.masked_fill(_top_k_top_p_mask(scaled, top_k, top_p), float("-inf")).softmax(dim=-1)
+
+
+def sample_from(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64: one draw per row of ``probs`` (``[B, V]``, rows with some mass) by the Gumbel-max trick with
+    :func:`uniform_noise` of ``(seeds, steps)``."""
+    noise = -torch.log(-torch.log(uniform_noise(seeds, steps, probs.shape[-1])))
+    return (probs.log() + noise).argmax(dim=-1)
 
 
 def _top_k_top_p_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

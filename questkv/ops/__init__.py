@@ -30,6 +30,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "quant_matmul",
+    "recompute_key_bounds",
     "resolve_backend",
     "rms_norm",
     "rope_append_kv",
@@ -69,6 +70,11 @@ def append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values, backend: str = 
 def rope_append_kv(k_pages, v_pages, kmin, kmax, slots, q, keys, values, cos, sin, backend: str = "auto") -> None:
     """See :func:`questkv.ops.reference.rope_append_kv`."""
     resolve_backend(k_pages, backend).rope_append_kv(k_pages, v_pages, kmin, kmax, slots, q, keys, values, cos, sin)
+
+
+def recompute_key_bounds(k_pages, kmin, kmax, pages, counts) -> None:
+    """:func:`questkv.ops.reference.recompute_key_bounds` (torch on every device: a few pages per verify step)."""
+    reference.recompute_key_bounds(k_pages, kmin, kmax, pages, counts)
 
 
 def linear(x, weight, bias=None, backend: str = "auto"):

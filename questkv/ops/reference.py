@@ -89,6 +89,26 @@ def append_kv(
     kmax.scatter_reduce_(0, index, keys, reduce="amax", include_self=True)
 
 
+def recompute_key_bounds(
+    k_pages: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """Set the key bounds of ``pages`` to the min / max of their first ``counts`` keys, in place, in every layer:
+    what a page's bounds are after keys were overwritten or dropped (a lossless verify step), equal to appending
+    the kept keys from scratch.
+
+    Args:
+        k_pages: ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``.
+        kmin, kmax: ``[num_layers, num_pages, num_kv_heads, head_dim]``, dtype of ``k_pages``.
+        pages: ``[n]`` int64 distinct physical pages.
+        counts: ``[n]`` int64 in ``[1, page_size]``, the keys each page holds.
+    """
+    page_size = k_pages.shape[2]
+    keys = k_pages[:, pages]  # [L, n, page_size, H, D]
+    dropped = (torch.arange(page_size, device=counts.device)[None, :] >= counts[:, None])[None, :, :, None, None]
+    kmin[:, pages] = keys.masked_fill(dropped, float("inf")).amin(dim=2)
+    kmax[:, pages] = keys.masked_fill(dropped, float("-inf")).amax(dim=2)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of ``x`` ``[T, H, D]`` by ``cos``, ``sin`` ``[T, D // 2]`` (``x``'s dtype):
     each pair of halves ``(x1, x2)`` becomes ``(x1 cos - x2 sin, x2 cos + x1 sin)``, every product, sum and
