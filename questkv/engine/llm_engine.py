@@ -218,9 +218,10 @@ class LLMEngine:
         ahead = set() if ahead is None else set(map(id, ahead.seqs[:ahead.num_decodes]))
         if batch.num_decodes:
             self._account_attention(batch, live)
+        before = [seq.num_output_tokens for seq in seqs]
         finished = set(map(id, self.scheduler.update(batch, tokens, sampled.forced_logprobs())))
         outputs = []
-        for row, (seq, slot, was_live) in enumerate(zip(seqs, slots, live)):
+        for row, (seq, slot, was_live, had) in enumerate(zip(seqs, slots, live, before)):
             if not was_live or row in batch.drafts and not seq.is_finished:  # a draft adds no output
                 continue
             text = self._detokenize(seq)
@@ -228,7 +229,7 @@ class LLMEngine:
                 seq.forced_text_len = len(text)  # stop strings are searched past the forced tokens' text
             if (seq.sampling_params.stop and seq.forced_text_len is not None
                     and (not seq.is_finished or id(seq) in finished)):
-                text = self._apply_stop_strings(seq, text)
+                text = self._apply_stop_strings(seq, text, seq.num_output_tokens - had)
             if seq.is_finished and seq.decode_steps:
                 seq.selection_rate = self.runner.selection_rate(seq, slot, id(seq) in ahead)  # read once, at the end
             outputs.append(RequestOutput.from_sequence(seq, text))
@@ -294,13 +295,20 @@ class LLMEngine:
             return ""
         return seq.detokenizer.update(seq.output_token_ids, final=seq.is_finished)
 
-    def _apply_stop_strings(self, seq: Sequence, text: str) -> str:
-        """Cut ``text`` at the first stop string past the forced tokens' text and finish the request there."""
+    def _apply_stop_strings(self, seq: Sequence, text: str, added: int = 1) -> str:
+        """Cut ``text`` at the first stop string past the forced tokens' text and finish the request there. When the
+        step ``added`` several tokens (a lossless verify), those after the token that completed the stop string are
+        dropped, as if the request had stopped there."""
         start = seq.forced_text_len or 0
         hits = [(text.find(stop, start), stop) for stop in seq.sampling_params.stop if stop in text[start:]]
         if not hits:
             return text
         position, stop = min(hits)
+        tokens = seq.output_token_ids
+        for count in range(len(tokens) - added + 1, len(tokens)):
+            if stop in seq.detokenizer.tokenizer.decode(tokens[:count], skip_special_tokens=True)[start:]:
+                del tokens[count:]
+                break
         self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
         return text[:position]
 

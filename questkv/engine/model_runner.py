@@ -43,7 +43,7 @@ from questkv.engine.kv_pool import plan_cache
 from questkv.engine.scheduler import ScheduledBatch
 from questkv.engine.sequence import Sequence
 from questkv.layers.attention import bind_cache
-from questkv.layers.sampler import Sampler, sample_from, uniform_noise
+from questkv.layers.sampler import Sampler, rejection_sample
 from questkv.models.fusion import fuse_elementwise
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 from questkv.ops.pages import ReusedSelections
@@ -412,10 +412,12 @@ class ModelRunner:
                 if not known and seq.is_forced(position - seq.num_prompt_tokens):
                     # A forced output in flight: its token is known here (the in-flight one is the sampler's choice).
                     token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True
+                # A lossless round's first draft selects afresh (its verify step cleared the memory's row).
+                due = (is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval)
+                       or seq.quest.speculative_tokens and not seq.draft_token_ids)
                 rows.append([token if known else 0, position, seq_len,
                              seq.quest.token_budget or self.budget or 0, seq.cache_id,
-                             -1 if known else self._sampled_rows[seq.request_id],
-                             is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval), int(dense)])
+                             -1 if known else self._sampled_rows[seq.request_id], int(due), int(dense)])
             host[:, :len(rows)] = torch.tensor(rows, dtype=torch.int64).T
         self._inputs[:, :padded].copy_(host, non_blocking=True)
         return host
@@ -540,7 +542,8 @@ class ModelRunner:
         """The step's sampled tokens (greedy rows by argmax) from its ``logits``: ``[n, vocab]``, one row per token
         sampled (a sampling row's one, a verify row's ``num_new_tokens``); ``[n]`` int64. A request draws with its
         seed and the index of the output it samples, so a preempted and recomputed request draws as it would have.
-        A non-greedy verify row draws by speculative rejection sampling (:meth:`_reject`)."""
+        A non-greedy verify row draws by speculative rejection sampling
+        (:func:`~questkv.layers.sampler.rejection_sample`, from the distributions its draft draws had)."""
         seqs = batch.seqs[:batch.num_sampled]
         params = [seq.sampling_params for seq in seqs]
         if all(p.temperature == 0 for p in params):
@@ -572,30 +575,9 @@ class ModelRunner:
                 rows = slice(at, at + count)
                 target = self.sampler.probabilities(logits[rows], floats[rows, 0], ints[rows, 0], floats[rows, 1])
                 drafted = torch.stack(self._draft_probs.pop(seq.cache_id)[:count])
-                tokens[rows] = self._reject(target, drafted, seq.draft_token_ids, ints[rows, 1], ints[rows, 2])
+                drafts = torch.tensor(seq.draft_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+                tokens[rows] = rejection_sample(target, drafted, drafts, ints[rows, 1], ints[rows, 2])
         return tokens
-
-    def _reject(self, target: torch.Tensor, drafted: torch.Tensor, drafts: list[int], seeds: torch.Tensor,
-                steps: torch.Tensor) -> torch.Tensor:
-        """Speculative rejection sampling (Leviathan et al., Chen et al.) of one verify row's draft positions:
-        ``[j]`` int64, at each position the draft token when ``u * q(d) < p(d)`` (accepted with probability
-        ``min(1, p(d) / q(d))``), else a draw from ``max(0, p - q)`` normalised (never the draft token). The kept
-        run (drafts up to the first position that differs, plus the token there; a fully kept run takes the
-        verify's ordinary draw at its last position) is then distributed exactly as dense attention's sampling.
-
-        Args:
-            target, drafted: ``[j, vocab]`` float32 ``p`` (the verify's) and ``q`` (the draft steps') distributions.
-            drafts: the ``j`` draft tokens.
-            seeds, steps: ``[j]`` int64, each position's seed and output index; the test's uniform and the residual's
-                draw use streams of their own (the index with bit 31, resp. 30, set), apart from the ordinary draws.
-        """
-        drafts = torch.tensor(drafts, dtype=torch.int64).to(self.device, non_blocking=True)
-        p = target.gather(1, drafts[:, None])[:, 0]
-        q = drafted.gather(1, drafts[:, None])[:, 0]
-        uniform = uniform_noise(seeds, steps | (1 << 31), 1)[:, 0]
-        residual = (target - drafted).clamp(min=0)
-        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target)  # p == q: never rejected
-        return torch.where(uniform * q < p, drafts, sample_from(residual, seeds, steps | (1 << 30)))
 
     def seed_of(self, seq: Sequence) -> int:
         """The request's seed, or one derived from the engine seed and the request id."""

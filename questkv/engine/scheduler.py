@@ -307,7 +307,8 @@ class Scheduler:
             return None
         seqs = (*decodes, *verifies, *prefills)
         verified = tuple(len(seq.draft_token_ids) + 1 for seq in verifies)
-        self.step_counts["mixed" if decodes and prefills else "decode" if decodes else "prefill"] += 1
+        decoding = decodes or verifies  # (a verify row is decode work: a step of verifies and prefills is mixed)
+        self.step_counts["mixed" if decoding and prefills else "decode" if decoding else "prefill"] += 1
         self.step_tokens["decode"] += len(decodes)
         self.step_tokens["verify"] += sum(verified)
         self.step_tokens["prefill"] += sum(news)
@@ -409,9 +410,10 @@ class Scheduler:
         accepted = 0
         while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
             accepted += 1
-        seq.num_verify_steps += 1
-        seq.num_draft_tokens += len(drafts)
-        seq.num_accepted_tokens += accepted
+        if drafts:  # (a round of no draft, at the end of max_tokens, is a dense decode step)
+            seq.num_verify_steps += 1
+            seq.num_draft_tokens += len(drafts)
+            seq.num_accepted_tokens += accepted
         return tokens[:accepted + 1]
 
     def _rewind(self, rounds: list[tuple[Sequence, list[int]]]) -> None:

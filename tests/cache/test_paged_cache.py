@@ -34,8 +34,9 @@ def assert_same(a, b):
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random add / append (prefill chunks and one-token decode steps) / free; a shadow list of
-    every sequence's keys and values is the model."""
+    """Random add / append (prefill chunks and one-token decode steps) / verify (overwrite a sequence's last
+    positions, keep a prefix of them: :meth:`PagedKVCache.rewind`) / free; a shadow list of every sequence's keys
+    and values is the model."""
 
     def __init__(self):
         super().__init__()
@@ -72,6 +73,24 @@ class CacheMachine(RuleBasedStateMachine):
             self.shadow[seq_id][0].append(keys[:, start : start + count])
             self.shadow[seq_id][1].append(values[:, start : start + count])
             start += count
+
+    @precondition(lambda self: any(self.cache.seq_len(s) for s in self.shadow))
+    @rule(data=st.data())
+    def verify(self, data):
+        """A lossless round's end: positions from ``start`` on get new keys (the verify's), then the sequence keeps
+        ``count`` of its tokens and recomputes the bounds from ``start``."""
+        seq_id = data.draw(st.sampled_from(sorted(s for s in self.shadow if self.cache.seq_len(s))))
+        length = self.cache.seq_len(seq_id)
+        start = data.draw(st.integers(max(0, length - 17), length - 1))
+        count = data.draw(st.integers(start, length))
+        keys, values = random_kv(LAYERS, length - start)
+        slots = self.cache.slots([seq_id], [start], [length - start])
+        for layer in range(LAYERS):
+            self.cache.write(layer, slots, keys[layer], values[layer])
+        self.cache.rewind([seq_id], [count], [start])
+        old_keys, old_values = (torch.cat(chunks, dim=1) for chunks in self.shadow[seq_id])
+        self.shadow[seq_id] = ([torch.cat([old_keys[:, :start], keys], dim=1)[:, :count]],
+                               [torch.cat([old_values[:, :start], values], dim=1)[:, :count]])
 
     @precondition(lambda self: self.shadow)
     @rule(data=st.data())
@@ -252,3 +271,18 @@ def test_a_mirror_that_follows_pages_from_holds_the_same_page_table_slots_and_le
     assert torch.equal(mirror.slots([a, b], [0, 3], [11, 7]), source.slots([a, b], [0, 3], [11, 7]))
     with pytest.raises(ValueError, match="mirror: pages \\[5, 6\\) of sequence 0 do not follow its"):
         mirror.mirror(a, 5, [1], 20)
+
+
+def test_rewind_refuses_a_shared_page_and_bad_lengths_changing_nothing():
+    cache = PagedKVCache(LAYERS, HEADS, DIM, POOL, PAGE, max_seqs=4, prefix_caching=True)
+    seq = cache.add_sequence()
+    cache.append([seq], [10], *random_kv(LAYERS, 10))
+    cache.register(seq, list(range(10)))  # its two full pages become shareable
+    before = snapshot(cache)
+    for lengths, starts, message in (([11], [9], "cannot keep 11"), ([8], [9], "cannot keep 8"),
+                                     ([9], [7], "shared or cached"), ([9, 9], [9], "2 lengths")):
+        with pytest.raises(ValueError, match=message):
+            cache.rewind([seq] * min(len(lengths), 1), lengths, starts)
+        assert_same(snapshot(cache), before)
+    cache.rewind([seq], [8], [8])  # past the registered pages: the third page goes back to the pool
+    assert cache.seq_len(seq) == 8 and len(cache.pages_of(seq)) == 2 and cache.num_free_pages == POOL - 2

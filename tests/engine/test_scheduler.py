@@ -16,10 +16,10 @@ PAGE, EOS = 4, 0
 
 
 def make_scheduler(num_pages=10, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64, max_seqs=8,
-                   max_pages_per_seq=None, chunked_prefill=False):
+                   max_pages_per_seq=None, chunked_prefill=False, quest=None):
     cache = PagedKVCache(1, 1, 1, num_pages, PAGE, max_seqs=max_seqs, max_pages_per_seq=max_pages_per_seq)
     return Scheduler(cache, max_num_seqs, max_num_batched_tokens, frozenset({EOS}), max_model_len,
-                     chunked_prefill=chunked_prefill)
+                     chunked_prefill=chunked_prefill, quest=quest)
 
 
 def request(request_id, prompt_len, **params):
@@ -55,7 +55,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.tokens = {}   # request id -> the tokens the test fed it
         self.next_id = 0
         self.steps = {"decode": 0, "prefill": 0, "mixed": 0}  # the steps scheduled, and their tokens by row kind
-        self.step_tokens = {"decode": 0, "prefill": 0}
+        self.step_tokens = {"decode": 0, "verify": 0, "prefill": 0}
 
     @rule(prompt_len=st.integers(1, 32), max_tokens=st.integers(1, 20), ignore_eos=st.booleans(),
           stop_token=st.sampled_from([None, 3]))

@@ -1,0 +1,244 @@
+"""Lossless Quest (``speculative_config``: Quest drafts, dense attention verifies) in the engine on CPU, fp32: greedy
+output equals the dense engine's token for token whatever the batch, budget, draft count, selection reuse,
+preemption, prefix hits, chunking and stops; the page bounds after every step equal a recomputation from the
+keys the pages hold; seeded sampling reproduces and is distributed as dense sampling; bad settings are refused.
+The tiny random model and prompts of ``test_llm.py``."""
+
+import dataclasses
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from questkv import QuestConfig
+from questkv.engine.sampling_params import SamplingParams
+from tests.engine.test_llm import MAX_LEN, PAGE, SMALL, VOCAB, greedy, make_llm, pool_memory, prompt, run
+from tests.engine.test_prefix_caching import assert_pages_all_back
+from tests.helpers import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), VOCAB, seed=random.randrange(1 << 16))
+
+
+@pytest.fixture(scope="module")
+def dense(model_dir):
+    return make_llm(model_dir)
+
+
+def lossless(model_dir, k: int = 4, quest: QuestConfig = SMALL, **kwargs):
+    return make_llm(model_dir, quest, speculative_config={"method": "quest", "num_speculative_tokens": k}, **kwargs)
+
+
+def ragged(count: int = 4):
+    prompts = [prompt(random.randint(1, 90)) for _ in range(count)]
+    return prompts, [greedy(random.randint(1, 30)) for _ in prompts]
+
+
+def chi_square_p_value(statistic: float, dof: int) -> float:
+    """``P(X >= statistic)`` for a chi-square variable of an even ``dof`` (closed form)."""
+    half = statistic / 2
+    return math.exp(-half) * sum(half**i / math.factorial(i) for i in range(dof // 2))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_output_is_the_dense_engines_for_ragged_batches(model_dir, dense, k):
+    prompts, params = ragged()
+    outputs = lossless(model_dir, k).generate(prompts, params, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == run(dense, prompts, params)
+    verified = [out.metrics for out in outputs if out.metrics.mean_tokens_per_verify is not None]
+    assert verified and all(1 <= m.mean_tokens_per_verify <= k + 1 and 0 <= m.acceptance_rate <= 1 for m in verified)
+
+
+def test_a_lossy_quest_engine_differs_from_dense_where_lossless_does_not(model_dir, dense):
+    """The equality above can fail: Quest alone, at this budget, changes the greedy output."""
+    prompts = [prompt(random.randint(60, 90)) for _ in range(6)]
+    params = greedy(30)
+    want = run(dense, prompts, params)
+    assert run(make_llm(model_dir, SMALL), prompts, params) != want
+    assert run(lossless(model_dir), prompts, params) == want
+
+
+@pytest.mark.parametrize("budget", [8, 12, 16])
+def test_every_request_budget_and_draft_count_with_selection_reuse_gives_the_dense_tokens(model_dir, dense, budget):
+    quest = dataclasses.replace(SMALL, selection_interval=3)
+    prompts, _ = ragged(5)
+    params = [greedy(random.randint(5, 30), token_budget=budget, speculative_tokens=random.randint(1, 16))
+              for _ in prompts]
+    assert run(lossless(model_dir, 16, quest), prompts, params) == run(dense, prompts, [greedy(p.max_tokens)
+                                                                                         for p in params])
+
+
+def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, dense):
+    prompts, _ = ragged(6)
+    kinds = ["lossless", "dense", "lossy", "lossless", "lossy", "dense"]
+    extra = {"lossless": {}, "dense": {"dense": True}, "lossy": {"speculative_tokens": 0}}
+    params = [greedy(random.randint(5, 30), **extra[kind]) for kind in kinds]
+    llm = lossless(model_dir, 3)
+    outputs = run(llm, prompts, params)
+    want_dense = run(dense, prompts, [greedy(p.max_tokens) for p in params])
+    want_lossy = run(make_llm(model_dir, SMALL), prompts, [greedy(p.max_tokens) for p in params])
+    for kind, out, exact, lossy in zip(kinds, outputs, want_dense, want_lossy):
+        assert out == (lossy if kind == "lossy" else exact), kind
+
+
+def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir):
+    unconstrained = make_llm(model_dir, max_model_len=64)
+    per_seq = math.ceil(64 / PAGE)
+    sized = pool_memory(make_llm(model_dir, SMALL, max_model_len=64), per_seq + 2)
+    tiny = lossless(model_dir, 5, max_model_len=64, kv_cache_memory=sized)
+    assert tiny.engine.cache.num_pages == per_seq + 2
+    prompts = [prompt(random.randint(20, 30)) for _ in range(4)]
+    params = [greedy(30), greedy(34), greedy(28), greedy(25)]
+    outputs = tiny.generate(prompts, params, use_tqdm=False)
+    assert sum(out.metrics.num_preemptions for out in outputs) > 0
+    assert [out.token_ids for out in outputs] == run(unconstrained, prompts, params)
+    assert_pages_all_back(tiny)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_chunked_prefill_on_or_off_gives_the_dense_tokens(model_dir, dense, chunked):
+    llm = lossless(model_dir, 4, enable_chunked_prefill=chunked, max_num_batched_tokens=40 if chunked else None)
+    prompts, params = ragged(6)
+    assert run(llm, prompts, params) == run(dense, prompts, params)
+
+
+def test_lossless_answers_are_cached_for_the_next_turn(model_dir, dense):
+    """Verified K/V are dense attention's, so a conversation's next turn hits the earlier answers too (a lossy Quest
+    answer is recomputed)."""
+    llm = lossless(model_dir, 4)
+    conversation, cached_before = prompt(60), 0
+    for _ in range(3):
+        (out,) = llm.generate([conversation], greedy(12), use_tqdm=False)
+        assert out.token_ids == run(dense, [conversation], greedy(12))[0]
+        assert out.metrics.num_cached_tokens == (cached_before // PAGE) * PAGE
+        cached_before = len(conversation) + len(out.token_ids) - 1
+        conversation = conversation + list(out.token_ids) + prompt(6)
+    assert_pages_all_back(llm)
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run_end_the_output_there(model_dir, dense):
+    llm = lossless(model_dir, 8)
+    p = prompt(random.randint(60, 90))
+    (ref,) = run(dense, [p], greedy(24))
+    k = next(i for i in range(3, 24) if ref[i] not in ref[:i])  # ref[k] first appears at k
+    word = f"x{ref[k]:02d}"
+    stops = [greedy(24, stop_token_ids=[ref[k]]), greedy(24, stop=word), greedy(k + 1), greedy(24)]
+    by_token, by_string, by_length, free = llm.generate([p] * 4, stops, use_tqdm=False)
+    assert by_token.token_ids == ref[:k + 1] and by_token.stop_reason == ref[k]
+    assert by_string.token_ids == ref[:k + 1] and by_string.stop_reason == word and word not in by_string.text
+    assert by_length.token_ids == ref[:k + 1] and by_length.finish_reason == "length"
+    assert free.token_ids == ref
+    assert_pages_all_back(llm)
+
+
+def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(model_dir):
+    """The draft steps widen the bounds with keys that the verify overwrites or drops; the verify recomputes them."""
+    llm = lossless(model_dir, 6)
+    engine = llm.engine
+    cache = engine.cache
+    for p in [prompt(random.randint(30, 90)) for _ in range(3)]:
+        engine.add_request(p, greedy(40))
+    rounds = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            length = cache.seq_len(seq.cache_id)
+            for logical, page in enumerate(cache.pages_of(seq.cache_id)):
+                keys = cache.k_pages[:, page, :min(PAGE, length - logical * PAGE)]
+                assert torch.equal(cache.kmin[:, page], keys.amin(dim=1))
+                assert torch.equal(cache.kmax[:, page], keys.amax(dim=1))
+            rounds += seq.num_verify_steps
+    assert rounds > 0
+
+
+def test_seeded_sampling_reproduces(model_dir):
+    llm = lossless(model_dir, 3)
+    prompts, _ = ragged(3)
+    params = SamplingParams(temperature=1.0, seed=random.randrange(1 << 30), max_tokens=20, ignore_eos=True)
+    assert run(llm, prompts, params) == run(llm, prompts, params)
+    assert run(llm, prompts, params) == run(lossless(model_dir, 3), prompts, params)
+
+
+def test_sampled_tokens_are_distributed_as_dense_sampling(model_dir):
+    """Two-sample chi-square over the first two tokens (top-k 3: 9 outcomes, merged to 8) of 1,500 seeded requests
+    each; a correct sampler fails it with probability 1e-6. The same test tells lossy Quest's distribution from
+    dense's (it has the power to fail)."""
+    p = prompt(80)
+    quest = dataclasses.replace(SMALL, token_budget=8)
+
+    def draws(llm):
+        params = [SamplingParams(temperature=1.5, top_k=3, seed=seed, max_tokens=2, ignore_eos=True)
+                  for seed in range(1500)]
+        return Counter(out.token_ids for out in llm.generate([p] * len(params), params, use_tqdm=False))
+
+    def statistic(a: Counter, b: Counter) -> tuple[float, int]:
+        outcomes = sorted(set(a) | set(b), key=lambda o: a[o] + b[o])
+        rare = outcomes[:len(outcomes) - 7]  # merged into one cell: at most 8 cells
+        cells = [(sum(a[o] for o in rare), sum(b[o] for o in rare))] + [(a[o], b[o]) for o in outcomes[-7:]]
+        total = sum(x + y for x, y in cells)
+        value = sum((x - y) ** 2 / (x + y) for x, y in cells if x + y)  # equal sample sizes
+        assert total == 3000
+        return value, len(cells) - 1
+
+    want = draws(make_llm(model_dir, max_num_seqs=64))
+    value, dof = statistic(draws(lossless(model_dir, 2, quest, max_num_seqs=64)), want)
+    assert chi_square_p_value(value, dof + 1) > 1e-6  # dof + 1 (even): a heavier tail, false failures < 1e-6
+    value, dof = statistic(draws(make_llm(model_dir, quest, max_num_seqs=64)), want)
+    print(f"lossy Quest against dense: chi-square {value:.1f}")
+    assert chi_square_p_value(value, dof + 1) < 1e-6
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "quest", "num_speculative_tokens": 0}, r"num_speculative_tokens must be .* got 0"),
+    ({"method": "quest", "num_speculative_tokens": 17}, r"num_speculative_tokens must be .* got 17"),
+    ({"method": "ngram", "num_speculative_tokens": 2}, r"method must be one of .*'quest'.* got 'ngram'"),
+    ({"method": "quest", "k": 2}, r"unknown keys \['k'\]"),
+    ("quest", "must be a dict"),
+])
+def test_bad_speculative_configs_are_refused(model_dir, config, message):
+    with pytest.raises(ValueError, match=message):
+        lossless(model_dir).engine.config.__class__(model=str(model_dir), quest=SMALL, speculative_config=config)
+
+
+def test_lossless_needs_quest_and_synchronous_single_device_steps(model_dir):
+    spec = {"method": "quest", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="needs quest=QuestConfig"):
+        make_llm(model_dir, speculative_config=spec)
+    with pytest.raises(ValueError, match="async_scheduling off"):
+        make_llm(model_dir, SMALL, speculative_config=spec, async_scheduling=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
+        make_llm(model_dir, SMALL, speculative_config=spec, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"speculative_tokens": 17}, r"SamplingParams.speculative_tokens must be .* got 17"),
+    ({"speculative_tokens": -1}, r"SamplingParams.speculative_tokens must be .* got -1"),
+    ({"speculative_tokens": "2"}, r"SamplingParams.speculative_tokens must be an int"),
+    ({"speculative_tokens": True}, r"SamplingParams.speculative_tokens must be an int"),
+    ({"speculative_tokens": 2, "dense": True}, "dense=True attends every page; it excludes speculative_tokens=2"),
+    ({"speculative_tokens": 2, "forced_token_ids": [3]}, "forced_token_ids replaces"),
+])
+def test_bad_request_fields_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+def test_draft_tokens_on_an_engine_without_a_speculative_config_are_refused(model_dir):
+    llm = make_llm(model_dir, SMALL)
+    with pytest.raises(ValueError, match=r"speculative_tokens=2 needs an engine with lossless Quest"):
+        llm.generate([prompt(5)], greedy(4, speculative_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_budget_covering_the_context_decodes_densely_without_drafting(model_dir, dense):
+    """Where the route decodes densely (here: the budget covers every context), a lossless request drafts nothing:
+    its steps are dense decode steps, no verify runs."""
+    full = QuestConfig(token_budget=MAX_LEN, page_size=PAGE, dense_layers=1)
+    prompts, params = ragged(3)
+    outputs = lossless(model_dir, 4, full).generate(prompts, params, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == run(dense, prompts, params)
+    assert all(out.metrics.mean_tokens_per_verify is None for out in outputs)

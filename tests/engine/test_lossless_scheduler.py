@@ -1,0 +1,151 @@
+"""The scheduler with lossless requests: a hypothesis state machine over add / step / abort where requests draft
+(Quest rounds), verify with random dense tokens, stop inside kept runs and are preempted mid-round, on a tiny pool.
+A shadow model computes what every verify must keep."""
+
+import random
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
+
+from questkv import QuestConfig
+from questkv.config import RequestQuest
+from questkv.engine.sampling_params import SamplingParams
+from questkv.engine.sequence import Sequence, SequenceStatus
+from tests.engine.test_scheduler import EOS, PAGE, SchedulerMachine, make_scheduler
+
+# Quest from a context of 8 tokens on (two pages): shorter sequences decode densely and draft nothing.
+QUEST = QuestConfig(token_budget=8, page_size=PAGE, dense_layers=0, sink_pages=0, recent_pages=0,
+                    dense_context_ratio=1.0)
+
+
+class LosslessSchedulerMachine(SchedulerMachine):
+    """Requests with 0 to 5 draft tokens per round (0: lossy, the plain decode path) and chunked prefill or not;
+    tokens are drawn from 0..5 so that drafts are often kept, often not, and EOS (0) or the stop token (3) often
+    lands inside a kept run."""
+
+    def __init__(self):
+        super().__init__()
+        self.chunked = random.random() < 0.5
+        self.scheduler = make_scheduler(self.POOL, self.MAX_NUM_SEQS, max_num_batched_tokens=12,
+                                        max_model_len=self.MAX_MODEL_LEN, max_seqs=4, chunked_prefill=self.chunked,
+                                        quest=QUEST)
+        self.cache = self.scheduler.cache
+        self.verifies = 0
+
+    @rule(prompt_len=st.integers(1, 24), max_tokens=st.integers(1, 20), ignore_eos=st.booleans(),
+          stop_token=st.sampled_from([None, 3]), drafts=st.integers(0, 5))
+    def add(self, prompt_len, max_tokens, ignore_eos, stop_token, drafts):
+        seq = Sequence(str(self.next_id), [random.randint(1, 99) for _ in range(prompt_len)],
+                       SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                      stop_token_ids=[] if stop_token is None else [stop_token]),
+                       quest=RequestQuest(8, 1, drafts))
+        self.next_id += 1
+        if prompt_len + max_tokens > self.MAX_MODEL_LEN or -(-(prompt_len + max_tokens - 1) // PAGE) > self.POOL:
+            with pytest.raises(ValueError):
+                self.scheduler.add(seq)
+            return
+        self.scheduler.add(seq)
+        self.seqs[seq.request_id], self.tokens[seq.request_id] = seq, []
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule(data=st.data())
+    def step(self, data):
+        self.run_step(lambda low, high: data.draw(st.integers(low, high)))
+
+    def run_step(self, draw):
+        """One schedule and update; ``draw(low, high)`` picks every random integer (tokens, agreement points)."""
+        batch = self.scheduler.schedule()
+        assert batch is not None
+        verifying = range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
+        expected = {}
+        rows = []
+        for i, seq in enumerate(batch.seqs[:batch.num_sampled]):
+            assert self.cache.seq_len(seq.cache_id) == batch.seq_lens[i]
+            if i in verifying:
+                drafts = list(seq.draft_token_ids)
+                assert seq.quest.speculative_tokens and batch.num_new_tokens[i] == len(drafts) + 1
+                assert len(drafts) <= self.scheduler.draft_limit(seq) or not drafts
+                # Dense attention's tokens: agree with the drafts up to a random point, then anything.
+                agree = draw(0, len(drafts))
+                tokens = drafts[:agree] + [draw(0, 5) for _ in range(len(drafts) + 1 - agree)]
+                kept = 0
+                while kept < len(drafts) and tokens[kept] == drafts[kept]:
+                    kept += 1
+                expected[seq.request_id] = tokens[:kept + 1]
+                rows.append(tokens)
+            else:
+                assert batch.num_new_tokens[i] == 1 or i >= batch.num_decodes
+                if i in batch.drafts:
+                    assert seq.quest.speculative_tokens and i < batch.num_decodes
+                rows.append(draw(0, 5))
+        before = {seq.request_id: (seq.num_output_tokens, len(seq.draft_token_ids)) for seq in batch.seqs}
+        finished = self.update(batch, rows)
+        for i, (seq, row) in enumerate(zip(batch.seqs[:batch.num_sampled], rows)):
+            outputs, drafts = before[seq.request_id]
+            if i in batch.drafts and not seq.is_finished:
+                assert seq.num_output_tokens == outputs and len(seq.draft_token_ids) == drafts + 1
+                continue
+            added = seq.output_token_ids[outputs:]
+            want = expected.get(seq.request_id, [row] if not isinstance(row, list) else row)
+            assert added == want[:len(added)] and added, (added, want)
+            params = seq.sampling_params
+            if len(added) < len(want):  # the run was cut by a stop: the last kept token stopped it
+                assert seq in finished
+            last = added[-1]
+            if (last == EOS and not params.ignore_eos) or last in params.stop_token_ids:
+                assert seq.status is SequenceStatus.FINISHED_STOPPED and seq in finished
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.MAX_MODEL_LEN:
+                assert seq.status is SequenceStatus.FINISHED_LENGTH and seq in finished
+            else:
+                assert not seq.is_finished and not seq.draft_token_ids
+        self.verifies += batch.num_verifies
+
+    def update(self, batch, token_ids):
+        verified = batch.num_decodes + batch.num_verifies
+        prefills = len(batch.seqs) - verified
+        self.steps["mixed" if verified and prefills else "decode" if verified else "prefill"] += 1
+        self.step_tokens["decode"] += batch.num_decodes
+        self.step_tokens["verify"] += sum(batch.num_new_tokens[batch.num_decodes:verified])
+        self.step_tokens["prefill"] += sum(batch.num_new_tokens[verified:])
+        finished = self.scheduler.update(batch, token_ids)
+        for seq in batch.seqs[:batch.num_sampled]:
+            self.tokens[seq.request_id] = list(seq.output_token_ids)
+        return finished
+
+    @invariant()
+    def running_sequences_cache_all_but_their_last_token(self):
+        scheduler = self.scheduler
+        for seq in scheduler.running:
+            cached = self.cache.seq_len(seq.cache_id)
+            if seq is scheduler.prefilling:
+                assert 0 < cached < seq.num_tokens and not seq.draft_token_ids
+            else:
+                assert cached == seq.num_tokens + len(seq.draft_token_ids) - 1
+                assert len(seq.draft_token_ids) <= seq.quest.speculative_tokens
+
+    @invariant()
+    def waiting_sequences_hold_no_drafts(self):
+        assert all(not seq.draft_token_ids for seq in self.scheduler.waiting)
+
+
+TestLosslessSchedulerMachine = LosslessSchedulerMachine.TestCase
+TestLosslessSchedulerMachine.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+
+
+def test_the_machine_drafts_verifies_and_preempts():
+    """The machine's rules reach the states they are for: rounds that draft and verify, under preemption."""
+    machine = LosslessSchedulerMachine()
+    for i in range(3):
+        machine.add(prompt_len=9, max_tokens=18, ignore_eos=True, stop_token=None, drafts=3)
+    rng = random.Random(0)
+    for _ in range(200):
+        if not machine.scheduler.has_unfinished():
+            break
+        machine.run_step(rng.randint)
+        machine.running_sequences_cache_all_but_their_last_token()
+        machine.every_page_is_free_or_owned_by_exactly_one_running_sequence()
+    assert machine.verifies > 0
+    assert sum(seq.num_preemptions for seq in machine.seqs.values()) > 0
+    assert all(seq.is_finished for seq in machine.seqs.values())
