@@ -12,7 +12,7 @@ the CPU path).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -63,24 +63,27 @@ class PrefillRows:
         seq_lens: ``[batch]`` int32, tokens per sequence with the new ones.
         query_starts: ``batch + 1`` host ints: sequence ``i``'s tokens are ``[query_starts[i], query_starts[i + 1])``
             of the prefill rows' tokens (counted from the first prefill token, after any decode rows).
-        cached_lens: ``batch`` host ints, the tokens each sequence already holds in the pool before its new ones
-            (whole shared pages of the prefix cache, and its earlier chunks of a chunked prefill), whose K/V its new
-            tokens attend too; ``None``: every sequence starts empty.
+        cached_lens: ``batch`` host ints (or a ``[batch]`` device tensor: a captured verify step), the tokens each
+            sequence already holds in the pool before its new ones (whole shared pages of the prefix cache, its
+            earlier chunks of a chunked prefill, a lossless round's verified tokens), whose K/V its new tokens attend
+            too; ``None``: every sequence starts empty.
+        query_starts_on_device: ``query_starts`` as a ``[batch + 1]`` int32 tensor on the step's device when the
+            caller has it (a captured verify step); ``None``: :meth:`query_starts_tensor` copies it once.
     """
 
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     query_starts: list[int]
-    cached_lens: Optional[list[int]] = None
-    _query_starts_tensor: Optional[torch.Tensor] = dataclasses.field(default=None, init=False, repr=False)
+    cached_lens: Optional[Union[list[int], torch.Tensor]] = None
+    query_starts_on_device: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
 
     def query_starts_tensor(self) -> torch.Tensor:
         """``query_starts`` as a ``[batch + 1]`` int32 tensor on the step's device, copied once per step and
         shared by every layer (the paged prefill attention's input)."""
-        if self._query_starts_tensor is None:
+        if self.query_starts_on_device is None:
             starts = torch.tensor(self.query_starts, dtype=torch.int32)
-            self._query_starts_tensor = starts.to(self.page_table.device, non_blocking=True)
-        return self._query_starts_tensor
+            self.query_starts_on_device = starts.to(self.page_table.device, non_blocking=True)
+        return self.query_starts_on_device
 
 
 @dataclasses.dataclass(slots=True)

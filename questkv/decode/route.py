@@ -29,11 +29,13 @@ from questkv.config import QuestConfig
 class StepRoute(str, enum.Enum):
     """How a step of several rows runs its sparse layers: every row with Quest (``SPARSE``), every row densely
     (``DENSE``: the dense step, no estimate or select), or both kinds of row (``MIXED``: Quest's step with the dense
-    rows selecting every page of theirs)."""
+    rows selecting every page of theirs). ``VERIFY``: a lossless verify step, every row dense over the same number
+    of positions (the engine's runner; never :func:`step_route`'s answer)."""
 
     SPARSE = "sparse"
     MIXED = "mixed"
     DENSE = "dense"
+    VERIFY = "verify"
 
 
 def decodes_densely(quest: Optional[QuestConfig], token_budget: Optional[int], seq_len: int) -> bool:

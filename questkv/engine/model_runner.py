@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from questkv.cache.paged import PagedKVCache
+from questkv.config import MAX_SPECULATIVE_TOKENS
 from questkv.decode.context import DecodeRows, PrefillRows, StepContext
 from questkv.decode.selection_memory import ReuseRows, SelectionMemory, is_due
 from questkv.decode.route import StepRoute, decodes_densely, step_route
@@ -176,7 +177,8 @@ class ModelRunner:
             fuse_elementwise(model)
         # Padding rows of a captured batch write and read one token here, never a request's page.
         self.scratch_seq = self.cache.add_sequence()
-        self.cache.allocate([self.scratch_seq], [1])
+        # (a padding row of a verify step feeds up to MAX_SPECULATIVE_TOKENS + 1 positions)
+        self.cache.allocate([self.scratch_seq], [1 if config.speculative_config is None else MAX_SPECULATIVE_TOKENS + 1])
         self.budget = config.quest.token_budget if config.quest is not None else None
         self.sampler = Sampler()
         batch_sizes = graph_batch_sizes(config.max_num_seqs) if config.use_cuda_graphs else ()
@@ -201,6 +203,13 @@ class ModelRunner:
         self._forced = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._flip = self._tokens_flip = 0
         self._inputs = torch.zeros((_NUM_INPUTS, rows), dtype=torch.int64, device=self.device)
+        # A verify step's static inputs (lossless): per row its first position, KV length and page-table row, and
+        # its input tokens.
+        verify_rows = rows if config.speculative_config is not None else 0
+        self._verify_inputs = torch.zeros((3, verify_rows), dtype=torch.int64, device=self.device)
+        self._verify_ids = torch.zeros((verify_rows, MAX_SPECULATIVE_TOKENS + 1), dtype=torch.int64, device=self.device)
+        self._host_verify = torch.zeros((3 + MAX_SPECULATIVE_TOKENS + 1, verify_rows), dtype=torch.int64,
+                                        pin_memory=pin)
         # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
         self._sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._sampled_rows: dict[str, int] = {}
@@ -220,7 +229,10 @@ class ModelRunner:
             and each prefill row but a partial one), ``num_new_tokens`` on a verify row, in batch order, read by
             :meth:`SampledTokens.token_ids`.
         """
-        logits = self._prefill(batch) if batch.num_prefills else self._decode(batch)
+        if batch.num_verifies == len(batch.seqs) and len(set(batch.num_new_tokens)) == 1:
+            logits = self._verify(batch)
+        else:
+            logits = self._prefill(batch) if batch.num_prefills else self._decode(batch)
         tokens = self._sample(logits, batch)  # [sampled tokens] int64 on the device
         count = batch.num_sampled
         if self.tp is not None and count:
@@ -315,6 +327,47 @@ class ModelRunner:
         self._store_selections(padded, rows)
         picked = torch.cat([torch.arange(padded, device=self.device), last + padded])
         return self.model.compute_logits(hidden[picked])  # [padded + sampling prefill rows, vocab]
+
+    def _verify(self, batch: ScheduledBatch) -> torch.Tensor:
+        """``[rows * q_len, vocab]`` float32 logits of a step of verify rows only, each of ``q_len`` positions (a
+        lossless round's last verified token and its drafts; rounds stay aligned, so this is the usual verify
+        step): staged into static inputs and run by :meth:`_verify_body`, under a CUDA graph keyed by the padded
+        batch, the page-table width and ``q_len``."""
+        rows, q_len = len(batch.seqs), batch.num_new_tokens[0]
+        padded = self.graphs.padded(rows)
+        width = self.graphs.width(self.cache.pages_for_tokens(max(batch.seq_lens)))
+        host = self._host_verify[:3 + q_len, :padded]
+        host[0].zero_()
+        host[1].fill_(q_len)
+        host[2].fill_(self.scratch_seq)
+        host[3:].zero_()
+        for i, (seq, seq_len) in enumerate(zip(batch.seqs, batch.seq_lens)):
+            host[:3, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id])
+            host[3:, i] = torch.tensor((seq.all_token_ids + seq.draft_token_ids)[seq_len - q_len:seq_len])
+        self._verify_inputs[:, :padded].copy_(host[:3], non_blocking=True)
+        self._verify_ids[:padded, :q_len].copy_(host[3:].T, non_blocking=True)
+        seq_ids = batch.seq_ids
+        self._kept.difference_update(seq_ids)
+        if self.memory is not None:  # the next round's first draft selects afresh
+            self.memory.restart(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
+        return self.graphs.run((padded, width, StepRoute.VERIFY, q_len), self._verify_body)[:rows * q_len]
+
+    def _verify_body(self, batch: int, width: int, route: StepRoute, q_len: int) -> torch.Tensor:
+        """One verify step over the static verify inputs (graph-capturable: device ops only): ``batch`` rows of
+        ``q_len`` positions each, attending their cached tokens and, causally, each other densely
+        (:func:`~questkv.ops.paged_prefill_attention`); ``[batch * q_len, vocab]`` float32 logits, row after row."""
+        first, seq_lens, table_rows = self._verify_inputs[:, :batch]
+        positions = first[:, None] + torch.arange(q_len, device=self.device)  # [batch, q_len] int64
+        page_table = self.cache.page_table.index_select(0, table_rows)[:, :width]  # [batch, width] int32
+        page_size = self.cache.page_size
+        slots = page_table.gather(1, positions // page_size).long() * page_size + positions % page_size
+        starts = list(range(0, (batch + 1) * q_len, q_len))
+        on_device = torch.arange(batch + 1, dtype=torch.int32, device=self.device) * q_len
+        rows = PrefillRows(page_table, seq_lens.to(torch.int32), starts, cached_lens=first,
+                           query_starts_on_device=on_device)
+        ids = self._verify_ids[:batch, :q_len].reshape(-1)
+        hidden = self.model(ids, positions.reshape(-1), StepContext(slots.reshape(-1), prefill=rows))
+        return self.model.compute_logits(hidden)
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[len(batch.seqs), vocab]`` float32 logits of a decode-only step (every row a decode row)."""
