@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from questkv import QuestConfig
+from questkv.config import MAX_SPECULATIVE_TOKENS
 from questkv.engine.sampling_params import SamplingParams
 from tests.engine.test_llm import MAX_LEN, PAGE, SMALL, VOCAB, greedy, make_llm, pool_memory, prompt, run
 from tests.engine.test_prefix_caching import assert_pages_all_back
@@ -88,9 +89,11 @@ def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, de
 def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir):
     unconstrained = make_llm(model_dir, max_model_len=64)
     per_seq = math.ceil(64 / PAGE)
-    sized = pool_memory(make_llm(model_dir, SMALL, max_model_len=64), per_seq + 2)
-    tiny = lossless(model_dir, 5, max_model_len=64, kv_cache_memory=sized)
-    assert tiny.engine.cache.num_pages == per_seq + 2
+    scratch = math.ceil((MAX_SPECULATIVE_TOKENS + 1) / PAGE)  # a lossless engine's padding rows' pages
+    pages = per_seq + 1 + scratch
+    tiny = lossless(model_dir, 5, max_model_len=64,
+                    kv_cache_memory=pool_memory(make_llm(model_dir, SMALL, max_model_len=64), pages))
+    assert tiny.engine.cache.num_pages == pages
     prompts = [prompt(random.randint(20, 30)) for _ in range(4)]
     params = [greedy(30), greedy(34), greedy(28), greedy(25)]
     outputs = tiny.generate(prompts, params, use_tqdm=False)
