@@ -6,6 +6,10 @@ first: the steps until every request has its first token are the prefill (one st
 :data:`MAX_PREFILL_TOKENS`), the steps after them decode steps, one token per request. Dense and Quest run one after
 the other in one process, on the same prompts; each engine is freed before the next is built. Owns the timing and
 the report; the engine is :class:`~questkv.engine.llm.LLM`'s.
+
+A lossless Quest engine (``speculative_config``) outputs no token on a draft step and up to ``k + 1`` per request on
+a verify step, so its decode step time is that of an equivalent one-token step: the decode steps' time over the
+tokens each request gained in them. Its rows add the acceptance rate and the tokens per verify step.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ RUNS = ("dense", "quest")
 # Prompt tokens of one prefill step, at most (unless one prompt is longer): the runner keeps activation memory for
 # that many tokens beside the KV cache, so B=16 at 32k in one step would leave no room for the cache.
 MAX_PREFILL_TOKENS = 65536
+_REQUEST_MEANS = ("mean_tokens_attended", "acceptance_rate", "mean_tokens_per_verify")
+"""The :class:`~questkv.engine.sequence.RequestMetrics` fields an iteration averages over its requests."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +80,13 @@ def measure(engine, spec: LatencySpec, progress: bool = True, desc: str = "") ->
     Returns:
         ``{"prefill_s", "decode_ms_per_step", "decode_tokens_per_s", "e2e_s"}`` (medians over the timed
         iterations; an iteration's prefill is the sum of its prefill steps, its decode step time the median of
-        its decode steps, ``None`` without one), ``"mean_tokens_attended"`` and ``"kv_fraction"`` (of the mean
-        context, at most 1: :func:`questkv.generate.kv_read`) of the decode steps, ``"iterations"``: the same per timed iteration, and ``"weight_bytes"`` and
-        ``"kv_tokens"``: what the engine holds and how many tokens of KV its pool fits.
+        its decode steps, or with a speculative config their total time over the tokens a request gained in them
+        (see the module docstring), ``None`` without one), ``"mean_tokens_attended"`` and ``"kv_fraction"`` (of
+        the mean context, at most 1: :func:`questkv.generate.kv_read`) of the decode steps,
+        ``"acceptance_rate"`` and ``"mean_tokens_per_verify"`` (means over the requests, ``None`` without a
+        verify step: :class:`~questkv.engine.sequence.RequestMetrics`), ``"iterations"``: the same per timed
+        iteration, and ``"weight_bytes"`` and ``"kv_tokens"``: what the engine holds and how many tokens of KV
+        its pool fits.
     """
     from tqdm.auto import tqdm
 
@@ -84,29 +94,41 @@ def measure(engine, spec: LatencySpec, progress: bool = True, desc: str = "") ->
     from questkv.generate import kv_read, mean_decode_context
 
     device = engine.config.torch_device
+    lossless = engine.config.speculative_config is not None
     rng = random.Random(spec.seed)  # the same prompts for every engine of a run
     vocab = engine.spec.vocab_size
     params = SamplingParams(temperature=0, max_tokens=spec.output_len, ignore_eos=True)
     iterations = []
     for index in tqdm(range(spec.num_iters_warmup + spec.num_iters), desc=desc or "iterations", disable=not progress):
         prompts = [[rng.randrange(vocab) for _ in range(spec.input_len)] for _ in range(spec.batch_size)]
-        ids = {engine.add_request(p, params) for p in prompts}
-        prefill, decode, attended, started = [], [], [], set()
+        lengths = dict.fromkeys((engine.add_request(p, params) for p in prompts), 0)  # output tokens so far
+        prefill, decode, decode_tokens, finished = [], [], 0, []
         _synchronize(device)
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             # No synchronisation per step: a step returns once the tokens it reports are on the host, so the calls
             # time the steps back to back (under asynchronous scheduling, one step behind the one it launches).
+            decoding = all(lengths.values())  # every request had its first token before this step
             before = time.perf_counter()
             outputs = engine.step()
-            (decode if len(started) == len(ids) else prefill).append(time.perf_counter() - before)
-            started |= {out.request_id for out in outputs if out.token_ids}
-            attended += [out.metrics.mean_tokens_attended for out in outputs
-                         if out.finished and out.request_id in ids and out.metrics.mean_tokens_attended is not None]
+            (decode if decoding else prefill).append(time.perf_counter() - before)
+            for out in outputs:
+                if out.request_id not in lengths:
+                    continue
+                if decoding:
+                    decode_tokens += len(out.token_ids) - lengths[out.request_id]
+                lengths[out.request_id] = len(out.token_ids)
+                if out.finished:
+                    finished.append(out.metrics)
         e2e = time.perf_counter() - start
         if index < spec.num_iters_warmup:
             continue
-        step_s = statistics.median(decode) if decode else None
+        if not decode:
+            step_s = None
+        elif lossless:  # the time of an equivalent step of one token per request
+            step_s = sum(decode) * spec.batch_size / decode_tokens
+        else:
+            step_s = statistics.median(decode)
         iterations.append({
             "prefill_s": sum(prefill),
             "decode_ms_per_step": None if step_s is None else step_s * 1e3,
@@ -114,10 +136,10 @@ def measure(engine, spec: LatencySpec, progress: bool = True, desc: str = "") ->
             "e2e_s": e2e,
             "prefill_steps": len(prefill),
             "decode_steps": len(decode),
-            "mean_tokens_attended": statistics.fmean(attended) if attended else None,
+            **{key: _mean([getattr(metrics, key) for metrics in finished]) for key in _REQUEST_MEANS},
         })
     result = {key: _median([it[key] for it in iterations])
-              for key in ("prefill_s", "decode_ms_per_step", "decode_tokens_per_s", "e2e_s", "mean_tokens_attended")}
+              for key in ("prefill_s", "decode_ms_per_step", "decode_tokens_per_s", "e2e_s", *_REQUEST_MEANS)}
     result["mean_tokens_attended"], result["kv_fraction"] = kv_read(
         result["mean_tokens_attended"], mean_decode_context(spec.input_len, spec.output_len))
     result["iterations"] = iterations
@@ -129,6 +151,11 @@ def measure(engine, spec: LatencySpec, progress: bool = True, desc: str = "") ->
 def _median(values: list) -> Optional[float]:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def _mean(values: list) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
 
 
 def run_latency(
@@ -163,9 +190,12 @@ def run_latency(
 
 
 def format_table(document: dict[str, Any]) -> str:
-    """The runs of :func:`run_latency` (with ``document["quest"]``: the Quest config as a dict) as a text table."""
+    """The runs of :func:`run_latency` (with ``document["quest"]``: the Quest config as a dict, and
+    ``document["speculative_config"]``: the Quest engine's, as a dict, or ``None``) as a text table."""
+    speculative = document.get("speculative_config")
     header = (f"{'engine':<7} {'budget':>7} {'prefill s':>10} {'decode ms/step':>15} {'decode tok/s':>13} "
               f"{'e2e s':>8} {'attended/step':>14} {'KV read':>8} {'weights GiB':>12} {'KV tokens':>11}")
+    header += f" {'accepted':>9} {'tok/verify':>11}" if speculative else ""
     lines = [header, "-" * len(header)]
     for run, row in document["results"].items():
         budget = document["quest"]["token_budget"] if run == "quest" else None
@@ -175,7 +205,12 @@ def format_table(document: dict[str, Any]) -> str:
             f"{_fmt(row['e2e_s'], '.2f'):>8} {_fmt(row['mean_tokens_attended'], '.1f'):>14} "
             f"{_fmt(row['kv_fraction'], '.1%'):>8} {_fmt(_gib(row.get('weight_bytes')), '.2f'):>12} "
             f"{_fmt(row.get('kv_tokens'), ','):>11}"
+            + (f" {_fmt(row.get('acceptance_rate'), '.1%'):>9} {_fmt(row.get('mean_tokens_per_verify'), '.2f'):>11}"
+               if speculative else "")
         )
+    if speculative:
+        lines.append(f"quest is lossless: up to {speculative['num_speculative_tokens']} Quest draft tokens per round, "
+                     "verified by dense attention; its ms/step is per token of a request")
     if document.get("speedup") is not None:
         lines.append(f"decode speedup, dense / Quest (ms per step): {document['speedup']:.2f}x")
     return "\n".join(lines)

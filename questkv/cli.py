@@ -43,7 +43,8 @@ def _add_demo(subparsers) -> None:
                    help={"token_budget": "Quest budgets, one Quest engine each (the dense engine always runs)"})
     parser.add_argument("--max-tokens", type=int_at_least(1), default=demo.DEMO_MAX_TOKENS,
                         help=f"answer tokens (default: {demo.DEMO_MAX_TOKENS})")
-    add_engine_args(parser, device="cpu", dtype="float32", max_model_len=False, seed_help="picks the pass key")
+    add_engine_args(parser, device="cpu", dtype="float32", max_model_len=False, seed_help="picks the pass key",
+                    speculative=False)  # its dense engine takes the same engine flags
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     parser.set_defaults(func=_run_demo)
 
@@ -120,7 +121,8 @@ def _add_generate(subparsers) -> None:
         help=_HELP["generate"],
         description="Prefill the prompt densely, decode with Quest selection (dense without --budget), stream the "
         "text to stdout, then print prompt tokens, prefill and decode tokens per second and the mean KV tokens "
-        "each decode step attended (to stderr).",
+        "each decode step attended (to stderr). With --speculative-config Quest drafts and dense attention "
+        "verifies (the text is dense attention's), and the statistics add the share of drafts kept.",
     )
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"alias ({', '.join(ALIASES)}), HF model folder or .gguf file (default: {DEFAULT_MODEL})")
@@ -180,7 +182,9 @@ def _add_bench(subparsers) -> None:
         "token ids to --output-len greedy tokens (ignore_eos). Reports prefill seconds, ms per decode step, decode "
         "tokens/s (batch / step time), end-to-end seconds and KV read per step, for the dense engine and the Quest "
         "engine (built one after the other, on the same prompts), and the decode speedup dense / Quest. Prompts "
-        "are prefilled unchunked unless --enable-chunked-prefill is given.",
+        "are prefilled unchunked unless --enable-chunked-prefill is given. With --speculative-config the Quest "
+        "engine is lossless: its row adds the share of draft tokens kept and the tokens per verify step, and its "
+        "ms per decode step is that of an equivalent one-token step (decode time over the tokens a request gained).",
     )
     source = latency.add_mutually_exclusive_group()
     source.add_argument("--model", default=None,
@@ -218,6 +222,10 @@ def _run_bench_latency(args) -> int:
     spec = bench.LatencySpec(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
                              num_iters=args.num_iters, num_iters_warmup=args.num_iters_warmup, seed=args.seed)
     flags = engine_kwargs(args)
+    speculative = flags.pop("speculative_config", None)  # the Quest engine's only
+    if speculative is not None and (args.dense_only or quest.is_dense):  # before the dense run, not after it
+        raise ValueError("--speculative-config makes the Quest engine lossless: it needs a --budget and a Quest run "
+                         "(not --dense-only)")
     kwargs = {**flags, **spec.engine_kwargs(), "seed": args.seed}
     if "enable_chunked_prefill" in flags:  # the one run setting a flag may change
         kwargs["enable_chunked_prefill"] = flags["enable_chunked_prefill"]
@@ -234,7 +242,8 @@ def _run_bench_latency(args) -> int:
     def make_engine(quest_or_none):
         from questkv.engine.llm import LLM
 
-        return LLM(model, quest=quest_or_none, **kwargs).engine
+        lossless = {} if quest_or_none is None else {"speculative_config": speculative}
+        return LLM(model, quest=quest_or_none, **kwargs, **lossless).engine
 
     runs = ("dense",) if args.dense_only else ("quest",) if args.quest_only else bench.RUNS
     document = bench.run_latency(make_engine, spec, quest, runs)
@@ -244,6 +253,7 @@ def _run_bench_latency(args) -> int:
         "model": name,
         "settings": {**dataclasses.asdict(spec), **kwargs},
         "quest": dataclasses.asdict(quest),
+        "speculative_config": None if speculative is None else dataclasses.asdict(speculative),
         **document,
     }
     if args.json:
@@ -496,7 +506,8 @@ def _add_serve(subparsers) -> None:
         help=_HELP["serve"],
         description="Serve --model over HTTP with OpenAI's /v1/completions and /v1/chat/completions (streaming too), "
         "/v1/models, /health and /metrics. A request may pick its own Quest budget with the body field "
-        '"quest": {"token_budget": N} (up to --budget) or {"dense": true}.',
+        '"quest": {"token_budget": N} (up to --budget) or {"dense": true}, and on a lossless engine '
+        '(--speculative-config) its draft tokens per round with {"speculative_tokens": K} (0: lossy Quest).',
     )
     add_serve_args(parser)
     parser.set_defaults(func=run_server)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from questkv.config import QuestConfig
+from questkv.config import MAX_SPECULATIVE_TOKENS, QuestConfig, SpeculativeConfig
 from questkv.engine.config import QUANTIZATIONS
 
 __all__ = ["FIELDS", "add_quest_args", "flag", "quest_config", "quest_options"]
@@ -249,10 +250,26 @@ def byte_size(text: str) -> int:
     return value
 
 
+def speculative_config(text: str) -> Optional[SpeculativeConfig]:
+    """An argparse type: vLLM's ``--speculative-config``, a JSON object such as
+    ``'{"method": "quest", "num_speculative_tokens": 4}'`` (:meth:`~questkv.config.SpeculativeConfig.from_value`;
+    ``null``: none)."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({error}); give an object such as "
+                                         '\'{"method": "quest", "num_speculative_tokens": 4}\'') from None
+    try:
+        return SpeculativeConfig.from_value(value, "--speculative-config")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model_len: bool = True,
-                    seed_help: str = "random seed", serving: bool = False) -> None:
+                    seed_help: str = "random seed", serving: bool = False, speculative: bool = True) -> None:
     """The engine's flags: ``--device``, ``--dtype``, ``--max-model-len``, ``--enforce-eager``,
-    ``--tensor-parallel-size``, ``--seed``;
+    ``--tensor-parallel-size``, ``--seed``; with ``speculative`` ``--speculative-config`` (lossless Quest: a command
+    that also builds a dense engine passes it to its Quest engine only, or leaves it out);
     with ``serving`` also ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-cache-memory``,
     ``--gpu-memory-utilization``, ``--graph-capture`` and ``--load-format``. :func:`engine_kwargs` reads them back."""
     group = parser.add_argument_group("engine")
@@ -291,6 +308,13 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
                        help="shard the model over N ranks by attention heads: this process and N-1 spawned workers, "
                        "one GPU each (cuda:0..N-1, NCCL) or N CPU processes (gloo); heads, KV heads and the "
                        "intermediate size must be divisible by N (default: 1, one device)")
+    if speculative:
+        group.add_argument(
+            "--speculative-config", type=speculative_config, default=None, metavar="JSON",
+            help="lossless Quest, vLLM's spelling: a JSON object '{\"method\": \"quest\", \"num_speculative_tokens\": "
+            f"K}}' (K in 1..{MAX_SPECULATIVE_TOKENS}). Quest drafts up to K tokens per round and one dense forward "
+            "verifies them, keeping the drafts dense attention would have chosen: dense attention's output, its "
+            "draft steps at Quest's cost. Needs --budget (default: none, Quest's steps are the output)")
     group.add_argument("--seed", type=int_at_least(0), default=0, help=f"{seed_help} (default: 0)")
     if serving:
         group.add_argument("--max-num-seqs", type=int_at_least(1), default=32,
@@ -335,7 +359,7 @@ def engine_kwargs(args) -> dict:
     kwargs = {"device": device, "dtype": resolve_dtype(args.dtype, on_cuda), "enforce_eager": args.enforce_eager,
               "tensor_parallel_size": args.tensor_parallel_size}
     for name in ("async_scheduling", "quantization", "quantize_lm_head", "enable_prefix_caching",
-                 "enable_chunked_prefill"):
+                 "enable_chunked_prefill", "speculative_config"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     if getattr(args, "max_model_len", None) is not None:

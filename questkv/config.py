@@ -180,22 +180,29 @@ class SpeculativeConfig:
 
     Each round, a sequence decodes up to ``num_speculative_tokens`` draft tokens with its Quest budget (cheap: a
     fraction of the KV bytes), then one dense forward scores them all; it keeps the longest prefix on which the
-    draft equals dense attention's choice (greedy) or passes speculative rejection sampling (temperature > 0), plus
-    dense attention's own next token. The draft's K/V are overwritten by the verify's and the rejected ones dropped.
+    draft equals dense attention's choice, plus dense attention's own next token. With temperature > 0 the draft and
+    the verify draw each position with the same seeded noise (a Gumbel coupling), so the choice compared is the
+    dense step's own draw: the output is the dense engine's sample, token for token, not only in distribution. The
+    draft's K/V are overwritten by the verify's and the rejected ones dropped.
 
     Attributes:
         method: ``"quest"``, the only drafter: the model itself with Quest's sparse attention.
-        num_speculative_tokens: draft tokens per round, in ``[1, 16]``; a request may ask for fewer (or 0: lossy
-            Quest) through ``SamplingParams.speculative_tokens``.
+        num_speculative_tokens: the most draft tokens per round, in ``[1, 16]``; a request may ask for fewer (or
+            0: lossy Quest) through ``SamplingParams.speculative_tokens``.
+        adaptive: the engine picks the drafts of each round, from 0 (dense steps) to ``num_speculative_tokens``, by
+            the step times and acceptance it measures (:mod:`questkv.engine.speculation`), so that lossless is never
+            much slower than dense; ``False``: every round drafts ``num_speculative_tokens`` (tests, sweeps).
     """
 
     method: str = "quest"
     num_speculative_tokens: int = 4
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         check_choice("SpeculativeConfig.method", self.method, SPECULATIVE_METHODS)
         check_int("SpeculativeConfig.num_speculative_tokens", self.num_speculative_tokens, minimum=1,
                   maximum=MAX_SPECULATIVE_TOKENS)
+        check_bool("SpeculativeConfig.adaptive", self.adaptive)
 
     @classmethod
     def from_value(cls, value: object, owner: str = "speculative_config") -> Optional["SpeculativeConfig"]:

@@ -54,6 +54,8 @@ class GenerationStats:
         mean_tokens_attended: KV tokens one decode step attended, averaged over steps, layers and heads, at most
             :attr:`mean_context` (:func:`kv_read`); ``None`` without a decode step.
         finish_reason: ``"stop"`` or ``"length"``.
+        acceptance_rate, mean_tokens_per_verify: lossless Quest (``speculative_config``): the share of draft tokens
+            its verify steps kept and the tokens each verify step output; ``None`` without a verify step.
     """
 
     prompt_tokens: int
@@ -62,6 +64,8 @@ class GenerationStats:
     decode_tokens_per_s: Optional[float]
     mean_tokens_attended: Optional[float]
     finish_reason: Optional[str]
+    acceptance_rate: Optional[float] = None
+    mean_tokens_per_verify: Optional[float] = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -78,13 +82,16 @@ class GenerationStats:
         return kv_read(self.mean_tokens_attended, self.mean_context)[1]
 
     def summary(self) -> str:
-        """One line: prompt, prefill, decode and attention."""
+        """One line: prompt, prefill, decode, attention and (lossless Quest) the drafts kept."""
         decode = "n/a" if self.decode_tokens_per_s is None else f"{self.decode_tokens_per_s:.1f} tok/s"
         line = (f"prompt: {self.prompt_tokens} tokens | prefill: {self.prefill_tokens_per_s:.1f} tok/s "
                 f"({self.prefill_seconds:.2f} s to the first token) | decode: {self.new_tokens} tokens, {decode}")
         if self.mean_tokens_attended is not None:
             line += (f" | attended: {self.mean_tokens_attended:.1f} tokens per step "
                      f"({self.kv_fraction:.1%} of the KV cache)")
+        if self.acceptance_rate is not None:
+            line += (f" | lossless: {self.acceptance_rate:.1%} of the drafts kept, "
+                     f"{self.mean_tokens_per_verify:.2f} tokens per verify step")
         return line
 
 
@@ -153,7 +160,7 @@ def generate_text(
         progress: a tqdm bar on stderr counting the prompt tokens prefilled until the first token
             (:func:`stream_request`).
         **engine_kwargs: other :class:`~questkv.engine.config.EngineConfig` fields (``device``, ``dtype``,
-            ``max_model_len``, ``enforce_eager``, ...).
+            ``max_model_len``, ``enforce_eager``, ``speculative_config`` for lossless Quest, ...).
 
     Raises:
         ValueError: a bad argument (checked before the model loads), a prompt the engine refuses, or
@@ -184,6 +191,8 @@ def generate_text(
         decode_tokens_per_s=metrics.decode_tokens_per_s,
         mean_tokens_attended=kv_read(metrics.mean_tokens_attended, context)[0],
         finish_reason=out.finish_reason,
+        acceptance_rate=metrics.acceptance_rate,
+        mean_tokens_per_verify=metrics.mean_tokens_per_verify,
     )
 
 

@@ -145,3 +145,54 @@ def test_prefills_are_unchunked_unless_asked(argv, chunked, monkeypatch, tmp_pat
     run(["--dense-only", "--input-len", "8", "--output-len", "2", "--num-iters", "1", "--num-iters-warmup", "0",
          *argv], tmp_path)
     assert seen == [chunked]
+
+
+LOSSLESS = ["--budget", "16", "--page-size", "4", "--dense-layers", "1", "--dense-context-ratio", "1",
+            "--speculative-config", '{"method": "quest", "num_speculative_tokens": 3}']
+
+
+def test_a_speculative_config_makes_the_quest_engine_lossless_and_adds_its_acceptance(tmp_path, capsys, monkeypatch):
+    seen = []
+    from questkv.engine import llm_engine
+
+    init = llm_engine.LLMEngine.__init__
+
+    def spy(self, config):
+        seen.append(config.speculative_config)
+        init(self, config)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", spy)
+    batch, output_len = random.randint(1, 3), random.randint(6, 10)
+    document = run(["--input-len", str(random.randint(30, 50)), "--output-len", str(output_len), "--batch-size",
+                    str(batch), "--num-iters", "2", "--num-iters-warmup", "0", "--max-model-len", "64", *LOSSLESS],
+                   tmp_path)
+    assert [None if s is None else s.num_speculative_tokens for s in seen] == [None, 3]  # the dense engine: none
+    speculative = document["speculative_config"]
+    assert (speculative["method"], speculative["num_speculative_tokens"]) == ("quest", 3)
+    dense, quest = document["results"]["dense"], document["results"]["quest"]
+    assert dense["acceptance_rate"] is None and dense["mean_tokens_per_verify"] is None
+    assert 0 <= quest["acceptance_rate"] <= 1 and 1 <= quest["mean_tokens_per_verify"] <= 3 + 1
+    for it in quest["iterations"]:  # a step of one token per request, equivalently
+        assert it["decode_tokens_per_s"] == pytest.approx(batch * 1e3 / it["decode_ms_per_step"])
+        assert it["decode_steps"] >= 1 and it["prefill_steps"] == 1
+    assert document["speedup"] == pytest.approx(dense["decode_ms_per_step"] / quest["decode_ms_per_step"])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("engine"))
+    assert header.split()[-2:] == ["accepted", "tok/verify"]
+    assert "quest is lossless: up to 3 Quest draft tokens per round" in out
+    assert f"{quest['acceptance_rate']:.1%}" in out and f"{quest['mean_tokens_per_verify']:.2f}" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-config", "{"], "argument --speculative-config: '{' is not JSON"),
+    (["--speculative-config", '{"method": "quest", "num_speculative_tokens": 0}'],
+     "argument --speculative-config: SpeculativeConfig.num_speculative_tokens must be >= 1, got 0"),
+    ([*LOSSLESS, "--dense-only"], "--speculative-config makes the Quest engine lossless: it needs a --budget"),
+    ([*LOSSLESS, "--budget", "full"], "--speculative-config makes the Quest engine lossless: it needs a --budget"),
+])
+def test_a_bad_or_unused_speculative_config_exits_before_any_engine_is_built(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr("questkv.engine.llm.LLM", None)  # building an engine would fail the test
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "latency", *ENGINE, *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

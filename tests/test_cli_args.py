@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import json
 import random
 import re
 
@@ -242,3 +243,62 @@ def test_serve_refuses_a_missing_or_doubled_model_before_loading_one(capsys, mon
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert "questkv serve: error: " in err and message in err
+
+
+SPECULATIVE = '{"method": "quest", "num_speculative_tokens": 4}'
+
+
+def test_every_quest_engine_command_takes_vllms_speculative_config_and_it_reaches_the_engine_config():
+    from questkv.cli_args import engine_kwargs
+    from questkv.config import SpeculativeConfig
+    from questkv.engine.config import EngineConfig
+    from questkv.server.cli import _engine_config, add_serve_args
+    from tests.helpers import tiny_config
+
+    parser = cli.build_parser()
+    serve = argparse.ArgumentParser(prog="serve")
+    add_serve_args(serve)
+    k = random.randint(1, 16)
+    given = json.dumps({"method": "quest", "num_speculative_tokens": k})
+    for parse, argv in ((parser.parse_args, ["generate", "--prompt", "hi"]), (parser.parse_args, ["bench", "latency"]),
+                        (serve.parse_args, ["m"])):
+        assert "speculative_config" not in engine_kwargs(parse(argv))  # the config's default: lossy Quest
+        args = parse([*argv, "--budget", "16", "--page-size", "4", "--speculative-config", given])
+        kwargs = engine_kwargs(args)
+        assert kwargs["speculative_config"] == SpeculativeConfig("quest", k)
+        config = EngineConfig(model=tiny_config("llama3"), quest=quest_config(args), **{**kwargs, "load_format": "dummy"})
+        assert config.speculative_config == SpeculativeConfig("quest", k)
+    args = serve.parse_args(["m", "--budget", "16", "--page-size", "4", "--speculative-config", given,
+                             "--load-format", "dummy"])
+    args.model = tiny_config("llama3")
+    assert _engine_config(args).speculative_config == SpeculativeConfig("quest", k)
+    assert parser.parse_args(["generate", "--prompt", "hi", "--speculative-config", "null"]).speculative_config is None
+    assert not hasattr(parser.parse_args(["demo"]), "speculative_config")  # its dense engine takes the engine flags
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{method: quest}", "is not JSON"),
+    ('{"method": "ngram", "num_speculative_tokens": 4}', "SpeculativeConfig.method must be one of 'quest'"),
+    ('{"method": "quest", "num_speculative_tokens": 0}', "SpeculativeConfig.num_speculative_tokens must be >= 1"),
+    ('{"method": "quest", "num_speculative_tokens": 17}', "SpeculativeConfig.num_speculative_tokens must be <= 16"),
+    ('{"method": "quest", "num_speculative_tokens": "4"}', "SpeculativeConfig.num_speculative_tokens must be an int"),
+    ('{"method": "quest", "k": 4}', "--speculative-config has unknown keys ['k']"),
+    ("4", "--speculative-config must be a dict"),
+])
+def test_a_bad_speculative_config_is_an_argparse_error_naming_the_flag(value, message, capsys):
+    from questkv.server.cli import add_serve_args
+
+    serve = argparse.ArgumentParser(prog="serve")
+    add_serve_args(serve)
+    for parser, argv in ((cli.build_parser(), ["generate", "--prompt", "hi"]), (cli.build_parser(), ["bench", "latency"]),
+                         (serve, ["m"])):
+        err = parse_error(parser, [*argv, "--speculative-config", value], capsys)
+        assert "argument --speculative-config: " in err and message in err
+
+
+def test_the_speculative_config_help_says_what_it_does(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--speculative-config JSON" in text and '\'{"method": "quest", "num_speculative_tokens": K}\'' in text
+    assert "dense attention's output" in text and "Needs --budget" in text

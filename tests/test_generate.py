@@ -110,6 +110,29 @@ def test_a_budget_larger_than_the_context_reads_the_whole_context_and_no_more(mo
     assert "(100.0% of the KV cache)" in capsys.readouterr().err
 
 
+def test_generate_with_a_speculative_config_streams_the_dense_text_and_reports_the_drafts_kept(model_dir, capsys):
+    """Lossless Quest: Quest drafts, dense attention verifies; the text is the dense engine's."""
+    prompt, ref = long_answer(model_dir, random.randint(60, 90), 10)  # dense; the context exceeds the budget
+    quest = QuestConfig(token_budget=16, page_size=4, dense_layers=1, dense_context_ratio=1.0)
+    stats = generate_text(prompt, quest, model=str(model_dir), max_new_tokens=10, stream=None, device="cpu",
+                          dtype="float32", max_model_len=128,
+                          speculative_config={"method": "quest", "num_speculative_tokens": 3})
+    assert stats.new_tokens == len(ref.token_ids)
+    assert 0 <= stats.acceptance_rate <= 1 and 1 <= stats.mean_tokens_per_verify <= 3 + 1
+    assert cli.main(["generate", "--model", str(model_dir), "--prompt", prompt, "--budget", "16", "--page-size", "4",
+                     "--dense-layers", "1", "--dense-context-ratio", "1", "--max-new-tokens", "10", *ENGINE,
+                     "--speculative-config", '{"method": "quest", "num_speculative_tokens": 3}']) == 0
+    out, err = capsys.readouterr()
+    assert out == ref.text + "\n"
+    assert re.search(r"\| lossless: [0-9.]+% of the drafts kept, [0-9.]+ tokens per verify step", err)
+
+
+def test_a_speculative_config_needs_a_budget_and_is_refused_before_the_model_loads(capsys, monkeypatch):
+    monkeypatch.setattr("questkv.engine.llm_engine.LLMEngine", None)  # loading a model would fail the test
+    assert cli.main(["generate", "--prompt", "x02", *ENGINE, "--speculative-config", '{"method": "quest"}']) == 2
+    assert "EngineConfig.speculative_config drafts with Quest's sparse attention" in capsys.readouterr().err
+
+
 def test_kv_read_caps_the_pages_counted_in_full_at_the_context():
     """Quest's accounting counts every selected page in full, the current, partial one too: 2 pages of 16 for a
     context of 20 tokens count 32; a step reads at most its context."""
@@ -177,6 +200,8 @@ def test_stats_without_a_decode_step_report_no_decode_speed():
     (["--max-model-len", "1"], "argument --max-model-len: '1' is not an integer >= 2"),
     (["--seed", "-3"], "argument --seed: '-3' is not an integer >= 0"),
     (["--seed", "x"], "argument --seed: 'x' is not an integer >= 0"),
+    (["--speculative-config", "quest"], "argument --speculative-config: 'quest' is not JSON"),
+    (["--speculative-config", '{"method": "medusa"}'], "argument --speculative-config: SpeculativeConfig.method"),
 ])
 def test_bad_values_exit_with_an_error_naming_them_before_the_model_loads(argv, message, capsys, monkeypatch):
     monkeypatch.setattr("questkv.engine.llm.LLM", None)  # loading a model would fail the test

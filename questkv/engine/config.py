@@ -97,9 +97,11 @@ class EngineConfig:
             (KV heads are not replicated). 1: the single-device engine, no process and no collective.
         speculative_config: lossless Quest (:class:`~questkv.config.SpeculativeConfig`, or vLLM's dict form
             ``{"method": "quest", "num_speculative_tokens": k}``): every Quest request drafts with Quest and verifies
-            with dense attention, so its output is dense attention's; needs ``quest``. The engine then processes each
-            step before it schedules the next (asynchronous scheduling off: a round's next step depends on how many
-            drafts the verify kept). ``None``: Quest's steps are the output (lossy).
+            with dense attention, so its output is dense attention's; needs ``quest``. The engine picks the drafts
+            per round from the step times and acceptance it measures (:mod:`questkv.engine.speculation`; 0: dense
+            steps where drafting would not pay) and runs a round's steps synchronously (the next step depends on
+            the drafts the verify kept), dense steps as ``async_scheduling`` says. ``None``: Quest's steps are the
+            output (lossy).
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
@@ -171,9 +173,6 @@ class EngineConfig:
         if speculative is not None and self.tensor_parallel_size > 1:
             raise ValueError("EngineConfig.speculative_config with tensor_parallel_size > 1 is not supported yet (the "
                              "other ranks would keep the rejected drafts' key bounds): use tensor_parallel_size=1")
-        if speculative is not None and self.async_scheduling:
-            raise ValueError("EngineConfig.speculative_config needs async_scheduling off (None or False): a lossless "
-                             "round's next step depends on the drafts its verify kept")
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")
@@ -219,9 +218,7 @@ class EngineConfig:
 
     @property
     def use_async_scheduling(self) -> bool:
-        """:attr:`async_scheduling`, its default resolved (off with a speculative config)."""
-        if self.speculative_config is not None:
-            return False
+        """:attr:`async_scheduling`, its default resolved."""
         return self.use_cuda_graphs if self.async_scheduling is None else self.async_scheduling
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Optional, Union
 
 import torch
 
 from questkv.config import RequestQuest
 from questkv.decode.selection_memory import selection_seq_len
-from questkv.decode.route import decodes_densely
 from questkv.decode.step import sparse_tokens_attended
 from questkv.engine.config import ROUND_TO_NEAREST, EngineConfig
 from questkv.distributed.group import TensorParallel
@@ -28,6 +28,7 @@ from questkv.engine.tp_workers import TensorParallelError, WorkerPool
 from questkv.layers.quantized_linear import check_quantizable
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import ScheduledBatch, Scheduler
+from questkv.engine.speculation import SpeculationPolicy, StepKind
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from questkv.validation import check_text
 
@@ -97,6 +98,9 @@ class LLMEngine:
             0 if config.quest is None or config.quest.is_dense
             else sum(config.quest.is_sparse_layer(i) for i in range(loaded.spec.num_layers))
         )
+        self.speculation = (None if config.speculative_config is None
+                            else SpeculationPolicy(config.speculative_config.num_speculative_tokens,
+                                                   config.speculative_config.adaptive))
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=config.max_num_seqs,
@@ -105,6 +109,7 @@ class LLMEngine:
             max_model_len=max_model_len,
             chunked_prefill=config.enable_chunked_prefill,
             quest=config.quest,
+            speculation=self.speculation,
         )
         self._ids = itertools.count()
         self._in_flight: Optional[tuple[ScheduledBatch, SampledTokens]] = None  # launched, not yet processed
@@ -185,11 +190,20 @@ class LLMEngine:
         that one (synchronous), or the one launched before it (:attr:`EngineConfig.async_scheduling`: the
         device runs the new step while the host appends the tokens, detokenises and checks stops)."""
         try:
+            start = time.perf_counter()
+            outputs = []
+            asynchronous = self.config.use_async_scheduling and not self.scheduler.drafting()
+            if not asynchronous and self._in_flight is not None:  # a lossless round needs every token on the host
+                outputs, self._in_flight = self._process(*self._in_flight), None
             batch = self.scheduler.schedule()
             launched = None if batch is None else (batch, self.runner.execute(batch))
-            if self.config.use_async_scheduling:
+            if asynchronous:
                 launched, self._in_flight = self._in_flight, launched
-            return [] if launched is None else self._process(*launched)
+            if launched is not None:
+                outputs += self._process(*launched)
+            if batch is not None and self.speculation is not None:
+                self._record_step(batch, time.perf_counter() - start)
+            return outputs
         except BaseException as error:
             self._in_flight = None  # its tokens are lost: the caller fails the requests with tokens in flight
             self.cache.reset_prefix_cache()  # pages registered for the failed step may hold no K/V
@@ -198,6 +212,15 @@ class LLMEngine:
                 if isinstance(error, Exception):  # (Ctrl-C stays a KeyboardInterrupt)
                     raise failure from error
             raise
+
+    def _record_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Tell the speculation policy what a decode, draft or verify step of lossless rows cost (a step with
+        prefill work, or without a lossless row, teaches it nothing)."""
+        rows = batch.num_decodes + batch.num_verifies
+        if len(batch.seqs) > rows or not any(seq.quest.speculative_tokens for seq in batch.seqs):
+            return
+        kind = StepKind.VERIFY if batch.num_verifies else StepKind.DRAFT if batch.drafts else StepKind.DENSE
+        self.speculation.record_step(kind, rows, seconds)
 
     def _process(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
         """Append a launched step's tokens (waiting for them), apply the stops and build the outputs of the
@@ -314,7 +337,7 @@ class LLMEngine:
 
     def _account_attention(self, batch: ScheduledBatch, live: list[bool]) -> None:
         """Add each live decode row's KV tokens attended in this step, averaged over layers and heads (dense layers
-        and rows that decode densely, :func:`~questkv.decode.route.decodes_densely`: the whole context; Quest layers:
+        and rows that decode densely, :attr:`ScheduledBatch.dense_rows`: the whole context; Quest layers:
         Quest's page accounting); ``live``: per sampling row."""
         seqs = batch.seqs[:batch.num_decodes]
         contexts = list(batch.seq_lens[:batch.num_decodes])  # the new token included
@@ -322,7 +345,7 @@ class LLMEngine:
         page_size = self.cache.page_size
         sparse_rows = [i for i, seq in enumerate(seqs) if not seq.quest.dense]
         # A Quest request's step routed dense reads its whole pages, as Quest's accounting charges them.
-        routed = {i for i in sparse_rows if decodes_densely(self.config.quest, seqs[i].quest.token_budget, contexts[i])}
+        routed = {i for i in sparse_rows if batch.dense_rows[i]}
         if sparse_rows:
             budgets = [-(-contexts[i] // page_size) * page_size if i in routed else seqs[i].quest.token_budget
                        for i in sparse_rows]

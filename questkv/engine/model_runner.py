@@ -35,7 +35,7 @@ from questkv.cache.paged import PagedKVCache
 from questkv.config import MAX_SPECULATIVE_TOKENS
 from questkv.decode.context import DecodeRows, PrefillRows, StepContext
 from questkv.decode.selection_memory import ReuseRows, SelectionMemory, is_due
-from questkv.decode.route import StepRoute, decodes_densely, step_route
+from questkv.decode.route import StepRoute, step_route
 from questkv.decode.step import QuestDecodeStep
 from questkv.distributed.group import TensorParallel
 from questkv.engine.config import EngineConfig
@@ -44,7 +44,7 @@ from questkv.engine.kv_pool import plan_cache
 from questkv.engine.scheduler import ScheduledBatch
 from questkv.engine.sequence import Sequence
 from questkv.layers.attention import bind_cache
-from questkv.layers.sampler import Sampler, rejection_sample
+from questkv.layers.sampler import Sampler
 from questkv.models.fusion import fuse_elementwise
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 from questkv.ops.pages import ReusedSelections
@@ -213,8 +213,6 @@ class ModelRunner:
         # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
         self._sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._sampled_rows: dict[str, int] = {}
-        # Lossless requests that sample: per cache slot, the distributions of the round's draft draws so far.
-        self._draft_probs: dict[int, list[torch.Tensor]] = {}
         self._steps: dict[tuple[int, int, bool], QuestDecodeStep] = {}
 
     @torch.inference_mode()
@@ -291,7 +289,7 @@ class ModelRunner:
         if not n:
             self._publish(batch, prefill=inputs)
             return self._run_prefill(inputs)
-        key, host = self._stage_decode(batch.seqs[:n], batch.seq_lens[:n])
+        key, host = self._stage_decode(batch.seqs[:n], batch.seq_lens[:n], batch.dense_rows)
         self._publish(batch, prefill=inputs, decode=(host.numpy(), key))
         logits = self._run_prefill(inputs, key)  # [padded + sampling prefill rows, vocab]
         return logits if key[0] == n else torch.cat([logits[:n], logits[key[0]:]])  # without the padding rows
@@ -371,13 +369,14 @@ class ModelRunner:
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[len(batch.seqs), vocab]`` float32 logits of a decode-only step (every row a decode row)."""
-        key, host = self._stage_decode(batch.seqs, batch.seq_lens)
+        key, host = self._stage_decode(batch.seqs, batch.seq_lens, batch.dense_rows)
         self._publish(batch, decode=(host.numpy(), key))  # pickled at once: no copy
         return self.graphs.run(key, self._decode_body)[:len(batch.seqs)]
 
-    def _stage_decode(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...]) -> tuple[GraphKey, torch.Tensor]:
-        """Stage the decode rows ``seqs`` of a step (their KV lengths ``seq_lens``, see :meth:`_stage_inputs`) and
-        return their graph key and the staged host inputs. The key: the captured batch size they are padded to,
+    def _stage_decode(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], dense_rows: tuple[bool, ...]
+                      ) -> tuple[GraphKey, torch.Tensor]:
+        """Stage the decode rows ``seqs`` of a step (their KV lengths ``seq_lens`` and routes ``dense_rows``, the
+        scheduler's :attr:`ScheduledBatch.dense_rows`, see :meth:`_stage_inputs`) and return their graph key and the staged host inputs. The key: the captured batch size they are padded to,
         the page-table width, whether a dense request shares a Quest batch (the step selects up to every column,
         a dense row all its pages) and whether any row may select: always, but with fixed-interval selection reuse
         when every row is off its phase and its slot keeps a selection (then the memory's own test,
@@ -387,8 +386,7 @@ class ModelRunner:
         memory."""
         padded = self.graphs.padded(len(seqs))
         width = self.graphs.width(self.cache.pages_for_tokens(max(seq_lens)))
-        dense_rows = [decodes_densely(self.config.quest, seq.quest.token_budget, seq_len)
-                      for seq, seq_len in zip(seqs, seq_lens)]
+        dense_rows = list(dense_rows)
         route = step_route(dense_rows)
         host = self._stage_inputs(seqs, seq_lens, padded, width, dense_rows)
         slots = [seq.cache_id for seq in seqs]
@@ -594,43 +592,26 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
         """The step's sampled tokens (greedy rows by argmax) from its ``logits``: ``[n, vocab]``, one row per token
         sampled (a sampling row's one, a verify row's ``num_new_tokens``); ``[n]`` int64. A request draws with its
-        seed and the index of the output it samples, so a preempted and recomputed request draws as it would have.
-        A non-greedy verify row draws by speculative rejection sampling
-        (:func:`~questkv.layers.sampler.rejection_sample`, from the distributions its draft draws had)."""
+        seed and the index of the output it samples, so a preempted and recomputed request draws as it would have,
+        and a verify row draws at each position what a dense step there would: its draft steps drew with the same
+        noise from Quest's logits, and a draft is kept where the two draws agree (a Gumbel coupling), so a lossless
+        request's sampled output is the dense engine's, token for token, whatever it drafted."""
         seqs = batch.seqs[:batch.num_sampled]
         params = [seq.sampling_params for seq in seqs]
         if all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
-        floats, ints, first = [], [], []
+        floats, ints = [], []
         for row, (p, seq, seq_len) in enumerate(zip(params, seqs, batch.seq_lens)):
             count = batch.num_sampled_tokens(row)
-            first.append(len(ints))
             for j in range(count):  # the row's outputs, from seq_len - count on
                 floats.append([p.temperature, p.top_p])
                 ints.append([p.top_k, self.seed_of(seq), seq_len - count + 1 + j - seq.num_prompt_tokens])
         floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
         ints = torch.tensor(ints, dtype=torch.int64).to(self.device, non_blocking=True)
         filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort
-        tokens = self.sampler(
+        return self.sampler(
             logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], apply_top_k_top_p=filtering
         )
-        sampling = [row for row, p in enumerate(params) if p.temperature > 0]
-        verifying = range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
-        for row in sampling:
-            seq, at = seqs[row], first[row]
-            if row in batch.drafts:  # its draw's distribution, for the verify's rejection test
-                probs = self.sampler.probabilities(logits[at:at + 1], floats[at:at + 1, 0], ints[at:at + 1, 0],
-                                                   floats[at:at + 1, 1])
-                kept = self._draft_probs.get(seq.cache_id, [])[:len(seq.draft_token_ids)]
-                self._draft_probs[seq.cache_id] = kept + [probs[0]]
-            elif row in verifying and seq.draft_token_ids:
-                count = len(seq.draft_token_ids)
-                rows = slice(at, at + count)
-                target = self.sampler.probabilities(logits[rows], floats[rows, 0], ints[rows, 0], floats[rows, 1])
-                drafted = torch.stack(self._draft_probs.pop(seq.cache_id)[:count])
-                drafts = torch.tensor(seq.draft_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-                tokens[rows] = rejection_sample(target, drafted, drafts, ints[rows, 1], ints[rows, 2])
-        return tokens
 
     def seed_of(self, seq: Sequence) -> int:
         """The request's seed, or one derived from the engine seed and the request id."""

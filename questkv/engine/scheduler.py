@@ -31,9 +31,10 @@ import time
 from typing import Iterable, Optional, Union
 
 from questkv.cache.paged import PagedKVCache
-from questkv.config import QuestConfig
+from questkv.config import MAX_SPECULATIVE_TOKENS, QuestConfig
 from questkv.decode.route import decodes_densely
 from questkv.engine.sequence import Sequence, SequenceStatus
+from questkv.engine.speculation import SpeculationPolicy
 from questkv.validation import check_int
 
 __all__ = ["ROW_KINDS", "STEP_KINDS", "ScheduledBatch", "Scheduler", "check_length"]
@@ -72,6 +73,9 @@ class ScheduledBatch:
         num_decodes: the leading decode rows.
         num_verifies: the verify rows after them.
         drafts: the decode rows (indices) that are draft rows.
+        dense_rows: per decode row, whether its step attends densely: the route of
+            :func:`~questkv.decode.route.decodes_densely`, or a lossless request's row that does not draft (its
+            token is output as it is). The runner and the attention accounting read it.
         partial: with chunking, whether the last sequence's prefill goes on in a later step (its ``seq_lens``
             stops short of its tokens): it samples nothing, so the step samples a token for ``seqs[:num_sampled]``
             only (every decode row, and each prefill row that completes).
@@ -84,6 +88,7 @@ class ScheduledBatch:
     partial: bool = False
     num_verifies: int = 0
     drafts: tuple[int, ...] = ()
+    dense_rows: tuple[bool, ...] = ()
 
     @property
     def num_prefills(self) -> int:
@@ -170,16 +175,18 @@ class Scheduler:
         max_model_len: the most tokens (prompt plus generated) of one sequence.
         chunked_prefill: split prefills into chunks and mix them with the decode tokens in steps of at most
             ``max_num_batched_tokens`` tokens (see above).
-        quest: the engine's Quest configuration, for the route of a lossless request's next step
+        quest: the engine's Quest configuration, for the route of each decode row
             (:func:`~questkv.decode.route.decodes_densely`: a step that would decode densely does not draft).
+        speculation: the engine's choice of drafts per round (lossless requests), or ``None``: every lossless
+            request drafts its ``speculative_tokens``.
 
     Lossless requests (``seq.quest.speculative_tokens`` k > 0) decode in rounds: while the route of its next step is
     Quest's, a sequence drafts (decode rows whose tokens go to ``seq.draft_token_ids``) until it holds
     :meth:`draft_limit` drafts; then every drafting sequence verifies in the same step (rounds stay aligned, so
     that draft steps stay decode-only steps). A verify keeps the longest prefix of drafts that dense attention
     agrees with, plus its token; the cache drops the rest (:meth:`~questkv.cache.paged.PagedKVCache.rewind`). A
-    sequence whose next step decodes densely, or that may add only one more token, decodes densely (a verify row
-    of no draft). Cache invariant with drafts: ``cache.seq_len == seq.num_tokens + len(seq.draft_token_ids) +
+    lossless sequence that drafts nothing (its route is dense, the policy chose 0 drafts, or one token is left)
+    decodes densely. Cache invariant with drafts: ``cache.seq_len == seq.num_tokens + len(seq.draft_token_ids) +
     seq.num_in_flight - 1``.
 
     ``waiting`` (a deque) and ``running`` (a list, oldest first) are for reading; change them through the
@@ -195,6 +202,7 @@ class Scheduler:
         max_model_len: int,
         chunked_prefill: bool = False,
         quest: Optional[QuestConfig] = None,
+        speculation: Optional[SpeculationPolicy] = None,
     ) -> None:
         if not isinstance(cache, PagedKVCache):
             raise ValueError(f"Scheduler.cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -216,6 +224,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.chunked_prefill = bool(chunked_prefill)
         self.quest = quest
+        self.speculation = speculation
+        self._round_k = MAX_SPECULATIVE_TOKENS  # the most drafts per round, fixed per schedule()
         self._prefilling: Optional[Sequence] = None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -289,6 +299,7 @@ class Scheduler:
         decode rows of every running sequence that can decode (preempting likewise), then prefill rows (the
         chunked sequence's next chunk, then admissions) in the rest of the token budget. ``None`` when nothing is
         left to launch. Pages for the step's input tokens are allocated here."""
+        self._round_k = self.round_draft_tokens()
         if self.chunked_prefill:
             decodes, verifies = self._schedule_decode()
             taken = len(decodes) + sum(len(seq.draft_token_ids) + 1 for seq in verifies)
@@ -312,12 +323,30 @@ class Scheduler:
         self.step_tokens["decode"] += len(decodes)
         self.step_tokens["verify"] += sum(verified)
         self.step_tokens["prefill"] += sum(news)
+        seq_lens = tuple(self.cache.seq_len(seq.cache_id) for seq in seqs)
+        drafts = tuple(i for i, seq in enumerate(decodes) if self._drafts(seq))
+        dense = tuple(decodes_densely(self.quest, seq.quest.token_budget, seq_len)
+                      or (seq.quest.speculative_tokens > 0 and i not in drafts)
+                      for i, (seq, seq_len) in enumerate(zip(decodes, seq_lens)))
         return ScheduledBatch(
-            seqs, (1,) * len(decodes) + verified + tuple(news),
-            tuple(self.cache.seq_len(seq.cache_id) for seq in seqs), num_decodes=len(decodes),
+            seqs, (1,) * len(decodes) + verified + tuple(news), seq_lens, num_decodes=len(decodes),
             partial=bool(prefills) and prefills[-1] is self._prefilling, num_verifies=len(verifies),
-            drafts=tuple(i for i, seq in enumerate(decodes) if self._drafts(seq)),
+            drafts=drafts, dense_rows=dense,
         )
+
+    def round_draft_tokens(self) -> int:
+        """The most drafts per round that the policy allows the sequences decoding now (without a policy, each
+        lossless request's own ``speculative_tokens``)."""
+        if self.speculation is None:
+            return MAX_SPECULATIVE_TOKENS
+        return self.speculation.draft_tokens(sum(map(self._decodes, self.running)))
+
+    def drafting(self) -> bool:
+        """Whether the next step may draft or verify (a lossless round is under way or about to start): the engine
+        then runs it synchronously."""
+        if not any(seq.quest.speculative_tokens for seq in self.running):
+            return False
+        return any(seq.draft_token_ids for seq in self.running) or self.round_draft_tokens() > 0
 
     def update(
         self, batch: ScheduledBatch, token_ids: Iterable, forced_logprobs: Optional[Iterable[float]] = None
@@ -333,7 +362,7 @@ class Scheduler:
         ``seq.forced_logprobs``; only ``max_tokens`` and ``max_model_len`` stop there.
 
         A draft row's token goes to ``seq.draft_token_ids``, with no stop. A verify row keeps the longest prefix of
-        its drafts that equals its tokens, then its token after them (dense attention's, or the rejection sampler's
+        its drafts that equals its tokens, then its token after them (dense attention's choice: its argmax, or its
         draw); the cache drops the positions past them and recomputes the round's pages' key bounds; the kept
         tokens are appended one by one, each with its stops (a stop inside the kept run ends it there).
 
@@ -384,7 +413,8 @@ class Scheduler:
         for seq in sampled:
             seq.num_in_flight -= 1
         verifying = range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
-        kept = {i: self._accept(seq, rows[i]) for i, seq, _ in live if i in verifying}
+        kept = {i: self._accept(seq, rows[i], batch.num_decodes + batch.num_verifies)
+                for i, seq, _ in live if i in verifying}
         self._rewind([(seq, kept[i]) for i, seq, _ in live if i in kept and seq.cache_id is not None])
         now = time.perf_counter()
         finished = []
@@ -403,17 +433,18 @@ class Scheduler:
                     break
         return finished
 
-    def _accept(self, seq: Sequence, tokens: list[int]) -> list[int]:
+    def _accept(self, seq: Sequence, tokens: list[int], rows: int) -> list[int]:
         """The tokens a verify row keeps: its drafts while they equal ``tokens`` (dense attention's), then the token
-        after them; clears the drafts and counts the round."""
+        after them; counts the round (on the sequence and, for a step of ``rows`` decoding rows, the policy)."""
         drafts = seq.draft_token_ids
         accepted = 0
         while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
             accepted += 1
-        if drafts:  # (a round of no draft, at the end of max_tokens, is a dense decode step)
-            seq.num_verify_steps += 1
-            seq.num_draft_tokens += len(drafts)
-            seq.num_accepted_tokens += accepted
+        seq.num_verify_steps += 1
+        seq.num_draft_tokens += len(drafts)
+        seq.num_accepted_tokens += accepted
+        if self.speculation is not None:
+            self.speculation.record_round(rows, len(drafts), accepted)
         return tokens[:accepted + 1]
 
     def _rewind(self, rounds: list[tuple[Sequence, list[int]]]) -> None:
@@ -603,24 +634,24 @@ class Scheduler:
         self.cache.allocate([seq.cache_id for seq in seqs], [1] * len(seqs))
         for seq in seqs:
             seq.num_in_flight += 1
-        due = [seq for seq in seqs if self._drafts(seq) and len(seq.draft_token_ids) >= self.draft_limit(seq)]
+        due = [seq for seq in seqs if seq.draft_token_ids and len(seq.draft_token_ids) >= self.draft_limit(seq)]
         verify = {id(seq) for seq in seqs if due and seq.draft_token_ids or seq in due}
         return [seq for seq in seqs if id(seq) not in verify], [seq for seq in seqs if id(seq) in verify]
 
     def draft_limit(self, seq: Sequence) -> int:
-        """Drafts the lossless ``seq`` takes this round: its ``speculative_tokens``, fewer where the round's
-        verify would otherwise pass ``max_tokens`` or ``max_model_len`` (it outputs up to one token more than its
-        drafts)."""
-        return min(seq.quest.speculative_tokens, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
-                   self.max_model_len - seq.num_tokens - 1)
+        """Drafts the lossless ``seq`` takes this round: its ``speculative_tokens``, fewer where the policy picks
+        fewer (:class:`~questkv.engine.speculation.SpeculationPolicy`) or where the round's verify would otherwise
+        pass ``max_tokens`` or ``max_model_len`` (it outputs up to one token more than its drafts)."""
+        return min(seq.quest.speculative_tokens, self._round_k,
+                   seq.sampling_params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
 
     def _drafts(self, seq: Sequence) -> bool:
-        """Whether the decode row ``seq`` (its next position allocated) is in a lossless round: it speculates and
-        the route of its step is Quest's, or it already holds drafts."""
-        if not seq.quest.speculative_tokens:
-            return False
-        return bool(seq.draft_token_ids) or not decodes_densely(self.quest, seq.quest.token_budget,
-                                                                self.cache.seq_len(seq.cache_id))
+        """Whether the decode row ``seq`` (its next position allocated) drafts: it is in a lossless round, or may
+        start one (a route of Quest's and a draft limit above 0)."""
+        if seq.draft_token_ids:
+            return True
+        return (seq.quest.speculative_tokens > 0 and self.draft_limit(seq) > 0
+                and not decodes_densely(self.quest, seq.quest.token_budget, self.cache.seq_len(seq.cache_id)))
 
     def _decodes(self, seq: Sequence) -> bool:
         """Whether the running ``seq`` is a decode row: its prefill is done and its in-flight tokens do not

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["Sampler", "rejection_sample", "sample_from", "uniform_noise"]
+__all__ = ["Sampler", "uniform_noise"]
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio, odd: multiplying by it permutes the 32-bit integers
@@ -110,47 +110,6 @@ class Sampler(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
         return torch.where(greedy, greedy_tokens, scores.argmax(dim=-1))
-
-
-    def probabilities(self, logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
-        """``[B, V]`` float32: the distribution :meth:`forward` samples each non-greedy row from (softmax of the
-        logits over the temperature, zero outside top-k and top-p); ``temperatures`` must be > 0."""
-        scaled = logits.float() / temperatures.float()[:, None]
-        return scaled.masked_fill(_top_k_top_p_mask(scaled, top_k, top_p), float("-inf")).softmax(dim=-1)
-
-
-def sample_from(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64: one draw per row of ``probs`` (``[B, V]``, rows with some mass) by the Gumbel-max trick with
-    :func:`uniform_noise` of ``(seeds, steps)``."""
-    noise = -torch.log(-torch.log(uniform_noise(seeds, steps, probs.shape[-1])))
-    return (probs.log() + noise).argmax(dim=-1)
-
-
-def rejection_sample(target: torch.Tensor, drafted: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor,
-                     steps: torch.Tensor) -> torch.Tensor:
-    """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023) of a verify step's draft positions:
-    at each position the draft token when ``u * q(d) < p(d)`` (kept with probability ``min(1, p(d) / q(d))``), else a
-    draw from ``max(0, p - q)`` normalised, which is never the draft token. Taking the drafts up to the first
-    position where the result differs, then the result there (or, when every draft is kept, an ordinary draw from
-    the next position's ``p``), gives tokens distributed exactly as sampling ``p`` position by position.
-
-    Args:
-        target, drafted: ``[j, vocab]`` float32 ``p`` (the verify's) and ``q`` (the draft draws') distributions.
-        drafts: ``[j]`` int64 draft tokens, each drawn from its row of ``drafted``.
-        seeds, steps: ``[j]`` int64, each position's seed and draw counter (see :func:`uniform_noise`); the test's
-            uniform and the residual's draw use streams of their own (the counter with bit 31, resp. 30, set), apart
-            from the ordinary draws (outputs never reach 2**30).
-
-    Returns:
-        ``[j]`` int64 tokens.
-    """
-    p = target.gather(1, drafts[:, None])[:, 0]
-    q = drafted.gather(1, drafts[:, None])[:, 0]
-    uniform = uniform_noise(seeds, steps | (1 << 31), 1)[:, 0]
-    residual = (target - drafted).clamp(min=0)
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target)  # p == q: never rejected
-    return torch.where(uniform * q < p, drafts, sample_from(residual, seeds, steps | (1 << 30)))
 
 
 def _top_k_top_p_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,7 @@ class _Live:
     last_token_time: float = 0.0
     attended_sum: float = 0.0
     decode_steps: int = 0
+    speculation: tuple[int, int, int] = (0, 0, 0)  # the sequence's verify counters already added to the metrics
 
 
 class RequestStream:
@@ -341,6 +342,11 @@ class EngineLoop:
         if seq.decode_steps > live.decode_steps:
             attended.append((seq.tokens_attended_sum - live.attended_sum) / (seq.decode_steps - live.decode_steps))
             live.attended_sum, live.decode_steps = seq.tokens_attended_sum, seq.decode_steps
+        speculation = (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps)
+        counters = (self.metrics.spec_draft_tokens, self.metrics.spec_accepted_tokens, self.metrics.spec_verify_steps)
+        for counter, now_count, counted in zip(counters, speculation, live.speculation):
+            counter.inc(now_count - counted)
+        live.speculation = speculation
 
     def _fail_step(self, error: Exception) -> None:
         """Fail the requests of the steps that raised or were in flight: those with tokens in flight (the engine

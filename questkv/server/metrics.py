@@ -14,8 +14,14 @@ The engine loop's thread observes tokens, latencies and the pool (``prometheus_c
 * ``questkv_time_to_first_token_seconds``, ``questkv_inter_token_latency_seconds``: histograms.
 * ``questkv_engine_steps_total{kind}``: engine steps launched: ``decode`` (decode rows only, under a CUDA graph on
   CUDA), ``prefill`` (prefill rows only), ``mixed`` (decode rows beside prefill chunks: chunked prefill).
-* ``questkv_step_tokens_total{kind}``: the launched steps' input tokens by kind of row, ``decode`` or ``prefill``
-  (prefix-cache hits are not computed, so not counted).
+* ``questkv_step_tokens_total{kind}``: the launched steps' input tokens by kind of row, ``decode``, ``verify`` (a
+  lossless round's dense verify rows: its last token and its drafts) or ``prefill`` (prefix-cache hits are not
+  computed, so not counted).
+* ``questkv_spec_decode_num_draft_tokens_total``, ``questkv_spec_decode_num_accepted_tokens_total``,
+  ``questkv_spec_decode_num_verify_steps_total``: lossless Quest (``--speculative-config``, vLLM's
+  ``vllm:spec_decode_num_draft_tokens`` and ``..._num_accepted_tokens``): the draft tokens verify steps scored, those
+  they kept (dense attention's own token after them not counted), and the verify steps; accepted / draft is the
+  acceptance rate, (accepted + verify steps) / verify steps the tokens per verify step.
 """
 
 from __future__ import annotations
@@ -68,6 +74,18 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(
             "questkv_inter_token_latency_seconds", "time between a request's consecutive tokens", buckets=_ITL_BUCKETS,
             registry=registry,
+        )
+
+        self.spec_draft_tokens = Counter(
+            "questkv_spec_decode_num_draft_tokens", "lossless Quest: draft tokens scored by verify steps",
+            registry=registry,
+        )
+        self.spec_accepted_tokens = Counter(
+            "questkv_spec_decode_num_accepted_tokens", "lossless Quest: draft tokens verify steps kept",
+            registry=registry,
+        )
+        self.spec_verify_steps = Counter(
+            "questkv_spec_decode_num_verify_steps", "lossless Quest: verify steps of the requests", registry=registry,
         )
 
         self.engine_steps = Counter("questkv_engine_steps", "engine steps launched, by kind (decode, prefill, mixed)",

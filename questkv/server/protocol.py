@@ -70,13 +70,16 @@ class _Strict(BaseModel):
 
 class QuestOptions(_Strict):
     """Our extension: ``{"token_budget": 512}`` (a Quest budget, a multiple of the page size up to the engine's),
-    ``{"selection_interval": 2}`` (decode steps per page selection, up to the engine's), both, ``{"dense": true}``
-    (attend every page), or ``{}`` (the engine's default). Only the types are checked here: the values are the
-    engine's to judge (:meth:`questkv.config.RequestQuest.resolve`, with the same messages)."""
+    ``{"selection_interval": 2}`` (decode steps per page selection, up to the engine's), ``{"speculative_tokens":
+    4}`` (on a lossless engine, ``--speculative-config``: draft tokens per round in ``[0, 16]``, 0: lossy Quest),
+    any of them together, ``{"dense": true}`` (attend every page), or ``{}`` (the engine's default). Only the types
+    are checked here: the values are the engine's to judge (:meth:`questkv.config.RequestQuest.resolve`, with the
+    same messages)."""
 
     token_budget: Optional[StrictInt] = None
     dense: StrictBool = False
     selection_interval: Optional[StrictInt] = None
+    speculative_tokens: Optional[StrictInt] = None
 
 
 class StreamOptions(_Strict):
@@ -373,14 +376,20 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def quest_echo(quest: RequestQuest, metrics: RequestMetrics) -> dict:
-    """Our extension in each final response: the budget and the selection interval the engine resolved for the
-    request (``None`` when dense), the KV tokens one decode step attended, averaged over the request's decode steps
-    (``0.0`` when it had none: one output token), and the fraction of (decode step, sparse layer, head) that
-    selected (``None`` when dense or without decode steps)."""
-    return {"token_budget": quest.token_budget, "dense": quest.dense,
+    """Our extension in each final response: the budget, the selection interval (``None`` when dense) and the draft
+    tokens per lossless round (0: lossy Quest, or dense) the engine resolved for the request, the KV tokens one
+    decode step attended, averaged over the request's decode steps (``0.0`` when it had none: one output token),
+    the fraction of (decode step, sparse layer, head) that selected (``None`` when dense or without decode steps),
+    and once a verify step ran (lossless) the share of draft tokens kept (``acceptance_rate``) and the tokens each
+    verify step output (``mean_tokens_per_verify``)."""
+    echo = {"token_budget": quest.token_budget, "dense": quest.dense,
             "selection_interval": None if quest.dense else quest.selection_interval,
+            "speculative_tokens": quest.speculative_tokens,
             "mean_tokens_attended": float(metrics.mean_tokens_attended or 0.0),
             "selection_rate": metrics.selection_rate}
+    if metrics.mean_tokens_per_verify is not None:
+        echo.update(acceptance_rate=metrics.acceptance_rate, mean_tokens_per_verify=metrics.mean_tokens_per_verify)
+    return echo
 
 
 def _with_token_ids(choice: dict, token_ids: Optional[list[int]]) -> dict:

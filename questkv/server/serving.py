@@ -302,7 +302,8 @@ class OpenAIServing:
             raise RequestError(str(error), param="max_tokens" if "max_tokens" in str(error) else prompt_param) from None
         quest = body.quest or QuestOptions()
         try:  # the engine's own rule, its message naming the request's fields
-            self._resolve_quest(quest.token_budget, quest.selection_interval, quest.dense, owner="quest")
+            self._resolve_quest(quest.token_budget, quest.selection_interval, quest.dense, owner="quest",
+                                speculative_tokens=quest.speculative_tokens)
         except ValueError as error:
             raise RequestError(str(error), param=_engine_param(str(error), prompt_param)) from None
         if body.stop_list and self.tokenizer is None:
@@ -312,7 +313,7 @@ class OpenAIServing:
             top_p=1.0 if body.top_p is None else float(body.top_p),
             seed=body.seed, max_tokens=max_tokens, stop=body.stop_list,
             token_budget=quest.token_budget, dense=quest.dense, ignore_eos=body.ignore_eos,
-            selection_interval=quest.selection_interval,
+            selection_interval=quest.selection_interval, speculative_tokens=quest.speculative_tokens,
         )
 
     # ---- running a request -------------------------------------------------------------------------------------
@@ -355,7 +356,8 @@ def _too_large(size: str, limit: int) -> RequestError:
 
 def _engine_param(message: str, prompt_param: str) -> Optional[str]:
     """The request field an engine ``ValueError`` is about."""
-    for word, param in (("dense=", "quest.dense"), ("token_budget", "quest.token_budget"),
+    for word, param in (("dense=", "quest.dense"), ("speculative_tokens", "quest.speculative_tokens"),
+                        ("token_budget", "quest.token_budget"),
                         ("selection_interval", "quest.selection_interval"), ("max_tokens", "max_tokens"), ("top_p", "top_p"),
                         ("temperature", "temperature"), ("seed", "seed"), ("stop", "stop"), ("prompt", prompt_param)):
         if word in message:

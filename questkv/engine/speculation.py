@@ -1,0 +1,121 @@
+"""How many tokens a lossless round drafts: the engine's choice, from the step times and acceptance it measures.
+
+A lossless round of ``k`` drafts costs ``k`` draft steps and one verify step and yields, with a per-token
+acceptance probability ``p``, ``E(k) = (1 - p**(k + 1)) / (1 - p)`` tokens on average (Leviathan et al. 2023); a
+dense step yields one. So drafting pays while ``E(k) / (k * t_draft + t_verify) > 1 / t_dense``. The engine runs
+lossless steps synchronously, so each step's wall time (``LLMEngine.step``: schedule, launch, wait, update) is
+what it costs; the policy keeps a running mean of each kind of step per batch size, the acceptance over recent
+rounds, and picks ``k`` in ``[0, max_k]`` with the best predicted tokens per second (0: dense steps, which the
+engine then runs asynchronously, as a dense engine does). Every kind of step is measured again now and then (a
+dense step every :data:`PROBE_EVERY` rounds, a round of ``max_k`` every :data:`PROBE_EVERY` dense steps), so the
+choice follows the batch, the context and the text. Every step's output is dense attention's whichever it picks:
+only the speed depends on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+__all__ = ["PROBE_EVERY", "SpeculationPolicy", "StepKind", "expected_tokens"]
+
+PROBE_EVERY = 32
+"""Rounds between two dense steps that refresh the dense step's time, and dense steps between two rounds that
+refresh the draft and verify steps' times."""
+
+_WEIGHT = 0.2
+"""The weight of a new measurement in the running means (about the last 5 steps of a kind count)."""
+
+_PRIOR_ACCEPTANCE = 0.8
+"""Per-token acceptance assumed before a batch size has verified anything."""
+
+
+class StepKind(enum.Enum):
+    """The kinds of step whose wall time the policy learns from."""
+
+    DENSE = "dense"
+    DRAFT = "draft"
+    VERIFY = "verify"
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a round of ``k`` drafts yields on average when each draft is kept with probability ``acceptance``
+    (independently, up to the first rejection), the verify's own token included: ``sum(acceptance**i, i=0..k)``."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """What the policy knows about one batch size: running means of step seconds, acceptance counts."""
+
+    seconds: dict = dataclasses.field(default_factory=dict)  # StepKind -> running mean
+    kept: float = 0.0  # drafts kept, and drafts tested (kept ones plus the first rejected one of each round)
+    tested: float = 0.0
+    rounds_since_dense: int = 0
+    dense_since_round: int = 0
+
+
+class SpeculationPolicy:
+    """The engine-wide choice of draft tokens per round (:meth:`draft_tokens`), learnt from :meth:`record_step` and
+    :meth:`record_round`.
+
+    Args:
+        max_k: ``SpeculativeConfig.num_speculative_tokens``, the most drafts per round.
+        adaptive: ``SpeculativeConfig.adaptive``; ``False``: :meth:`draft_tokens` is always ``max_k``.
+    """
+
+    def __init__(self, max_k: int, adaptive: bool = True) -> None:
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self._buckets: dict[int, _Bucket] = {}
+
+    def _bucket(self, batch: int) -> _Bucket:
+        return self._buckets.setdefault(batch, _Bucket())
+
+    def acceptance(self, batch: int) -> float:
+        """The per-token acceptance measured at ``batch`` rows (a prior before any round)."""
+        bucket = self._bucket(batch)
+        if bucket.tested < 1:
+            return _PRIOR_ACCEPTANCE
+        return bucket.kept / bucket.tested
+
+    def draft_tokens(self, batch: int) -> int:
+        """Drafts per round for a step of ``batch`` decoding rows: ``max_k`` until a round has been timed, 0 for one
+        step to time a dense one, then the ``k`` of the best predicted speed (0: dense is faster)."""
+        if not self.adaptive:
+            return self.max_k
+        bucket = self._bucket(batch)
+        draft, verify = bucket.seconds.get(StepKind.DRAFT), bucket.seconds.get(StepKind.VERIFY)
+        dense = bucket.seconds.get(StepKind.DENSE)
+        if draft is None or verify is None or bucket.dense_since_round >= PROBE_EVERY:
+            return self.max_k
+        if dense is None or bucket.rounds_since_dense >= PROBE_EVERY:
+            return 0
+        p = self.acceptance(batch)
+        best_k, best_rate = 0, 1.0 / dense
+        for k in range(1, self.max_k + 1):
+            rate = expected_tokens(p, k) / (k * draft + verify)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def record_step(self, kind: StepKind, batch: int, seconds: float) -> None:
+        """A step of ``kind`` over ``batch`` rows took ``seconds`` (wall, synchronous)."""
+        bucket = self._bucket(batch)
+        old: Optional[float] = bucket.seconds.get(kind)
+        bucket.seconds[kind] = seconds if old is None else (1 - _WEIGHT) * old + _WEIGHT * seconds
+        if kind is StepKind.DENSE:
+            bucket.rounds_since_dense = 0
+            bucket.dense_since_round += 1
+        elif kind is StepKind.VERIFY:
+            bucket.rounds_since_dense += 1
+            bucket.dense_since_round = 0
+
+    def record_round(self, batch: int, drafted: int, kept: int) -> None:
+        """A verify of ``batch`` rows kept ``kept`` of a row's ``drafted`` drafts (once per verified row)."""
+        bucket = self._bucket(batch)
+        bucket.kept = (1 - _WEIGHT / batch) * bucket.kept + kept
+        bucket.tested = (1 - _WEIGHT / batch) * bucket.tested + kept + (kept < drafted)

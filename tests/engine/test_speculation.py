@@ -1,0 +1,77 @@
+"""The lossless engine's draft-count policy (questkv.engine.speculation) on made-up step times: it probes what it
+has not measured, keeps refreshing dense and round times, and picks the k with the best predicted speed (0: dense)."""
+
+import random
+
+import pytest
+
+from questkv.engine.speculation import PROBE_EVERY, SpeculationPolicy, StepKind, expected_tokens
+
+
+@pytest.mark.parametrize("p, k, tokens", [(0.0, 4, 1.0), (1.0, 4, 5.0), (0.5, 2, 1.75), (0.9, 1, 1.9)])
+def test_expected_tokens_of_a_round(p, k, tokens):
+    assert expected_tokens(p, k) == pytest.approx(tokens)
+
+
+def measured(policy, batch, dense, draft, verify):
+    policy.record_step(StepKind.DRAFT, batch, draft)
+    policy.record_step(StepKind.VERIFY, batch, verify)
+    policy.record_step(StepKind.DENSE, batch, dense)
+
+
+def test_a_fixed_policy_always_drafts_its_maximum():
+    policy = SpeculationPolicy(5, adaptive=False)
+    measured(policy, 4, dense=1e-3, draft=1.0, verify=1.0)  # drafting could not be slower, yet it drafts
+    assert policy.draft_tokens(4) == 5
+
+
+def test_it_times_a_round_then_a_dense_step_before_it_chooses():
+    policy = SpeculationPolicy(4)
+    assert policy.draft_tokens(8) == 4  # nothing measured: a round
+    policy.record_step(StepKind.DRAFT, 8, 0.001)
+    policy.record_step(StepKind.VERIFY, 8, 0.003)
+    assert policy.draft_tokens(8) == 0  # no dense step measured: one dense step
+    policy.record_step(StepKind.DENSE, 8, 0.004)
+    assert policy.draft_tokens(8) > 0  # cheap drafts, the prior acceptance: draft
+    assert policy.draft_tokens(16) == 4  # another batch size is measured on its own
+
+
+def test_it_picks_the_k_of_the_best_predicted_speed_and_dense_where_drafting_loses():
+    dense, draft, verify = 0.004, 0.001, 0.005
+    policy = SpeculationPolicy(8)
+    measured(policy, 1, dense, draft, verify)
+    for _ in range(50):  # a high acceptance: 9 of 10 drafts kept
+        policy.record_round(1, 10, 9)
+    p = policy.acceptance(1)
+    assert p == pytest.approx(9 / 10, abs=0.02)
+    rates = {k: expected_tokens(p, k) / (k * draft + verify) for k in range(1, 9)}
+    assert policy.draft_tokens(1) == max(rates, key=rates.get)
+    slow = SpeculationPolicy(8)
+    measured(slow, 1, dense=0.001, draft=0.0009, verify=0.0012)  # drafts cost nearly a dense step: never pays
+    assert slow.draft_tokens(1) == 0
+
+
+def test_it_refreshes_dense_and_round_times_every_probe_interval():
+    policy = SpeculationPolicy(4)
+    measured(policy, 2, dense=0.004, draft=0.001, verify=0.005)
+    for _ in range(PROBE_EVERY - 1):
+        policy.record_step(StepKind.VERIFY, 2, 0.005)
+    assert policy.draft_tokens(2) > 0
+    policy.record_step(StepKind.VERIFY, 2, 0.005)
+    assert policy.draft_tokens(2) == 0  # PROBE_EVERY rounds since the last dense step
+    losing = SpeculationPolicy(4)
+    measured(losing, 2, dense=0.001, draft=0.001, verify=0.005)  # one dense step since the round
+    for _ in range(PROBE_EVERY - 2):
+        losing.record_step(StepKind.DENSE, 2, 0.001)
+        assert losing.draft_tokens(2) == 0
+    losing.record_step(StepKind.DENSE, 2, 0.001)
+    assert losing.draft_tokens(2) == 4  # PROBE_EVERY dense steps since the last round: a round again
+
+
+def test_acceptance_counts_the_drafts_tested_up_to_the_first_rejection():
+    policy = SpeculationPolicy(4)
+    policy.record_round(1, 4, 2)  # kept 2, rejected the third: 3 tested
+    assert policy.acceptance(1) == pytest.approx(2 / 3)
+    policy.record_round(1, 4, 4)  # all kept: 4 tested
+    assert 2 / 3 < policy.acceptance(1) < 1
+    assert SpeculationPolicy(4).acceptance(random.randint(1, 64)) == pytest.approx(0.8)  # the prior
