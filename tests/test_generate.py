@@ -129,7 +129,9 @@ def test_generate_with_a_speculative_config_streams_the_dense_text_and_reports_t
 
 def test_a_speculative_config_needs_a_budget_and_is_refused_before_the_model_loads(capsys, monkeypatch):
     monkeypatch.setattr("questkv.engine.llm_engine.LLMEngine", None)  # loading a model would fail the test
-    assert cli.main(["generate", "--prompt", "x02", *ENGINE, "--speculative-config", '{"method": "quest"}']) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--prompt", "x02", *ENGINE, "--speculative-config", '{"method": "quest"}'])
+    assert exit_info.value.code == 2
     assert "EngineConfig.speculative_config drafts with Quest's sparse attention" in capsys.readouterr().err
 
 

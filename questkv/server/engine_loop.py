@@ -344,8 +344,8 @@ class EngineLoop:
             live.attended_sum, live.decode_steps = seq.tokens_attended_sum, seq.decode_steps
         speculation = (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps)
         counters = (self.metrics.spec_draft_tokens, self.metrics.spec_accepted_tokens, self.metrics.spec_verify_steps)
-        for counter, now_count, counted in zip(counters, speculation, live.speculation):
-            counter.inc(now_count - counted)
+        for counter, count, counted in zip(counters, speculation, live.speculation):
+            counter.inc(count - counted)
         live.speculation = speculation
 
     def _fail_step(self, error: Exception) -> None:
