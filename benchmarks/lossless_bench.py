@@ -1,0 +1,379 @@
+"""Lossless Quest on a GPU (issue 42): dense attention's tokens at Quest's speed, measured.
+
+Three parts, each writing its JSON and markdown table (command, commit, GPU, date) to ``--out-dir``:
+
+* ``check``: the CUDA path (graphs: draft, verify and dense steps; Triton kernels) of a small fp32 random model
+  against the dense engine: greedy and seeded-sampling tokens must be identical, fixed rounds and the adaptive
+  policy alike.
+* ``real``: a real model (an alias staged by ``benchmarks/gpu_eval.py``, e.g. Qwen2.5-Coder-1.5B), continuations of
+  the book and of code (:mod:`questkv.eval.agreement`'s texts) at each context, ``--tokens`` greedy tokens, at
+  each batch size (half book, half code windows; batch 1: one of each, run apart). Per batch: decode tokens/s of
+  dense, lossy Quest (1/16 of the context) and lossless (drafts at 1/16 and 1/8; the engine picks the drafts per
+  round, ``adaptive``, and a fixed ``k`` beside it, on one engine whose policy is switched between runs),
+  acceptance, tokens per verify, and the lossless outputs
+  against the dense engine's: rows identical, and at each first difference the gap between dense's own
+  log-probabilities of its token and of lossless's (a near tie of bf16 rounding when small).
+* ``shapes``: random weights at the paper's shapes (``--points``), synthetic contexts (``e2e_bench``'s): ms per
+  step of the dense engine (asynchronous), of a lossless draft step and of a verify step (fixed ``k``,
+  synchronous), and the speed over dense that an acceptance implies (``E(k) * t_dense / (k * t_draft +
+  t_verify)``, labelled as implied: random weights accept nothing real).
+
+Decode tokens/s is measured on warm engines whose prompts are in the prefix cache: ``(B * (T - 2)) / (t(T) -
+t(2))`` with ``t(n)`` the wall time of ``generate`` of ``n`` tokens (prefill of the last partial page and the first
+token cancel out). The two engines of one context (dense and lossy requests on one, lossless on the other) are alive
+together (``--memory`` of the GPU each).
+
+    python benchmarks/lossless_bench.py check --out-dir $OUT
+    python benchmarks/lossless_bench.py real --model qwen2.5-coder-1.5b --out-dir $OUT
+    python benchmarks/lossless_bench.py shapes --out-dir $OUT --acceptance 0.9
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.e2e_bench import kv_bytes_per_token, synthetic_prefill  # noqa: E402
+from questkv.config import QuestConfig  # noqa: E402
+from questkv.engine.llm import LLM  # noqa: E402
+from questkv.engine.sampling_params import SamplingParams  # noqa: E402
+from questkv.engine.speculation import expected_tokens  # noqa: E402
+from questkv.eval import agreement  # noqa: E402
+from questkv.eval.provenance import provenance  # noqa: E402
+from questkv.models.shapes import dummy_config  # noqa: E402
+
+PAGE, DENSE_LAYERS = 16, 2
+NEAR_TIE = 0.125
+"""A log-probability gap below this is within bf16 rounding of logits of magnitude 16-32 (one unit in the last
+place)."""
+
+
+def lossless_config(k: int, adaptive: bool) -> dict:
+    return {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# check: the CUDA path against the dense engine
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check(args) -> dict:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    quest = QuestConfig(token_budget=128, page_size=PAGE, dense_layers=1, dense_context_ratio=1.0)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (700, 1500, 333, 1100)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sampled = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=40, ignore_eos=True) for s in range(4)]
+
+    def engine(**kwargs) -> LLM:
+        llm = LLM(cfg, load_format="dummy", dtype="float32", device="cuda", max_num_seqs=4,
+                  kv_cache_memory=512 << 20, seed=5, **kwargs)
+        with torch.no_grad():  # sharper attention than N(0, 0.02): which pages Quest picks matters
+            for layer in llm.engine.runner.model.model.layers:
+                layer.self_attn.qkv_proj.weight.mul_(8.0)
+        return llm
+
+    def run(llm, params) -> list[list[int]]:
+        return [list(out.token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    dense = engine()
+    want = {"greedy": run(dense, greedy), "sampled": run(dense, sampled)}
+    del dense
+    results = {}
+    for name, kwargs in (("lossy-quest", {"quest": quest}),
+                         ("lossless-k4", {"quest": quest, "speculative_config": lossless_config(4, False)}),
+                         ("lossless-k8", {"quest": quest, "speculative_config": lossless_config(8, False)}),
+                         ("lossless-adaptive", {"quest": quest, "speculative_config": lossless_config(4, True)}),
+                         ("lossless-k4-eager", {"quest": quest, "speculative_config": lossless_config(4, False),
+                                                "enforce_eager": True})):
+        llm = engine(**kwargs)
+        for mode, params in (("greedy", greedy), ("sampled", sampled)):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            got = [list(out.token_ids) for out in outs]
+            rates = [out.metrics.acceptance_rate for out in outs]
+            results[f"{name}/{mode}"] = {
+                "identical": got == want[mode],
+                "tokens_match": sum(a == b for x, y in zip(got, want[mode]) for a, b in zip(x, y)),
+                "tokens": sum(map(len, want[mode])),
+                "acceptance": [None if r is None else round(r, 3) for r in rates],
+            }
+        del llm
+        gc.collect()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# real: a real model's acceptance and tokens/s
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tokens: int) -> tuple[float, list]:
+    """Decode tokens/s of ``prompts`` (warm: prefix-cached, graphs captured) and the outputs of the long run."""
+    short = SamplingParams(**{**_fields(params), "max_tokens": 2})
+    llm.generate(prompts, short, use_tqdm=False)  # warm: the prefix cache holds the prompts
+    start = time.perf_counter()
+    llm.generate(prompts, short, use_tqdm=False)
+    t_short = time.perf_counter() - start
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(**{**_fields(params), "max_tokens": tokens}), use_tqdm=False)
+    t_long = time.perf_counter() - start
+    return len(prompts) * (tokens - 2) / (t_long - t_short), outs
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {"temperature": params.temperature, "ignore_eos": params.ignore_eos, "token_budget": params.token_budget,
+            "dense": params.dense, "speculative_tokens": params.speculative_tokens}
+
+
+def near_tie_gaps(dense: LLM, prompts, want, got) -> list[dict]:
+    """At each row's first difference, dense's own log-probabilities of its token and of the lossless token there
+    (teacher-forced on the dense engine: its decode steps; all rows in one batch)."""
+    firsts = [(prompt, a, b, next(j for j, (x, y) in enumerate(zip(a, b)) if x != y))
+              for prompt, a, b in zip(prompts, want, got) if a != b]
+    requests, params = [], []
+    for prompt, a, b, i in firsts:
+        for token in (a[i], b[i]):
+            requests.append(prompt)
+            params.append(SamplingParams(temperature=0, max_tokens=i + 1, dense=True, ignore_eos=True,
+                                         forced_token_ids=list(a[:i]) + [token]))
+    outs = dense.generate(requests, params, use_tqdm=False) if requests else []
+    gaps = []
+    for n, (_, a, b, i) in enumerate(firsts):
+        gap = outs[2 * n].forced_logprobs[i] - outs[2 * n + 1].forced_logprobs[i]
+        gaps.append({"position": i, "dense_token": a[i], "lossless_token": b[i], "logprob_gap": round(gap, 4),
+                     "near_tie": abs(gap) < NEAR_TIE})
+    return gaps
+
+
+def real(args) -> dict:
+    results = {"model": args.model, "tokens": args.tokens, "k": args.k, "near_tie_below": NEAR_TIE, "points": []}
+    for context in args.contexts:
+        budget16, budget8 = context // 16, context // 8
+        common = dict(dtype=args.dtype, device=args.device, max_model_len=context + args.tokens + 4 * PAGE,
+                      max_num_seqs=max(args.batches))
+        if args.device == "cuda":
+            common["gpu_memory_utilization"] = args.memory
+        base = LLM(args.model, quest=QuestConfig(token_budget=budget16, page_size=PAGE, dense_layers=DENSE_LAYERS),
+                   **common)
+        quest8 = QuestConfig(token_budget=budget8, page_size=PAGE, dense_layers=DENSE_LAYERS)
+        lossless = LLM(args.model, quest=quest8, speculative_config=lossless_config(args.k, True), **common)
+        texts = {}
+        for corpus, task in (("book", "agreement_book"), ("code", "agreement_code")):
+            text, _ = agreement.load_text(task)
+            texts[corpus] = agreement.contexts(base.tokenizer, text, context + args.tokens + 1,
+                                               max(args.batches) // 2, args.tokens)
+        for batch in args.batches:
+            groups = ([("book", texts["book"][:1]), ("code", texts["code"][:1])] if batch == 1 else
+                      [("book+code", texts["book"][:batch // 2] + texts["code"][:batch // 2])])
+            for corpus, prompts in groups:
+                point = {"context": context, "batch": batch, "corpus": corpus, "modes": {}}
+                greedy = dict(temperature=0, ignore_eos=True)
+                rate, dense_outs = decode_rate(base, prompts, SamplingParams(dense=True, **greedy), args.tokens)
+                want = [list(o.token_ids) for o in dense_outs]
+                point["modes"]["dense"] = {"tokens_per_s": rate}
+                rate, outs = decode_rate(base, prompts, SamplingParams(**greedy), args.tokens)
+                point["modes"]["quest-1/16"] = {"tokens_per_s": rate, **_identity(base, prompts, want, outs, False)}
+                for policy in ("adaptive", "fixed"):
+                    # One engine, its policy switched between runs (the prompts stay in its prefix cache).
+                    lossless.engine.speculation.adaptive = policy == "adaptive"
+                    for label, budget in (("1/16", budget16), ("1/8", budget8)):
+                        rate, outs = decode_rate(lossless, prompts, SamplingParams(token_budget=budget, **greedy),
+                                                 args.tokens)
+                        accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
+                        per_verify = [o.metrics.mean_tokens_per_verify for o in outs
+                                      if o.metrics.mean_tokens_per_verify is not None]
+                        point["modes"][f"lossless-{label}-{policy}"] = {
+                            "tokens_per_s": rate,
+                            "acceptance": statistics.mean(accepted) if accepted else None,
+                            "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
+                            **_identity(base, prompts, want, outs, True)}
+                dense_rate = point["modes"]["dense"]["tokens_per_s"]
+                for mode in point["modes"].values():
+                    mode["speedup"] = mode["tokens_per_s"] / dense_rate
+                results["points"].append(point)
+                print(_point_line(point), flush=True)
+        for llm in (base, lossless):
+            llm.close()
+        del base, lossless
+        gc.collect()
+    return results
+
+
+def _identity(dense: LLM, prompts, want, outs, gaps: bool) -> dict:
+    got = [list(o.token_ids) for o in outs]
+    record = {"rows_identical": sum(a == b for a, b in zip(want, got)), "rows": len(want),
+              "tokens_match": sum(x == y for a, b in zip(want, got) for x, y in zip(a, b)),
+              "tokens": sum(map(len, want))}
+    if gaps and record["rows_identical"] < len(want):
+        record["first_differences"] = near_tie_gaps(dense, prompts, want, got)
+    return record
+
+
+def _point_line(point: dict) -> str:
+    cells = [f"{name} {mode['speedup']:.2f}x" for name, mode in point["modes"].items()]
+    return f"{point['context']} B={point['batch']} {point['corpus']}: " + ", ".join(cells)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shapes: step times at the paper's shapes, random weights
+# ---------------------------------------------------------------------------------------------------------------
+
+POINTS = {  # name: (model, batch, context, budget, quantization)
+    "llama2-7b-int4-b1-32k": ("llama2-7b", 1, 32 * 1024, 2048, "int4"),
+    "llama3.1-8b-b16-32k": ("llama3.1-8b", 16, 32 * 1024, 2048, None),
+    "llama3.1-8b-b4-128k": ("llama3.1-8b", 4, 128 * 1024, 4096, None),
+}
+
+
+def _shape_engine(cfg, batch, context, quantization, steps, device, **kwargs) -> LLM:
+    need = batch * (context + steps * 20 + 4 * PAGE) * kv_bytes_per_token(cfg) * (2 * PAGE + 2) // (2 * PAGE)
+    llm = LLM(cfg, load_format="dummy", dtype="bfloat16", device=device, max_num_seqs=batch,
+              max_model_len=context + PAGE * 8, kv_cache_memory=int(need * 1.05) + (256 << 20),
+              quantization=quantization, enable_chunked_prefill=False, **kwargs)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=steps * 18, ignore_eos=True)
+    for _ in range(batch):
+        prompt = torch.randint(0, cfg.vocab_size, (context - steps * 18 - 2,), generator=gen).tolist()
+        llm.engine.add_request(prompt, params)
+    synthetic_prefill(llm.engine)
+    return llm
+
+
+def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, device: str = "cuda") -> dict:
+    model, batch, context, budget, quantization = POINTS[name]
+    cfg = dummy_config(model)
+    quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
+    record = {"model": model, "batch": batch, "context": context, "budget": budget, "quantization": quantization,
+              "k": k}
+    llm = _shape_engine(cfg, batch, context, quantization, steps, device, async_scheduling=True)
+    engine = llm.engine
+    for _ in range(6):
+        engine.step()
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _synchronize(device)
+    record["dense_ms"] = (time.perf_counter() - start) / steps * 1e3
+    llm.close()
+    del llm, engine
+    gc.collect()
+    llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest,
+                        speculative_config=lossless_config(k, False))
+    engine = llm.engine
+    times = {"draft": [], "verify": []}
+    for i in range(steps + 2 * (k + 1)):
+        verifies = engine.scheduler.step_tokens["verify"]
+        start = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        if i >= 2 * (k + 1):  # after two rounds (the graphs captured)
+            times["verify" if engine.scheduler.step_tokens["verify"] > verifies else "draft"].append(seconds)
+    llm.close()
+    del llm, engine
+    gc.collect()
+    record["draft_ms"] = statistics.median(times["draft"]) * 1e3
+    record["verify_ms"] = statistics.median(times["verify"]) * 1e3
+    round_ms = k * record["draft_ms"] + record["verify_ms"]
+    record["implied"] = [{"acceptance": a, "tokens_per_round": expected_tokens(a, k),
+                          "speedup": expected_tokens(a, k) * record["dense_ms"] / round_ms} for a in acceptances]
+    print(f"{name}: dense {record['dense_ms']:.2f} ms, draft {record['draft_ms']:.2f}, verify "
+          f"{record['verify_ms']:.2f}; implied " + ", ".join(f"{i['speedup']:.2f}x at {i['acceptance']}"
+                                                            for i in record["implied"]), flush=True)
+    return record
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def shapes(args) -> dict:
+    return {"points": [shape_point(name, args.k, args.acceptance, device=args.device) for name in args.points]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def table(part: str, record: dict) -> str:
+    lines = []
+    if part == "check":
+        lines += ["| engine / sampling | identical to dense | tokens matching | acceptance per prompt |", "|---|---|---|---|"]
+        lines += [f"| {name} | {r['identical']} | {r['tokens_match']}/{r['tokens']} | {r['acceptance']} |"
+                  for name, r in record["results"].items()]
+    elif part == "real":
+        modes = list(record["results"]["points"][0]["modes"]) if record["results"]["points"] else []
+        lines += ["| context | B | text | " + " | ".join(modes) + " |", "|---" * (3 + len(modes)) + "|"]
+        for point in record["results"]["points"]:
+            cells = []
+            for mode in modes:
+                m = point["modes"][mode]
+                cell = f"{m['tokens_per_s']:.0f} tok/s ({m['speedup']:.2f}×)"
+                if "rows_identical" in m:
+                    cell += f", {m['rows_identical']}/{m['rows']} rows = dense"
+                if m.get("acceptance") is not None:
+                    cell += f", α {m['acceptance']:.2f}, {m['tokens_per_verify']:.2f}/verify"
+                ties = m.get("first_differences")
+                if ties:
+                    cell += f", {sum(t['near_tie'] for t in ties)}/{len(ties)} differences at near ties"
+                cells.append(cell)
+            lines.append(f"| {point['context']} | {point['batch']} | {point['corpus']} | " + " | ".join(cells) + " |")
+    else:
+        lines += ["| point | dense ms/step | draft ms/step | verify ms/step (k + 1 positions) | implied speedup (acceptance) |",
+                  "|---|---|---|---|---|"]
+        for p in record["results"]["points"]:
+            implied = ", ".join(f"{i['speedup']:.2f}× ({i['acceptance']})" for i in p["implied"])
+            name = f"{p['model']} {p['quantization'] or 'bf16'} B={p['batch']} {p['context'] // 1024}k/{p['budget']}"
+            lines.append(f"| {name} | {p['dense_ms']:.2f} | {p['draft_ms']:.2f} | {p['verify_ms']:.2f} (k={p['k']}) "
+                         f"| {implied} |")
+    head = record["provenance"]
+    return "\n".join([f"# Lossless Quest: {part}", "",
+                      f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",
+                      *lines, ""])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=("check", "real", "shapes"), help="what to measure (see the module docstring)")
+    parser.add_argument("--out-dir", type=Path, required=True, help="where the JSON and the markdown table go")
+    parser.add_argument("--tag", default="h200", help="the files' suffix: lossless-PART-TAG.{json,md}")
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="real: the model alias or folder")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768], help="real: context lengths")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32], help="real: batch sizes (even, or 1)")
+    parser.add_argument("--tokens", type=int, default=256, help="real: generated tokens per request")
+    parser.add_argument("--memory", type=float, default=0.4, help="real: gpu_memory_utilization of each engine")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="real, shapes: cpu for a smoke run")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="real: the dtype")
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per round (the adaptive policy's maximum)")
+    parser.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS), help="shapes: the points")
+    parser.add_argument("--acceptance", type=float, nargs="+", default=[0.8, 0.9, 0.95],
+                        help="shapes: per-token acceptances to imply speed from (measure them with `real`)")
+    args = parser.parse_args()
+    for batch in args.batches:
+        if batch != 1 and batch % 2:
+            parser.error(f"--batches: {batch} is odd; a batch is half book, half code windows (or 1)")
+    results = {"check": check, "real": real, "shapes": shapes}[args.part](args)
+    record = {"provenance": provenance(args.device), "results": results}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"lossless-{args.part}-{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    stem.with_suffix(".md").write_text(table(args.part, record))
+    print(table(args.part, record))
+
+
+if __name__ == "__main__":
+    main()
