@@ -133,6 +133,10 @@ class PagedKVCache:
         self._page_of: dict[bytes, int] = {}  # hash -> cached page
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # refs 0, oldest first
         self._seq_hashes: dict[int, list[bytes]] = {}  # sequence -> hashes of its leading full pages
+        # Rank 0 with tensor parallelism: the rewinds since its last step message, ((sequence, pages kept) of each
+        # sequence, the pages and counts whose bounds were recomputed); see ModelRunner._publish.
+        self.track_rewinds = False
+        self.rewinds: list[tuple[list[tuple[int, int]], list[int], list[int]]] = []
 
     @property
     def num_layers(self) -> int:
@@ -419,8 +423,15 @@ class PagedKVCache:
         if seq_ids:
             lens = self._to_device(torch.tensor([[s, self._lens[s]] for s in seq_ids], dtype=torch.long))
             self.seq_lens[lens[:, 0]] = lens[:, 1].to(torch.int32)
+        self.recompute_bounds(pages, counts)
+        if self.track_rewinds:
+            self.rewinds.append(([(seq_id, len(self._pages[seq_id])) for seq_id in seq_ids], pages, counts))
+
+    def recompute_bounds(self, pages: Sequence[int], counts: Sequence[int]) -> None:
+        """Set the key bounds of ``pages`` from their first ``counts`` keys (:meth:`rewind`'s; a tensor-parallel
+        worker's pool repeats rank 0's rewinds so, its page table following by :meth:`mirror`)."""
         if pages:
-            index = self._to_device(torch.tensor([pages, counts], dtype=torch.long))
+            index = self._to_device(torch.tensor([list(pages), list(counts)], dtype=torch.long))
             ops.recompute_key_bounds(self.k_pages, self.kmin, self.kmax, index[0], index[1])
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:

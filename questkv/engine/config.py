@@ -170,9 +170,6 @@ class EngineConfig:
         if speculative is not None and (self.quest is None or self.quest.is_dense):
             raise ValueError("EngineConfig.speculative_config drafts with Quest's sparse attention: it needs "
                              "quest=QuestConfig(token_budget=...)")
-        if speculative is not None and self.tensor_parallel_size > 1:
-            raise ValueError("EngineConfig.speculative_config with tensor_parallel_size > 1 is not supported yet (the "
-                             "other ranks would keep the rejected drafts' key bounds): use tensor_parallel_size=1")
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")

@@ -84,9 +84,12 @@ class StepMessage:
         prefill: the step's prefill rows, or ``None`` (a decode-only step).
         decode: the step's decode rows: the packed decode inputs ``[_NUM_INPUTS, padded]`` int64 (a numpy array: it
             pickles in ~10 µs, a tensor in ~70) and the graph key, or ``None``. Both set: a mixed step.
-        count: the sequences of the step that sample (their tokens are broadcast from rank 0; none for a step that
-            only prefills part of a prompt).
+        count: the tokens the step samples (broadcast from rank 0; none for a step that only prefills part of a
+            prompt): one per sampling sequence, ``num_new_tokens`` per verify row.
         capture: capture every decode graph (``graph_capture="startup"``), nothing else.
+        verify: a step of aligned lossless verify rows (:meth:`ModelRunner._run_verify`'s arguments), or ``None``.
+        bounds: ``(pages, counts)`` whose key bounds rank 0 recomputed since its last message (lossless rewinds,
+            :meth:`~questkv.cache.paged.PagedKVCache.recompute_bounds`), done first.
     """
 
     pages: tuple[tuple[int, int, list[int], int], ...]
@@ -94,6 +97,8 @@ class StepMessage:
     decode: Optional[tuple[np.ndarray, GraphKey]] = None
     count: int = 0
     capture: bool = False
+    verify: Optional[tuple[np.ndarray, GraphKey, tuple[int, ...]]] = None
+    bounds: tuple[list[int], list[int]] = ([], [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +174,7 @@ class ModelRunner:
             dtype=config.torch_dtype, device=self.device,
             prefix_caching=config.enable_prefix_caching, hash_salt=config.prefix_cache_salt(),
         )
+        self.cache.track_rewinds = send is not None  # rank 0 tells the other ranks its lossless rewinds
         self.memory = None
         if memory_bytes:
             self.memory = SelectionMemory(quest, *memory_args, self.device)
@@ -342,13 +348,22 @@ class ModelRunner:
         for i, (seq, seq_len) in enumerate(zip(batch.seqs, batch.seq_lens)):
             host[:3, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id])
             host[3:, i] = torch.tensor((seq.all_token_ids + seq.draft_token_ids)[seq_len - q_len:seq_len])
+        key = (padded, width, StepRoute.VERIFY, q_len)
+        self._publish(batch, verify=(host.numpy(), key, batch.seq_ids))
+        return self._run_verify(host, key, batch.seq_ids)[:rows * q_len]
+
+    def _run_verify(self, host, key: GraphKey, seq_ids: tuple[int, ...]) -> torch.Tensor:
+        """:meth:`_verify` from its staged host inputs on (every rank runs this): ``host`` ``[3 + q_len, padded]``
+        int64 (first positions, KV lengths, page-table rows, then the input tokens; a tensor or a numpy array),
+        the graph ``key``, the verified sequences ``seq_ids``. Returns ``[padded * q_len, vocab]`` float32 logits."""
+        padded, q_len = key[0], key[3]
+        host = torch.as_tensor(host)
         self._verify_inputs[:, :padded].copy_(host[:3], non_blocking=True)
         self._verify_ids[:padded, :q_len].copy_(host[3:].T, non_blocking=True)
-        seq_ids = batch.seq_ids
         self._kept.difference_update(seq_ids)
         if self.memory is not None:  # the next round's first draft selects afresh
             self.memory.restart(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
-        return self.graphs.run((padded, width, StepRoute.VERIFY, q_len), self._verify_body)[:rows * q_len]
+        return self.graphs.run(key, self._verify_body)
 
     def _verify_body(self, batch: int, width: int, route: StepRoute, q_len: int) -> torch.Tensor:
         """One verify step over the static verify inputs (graph-capturable: device ops only): ``batch`` rows of
@@ -402,6 +417,14 @@ class ModelRunner:
         :class:`StepMessage`) and the page-table rows that changed for it; nothing on one device."""
         if self._send is None:
             return
+        bound_pages, bound_counts = [], []
+        for kept, pages, counts in self.cache.rewinds:  # the lossless verifies since the last message
+            for seq_id, held in kept:
+                if seq_id in self._mirrored:
+                    self._mirrored[seq_id] = min(self._mirrored[seq_id], held)
+            bound_pages += pages
+            bound_counts += counts
+        self.cache.rewinds.clear()
         updates = []
         for i, seq_id in enumerate(batch.seq_ids):
             prefill = i >= batch.num_decodes  # a prefill row (re)starts the sequence's row
@@ -410,15 +433,21 @@ class ModelRunner:
             if pages or prefill:
                 updates.append((seq_id, start, pages, self.cache.seq_len(seq_id)))
             self._mirrored[seq_id] = start + len(pages)
-        self._send(StepMessage(tuple(updates), count=batch.num_sampled, **step))
+        count = sum(map(batch.num_sampled_tokens, range(batch.num_sampled)))
+        self._send(StepMessage(tuple(updates), count=count, bounds=(bound_pages, bound_counts), **step))
 
     def run_step(self, message: StepMessage) -> None:
         """Run one step rank 0 sent (a rank other than 0 with tensor parallelism): follow its page table, run the
         model over the step's inputs (the collectives meet rank 0's) and take the sampled tokens it broadcasts."""
         for update in message.pages:
             self.cache.mirror(*update)
+        self.cache.recompute_bounds(*message.bounds)
         if message.capture:
             self.capture_decode_graphs()
+            return
+        if message.verify is not None:
+            self._run_verify(*message.verify)
+            self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
             return
         key = None
         if message.decode is not None:
@@ -433,7 +462,8 @@ class ModelRunner:
             self.graphs.run(key, self._decode_body)
         if message.count:  # as rank 0: a step that samples nothing broadcasts nothing
             tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
-            self._sampled[:message.count].copy_(tokens)
+            if message.prefill is None or not message.prefill.num_verifies:  # (as rank 0: nothing reads a verify's)
+                self._sampled[:message.count].copy_(tokens)
 
     def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], padded: int, width: int,
                       dense_rows: list[bool]) -> torch.Tensor:

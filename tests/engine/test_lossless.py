@@ -169,12 +169,27 @@ def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, dense):
     assert run(make_llm(model_dir, SMALL), prompts, params) != want  # Quest alone samples other tokens
 
 
-def test_the_adaptive_policy_gives_the_dense_tokens(model_dir, dense):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_adaptive_policy_gives_the_dense_tokens(model_dir, dense, asynchronous):
     """With the engine picking the drafts per round from measured step times (whatever it picks), greedy and
-    seeded outputs stay the dense engine's."""
+    seeded outputs stay the dense engine's; with asynchronous scheduling its dense steps run asynchronously and
+    the step in flight is finished before a round starts."""
     prompts, params = ragged(4)
     params[0] = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
-    assert run(lossless(model_dir, 4, adaptive=True), prompts, params) == run(dense, prompts, params)
+    llm = lossless(model_dir, 4, adaptive=True, async_scheduling=asynchronous)
+    assert run(llm, prompts, params) == run(dense, prompts, params)
+
+
+def test_asynchronous_dense_steps_and_synchronous_rounds_alternate_with_the_dense_tokens(model_dir, dense):
+    """A policy that alternates between dense steps (asynchronous) and rounds (synchronous) every few steps: the
+    engine finishes the step in flight before each round; the tokens stay the dense engine's."""
+    llm = lossless(model_dir, 3, adaptive=True, async_scheduling=True)
+    calls = iter(range(1 << 20))
+    llm.engine.speculation.draft_tokens = lambda batch: 3 if next(calls) % 7 < 4 else 0
+    prompts, params = ragged(5)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == run(dense, prompts, params)
+    assert any(out.metrics.mean_tokens_per_verify for out in outputs)
 
 
 @pytest.mark.parametrize("config, message", [
@@ -190,12 +205,18 @@ def test_bad_speculative_configs_are_refused(model_dir, config, message):
         lossless(model_dir).engine.config.__class__(model=str(model_dir), quest=SMALL, speculative_config=config)
 
 
-def test_lossless_needs_quest_and_a_single_device(model_dir):
-    spec = {"method": "quest", "num_speculative_tokens": 2}
+def test_lossless_needs_quest(model_dir):
     with pytest.raises(ValueError, match="needs quest=QuestConfig"):
-        make_llm(model_dir, speculative_config=spec)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
-        make_llm(model_dir, SMALL, speculative_config=spec, tensor_parallel_size=2)
+        make_llm(model_dir, speculative_config={"method": "quest", "num_speculative_tokens": 2})
+
+
+def test_two_tensor_parallel_ranks_give_the_dense_tokens(model_dir, dense):
+    """Rank 0 sends the verify steps and the rewinds' recomputed bounds; the other rank follows (gloo, CPU)."""
+    prompts, params = ragged(5)
+    params[1] = SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
+    with lossless(model_dir, 4, tensor_parallel_size=2, enable_chunked_prefill=True,
+                  max_num_batched_tokens=48) as sharded:
+        assert run(sharded, prompts, params) == run(dense, prompts, params)
 
 
 @pytest.mark.parametrize("fields, message", [
