@@ -152,6 +152,12 @@ class ModelRunner:
         self.device = config.torch_device
         self.tp, self._send = tp, send
         quest = config.quest
+        drafts = 0 if config.speculative_config is None else config.speculative_config.num_speculative_tokens
+        if quest is not None and not quest.is_dense and drafts > quest.selection_interval:
+            # A lossless round selects at its first draft and its later drafts reuse that selection (the pages begun
+            # since attended in full): the buffers and the selection memory are sized for reuse over a round.
+            quest = dataclasses.replace(quest, selection_interval=drafts)
+        self._quest = quest  # the config of the decode steps' buffers
         max_seqs = config.max_num_seqs + 1
         size = 1 if tp is None else tp.size
         self.num_q_heads, num_kv_heads = spec.num_q_heads // size, spec.num_kv_heads // size  # this rank's
@@ -320,7 +326,9 @@ class ModelRunner:
         picked += [end - 1 for end in starts[inputs.num_verifies + 1:len(starts) - inputs.partial]]
         last = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
         if self.memory is not None:  # the prefill rows' slots held their previous sequences' selections and counters
-            self.memory.restart(torch.tensor(inputs.seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
+            rows = torch.tensor(inputs.seq_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.memory.forget(rows[:inputs.num_verifies])  # a verify row's sequence goes on: its counters too
+            self.memory.restart(rows[inputs.num_verifies:])
         if decode is None:
             hidden = self.model(tokens[0], tokens[1], StepContext(slots, prefill=prefill))
             return self.model.compute_logits(hidden[last])  # [num_sampled, vocab]
@@ -361,8 +369,8 @@ class ModelRunner:
         self._verify_inputs[:, :padded].copy_(host[:3], non_blocking=True)
         self._verify_ids[:padded, :q_len].copy_(host[3:].T, non_blocking=True)
         self._kept.difference_update(seq_ids)
-        if self.memory is not None:  # the next round's first draft selects afresh
-            self.memory.restart(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
+        if self.memory is not None:  # the next round's first draft selects afresh; the selection rate counts on
+            self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         return self.graphs.run(key, self._verify_body)
 
     def _verify_body(self, batch: int, width: int, route: StepRoute, q_len: int) -> torch.Tensor:
@@ -493,9 +501,9 @@ class ModelRunner:
                 if not known and seq.is_forced(position - seq.num_prompt_tokens):
                     # A forced output in flight: its token is known here (the in-flight one is the sampler's choice).
                     token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True
-                # A lossless round's first draft selects afresh (its verify step cleared the memory's row).
-                due = (is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval)
-                       or seq.quest.speculative_tokens and not seq.draft_token_ids)
+                # A lossless round's first draft selects (its verify step cleared the memory's row), its others reuse.
+                due = (not seq.draft_token_ids if seq.quest.speculative_tokens
+                       else is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval))
                 rows.append([token if known else 0, position, seq_len,
                              seq.quest.token_budget or self.budget or 0, seq.cache_id,
                              -1 if known else self._sampled_rows[seq.request_id], int(due), int(dense)])
@@ -603,7 +611,7 @@ class ModelRunner:
     def _step(self, batch: int, width: int, route: StepRoute) -> QuestDecodeStep:
         key = (batch, width, route)
         if key not in self._steps:
-            quest = None if route == StepRoute.DENSE else self.config.quest
+            quest = None if route == StepRoute.DENSE else self._quest
             if route == StepRoute.MIXED:  # selections as wide as the page table: a dense row's hold every page
                 quest = dataclasses.replace(quest, token_budget=max(width * self.cache.page_size, quest.token_budget))
             self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.num_q_heads, width)

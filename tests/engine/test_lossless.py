@@ -247,3 +247,15 @@ def test_a_budget_covering_the_context_decodes_densely_without_drafting(model_di
     outputs = lossless(model_dir, 4, full).generate(prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == run(dense, prompts, params)
     assert all(out.metrics.mean_tokens_per_verify is None for out in outputs)
+
+
+def test_a_round_selects_pages_once_and_its_later_drafts_reuse_them(model_dir, dense):
+    """The engine's buffers and selection memory are sized for reuse over a round: a round of 4 drafts estimates and
+    selects at its first draft only (a quarter of the draft steps select), and the tokens stay dense's."""
+    p = prompt(80)
+    params = greedy(41)
+    (out,) = lossless(model_dir, 4).generate([p], params, use_tqdm=False)
+    assert out.token_ids == run(dense, [p], params)[0]
+    assert 0.2 <= out.metrics.selection_rate <= 0.35
+    (one,) = lossless(model_dir, 1).generate([p], params, use_tqdm=False)  # rounds of one draft: every draft selects
+    assert one.metrics.selection_rate == 1.0
