@@ -106,11 +106,12 @@ def synthetic_prefill(engine) -> None:
         pages = torch.tensor([p for seq in batch.seqs for p in cache.pages_of(seq.cache_id)], device=cache.device)
         for layer in range(cache.num_layers):
             shape = (len(pages), cache.page_size) + tuple(cache.k_pages.shape[3:])
-            keys = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype)
+            keys = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype).to(cache.kv_dtype)
             cache.k_pages[layer, pages] = keys
-            cache.v_pages[layer, pages] = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype)
-            cache.kmin[layer, pages] = keys.amin(1)
-            cache.kmax[layer, pages] = keys.amax(1)
+            values = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype)
+            cache.v_pages[layer, pages] = values.to(cache.kv_dtype)
+            cache.kmin[layer, pages] = keys.to(cache.dtype).amin(1)  # the stored keys' bounds (an fp8 cache's too)
+            cache.kmax[layer, pages] = keys.to(cache.dtype).amax(1)
         engine.scheduler.update(batch, [1] * len(batch.seqs))
 
 

@@ -25,7 +25,7 @@ import json
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from questkv.config import MAX_SPECULATIVE_TOKENS, QuestConfig, SpeculativeConfig
-from questkv.engine.config import QUANTIZATIONS
+from questkv.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 __all__ = ["FIELDS", "add_quest_args", "flag", "quest_config", "quest_options"]
 
@@ -304,6 +304,10 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
                        help="with --quantization int4/int8: round the LM head too (at batch 1 the bf16 LM head of an "
                        "8B model is about a tenth of an int4 decode step; its error lands on the logits) "
                        "(default: it stays in --dtype)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="the K/V pages' dtype, vLLM's names: auto (--dtype) or fp8 / fp8_e4m3 (float8 e4m3, one "
+                       "byte per element: half of bf16's bytes per decode step and about twice the tokens per GPU; "
+                       "scale 1, values past ±448 saturate; the page key bounds stay in --dtype) (default: auto)")
     group.add_argument("--tensor-parallel-size", type=int_at_least(1), default=1, metavar="N",
                        help="shard the model over N ranks by attention heads: this process and N-1 spawned workers, "
                        "one GPU each (cuda:0..N-1, NCCL) or N CPU processes (gloo); heads, KV heads and the "
@@ -361,7 +365,7 @@ def engine_kwargs(args) -> dict:
     kwargs = {"device": device, "dtype": resolve_dtype(args.dtype, on_cuda), "enforce_eager": args.enforce_eager,
               "tensor_parallel_size": args.tensor_parallel_size}
     for name in ("async_scheduling", "quantization", "quantize_lm_head", "enable_prefix_caching",
-                 "enable_chunked_prefill", "speculative_config"):
+                 "enable_chunked_prefill", "speculative_config", "kv_cache_dtype"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     if getattr(args, "max_model_len", None) is not None:

@@ -52,9 +52,11 @@ class PagedKVCache:
     A physical page holds ``page_size`` consecutive tokens of one sequence in every layer, so one
     page table serves all layers. Storage (per layer ``l``, see :meth:`layer`):
 
-    * ``k_pages[l]``, ``v_pages[l]``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (``dtype``);
+    * ``k_pages[l]``, ``v_pages[l]``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (``kv_dtype``, default
+      ``dtype``; ``torch.float8_e4m3fn`` for an fp8 cache);
     * ``kmin[l]``, ``kmax[l]``: ``[num_pages, num_kv_heads, head_dim]``, element-wise min / max of
-      the page's written keys, kept in ``dtype`` (exact: min and max pick one of their inputs);
+      the page's stored keys, kept in ``dtype`` (exact: min and max pick one of their inputs, and every fp8 value
+      is a bf16, fp16 and fp32 value);
     * ``page_table``: ``[max_seqs, max_pages_per_seq]`` int32 and ``seq_lens``: ``[max_seqs]``
       int32, on ``device``, indexed by sequence id (padded, fixed shape: usable under CUDA graphs).
 
@@ -88,6 +90,7 @@ class PagedKVCache:
         backend: str = "auto",
         prefix_caching: bool = False,
         hash_salt: bytes = b"",
+        kv_dtype: Optional[torch.dtype] = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -107,16 +110,19 @@ class PagedKVCache:
             raise ValueError(
                 f"PagedKVCache.max_pages_per_seq must be in [1, num_pages={num_pages}], got {max_pages_per_seq}"
             )
-        if not dtype.is_floating_point:
-            raise ValueError(f"PagedKVCache.dtype must be a float dtype, got {dtype}")
+        if not dtype.is_floating_point or dtype.itemsize < 2:
+            raise ValueError(f"PagedKVCache.dtype must be a float dtype of 2 or 4 bytes, got {dtype}")
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if kv_dtype not in (dtype, torch.float8_e4m3fn):
+            raise ValueError(f"PagedKVCache.kv_dtype must be dtype ({dtype}) or torch.float8_e4m3fn, got {kv_dtype}")
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_seqs = max_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self.backend = backend
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_pages = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.v_pages = torch.zeros(shape, dtype=kv_dtype, device=device)
         bounds_shape = (num_layers, num_pages, num_kv_heads, head_dim)
         self.kmin = torch.full(bounds_shape, float("inf"), dtype=dtype, device=device)
         self.kmax = torch.full(bounds_shape, float("-inf"), dtype=dtype, device=device)
@@ -152,6 +158,12 @@ class PagedKVCache:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The model's dtype: the key bounds', and the attention outputs'."""
+        return self.kmin.dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype K and V are stored in (:attr:`dtype`, or ``torch.float8_e4m3fn``)."""
         return self.k_pages.dtype
 
     @property

@@ -15,6 +15,8 @@ from questkv.config import QuestConfig, SpeculativeConfig
 from questkv.validation import check_bool, check_choice, check_float, check_int, check_optional_int
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""vLLM's names: ``auto`` stores K/V in the model's dtype; ``fp8`` (``fp8_e4m3``) in float8 e4m3, one byte each."""
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("cpu", "cuda")
 GRAPH_CAPTURE = ("lazy", "startup")
@@ -102,6 +104,11 @@ class EngineConfig:
             steps where drafting would not pay) and runs a round's steps synchronously (the next step depends on
             the drafts the verify kept), dense steps as ``async_scheduling`` says. ``None``: Quest's steps are the
             output (lossy).
+        kv_cache_dtype: ``"auto"`` (K/V in ``dtype``) or ``"fp8"`` / ``"fp8_e4m3"`` (vLLM's names): K and V pages in
+            float8 e4m3 (one byte per element, half of bf16's), written with a scale of 1 as vLLM does without
+            calibrated scales (values beyond ±448 saturate); each page's key min and max stay in ``dtype``, taken
+            from the stored fp8 keys, so they bound exactly the keys attention multiplies. CPU, or CUDA compute
+            capability >= 8.9 (Ada, Hopper).
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).
     """
@@ -125,6 +132,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     speculative_config: Optional[SpeculativeConfig] = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     load_format: str = "auto"
 
@@ -170,6 +178,13 @@ class EngineConfig:
         if speculative is not None and (self.quest is None or self.quest.is_dense):
             raise ValueError("EngineConfig.speculative_config drafts with Quest's sparse attention: it needs "
                              "quest=QuestConfig(token_budget=...)")
+        check_choice("EngineConfig.kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype != "auto" and self.torch_device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.torch_device)
+            if capability < (8, 9):
+                raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r} needs a GPU of compute capability "
+                                 f">= 8.9 (Ada, Hopper) for float8 e4m3, this one has {capability[0]}.{capability[1]}; "
+                                 "use 'auto'")
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")
@@ -183,6 +198,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The dtype of the K and V pages (:attr:`kv_cache_dtype` resolved); the key bounds stay in :attr:`torch_dtype`."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     @property
     def torch_device(self) -> torch.device:
@@ -231,6 +251,7 @@ class CacheSpec:
     page_size: int
     page_bytes: int
     weight_bytes: int
+    kv_dtype: str = "bfloat16"
 
     @property
     def kv_tokens(self) -> int:
@@ -239,8 +260,9 @@ class CacheSpec:
 
     def describe(self) -> str:
         """One line for people: weights, KV-cache size, tokens of KV and full-length sequences that fit."""
-        return (f"weights {self.weight_bytes / 2**30:.2f} GiB; KV cache {self.num_pages * self.page_bytes / 2**30:.2f} "
-                f"GiB: {self.num_pages} pages of {self.page_size} tokens, {self.kv_tokens:,} tokens of KV, room for "
+        return (f"weights {self.weight_bytes / 2**30:.2f} GiB; KV cache ({self.kv_dtype}) "
+                f"{self.num_pages * self.page_bytes / 2**30:.2f} GiB: {self.num_pages} pages of {self.page_size} "
+                f"tokens, {self.kv_tokens:,} tokens of KV, room for "
                 f"{self.kv_tokens // self.max_model_len:,} sequences of max_model_len={self.max_model_len:,}")
 
 

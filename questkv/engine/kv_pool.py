@@ -30,8 +30,9 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
     """
     page_size = config.page_size
     element = torch.empty(0, dtype=config.torch_dtype).element_size()
-    # K and V of page_size tokens plus the page's min and max key, in every layer.
-    page_bytes = spec.num_layers * (2 * page_size + 2) * spec.num_kv_heads * spec.head_dim * element
+    kv_element = torch.empty(0, dtype=config.torch_kv_dtype).element_size()
+    # K and V of page_size tokens (in the KV dtype) plus the page's min and max key (in the model's), in every layer.
+    page_bytes = spec.num_layers * (2 * page_size * kv_element + 2 * element) * spec.num_kv_heads * spec.head_dim
     budget = config.kv_cache_memory
     where = "kv_cache_memory"
     if budget is None and device.type == "cuda":
@@ -57,4 +58,5 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
             f"gpu_memory_utilization, free GPU memory or lower max_model_len"
         )
     return CacheSpec(num_pages=int(num_pages), max_pages_per_seq=max_pages_per_seq, max_model_len=max_model_len,
-                     page_size=page_size, page_bytes=page_bytes, weight_bytes=weight_bytes)
+                     page_size=page_size, page_bytes=page_bytes, weight_bytes=weight_bytes,
+                     kv_dtype="fp8_e4m3" if config.kv_cache_dtype != "auto" else config.dtype)

@@ -177,7 +177,7 @@ class ModelRunner:
         self.cache = PagedKVCache(
             spec.num_layers, num_kv_heads, spec.head_dim, self.cache_spec.num_pages, config.page_size,
             max_seqs=max_seqs, max_pages_per_seq=self.cache_spec.max_pages_per_seq,
-            dtype=config.torch_dtype, device=self.device,
+            dtype=config.torch_dtype, device=self.device, kv_dtype=config.torch_kv_dtype,
             prefix_caching=config.enable_prefix_caching, hash_salt=config.prefix_cache_salt(),
         )
         self.cache.track_rewinds = send is not None  # rank 0 tells the other ranks its lossless rewinds

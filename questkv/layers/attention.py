@@ -86,9 +86,14 @@ class Attention(nn.Module):
         return torch.cat([self._decode(q[:n], decode), self._prefill(q[n:], k[n:], v[n:], prefill)])
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: PrefillRows) -> torch.Tensor:
-        """The prefill rows' attention (``q``, ``k``, ``v``: their tokens only)."""
+        """The prefill rows' attention (``q``, ``k``, ``v``: their tokens only). With an fp8 pool the step's keys and
+        values are rounded as the pool stores them first, so that a prefill attends what a chunked one, a prefix
+        hit and every decode step read from the pages."""
         if rows.cached_lens is not None:
             return self._prefill_after_prefix(q, rows)
+        stored = self.pages.k_pages.dtype
+        if stored != k.dtype:
+            k, v = k.to(stored).to(k.dtype), v.to(stored).to(v.dtype)
         return self._causal_prefill(q, k, v, rows.query_starts)
 
     def _causal_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int]) -> torch.Tensor:

@@ -3,9 +3,10 @@
 Layouts shared by all ops (FlashInfer's "NHD" page layout):
 
 * ``k_pages``, ``v_pages``: ``[num_pages, page_size, num_kv_heads, head_dim]``, any float dtype.
-* ``kmin``, ``kmax``: ``[num_pages, num_kv_heads, head_dim]``, same dtype as ``k_pages``: the
-  element-wise min / max over the written keys of each page. Min and max select one of their
-  inputs, so storing them in the keys' dtype is exact and the bound property is never lost.
+* ``kmin``, ``kmax``: ``[num_pages, num_kv_heads, head_dim]``, the model's dtype (``k_pages``' unless the
+  pages are float8 e4m3): the element-wise min / max over the stored keys of each page. Min and max select one
+  of their inputs, and an fp8 value is exact in bf16, fp16 and fp32, so the bounds are exact and the bound
+  property is never lost.
 * ``page_table``: ``[batch, max_pages]`` int32, row ``b`` lists the physical pages of sequence
   ``b`` in order; entries at or past ``ceil(seq_lens[b] / page_size)`` are padding and never read.
 * ``seq_lens``: ``[batch]`` int32, tokens in each sequence (>= 1 for attention ops), the current
@@ -65,28 +66,35 @@ def append_kv(
     """Write tokens into the page pool and update the touched pages' key bounds, in place.
 
     Args:
-        k_pages, v_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``.
-        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, dtype of ``k_pages``.
+        k_pages, v_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``, the model's dtype or
+            ``torch.float8_e4m3fn`` (an fp8 cache: values are cast, rounding to nearest even, saturating at ±448).
+        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, the model's dtype (``k_pages``' unless fp8).
         slots: ``[num_tokens]`` integer, ``page * page_size + offset`` of every new token; slots are
             distinct, and a page's slots are written in order (offset 0 starts a page).
         keys, values: ``[num_tokens, num_kv_heads, head_dim]``; cast to the pool's dtype.
 
     A token written at offset 0 starts its page: that page's bounds restart from the new keys, so a
-    reused page never keeps bounds of its previous owner. Other tokens widen the existing bounds.
+    reused page never keeps bounds of its previous owner. Other tokens widen the existing bounds. The bounds are
+    taken from the keys as stored (an fp8 key's value, exact in the bounds' dtype), so they bound what attention
+    multiplies. Fixed shapes and no host synchronisation: the op runs under a CUDA graph too.
     """
     page_size = k_pages.shape[1]
     slots = slots.long()
     pages = slots // page_size
     offsets = slots % page_size
-    keys = keys.to(k_pages.dtype)
-    k_pages[pages, offsets] = keys
+    stored = keys.to(k_pages.dtype)
+    k_pages[pages, offsets] = stored
     v_pages[pages, offsets] = values.to(v_pages.dtype)
-    fresh = pages[offsets == 0]
-    kmin[fresh] = float("inf")
-    kmax[fresh] = float("-inf")
-    index = pages[:, None, None].expand_as(keys)
-    kmin.scatter_reduce_(0, index, keys, reduce="amin", include_self=True)
-    kmax.scatter_reduce_(0, index, keys, reduce="amax", include_self=True)
+    stored = stored.to(kmin.dtype)
+    # Each slot's page starts from its old bounds, or from nothing when the step writes the page's first token.
+    restart = torch.zeros(kmin.shape[0], dtype=torch.int8, device=kmin.device)
+    restart = restart.scatter_reduce(0, pages, (offsets == 0).to(torch.int8), reduce="amax")[pages].bool()
+    restart = restart[:, None, None]
+    index = pages[:, None, None].expand_as(stored)
+    low = torch.minimum(torch.where(restart, float("inf"), kmin[pages]), stored)
+    high = torch.maximum(torch.where(restart, float("-inf"), kmax[pages]), stored)
+    kmin.scatter_reduce_(0, index, low, reduce="amin", include_self=False)
+    kmax.scatter_reduce_(0, index, high, reduce="amax", include_self=False)
 
 
 def recompute_key_bounds(
@@ -98,12 +106,12 @@ def recompute_key_bounds(
 
     Args:
         k_pages: ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``.
-        kmin, kmax: ``[num_layers, num_pages, num_kv_heads, head_dim]``, dtype of ``k_pages``.
+        kmin, kmax: ``[num_layers, num_pages, num_kv_heads, head_dim]``, the model's dtype.
         pages: ``[n]`` int64 distinct physical pages.
         counts: ``[n]`` int64 in ``[1, page_size]``, the keys each page holds.
     """
     page_size = k_pages.shape[2]
-    keys = k_pages[:, pages]  # [L, n, page_size, H, D]
+    keys = k_pages[:, pages].to(kmin.dtype)  # [L, n, page_size, H, D] (an fp8 key is exact in the bounds' dtype)
     dropped = (torch.arange(page_size, device=counts.device)[None, :] >= counts[:, None])[None, :, :, None, None]
     kmin[:, pages] = keys.masked_fill(dropped, float("inf")).amin(dim=2)
     kmax[:, pages] = keys.masked_fill(dropped, float("-inf")).amax(dim=2)

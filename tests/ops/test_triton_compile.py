@@ -67,11 +67,12 @@ _SCRIPT = textwrap.dedent(
 
 
     def compile_attention(dtype, dense, group, sel_per_kv, pdl=False, merge_chunk=decode_attention._MERGE_CHUNK,
-                          kind=None):
+                          kind=None, pool=None):
         ieee = dtype == "fp32"
+        pool = pool or dtype
         return compile_kernel(
             decode_attention._decode_split_kernel,
-            {"q_ptr": dtype, "k_pages_ptr": dtype, "v_pages_ptr": dtype, "table_ptr": "i32",
+            {"q_ptr": dtype, "k_pages_ptr": pool, "v_pages_ptr": pool, "table_ptr": "i32",
              "lens_ptr": "i32", "sel_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
              "counter_ptr": "i32", "out_ptr": dtype},
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": 16,
@@ -120,6 +121,8 @@ _SCRIPT = textwrap.dedent(
     compile_attention("bf16", False, 4, 1, pdl=True)
     compile_attention("bf16", True, 4, 1, pdl=True)
     compile_attention("fp16", False, 4, 1)
+    for dense in (False, True):  # an fp8 (e4m3) KV cache under bf16 queries: dequantized in registers
+        compile_attention("bf16", dense, 4, 1, pdl=True, pool="fp8e4nv")
     # the wide merge (few programs, groups of at most 4) must not spill, nor batch 1's dense grid (128 keys per
     # iteration, its first tile prefetched into L2 before the programmatic-launch wait); the divisibility of a
     # run's launch
@@ -220,7 +223,8 @@ _SCRIPT = textwrap.dedent(
     for config in (("bf16", 4, 128, 16, 512), ("bf16", 4, 128, 16, 3), ("bf16", 1, 128, 16, 512),
                    ("bf16", 7, 64, 16, 512), ("bf16", 4, 128, 64, 48), ("fp32", 4, 128, 16, 512),
                    ("bf16", 4, 128, 16, 512, "fp32"), ("bf16", 4, 128, 16, 48, "same", True),
-                   ("bf16", 4, 128, 16, 1, "same", True)):
+                   ("bf16", 4, 128, 16, 1, "same", True), ("bf16", 4, 128, 16, 5, "fp8e4nv"),
+                   ("bf16", 4, 128, 16, 5, "fp8e4nv", True)):
         compiled = compile_prefill(*config)
         if config == ("bf16", 4, 128, 16, 512):
             info = ptxas_info(compiled)

@@ -127,6 +127,9 @@ def _decode_split_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        else:  # (fp8 pages: dequantized in registers)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = block_scores(q, k, qk_scale, IEEE)  # [BLOCK_G, BLOCK_N]
         s = tl.where(live[None, :], s, float("-inf"))
         acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)

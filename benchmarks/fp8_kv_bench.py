@@ -1,0 +1,169 @@
+"""FP8 KV cache on a GPU (issue 43): the engine's decode step with float8 e4m3 K/V beside the model-dtype K/V, same
+run, random weights at real shapes, synthetic contexts (``e2e_bench``'s), plus the KV tokens each fits.
+
+Per point, in one run: a dense engine and a Quest engine, each with ``kv_cache_dtype="auto"`` and ``"fp8"``, timed
+in alternation (rounds of asynchronous decode steps, the order swapped every round; median ms per step and the
+median of the per-round ratios), and a correctness check first: on a small fp32 model with sharpened attention the
+fp8 engine's CUDA path (graphs, Triton kernels) gives the tokens of its eager torch-reference path, and with a budget
+covering the context fp8 Quest gives fp8 dense's tokens.
+
+    python benchmarks/fp8_kv_bench.py --out-dir $OUT --tag h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.e2e_bench import kv_bytes_per_token, synthetic_prefill  # noqa: E402
+from questkv.config import QuestConfig  # noqa: E402
+from questkv.engine.llm import LLM  # noqa: E402
+from questkv.engine.sampling_params import SamplingParams  # noqa: E402
+from questkv.eval.provenance import provenance  # noqa: E402
+from questkv.models.shapes import dummy_config  # noqa: E402
+
+PAGE, DENSE_LAYERS = 16, 2
+POINTS = [  # (model, batch, context, budget); the issue's targets: dense B=16/32k and B=4/128k >= 1.6x, Quest B=16/32k
+    ("llama3.1-8b", 16, 32 * 1024, 2048),  # >= 1.15x
+    ("llama3.1-8b", 4, 128 * 1024, 4096),
+    ("llama3.1-8b", 1, 32 * 1024, 2048),
+    ("llama3.1-8b", 1, 128 * 1024, 4096),
+]
+KV_DTYPES = ("auto", "fp8")
+
+
+def check(device: str = "cuda") -> dict:
+    """fp8 engine: CUDA path == eager reference path, and fp8 Quest with a covering budget == fp8 dense."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (700, 1500, 333)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def tokens(quest, **kwargs):
+        llm = LLM(cfg, quest=quest, load_format="dummy", dtype="float32", device=device, max_num_seqs=4,
+                  kv_cache_memory=256 << 20, seed=5, kv_cache_dtype="fp8", **kwargs)
+        with torch.no_grad():
+            for layer in llm.engine.runner.model.model.layers:
+                layer.self_attn.qkv_proj.weight.mul_(8.0)
+        if kwargs.get("enforce_eager"):
+            llm.engine.cache.backend = "torch"
+            for module in llm.engine.runner.model.modules():
+                if hasattr(module, "backend"):
+                    module.backend = "torch"
+        out = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.close()
+        return out
+
+    quest = QuestConfig(token_budget=256, page_size=PAGE, dense_layers=1, dense_context_ratio=1.0)
+    full = QuestConfig(token_budget=2048, page_size=PAGE, dense_layers=1)
+    results = {}
+    for name, config in (("dense", None), ("quest-256", quest)):
+        results[name] = {"graphs_equal_reference": tokens(config) == tokens(config, enforce_eager=True)}
+    results["quest-full-equals-dense"] = tokens(full) == tokens(None)
+    return results
+
+
+def _engine(cfg, quest, batch, context, kv_cache_dtype, steps) -> LLM:
+    element = 1 if kv_cache_dtype == "fp8" else 2
+    need = batch * (context + steps + 4 * PAGE) * kv_bytes_per_token(cfg) * element // 2 * (PAGE + 2) // PAGE
+    llm = LLM(cfg, quest=quest, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
+              max_model_len=context + PAGE, kv_cache_memory=int(need * 1.1) + (256 << 20),
+              enable_chunked_prefill=False, async_scheduling=True, kv_cache_dtype=kv_cache_dtype)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for _ in range(batch):
+        llm.engine.add_request(torch.randint(0, cfg.vocab_size, (context - steps - 2,), generator=gen).tolist(), params)
+    synthetic_prefill(llm.engine)
+    return llm
+
+
+def point(model: str, batch: int, context: int, budget: int, rounds: int = 6, steps_per_round: int = 8) -> dict:
+    cfg = dummy_config(model)
+    steps = 6 + 2 * rounds * steps_per_round
+    record = {"model": model, "batch": batch, "context": context, "budget": budget}
+    for name, quest in (("dense", None), ("quest", QuestConfig(token_budget=budget, page_size=PAGE,
+                                                                 dense_layers=DENSE_LAYERS))):
+        engines = {dtype: _engine(cfg, quest, batch, context, dtype, steps) for dtype in KV_DTYPES}
+        for llm in engines.values():
+            for _ in range(6):
+                llm.engine.step()
+        ms = {dtype: [] for dtype in KV_DTYPES}
+        for r in range(rounds):
+            for dtype in (KV_DTYPES if r % 2 == 0 else KV_DTYPES[::-1]):
+                engine = engines[dtype].engine
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(steps_per_round):
+                    engine.step()
+                torch.cuda.synchronize()
+                ms[dtype].append((time.perf_counter() - start) / steps_per_round * 1e3)
+        record[name] = {dtype: statistics.median(ms[dtype]) for dtype in KV_DTYPES}
+        record[name]["speedup"] = statistics.median(a / b for a, b in zip(ms["auto"], ms["fp8"]))
+        record[name]["kv_tokens"] = {dtype: engines[dtype].engine.runner.cache_spec.kv_tokens for dtype in KV_DTYPES}
+        for llm in engines.values():
+            llm.close()
+        del engines
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"{model} B={batch} {context}: {name} bf16-KV {record[name]['auto']:.2f} ms, fp8-KV "
+              f"{record[name]['fp8']:.2f} ms ({record[name]['speedup']:.2f}x)", flush=True)
+    return record
+
+
+def capacity(model: str = "llama3.1-8b", memory: int = 40 << 30) -> dict:
+    """KV tokens the same memory holds at each KV dtype (``CacheSpec.kv_tokens`` of engines of ``memory`` bytes)."""
+    cfg = dummy_config(model)
+    tokens = {}
+    for dtype in KV_DTYPES:
+        llm = LLM(cfg, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=1, max_model_len=8192,
+                  kv_cache_memory=memory, kv_cache_dtype=dtype)
+        tokens[dtype] = llm.engine.runner.cache_spec.kv_tokens
+        llm.close()
+    return {"model": model, "memory_bytes": memory, "kv_tokens": tokens, "ratio": tokens["fp8"] / tokens["auto"]}
+
+
+def table(record: dict) -> str:
+    head = record["provenance"]
+    lines = [f"# FP8 KV cache: decode step, bf16 KV vs fp8 KV", "",
+             f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",
+             f"Checks: {json.dumps(record['check'])}", "",
+             f"KV tokens in {record['capacity']['memory_bytes'] / 2**30:.0f} GiB ({record['capacity']['model']}): "
+             f"{record['capacity']['kv_tokens']} — {record['capacity']['ratio']:.3f}×", "",
+             "| point | dense bf16-KV ms | dense fp8-KV ms | dense speedup | Quest bf16-KV ms | Quest fp8-KV ms | Quest speedup |",
+             "|---|---|---|---|---|---|---|"]
+    for p in record["points"]:
+        d, q = p["dense"], p["quest"]
+        lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k/{p['budget']} | {d['auto']:.2f} | "
+                     f"{d['fp8']:.2f} | {d['speedup']:.2f}× | {q['auto']:.2f} | {q['fp8']:.2f} | {q['speedup']:.2f}× |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", type=Path, required=True, help="where the JSON and the markdown table go")
+    parser.add_argument("--tag", default="h200", help="the files' suffix: fp8-kv-TAG.{json,md}")
+    args = parser.parse_args()
+    record = {"provenance": provenance("cuda"), "check": check(), "capacity": capacity(),
+              "points": [point(*p) for p in POINTS]}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"fp8-kv-{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    stem.with_suffix(".md").write_text(table(record))
+    print(table(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The engine with an fp8 (e4m3) KV cache on CPU (``kv_cache_dtype="fp8"``): with a budget covering the context
+Quest gives fp8 dense's tokens exactly; prefix caching, chunked prefill, preemption and lossless decoding give the
+tokens of a plain fp8 engine; the page bounds equal the stored keys' min and max after every step; the pool holds
+the tokens its bytes allow; bad settings are refused before anything is allocated. The tiny random model and
+prompts of ``test_llm.py``."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from questkv.engine.config import EngineConfig
+from tests.engine.test_llm import FULL, PAGE, SMALL, VOCAB, greedy, make_llm, pool_memory, prompt, run
+from tests.helpers import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), VOCAB, seed=random.randrange(1 << 16))
+
+
+@pytest.fixture(scope="module")
+def fp8_dense(model_dir):
+    return make_llm(model_dir, kv_cache_dtype="fp8")
+
+
+def ragged(count: int = 4):
+    prompts = [prompt(random.randint(1, 90)) for _ in range(count)]
+    return prompts, [greedy(random.randint(1, 30)) for _ in prompts]
+
+
+def test_quest_with_a_covering_budget_gives_fp8_dense_tokens(model_dir, fp8_dense):
+    prompts, params = ragged()
+    assert run(make_llm(model_dir, FULL, kv_cache_dtype="fp8"), prompts, params) == run(fp8_dense, prompts, params)
+
+
+@pytest.mark.parametrize("kwargs", [{"enable_prefix_caching": False}, {"enable_chunked_prefill": False},
+                                    {"max_num_batched_tokens": 40},
+                                    {"speculative_config": {"method": "quest", "num_speculative_tokens": 3,
+                                                            "adaptive": False}}])
+def test_engine_modes_give_the_tokens_of_a_plain_fp8_engine(model_dir, fp8_dense, kwargs):
+    prompts, params = ragged(5)
+    quest = SMALL if "speculative_config" in kwargs else None
+    assert run(make_llm(model_dir, quest, kv_cache_dtype="fp8", **kwargs), prompts, params) == run(fp8_dense, prompts,
+                                                                                                  params)
+
+
+def test_preemption_gives_the_tokens_of_an_unconstrained_fp8_engine(model_dir):
+    unconstrained = make_llm(model_dir, FULL, kv_cache_dtype="fp8", max_model_len=64)
+    pages = math.ceil(64 / PAGE) + 2
+    spec = unconstrained.engine.spec
+    page_bytes = spec.num_layers * (2 * PAGE * 1 + 2 * 4) * spec.num_kv_heads * spec.head_dim  # fp8 K/V, fp32 bounds
+    assert pool_memory(make_llm(model_dir, FULL, max_model_len=64), pages) > pages * page_bytes
+    tiny = make_llm(model_dir, FULL, kv_cache_dtype="fp8", max_model_len=64, kv_cache_memory=pages * page_bytes)
+    assert tiny.engine.cache.num_pages == pages
+    prompts = [prompt(random.randint(10, 24)) for _ in range(4)]
+    params = [greedy(30), greedy(36), greedy(30), greedy(25)]
+    outputs = tiny.generate(prompts, params, use_tqdm=False)
+    assert sum(out.metrics.num_preemptions for out in outputs) > 0
+    assert [out.token_ids for out in outputs] == run(unconstrained, prompts, params)
+
+
+def test_page_bounds_equal_the_stored_keys_after_every_step(model_dir):
+    llm = make_llm(model_dir, SMALL, kv_cache_dtype="fp8")
+    engine, cache = llm.engine, llm.engine.cache
+    assert cache.kv_dtype == torch.float8_e4m3fn and cache.dtype == torch.float32
+    for p in [prompt(random.randint(30, 80)) for _ in range(3)]:
+        engine.add_request(p, greedy(30))
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            length = cache.seq_len(seq.cache_id)
+            for logical, page in enumerate(cache.pages_of(seq.cache_id)):
+                keys = cache.k_pages[:, page, :min(PAGE, length - logical * PAGE)].float()
+                assert torch.equal(cache.kmin[:, page], keys.amin(dim=1))
+                assert torch.equal(cache.kmax[:, page], keys.amax(dim=1))
+
+
+def test_the_pool_holds_the_tokens_its_bytes_allow(model_dir):
+    """At equal memory an fp8 pool of an fp32 model holds (8 * page + 8) / (2 * page + 8) times the tokens (K/V at 1
+    byte instead of 4, the bounds at 4 in both; a bf16 model's: (4 * page + 4) / (2 * page + 4), 1.89x at page 16);
+    its description names the dtype."""
+    memory = 1 << 22
+    wide, narrow = (make_llm(model_dir, kv_cache_memory=memory, kv_cache_dtype=dtype) for dtype in ("auto", "fp8"))
+    ratio = narrow.engine.runner.cache_spec.kv_tokens / wide.engine.runner.cache_spec.kv_tokens
+    page = wide.config.page_size
+    assert ratio == pytest.approx((8 * page + 8) / (2 * page + 8), rel=0.01)
+    assert "KV cache (fp8_e4m3)" in narrow.engine.runner.cache_spec.describe()
+    assert "KV cache (float32)" in wide.engine.runner.cache_spec.describe()
+
+
+@pytest.mark.parametrize("value", ["int8", "fp8_e5m2", "FP8", None])
+def test_an_unknown_kv_cache_dtype_is_refused(model_dir, value):
+    with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_dtype must be one of .*'fp8'"):
+        EngineConfig(model=str(model_dir), kv_cache_dtype=value, device="cpu")

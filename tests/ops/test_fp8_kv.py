@@ -1,0 +1,108 @@
+"""An fp8 (e4m3) KV cache in the ops: the append rounds and saturates as torch's cast does and keeps bounds in the
+model's dtype that equal the stored keys' min and max (so Quest's page scores bound what attention multiplies); the
+Triton decode and prefill attentions read fp8 pages as the reference does (Triton interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from questkv import ops
+from questkv.ops import reference
+from tests.ops.test_triton_ops import HEADS, _batch, _poison_unused, _readable, _rel_err
+
+FP8 = torch.float8_e4m3fn
+PAGE = 8
+
+
+def fp8_pool(num_pages: int, heads: int, dim: int, dtype: torch.dtype):
+    """Empty fp8 pages and model-dtype bounds, as an fp8 cache holds them."""
+    shape = (num_pages, PAGE, heads, dim)
+    return (torch.zeros(shape, dtype=FP8), torch.zeros(shape, dtype=FP8),
+            torch.full((num_pages, heads, dim), float("inf"), dtype=dtype),
+            torch.full((num_pages, heads, dim), float("-inf"), dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_append_stores_torchs_cast_and_bounds_equal_the_stored_keys(dtype):
+    k_pages, v_pages, kmin, kmax = fp8_pool(6, 2, 16, dtype)
+    lengths = [11, 5]
+    keys = (torch.randn(sum(lengths), 2, 16) * 40).to(dtype)  # some beyond ±448: saturated
+    keys[0, 0, 0] = 1000.0
+    values = torch.randn(sum(lengths), 2, 16).to(dtype)
+    pages = [[3, 0], [5]]
+    slots = torch.tensor([pages[row][pos // PAGE] * PAGE + pos % PAGE
+                          for row, n in enumerate(lengths) for pos in range(n)])
+    ops.append_kv(k_pages, v_pages, kmin, kmax, slots[:7], keys[:7], values[:7])  # in two steps: bounds widen
+    ops.append_kv(k_pages, v_pages, kmin, kmax, slots[7:], keys[7:], values[7:])
+    stored = k_pages.flatten(0, 1)[slots]
+    assert torch.equal(stored.float(), keys.to(FP8).float()) and stored[0, 0, 0].float() == 448.0
+    assert torch.equal(v_pages.flatten(0, 1)[slots].float(), values.to(FP8).float())
+    for page, count in ((3, 8), (0, 3), (5, 5)):
+        held = k_pages[page, :count].to(dtype)
+        assert kmin.dtype == dtype and torch.equal(kmin[page], held.amin(0)) and torch.equal(kmax[page], held.amax(0))
+
+
+def test_a_page_restarted_by_a_new_owner_drops_its_old_bounds():
+    k_pages, v_pages, kmin, kmax = fp8_pool(2, 1, 8, torch.bfloat16)
+    slot = torch.tensor([PAGE])  # page 1, offset 0
+    ops.append_kv(k_pages, v_pages, kmin, kmax, slot, torch.full((1, 1, 8), 100.0), torch.ones(1, 1, 8))
+    fresh = torch.randn(1, 1, 8)
+    ops.append_kv(k_pages, v_pages, kmin, kmax, slot, fresh, torch.ones(1, 1, 8))
+    assert torch.equal(kmax[1], fresh.to(FP8).to(torch.bfloat16)[0]) and torch.equal(kmin[1], kmax[1])
+
+
+def test_page_scores_from_fp8_bounds_bound_every_dequantized_key():
+    k_pages, v_pages, kmin, kmax = fp8_pool(8, 2, 16, torch.bfloat16)
+    slots = torch.arange(8 * PAGE)
+    ops.append_kv(k_pages, v_pages, kmin, kmax, slots, torch.randn(len(slots), 2, 16) * 3, torch.randn(len(slots), 2, 16))
+    q = torch.randn(3, 4, 16).to(torch.bfloat16)
+    table = torch.stack([torch.randperm(8)[:6] for _ in range(3)]).int()
+    lens = torch.tensor([48, 30, 7], dtype=torch.int32)
+    scores = reference.page_scores(q, kmin, kmax, table, lens, PAGE, "q_head")  # [3, 4, 6]
+    for row in range(3):
+        for col in range(-(-int(lens[row]) // PAGE)):
+            keys = k_pages[table[row, col]].float()  # [PAGE, Hkv, D]: what attention multiplies
+            for head in range(4):
+                best = (keys[:, head // 2] @ q[row, head].float()).max()
+                assert scores[row, head, col] >= best - 1e-4
+
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("selection", ["kv_head", None])
+def test_triton_decode_attention_reads_fp8_pages_as_the_reference(dtype, heads, selection):
+    from questkv.ops import triton as tk
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_q, num_kv, dim = heads
+    lens, max_pages, num_pages = [115, 21], 8, 19
+    shape = (num_pages, 16, num_kv, dim)
+    k_pages, v_pages = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    table, seq_lens = _batch(lens, 16, num_pages, max_pages, gen)
+    _poison_unused(k_pages, v_pages, table, seq_lens, 16)  # (NaN stays NaN in e4m3)
+    k_pages, v_pages = k_pages.to(FP8), v_pages.to(FP8)
+    q = torch.randn(len(lens), num_q, dim, generator=gen).to(dtype)
+    selected = None
+    if selection is not None:
+        scores = torch.randn(2, num_kv, max_pages, generator=gen)
+        selected = reference.select_pages(scores, seq_lens, 16, 4, 0, 0)
+    want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), seq_lens, selected)
+    got = tk.paged_decode_attention(q, k_pages, v_pages, table, seq_lens, selected)
+    assert got.dtype == dtype and _rel_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_prefill_attention_reads_fp8_pages_as_the_reference(dtype):
+    from questkv.ops import triton as tk
+    from tests.ops.test_prefill_attention import prefill_case
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    (q, k_pages, v_pages, table, starts, lens), _, _ = prefill_case([13, 0, 40], [5, 9, 3], (8, 2, 32), dtype, gen)
+    k_pages, v_pages = k_pages.to(FP8), v_pages.to(FP8)
+    want = reference.paged_prefill_attention(q, k_pages, v_pages, _readable(table), starts, lens)
+    got = tk.paged_prefill_attention(q, k_pages, v_pages, table, starts, lens)
+    assert got.dtype == dtype and _rel_err(got, want) < 1e-2
