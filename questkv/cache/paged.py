@@ -55,8 +55,7 @@ class PagedKVCache:
     * ``k_pages[l]``, ``v_pages[l]``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (``kv_dtype``, default
       ``dtype``; ``torch.float8_e4m3fn`` for an fp8 cache);
     * ``kmin[l]``, ``kmax[l]``: ``[num_pages, num_kv_heads, head_dim]``, element-wise min / max of
-      the page's stored keys, kept in ``dtype`` (exact: min and max pick one of their inputs, and every fp8 value
-      is a bf16, fp16 and fp32 value);
+      the page's stored keys, in ``kv_dtype`` (exact: min and max pick one of their inputs);
     * ``page_table``: ``[max_seqs, max_pages_per_seq]`` int32 and ``seq_lens``: ``[max_seqs]``
       int32, on ``device``, indexed by sequence id (padded, fixed shape: usable under CUDA graphs).
 
@@ -124,8 +123,11 @@ class PagedKVCache:
         self.k_pages = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.v_pages = torch.zeros(shape, dtype=kv_dtype, device=device)
         bounds_shape = (num_layers, num_pages, num_kv_heads, head_dim)
-        self.kmin = torch.full(bounds_shape, float("inf"), dtype=dtype, device=device)
-        self.kmax = torch.full(bounds_shape, float("-inf"), dtype=dtype, device=device)
+        self._dtype = dtype
+        # (an fp8 pool's bounds start at 0: a page's first write restarts them before anything reads them)
+        low, high = (float("inf"), float("-inf")) if kv_dtype == dtype else (0.0, 0.0)
+        self.kmin = torch.full(bounds_shape, low, device=device).to(kv_dtype)
+        self.kmax = torch.full(bounds_shape, high, device=device).to(kv_dtype)
         self.page_table = torch.zeros((max_seqs, max_pages_per_seq), dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
@@ -158,8 +160,8 @@ class PagedKVCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The model's dtype: the key bounds', and the attention outputs'."""
-        return self.kmin.dtype
+        """The model's dtype: the attention outputs'."""
+        return self._dtype
 
     @property
     def kv_dtype(self) -> torch.dtype:

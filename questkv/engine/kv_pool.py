@@ -31,8 +31,8 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
     page_size = config.page_size
     element = torch.empty(0, dtype=config.torch_dtype).element_size()
     kv_element = torch.empty(0, dtype=config.torch_kv_dtype).element_size()
-    # K and V of page_size tokens (in the KV dtype) plus the page's min and max key (in the model's), in every layer.
-    page_bytes = spec.num_layers * (2 * page_size * kv_element + 2 * element) * spec.num_kv_heads * spec.head_dim
+    # K and V of page_size tokens plus the page's min and max key, in the KV dtype, in every layer.
+    page_bytes = spec.num_layers * (2 * page_size + 2) * spec.num_kv_heads * spec.head_dim * kv_element
     budget = config.kv_cache_memory
     where = "kv_cache_memory"
     if budget is None and device.type == "cuda":

@@ -3,10 +3,9 @@
 Layouts shared by all ops (FlashInfer's "NHD" page layout):
 
 * ``k_pages``, ``v_pages``: ``[num_pages, page_size, num_kv_heads, head_dim]``, any float dtype.
-* ``kmin``, ``kmax``: ``[num_pages, num_kv_heads, head_dim]``, the model's dtype (``k_pages``' unless the
-  pages are float8 e4m3): the element-wise min / max over the stored keys of each page. Min and max select one
-  of their inputs, and an fp8 value is exact in bf16, fp16 and fp32, so the bounds are exact and the bound
-  property is never lost.
+* ``kmin``, ``kmax``: ``[num_pages, num_kv_heads, head_dim]``, same dtype as ``k_pages`` (float8 e4m3 too): the
+  element-wise min / max over the stored keys of each page. Min and max select one of their inputs, so storing them
+  in the keys' dtype is exact and the bound property is never lost.
 * ``page_table``: ``[batch, max_pages]`` int32, row ``b`` lists the physical pages of sequence
   ``b`` in order; entries at or past ``ceil(seq_lens[b] / page_size)`` are padding and never read.
 * ``seq_lens``: ``[batch]`` int32, tokens in each sequence (>= 1 for attention ops), the current
@@ -68,15 +67,15 @@ def append_kv(
     Args:
         k_pages, v_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``, the model's dtype or
             ``torch.float8_e4m3fn`` (an fp8 cache: values are cast, rounding to nearest even, saturating at ±448).
-        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, the model's dtype (``k_pages``' unless fp8).
+        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, ``k_pages``' dtype.
         slots: ``[num_tokens]`` integer, ``page * page_size + offset`` of every new token; slots are
             distinct, and a page's slots are written in order (offset 0 starts a page).
         keys, values: ``[num_tokens, num_kv_heads, head_dim]``; cast to the pool's dtype.
 
     A token written at offset 0 starts its page: that page's bounds restart from the new keys, so a
     reused page never keeps bounds of its previous owner. Other tokens widen the existing bounds. The bounds are
-    taken from the keys as stored (an fp8 key's value, exact in the bounds' dtype), so they bound what attention
-    multiplies. Fixed shapes and no host synchronisation: the op runs under a CUDA graph too.
+    taken from the keys as stored (fp8 ones too, exactly), so they bound what attention multiplies. Fixed shapes and
+    no host synchronisation: the op runs under a CUDA graph too.
     """
     page_size = k_pages.shape[1]
     slots = slots.long()
@@ -85,16 +84,48 @@ def append_kv(
     stored = keys.to(k_pages.dtype)
     k_pages[pages, offsets] = stored
     v_pages[pages, offsets] = values.to(v_pages.dtype)
-    stored = stored.to(kmin.dtype)
     # Each slot's page starts from its old bounds, or from nothing when the step writes the page's first token.
     restart = torch.zeros(kmin.shape[0], dtype=torch.int8, device=kmin.device)
     restart = restart.scatter_reduce(0, pages, (offsets == 0).to(torch.int8), reduce="amax")[pages].bool()
     restart = restart[:, None, None]
     index = pages[:, None, None].expand_as(stored)
+    if kmin.dtype == FP8:
+        _widen_fp8_bounds(kmin, kmax, pages, index, restart, stored)
+        return
     low = torch.minimum(torch.where(restart, float("inf"), kmin[pages]), stored)
     high = torch.maximum(torch.where(restart, float("-inf"), kmax[pages]), stored)
     kmin.scatter_reduce_(0, index, low, reduce="amin", include_self=False)
     kmax.scatter_reduce_(0, index, high, reduce="amax", include_self=False)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_order(x: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor's bytes as uint8 codes in the values' order (``-448`` 1, ``-0`` 127, ``+0`` 128, ``448`` 254;
+    NaN is never stored: the cast saturates)."""
+    bits = x.view(torch.uint8).to(torch.int16)
+    return torch.where(bits >= 128, 255 - bits, 128 + bits).to(torch.uint8)
+
+
+def fp8_from_order(code: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`fp8_order`."""
+    code = code.to(torch.int16)
+    return torch.where(code >= 128, code - 128, 255 - code).to(torch.uint8).view(FP8)
+
+
+def _widen_fp8_bounds(kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor, index: torch.Tensor,
+                      restart: torch.Tensor, stored: torch.Tensor) -> None:
+    """:func:`append_kv`'s bounds of fp8 pages, whose bounds are fp8 too (no float8 reduction in torch): reduce the
+    values' order codes into the touched pages' bytes (``include_self=False``: only this step's candidates), then
+    turn those pages' codes back into e4m3 (every slot of a page writes the same bytes)."""
+    codes = fp8_order(stored)
+    for bound, empty, reduce in ((kmin, 255, "amin"), (kmax, 0, "amax")):
+        old = torch.where(restart, empty, fp8_order(bound[pages]))
+        best = torch.minimum(old, codes) if reduce == "amin" else torch.maximum(old, codes)
+        raw = bound.view(torch.uint8)
+        raw.scatter_reduce_(0, index, best, reduce=reduce, include_self=False)
+        raw[pages] = fp8_from_order(raw[pages]).view(torch.uint8)
 
 
 def recompute_key_bounds(
@@ -106,15 +137,15 @@ def recompute_key_bounds(
 
     Args:
         k_pages: ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``.
-        kmin, kmax: ``[num_layers, num_pages, num_kv_heads, head_dim]``, the model's dtype.
+        kmin, kmax: ``[num_layers, num_pages, num_kv_heads, head_dim]``, ``k_pages``' dtype.
         pages: ``[n]`` int64 distinct physical pages.
         counts: ``[n]`` int64 in ``[1, page_size]``, the keys each page holds.
     """
     page_size = k_pages.shape[2]
-    keys = k_pages[:, pages].to(kmin.dtype)  # [L, n, page_size, H, D] (an fp8 key is exact in the bounds' dtype)
+    keys = k_pages[:, pages].float()  # [L, n, page_size, H, D]
     dropped = (torch.arange(page_size, device=counts.device)[None, :] >= counts[:, None])[None, :, :, None, None]
-    kmin[:, pages] = keys.masked_fill(dropped, float("inf")).amin(dim=2)
-    kmax[:, pages] = keys.masked_fill(dropped, float("-inf")).amax(dim=2)
+    kmin[:, pages] = keys.masked_fill(dropped, float("inf")).amin(dim=2).to(kmin.dtype)  # exact: a stored key
+    kmax[:, pages] = keys.masked_fill(dropped, float("-inf")).amax(dim=2).to(kmax.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""An fp8 (e4m3) KV cache in the ops: the append rounds and saturates as torch's cast does and keeps bounds in the
-model's dtype that equal the stored keys' min and max (so Quest's page scores bound what attention multiplies); the
-Triton decode and prefill attentions read fp8 pages as the reference does (Triton interpreter)."""
+"""An fp8 (e4m3) KV cache in the ops: the append rounds and saturates as torch's cast does and keeps fp8 bounds equal
+to the stored keys' min and max (so Quest's page scores bound what attention multiplies); the Triton estimate, decode
+and prefill attention read fp8 bounds and pages as the reference does (Triton interpreter)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,26 @@ FP8 = torch.float8_e4m3fn
 PAGE = 8
 
 
-def fp8_pool(num_pages: int, heads: int, dim: int, dtype: torch.dtype):
-    """Empty fp8 pages and model-dtype bounds, as an fp8 cache holds them."""
+def fp8_pool(num_pages: int, heads: int, dim: int):
+    """Empty fp8 pages and bounds, as an fp8 cache holds them (random bounds: a page's first write restarts them)."""
     shape = (num_pages, PAGE, heads, dim)
     return (torch.zeros(shape, dtype=FP8), torch.zeros(shape, dtype=FP8),
-            torch.full((num_pages, heads, dim), float("inf"), dtype=dtype),
-            torch.full((num_pages, heads, dim), float("-inf"), dtype=dtype))
+            torch.randn(num_pages, heads, dim).to(FP8), torch.randn(num_pages, heads, dim).to(FP8))
+
+
+def test_order_codes_sort_as_the_values_and_invert():
+    every = torch.arange(256, dtype=torch.uint8).view(FP8)
+    every = every[~every.float().isnan()]
+    codes = reference.fp8_order(every)
+    assert len(set(codes.tolist())) == len(codes)  # distinct codes (-0 just below +0)
+    ordered = every.float()[torch.argsort(codes.long())]
+    assert bool((ordered[1:] >= ordered[:-1]).all())
+    assert torch.equal(reference.fp8_from_order(codes).view(torch.uint8), every.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_append_stores_torchs_cast_and_bounds_equal_the_stored_keys(dtype):
-    k_pages, v_pages, kmin, kmax = fp8_pool(6, 2, 16, dtype)
+    k_pages, v_pages, kmin, kmax = fp8_pool(6, 2, 16)
     lengths = [11, 5]
     keys = (torch.randn(sum(lengths), 2, 16) * 40).to(dtype)  # some beyond ±448: saturated
     keys[0, 0, 0] = 1000.0
@@ -39,27 +48,36 @@ def test_the_append_stores_torchs_cast_and_bounds_equal_the_stored_keys(dtype):
     assert torch.equal(stored.float(), keys.to(FP8).float()) and stored[0, 0, 0].float() == 448.0
     assert torch.equal(v_pages.flatten(0, 1)[slots].float(), values.to(FP8).float())
     for page, count in ((3, 8), (0, 3), (5, 5)):
-        held = k_pages[page, :count].to(dtype)
-        assert kmin.dtype == dtype and torch.equal(kmin[page], held.amin(0)) and torch.equal(kmax[page], held.amax(0))
+        held = k_pages[page, :count].float()
+        assert torch.equal(kmin[page].float(), held.amin(0)) and torch.equal(kmax[page].float(), held.amax(0))
 
 
 def test_a_page_restarted_by_a_new_owner_drops_its_old_bounds():
-    k_pages, v_pages, kmin, kmax = fp8_pool(2, 1, 8, torch.bfloat16)
+    k_pages, v_pages, kmin, kmax = fp8_pool(2, 1, 8)
     slot = torch.tensor([PAGE])  # page 1, offset 0
     ops.append_kv(k_pages, v_pages, kmin, kmax, slot, torch.full((1, 1, 8), 100.0), torch.ones(1, 1, 8))
     fresh = torch.randn(1, 1, 8)
     ops.append_kv(k_pages, v_pages, kmin, kmax, slot, fresh, torch.ones(1, 1, 8))
-    assert torch.equal(kmax[1], fresh.to(FP8).to(torch.bfloat16)[0]) and torch.equal(kmin[1], kmax[1])
+    assert torch.equal(kmax[1].float(), fresh.to(FP8).float()[0]) and torch.equal(kmin[1].float(), kmax[1].float())
+
+
+def test_recomputed_bounds_of_fp8_pages_equal_their_kept_keys():
+    k_pages = (torch.randn(2, 4, PAGE, 2, 8) * 5).to(FP8)  # [layers, pages, page_size, heads, dim]
+    kmin, kmax = torch.zeros(2, 4, 2, 8).to(FP8), torch.zeros(2, 4, 2, 8).to(FP8)
+    reference.recompute_key_bounds(k_pages, kmin, kmax, torch.tensor([1, 3]), torch.tensor([5, PAGE]))
+    assert torch.equal(kmin[:, 1].float(), k_pages[:, 1, :5].float().amin(1))
+    assert torch.equal(kmax[:, 3].float(), k_pages[:, 3].float().amax(1))
 
 
 def test_page_scores_from_fp8_bounds_bound_every_dequantized_key():
-    k_pages, v_pages, kmin, kmax = fp8_pool(8, 2, 16, torch.bfloat16)
+    k_pages, v_pages, kmin, kmax = fp8_pool(8, 2, 16)
     slots = torch.arange(8 * PAGE)
     ops.append_kv(k_pages, v_pages, kmin, kmax, slots, torch.randn(len(slots), 2, 16) * 3, torch.randn(len(slots), 2, 16))
     q = torch.randn(3, 4, 16).to(torch.bfloat16)
     table = torch.stack([torch.randperm(8)[:6] for _ in range(3)]).int()
     lens = torch.tensor([48, 30, 7], dtype=torch.int32)
     scores = reference.page_scores(q, kmin, kmax, table, lens, PAGE, "q_head")  # [3, 4, 6]
+    assert kmin.dtype == FP8
     for row in range(3):
         for col in range(-(-int(lens[row]) // PAGE)):
             keys = k_pages[table[row, col]].float()  # [PAGE, Hkv, D]: what attention multiplies
@@ -106,3 +124,20 @@ def test_triton_prefill_attention_reads_fp8_pages_as_the_reference(dtype):
     want = reference.paged_prefill_attention(q, k_pages, v_pages, _readable(table), starts, lens)
     got = tk.paged_prefill_attention(q, k_pages, v_pages, table, starts, lens)
     assert got.dtype == dtype and _rel_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("selection", ["kv_head", "q_head"])
+def test_triton_page_scores_read_fp8_bounds_as_the_reference(selection):
+    from questkv.ops import triton as tk
+
+    k_pages, v_pages, kmin, kmax = fp8_pool(12, 2, 32)
+    slots = torch.arange(12 * PAGE)
+    ops.append_kv(k_pages, v_pages, kmin, kmax, slots, torch.randn(len(slots), 2, 32) * 4,
+                  torch.randn(len(slots), 2, 32))
+    q = torch.randn(2, 8, 32).to(torch.bfloat16)
+    table = torch.stack([torch.randperm(12)[:10] for _ in range(2)]).int()
+    lens = torch.tensor([75, 33], dtype=torch.int32)
+    want = reference.page_scores(q, kmin, kmax, table, lens, PAGE, selection)
+    got = tk.page_scores(q, kmin, kmax, table, lens, PAGE, selection)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got)) and _rel_err(got[finite], want[finite]) < 1e-5

@@ -100,10 +100,10 @@ _SCRIPT = textwrap.dedent(
              "ROTATE": rotate, "USE_PDL": rotate},
             num_warps=1,
         )
-    def compile_estimate(q_dtype, mode, group, blocks, pdl, active=False):
+    def compile_estimate(q_dtype, mode, group, blocks, pdl, active=False, bounds="bf16"):
         compile_kernel(
             estimate._page_scores_kernel,
-            {"q_ptr": q_dtype, "kmin_ptr": "bf16", "kmax_ptr": "bf16", "table_ptr": "i32",
+            {"q_ptr": q_dtype, "kmin_ptr": bounds, "kmax_ptr": bounds, "table_ptr": "i32",
              "lens_ptr": "i32", "active_ptr": "i32", "out_ptr": "fp32"},
             {"PAGE_SIZE": 16, "GROUP": group, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_P": estimate._BLOCK_P,
              "BLOCK_D": 128, "MODE": mode, "DOT_FP32": q_dtype == "fp32", "BLOCKS": blocks, "NUM_STAGES": 2,
@@ -115,6 +115,7 @@ _SCRIPT = textwrap.dedent(
         compile_estimate("bf16", mode, group, 2, pdl)
     # per-sequence active flags (selection reuse): programs of inactive sequences return early
     compile_estimate("bf16", 1, 4, 2, True, active=True)
+    compile_estimate("bf16", 1, 4, 2, True, bounds="fp8e4nv")  # an fp8 pool's bounds, cast to bf16 in registers
     compile_estimate("bf16", 0, 4, 1, False, active=True)
     for dense, group, sel_per_kv in ((False, 4, 1), (True, 4, 1), (False, 1, 1), (False, 1, 4)):
         compile_attention("bf16", dense, group, sel_per_kv)

@@ -67,6 +67,9 @@ def _score_block(q_pos, q_neg, kmin_ptr, kmax_ptr, table_ptr, out_ptr, seq, head
     if DOT_FP32:
         lo = lo.to(tl.float32)
         hi = hi.to(tl.float32)
+    else:  # (fp8 bounds under 16-bit queries: exact in the queries' dtype)
+        lo = lo.to(q_pos.dtype)
+        hi = hi.to(q_pos.dtype)
     score = tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
     score += tl.dot(q_neg, tl.trans(lo), input_precision="ieee")  # [BLOCK_G, BLOCK_P]
     _store_page_scores(out_ptr, seq, head, rows, p, score, valid, in_row, gmask, stride_ob, stride_oh, MODE)
@@ -218,7 +221,8 @@ def page_scores_into(
         BLOCK_P=_BLOCK_P, BLOCK_D=next_pow2(head_dim), MODE=mode,
         # float32 products when 16-bit operands would lose bits (or under the interpreter, whose
         # bf16 dot is wrong); 16-bit operands are exact as they are
-        DOT_FP32=interpreting() or q.dtype == torch.float32 or q.dtype != kmin.dtype,
+        DOT_FP32=(interpreting() or q.dtype == torch.float32
+                  or q.dtype != kmin.dtype and kmin.dtype != torch.float8_e4m3fn),
         BLOCKS=per_program, NUM_STAGES=_NUM_STAGES, HAS_ACTIVE=active is not None, USE_PDL=use_pdl(q.device),
         num_warps=_NUM_WARPS, launch_pdl=use_pdl(q.device),
     )
