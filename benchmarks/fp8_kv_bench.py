@@ -124,14 +124,19 @@ def point(model: str, batch: int, context: int, budget: int, rounds: int = 6, st
 
 
 def capacity(model: str = "llama3.1-8b", memory: int = 40 << 30) -> dict:
-    """KV tokens the same memory holds at each KV dtype (``CacheSpec.kv_tokens`` of engines of ``memory`` bytes)."""
+    """KV tokens ``memory`` bytes of KV cache hold at each KV dtype at ``model``'s shape (bf16 weights): the engine's
+    own planner (``questkv.engine.kv_pool.plan_cache``, what ``CacheSpec.kv_tokens`` reports), no weights built."""
+    from questkv.engine.config import EngineConfig
+    from questkv.engine.kv_pool import plan_cache
+    from questkv.models.llama import ModelSpec
+
     cfg = dummy_config(model)
+    spec = ModelSpec.from_hf_config(cfg)
     tokens = {}
     for dtype in KV_DTYPES:
-        llm = LLM(cfg, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=1, max_model_len=8192,
-                  kv_cache_memory=memory, kv_cache_dtype=dtype)
-        tokens[dtype] = llm.engine.runner.cache_spec.kv_tokens
-        llm.close()
+        config = EngineConfig(model=cfg, load_format="dummy", dtype="bfloat16", device="cpu", kv_cache_memory=memory,
+                              kv_cache_dtype=dtype)
+        tokens[dtype] = plan_cache(config, spec, 8192, torch.device("cpu")).kv_tokens
     return {"model": model, "memory_bytes": memory, "kv_tokens": tokens, "ratio": tokens["fp8"] / tokens["auto"]}
 
 
@@ -155,7 +160,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True, help="where the JSON and the markdown table go")
     parser.add_argument("--tag", default="h200", help="the files' suffix: fp8-kv-TAG.{json,md}")
+    parser.add_argument("--capacity-only", action="store_true",
+                        help="only the KV tokens per memory (the planner's arithmetic: runs on a CPU)")
     args = parser.parse_args()
+    if args.capacity_only:
+        record = {"provenance": provenance("cpu"), "capacity": capacity()}
+        stem = args.out_dir / f"fp8-kv-capacity-{args.tag}"
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+        cap, head = record["capacity"], record["provenance"]
+        text = (f"# FP8 KV cache: KV tokens per memory\n\n`{head['command']}` — commit {head['commit']}, "
+                f"{head['machine']}, {head['date']}\n\n| model | KV cache | bf16 KV tokens | fp8 KV tokens | ratio |\n"
+                f"|---|---|---|---|---|\n| {cap['model']} | {cap['memory_bytes'] / 2**30:.0f} GiB | "
+                f"{cap['kv_tokens']['auto']:,} | {cap['kv_tokens']['fp8']:,} | {cap['ratio']:.3f}× |\n")
+        stem.with_suffix(".md").write_text(text)
+        print(text)
+        return
     record = {"provenance": provenance("cuda"), "check": check(), "capacity": capacity(),
               "points": [point(*p) for p in POINTS]}
     args.out_dir.mkdir(parents=True, exist_ok=True)
