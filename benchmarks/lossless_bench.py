@@ -160,11 +160,12 @@ def near_tie_gaps(dense: LLM, prompts, want, got) -> list[dict]:
 
 
 def real(args) -> dict:
-    results = {"model": args.model, "tokens": args.tokens, "k": args.k, "near_tie_below": NEAR_TIE, "points": []}
+    results = {"model": args.model, "tokens": args.tokens, "k": args.k, "near_tie_below": NEAR_TIE,
+               "kv_cache_dtype": args.kv_cache_dtype, "points": []}
     for context in args.contexts:
         budget16, budget8 = context // 16, context // 8
         common = dict(dtype=args.dtype, device=args.device, max_model_len=context + args.tokens + 4 * PAGE,
-                      max_num_seqs=max(args.batches))
+                      max_num_seqs=max(args.batches), kv_cache_dtype=args.kv_cache_dtype)
         if args.device == "cuda":
             common["gpu_memory_utilization"] = args.memory
         base = LLM(args.model, quest=QuestConfig(token_budget=budget16, page_size=PAGE, dense_layers=DENSE_LAYERS),
@@ -358,6 +359,7 @@ def main() -> None:
     parser.add_argument("--memory", type=float, default=0.4, help="real: gpu_memory_utilization of each engine")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="real, shapes: cpu for a smoke run")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="real: the dtype")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="real: the K/V pages")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (the adaptive policy's maximum)")
     parser.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS), help="shapes: the points")
     parser.add_argument("--acceptance", type=float, nargs="+", default=[0.8, 0.9, 0.95],

@@ -18,7 +18,7 @@ from questkv.cli_args import (
     add_engine_args, add_quest_args, byte_size, engine_kwargs, fraction, int_at_least, quest_config, quest_options,
     resolve_dtype, unit_interval,
 )
-from questkv.engine.config import QUANTIZATIONS
+from questkv.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 
 
@@ -364,6 +364,9 @@ def _add_eval(subparsers) -> None:
         backend.add_argument("--quantize-lm-head", action="store_true",
                              help="engine only, with --quantization int4/int8: round the LM head too (default: it "
                              "stays in --dtype)")
+        backend.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                             help="engine only: the K/V pages' dtype, as `questkv generate --kv-cache-dtype` (fp8: "
+                             "float8 e4m3) (default: auto, --dtype)")
         sub.add_argument("--json", metavar="PATH",
                          help="write the cells to PATH after every setting, plus PATH's .md table and .png plot; an "
                          "existing PATH with the same settings is resumed (its finished cells are skipped)")
@@ -398,6 +401,7 @@ def _run_eval(args) -> int:
         code_commit=args.code_commit,
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
+        kv_cache_dtype=args.kv_cache_dtype,
         **quest,
     )
 

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
-from questkv.engine.config import QUANTIZATIONS, ROUND_TO_NEAREST
+from questkv.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, ROUND_TO_NEAREST
 from questkv.eval import agreement, engine_backend, harness, perplexity, tasks
 from questkv.eval.harness import EVAL_BACKENDS, Setting
 from questkv.policies import POLICIES
@@ -63,7 +63,7 @@ QUEST_FIELDS: tuple[str, ...] = ("page_size", "dense_layers") + PAGE_POLICY_OPTI
 """The :class:`~questkv.QuestConfig` fields of a :class:`SweepSpec` (its budgets are the grid's)."""
 # Settings shared by every cell: a resumed run must match them (the grid itself may grow).
 _SHARED = ("samples", "seed", "top_p", *QUEST_FIELDS, "score_tokens", "text_file", "eval_backend",
-           "agreement_tokens", "code_commit", "quantization", "quantize_lm_head")
+           "agreement_tokens", "code_commit", "quantization", "quantize_lm_head", "kv_cache_dtype")
 # What a document written before a shared setting existed ran with, where that is not the field's default.
 _LEGACY = {"eval_backend": "hf"}
 # The options a spec gives the policies that take them (see SweepSpec.settings).
@@ -100,6 +100,8 @@ class SweepSpec:
             ``None``: the checkpoint's dtype (a GGUF dequantized). Engine only: every setting must run there.
         quantize_lm_head: round the LM head too (:attr:`~questkv.engine.config.EngineConfig.quantize_lm_head`;
             ``quantization`` ``"int4"`` or ``"int8"``).
+        kv_cache_dtype: the engine's K/V pages (:attr:`~questkv.engine.config.EngineConfig.kv_cache_dtype`:
+            ``"auto"`` or ``"fp8"``). Engine only, as ``quantization``.
     """
 
     tasks: tuple[str, ...]
@@ -122,6 +124,7 @@ class SweepSpec:
     code_commit: Optional[str] = None
     quantization: Optional[str] = None
     quantize_lm_head: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tasks", "lengths", "policies", "budgets"):
@@ -151,6 +154,7 @@ class SweepSpec:
         if self.quantization is not None:
             check_choice("SweepSpec.quantization", self.quantization, QUANTIZATIONS)
         check_bool("SweepSpec.quantize_lm_head", self.quantize_lm_head)
+        check_choice("SweepSpec.kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.quantize_lm_head and self.quantization not in ROUND_TO_NEAREST:
             raise ValueError(f"SweepSpec.quantize_lm_head=True needs quantization one of {ROUND_TO_NEAREST}, got "
                              f"{self.quantization!r}")
@@ -167,9 +171,11 @@ class SweepSpec:
             if setting.backend(self.eval_backend) != "engine" and measured:  # raises for what no path runs
                 raise ValueError(f"task {measured[0]!r} runs on the engine backend only, and policy "
                                  f"{setting.name!r} on the HF path: sweep it apart")
-            if setting.backend(self.eval_backend) != "engine" and self.quantization is not None:
-                raise ValueError(f"SweepSpec.quantization={self.quantization!r} runs on the engine backend only, and "
-                                 f"policy {setting.name!r} on the HF path: sweep it apart")
+            for name, value, unset in (("quantization", self.quantization, None),
+                                       ("kv_cache_dtype", self.kv_cache_dtype, "auto")):
+                if setting.backend(self.eval_backend) != "engine" and value != unset:
+                    raise ValueError(f"SweepSpec.{name}={value!r} runs on the engine backend only, and policy "
+                                     f"{setting.name!r} on the HF path: sweep it apart")
 
     def backend(self, setting: Setting) -> str:
         """``"engine"`` or ``"hf"``: what decodes ``setting`` (:meth:`questkv.eval.harness.Setting.backend`)."""
@@ -270,6 +276,9 @@ def _run_engine_cells(tokenizer, spec: SweepSpec, finished: set, emit, engine, b
     if spec.quantization is not None:
         engine = dataclasses.replace(engine, engine_kwargs={**engine.engine_kwargs, "quantization": spec.quantization,
                                                             "quantize_lm_head": spec.quantize_lm_head})
+    if spec.kv_cache_dtype != "auto":
+        engine = dataclasses.replace(engine, engine_kwargs={**engine.engine_kwargs,
+                                                            "kv_cache_dtype": spec.kv_cache_dtype})
     tasks_due = {task for pairs in todo.values() for task, _ in pairs}
     ppl_text = perplexity.load_text(spec.text_file) if PPL in tasks_due else None
     texts = {task: agreement.load_text(task, spec.code_commit)[0] for task in agreement.TASKS if task in tasks_due}

@@ -92,3 +92,16 @@ def test_the_pool_holds_the_tokens_its_bytes_allow(model_dir):
 def test_an_unknown_kv_cache_dtype_is_refused(model_dir, value):
     with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_dtype must be one of .*'fp8'"):
         EngineConfig(model=str(model_dir), kv_cache_dtype=value, device="cpu")
+
+
+@pytest.mark.parametrize("kwargs", [{"tensor_parallel_size": 2}, {"quantization": "int8"}])
+def test_fp8_kv_with_tensor_parallel_ranks_or_int8_weights(model_dir, kwargs):
+    """Two gloo ranks (each its KV heads' fp8 pool) give one device's tokens; int8 weights beside fp8 K/V give the
+    tokens of an int8 engine's fp8 run whatever else it does (here: decode densely, once alone, once batched)."""
+    prompts, params = ragged(4)
+    with make_llm(model_dir, kv_cache_dtype="fp8", **kwargs) as llm:
+        got = run(llm, prompts, params)
+        if "quantization" in kwargs:
+            assert got == [run(llm, [p], sp)[0] for p, sp in zip(prompts, params)]
+            return
+    assert got == run(make_llm(model_dir, kv_cache_dtype="fp8"), prompts, params)

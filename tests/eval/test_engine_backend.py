@@ -341,3 +341,27 @@ def test_a_selection_interval_shares_plain_quests_engine_and_reports_its_selecti
     assert "Selection rate:" in report.markdown(document)
     with pytest.raises(ValueError, match="policy 'quest' takes no option 'reselect_similarity'"):  # removed
         harness.parse_policy("quest:reselect_similarity=0.9:selection_interval=8")
+
+
+def test_the_kv_cache_dtype_reaches_the_engine_and_is_refused_for_the_hf_path(model_dir, word_tokenizer):
+    built = []
+
+    class Spy(engine_backend.EngineSource):
+        def build(self, quest, max_model_len, max_num_seqs):
+            built.append(self.engine_kwargs.get("kv_cache_dtype"))
+            return super().build(quest, max_model_len, max_num_seqs)
+
+    base = source(model_dir)
+    spec = make_spec(tasks=["ppl"], kv_cache_dtype="fp8")
+    fp8 = by_key(sweep.run_sweep(None, word_tokenizer, spec, progress=False, engine=Spy(base.model, base.engine_kwargs)))
+    plain = by_key(sweep.run_sweep(None, word_tokenizer, dataclasses.replace(spec, kv_cache_dtype="auto"),
+                                   progress=False, engine=base))
+    assert built and set(built) == {"fp8"}
+    assert fp8.keys() == plain.keys()
+    for key, cell in plain.items():  # e4m3 rounding of K/V moves the perplexity a little, not a lot
+        assert fp8[key]["value"] != cell["value"] and fp8[key]["value"] == pytest.approx(cell["value"], rel=0.1)
+    with pytest.raises(ValueError, match="SweepSpec.kv_cache_dtype='fp8' runs on the engine backend only, and policy "
+                                         "'streaming' on the HF path"):
+        dataclasses.replace(spec, policies=["full", "streaming"])
+    with pytest.raises(ValueError, match="SweepSpec.kv_cache_dtype must be one of"):
+        dataclasses.replace(spec, kv_cache_dtype="int8")
