@@ -57,6 +57,25 @@ class Attention(nn.Module):
         self._decode = self._sparse_decode if self.sparse else self._dense_decode
         self.pages: Optional[LayerPages] = None
         self.backend = "auto"
+        # A checkpoint's per-tensor K/V scales (compressed-tensors' and vLLM's k_scale / v_scale): an fp8 pool stores
+        # k / k_scale and v / v_scale; the queries and the output carry the scales back.
+        self.register_buffer("kv_scales", torch.ones(2), persistent=False)
+        self.scaled = False  # set by bind_cache: an fp8 pool and scales other than 1
+
+    def set_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
+        """Load the checkpoint's ``which`` (``"k"`` or ``"v"``) scale from tensor ``value`` (weight ``name``): one
+        positive finite number (a per-tensor scale).
+
+        Raises:
+            ValueError: naming ``name``, another shape or value.
+        """
+        if value.numel() != 1:
+            raise ValueError(f"weight {name!r} must be one number (a per-tensor {which} scale), got shape "
+                             f"{tuple(value.shape)}")
+        number = float(value.reshape(()).float())
+        if not 0 < number < float("inf"):
+            raise ValueError(f"weight {name!r} must be a positive finite scale, got {number}")
+        self.kv_scales[0 if which == "k" else 1] = number
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext
@@ -76,7 +95,15 @@ class Attention(nn.Module):
         """
         if self.pages is None:
             raise RuntimeError(f"layer {self.layer_idx} has no page pool: call questkv.layers.attention.bind_cache first")
+        if self.scaled:  # (RoPE commutes with a scale: the rotated keys come out divided too)
+            k, v = k / self.kv_scales[0], v / self.kv_scales[1]
         ops.rope_append_kv(*self.pages, ctx.slots, q, k, v, cos, sin, backend=self.backend)
+        if self.scaled:  # q . (k / s) * s: the pages' scores, Quest's estimate included, come out as q . k
+            q = q * self.kv_scales[0]
+        out = self._attend(q, k, v, ctx)
+        return out * self.kv_scales[1].to(out.dtype) if self.scaled else out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         decode, prefill = ctx.decode, ctx.prefill
         if prefill is None:
             return self._decode(q, decode)
@@ -148,3 +175,4 @@ def bind_cache(model: nn.Module, cache: PagedKVCache) -> None:
     for module in layers:
         module.pages = cache.layer(module.layer_idx)
         module.backend = cache.backend
+        module.scaled = cache.kv_dtype != cache.dtype and bool((module.kv_scales != 1).any())  # (read once, here)

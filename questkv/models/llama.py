@@ -309,6 +309,7 @@ class LlamaModel(nn.Module):
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
 _SHARDS = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # stored by some older checkpoints, recomputed here
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale$")  # optional: an fp8 KV cache's scales
 _UNFUSED = ("o", "down")
 # (block, module, checkpoint projections) of each linear of a decoder layer
 _LINEARS = (("self_attn", "qkv_proj", ("q", "k", "v")), ("self_attn", "o_proj", ("o",)),
@@ -458,6 +459,9 @@ class LlamaForCausalLM(nn.Module):
                 embeddings a ``lm_head.weight`` entry is skipped (it is the embedding); ``*.rotary_emb.inv_freq``
                 entries of older checkpoints are skipped. The weight of a linear swapped by
                 :meth:`use_packed_linears` comes as a :class:`~questkv.ops.quant_reference.QuantizedWeight`.
+                Optional ``model.layers.N.self_attn.k_scale`` / ``v_scale`` (compressed-tensors' and vLLM's per-tensor
+                KV-cache scales) go to the layer's attention, used with an fp8 KV cache
+                (:meth:`~questkv.layers.attention.Attention.set_kv_scale`).
 
         Raises:
             ValueError: a tensor of the wrong shape or kind (packed for a float layer, or the reverse) at once, or,
@@ -469,6 +473,10 @@ class LlamaForCausalLM(nn.Module):
         unknown: list[str] = []
         for name, tensor in weights:
             if _IGNORED.match(name) or (name == "lm_head.weight" and self.spec.tie_word_embeddings):
+                continue
+            scale = _KV_SCALE.match(name)
+            if scale is not None and int(scale.group(1)) < self.spec.num_layers:
+                self.model.layers[int(scale.group(1))].self_attn.attn.set_kv_scale(scale.group(2), tensor, name)
                 continue
             if name not in expected:
                 unknown.append(name)

@@ -105,3 +105,49 @@ def test_fp8_kv_with_tensor_parallel_ranks_or_int8_weights(model_dir, kwargs):
             assert got == [run(llm, [p], sp)[0] for p, sp in zip(prompts, params)]
             return
     assert got == run(make_llm(model_dir, kv_cache_dtype="fp8"), prompts, params)
+
+
+def with_kv_scales(model_dir, tmp_path, k_scale, v_scale, shape=()):
+    """A copy of the saved model with per-tensor ``self_attn.k_scale`` / ``v_scale`` in its safetensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "scaled"
+    shutil.copytree(model_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    layers = 1 + max(int(name.split(".")[2]) for name in weights if name.startswith("model.layers."))
+    for i in range(layers):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.full(shape, k_scale)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.full(shape, v_scale)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_checkpoint_kv_scales_divide_what_an_fp8_pool_stores(model_dir, tmp_path):
+    """Per-tensor k_scale / v_scale (compressed-tensors' names): an fp8 pool holds k / k_scale and v / v_scale (powers
+    of two here: exactly the fp32 pool's values scaled, then rounded); a model-dtype pool ignores them."""
+    scaled = with_kv_scales(model_dir, tmp_path, 0.25, 4.0)
+    p = prompt(37)
+    engines = {name: make_llm(folder, kv_cache_dtype=dtype)
+               for name, folder, dtype in (("plain", model_dir, "auto"), ("fp8", scaled, "fp8"),
+                                           ("ignored", scaled, "auto"))}
+    tokens = {name: run(llm, [p], greedy(1)) for name, llm in engines.items()}
+    assert tokens["ignored"] == tokens["plain"]  # a model-dtype pool: the scales are not applied
+    plain, fp8 = engines["plain"].engine.cache, engines["fp8"].engine.cache
+    # The request's prefill wrote positions 0..36 on the pages after the scratch sequence's (freed since, kept).
+    first = len(plain.pages_of(engines["plain"].engine.runner.scratch_seq)) * plain.page_size
+    assert first == len(fp8.pages_of(engines["fp8"].engine.runner.scratch_seq)) * fp8.page_size
+    slots = slice(first, first + len(p))
+    # Layer 0 only: the layers above read hidden states that the fp8 rounding of layer 0's K/V already changed.
+    k_plain, v_plain = plain.k_pages[0].flatten(0, 1)[slots], plain.v_pages[0].flatten(0, 1)[slots]
+    assert torch.equal(fp8.k_pages[0].flatten(0, 1)[slots].float(), (k_plain / 0.25).to(torch.float8_e4m3fn).float())
+    assert torch.equal(fp8.v_pages[0].flatten(0, 1)[slots].float(), (v_plain / 4.0).to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("shape, value, message", [((2,), 1.0, r"must be one number .* got shape \(2,\)"),
+                                                   ((), 0.0, "must be a positive finite scale, got 0.0")])
+def test_a_kv_scale_of_the_wrong_shape_or_value_is_refused_naming_it(model_dir, tmp_path, shape, value, message):
+    folder = with_kv_scales(model_dir, tmp_path, value, 1.0, shape)
+    with pytest.raises(ValueError, match=r"weight 'model\.layers\.0\.self_attn\.k_scale' " + message):
+        make_llm(folder, kv_cache_dtype="fp8")
