@@ -4,7 +4,6 @@ A shadow model computes what every verify must keep."""
 
 import random
 
-import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
@@ -37,17 +36,10 @@ class LosslessSchedulerMachine(SchedulerMachine):
     @rule(prompt_len=st.integers(1, 24), max_tokens=st.integers(1, 20), ignore_eos=st.booleans(),
           stop_token=st.sampled_from([None, 3]), drafts=st.integers(0, 5))
     def add(self, prompt_len, max_tokens, ignore_eos, stop_token, drafts):
-        seq = Sequence(str(self.next_id), [random.randint(1, 99) for _ in range(prompt_len)],
-                       SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                      stop_token_ids=[] if stop_token is None else [stop_token]),
-                       quest=RequestQuest(8, 1, drafts))
-        self.next_id += 1
-        if prompt_len + max_tokens > self.MAX_MODEL_LEN or -(-(prompt_len + max_tokens - 1) // PAGE) > self.POOL:
-            with pytest.raises(ValueError):
-                self.scheduler.add(seq)
-            return
-        self.scheduler.add(seq)
-        self.seqs[seq.request_id], self.tokens[seq.request_id] = seq, []
+        self.admit(Sequence(str(self.next_id), [random.randint(1, 99) for _ in range(prompt_len)],
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                           stop_token_ids=[] if stop_token is None else [stop_token]),
+                            quest=RequestQuest(8, 1, drafts)))
 
     @precondition(lambda self: self.scheduler.has_unfinished())
     @rule(data=st.data())

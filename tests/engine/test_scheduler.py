@@ -60,9 +60,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prompt_len=st.integers(1, 32), max_tokens=st.integers(1, 20), ignore_eos=st.booleans(),
           stop_token=st.sampled_from([None, 3]))
     def add(self, prompt_len, max_tokens, ignore_eos, stop_token):
-        seq = request(self.next_id, prompt_len, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                      stop_token_ids=[] if stop_token is None else [stop_token])
+        self.admit(request(self.next_id, prompt_len, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                           stop_token_ids=[] if stop_token is None else [stop_token]))
+
+    def admit(self, seq: Sequence) -> None:
+        """Add ``seq`` (the next id), expecting a refusal exactly when it cannot fit."""
         self.next_id += 1
+        prompt_len, max_tokens = seq.num_prompt_tokens, seq.sampling_params.max_tokens
         cached = prompt_len + max_tokens - 1
         fits = prompt_len + max_tokens <= self.MAX_MODEL_LEN and -(-cached // PAGE) <= self.POOL
         if not fits:
