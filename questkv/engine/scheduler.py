@@ -226,6 +226,7 @@ class Scheduler:
         self.quest = quest
         self.speculation = speculation
         self._round_k = MAX_SPECULATIVE_TOKENS  # the most drafts per round, fixed per schedule()
+        self._round_planned = False
         self._prefilling: Optional[Sequence] = None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -299,7 +300,9 @@ class Scheduler:
         decode rows of every running sequence that can decode (preempting likewise), then prefill rows (the
         chunked sequence's next chunk, then admissions) in the rest of the token budget. ``None`` when nothing is
         left to launch. Pages for the step's input tokens are allocated here."""
-        self._round_k = self.round_draft_tokens()
+        if not self._round_planned:  # (else :meth:`drafting` just asked the policy for this step)
+            self._round_k = self.round_draft_tokens()
+        self._round_planned = False
         if self.chunked_prefill:
             decodes, verifies = self._schedule_decode()
             taken = len(decodes) + sum(len(seq.draft_token_ids) + 1 for seq in verifies)
@@ -343,10 +346,12 @@ class Scheduler:
 
     def drafting(self) -> bool:
         """Whether the next step may draft or verify (a lossless round is under way or about to start): the engine
-        then runs it synchronously."""
+        then runs it synchronously. Asks the policy for the next :meth:`schedule`'s drafts once, so that the answer
+        and the step agree."""
+        self._round_k, self._round_planned = self.round_draft_tokens(), True
         if not any(seq.quest.speculative_tokens for seq in self.running):
             return False
-        return any(seq.draft_token_ids for seq in self.running) or self.round_draft_tokens() > 0
+        return any(seq.draft_token_ids for seq in self.running) or self._round_k > 0
 
     def update(
         self, batch: ScheduledBatch, token_ids: Iterable, forced_logprobs: Optional[Iterable[float]] = None

@@ -15,7 +15,7 @@ import torch
 from questkv import QuestConfig
 from questkv.config import MAX_SPECULATIVE_TOKENS
 from questkv.engine.sampling_params import SamplingParams
-from tests.engine.test_llm import MAX_LEN, PAGE, SMALL, VOCAB, greedy, make_llm, pool_memory, prompt, run
+from tests.engine.test_llm import MAX_LEN, PAGE, SMALL, VOCAB, first_new, greedy, make_llm, pool_memory, prompt, run
 from tests.engine.test_prefix_caching import assert_pages_all_back
 from tests.helpers import save_tiny_model
 
@@ -122,9 +122,11 @@ def test_lossless_answers_are_cached_for_the_next_turn(model_dir, dense):
 
 def test_stops_and_max_tokens_inside_an_accepted_run_end_the_output_there(model_dir, dense):
     llm = lossless(model_dir, 8)
-    p = prompt(random.randint(60, 90))
-    (ref,) = run(dense, [p], greedy(24))
-    k = next(i for i in range(3, 24) if ref[i] not in ref[:i])  # ref[k] first appears at k
+    k = None
+    while k is None:  # a prompt whose greedy output has a new, non-special token past the first rounds
+        p = prompt(random.randint(60, 90))
+        (ref,) = run(dense, [p], greedy(24))
+        k = first_new(ref, 3)  # ref[k] first appears at k
     word = f"x{ref[k]:02d}"
     stops = [greedy(24, stop_token_ids=[ref[k]]), greedy(24, stop=word), greedy(k + 1), greedy(24)]
     by_token, by_string, by_length, free = llm.generate([p] * 4, stops, use_tqdm=False)
