@@ -294,7 +294,7 @@ class ModelRunner:
         n = batch.num_decodes
         ids = []
         for seq, seq_len, new in zip(batch.seqs[n:], batch.seq_lens[n:], batch.num_new_tokens[n:]):
-            ids.extend((seq.all_token_ids + seq.draft_token_ids)[seq_len - new:seq_len])  # a verify row: its drafts
+            ids.extend(seq.token_slice(seq_len - new, seq_len))  # a verify row: its drafts too
         inputs = PrefillInputs(batch.seq_ids[n:], batch.num_new_tokens[n:], batch.seq_lens[n:], batch.partial, ids,
                                batch.num_verifies)
         self._kept.difference_update(inputs.seq_ids)
@@ -355,7 +355,7 @@ class ModelRunner:
         host[3:].zero_()
         for i, (seq, seq_len) in enumerate(zip(batch.seqs, batch.seq_lens)):
             host[:3, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id])
-            host[3:, i] = torch.tensor((seq.all_token_ids + seq.draft_token_ids)[seq_len - q_len:seq_len])
+            host[3:, i] = torch.tensor(seq.token_slice(seq_len - q_len, seq_len))
         key = (padded, width, StepRoute.VERIFY, q_len)
         self._publish(batch, verify=(host.numpy(), key, batch.seq_ids))
         return self._run_verify(host, key, batch.seq_ids)[:rows * q_len]

@@ -159,6 +159,17 @@ class Sequence:
         """Prompt then generated tokens (a new list)."""
         return list(self.prompt_token_ids) + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt, outputs and drafts in a row, without copying the whole sequence (a
+        verify or prefill row of a long context reads only its new tokens)."""
+        taken, offset = [], 0
+        for part in (self.prompt_token_ids, self.output_token_ids, self.draft_token_ids):
+            lo, hi = max(start - offset, 0), min(end - offset, len(part))
+            if lo < hi:
+                taken.extend(part[lo:hi])
+            offset += len(part)
+        return taken
+
     @property
     def num_forced_tokens(self) -> int:
         """``len(sampling_params.forced_token_ids)``."""
