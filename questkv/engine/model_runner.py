@@ -26,6 +26,7 @@ followed by the prefill tokens.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable, Optional
 
 import numpy as np
@@ -54,6 +55,8 @@ from questkv.ops.pages import ReusedSelections
 # the row's phase makes it select (selection reuse), and whether it decodes densely (its route).
 _IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _DENSE = range(8)
 _NUM_INPUTS = 8
+
+logger = logging.getLogger("questkv.engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +187,11 @@ class ModelRunner:
         self.memory = None
         if memory_bytes:
             self.memory = SelectionMemory(quest, *memory_args, self.device)
+        if config.kv_cache_dtype != "auto":
+            scaled = model.fit_kv_scales(torch.finfo(config.torch_kv_dtype).max)
+            if scaled:
+                logger.info("fp8 KV cache: the weights let keys or values of layers %s exceed %s; those layers store "
+                            "them scaled by a power of two", scaled, torch.finfo(config.torch_kv_dtype).max)
         bind_cache(model, self.cache)
         if config.use_cuda_graphs and config.compile_elementwise:
             fuse_elementwise(model)

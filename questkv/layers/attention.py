@@ -57,25 +57,42 @@ class Attention(nn.Module):
         self._decode = self._sparse_decode if self.sparse else self._dense_decode
         self.pages: Optional[LayerPages] = None
         self.backend = "auto"
-        # A checkpoint's per-tensor K/V scales (compressed-tensors' and vLLM's k_scale / v_scale): an fp8 pool stores
-        # k / k_scale and v / v_scale; the queries and the output carry the scales back.
-        self.register_buffer("kv_scales", torch.ones(2), persistent=False)
+        # The K and V scales of an fp8 pool, per KV head (row 0: keys, row 1: values): the pool stores k / k_scale and
+        # v / v_scale; the queries and the output carry the scales back. A checkpoint's (set_kv_scale) or, where it
+        # gives none, the data-free ones of fit_kv_scales.
+        self.register_buffer("kv_scales", torch.ones(2, num_kv_heads), persistent=False)
+        self.kv_scales_given = [False, False]  # which row the checkpoint set
         self.scaled = False  # set by bind_cache: an fp8 pool and scales other than 1
 
     def set_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
         """Load the checkpoint's ``which`` (``"k"`` or ``"v"``) scale from tensor ``value`` (weight ``name``): one
-        positive finite number (a per-tensor scale).
+        positive finite number (per tensor) or one per KV head of this layer (``num_kv_heads``; with tensor
+        parallelism, this rank's heads).
 
         Raises:
             ValueError: naming ``name``, another shape or value.
         """
-        if value.numel() != 1:
-            raise ValueError(f"weight {name!r} must be one number (a per-tensor {which} scale), got shape "
-                             f"{tuple(value.shape)}")
-        number = float(value.reshape(()).float())
-        if not 0 < number < float("inf"):
-            raise ValueError(f"weight {name!r} must be a positive finite scale, got {number}")
-        self.kv_scales[0 if which == "k" else 1] = number
+        if value.numel() not in (1, self.num_kv_heads):
+            raise ValueError(f"weight {name!r} must be one number (a per-tensor {which} scale) or "
+                             f"{self.num_kv_heads} (one per KV head), got shape {tuple(value.shape)}")
+        numbers = value.detach().reshape(-1).float().cpu()
+        if not bool(((numbers > 0) & (numbers < float("inf"))).all()):
+            raise ValueError(f"weight {name!r} must hold positive finite scales, got {numbers.tolist()}")
+        row = 0 if which == "k" else 1
+        self.kv_scales[row] = numbers.to(self.kv_scales.device)
+        self.kv_scales_given[row] = True
+
+    def fit_kv_scales(self, bounds: torch.Tensor, kv_max: float) -> None:
+        """Data-free scales for the rows the checkpoint left unset: per KV head, the smallest power of two ``>= 1``
+        that brings ``bounds`` (``[2, num_kv_heads]``, bounds of ``|k|`` and ``|v|`` over every input,
+        :meth:`~questkv.models.llama.LlamaAttention.kv_bounds`) within ``kv_max`` (448 for e4m3), so that no key
+        or value saturates. Not below 1: e4m3 rounds every normal number to 3 bits whatever its scale, so a smaller
+        scale only rescues values under 2**-6 (benchmarks/fp8_kv_scales.py measures it), at the price of the
+        scaling ops in every layer; a power of two multiplies and divides exactly."""
+        exponents = torch.ceil(torch.log2(bounds.float().cpu() / kv_max)).clamp(min=0)
+        for row in (0, 1):
+            if not self.kv_scales_given[row]:
+                self.kv_scales[row] = torch.exp2(exponents[row]).to(self.kv_scales.device)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext
@@ -96,12 +113,12 @@ class Attention(nn.Module):
         if self.pages is None:
             raise RuntimeError(f"layer {self.layer_idx} has no page pool: call questkv.layers.attention.bind_cache first")
         if self.scaled:  # (RoPE commutes with a scale: the rotated keys come out divided too)
-            k, v = k / self.kv_scales[0], v / self.kv_scales[1]
+            k, v = k / self.kv_divisors[0], v / self.kv_divisors[1]
         ops.rope_append_kv(*self.pages, ctx.slots, q, k, v, cos, sin, backend=self.backend)
         if self.scaled:  # q . (k / s) * s: the pages' scores, Quest's estimate included, come out as q . k
-            q = q * self.kv_scales[0]
+            q = q * self.head_scales[0]
         out = self._attend(q, k, v, ctx)
-        return out * self.kv_scales[1].to(out.dtype) if self.scaled else out
+        return out * self.head_scales[1] if self.scaled else out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         decode, prefill = ctx.decode, ctx.prefill
@@ -176,3 +193,7 @@ def bind_cache(model: nn.Module, cache: PagedKVCache) -> None:
         module.pages = cache.layer(module.layer_idx)
         module.backend = cache.backend
         module.scaled = cache.kv_dtype != cache.dtype and bool((module.kv_scales != 1).any())  # (read once, here)
+        # In the model dtype, so that a step's tensors keep theirs: [2, Hkv, 1] for k and v, [2, Hq, 1] per query head.
+        scales = module.kv_scales.to(cache.dtype)
+        module.kv_divisors = scales[:, :, None]
+        module.head_scales = scales.repeat_interleave(module.num_q_heads // module.num_kv_heads, dim=1)[:, :, None]

@@ -230,6 +230,28 @@ class LlamaAttention(nn.Module):
         o = self.attn(q, k, v, cos, sin, ctx)  # rotates q and k (RoPE) as it stores k and v; [T, Hq, D]
         return self.reduce(self.o_proj(o.reshape(o.shape[0], -1)))  # [T, hidden]
 
+    @torch.no_grad()
+    def kv_bounds(self, input_norm: torch.Tensor) -> torch.Tensor:
+        """Bounds ``[2, num_kv_heads]`` float32 of ``|k|`` (after the k norm and RoPE) and ``|v|`` over every input,
+        from the weights alone. The projection's input is ``input_norm * x / rms(x)`` (``input_norm``: the layer's
+        RMSNorm weight ``[hidden_size]``), and ``x / rms(x)`` has norm at most ``sqrt(hidden_size)``, so output row
+        ``w`` (bias ``b``) stays within ``||w * input_norm|| * sqrt(hidden_size) + |b|`` (Cauchy-Schwarz; attained
+        by ``x`` along ``w * input_norm``); a k norm bounds key element ``j`` by ``|k_norm.weight[j]| *
+        sqrt(head_dim)`` instead; RoPE mixes element ``j`` with ``j +- head_dim / 2``, within the two bounds' norm.
+        """
+        proj = self.qkv_proj
+        weight = proj.dequantized_weight() if isinstance(proj, QuantizedLinear) else proj.weight.float()
+        rows = (weight * input_norm.float()).norm(dim=1) * weight.shape[1] ** 0.5
+        if proj.bias is not None:
+            rows = rows + proj.bias.float().abs()
+        k, v = (rows[proj.shard_offsets[s] : proj.shard_offsets[s] + proj.shard_sizes[s]].view(self.num_kv_heads, -1)
+                for s in ("k", "v"))
+        if self.qk_norm:
+            k = self.k_norm.weight.float().abs().expand_as(k) * self.head_dim**0.5
+        half = self.head_dim // 2
+        rotated = torch.hypot(k[:, :half], k[:, half:])  # either element of a RoPE pair
+        return torch.stack([rotated.amax(dim=1), v.amax(dim=1)])
+
 
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up in one GEMM (with ``tp``: each rank's share of the
@@ -363,6 +385,18 @@ class LlamaForCausalLM(nn.Module):
         """
         return self.model(input_ids, positions, ctx)
 
+    def fit_kv_scales(self, kv_max: float) -> list[int]:
+        """Give every layer's attention data-free K/V scales for a pool whose largest value is ``kv_max`` where the
+        checkpoint gave none (:meth:`~questkv.layers.attention.Attention.fit_kv_scales`, from
+        :meth:`LlamaAttention.kv_bounds`); call after loading the weights. Returns the layers now scaled."""
+        scaled = []
+        for i, layer in enumerate(self.model.layers):
+            attention = layer.self_attn
+            attention.attn.fit_kv_scales(attention.kv_bounds(layer.input_layernorm.weight), kv_max)
+            if bool((attention.attn.kv_scales != 1).any()):
+                scaled.append(i)
+        return scaled
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` (the rows to sample from) → ``[N, vocab_size]`` float32 logits."""
         return self.lm_head(hidden).float()
@@ -459,8 +493,8 @@ class LlamaForCausalLM(nn.Module):
                 embeddings a ``lm_head.weight`` entry is skipped (it is the embedding); ``*.rotary_emb.inv_freq``
                 entries of older checkpoints are skipped. The weight of a linear swapped by
                 :meth:`use_packed_linears` comes as a :class:`~questkv.ops.quant_reference.QuantizedWeight`.
-                Optional ``model.layers.N.self_attn.k_scale`` / ``v_scale`` (compressed-tensors' and vLLM's per-tensor
-                KV-cache scales) go to the layer's attention, used with an fp8 KV cache
+                Optional ``model.layers.N.self_attn.k_scale`` / ``v_scale`` (compressed-tensors' and vLLM's KV-cache
+                scales, per tensor or per KV head) go to the layer's attention, used with an fp8 KV cache
                 (:meth:`~questkv.layers.attention.Attention.set_kv_scale`).
 
         Raises:
@@ -476,6 +510,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             scale = _KV_SCALE.match(name)
             if scale is not None and int(scale.group(1)) < self.spec.num_layers:
+                if self.tp is not None and tensor.numel() > 1:  # per KV head: this rank's heads
+                    tensor = shard_tensor(name, tensor.reshape(-1), 0, self.tp)
                 self.model.layers[int(scale.group(1))].self_attn.attn.set_kv_scale(scale.group(2), tensor, name)
                 continue
             if name not in expected:

@@ -95,39 +95,63 @@ def test_an_unknown_kv_cache_dtype_is_refused(model_dir, value):
 
 
 @pytest.mark.parametrize("kwargs", [{"tensor_parallel_size": 2}, {"quantization": "int8"}])
-def test_fp8_kv_with_tensor_parallel_ranks_or_int8_weights(model_dir, kwargs):
-    """Two gloo ranks (each its KV heads' fp8 pool) give one device's tokens; int8 weights beside fp8 K/V give the
-    tokens of an int8 engine's fp8 run whatever else it does (here: decode densely, once alone, once batched)."""
+def test_fp8_kv_with_tensor_parallel_ranks_or_int8_weights(loud_dir, kwargs):
+    """On the loud model with per-head checkpoint key scales (its values scaled from the weights, each rank its own
+    heads'): two gloo ranks (each its KV heads' fp8 pool) give one device's tokens; int8 weights beside fp8 K/V give
+    the tokens of an int8 engine's fp8 run whatever else it does (here: decode densely, once alone, once batched)."""
     prompts, params = ragged(4)
-    with make_llm(model_dir, kv_cache_dtype="fp8", **kwargs) as llm:
+    with make_llm(loud_dir, kv_cache_dtype="fp8", **kwargs) as llm:
         got = run(llm, prompts, params)
         if "quantization" in kwargs:
             assert got == [run(llm, [p], sp)[0] for p, sp in zip(prompts, params)]
             return
-    assert got == run(make_llm(model_dir, kv_cache_dtype="fp8"), prompts, params)
+    assert got == run(make_llm(loud_dir, kv_cache_dtype="fp8"), prompts, params)
 
 
-def with_kv_scales(model_dir, tmp_path, k_scale, v_scale, shape=()):
-    """A copy of the saved model with per-tensor ``self_attn.k_scale`` / ``v_scale`` in its safetensors."""
+def with_kv_scales(model_dir, folder, k_scale=None, v_scale=None, loud: bool = False):
+    """A copy of the saved model in ``folder`` with ``self_attn.k_scale`` / ``v_scale`` (anything ``torch.tensor``
+    takes; None: none) in every layer; ``loud``: ``v_proj`` times 2**12 and ``o_proj`` times 2**-12 (the same function
+    in fp32, values far past e4m3's 448)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    folder = tmp_path / "scaled"
     shutil.copytree(model_dir, folder)
     weights = load_file(folder / "model.safetensors")
     layers = 1 + max(int(name.split(".")[2]) for name in weights if name.startswith("model.layers."))
     for i in range(layers):
-        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.full(shape, k_scale)
-        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.full(shape, v_scale)
+        for which, scale in (("k", k_scale), ("v", v_scale)):
+            if scale is not None:
+                weights[f"model.layers.{i}.self_attn.{which}_scale"] = torch.tensor(scale, dtype=torch.float32)
+        if loud:
+            weights[f"model.layers.{i}.self_attn.v_proj.weight"] *= LOUD
+            weights[f"model.layers.{i}.self_attn.o_proj.weight"] /= LOUD
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
 
-def test_checkpoint_kv_scales_divide_what_an_fp8_pool_stores(model_dir, tmp_path):
-    """Per-tensor k_scale / v_scale (compressed-tensors' names): an fp8 pool holds k / k_scale and v / v_scale (powers
-    of two here: exactly the fp32 pool's values scaled, then rounded); a model-dtype pool ignores them."""
-    scaled = with_kv_scales(model_dir, tmp_path, 0.25, 4.0)
+LOUD = 2.0**12
+
+
+@pytest.fixture(scope="module")
+def loud_dir(model_dir, tmp_path_factory):
+    """The loud model (:func:`with_kv_scales`) with per-KV-head key scales 0.5 and 2 from the checkpoint."""
+    return with_kv_scales(model_dir, tmp_path_factory.mktemp("loud") / "model", k_scale=[0.5, 2.0], loud=True)
+
+
+def prefill_slots(llm, length: int) -> slice:
+    """The pool slots of a request of ``length`` prompt tokens run first on ``llm`` (the pages after the scratch
+    sequence's; freed since, kept)."""
+    first = len(llm.engine.cache.pages_of(llm.engine.runner.scratch_seq)) * llm.engine.cache.page_size
+    return slice(first, first + length)
+
+
+@pytest.mark.parametrize("k_scale, v_scale", [(0.25, 4.0), ([0.25, 2.0], [4.0, 0.5])], ids=["per-tensor", "per-head"])
+def test_checkpoint_kv_scales_divide_what_an_fp8_pool_stores(model_dir, tmp_path, k_scale, v_scale):
+    """k_scale / v_scale per tensor or per KV head (compressed-tensors' names): an fp8 pool holds k / k_scale and
+    v / v_scale (powers of two here: exactly the fp32 pool's values scaled, then rounded); a model-dtype pool ignores
+    them."""
+    scaled = with_kv_scales(model_dir, tmp_path / "scaled", k_scale, v_scale)
     p = prompt(37)
     engines = {name: make_llm(folder, kv_cache_dtype=dtype)
                for name, folder, dtype in (("plain", model_dir, "auto"), ("fp8", scaled, "fp8"),
@@ -135,19 +159,40 @@ def test_checkpoint_kv_scales_divide_what_an_fp8_pool_stores(model_dir, tmp_path
     tokens = {name: run(llm, [p], greedy(1)) for name, llm in engines.items()}
     assert tokens["ignored"] == tokens["plain"]  # a model-dtype pool: the scales are not applied
     plain, fp8 = engines["plain"].engine.cache, engines["fp8"].engine.cache
-    # The request's prefill wrote positions 0..36 on the pages after the scratch sequence's (freed since, kept).
-    first = len(plain.pages_of(engines["plain"].engine.runner.scratch_seq)) * plain.page_size
-    assert first == len(fp8.pages_of(engines["fp8"].engine.runner.scratch_seq)) * fp8.page_size
-    slots = slice(first, first + len(p))
+    slots = prefill_slots(engines["plain"], len(p))
+    assert slots == prefill_slots(engines["fp8"], len(p))
     # Layer 0 only: the layers above read hidden states that the fp8 rounding of layer 0's K/V already changed.
-    k_plain, v_plain = plain.k_pages[0].flatten(0, 1)[slots], plain.v_pages[0].flatten(0, 1)[slots]
-    assert torch.equal(fp8.k_pages[0].flatten(0, 1)[slots].float(), (k_plain / 0.25).to(torch.float8_e4m3fn).float())
-    assert torch.equal(fp8.v_pages[0].flatten(0, 1)[slots].float(), (v_plain / 4.0).to(torch.float8_e4m3fn).float())
+    k_plain, v_plain = plain.k_pages[0].flatten(0, 1)[slots], plain.v_pages[0].flatten(0, 1)[slots]  # [T, Hkv, D]
+    k_scale, v_scale = (torch.tensor(s).reshape(-1, 1) for s in (k_scale, v_scale))
+    assert torch.equal(fp8.k_pages[0].flatten(0, 1)[slots].float(), (k_plain / k_scale).to(torch.float8_e4m3fn).float())
+    assert torch.equal(fp8.v_pages[0].flatten(0, 1)[slots].float(), (v_plain / v_scale).to(torch.float8_e4m3fn).float())
 
 
-@pytest.mark.parametrize("shape, value, message", [((2,), 1.0, r"must be one number .* got shape \(2,\)"),
-                                                   ((), 0.0, "must be a positive finite scale, got 0.0")])
+def test_data_free_scales_keep_values_past_e4m3s_range_unsaturated(model_dir, tmp_path):
+    """The loud model's values reach far past e4m3's 448: from the weights alone the fp8 engine gives each layer's
+    value heads the power of two that keeps them in range (``LlamaAttention.kv_bounds``), so layer 0's pool holds
+    v / s rounded and no stored value sits at 448; with v_scale = 1 from the checkpoint the pool saturates."""
+    p = prompt(37)
+    plain = make_llm(model_dir)
+    loud = make_llm(with_kv_scales(model_dir, tmp_path / "loud", loud=True), kv_cache_dtype="fp8")
+    forced = make_llm(with_kv_scales(model_dir, tmp_path / "forced", v_scale=1.0, loud=True), kv_cache_dtype="fp8")
+    for llm in (plain, loud, forced):
+        run(llm, [p], greedy(1))
+    slots = prefill_slots(plain, len(p))
+    scales = loud.engine.runner.model.model.layers[0].self_attn.attn.kv_scales  # [2, Hkv]
+    assert scales[0].tolist() == [1.0, 1.0] and (scales[1] >= 2).all()
+    assert torch.equal(torch.exp2(torch.log2(scales[1]).round()), scales[1])  # powers of two
+    v_loud = plain.engine.cache.v_pages[0].flatten(0, 1)[slots] * LOUD  # exactly the loud model's layer-0 values
+    assert v_loud.abs().max() > 448
+    stored = loud.engine.cache.v_pages[0].flatten(0, 1)[slots].float()
+    assert torch.equal(stored, (v_loud / scales[1, :, None]).to(torch.float8_e4m3fn).float())
+    assert loud.engine.cache.v_pages[:, :, :].float().abs().max() < 448  # no layer saturated
+    assert forced.engine.cache.v_pages[0].flatten(0, 1)[slots].float().abs().max() == 448
+
+
+@pytest.mark.parametrize("shape, value, message", [((3,), 1.0, r"must be one number .* got shape \(3,\)"),
+                                                   ((), 0.0, r"must hold positive finite scales, got \[0.0\]")])
 def test_a_kv_scale_of_the_wrong_shape_or_value_is_refused_naming_it(model_dir, tmp_path, shape, value, message):
-    folder = with_kv_scales(model_dir, tmp_path, value, 1.0, shape)
+    folder = with_kv_scales(model_dir, tmp_path / "bad", torch.full(shape, value).tolist(), 1.0)
     with pytest.raises(ValueError, match=r"weight 'model\.layers\.0\.self_attn\.k_scale' " + message):
         make_llm(folder, kv_cache_dtype="fp8")

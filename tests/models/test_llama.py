@@ -12,6 +12,7 @@ from questkv.config import QuestConfig
 from questkv.integrations.hf import cache_argument
 from questkv.layers.rotary import RopeScaling
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
+from questkv.ops import reference
 from tests.helpers import PAGE_SIZE, TINY_CONFIGS, engine_greedy, tiny_config, tiny_hf_model
 
 PROMPT_LENS = (11, 6)  # ragged, both spanning several pages
@@ -227,3 +228,41 @@ def test_expected_weight_names_are_exactly_the_transformers_state_dict_names():
         model = _model(family)
         names = set(state) - ({"lm_head.weight"} if model.spec.tie_word_embeddings else set())
         assert set(model.expected_weight_names()) == names, family
+
+
+@pytest.mark.parametrize("family", list(TINY_CONFIGS))
+def test_kv_bounds_hold_for_inputs_of_any_size_at_any_rope_angle_and_the_worst_inputs_reach_them(family):
+    """``LlamaAttention.kv_bounds`` (the data-free scales of an fp8 pool): no input, however large or small, at any
+    rotary angle, gives a key or value beyond its head's bound. The input along a value row (signed like its bias)
+    reaches that row's bound (up to the norm's eps): the bound is as tight as Cauchy-Schwarz. The input along a key
+    row, at the angles that turn each RoPE pair into its first half, tests the rotation's share of the key bound."""
+    hf = tiny_hf_model(tiny_config(family), seed=int(torch.randint(1 << 16, ())))
+    model = _engine_model(hf)
+    for layer in model.model.layers:
+        attention, gamma = layer.self_attn, layer.input_layernorm.weight.detach()
+        bounds = attention.kv_bounds(gamma)
+        heads, dim, proj = attention.num_kv_heads, attention.head_dim, attention.qkv_proj
+        assert bounds.shape == (2, heads) and bounds.dtype == torch.float32
+        worst = []  # per head: the input along its key row, then along its value row, of the largest bound
+        for shard in ("k", "v"):
+            rows = slice(proj.shard_offsets[shard], proj.shard_offsets[shard] + proj.shard_sizes[shard])
+            weight = proj.weight[rows].detach() * gamma
+            bias = torch.zeros(weight.shape[0]) if proj.bias is None else proj.bias[rows].detach()
+            row_bounds = weight.norm(dim=1) * gamma.shape[0] ** 0.5 + bias.abs()
+            worst += [weight[r] * (1 if bias[r] >= 0 else -1)
+                      for r in row_bounds.view(heads, dim).argmax(dim=1) + torch.arange(heads) * dim]
+        x = torch.randn(256, gamma.shape[0]) * 10 ** torch.empty(256, 1).uniform_(-4, 4)
+        with torch.no_grad():
+            _, k, v = proj.split(proj(layer.input_layernorm(torch.cat([x, torch.stack(worst)]))))
+            k, v = k.reshape(-1, heads, dim), v.reshape(-1, heads, dim)
+            if attention.qk_norm:
+                k = attention.k_norm(k)
+            angles = torch.rand(k.shape[0], dim // 2) * 2 * math.pi
+            for h in range(heads):  # the worst key inputs: each pair's angle turns all of it into the first half
+                row = k[len(x) + h, h]
+                angles[len(x) + h] = torch.atan2(-row[dim // 2 :], row[: dim // 2])
+            k = reference.rotate(k, angles.cos(), angles.sin())
+        assert (k.abs().amax(dim=(0, 2)) <= bounds[0] * (1 + 1e-5)).all()
+        assert (v.abs().amax(dim=(0, 2)) <= bounds[1] * (1 + 1e-5)).all()
+        reached = torch.stack([v[len(x) + heads + h, h].abs().max() for h in range(heads)])
+        torch.testing.assert_close(reached, bounds[1], rtol=1e-2, atol=0)
