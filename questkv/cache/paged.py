@@ -53,11 +53,14 @@ class PagedKVCache:
     page table serves all layers. Storage (per layer ``l``, see :meth:`layer`):
 
     * ``k_pages[l]``, ``v_pages[l]``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (``kv_dtype``, default
-      ``dtype``; ``torch.float8_e4m3fn`` for an fp8 cache);
+      ``dtype``; ``torch.float8_e4m3fn`` for an fp8 cache, where the ``model_dtype_layers`` keep ``dtype``);
     * ``kmin[l]``, ``kmax[l]``: ``[num_pages, num_kv_heads, head_dim]``, element-wise min / max of
-      the page's stored keys, in ``kv_dtype`` (exact: min and max pick one of their inputs);
+      the page's stored keys, in the layer's K/V dtype (exact: min and max pick one of their inputs);
     * ``page_table``: ``[max_seqs, max_pages_per_seq]`` int32 and ``seq_lens``: ``[max_seqs]``
       int32, on ``device``, indexed by sequence id (padded, fixed shape: usable under CUDA graphs).
+
+    ``model_dtype_layers`` (an fp8 pool only) keep their K/V and bounds in ``dtype``: the layers whose keys e4m3 would
+    round past use (:meth:`~questkv.models.llama.LlamaForCausalLM.fp8_fragile_layers`).
 
     Appending is two steps so that a model can write layer by layer: :meth:`reserve` allocates
     pages and advances the lengths once per forward pass, :meth:`write` stores one layer's K/V.
@@ -90,6 +93,7 @@ class PagedKVCache:
         prefix_caching: bool = False,
         hash_salt: bytes = b"",
         kv_dtype: Optional[torch.dtype] = None,
+        model_dtype_layers: Sequence[int] = (),
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -114,20 +118,27 @@ class PagedKVCache:
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         if kv_dtype not in (dtype, torch.float8_e4m3fn):
             raise ValueError(f"PagedKVCache.kv_dtype must be dtype ({dtype}) or torch.float8_e4m3fn, got {kv_dtype}")
+        wide = list(model_dtype_layers)
+        if wide and (kv_dtype == dtype or not all(isinstance(i, int) and 0 <= i < num_layers for i in wide)):
+            raise ValueError(f"PagedKVCache.model_dtype_layers must be layers in [0, {num_layers}) of a pool whose "
+                             f"kv_dtype differs from dtype, got {wide} (kv_dtype {kv_dtype})")
+        wide = sorted(set(wide))
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_seqs = max_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self.backend = backend
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k_pages = torch.zeros(shape, dtype=kv_dtype, device=device)
-        self.v_pages = torch.zeros(shape, dtype=kv_dtype, device=device)
-        bounds_shape = (num_layers, num_pages, num_kv_heads, head_dim)
-        self._dtype = dtype
-        # (an fp8 pool's bounds start at 0: a page's first write restarts them before anything reads them)
-        low, high = (float("inf"), float("-inf")) if kv_dtype == dtype else (0.0, 0.0)
-        self.kmin = torch.full(bounds_shape, low, device=device).to(kv_dtype)
-        self.kmax = torch.full(bounds_shape, high, device=device).to(kv_dtype)
+        self._dtype, self._kv_dtype, self.model_dtype_layers = dtype, kv_dtype, tuple(wide)
+        # One stack of pages and bounds per dtype (a LayerPages whose tensors lead with the stack's layers), and
+        # where each layer lies: (stack, index in it).
+        narrow = [i for i in range(num_layers) if i not in wide]
+        self._stacks: list[LayerPages] = []
+        self._layer_at: list[tuple[int, int]] = [(0, 0)] * num_layers
+        for layers, stored in ((narrow, kv_dtype), (wide, dtype)):
+            if layers:
+                for index, layer in enumerate(layers):
+                    self._layer_at[layer] = (len(self._stacks), index)
+                self._stacks.append(self._allocate(len(layers), num_kv_heads, head_dim, stored, device))
         self.page_table = torch.zeros((max_seqs, max_pages_per_seq), dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
@@ -146,17 +157,58 @@ class PagedKVCache:
         self.track_rewinds = False
         self.rewinds: list[tuple[list[tuple[int, int]], list[int], list[int]]] = []
 
+    def _allocate(self, layers: int, num_kv_heads: int, head_dim: int, stored: torch.dtype,
+                  device: torch.device | str) -> LayerPages:
+        shape = (layers, self.num_pages, self.page_size, num_kv_heads, head_dim)
+        # (an fp8 stack's bounds start at 0: a page's first write restarts them before anything reads them)
+        low, high = (float("inf"), float("-inf")) if stored == self._dtype else (0.0, 0.0)
+        bounds_shape = (layers, self.num_pages, num_kv_heads, head_dim)
+        return LayerPages(torch.zeros(shape, dtype=stored, device=device),
+                          torch.zeros(shape, dtype=stored, device=device),
+                          torch.full(bounds_shape, low, device=device).to(stored),
+                          torch.full(bounds_shape, high, device=device).to(stored))
+
+    def _only_stack(self) -> LayerPages:
+        if len(self._stacks) > 1:
+            raise ValueError(f"this pool keeps layers {list(self.model_dtype_layers)} in {self._dtype} and the others "
+                             f"in {self._kv_dtype}: no one tensor holds every layer; read a layer with layer(i)")
+        return self._stacks[0]
+
+    @property
+    def k_pages(self) -> torch.Tensor:
+        """Every layer's keys ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]`` (a pool of one dtype)."""
+        return self._only_stack().k_pages
+
+    @property
+    def v_pages(self) -> torch.Tensor:
+        """Every layer's values, shaped as :attr:`k_pages` (a pool of one dtype)."""
+        return self._only_stack().v_pages
+
+    @property
+    def kmin(self) -> torch.Tensor:
+        """Every layer's page key minima ``[num_layers, num_pages, num_kv_heads, head_dim]`` (a pool of one dtype)."""
+        return self._only_stack().kmin
+
+    @property
+    def kmax(self) -> torch.Tensor:
+        """Every layer's page key maxima, shaped as :attr:`kmin` (a pool of one dtype)."""
+        return self._only_stack().kmax
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of pages and bounds (to free their memory)."""
+        return [tensor for stack in self._stacks for tensor in stack]
+
     @property
     def num_layers(self) -> int:
-        return self.k_pages.shape[0]
+        return len(self._layer_at)
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k_pages.shape[3]
+        return self._stacks[0].k_pages.shape[3]
 
     @property
     def head_dim(self) -> int:
-        return self.k_pages.shape[4]
+        return self._stacks[0].k_pages.shape[4]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,12 +217,13 @@ class PagedKVCache:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The dtype K and V are stored in (:attr:`dtype`, or ``torch.float8_e4m3fn``)."""
-        return self.k_pages.dtype
+        """The dtype K and V are stored in (:attr:`dtype`, or ``torch.float8_e4m3fn``; :attr:`model_dtype_layers`
+        keep :attr:`dtype`)."""
+        return self._kv_dtype
 
     @property
     def device(self) -> torch.device:
-        return self.k_pages.device
+        return self._stacks[0].k_pages.device
 
     @property
     def num_free_pages(self) -> int:
@@ -198,7 +251,8 @@ class PagedKVCache:
 
     def layer(self, layer_idx: int) -> LayerPages:
         """Views of one layer's pages and bounds (no copy)."""
-        return LayerPages(self.k_pages[layer_idx], self.v_pages[layer_idx], self.kmin[layer_idx], self.kmax[layer_idx])
+        stack, index = self._layer_at[layer_idx]
+        return LayerPages(*(tensor[index] for tensor in self._stacks[stack]))
 
     def seq_len(self, seq_id: int) -> int:
         self._check_seq(seq_id)
@@ -446,7 +500,8 @@ class PagedKVCache:
         worker's pool repeats rank 0's rewinds so, its page table following by :meth:`mirror`)."""
         if pages:
             index = self._to_device(torch.tensor([list(pages), list(counts)], dtype=torch.long))
-            ops.recompute_key_bounds(self.k_pages, self.kmin, self.kmax, index[0], index[1])
+            for stack in self._stacks:
+                ops.recompute_key_bounds(stack.k_pages, stack.kmin, stack.kmax, index[0], index[1])
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the cache's device without waiting for the device's queued work (a pinned copy on CUDA:

@@ -252,6 +252,7 @@ class CacheSpec:
     page_bytes: int
     weight_bytes: int
     kv_dtype: str = "bfloat16"
+    model_dtype_layers: tuple[int, ...] = ()  # an fp8 pool's layers kept in the model dtype
 
     @property
     def kv_tokens(self) -> int:
@@ -260,7 +261,8 @@ class CacheSpec:
 
     def describe(self) -> str:
         """One line for people: weights, KV-cache size, tokens of KV and full-length sequences that fit."""
-        return (f"weights {self.weight_bytes / 2**30:.2f} GiB; KV cache ({self.kv_dtype}) "
+        wide = f", layers {list(self.model_dtype_layers)} in the model dtype" if self.model_dtype_layers else ""
+        return (f"weights {self.weight_bytes / 2**30:.2f} GiB; KV cache ({self.kv_dtype}{wide}) "
                 f"{self.num_pages * self.page_bytes / 2**30:.2f} GiB: {self.num_pages} pages of {self.page_size} "
                 f"tokens, {self.kv_tokens:,} tokens of KV, room for "
                 f"{self.kv_tokens // self.max_model_len:,} sequences of max_model_len={self.max_model_len:,}")

@@ -17,8 +17,9 @@ _CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device: torch.device,
-               weight_bytes: int = 0, reserved_bytes: int = 0) -> CacheSpec:
-    """How many pages fit the memory budget (see :attr:`EngineConfig.kv_cache_memory`).
+               weight_bytes: int = 0, reserved_bytes: int = 0, model_dtype_layers: tuple[int, ...] = ()) -> CacheSpec:
+    """How many pages fit the memory budget (see :attr:`EngineConfig.kv_cache_memory`); an fp8 pool's
+    ``model_dtype_layers`` take the model dtype's bytes.
 
     On CUDA without ``kv_cache_memory``, the engine may occupy ``gpu_memory_utilization`` of the GPU's whole
     memory (as vLLM): the KV cache gets that share less the engine's weights (``weight_bytes``, already loaded),
@@ -32,7 +33,8 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
     element = torch.empty(0, dtype=config.torch_dtype).element_size()
     kv_element = torch.empty(0, dtype=config.torch_kv_dtype).element_size()
     # K and V of page_size tokens plus the page's min and max key, in the KV dtype, in every layer.
-    page_bytes = spec.num_layers * (2 * page_size + 2) * spec.num_kv_heads * spec.head_dim * kv_element
+    layer_bytes = (spec.num_layers - len(model_dtype_layers)) * kv_element + len(model_dtype_layers) * element
+    page_bytes = layer_bytes * (2 * page_size + 2) * spec.num_kv_heads * spec.head_dim
     budget = config.kv_cache_memory
     where = "kv_cache_memory"
     if budget is None and device.type == "cuda":
@@ -59,4 +61,5 @@ def plan_cache(config: EngineConfig, spec: ModelSpec, max_model_len: int, device
         )
     return CacheSpec(num_pages=int(num_pages), max_pages_per_seq=max_pages_per_seq, max_model_len=max_model_len,
                      page_size=page_size, page_bytes=page_bytes, weight_bytes=weight_bytes,
-                     kv_dtype="fp8_e4m3" if config.kv_cache_dtype != "auto" else config.dtype)
+                     kv_dtype="fp8_e4m3" if config.kv_cache_dtype != "auto" else config.dtype,
+                     model_dtype_layers=tuple(model_dtype_layers))

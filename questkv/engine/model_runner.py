@@ -172,7 +172,8 @@ class ModelRunner:
         weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         memory_bytes = 0 if quest is None else SelectionMemory.nbytes(quest, *memory_args)
         local = dataclasses.replace(spec, num_q_heads=self.num_q_heads, num_kv_heads=num_kv_heads)
-        self.cache_spec = plan_cache(config, local, max_model_len, self.device, weight_bytes, memory_bytes)
+        wide = self._fp8_fragile_layers() if config.kv_cache_dtype != "auto" else ()
+        self.cache_spec = plan_cache(config, local, max_model_len, self.device, weight_bytes, memory_bytes, wide)
         if tp is not None:  # one page table drives every rank: each pool holds as many pages as the smallest
             pages = tp.all_min(self.cache_spec.num_pages, self.device)
             self.cache_spec = dataclasses.replace(self.cache_spec, num_pages=pages)
@@ -180,7 +181,7 @@ class ModelRunner:
         self.cache = PagedKVCache(
             spec.num_layers, num_kv_heads, spec.head_dim, self.cache_spec.num_pages, config.page_size,
             max_seqs=max_seqs, max_pages_per_seq=self.cache_spec.max_pages_per_seq,
-            dtype=config.torch_dtype, device=self.device, kv_dtype=config.torch_kv_dtype,
+            dtype=config.torch_dtype, device=self.device, kv_dtype=config.torch_kv_dtype, model_dtype_layers=wide,
             prefix_caching=config.enable_prefix_caching, hash_salt=config.prefix_cache_salt(),
         )
         self.cache.track_rewinds = send is not None  # rank 0 tells the other ranks its lossless rewinds
@@ -188,7 +189,7 @@ class ModelRunner:
         if memory_bytes:
             self.memory = SelectionMemory(quest, *memory_args, self.device)
         if config.kv_cache_dtype != "auto":
-            scaled = model.fit_kv_scales(torch.finfo(config.torch_kv_dtype).max)
+            scaled = [i for i in model.fit_kv_scales(torch.finfo(config.torch_kv_dtype).max) if i not in wide]
             if scaled:
                 logger.info("fp8 KV cache: the weights let keys or values of layers %s exceed %s; those layers store "
                             "them scaled by a power of two", scaled, torch.finfo(config.torch_kv_dtype).max)
@@ -665,6 +666,19 @@ class ModelRunner:
             return seq.sampling_params.seed
         return (self.config.seed * 0x9E3779B1 + _stable_hash(seq.request_id)) % (1 << 62)
 
+    def _fp8_fragile_layers(self) -> tuple[int, ...]:
+        """The layers an fp8 pool keeps in the model dtype (:meth:`LlamaForCausalLM.fp8_fragile_layers`); with
+        tensor parallelism a layer fragile in any rank's heads, on every rank (one device's maths)."""
+        fragile = self.model.fp8_fragile_layers()
+        if self.tp is not None:
+            flags = torch.zeros(self.spec.num_layers, device=self.device)
+            flags[fragile] = 1
+            fragile = torch.nonzero(self.tp.all_max(flags)).flatten().tolist()
+        if fragile:
+            logger.info("fp8 KV cache: layers %s keep K/V in %s (a key bias e4m3 would round past the keys' "
+                        "token-dependent part)", fragile, self.config.dtype)
+        return tuple(fragile)
+
     def release(self) -> None:
         """Free the device memory of the page pool, the decode graphs and the weights now; the runner is unusable
         afterwards. Storages are emptied in place, so that no reference left elsewhere (a view, a cycle that
@@ -672,7 +686,7 @@ class ModelRunner:
         self.graphs.release()
         self._steps.clear()
         cache = self.cache
-        tensors = [cache.k_pages, cache.v_pages, cache.kmin, cache.kmax, self._sampled, self._inputs, self._forced,
+        tensors = [*cache.tensors(), self._sampled, self._inputs, self._forced,
                    *self.model.parameters(), *self.model.buffers()]
         if self.memory is not None:
             tensors += [self.memory.pages, self.memory.selected_at]

@@ -62,7 +62,7 @@ class Attention(nn.Module):
         # gives none, the data-free ones of fit_kv_scales.
         self.register_buffer("kv_scales", torch.ones(2, num_kv_heads), persistent=False)
         self.kv_scales_given = [False, False]  # which row the checkpoint set
-        self.scaled = False  # set by bind_cache: an fp8 pool and scales other than 1
+        self.scaled = False  # set by bind_cache: the layer's pages in fp8 and scales other than 1
 
     def set_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
         """Load the checkpoint's ``which`` (``"k"`` or ``"v"``) scale from tensor ``value`` (weight ``name``): one
@@ -192,7 +192,8 @@ def bind_cache(model: nn.Module, cache: PagedKVCache) -> None:
     for module in layers:
         module.pages = cache.layer(module.layer_idx)
         module.backend = cache.backend
-        module.scaled = cache.kv_dtype != cache.dtype and bool((module.kv_scales != 1).any())  # (read once, here)
+        # (read once, here)
+        module.scaled = module.pages.k_pages.dtype != cache.dtype and bool((module.kv_scales != 1).any())
         # In the model dtype, so that a step's tensors keep theirs: [2, Hkv, 1] for k and v, [2, Hq, 1] per query head.
         scales = module.kv_scales.to(cache.dtype)
         module.kv_divisors = scales[:, :, None]

@@ -252,6 +252,19 @@ class LlamaAttention(nn.Module):
         rotated = torch.hypot(k[:, :half], k[:, half:])  # either element of a RoPE pair
         return torch.stack([rotated.amax(dim=1), v.amax(dim=1)])
 
+    @torch.no_grad()
+    def key_bias_ratios(self, input_norm: torch.Tensor) -> torch.Tensor:
+        """Per KV head (``[num_kv_heads]`` float32): the norm of the key bias over the norm of the key's
+        token-dependent part for an input of unit RMS in every direction, ``||W_h diag(input_norm)||_F`` (``W_h``: the
+        head's key rows); 0 without a bias."""
+        proj = self.qkv_proj
+        if proj.bias is None:
+            return torch.zeros(self.num_kv_heads)
+        weight = proj.dequantized_weight() if isinstance(proj, QuantizedLinear) else proj.weight.float()
+        rows = slice(proj.shard_offsets["k"], proj.shard_offsets["k"] + proj.shard_sizes["k"])
+        part = (weight[rows] * input_norm.float()).view(self.num_kv_heads, -1).norm(dim=1)
+        return proj.bias[rows].float().view(self.num_kv_heads, -1).norm(dim=1) / part
+
 
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up in one GEMM (with ``tp``: each rank's share of the
@@ -331,6 +344,7 @@ class LlamaModel(nn.Module):
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
 _SHARDS = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # stored by some older checkpoints, recomputed here
+FP8_SIGNIFICANT_BITS = 4  # e4m3: 3 stored mantissa bits and the implicit one
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale$")  # optional: an fp8 KV cache's scales
 _UNFUSED = ("o", "down")
 # (block, module, checkpoint projections) of each linear of a decoder layer
@@ -384,6 +398,16 @@ class LlamaForCausalLM(nn.Module):
             ``[T, hidden_size]`` final hidden states (after the last norm), in the model dtype.
         """
         return self.model(input_ids, positions, ctx)
+
+    def fp8_fragile_layers(self) -> list[int]:
+        """The layers whose keys an e4m3 pool would round past use: some KV head's key bias more than
+        ``2**FP8_SIGNIFICANT_BITS`` times its keys' token-dependent part (:meth:`LlamaAttention.key_bias_ratios`), so
+        that e4m3's rounding step on the bias (4 significant bits) outweighs what tells one token's key from another's
+        (Qwen2.5's first layers; benchmarks/fp8_kv_scales.py measures the attention error). An fp8 pool keeps them in
+        the model dtype."""
+        limit = 2.0**FP8_SIGNIFICANT_BITS
+        return [i for i, layer in enumerate(self.model.layers)
+                if bool((layer.self_attn.key_bias_ratios(layer.input_layernorm.weight) > limit).any())]
 
     def fit_kv_scales(self, kv_max: float) -> list[int]:
         """Give every layer's attention data-free K/V scales for a pool whose largest value is ``kv_max`` where the

@@ -206,6 +206,8 @@ def test_bad_input_raises_clearly_and_changes_nothing(call, error, message):
         ({"num_pages": 0}, r"PagedKVCache.num_pages must be >= 1, got 0"),
         ({"max_pages_per_seq": 9}, r"max_pages_per_seq must be in \[1, num_pages=8\], got 9"),
         ({"dtype": torch.int32}, "dtype must be a float dtype"),
+        ({"model_dtype_layers": [0]}, r"model_dtype_layers must be layers in \[0, 1\) of a pool whose kv_dtype differs"),
+        ({"model_dtype_layers": [1], "kv_dtype": torch.float8_e4m3fn}, r"got \[1\] \(kv_dtype torch.float8_e4m3fn\)"),
     ],
 )
 def test_constructor_validation(kwargs, message):
@@ -286,3 +288,32 @@ def test_rewind_refuses_a_shared_page_and_bad_lengths_changing_nothing():
         assert_same(snapshot(cache), before)
     cache.rewind([seq], [8], [8])  # past the registered pages: the third page goes back to the pool
     assert cache.seq_len(seq) == 8 and len(cache.pages_of(seq)) == 2 and cache.num_free_pages == POOL - 2
+
+
+def test_an_fp8_pool_keeps_its_model_dtype_layers_in_the_model_dtype_and_writes_every_layer_where_it_lies():
+    """Layers 1 and 3 of four in fp32, 0 and 2 in fp8: each layer's view has its dtype, an append stores each layer's
+    K/V (exactly in fp32, rounded in fp8) with bounds of what it stored, a rewind recomputes both stacks' bounds, and
+    the whole-pool tensors, which no longer exist, are refused naming the layers."""
+    fp8 = torch.float8_e4m3fn
+    cache = PagedKVCache(4, HEADS, DIM, num_pages=8, page_size=PAGE, kv_dtype=fp8, model_dtype_layers=[3, 1])
+    assert cache.model_dtype_layers == (1, 3) and cache.kv_dtype == fp8 and cache.num_layers == 4
+    assert [cache.layer(i).k_pages.dtype for i in range(4)] == [fp8, torch.float32, fp8, torch.float32]
+    seq = cache.add_sequence()
+    n = PAGE + 3
+    keys, values = torch.randn(4, n, HEADS, DIM) * 3, torch.randn(4, n, HEADS, DIM)
+    cache.append([seq], [n], keys, values)
+    page = cache.pages_of(seq)[0]
+    for i in range(4):
+        pages = cache.layer(i)
+        cast = (lambda x: x) if i in (1, 3) else (lambda x: x.to(fp8).float())
+        stored = pages.k_pages[cache.pages_of(seq)].flatten(0, 1)[:n].float()
+        assert torch.equal(stored, cast(keys[i])), i
+        assert torch.equal(pages.v_pages[cache.pages_of(seq)].flatten(0, 1)[:n].float(), cast(values[i]))
+        assert torch.equal(pages.kmax[page].float(), cast(keys[i][:PAGE]).amax(0))
+    cache.rewind([seq], [PAGE + 1], [PAGE])
+    last = cache.pages_of(seq)[1]
+    for i in range(4):
+        kept = cache.layer(i).k_pages[last, :1].float()
+        assert torch.equal(cache.layer(i).kmin[last].float(), kept.amin(0))
+    with pytest.raises(ValueError, match=r"keeps layers \[1, 3\] in torch.float32 .* read a layer with layer\(i\)"):
+        cache.k_pages

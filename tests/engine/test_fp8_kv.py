@@ -108,10 +108,11 @@ def test_fp8_kv_with_tensor_parallel_ranks_or_int8_weights(loud_dir, kwargs):
     assert got == run(make_llm(loud_dir, kv_cache_dtype="fp8"), prompts, params)
 
 
-def with_kv_scales(model_dir, folder, k_scale=None, v_scale=None, loud: bool = False):
+def with_kv_scales(model_dir, folder, k_scale=None, v_scale=None, loud: bool = False, fragile: bool = False):
     """A copy of the saved model in ``folder`` with ``self_attn.k_scale`` / ``v_scale`` (anything ``torch.tensor``
-    takes; None: none) in every layer; ``loud``: ``v_proj`` times 2**12 and ``o_proj`` times 2**-12 (the same function
-    in fp32, values far past e4m3's 448)."""
+    takes; None: none) in every layer; ``loud``: ``v_proj`` (weight and bias) times 2**12 and ``o_proj`` times 2**-12
+    (the same function in fp32, values far past e4m3's 448); ``fragile`` (a model with QKV biases): layer 1's first
+    KV head's key bias 40 times its keys' token-dependent part (``LlamaForCausalLM.fp8_fragile_layers``)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -120,12 +121,20 @@ def with_kv_scales(model_dir, folder, k_scale=None, v_scale=None, loud: bool = F
     weights = load_file(folder / "model.safetensors")
     layers = 1 + max(int(name.split(".")[2]) for name in weights if name.startswith("model.layers."))
     for i in range(layers):
+        prefix = f"model.layers.{i}.self_attn."
         for which, scale in (("k", k_scale), ("v", v_scale)):
             if scale is not None:
-                weights[f"model.layers.{i}.self_attn.{which}_scale"] = torch.tensor(scale, dtype=torch.float32)
+                weights[f"{prefix}{which}_scale"] = torch.tensor(scale, dtype=torch.float32)
         if loud:
-            weights[f"model.layers.{i}.self_attn.v_proj.weight"] *= LOUD
-            weights[f"model.layers.{i}.self_attn.o_proj.weight"] /= LOUD
+            for name in (prefix + "v_proj.weight", prefix + "v_proj.bias"):
+                if name in weights:
+                    weights[name] *= LOUD
+            weights[prefix + "o_proj.weight"] /= LOUD
+    if fragile:
+        dim = weights["model.layers.1.self_attn.k_proj.weight"].shape[0] // 2  # 2 KV heads
+        head = weights["model.layers.1.self_attn.k_proj.weight"][:dim] * weights["model.layers.1.input_layernorm.weight"]
+        bias = weights["model.layers.1.self_attn.k_proj.bias"]
+        bias[:dim] *= 40 * head.norm() / bias[:dim].norm()
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
@@ -134,9 +143,16 @@ LOUD = 2.0**12
 
 
 @pytest.fixture(scope="module")
-def loud_dir(model_dir, tmp_path_factory):
-    """The loud model (:func:`with_kv_scales`) with per-KV-head key scales 0.5 and 2 from the checkpoint."""
-    return with_kv_scales(model_dir, tmp_path_factory.mktemp("loud") / "model", k_scale=[0.5, 2.0], loud=True)
+def qwen_dir(tmp_path_factory):
+    """A tiny Qwen2 (QKV biases) whose layer 1 is fp8-fragile in one KV head (:func:`with_kv_scales`)."""
+    plain = save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), VOCAB, seed=random.randrange(1 << 16), family="qwen2")
+    return with_kv_scales(plain, tmp_path_factory.mktemp("fragile") / "model", fragile=True)
+
+
+@pytest.fixture(scope="module")
+def loud_dir(qwen_dir, tmp_path_factory):
+    """``qwen_dir``, loud (:func:`with_kv_scales`), with per-KV-head key scales 0.5 and 2 from the checkpoint."""
+    return with_kv_scales(qwen_dir, tmp_path_factory.mktemp("loud") / "model", k_scale=[0.5, 2.0], loud=True)
 
 
 def prefill_slots(llm, length: int) -> slice:
@@ -168,14 +184,14 @@ def test_checkpoint_kv_scales_divide_what_an_fp8_pool_stores(model_dir, tmp_path
     assert torch.equal(fp8.v_pages[0].flatten(0, 1)[slots].float(), (v_plain / v_scale).to(torch.float8_e4m3fn).float())
 
 
-def test_data_free_scales_keep_values_past_e4m3s_range_unsaturated(model_dir, tmp_path):
+def test_data_free_scales_keep_values_past_e4m3s_range_unsaturated(qwen_dir, tmp_path):
     """The loud model's values reach far past e4m3's 448: from the weights alone the fp8 engine gives each layer's
     value heads the power of two that keeps them in range (``LlamaAttention.kv_bounds``), so layer 0's pool holds
     v / s rounded and no stored value sits at 448; with v_scale = 1 from the checkpoint the pool saturates."""
     p = prompt(37)
-    plain = make_llm(model_dir)
-    loud = make_llm(with_kv_scales(model_dir, tmp_path / "loud", loud=True), kv_cache_dtype="fp8")
-    forced = make_llm(with_kv_scales(model_dir, tmp_path / "forced", v_scale=1.0, loud=True), kv_cache_dtype="fp8")
+    plain = make_llm(qwen_dir)
+    loud = make_llm(with_kv_scales(qwen_dir, tmp_path / "loud", loud=True), kv_cache_dtype="fp8")
+    forced = make_llm(with_kv_scales(qwen_dir, tmp_path / "forced", v_scale=1.0, loud=True), kv_cache_dtype="fp8")
     for llm in (plain, loud, forced):
         run(llm, [p], greedy(1))
     slots = prefill_slots(plain, len(p))
@@ -184,10 +200,27 @@ def test_data_free_scales_keep_values_past_e4m3s_range_unsaturated(model_dir, tm
     assert torch.equal(torch.exp2(torch.log2(scales[1]).round()), scales[1])  # powers of two
     v_loud = plain.engine.cache.v_pages[0].flatten(0, 1)[slots] * LOUD  # exactly the loud model's layer-0 values
     assert v_loud.abs().max() > 448
-    stored = loud.engine.cache.v_pages[0].flatten(0, 1)[slots].float()
+    stored = loud.engine.cache.layer(0).v_pages.flatten(0, 1)[slots].float()
     assert torch.equal(stored, (v_loud / scales[1, :, None]).to(torch.float8_e4m3fn).float())
-    assert loud.engine.cache.v_pages[:, :, :].float().abs().max() < 448  # no layer saturated
-    assert forced.engine.cache.v_pages[0].flatten(0, 1)[slots].float().abs().max() == 448
+    narrow = [i for i in range(loud.engine.cache.num_layers) if i not in loud.engine.cache.model_dtype_layers]
+    assert max(loud.engine.cache.layer(i).v_pages.float().abs().max() for i in narrow) < 448  # none saturated
+    assert forced.engine.cache.layer(0).v_pages.flatten(0, 1)[slots].float().abs().max() == 448
+
+
+def test_a_layer_whose_key_bias_outweighs_its_keys_keeps_the_model_dtype_in_an_fp8_pool(qwen_dir):
+    """Layer 1 of the fragile model (``LlamaForCausalLM.fp8_fragile_layers``) keeps fp32 K/V and bounds, the others
+    fp8; the pool's pages are planned with those bytes and ``describe()`` names the layer; Quest with a covering
+    budget still gives fp8 dense's tokens."""
+    dense = make_llm(qwen_dir, kv_cache_dtype="fp8")
+    cache, spec = dense.engine.cache, dense.engine.spec
+    assert cache.model_dtype_layers == (1,)
+    assert [cache.layer(i).k_pages.dtype for i in range(cache.num_layers)] == [
+        torch.float32 if i == 1 else torch.float8_e4m3fn for i in range(cache.num_layers)]
+    per_layer = (2 * cache.page_size + 2) * spec.num_kv_heads * spec.head_dim  # bytes of one fp8 layer
+    assert dense.engine.runner.cache_spec.page_bytes == per_layer * (cache.num_layers - 1 + 4)
+    assert "KV cache (fp8_e4m3, layers [1] in the model dtype)" in dense.engine.runner.cache_spec.describe()
+    prompts, params = ragged(3)
+    assert run(make_llm(qwen_dir, FULL, kv_cache_dtype="fp8"), prompts, params) == run(dense, prompts, params)
 
 
 @pytest.mark.parametrize("shape, value, message", [((3,), 1.0, r"must be one number .* got shape \(3,\)"),

@@ -266,3 +266,22 @@ def test_kv_bounds_hold_for_inputs_of_any_size_at_any_rope_angle_and_the_worst_i
         assert (v.abs().amax(dim=(0, 2)) <= bounds[1] * (1 + 1e-5)).all()
         reached = torch.stack([v[len(x) + heads + h, h].abs().max() for h in range(heads)])
         torch.testing.assert_close(reached, bounds[1], rtol=1e-2, atol=0)
+
+
+def test_fp8_fragile_layers_are_those_whose_key_bias_outweighs_the_keys_16_times_in_some_head():
+    """``LlamaForCausalLM.fp8_fragile_layers``: layer 1's first KV head given a key bias 17 times its keys'
+    token-dependent part is picked (alone: its other head is not); 15 times is not; a family without biases has none."""
+    hf = tiny_hf_model(tiny_config("qwen2"), seed=int(torch.randint(1 << 16, ())))
+    model = _engine_model(hf)
+    assert model.fp8_fragile_layers() == []
+    attention, gamma = model.model.layers[1].self_attn, model.model.layers[1].input_layernorm.weight.detach()
+    proj, dim = attention.qkv_proj, attention.head_dim
+    start = proj.shard_offsets["k"]
+    part = (proj.weight[start : start + dim].detach() * gamma).norm()  # head 0's token-dependent key norm
+    for times, fragile in ((15.0, []), (17.0, [1])):
+        with torch.no_grad():
+            bias = proj.bias[start : start + dim]
+            bias.mul_(times * part / bias.norm())
+        assert model.fp8_fragile_layers() == fragile
+        assert attention.key_bias_ratios(gamma)[1] < 16
+    assert _engine_model(tiny_hf_model(tiny_config("llama3"))).fp8_fragile_layers() == []
