@@ -5,13 +5,15 @@ every layer's queries, rotated keys and values are captured, and causal attentio
 each scheme is compared with attention over the exact K/V (relative Frobenius error of the output, per layer):
 
 - ``none``: scale 1 (the pool stores k and v as they are);
-- ``data-free`` (the engine's default, :meth:`~questkv.layers.attention.Attention.fit_kv_scales`): per layer and KV
+- ``data-free`` (the engine's scales, :meth:`~questkv.layers.attention.Attention.fit_kv_scales`): per layer and KV
   head, the smallest power of two >= 1 that keeps the weights' bound of |k| and |v|
   (:meth:`~questkv.models.llama.LlamaAttention.kv_bounds`) within 448;
 - ``data-free, any power of two``: the same bound brought to 448 whichever way (scales below 1 too);
 - ``calibrated``: per layer and KV head, this very window's max |k| and |v| brought to 448 (calibration on the test
   text: the best a calibration set could do);
-- ``per token``: every token and head its own max brought to 448 (finer than any per-page scale could be).
+- ``per token``: every token and head its own max brought to 448 (finer than any per-page scale could be);
+- ``engine``: what the engine stores: ``data-free``, and in bf16 the layers whose key bias outweighs their keys
+  (:meth:`~questkv.models.llama.LlamaForCausalLM.fp8_fragile_layers`).
 
 Also the share of values that saturate (past 448 before the cast) and that fall below e4m3's smallest normal (2**-6,
 where it keeps fewer than 3 bits), and bf16 K/V's error beside them.
@@ -44,7 +46,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 SMALLEST_NORMAL = 2.0**-6
 TEXTS = {"book": "agreement_book", "code": "agreement_code"}
-SCHEMES = ("none", "data-free", "data-free, any power of two", "calibrated", "per token")
+SCHEMES = ("none", "data-free", "data-free, any power of two", "calibrated", "per token", "engine")
 
 
 def capture(llm: LLM, tokens: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -68,7 +70,7 @@ def scales(scheme: str, x: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     """Scheme ``scheme``'s scales for ``x`` ``[T, H, D]`` (weights' bound ``[H]``), broadcastable to ``x``."""
     if scheme == "none":
         return torch.ones(1, x.shape[1], 1)
-    if scheme == "data-free":
+    if scheme in ("data-free", "engine"):
         return torch.exp2(torch.ceil(torch.log2(bound / FP8_MAX)).clamp(min=0))[None, :, None]
     if scheme == "data-free, any power of two":
         return torch.exp2(torch.ceil(torch.log2(bound / FP8_MAX)))[None, :, None]
@@ -83,8 +85,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
-def stored(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, float, float]:
-    """``x`` as an e4m3 pool under ``scale`` holds it (saturating), dequantized; the shares saturated and subnormal."""
+def stored(x: torch.Tensor, scale: torch.Tensor, wide: bool = False) -> tuple[torch.Tensor, float, float]:
+    """``x`` as an e4m3 pool under ``scale`` holds it (saturating), dequantized; the shares saturated and subnormal
+    (``wide``: as a bf16 layer holds it)."""
+    if wide:
+        return x.bfloat16().float(), 0.0, 0.0
     scaled = x / scale
     saturated = float((scaled.abs() > FP8_MAX).float().mean())
     subnormal = float(((scaled != 0) & (scaled.abs() < SMALLEST_NORMAL)).float().mean())
@@ -95,6 +100,7 @@ def measure_model(name: str, length: int) -> dict:
     llm = LLM(name, device="cpu", dtype="float32", max_model_len=length + 8, max_num_seqs=1)
     model = llm.engine.runner.model
     bounds = [layer.self_attn.kv_bounds(layer.input_layernorm.weight) for layer in model.model.layers]  # [2, Hkv]
+    fragile = model.fp8_fragile_layers()
     rows = []
     for text, task in TEXTS.items():
         tokens = llm.tokenizer(agreement.load_text(task)[0])["input_ids"][:length]
@@ -105,8 +111,9 @@ def measure_model(name: str, length: int) -> dict:
             exact = attend(q, k, v)
             peak = max(peak, float(k.abs().max() / bounds[index][0].max()), float(v.abs().max() / bounds[index][1].max()))
             for scheme in SCHEMES:
-                k8, k_sat, k_sub = stored(k, scales(scheme, k, bounds[index][0]))
-                v8, v_sat, v_sub = stored(v, scales(scheme, v, bounds[index][1]))
+                wide = scheme == "engine" and index in fragile
+                k8, k_sat, k_sub = stored(k, scales(scheme, k, bounds[index][0]), wide)
+                v8, v_sat, v_sub = stored(v, scales(scheme, v, bounds[index][1]), wide)
                 per_layer[scheme].append(float((attend(q, k8, v8) - exact).norm() / exact.norm()))
                 share[scheme][0] += (k_sat + v_sat) / 2 / len(bounds)
                 share[scheme][1] += (k_sub + v_sub) / 2 / len(bounds)
@@ -124,7 +131,7 @@ def measure_model(name: str, length: int) -> dict:
     llm.close()
     return {"model": name, "rows": rows,
             "max_bound": {"k": max(float(b[0].max()) for b in bounds), "v": max(float(b[1].max()) for b in bounds)},
-            "scaled_layers": [i for i, b in enumerate(bounds) if bool((b > FP8_MAX).any())]}
+            "scaled_layers": [i for i, b in enumerate(bounds) if bool((b > FP8_MAX).any())], "fragile_layers": fragile}
 
 
 def table(record: dict) -> list[str]:
@@ -142,10 +149,12 @@ def table(record: dict) -> list[str]:
             saturated = "" if r["scheme"] == "bf16" else f"{r['saturated']:.3%}"
             lines.append(f"| {r['model']} | {r['text']} | {r['scheme']} | {r['mean_error']:.2%} | "
                          f"{r['max_error']:.2%} (layer {r['worst_layer']}) | {saturated} | {subnormal} |")
-    lines += ["", "Weights' bounds (`LlamaAttention.kv_bounds`) and the layers the data-free rule scales:", ""]
+    lines += ["", "Weights' bounds (`LlamaAttention.kv_bounds`), the layers the data-free rule scales and those kept in the "
+              "model dtype (`LlamaForCausalLM.fp8_fragile_layers`):", ""]
     lines += [f"- {m['model']}: largest bound of |k| {m['max_bound']['k']:.1f}, of |v| {m['max_bound']['v']:.1f}; "
               f"largest |k| or |v| seen / its layer's bound {max(r['peak_of_bound'] for r in m['rows']):.3f}; "
-              f"layers scaled: {m['scaled_layers'] or 'none'}" for m in record["models"]]
+              f"layers scaled: {m['scaled_layers'] or 'none'}; kept in the model dtype: {m['fragile_layers'] or 'none'}"
+              for m in record["models"]]
     return lines
 
 
