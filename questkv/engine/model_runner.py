@@ -26,10 +26,8 @@ followed by the prefill tokens.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 from questkv.cache.paged import PagedKVCache
@@ -42,7 +40,8 @@ from questkv.distributed.group import TensorParallel
 from questkv.engine.config import EngineConfig
 from questkv.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_batch_sizes
 from questkv.engine.kv_pool import plan_cache
-from questkv.engine.scheduler import ScheduledBatch
+from questkv.engine.scheduled_batch import ScheduledBatch
+from questkv.engine.step_io import PrefillInputs, SampledTokens, StepMessage
 from questkv.engine.sequence import Sequence
 from questkv.layers.attention import bind_cache
 from questkv.layers.sampler import Sampler
@@ -54,85 +53,7 @@ from questkv.ops.pages import ReusedSelections
 # row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS), whether
 # the row's phase makes it select (selection reuse), and whether it decodes densely (its route).
 _IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _DENSE = range(8)
-_NUM_INPUTS = 8
-
-logger = logging.getLogger("questkv.engine")
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillInputs:
-    """The prefill rows of a step, as every rank runs them (:meth:`ModelRunner._run_prefill`).
-
-    Attributes:
-        seq_ids, num_new_tokens, seq_lens, partial: the :class:`ScheduledBatch`'s, of its prefill rows.
-        token_ids: the prefill rows' input tokens, sequence after sequence (``sum(num_new_tokens)`` of them).
-        num_verifies: the leading rows that are verify rows (lossless requests): their logits are every position's.
-    """
-
-    seq_ids: tuple[int, ...]
-    num_new_tokens: tuple[int, ...]
-    seq_lens: tuple[int, ...]
-    partial: bool
-    token_ids: list[int]
-    num_verifies: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class StepMessage:
-    """What rank 0 sends the other ranks for one step (tensor parallelism), before it runs the step itself.
-
-    Attributes:
-        pages: ``(seq_id, start, pages, seq_len)`` for every sequence whose page-table row changed since the last
-            message (:meth:`~questkv.cache.paged.PagedKVCache.mirror`): the whole row on its prefill, new pages after.
-        prefill: the step's prefill rows, or ``None`` (a decode-only step).
-        decode: the step's decode rows: the packed decode inputs ``[_NUM_INPUTS, padded]`` int64 (a numpy array: it
-            pickles in ~10 µs, a tensor in ~70) and the graph key, or ``None``. Both set: a mixed step.
-        count: the tokens the step samples (broadcast from rank 0; none for a step that only prefills part of a
-            prompt): one per sampling sequence, ``num_new_tokens`` per verify row.
-        capture: capture every decode graph (``graph_capture="startup"``), nothing else.
-        verify: a step of aligned lossless verify rows (:meth:`ModelRunner._run_verify`'s arguments), or ``None``.
-        bounds: ``(pages, counts)`` whose key bounds rank 0 recomputed since its last message (lossless rewinds,
-            :meth:`~questkv.cache.paged.PagedKVCache.recompute_bounds`), done first.
-    """
-
-    pages: tuple[tuple[int, int, list[int], int], ...]
-    prefill: Optional[PrefillInputs] = None
-    decode: Optional[tuple[np.ndarray, GraphKey]] = None
-    count: int = 0
-    capture: bool = False
-    verify: Optional[tuple[np.ndarray, GraphKey, tuple[int, ...]]] = None
-    bounds: tuple[list[int], list[int]] = ([], [])
-
-
-@dataclasses.dataclass(frozen=True)
-class SampledTokens:
-    """The tokens one launched step samples: a host copy in flight and the event that completes it.
-
-    Attributes:
-        host: ``[batch]`` int64 on the host (pinned on CUDA), valid once ``done`` has completed.
-        done: the CUDA event recorded after the copies, ``None`` on CPU (the copies are already done).
-        logprobs: ``[batch]`` float32 on the host (pinned on CUDA), each row's log-probability of its forced
-            token (``SamplingParams.forced_token_ids``; rows without one hold junk), valid once ``done`` has
-            completed; ``None`` when no row of the step is at a forced output.
-    """
-
-    host: torch.Tensor
-    done: Optional[torch.cuda.Event]
-    logprobs: Optional[torch.Tensor] = None
-
-    def token_ids(self) -> list[int]:
-        """Wait for the step and return its tokens, in batch order."""
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
-
-    def forced_logprobs(self) -> Optional[list[float]]:
-        """Wait for the step and return :attr:`logprobs` as a list (``None`` without forced rows)."""
-        if self.logprobs is None:
-            return None
-        if self.done is not None:
-            self.done.synchronize()
-        return self.logprobs.tolist()
+NUM_INPUTS = 8
 
 
 class ModelRunner:
@@ -172,7 +93,7 @@ class ModelRunner:
         weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         memory_bytes = 0 if quest is None else SelectionMemory.nbytes(quest, *memory_args)
         local = dataclasses.replace(spec, num_q_heads=self.num_q_heads, num_kv_heads=num_kv_heads)
-        wide = self._fp8_fragile_layers() if config.kv_cache_dtype != "auto" else ()
+        wide = model.plan_fp8_kv(torch.finfo(config.torch_kv_dtype).max) if config.kv_cache_dtype != "auto" else ()
         self.cache_spec = plan_cache(config, local, max_model_len, self.device, weight_bytes, memory_bytes, wide)
         if tp is not None:  # one page table drives every rank: each pool holds as many pages as the smallest
             pages = tp.all_min(self.cache_spec.num_pages, self.device)
@@ -188,11 +109,6 @@ class ModelRunner:
         self.memory = None
         if memory_bytes:
             self.memory = SelectionMemory(quest, *memory_args, self.device)
-        if config.kv_cache_dtype != "auto":
-            scaled = [i for i in model.fit_kv_scales(torch.finfo(config.torch_kv_dtype).max) if i not in wide]
-            if scaled:
-                logger.info("fp8 KV cache: the weights let keys or values of layers %s exceed %s; those layers store "
-                            "them scaled by a power of two", scaled, torch.finfo(config.torch_kv_dtype).max)
         bind_cache(model, self.cache)
         if config.use_cuda_graphs and config.compile_elementwise:
             fuse_elementwise(model)
@@ -216,14 +132,14 @@ class ModelRunner:
         pin = self._pin = self.device.type == "cuda"
         # Two pinned staging buffers, used in turn: a step is staged while the copy of the one before may
         # still be queued behind the GPU (asynchronous scheduling).
-        self._host_inputs = [torch.zeros((_NUM_INPUTS, rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host_inputs = [torch.zeros((NUM_INPUTS, rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         # Teacher forcing: each row's forced token in, its log-probability out (steps with a forced row only).
         self._host_forced = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._host_logprobs = [torch.zeros(rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
         self._forced = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._flip = self._tokens_flip = 0
-        self._inputs = torch.zeros((_NUM_INPUTS, rows), dtype=torch.int64, device=self.device)
+        self._inputs = torch.zeros((NUM_INPUTS, rows), dtype=torch.int64, device=self.device)
         # A verify step's static inputs (lossless): per row its first position, KV length and page-table row, and
         # its input tokens.
         verify_rows = rows if config.speculative_config is not None else 0
@@ -486,7 +402,7 @@ class ModelRunner:
                       dense_rows: list[bool]) -> torch.Tensor:
         """Copy the packed decode inputs of the decode rows ``seqs`` (their KV lengths ``seq_lens``, page-table width
         ``width``, whether each decodes densely ``dense_rows``) to the device; rows past them (up to the padded batch
-        ``padded``) read and write one token of the scratch sequence. Returns the host copy, ``[_NUM_INPUTS,
+        ``padded``) read and write one token of the scratch sequence. Returns the host copy, ``[NUM_INPUTS,
         padded]`` int64."""
         host = self._host_inputs[self._flip][:, :padded]
         self._flip ^= 1
@@ -652,32 +568,13 @@ class ModelRunner:
             count = batch.num_sampled_tokens(row)
             for j in range(count):  # the row's outputs, from seq_len - count on
                 floats.append([p.temperature, p.top_p])
-                ints.append([p.top_k, self.seed_of(seq), seq_len - count + 1 + j - seq.num_prompt_tokens])
+                ints.append([p.top_k, seq.sampling_seed(self.config.seed), seq_len - count + 1 + j - seq.num_prompt_tokens])
         floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
         ints = torch.tensor(ints, dtype=torch.int64).to(self.device, non_blocking=True)
         filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort
         return self.sampler(
             logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], apply_top_k_top_p=filtering
         )
-
-    def seed_of(self, seq: Sequence) -> int:
-        """The request's seed, or one derived from the engine seed and the request id."""
-        if seq.sampling_params.seed is not None:
-            return seq.sampling_params.seed
-        return (self.config.seed * 0x9E3779B1 + _stable_hash(seq.request_id)) % (1 << 62)
-
-    def _fp8_fragile_layers(self) -> tuple[int, ...]:
-        """The layers an fp8 pool keeps in the model dtype (:meth:`LlamaForCausalLM.fp8_fragile_layers`); with
-        tensor parallelism a layer fragile in any rank's heads, on every rank (one device's maths)."""
-        fragile = self.model.fp8_fragile_layers()
-        if self.tp is not None:
-            flags = torch.zeros(self.spec.num_layers, device=self.device)
-            flags[fragile] = 1
-            fragile = torch.nonzero(self.tp.all_max(flags)).flatten().tolist()
-        if fragile:
-            logger.info("fp8 KV cache: layers %s keep K/V in %s (a key bias e4m3 would round past the keys' "
-                        "token-dependent part)", fragile, self.config.dtype)
-        return tuple(fragile)
 
     def release(self) -> None:
         """Free the device memory of the page pool, the decode graphs and the weights now; the runner is unusable
@@ -696,10 +593,3 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-
-def _stable_hash(text: str) -> int:
-    """A process-independent hash of ``text`` (Python's ``hash`` is salted per process)."""
-    value = 0
-    for byte in text.encode():
-        value = (value * 1_000_003 + byte) % (1 << 61)
-    return value

@@ -12,7 +12,7 @@ from typing import Iterable, Optional, Union
 from questkv.config import check_request_fields
 from questkv.validation import check_bool, check_float, check_int, check_optional_int, check_text
 
-__all__ = ["GREEDY_BELOW", "SamplingParams"]
+__all__ = ["GREEDY_BELOW", "SamplingParams", "check_length"]
 
 _MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
 GREEDY_BELOW = 1e-5  # a temperature below it is stored as 0 (greedy), as vLLM does: dividing logits by a tiny
@@ -136,3 +136,22 @@ def _token_ids(name: str, ids) -> tuple[int, ...]:
     for i, item in enumerate(ids):
         check_int(f"SamplingParams.{name}[{i}]", item, minimum=0)
     return tuple(ids)
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt: str = "prompt") -> None:
+    """Raise ``ValueError`` unless ``num_prompt_tokens`` and ``max_tokens`` fit ``max_model_len``: the prompt
+    leaves room for one generated token and ``max_tokens`` does not run past the context (refused, never
+    clamped). The engine's and the server's one rule; ``prompt`` names the prompt in the message (the server's
+    ``messages``)."""
+    check_int("num_prompt_tokens", num_prompt_tokens, minimum=1)
+    check_int("SamplingParams.max_tokens", max_tokens, minimum=1)
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"the {prompt} has {num_prompt_tokens} tokens but max_model_len={max_model_len} allows at most "
+            f"{max_model_len - 1}, leaving room for one generated token"
+        )
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"max_tokens={max_tokens} with the {prompt}'s {num_prompt_tokens} tokens exceeds "
+            f"max_model_len={max_model_len}: max_tokens may be at most {max_model_len - num_prompt_tokens}"
+        )

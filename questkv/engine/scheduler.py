@@ -25,114 +25,25 @@ samples nothing until the step that prefills its last chunk.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import operator
 import time
 from typing import Iterable, Optional, Union
 
 from questkv.cache.paged import PagedKVCache
 from questkv.config import MAX_SPECULATIVE_TOKENS, QuestConfig
 from questkv.decode.route import decodes_densely
+from questkv.engine.sampling_params import check_length
+from questkv.engine.scheduled_batch import ScheduledBatch
 from questkv.engine.sequence import Sequence, SequenceStatus
-from questkv.engine.speculation import SpeculationPolicy
+from questkv.engine.speculation import SpeculationPolicy, keep_verified
 from questkv.validation import check_int
 
-__all__ = ["ROW_KINDS", "STEP_KINDS", "ScheduledBatch", "Scheduler", "check_length"]
+__all__ = ["ROW_KINDS", "STEP_KINDS", "Scheduler"]
 
 STEP_KINDS = ("decode", "prefill", "mixed")
 """The kinds of a scheduled step: decode rows only, prefill rows only, or both (chunked prefill)."""
 
 ROW_KINDS = ("decode", "verify", "prefill")
 """The kinds of a step's rows (:attr:`Scheduler.step_tokens`)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledBatch:
-    """One step's work: the sequences and how many input tokens each feeds, decode rows first.
-
-    The first :attr:`num_decodes` sequences are decode rows (running sequences, one input token each:
-    ``seq.last_token``, or the token still in flight under asynchronous scheduling); the others are prefill rows
-    (new, recomputed or chunked sequences), the last of which may be :attr:`partial`. Without chunked prefill a
-    step holds one kind only; with it a step may hold both (a mixed step).
-
-    Lossless requests (:class:`~questkv.config.SpeculativeConfig`) bring two more kinds of row. A draft row is a
-    decode row whose sequence drafts (its input a draft token after the round's first step; its sampled token a
-    draft). A verify row (the :attr:`num_verifies` rows after the decode rows) feeds the round's last verified token
-    and its ``j`` drafts (``num_new_tokens`` ``j + 1``) at positions ``seq_lens[i] - j - 1`` to ``seq_lens[i] - 1``,
-    overwriting the drafts' K/V, and samples ``j + 1`` tokens: dense attention's token at each position. The runner
-    runs verify rows as prefill rows that already hold their earlier tokens.
-
-    Attributes:
-        seqs: the sequences, in batch order (the order of the sampled tokens).
-        num_new_tokens: per sequence, the step's input tokens: 1 on a decode row; on a prefill row its tokens (the
-            prompt, plus the tokens generated before a preemption when recomputing) past those it already holds
-            (``seq_lens[i] - num_new_tokens[i]`` of them: pages shared from the prefix cache, whole pages, fewer
-            than all, and its earlier chunks), all of them or the next chunk.
-        seq_lens: per sequence, the tokens it caches once the step's inputs are written (its KV length in the
-            step); the step's inputs are positions ``seq_lens[i] - num_new_tokens[i]`` to ``seq_lens[i] - 1``.
-        num_decodes: the leading decode rows.
-        num_verifies: the verify rows after them.
-        drafts: the decode rows (indices) that are draft rows.
-        dense_rows: per decode row, whether its step attends densely: the route of
-            :func:`~questkv.decode.route.decodes_densely`, or a lossless request's row that does not draft (its
-            token is output as it is). The runner and the attention accounting read it.
-        partial: with chunking, whether the last sequence's prefill goes on in a later step (its ``seq_lens``
-            stops short of its tokens): it samples nothing, so the step samples a token for ``seqs[:num_sampled]``
-            only (every decode row, and each prefill row that completes).
-    """
-
-    seqs: tuple[Sequence, ...]
-    num_new_tokens: tuple[int, ...]
-    seq_lens: tuple[int, ...]
-    num_decodes: int = 0
-    partial: bool = False
-    num_verifies: int = 0
-    drafts: tuple[int, ...] = ()
-    dense_rows: tuple[bool, ...] = ()
-
-    @property
-    def num_prefills(self) -> int:
-        """The rows after the decode rows, verify rows included (0: a decode-only step): the runner's prefill rows."""
-        return len(self.seqs) - self.num_decodes
-
-    def num_sampled_tokens(self, row: int) -> int:
-        """Tokens row ``row`` (a sampling row) samples: ``num_new_tokens`` on a verify row, else 1."""
-        verify = self.num_decodes <= row < self.num_decodes + self.num_verifies
-        return self.num_new_tokens[row] if verify else 1
-
-    @property
-    def num_sampled(self) -> int:
-        """The leading sequences of :attr:`seqs` that sample a token in this step: all but a partial one."""
-        return len(self.seqs) - self.partial
-
-    @property
-    def seq_ids(self) -> tuple[int, ...]:
-        """``PagedKVCache`` sequence ids, in batch order."""
-        return tuple(seq.cache_id for seq in self.seqs)
-
-    @property
-    def num_tokens(self) -> int:
-        """All input tokens of the step."""
-        return sum(self.num_new_tokens)
-
-
-def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt: str = "prompt") -> None:
-    """Raise ``ValueError`` unless ``num_prompt_tokens`` and ``max_tokens`` fit ``max_model_len``: the prompt
-    leaves room for one generated token and ``max_tokens`` does not run past the context (refused, never
-    clamped). The engine's and the server's one rule; ``prompt`` names the prompt in the message (the server's
-    ``messages``)."""
-    check_int("num_prompt_tokens", num_prompt_tokens, minimum=1)
-    check_int("SamplingParams.max_tokens", max_tokens, minimum=1)
-    if num_prompt_tokens >= max_model_len:
-        raise ValueError(
-            f"the {prompt} has {num_prompt_tokens} tokens but max_model_len={max_model_len} allows at most "
-            f"{max_model_len - 1}, leaving room for one generated token"
-        )
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise ValueError(
-            f"max_tokens={max_tokens} with the {prompt}'s {num_prompt_tokens} tokens exceeds "
-            f"max_model_len={max_model_len}: max_tokens may be at most {max_model_len - num_prompt_tokens}"
-        )
 
 
 class Scheduler:
@@ -381,26 +292,10 @@ class Scheduler:
             The sequences that finished in this update, in batch order.
         """
         sampled = batch.seqs[:batch.num_sampled]
-        rows = list(token_ids)
-        if len(rows) != len(sampled):
-            raise ValueError(f"update got {len(rows)} token ids for a batch of {len(sampled)} sampling sequences")
+        rows = batch.token_rows(token_ids)
         logprobs = None if forced_logprobs is None else list(forced_logprobs)
         if logprobs is not None and len(logprobs) != len(sampled):
             raise ValueError(f"update got {len(logprobs)} forced log-probabilities for a batch of {len(sampled)}")
-        for i, row in enumerate(rows):
-            count = batch.num_sampled_tokens(i)
-            verify = batch.num_decodes <= i < batch.num_decodes + batch.num_verifies
-            tokens = list(row) if verify and isinstance(row, (list, tuple)) else [row]
-            if verify and len(tokens) != count:
-                raise ValueError(f"update: verify row {i} must get a list of {count} token ids, got {row!r}")
-            for j, token in enumerate(tokens):
-                try:
-                    tokens[j] = operator.index(token)
-                except TypeError:
-                    raise ValueError(f"update: token_ids[{i}] must be an int, got {token!r}") from None
-                if tokens[j] < 0:
-                    raise ValueError(f"update: token_ids[{i}] must be >= 0, got {tokens[j]}")
-            rows[i] = tokens
         live = [(i, seq, tokens) for i, (seq, tokens) in enumerate(zip(sampled, rows)) if not seq.is_finished]
         if logprobs is None and any(seq.is_forced(seq.num_output_tokens) for _, seq, _ in live):
             raise ValueError("update: a sequence is at a forced output but no forced_logprobs were given")
@@ -418,7 +313,7 @@ class Scheduler:
         for seq in sampled:
             seq.num_in_flight -= 1
         verifying = range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
-        kept = {i: self._accept(seq, rows[i], batch.num_decodes + batch.num_verifies)
+        kept = {i: keep_verified(seq, rows[i], self.speculation, batch.num_decodes + batch.num_verifies)
                 for i, seq, _ in live if i in verifying}
         self._rewind([(seq, kept[i]) for i, seq, _ in live if i in kept and seq.cache_id is not None])
         now = time.perf_counter()
@@ -437,20 +332,6 @@ class Scheduler:
                     finished.append(seq)
                     break
         return finished
-
-    def _accept(self, seq: Sequence, tokens: list[int], rows: int) -> list[int]:
-        """The tokens a verify row keeps: its drafts while they equal ``tokens`` (dense attention's), then the token
-        after them; counts the round (on the sequence and, for a step of ``rows`` decoding rows, the policy)."""
-        drafts = seq.draft_token_ids
-        accepted = 0
-        while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
-            accepted += 1
-        seq.num_verify_steps += 1
-        seq.num_draft_tokens += len(drafts)
-        seq.num_accepted_tokens += accepted
-        if self.speculation is not None:
-            self.speculation.record_round(rows, len(drafts), accepted)
-        return tokens[:accepted + 1]
 
     def _rewind(self, rounds: list[tuple[Sequence, list[int]]]) -> None:
         """Drop the verified sequences' positions past their kept tokens (all but the last, which is the next

@@ -195,6 +195,13 @@ class Sequence:
         """``"stop"``, ``"length"``, ``"abort"``, or ``None`` while unfinished."""
         return self.status.finish_reason
 
+    def sampling_seed(self, engine_seed: int) -> int:
+        """The request's sampling seed: ``SamplingParams.seed``, or one derived from ``engine_seed`` and the request id
+        (the same in every process)."""
+        if self.sampling_params.seed is not None:
+            return self.sampling_params.seed
+        return (engine_seed * 0x9E3779B1 + _stable_hash(self.request_id)) % (1 << 62)
+
     def metrics(self) -> RequestMetrics:
         """The request's metrics so far (decode speed only once finished)."""
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
@@ -299,3 +306,11 @@ class RequestOutput:
             forced_choices=tuple(seq.forced_choices),
             forced_logprobs=tuple(seq.forced_logprobs),
         )
+
+
+def _stable_hash(text: str) -> int:
+    """A process-independent hash of ``text`` (Python's ``hash`` is salted per process)."""
+    value = 0
+    for byte in text.encode():
+        value = (value * 1_000_003 + byte) % (1 << 61)
+    return value

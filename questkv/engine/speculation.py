@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-__all__ = ["PROBE_EVERY", "SpeculationPolicy", "StepKind", "expected_tokens"]
+if TYPE_CHECKING:
+    from questkv.engine.sequence import Sequence
+
+__all__ = ["PROBE_EVERY", "SpeculationPolicy", "StepKind", "expected_tokens", "keep_verified"]
 
 PROBE_EVERY = 32
 """Rounds between two dense steps that refresh the dense step's time, and dense steps between two rounds that
@@ -119,3 +122,18 @@ class SpeculationPolicy:
         bucket = self._bucket(batch)
         bucket.kept = (1 - _WEIGHT / batch) * bucket.kept + kept
         bucket.tested = (1 - _WEIGHT / batch) * bucket.tested + kept + (kept < drafted)
+
+
+def keep_verified(seq: "Sequence", tokens: list[int], policy: Optional[SpeculationPolicy], rows: int) -> list[int]:
+    """The tokens a verify row of ``seq`` keeps: its drafts while they equal ``tokens`` (dense attention's), then the
+    token after them; counts the round on the sequence and, for a step of ``rows`` decoding rows, in ``policy``."""
+    drafts = seq.draft_token_ids
+    accepted = 0
+    while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+        accepted += 1
+    seq.num_verify_steps += 1
+    seq.num_draft_tokens += len(drafts)
+    seq.num_accepted_tokens += accepted
+    if policy is not None:
+        policy.record_round(rows, len(drafts), accepted)
+    return tokens[:accepted + 1]

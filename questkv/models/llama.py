@@ -12,6 +12,7 @@ stack, the fused projections' layout, the mapping of HF safetensors names onto i
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Union
 
@@ -344,6 +345,8 @@ class LlamaModel(nn.Module):
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
 _SHARDS = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # stored by some older checkpoints, recomputed here
+logger = logging.getLogger(__name__)
+
 FP8_SIGNIFICANT_BITS = 4  # e4m3: 3 stored mantissa bits and the implicit one
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale$")  # optional: an fp8 KV cache's scales
 _UNFUSED = ("o", "down")
@@ -404,22 +407,33 @@ class LlamaForCausalLM(nn.Module):
         ``2**FP8_SIGNIFICANT_BITS`` times its keys' token-dependent part (:meth:`LlamaAttention.key_bias_ratios`), so
         that e4m3's rounding step on the bias (4 significant bits) outweighs what tells one token's key from another's
         (Qwen2.5's first layers; benchmarks/fp8_kv_scales.py measures the attention error). An fp8 pool keeps them in
-        the model dtype."""
+        the model dtype. With tensor parallelism, the layers fragile in any rank's heads (a collective)."""
         limit = 2.0**FP8_SIGNIFICANT_BITS
-        return [i for i, layer in enumerate(self.model.layers)
-                if bool((layer.self_attn.key_bias_ratios(layer.input_layernorm.weight) > limit).any())]
+        fragile = [bool((layer.self_attn.key_bias_ratios(layer.input_layernorm.weight) > limit).any())
+                   for layer in self.model.layers]
+        if self.tp is not None:  # a layer fragile in any rank's heads, on every rank (one device's maths)
+            fragile = self.tp.all_max(torch.tensor(fragile, dtype=torch.float32, device=self.lm_head.weight.device))
+            fragile = [bool(flag) for flag in fragile.tolist()]
+        return [i for i, flag in enumerate(fragile) if flag]
 
-    def fit_kv_scales(self, kv_max: float) -> list[int]:
-        """Give every layer's attention data-free K/V scales for a pool whose largest value is ``kv_max`` where the
-        checkpoint gave none (:meth:`~questkv.layers.attention.Attention.fit_kv_scales`, from
-        :meth:`LlamaAttention.kv_bounds`); call after loading the weights. Returns the layers now scaled."""
+    def plan_fp8_kv(self, kv_max: float) -> tuple[int, ...]:
+        """Ready the layers for an fp8 KV pool whose largest value is ``kv_max`` (after loading the weights): returns
+        the layers it keeps in the model dtype (:meth:`fp8_fragile_layers`) and gives every other layer's attention
+        data-free K/V scales where the checkpoint gave none (:meth:`~questkv.layers.attention.Attention.fit_kv_scales`
+        from :meth:`LlamaAttention.kv_bounds`)."""
+        fragile = self.fp8_fragile_layers()
         scaled = []
         for i, layer in enumerate(self.model.layers):
-            attention = layer.self_attn
-            attention.attn.fit_kv_scales(attention.kv_bounds(layer.input_layernorm.weight), kv_max)
-            if bool((attention.attn.kv_scales != 1).any()):
-                scaled.append(i)
-        return scaled
+            if i not in fragile:
+                attention = layer.self_attn
+                attention.attn.fit_kv_scales(attention.kv_bounds(layer.input_layernorm.weight), kv_max)
+                if bool((attention.attn.kv_scales != 1).any()):
+                    scaled.append(i)
+        if fragile or scaled:
+            logger.info("fp8 KV cache: layers %s keep K/V in the model dtype (a key bias e4m3 would round past the "
+                        "keys' token-dependent part); layers %s scale K/V by powers of two (their weights let them "
+                        "pass %s)", fragile, scaled, kv_max)
+        return tuple(fragile)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` (the rows to sample from) → ``[N, vocab_size]`` float32 logits."""

@@ -50,6 +50,7 @@ from questkv.ops.checks import (
     check_selection_memory,
     check_stored_selections,
 )
+from questkv.ops.fp8_codes import widen_fp8_bounds
 from questkv.ops.pages import AttentionBuffers, ReusedSelections, SelectBuffers
 
 
@@ -89,43 +90,13 @@ def append_kv(
     restart = restart.scatter_reduce(0, pages, (offsets == 0).to(torch.int8), reduce="amax")[pages].bool()
     restart = restart[:, None, None]
     index = pages[:, None, None].expand_as(stored)
-    if kmin.dtype == FP8:
-        _widen_fp8_bounds(kmin, kmax, pages, index, restart, stored)
+    if kmin.dtype == torch.float8_e4m3fn:
+        widen_fp8_bounds(kmin, kmax, pages, index, restart, stored)
         return
     low = torch.minimum(torch.where(restart, float("inf"), kmin[pages]), stored)
     high = torch.maximum(torch.where(restart, float("-inf"), kmax[pages]), stored)
     kmin.scatter_reduce_(0, index, low, reduce="amin", include_self=False)
     kmax.scatter_reduce_(0, index, high, reduce="amax", include_self=False)
-
-
-FP8 = torch.float8_e4m3fn
-
-
-def fp8_order(x: torch.Tensor) -> torch.Tensor:
-    """An e4m3 tensor's bytes as uint8 codes in the values' order (``-448`` 1, ``-0`` 127, ``+0`` 128, ``448`` 254;
-    NaN is never stored: the cast saturates)."""
-    bits = x.view(torch.uint8).to(torch.int16)
-    return torch.where(bits >= 128, 255 - bits, 128 + bits).to(torch.uint8)
-
-
-def fp8_from_order(code: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`fp8_order`."""
-    code = code.to(torch.int16)
-    return torch.where(code >= 128, code - 128, 255 - code).to(torch.uint8).view(FP8)
-
-
-def _widen_fp8_bounds(kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor, index: torch.Tensor,
-                      restart: torch.Tensor, stored: torch.Tensor) -> None:
-    """:func:`append_kv`'s bounds of fp8 pages, whose bounds are fp8 too (no float8 reduction in torch): reduce the
-    values' order codes into the touched pages' bytes (``include_self=False``: only this step's candidates), then
-    turn those pages' codes back into e4m3 (every slot of a page writes the same bytes)."""
-    codes = fp8_order(stored)
-    for bound, empty, reduce in ((kmin, 255, "amin"), (kmax, 0, "amax")):
-        old = torch.where(restart, empty, fp8_order(bound[pages]))
-        best = torch.minimum(old, codes) if reduce == "amin" else torch.maximum(old, codes)
-        raw = bound.view(torch.uint8)
-        raw.scatter_reduce_(0, index, best, reduce=reduce, include_self=False)
-        raw[pages] = fp8_from_order(raw[pages]).view(torch.uint8)
 
 
 def recompute_key_bounds(

@@ -37,7 +37,7 @@ from typing import AsyncIterator, Optional, Union
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from questkv.engine.scheduler import check_length
+from questkv.engine.sampling_params import check_length
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.sequence import RequestOutput
 from questkv.server import protocol

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from questkv import PagedKVCache
-from questkv.cache.paged import CacheFullError, page_hashes
+from questkv.cache.page_hashes import page_hashes
+from questkv.cache.paged import CacheFullError
 
 LAYERS, HEADS, DIM, PAGE, POOL, SEQS = 2, 1, 4, 2, 10, 4
 

@@ -265,12 +265,12 @@ def test_a_requests_own_seed_wins_and_others_derive_theirs_from_the_engine_seed_
         engine.add_request(prompt(3), SamplingParams(seed=seed), request_id=request_id)
         return engine.scheduler.waiting[-1]
 
-    first, second, other = (make_llm(model_dir, seed=s).engine for s in (7, 7, 8))
-    a, b, c = queued(first, "r1"), queued(second, "r1"), queued(other, "r1")
-    assert first.runner.seed_of(a) == second.runner.seed_of(b) != other.runner.seed_of(c)
-    assert first.runner.seed_of(queued(first, "r2")) != first.runner.seed_of(a)
-    assert first.runner.seed_of(queued(first, "r3", seed=123)) == 123
-    assert 0 <= first.runner.seed_of(a) < 1 << 63
+    first, second = (make_llm(model_dir).engine for _ in range(2))
+    a, b = queued(first, "r1"), queued(second, "r1")
+    assert a.sampling_seed(7) == b.sampling_seed(7) != a.sampling_seed(8)
+    assert queued(first, "r2").sampling_seed(7) != a.sampling_seed(7)
+    assert queued(first, "r3", seed=123).sampling_seed(7) == 123
+    assert 0 <= a.sampling_seed(7) < 1 << 63
 
 
 def test_a_bfloat16_engine_keeps_its_pool_in_bfloat16_and_samples_from_float32_logits(model_dir, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from questkv import ops
-from questkv.ops import reference
+from questkv.ops import fp8_codes, reference
 from tests.ops.test_triton_ops import HEADS, _batch, _poison_unused, _readable, _rel_err
 
 FP8 = torch.float8_e4m3fn
@@ -25,11 +25,11 @@ def fp8_pool(num_pages: int, heads: int, dim: int):
 def test_order_codes_sort_as_the_values_and_invert():
     every = torch.arange(256, dtype=torch.uint8).view(FP8)
     every = every[~every.float().isnan()]
-    codes = reference.fp8_order(every)
+    codes = fp8_codes.fp8_order(every)
     assert len(set(codes.tolist())) == len(codes)  # distinct codes (-0 just below +0)
     ordered = every.float()[torch.argsort(codes.long())]
     assert bool((ordered[1:] >= ordered[:-1]).all())
-    assert torch.equal(reference.fp8_from_order(codes).view(torch.uint8), every.view(torch.uint8))
+    assert torch.equal(fp8_codes.fp8_from_order(codes).view(torch.uint8), every.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

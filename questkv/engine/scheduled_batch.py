@@ -1,0 +1,107 @@
+"""One scheduled step's work (:class:`ScheduledBatch`): what the scheduler hands the runner and reads back."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Iterable
+
+from questkv.engine.sequence import Sequence
+
+__all__ = ["ScheduledBatch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work: the sequences and how many input tokens each feeds, decode rows first.
+
+    The first :attr:`num_decodes` sequences are decode rows (running sequences, one input token each:
+    ``seq.last_token``, or the token still in flight under asynchronous scheduling); the others are prefill rows
+    (new, recomputed or chunked sequences), the last of which may be :attr:`partial`. Without chunked prefill a
+    step holds one kind only; with it a step may hold both (a mixed step).
+
+    Lossless requests (:class:`~questkv.config.SpeculativeConfig`) bring two more kinds of row. A draft row is a
+    decode row whose sequence drafts (its input a draft token after the round's first step; its sampled token a
+    draft). A verify row (the :attr:`num_verifies` rows after the decode rows) feeds the round's last verified token
+    and its ``j`` drafts (``num_new_tokens`` ``j + 1``) at positions ``seq_lens[i] - j - 1`` to ``seq_lens[i] - 1``,
+    overwriting the drafts' K/V, and samples ``j + 1`` tokens: dense attention's token at each position. The runner
+    runs verify rows as prefill rows that already hold their earlier tokens.
+
+    Attributes:
+        seqs: the sequences, in batch order (the order of the sampled tokens).
+        num_new_tokens: per sequence, the step's input tokens: 1 on a decode row; on a prefill row its tokens (the
+            prompt, plus the tokens generated before a preemption when recomputing) past those it already holds
+            (``seq_lens[i] - num_new_tokens[i]`` of them: pages shared from the prefix cache, whole pages, fewer
+            than all, and its earlier chunks), all of them or the next chunk.
+        seq_lens: per sequence, the tokens it caches once the step's inputs are written (its KV length in the
+            step); the step's inputs are positions ``seq_lens[i] - num_new_tokens[i]`` to ``seq_lens[i] - 1``.
+        num_decodes: the leading decode rows.
+        num_verifies: the verify rows after them.
+        drafts: the decode rows (indices) that are draft rows.
+        dense_rows: per decode row, whether its step attends densely: the route of
+            :func:`~questkv.decode.route.decodes_densely`, or a lossless request's row that does not draft (its
+            token is output as it is). The runner and the attention accounting read it.
+        partial: with chunking, whether the last sequence's prefill goes on in a later step (its ``seq_lens``
+            stops short of its tokens): it samples nothing, so the step samples a token for ``seqs[:num_sampled]``
+            only (every decode row, and each prefill row that completes).
+    """
+
+    seqs: tuple[Sequence, ...]
+    num_new_tokens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    num_decodes: int = 0
+    partial: bool = False
+    num_verifies: int = 0
+    drafts: tuple[int, ...] = ()
+    dense_rows: tuple[bool, ...] = ()
+
+    @property
+    def num_prefills(self) -> int:
+        """The rows after the decode rows, verify rows included (0: a decode-only step): the runner's prefill rows."""
+        return len(self.seqs) - self.num_decodes
+
+    def num_sampled_tokens(self, row: int) -> int:
+        """Tokens row ``row`` (a sampling row) samples: ``num_new_tokens`` on a verify row, else 1."""
+        verify = self.num_decodes <= row < self.num_decodes + self.num_verifies
+        return self.num_new_tokens[row] if verify else 1
+
+    @property
+    def num_sampled(self) -> int:
+        """The leading sequences of :attr:`seqs` that sample a token in this step: all but a partial one."""
+        return len(self.seqs) - self.partial
+
+    @property
+    def seq_ids(self) -> tuple[int, ...]:
+        """``PagedKVCache`` sequence ids, in batch order."""
+        return tuple(seq.cache_id for seq in self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        """All input tokens of the step."""
+        return sum(self.num_new_tokens)
+
+    def token_rows(self, token_ids: Iterable) -> list[list[int]]:
+        """``token_ids`` as :meth:`~questkv.engine.scheduler.Scheduler.update` takes them (per sampling row, its token;
+        on a verify row the list of its ``num_new_tokens``), checked, as one list of ints per row.
+
+        Raises:
+            ValueError: another count of rows or of a verify row's tokens, or a token that is not an int >= 0.
+        """
+        rows = list(token_ids)
+        if len(rows) != self.num_sampled:
+            raise ValueError(f"update got {len(rows)} token ids for a batch of {self.num_sampled} sampling sequences")
+        for i, row in enumerate(rows):
+            count = self.num_sampled_tokens(i)
+            verify = self.num_decodes <= i < self.num_decodes + self.num_verifies
+            tokens = list(row) if verify and isinstance(row, (list, tuple)) else [row]
+            if verify and len(tokens) != count:
+                raise ValueError(f"update: verify row {i} must get a list of {count} token ids, got {row!r}")
+            for j, token in enumerate(tokens):
+                try:
+                    tokens[j] = operator.index(token)
+                except TypeError:
+                    raise ValueError(f"update: token_ids[{i}] must be an int, got {token!r}") from None
+                if tokens[j] < 0:
+                    raise ValueError(f"update: token_ids[{i}] must be >= 0, got {tokens[j]}")
+            rows[i] = tokens
+        return rows
