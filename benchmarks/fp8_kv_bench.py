@@ -142,7 +142,7 @@ def capacity(model: str = "llama3.1-8b", memory: int = 40 << 30) -> dict:
 
 def table(record: dict) -> str:
     head = record["provenance"]
-    lines = [f"# FP8 KV cache: decode step, bf16 KV vs fp8 KV", "",
+    lines = ["# FP8 KV cache: decode step, bf16 KV vs fp8 KV", "",
              f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",
              f"Checks: {json.dumps(record['check'])}", "",
              f"KV tokens in {record['capacity']['memory_bytes'] / 2**30:.0f} GiB ({record['capacity']['model']}): "

@@ -49,7 +49,7 @@ if __name__ == "__main__":  # run as a file: the checkout importable (questkv, b
 
 from benchmarks.graph_timing import graph_replay_us  # noqa: E402
 from questkv.ops import LayerPages  # noqa: E402
-from questkv.config import RERANKS, QuestConfig  # noqa: E402
+from questkv.config import QuestConfig  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as kernels  # noqa: E402
 from questkv.ops.triton import _common as triton_common  # noqa: E402

@@ -16,7 +16,6 @@ rendezvous (a fake one that exits at once, a script without ``if __name__ == "__
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import random
