@@ -167,21 +167,21 @@ def main() -> None:
         record = {"provenance": provenance("cpu"), "capacity": capacity()}
         stem = args.out_dir / f"fp8-kv-capacity-{args.tag}"
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+        stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))
         cap, head = record["capacity"], record["provenance"]
         text = (f"# FP8 KV cache: KV tokens per memory\n\n`{head['command']}` — commit {head['commit']}, "
                 f"{head['machine']}, {head['date']}\n\n| model | KV cache | bf16 KV tokens | fp8 KV tokens | ratio |\n"
                 f"|---|---|---|---|---|\n| {cap['model']} | {cap['memory_bytes'] / 2**30:.0f} GiB | "
                 f"{cap['kv_tokens']['auto']:,} | {cap['kv_tokens']['fp8']:,} | {cap['ratio']:.3f}× |\n")
-        stem.with_suffix(".md").write_text(text)
+        stem.with_name(stem.name + ".md").write_text(text)
         print(text)
         return
     record = {"provenance": provenance("cuda"), "check": check(), "capacity": capacity(),
               "points": [point(*p) for p in POINTS]}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"fp8-kv-{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    stem.with_suffix(".md").write_text(table(record))
+    stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))
+    stem.with_name(stem.name + ".md").write_text(table(record))
     print(table(record))
 
 

@@ -170,9 +170,9 @@ def main() -> None:
               "models": [measure_model(name, args.length) for name in args.models]}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"fp8-kv-scales-{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))
     lines = table(record)
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_name(stem.name + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -75,7 +75,7 @@ def main() -> None:
     record = {"provenance": provenance(args.device), **measure(args)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"kv-agreement-{args.kv_cache_dtype}-vs-{args.reference_kv_cache_dtype}-{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))
     head = record["provenance"]
     lines = [f"# Teacher-forced agreement: {args.kv_cache_dtype} K/V against {args.reference_kv_cache_dtype} K/V's "
              f"greedy tokens ({args.model})", "",
@@ -83,7 +83,7 @@ def main() -> None:
              "| text | length | windows | agreement | perplexity of the reference's tokens |", "|---|---|---|---|---|"]
     lines += [f"| {r['text']} | {r['length']} | {r['windows']} | {r['agreement']:.1%} | {r['perplexity']:.3f} |"
               for r in record["results"]]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_name(stem.name + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -371,8 +371,8 @@ def main() -> None:
     record = {"provenance": provenance(args.device), "results": results}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"lossless-{args.part}-{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    stem.with_suffix(".md").write_text(table(args.part, record))
+    stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))
+    stem.with_name(stem.name + ".md").write_text(table(args.part, record))
     print(table(args.part, record))
 
 
