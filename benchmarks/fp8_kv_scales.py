@@ -131,7 +131,8 @@ def measure_model(name: str, length: int) -> dict:
     llm.close()
     return {"model": name, "rows": rows,
             "max_bound": {"k": max(float(b[0].max()) for b in bounds), "v": max(float(b[1].max()) for b in bounds)},
-            "scaled_layers": [i for i, b in enumerate(bounds) if bool((b > FP8_MAX).any())], "fragile_layers": fragile}
+            "scaled_layers": [i for i, b in enumerate(bounds) if bool((b > FP8_MAX).any()) and i not in fragile],
+            "fragile_layers": fragile}
 
 
 def table(record: dict) -> list[str]:
