@@ -132,7 +132,9 @@ def measure_model(name: str, length: int) -> dict:
     return {"model": name, "rows": rows,
             "max_bound": {"k": max(float(b[0].max()) for b in bounds), "v": max(float(b[1].max()) for b in bounds)},
             "scaled_layers": [i for i, b in enumerate(bounds) if bool((b > FP8_MAX).any()) and i not in fragile],
-            "fragile_layers": fragile}
+            "fragile_layers": fragile,
+            "key_bias_ratios": [float(layer.self_attn.key_bias_ratios(layer.input_layernorm.weight).max())
+                                for layer in model.model.layers]}
 
 
 def table(record: dict) -> list[str]:
@@ -154,8 +156,9 @@ def table(record: dict) -> list[str]:
               "model dtype (`LlamaForCausalLM.fp8_fragile_layers`):", ""]
     lines += [f"- {m['model']}: largest bound of |k| {m['max_bound']['k']:.1f}, of |v| {m['max_bound']['v']:.1f}; "
               f"largest |k| or |v| seen / its layer's bound {max(r['peak_of_bound'] for r in m['rows']):.3f}; "
-              f"layers scaled: {m['scaled_layers'] or 'none'}; kept in the model dtype: {m['fragile_layers'] or 'none'}"
-              for m in record["models"]]
+              f"layers scaled: {m['scaled_layers'] or 'none'}; kept in the model dtype: {m['fragile_layers'] or 'none'}; "
+              f"largest key bias / token-dependent key norm per layer: "
+              f"{', '.join(f'{r:.1f}' for r in m['key_bias_ratios'])}" for m in record["models"]]
     return lines
 
 
