@@ -101,6 +101,7 @@ def measure_model(name: str, length: int) -> dict:
     model = llm.engine.runner.model
     bounds = [layer.self_attn.kv_bounds(layer.input_layernorm.weight) for layer in model.model.layers]  # [2, Hkv]
     fragile = model.fp8_fragile_layers()
+    ratios = [float(layer.self_attn.key_bias_ratios(layer.input_layernorm.weight).max()) for layer in model.model.layers]
     rows = []
     for text, task in TEXTS.items():
         tokens = llm.tokenizer(agreement.load_text(task)[0])["input_ids"][:length]
@@ -133,8 +134,7 @@ def measure_model(name: str, length: int) -> dict:
             "max_bound": {"k": max(float(b[0].max()) for b in bounds), "v": max(float(b[1].max()) for b in bounds)},
             "scaled_layers": [i for i, b in enumerate(bounds) if bool((b > FP8_MAX).any()) and i not in fragile],
             "fragile_layers": fragile,
-            "key_bias_ratios": [float(layer.self_attn.key_bias_ratios(layer.input_layernorm.weight).max())
-                                for layer in model.model.layers]}
+            "key_bias_ratios": ratios}
 
 
 def table(record: dict) -> list[str]:
