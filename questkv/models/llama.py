@@ -347,7 +347,10 @@ _SHARDS = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_p
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # stored by some older checkpoints, recomputed here
 logger = logging.getLogger(__name__)
 
-FP8_SIGNIFICANT_BITS = 4  # e4m3: 3 stored mantissa bits and the implicit one
+FP8_FRAGILE_RATIO = 4.0
+"""A layer whose key bias is more than this many times its keys' token-dependent part in some KV head keeps its K/V
+in the model dtype in an fp8 pool (:meth:`LlamaForCausalLM.fp8_fragile_layers`; the knee of
+benchmarks/fp8_fragile_layers.py on Qwen2.5-Coder-1.5B: 16 keeps 2 layers, 4 keeps 4 and a third less KL, 2 no better)."""
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale$")  # optional: an fp8 KV cache's scales
 _UNFUSED = ("o", "down")
 # (block, module, checkpoint projections) of each linear of a decoder layer
@@ -404,12 +407,12 @@ class LlamaForCausalLM(nn.Module):
 
     def fp8_fragile_layers(self) -> list[int]:
         """The layers whose keys an e4m3 pool would round past use: some KV head's key bias more than
-        ``2**FP8_SIGNIFICANT_BITS`` times its keys' token-dependent part (:meth:`LlamaAttention.key_bias_ratios`), so
-        that e4m3's rounding step on the bias (4 significant bits) outweighs what tells one token's key from another's
-        (Qwen2.5's first layers; benchmarks/fp8_kv_scales.py measures the attention error). An fp8 pool keeps them in
-        the model dtype. With tensor parallelism, the layers fragile in any rank's heads (a collective)."""
-        limit = 2.0**FP8_SIGNIFICANT_BITS
-        fragile = [bool((layer.self_attn.key_bias_ratios(layer.input_layernorm.weight) > limit).any())
+        :data:`FP8_FRAGILE_RATIO` times its keys' token-dependent part (:meth:`LlamaAttention.key_bias_ratios`), so that
+        e4m3's rounding of the bias (4 significant bits, steps of 2**-4 of it) drowns much of what tells one token's key
+        from another's (Qwen2.5's; benchmarks/fp8_fragile_layers.py and fp8_kv_scales.py measure it). An fp8 pool
+        keeps them in the model dtype. With tensor parallelism, the layers fragile in any rank's heads (a
+        collective)."""
+        fragile = [bool((layer.self_attn.key_bias_ratios(layer.input_layernorm.weight) > FP8_FRAGILE_RATIO).any())
                    for layer in self.model.layers]
         if self.tp is not None:  # a layer fragile in any rank's heads, on every rank (one device's maths)
             fragile = self.tp.all_max(torch.tensor(fragile, dtype=torch.float32, device=self.lm_head.weight.device))
