@@ -307,7 +307,8 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="the K/V pages' dtype, vLLM's names: auto (--dtype) or fp8 / fp8_e4m3 (float8 e4m3, one "
                        "byte per element: half of bf16's bytes per decode step and about twice the tokens per GPU; "
-                       "scale 1, values past ±448 saturate; the page key bounds stay in --dtype) (default: auto)")
+                       "scales from the weights so that nothing saturates, or the checkpoint's k_scale / v_scale; layers "
+                       "whose key bias dwarfs their keys stay in --dtype) (default: auto)")
     group.add_argument("--tensor-parallel-size", type=int_at_least(1), default=1, metavar="N",
                        help="shard the model over N ranks by attention heads: this process and N-1 spawned workers, "
                        "one GPU each (cuda:0..N-1, NCCL) or N CPU processes (gloo); heads, KV heads and the "

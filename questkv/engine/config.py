@@ -14,7 +14,7 @@ import torch
 from questkv.config import QuestConfig, SpeculativeConfig
 from questkv.validation import check_bool, check_choice, check_float, check_int, check_optional_int
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 """vLLM's names: ``auto`` stores K/V in the model's dtype; ``fp8`` (``fp8_e4m3``) in float8 e4m3, one byte each."""
 LOAD_FORMATS = ("auto", "dummy")
@@ -33,7 +33,8 @@ class EngineConfig:
         model: what :func:`questkv.load_model` takes (alias, HF folder, ``.gguf``), or a
             ``transformers.PretrainedConfig`` with ``load_format="dummy"`` (random weights).
         quest: Quest sparsity on decode steps, or ``None`` for the same engine dense.
-        dtype: weights and KV cache: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+        dtype: weights and KV cache: ``"bfloat16"``, ``"float16"`` or ``"float32"``; ``"float64"`` on CPU (the
+            reference: batch and chunk rounding too small to flip a near tie, for exactness tests).
         device: ``"cuda"`` or ``"cpu"``; ``None`` picks CUDA when available.
         max_num_seqs: the most sequences decoded together.
         max_model_len: the most tokens (prompt and output) per sequence; ``None``: the model's
@@ -144,6 +145,9 @@ class EngineConfig:
             check_choice("EngineConfig.device", self.device, DEVICES)
             if self.device == "cuda" and not torch.cuda.is_available():
                 raise ValueError("EngineConfig.device='cuda' but no CUDA device is available; use 'cpu'")
+        if self.dtype == "float64" and self.torch_device.type != "cpu":
+            raise ValueError(f"EngineConfig.dtype='float64' runs on the CPU only (the Triton kernels take 16- and 32-bit "
+                             f"floats), got device {self.torch_device.type!r}")
         check_int("EngineConfig.max_num_seqs", self.max_num_seqs, minimum=1)
         check_optional_int("EngineConfig.max_model_len", self.max_model_len, minimum=2)
         check_optional_int("EngineConfig.max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)

@@ -113,7 +113,8 @@ def recompute_key_bounds(
         counts: ``[n]`` int64 in ``[1, page_size]``, the keys each page holds.
     """
     page_size = k_pages.shape[2]
-    keys = k_pages[:, pages].float()  # [L, n, page_size, H, D]
+    keys = k_pages[:, pages]  # [L, n, page_size, H, D]
+    keys = keys.float() if keys.element_size() == 1 else keys  # (no float8 reduction in torch; exact)
     dropped = (torch.arange(page_size, device=counts.device)[None, :] >= counts[:, None])[None, :, :, None, None]
     kmin[:, pages] = keys.masked_fill(dropped, float("inf")).amin(dim=2).to(kmin.dtype)  # exact: a stored key
     kmax[:, pages] = keys.masked_fill(dropped, float("-inf")).amax(dim=2).to(kmax.dtype)

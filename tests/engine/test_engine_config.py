@@ -95,7 +95,7 @@ def test_max_model_len_defaults_to_the_models_max_position_embeddings():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(bogus=1), "LLM got unknown arguments ['bogus']"),
     (dict(pipeline_parallel_size=2, bogus=1), "unknown arguments ['bogus', 'pipeline_parallel_size']"),
-    (dict(dtype="int8"), "dtype must be one of bfloat16, float16, float32, got 'int8'"),
+    (dict(dtype="int8"), "dtype must be one of bfloat16, float16, float32, float64, got 'int8'"),
     (dict(dtype=torch.int8), "dtype must be one of"),
     (dict(device="tpu"), "EngineConfig.device must be one of 'cpu', 'cuda'; got 'tpu'"),
     (dict(max_num_seqs=0), "EngineConfig.max_num_seqs must be >= 1, got 0"),
@@ -277,3 +277,12 @@ def test_a_failing_generate_call_leaves_the_engine_untouched(bad):
     assert cache.num_free_pages == free and cache.sequences == [engine.runner.scratch_seq]
     (after,) = llm.generate([good], greedy(6), use_tqdm=False)
     assert after.token_ids == before.token_ids
+
+
+def test_float64_is_refused_where_the_engine_would_run_on_cuda(monkeypatch):
+    """float64 (the CPU reference dtype of the exactness tests) has no Triton kernels: refused before anything is built
+    when the engine would pick CUDA, named with the device; accepted on the CPU."""
+    assert EngineConfig(model="m", dtype="float64", device="cpu").torch_dtype == torch.float64
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"dtype='float64' runs on the CPU only .* got device 'cuda'"):
+        EngineConfig(model="m", dtype="float64")

@@ -64,7 +64,7 @@ def test_preemption_gives_the_tokens_of_an_unconstrained_fp8_engine(model_dir):
 def test_page_bounds_equal_the_stored_keys_after_every_step(model_dir):
     llm = make_llm(model_dir, SMALL, kv_cache_dtype="fp8")
     engine, cache = llm.engine, llm.engine.cache
-    assert cache.kv_dtype == cache.kmin.dtype == torch.float8_e4m3fn and cache.dtype == torch.float32
+    assert cache.kv_dtype == cache.kmin.dtype == torch.float8_e4m3fn and cache.dtype == torch.float64
     for p in [prompt(random.randint(30, 80)) for _ in range(3)]:
         engine.add_request(p, greedy(30))
     while engine.has_unfinished_requests():
@@ -78,14 +78,14 @@ def test_page_bounds_equal_the_stored_keys_after_every_step(model_dir):
 
 
 def test_the_pool_holds_the_tokens_its_bytes_allow(model_dir):
-    """At equal memory an fp8 pool holds 4 times the tokens of an fp32 model's pool (2 times a bf16 model's): K, V
-    and the page bounds all in one byte; its description names the dtype."""
+    """At equal memory an fp8 pool holds as many times the tokens of a model-dtype pool as that dtype has bytes (8 for
+    these float64 tests, 2 for bf16): K, V and the page bounds all in one byte; its description names the dtype."""
     memory = 1 << 22
     wide, narrow = (make_llm(model_dir, kv_cache_memory=memory, kv_cache_dtype=dtype) for dtype in ("auto", "fp8"))
     ratio = narrow.engine.runner.cache_spec.kv_tokens / wide.engine.runner.cache_spec.kv_tokens
-    assert ratio == pytest.approx(4.0, rel=0.01)
+    assert ratio == pytest.approx(torch.finfo(wide.engine.cache.dtype).bits / 8, rel=0.01)
     assert "KV cache (fp8_e4m3)" in narrow.engine.runner.cache_spec.describe()
-    assert "KV cache (float32)" in wide.engine.runner.cache_spec.describe()
+    assert "KV cache (float64)" in wide.engine.runner.cache_spec.describe()
 
 
 @pytest.mark.parametrize("value", ["int8", "fp8_e5m2", "FP8", None])
@@ -208,16 +208,17 @@ def test_data_free_scales_keep_values_past_e4m3s_range_unsaturated(qwen_dir, tmp
 
 
 def test_a_layer_whose_key_bias_outweighs_its_keys_keeps_the_model_dtype_in_an_fp8_pool(qwen_dir):
-    """Layer 1 of the fragile model (``LlamaForCausalLM.fp8_fragile_layers``) keeps fp32 K/V and bounds, the others
+    """Layer 1 of the fragile model (``LlamaForCausalLM.fp8_fragile_layers``) keeps model-dtype K/V and bounds, the others
     fp8; the pool's pages are planned with those bytes and ``describe()`` names the layer; Quest with a covering
     budget still gives fp8 dense's tokens."""
     dense = make_llm(qwen_dir, kv_cache_dtype="fp8")
     cache, spec = dense.engine.cache, dense.engine.spec
     assert cache.model_dtype_layers == (1,)
     assert [cache.layer(i).k_pages.dtype for i in range(cache.num_layers)] == [
-        torch.float32 if i == 1 else torch.float8_e4m3fn for i in range(cache.num_layers)]
+        cache.dtype if i == 1 else torch.float8_e4m3fn for i in range(cache.num_layers)]
     per_layer = (2 * cache.page_size + 2) * spec.num_kv_heads * spec.head_dim  # bytes of one fp8 layer
-    assert dense.engine.runner.cache_spec.page_bytes == per_layer * (cache.num_layers - 1 + 4)
+    model_dtype_bytes = cache.layer(1).k_pages.element_size()
+    assert dense.engine.runner.cache_spec.page_bytes == per_layer * (cache.num_layers - 1 + model_dtype_bytes)
     assert "KV cache (fp8_e4m3, layers [1] in the model dtype)" in dense.engine.runner.cache_spec.describe()
     prompts, params = ragged(3)
     assert run(make_llm(qwen_dir, FULL, kv_cache_dtype="fp8"), prompts, params) == run(dense, prompts, params)

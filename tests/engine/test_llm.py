@@ -3,8 +3,9 @@ budgets, stops, seeded sampling, and the default model against transformers.
 
 Most tests run a tiny random transformers Llama (3 layers, GQA 4 q / 2 KV heads, llama3 rope) saved with
 ``save_pretrained`` once per module, with a word tokenizer whose token ``i >= 2`` is the word ``x{i:02d}`` (so
-stop strings can be read off token ids). Prompts are fresh random token ids in every test; fp32, so greedy
-tokens must match exactly.
+stop strings can be read off token ids). Prompts are fresh random token ids in every test; float64, so that greedy
+tokens must match exactly: a batch, a chunk or a cache hit rounds the same sums in another order, and in fp32 that
+flipped near-tied page scores of a small Quest budget now and then (float64's rounding is 2**29 times finer).
 """
 
 import dataclasses
@@ -36,7 +37,7 @@ def model_dir(tmp_path_factory):
 
 
 def make_llm(model_dir, quest=None, **kwargs) -> LLM:
-    kwargs = {"device": "cpu", "dtype": "float32", "max_model_len": MAX_LEN, "kv_cache_memory": 1 << 21, **kwargs}
+    kwargs = {"device": "cpu", "dtype": "float64", "max_model_len": MAX_LEN, "kv_cache_memory": 1 << 21, **kwargs}
     return LLM(str(model_dir), quest=quest, **kwargs)
 
 
@@ -58,9 +59,10 @@ def alone(llm, prompts, params) -> list[tuple[int, ...]]:
 
 
 def pool_memory(llm, pages: int) -> int:
-    """``kv_cache_memory`` for ``pages`` pages of ``llm``'s model (K, V and the min/max keys per layer, fp32)."""
-    spec = llm.engine.spec
-    return pages * spec.num_layers * (2 * llm.config.page_size + 2) * spec.num_kv_heads * spec.head_dim * 4
+    """``kv_cache_memory`` for ``pages`` pages of ``llm``'s model (K, V and the min/max keys per layer, in its pool's
+    dtype)."""
+    spec, element = llm.engine.spec, llm.engine.cache.layer(0).k_pages.element_size()
+    return pages * spec.num_layers * (2 * llm.config.page_size + 2) * spec.num_kv_heads * spec.head_dim * element
 
 
 def first_new(tokens, start: int = 1):

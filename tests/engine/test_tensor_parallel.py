@@ -49,18 +49,18 @@ DEADLINE_S = 60.0  # a bound for states awaited (a worker's death noticed, proce
 def make_llm(model_dir, tensor_parallel_size: int, **kwargs) -> LLM:
     """An engine whose pool holds ``POOL_PAGES`` pages on every rank (``kv_cache_memory`` is per rank)."""
     return LLM(str(model_dir), QUEST, kv_cache_memory=pool_bytes(model_dir, tensor_parallel_size), device="cpu",
-               dtype="float32", max_model_len=MAX_LEN, max_num_seqs=8, tensor_parallel_size=tensor_parallel_size,
+               dtype="float64", max_model_len=MAX_LEN, max_num_seqs=8, tensor_parallel_size=tensor_parallel_size,
                **kwargs)
 
 
 def pool_bytes(model_dir, tensor_parallel_size: int) -> int:
-    """``kv_cache_memory`` for ``POOL_PAGES`` pages of one rank's KV heads (K, V, min and max keys, fp32)."""
+    """``kv_cache_memory`` for ``POOL_PAGES`` pages of one rank's KV heads (K, V, min and max keys, float64)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     kv_heads = config.num_key_value_heads // tensor_parallel_size
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return POOL_PAGES * config.num_hidden_layers * (2 * PAGE + 2) * kv_heads * head_dim * 4
+    return POOL_PAGES * config.num_hidden_layers * (2 * PAGE + 2) * kv_heads * head_dim * 8
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
