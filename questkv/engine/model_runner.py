@@ -565,10 +565,10 @@ class ModelRunner:
             return logits.argmax(dim=-1)
         floats, ints = [], []
         for row, (p, seq, seq_len) in enumerate(zip(params, seqs, batch.seq_lens)):
-            count = batch.num_sampled_tokens(row)
+            count, seed = batch.num_sampled_tokens(row), seq.sampling_seed(self.config.seed)
             for j in range(count):  # the row's outputs, from seq_len - count on
                 floats.append([p.temperature, p.top_p])
-                ints.append([p.top_k, seq.sampling_seed(self.config.seed), seq_len - count + 1 + j - seq.num_prompt_tokens])
+                ints.append([p.top_k, seed, seq_len - count + 1 + j - seq.num_prompt_tokens])
         floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
         ints = torch.tensor(ints, dtype=torch.int64).to(self.device, non_blocking=True)
         filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort

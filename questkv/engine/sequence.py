@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import time
 from typing import Any, Optional, Union
 
@@ -200,7 +201,7 @@ class Sequence:
         (the same in every process)."""
         if self.sampling_params.seed is not None:
             return self.sampling_params.seed
-        return (engine_seed * 0x9E3779B1 + _stable_hash(self.request_id)) % (1 << 62)
+        return (engine_seed * 0x9E3779B1 + _request_hash(self.request_id)) % (1 << 62)
 
     def metrics(self) -> RequestMetrics:
         """The request's metrics so far (decode speed only once finished)."""
@@ -308,8 +309,10 @@ class RequestOutput:
         )
 
 
-def _stable_hash(text: str) -> int:
-    """A process-independent hash of ``text`` (Python's ``hash`` is salted per process)."""
+@functools.lru_cache(maxsize=4096)
+def _request_hash(text: str) -> int:
+    """A process-independent hash of ``text`` (Python's ``hash`` is salted per process); cached, since a sampled
+    request asks at every step."""
     value = 0
     for byte in text.encode():
         value = (value * 1_000_003 + byte) % (1 << 61)

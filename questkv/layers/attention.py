@@ -63,6 +63,7 @@ class Attention(nn.Module):
         self.register_buffer("kv_scales", torch.ones(2, num_kv_heads), persistent=False)
         self.kv_scales_given = [False, False]  # which row the checkpoint set
         self.scaled = False  # set by bind_cache: the layer's pages in fp8 and scales other than 1
+        self.kv_divisors = self.head_scales = None  # kv_scales as the step applies them, set by bind_cache
 
     def set_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
         """Load the checkpoint's ``which`` (``"k"`` or ``"v"``) scale from tensor ``value`` (weight ``name``): one
