@@ -1,8 +1,8 @@
 """Per-step metadata that the runner hands to every layer of the model (no module-level state).
 
 A :class:`StepContext` says where the step's new tokens go in the page pool and what each sequence attends: its
-leading decode rows (:class:`DecodeRows`, one token each) and its prefill rows after them (:class:`PrefillRows`),
-either part possibly absent. A decode-only step is what a CUDA graph captures; a step with prefill rows runs
+leading decode rows (:class:`DecodeRows`, one token each, or a verify step's few) and its prefill rows after them
+(:class:`PrefillRows`), either part possibly absent. A decode-only step is what a CUDA graph captures; a step with prefill rows runs
 eagerly, decode rows included (a mixed step of chunked prefill). The runner builds one per step (on CUDA, decode
 rows hold the static buffers of a captured graph); :meth:`StepContext.for_prefill` and
 :meth:`StepContext.for_decode` build eager ones straight from a :class:`~questkv.cache.paged.PagedKVCache` (tests,
@@ -12,7 +12,7 @@ the CPU path).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,7 +23,8 @@ from questkv.decode.step import QuestDecodeStep
 
 @dataclasses.dataclass(slots=True)
 class DecodeRows:
-    """The decode rows of a step: one new token per sequence, the step's leading ``batch`` tokens.
+    """The decode rows of a step: one new token per sequence (or ``num_queries``, a lossless verify step's), the
+    step's leading tokens.
 
     Attributes:
         page_table: ``[batch, max_pages]`` int32, the sequences' pages.
@@ -38,6 +39,8 @@ class DecodeRows:
             selects.
         dense: every row of the step decodes densely (:class:`~questkv.decode.route.StepRoute` ``DENSE``): sparse
             layers attend every page too (``step`` is a dense one).
+        num_queries: new tokens per sequence, each sequence's in a run, attending the cache and, causally, each
+            other (``step`` built for as many; more than one: a verify step, ``dense``).
     """
 
     page_table: torch.Tensor
@@ -46,11 +49,12 @@ class DecodeRows:
     budgets: Optional[torch.Tensor] = None
     reuse: Optional[ReuseRows] = None
     dense: bool = False
+    num_queries: int = 1
 
     @property
     def num_tokens(self) -> int:
-        """The decode rows' tokens, one per row (a shape: no device read)."""
-        return self.seq_lens.shape[0]
+        """The decode rows' tokens, ``num_queries`` per row (a shape: no device read)."""
+        return self.seq_lens.shape[0] * self.num_queries
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,18 +67,17 @@ class PrefillRows:
         seq_lens: ``[batch]`` int32, tokens per sequence with the new ones.
         query_starts: ``batch + 1`` host ints: sequence ``i``'s tokens are ``[query_starts[i], query_starts[i + 1])``
             of the prefill rows' tokens (counted from the first prefill token, after any decode rows).
-        cached_lens: ``batch`` host ints (or a ``[batch]`` device tensor: a captured verify step), the tokens each
-            sequence already holds in the pool before its new ones (whole shared pages of the prefix cache, its
-            earlier chunks of a chunked prefill, a lossless round's verified tokens), whose K/V its new tokens attend
-            too; ``None``: every sequence starts empty.
-        query_starts_on_device: ``query_starts`` as a ``[batch + 1]`` int32 tensor on the step's device when the
-            caller has it (a captured verify step); ``None``: :meth:`query_starts_tensor` copies it once.
+        cached_lens: ``batch`` host ints, the tokens each sequence already holds in the pool before its new ones
+            (whole shared pages of the prefix cache, its earlier chunks of a chunked prefill), whose K/V its new
+            tokens attend too; ``None``: every sequence starts empty.
+        query_starts_on_device: ``query_starts`` as a ``[batch + 1]`` int32 tensor on the step's device, copied
+            once by :meth:`query_starts_tensor` (``None`` until then).
     """
 
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     query_starts: list[int]
-    cached_lens: Optional[Union[list[int], torch.Tensor]] = None
+    cached_lens: Optional[list[int]] = None
     query_starts_on_device: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
 
     def query_starts_tensor(self) -> torch.Tensor:

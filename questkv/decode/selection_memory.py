@@ -18,7 +18,7 @@ import torch
 
 from questkv import ops
 from questkv.config import QuestConfig
-from questkv.ops import reference
+from questkv.ops import reuse_reference
 from questkv.ops.pages import ReusedSelections
 
 
@@ -131,7 +131,7 @@ class SelectionMemory:
         """A step where every row decodes densely (its route): no selection is made or kept; counted as a step
         without selections for the selection rate of slots ``seq_ids`` (``[batch]`` int64)."""
         self.forget(seq_ids)
-        reference.count_selections(self.counters, seq_ids, torch.zeros_like(seq_ids))
+        reuse_reference.count_selections(self.counters, seq_ids, torch.zeros_like(seq_ids))
 
     def selection_rate(self, slot: int, discard_last: bool = False) -> Optional[float]:
         """The fraction of (decode step, sparse layer, selecting head) of slot ``slot``'s sequence, since its

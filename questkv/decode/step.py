@@ -38,11 +38,13 @@ class QuestDecodeStep:
         max_pages: page-table width (``page_table.shape[1]``).
         dtype, device: of ``q`` and the page pool.
         num_splits: split count of the attention kernel (default: one wave of a few programs per SM).
+        num_queries: queries per sequence, its last positions, causal among them (a lossless verify step; more
+            than one needs a dense config).
 
     Buffers: ``scores`` ``[batch, num_sel_heads, max_pages]`` float32, ``selected`` ``[batch,
     num_sel_heads, budget_pages + config.reuse_extra_pages]`` int32 (the extra columns, for a reused
-    selection's pages begun since, are ``-1``), ``out`` ``[batch, num_q_heads, head_dim]`` in ``dtype``,
-    and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`).
+    selection's pages begun since, are ``-1``), ``out`` ``[batch * num_queries, num_q_heads, head_dim]`` in
+    ``dtype``, and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`).
 
     Selection reuse (:mod:`questkv.decode.selection_memory`): :meth:`sparse` given ``active`` and ``selected`` estimates
     and selects only the active rows, into ``selected``, and attends every row's ``selected`` (with
@@ -60,17 +62,21 @@ class QuestDecodeStep:
         dtype: torch.dtype,
         device: torch.device | str,
         num_splits: Optional[int] = None,
+        num_queries: int = 1,
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if num_queries < 1 or (num_queries > 1 and not config.is_dense):
+            raise ValueError(f"num_queries={num_queries}: a step takes 1 query per sequence, or more with a dense "
+                             "config (a verify step)")
         device = torch.device(device)
         self.config = config
-        self.batch, self.max_pages = batch, max_pages
+        self.batch, self.max_pages, self.num_queries = batch, max_pages, num_queries
         self.backend = ops.resolve_backend(torch.empty(0, device=device), config.backend)
         sel_heads = num_q_heads if config.selection == "q_head" else num_kv_heads
-        self.out = torch.empty((batch, num_q_heads, head_dim), dtype=dtype, device=device)
+        self.out = torch.empty((batch * num_queries, num_q_heads, head_dim), dtype=dtype, device=device)
         buffers = lambda heads, items, dense: self.backend.attention_buffers(  # noqa: E731
-            batch, num_q_heads, heads, head_dim, items, config.page_size, dense, device, num_splits
+            batch, num_q_heads, heads, head_dim, items, config.page_size, dense, device, num_splits, num_queries
         )
         self._dense_buffers = buffers(num_kv_heads, max_pages, True)
         self.scores = self.selected = self.select_buffers = self._sparse_buffers = None
@@ -90,15 +96,17 @@ class QuestDecodeStep:
         batch: int,
         num_q_heads: int,
         max_pages: Optional[int] = None,
+        num_queries: int = 1,
     ) -> "QuestDecodeStep":
-        """A step over ``cache``'s pool for ``batch`` sequences; ``config=None`` is dense (the
-        cache's page size and backend); ``max_pages`` defaults to ``cache.max_pages_per_seq``."""
+        """A step over ``cache``'s pool for ``batch`` sequences of ``num_queries`` queries; ``config=None`` is dense
+        (the cache's page size and backend); ``max_pages`` defaults to ``cache.max_pages_per_seq``."""
         if config is None:
             config = QuestConfig(page_size=cache.page_size, backend=cache.backend)
         elif config.page_size != cache.page_size:
             raise ValueError(f"QuestConfig.page_size={config.page_size} differs from the cache's page_size={cache.page_size}")
         max_pages = cache.max_pages_per_seq if max_pages is None else max_pages
-        return cls(config, batch, num_q_heads, cache.num_kv_heads, cache.head_dim, max_pages, cache.dtype, cache.device)
+        return cls(config, batch, num_q_heads, cache.num_kv_heads, cache.head_dim, max_pages, cache.dtype, cache.device,
+                   num_queries=num_queries)
 
     def estimate(
         self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -134,10 +142,16 @@ class QuestDecodeStep:
         seq_lens: torch.Tensor,
         sm_scale: Optional[float] = None,
     ) -> torch.Tensor:
-        """Dense paged decode attention over every page into ``self.out``; returns ``self.out``."""
-        return self.backend.paged_decode_attention_into(
-            self.out, self._dense_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, None, sm_scale
+        """Dense paged decode attention over every page into ``self.out``; returns ``self.out``. ``q``: ``[batch *
+        num_queries, num_q_heads, head_dim]``, each sequence's queries in a run (its last positions)."""
+        out = self.out
+        if self.num_queries > 1:
+            q = q.view(self.batch, self.num_queries, *q.shape[1:])
+            out = out.view(q.shape)
+        self.backend.paged_decode_attention_into(
+            out, self._dense_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, None, sm_scale
         )
+        return self.out
 
     def sparse(
         self,

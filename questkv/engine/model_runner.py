@@ -150,7 +150,7 @@ class ModelRunner:
         # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
         self._sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._sampled_rows: dict[str, int] = {}
-        self._steps: dict[tuple[int, int, bool], QuestDecodeStep] = {}
+        self._steps: dict[tuple[int, int, StepRoute, int], QuestDecodeStep] = {}
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SampledTokens:
@@ -300,19 +300,18 @@ class ModelRunner:
 
     def _verify_body(self, batch: int, width: int, route: StepRoute, q_len: int) -> torch.Tensor:
         """One verify step over the static verify inputs (graph-capturable: device ops only): ``batch`` rows of
-        ``q_len`` positions each, attending their cached tokens and, causally, each other densely
-        (:func:`~questkv.ops.paged_prefill_attention`); ``[batch * q_len, vocab]`` float32 logits, row after row."""
+        ``q_len`` positions each, attending their cached tokens and, causally, each other densely (a dense decode
+        step of ``q_len`` queries per row, :func:`~questkv.ops.paged_decode_attention`); ``[batch * q_len, vocab]``
+        float32 logits, row after row."""
         first, seq_lens, table_rows = self._verify_inputs[:, :batch]
         positions = first[:, None] + torch.arange(q_len, device=self.device)  # [batch, q_len] int64
         page_table = self.cache.page_table.index_select(0, table_rows)[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
         slots = page_table.gather(1, positions // page_size).long() * page_size + positions % page_size
-        starts = list(range(0, (batch + 1) * q_len, q_len))
-        on_device = torch.arange(batch + 1, dtype=torch.int32, device=self.device) * q_len
-        rows = PrefillRows(page_table, seq_lens.to(torch.int32), starts, cached_lens=first,
-                           query_starts_on_device=on_device)
+        step = self._step(batch, width, route, q_len)
+        rows = DecodeRows(page_table, seq_lens.to(torch.int32), step, dense=True, num_queries=q_len)
         ids = self._verify_ids[:batch, :q_len].reshape(-1)
-        hidden = self.model(ids, positions.reshape(-1), StepContext(slots.reshape(-1), prefill=rows))
+        hidden = self.model(ids, positions.reshape(-1), StepContext(slots.reshape(-1), decode=rows))
         return self.model.compute_logits(hidden)
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -533,13 +532,15 @@ class ModelRunner:
         self.memory.store(slots, ReuseRows(narrow))
         self.memory.forget_where(slots, self._inputs[_DENSE, :batch] != 0)
 
-    def _step(self, batch: int, width: int, route: StepRoute) -> QuestDecodeStep:
-        key = (batch, width, route)
+    def _step(self, batch: int, width: int, route: StepRoute, num_queries: int = 1) -> QuestDecodeStep:
+        """The decode step (buffers) of ``batch`` rows of ``num_queries`` queries each (a verify step's ``q_len``)
+        over ``width`` page-table columns, for ``route``; built once per shape."""
+        key = (batch, width, route, num_queries)
         if key not in self._steps:
-            quest = None if route == StepRoute.DENSE else self._quest
+            quest = None if route in (StepRoute.DENSE, StepRoute.VERIFY) else self._quest
             if route == StepRoute.MIXED:  # selections as wide as the page table: a dense row's hold every page
                 quest = dataclasses.replace(quest, token_budget=max(width * self.cache.page_size, quest.token_budget))
-            self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.num_q_heads, width)
+            self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.num_q_heads, width, num_queries)
         return self._steps[key]
 
     def selection_rate(self, seq: Sequence, slot: Optional[int], discard_last: bool = False) -> Optional[float]:

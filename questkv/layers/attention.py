@@ -6,8 +6,8 @@ attention of each sequence over its own new tokens (SDPA), or, when a sequence a
 (``PrefillRows.cached_lens``: prefix-cache pages, or its earlier chunks of a chunked prefill), paged prefill
 attention of all the prefill rows over the pages. Decode rows read the pool through the rows'
 :class:`~questkv.decode.step.QuestDecodeStep`: dense paged attention on layers below ``quest.dense_layers`` (and
-everywhere without Quest), Quest page selection above. Which of the two a layer runs is decided once, at
-construction.
+everywhere without Quest, and for a lossless verify step's few queries per row), Quest page selection above. Which
+of the two a layer runs is decided once, at construction.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 
 from questkv.config import BACKENDS
-from questkv.ops import quant_reference, reference
+from questkv.ops import quant_reference, reference, reuse_reference
 from questkv.ops.pages import LayerPages
 
 __all__ = [
@@ -129,15 +129,22 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, query_starts, seq_l
 
 
 def gather_selections(pages, selected_at, slots, due, seq_lens, page_size, budget_pages, backend="auto"):
-    """See :func:`questkv.ops.reference.gather_selections` (selection reuse)."""
-    return resolve_backend(pages, backend).gather_selections(
+    """See :func:`questkv.ops.reuse_reference.gather_selections` (selection reuse)."""
+    return _reuse_module(pages, backend).gather_selections(
         pages, selected_at, slots, due, seq_lens, page_size, budget_pages
     )
 
 
 def store_selections(pages, selected_at, counters, slots, rows, backend="auto") -> None:
-    """See :func:`questkv.ops.reference.store_selections` (selection reuse)."""
-    resolve_backend(pages, backend).store_selections(pages, selected_at, counters, slots, rows)
+    """See :func:`questkv.ops.reuse_reference.store_selections` (selection reuse)."""
+    _reuse_module(pages, backend).store_selections(pages, selected_at, counters, slots, rows)
+
+
+def _reuse_module(tensor: torch.Tensor, backend: str) -> ModuleType:
+    """The module (:mod:`~questkv.ops.reuse_reference` or :mod:`questkv.ops.triton`) that runs a selection memory
+    op on ``tensor`` under ``backend``."""
+    module = resolve_backend(tensor, backend)
+    return reuse_reference if module is reference else module
 
 
 def _quant_module(tensor: torch.Tensor, backend: str) -> ModuleType:

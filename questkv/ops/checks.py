@@ -81,7 +81,7 @@ def check_mode(selection: str, group_reduction: str) -> None:
 def check_selection_memory(pages: torch.Tensor, selected_at: torch.Tensor, slots: torch.Tensor, budget_pages: int
                            ) -> None:
     """``ValueError`` unless a selection memory's tensors agree (the shapes of
-    :func:`questkv.ops.reference.gather_selections`)."""
+    :func:`questkv.ops.reuse_reference.gather_selections`)."""
     if pages.dim() != 4 or pages.dtype != torch.int32 or not 1 <= budget_pages <= pages.shape[-1]:
         raise ValueError(f"pages must be [num_sparse_layers, max_seqs, num_sel_heads, width >= budget_pages="
                          f"{budget_pages}] int32, got {tuple(pages.shape)} {pages.dtype}")
@@ -94,7 +94,7 @@ def check_selection_memory(pages: torch.Tensor, selected_at: torch.Tensor, slots
 
 def check_stored_selections(pages: torch.Tensor, selected_at: torch.Tensor, slots: torch.Tensor,
                             rows: ReusedSelections) -> None:
-    """``ValueError`` unless :func:`questkv.ops.reference.store_selections`' arguments agree."""
+    """``ValueError`` unless :func:`questkv.ops.reuse_reference.store_selections`' arguments agree."""
     check_selection_memory(pages, selected_at, slots, 1)
     layers, _, heads, width = pages.shape
     if tuple(rows.selected.shape) != (layers, slots.shape[0], heads, width):

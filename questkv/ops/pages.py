@@ -46,7 +46,7 @@ class SelectBuffers(NamedTuple):
 
 
 class ReusedSelections(NamedTuple):
-    """One decode step's selections in batch order, from :func:`questkv.ops.reference.gather_selections`
+    """One decode step's selections in batch order, from :func:`questkv.ops.reuse_reference.gather_selections`
     (shapes there) or its kernel."""
 
     active: torch.Tensor

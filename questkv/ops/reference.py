@@ -10,7 +10,8 @@ Layouts shared by all ops (FlashInfer's "NHD" page layout):
   ``b`` in order; entries at or past ``ceil(seq_lens[b] / page_size)`` are padding and never read.
 * ``seq_lens``: ``[batch]`` int32, tokens in each sequence (>= 1 for attention ops), the current
   decode token included.
-* ``q``: ``[batch, num_q_heads, head_dim]``, one decode query per sequence; ``num_q_heads`` is a
+* ``q``: ``[batch, num_q_heads, head_dim]``, one decode query per sequence (or the decode attention's
+  ``[batch, num_queries, num_q_heads, head_dim]``, a lossless verify step's last positions); ``num_q_heads`` is a
   multiple of ``num_kv_heads`` and query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
   Prefill (:func:`paged_prefill_attention`) takes a flat batch of new tokens instead, ``[num_tokens,
   num_q_heads, head_dim]``, with ``query_starts`` ``[batch + 1]`` int32: sequence ``b``'s tokens are rows
@@ -47,11 +48,9 @@ from questkv.ops.checks import (
     check_mode,
     check_prefill_attention,
     check_select_out,
-    check_selection_memory,
-    check_stored_selections,
 )
 from questkv.ops.fp8_codes import widen_fp8_bounds
-from questkv.ops.pages import AttentionBuffers, ReusedSelections, SelectBuffers
+from questkv.ops.pages import AttentionBuffers, SelectBuffers
 
 
 def append_kv(
@@ -298,10 +297,12 @@ def paged_decode_attention(
     selected: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Decode attention of one query per sequence over a set of its pages.
+    """Decode attention of each sequence's last query, or its last few, over a set of its pages.
 
     Args:
-        q: ``[batch, num_q_heads, head_dim]``.
+        q: ``[batch, num_q_heads, head_dim]``, the query of position ``seq_lens - 1``; or ``[batch, num_queries,
+            num_q_heads, head_dim]``, the queries of the last ``num_queries`` positions (a lossless verify step),
+            each attending the keys up to its own position (causal among them; ``seq_lens >= num_queries``).
         k_pages, v_pages: ``[num_pages, page_size, num_kv_heads, head_dim]``.
         page_table: ``[batch, max_pages]`` int32. seq_lens: ``[batch]`` int32, each >= 1.
         selected: ``[batch, num_kv_heads or num_q_heads, k]`` int32 logical pages (``-1`` = none),
@@ -309,11 +310,11 @@ def paged_decode_attention(
         sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
 
     Returns:
-        ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype. Softmax and accumulation run in
-        float32. Slots past ``seq_lens`` and pages not selected are never read into the result
-        (NaN there does not propagate).
+        ``q``'s shape and dtype. Softmax and accumulation run in float32. Slots past ``seq_lens`` and pages not
+        selected are never read into the result (NaN there does not propagate).
     """
-    batch, num_q_heads, head_dim = q.shape
+    queries = q[:, None] if q.dim() == 3 else q
+    batch, num_queries, num_q_heads, head_dim = queries.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
@@ -332,12 +333,14 @@ def paged_decode_attention(
     valid = (selected[..., None] >= 0) & (position < seq_lens.long()[:, None, None, None])
     k = torch.where(valid[..., None], k.float(), 0.0).flatten(2, 3)  # [B, Hs, K*ps, D]
     v = torch.where(valid[..., None], v.float(), 0.0).flatten(2, 3)
-    qg = q.float().view(batch, sel_heads, group, head_dim)
-    logits = torch.einsum("bhgd,bhtd->bhgt", qg, k) * sm_scale
-    logits = logits.masked_fill(~valid.flatten(2)[:, :, None, :], float("-inf"))
+    query_position = seq_lens.long()[:, None] - num_queries + torch.arange(num_queries, device=q.device)  # [B, Q]
+    seen = valid.flatten(2)[:, :, None] & (position.flatten(2)[:, :, None] <= query_position[:, None, :, None])
+    qg = queries.float().view(batch, num_queries, sel_heads, group, head_dim)
+    logits = torch.einsum("bqhgd,bhtd->bhqgt", qg, k) * sm_scale
+    logits = logits.masked_fill(~seen[:, :, :, None, :], float("-inf"))  # seen: [B, Hs, Q, K*ps]
     probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("bhgt,bhtd->bhgd", probs, v)
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    out = torch.einsum("bhqgt,bhtd->bqhgd", probs, v)
+    return out.reshape(q.shape).to(q.dtype)
 
 
 def paged_prefill_attention(
@@ -431,6 +434,7 @@ def attention_buffers(
     dense: bool,
     device: torch.device,
     num_splits: Optional[int] = None,
+    num_queries: int = 1,
 ) -> AttentionBuffers:
     """The reference attention needs no scratch: an empty :class:`AttentionBuffers`."""
     return AttentionBuffers()
@@ -511,80 +515,9 @@ def paged_decode_attention_into(
     selected: Optional[torch.Tensor],
     sm_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """:func:`paged_decode_attention` into ``out`` ``[batch, num_q_heads, head_dim]``; ``buffers``
-    is unused here (the kernel's scratch). Returns ``out``."""
+    """:func:`paged_decode_attention` into ``out`` (``q``'s shape); ``buffers`` is unused here (the kernel's
+    scratch). Returns ``out``."""
     return out.copy_(paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale))
-
-
-def gather_selections(
-    pages: torch.Tensor,
-    selected_at: torch.Tensor,
-    slots: torch.Tensor,
-    due: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-    budget_pages: int,
-) -> ReusedSelections:
-    """Lay a selection memory's last selections out in batch order for one decode step (selection reuse).
-
-    A row selects (``active``) when ``due`` says so, when its slot holds no selection (``selected_at < 0``) or
-    when more pages began since its selection than the memory's extra columns hold. Every row gets its slot's
-    stored selection in its first ``budget_pages`` columns (an active row's are overwritten by the step's select)
-    and, in the extra columns ``[budget_pages, width)``, the pages begun since the selection was made (``-1``
-    past the row's pages), counted from ``selected_at``. No host synchronisation.
-
-    Args:
-        pages: ``[num_sparse_layers, max_seqs, num_sel_heads, width]`` int32, the memory's selections.
-        selected_at: ``[max_seqs]`` int32, each slot's page count at its last selection (``-1``: none).
-        slots: ``[batch]`` int64 cache slots of the rows (padding rows may repeat one).
-        due: ``[batch]`` integer, nonzero where the row's phase makes it select.
-        seq_lens: ``[batch]`` int32, the current token included.
-
-    Returns:
-        ``active`` ``[batch]`` int32; ``selected`` ``[num_sparse_layers, batch, num_sel_heads, width]`` int32;
-        ``selected_at`` ``[batch]`` int32 (the step's page count for active rows); ``num_pages`` ``[batch]``
-        int32.
-    """
-    check_selection_memory(pages, selected_at, slots, budget_pages)
-    extra_pages = pages.shape[-1] - budget_pages
-    count = num_pages(seq_lens, page_size)  # [B]
-    before = selected_at.index_select(0, slots).long()
-    active = (due != 0) | (before < 0) | (count - before > extra_pages)
-    row_at = torch.where(active, count, before)
-    selected = pages.index_select(1, slots)  # [L, B, H, W]
-    begun = row_at[:, None, None] + torch.arange(extra_pages, device=slots.device)  # [B, 1, extra]
-    selected[..., budget_pages:] = torch.where(begun < count[:, None, None], begun, -1)
-    return ReusedSelections(active.to(torch.int32), selected, row_at.to(torch.int32), count.to(torch.int32))
-
-
-def store_selections(
-    pages: torch.Tensor,
-    selected_at: torch.Tensor,
-    counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    slots: torch.Tensor,
-    rows: ReusedSelections,
-) -> None:
-    """Keep a step's selections (``rows`` from :func:`gather_selections` of the same ``slots``, its ``selected``
-    written by the step) in the memory and count the (layer, head) selections the step made: every head of an
-    active row. ``counters``: the memory's
-    ``selections``, ``steps`` and ``last_selections`` ``[max_seqs]`` int64 (:func:`count_selections`). Padding
-    rows sharing a slot race there; real rows have slots of their own. No host synchronisation."""
-    check_stored_selections(pages, selected_at, slots, rows)
-    layers, heads = pages.shape[0], pages.shape[2]
-    pages.index_copy_(1, slots, rows.selected)
-    selected_at.index_copy_(0, slots, rows.selected_at)
-    count_selections(counters, slots, rows.active.long() * (layers * heads))
-
-
-def count_selections(counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slots: torch.Tensor,
-                     made: torch.Tensor) -> None:
-    """Add one decode step making ``made`` (``[batch]`` int64) (layer, head) selections to slots ``slots``'
-    counters (``selections``, ``steps``, ``last_selections``, each ``[max_seqs]`` int64): the first two add up,
-    the last holds the step's."""
-    selections, steps, last_selections = counters
-    selections.index_add_(0, slots, made)
-    steps.index_add_(0, slots, torch.ones_like(made))
-    last_selections.index_copy_(0, slots, made)
 
 
 def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 pytest.importorskip("triton")
 
-from questkv.ops import reference  # noqa: E402
+from questkv.ops import reuse_reference as reference  # noqa: E402
 from questkv.ops.triton import reuse  # noqa: E402
 
 PAGE = 4

@@ -1,4 +1,5 @@
-"""Split-KV (flash-decoding) paged decode attention over selected pages or over all pages."""
+"""Split-KV (flash-decoding) paged decode attention over selected pages or over all pages, of each sequence's last
+query or of its last few (a lossless verify step: the query group's heads times the positions share each K/V tile)."""
 
 from __future__ import annotations
 
@@ -44,37 +45,46 @@ _MERGE_CHUNK = 16
 _WIDE_MERGE_CHUNK = 32
 _WIDE_MERGE_PROGRAMS_PER_SM = 2
 _WIDE_MERGE_MAX_GROUP = 4
+# Rows of one program's query block with several queries per sequence (positions x the query group): up to this
+# many share each K/V tile; more queries take more blocks, each reading the keys again. A tile of 16 rows is the
+# smallest tl.dot, so a group of 4 verifies 4 positions in the rows a one-query step pads.
+_MAX_QUERY_ROWS = 64
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
     counter_ptr, out_ptr,
-    qk_scale, num_items, items_per_split,
-    stride_qb, stride_qh,
+    qk_scale, num_items, items_per_split, num_q_heads,
+    stride_qb, stride_qq, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
     stride_tb,
     stride_sb, stride_sh,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
-    stride_ob, stride_oh,
+    stride_ob, stride_oq, stride_oh,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr, SEL_PER_KV: tl.constexpr,
+    NUM_QUERIES: tl.constexpr, QUERY_BLOCK: tl.constexpr,
     PAGES_PER_ITER: tl.constexpr, MERGE_CHUNK: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """One program per (split, selection head, sequence) attends a contiguous chunk of the page
+    """One program per (split, query block x selection head, sequence) attends a contiguous chunk of the page
     list (the selection row, or every page when ``DENSE``) for the ``GROUP`` query heads that share
-    the selection head; each K/V page is loaded once for all of them. It writes the chunk's
-    normalised output ``[GROUP, HEAD_DIM]`` and base-2 log-sum-exp (``-inf`` for an empty chunk),
-    then takes a ticket; the program that takes the last ticket of its (sequence, selection head)
-    merges all splits into ``out`` and resets the counter for the next launch (one launch per step,
-    no separate merge kernel). With ``USE_PDL`` it waits for the kernels before it only at its first
+    the selection head, at the ``QUERY_BLOCK`` positions of its block (of the sequence's last ``NUM_QUERIES``;
+    row ``r`` of the tile is position ``r // GROUP``, head ``r % GROUP``; a position sees keys up to itself);
+    each K/V page is loaded once for all of them. It writes the chunk's normalised output per row and base-2
+    log-sum-exp (``-inf`` for an empty chunk; partial row ``position * num_q_heads + head``), then takes a
+    ticket; the program that takes the last ticket of its (sequence, query block, selection head) merges all
+    splits into ``out`` and resets the counter for the next launch (one launch per step, no separate merge kernel). With ``USE_PDL`` it waits for the kernels before it only at its first
     read of what they may write (``DENSE``: after prefetching its first tile into L2), and lets the next
     kernel launch once its split is attended."""
     split = tl.program_id(0)
-    sel_head = tl.program_id(1)
+    NUM_BLOCKS: tl.constexpr = (NUM_QUERIES + QUERY_BLOCK - 1) // QUERY_BLOCK
+    num_sel_heads = tl.num_programs(1) // NUM_BLOCKS
+    sel_head = tl.program_id(1) % num_sel_heads
+    first_query = tl.program_id(1) // num_sel_heads * QUERY_BLOCK
     seq = tl.program_id(2).to(tl.int64)
     kv_head = sel_head // SEL_PER_KV
     if USE_PDL and not DENSE:
@@ -97,10 +107,12 @@ def _decode_split_kernel(
                           kv_head, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tb,
                           HEAD_DIM)
         gdc_wait()
-    gmask = g < GROUP
+    query = first_query + g // GROUP  # [BLOCK_G]: a row's position among the last NUM_QUERIES
+    head = sel_head * GROUP + g % GROUP
+    gmask = (g < QUERY_BLOCK * GROUP) & (query < NUM_QUERIES)
     dmask = d < HEAD_DIM
-    q_rows = sel_head * GROUP + g
-    q = tl.load(q_ptr + seq * stride_qb + q_rows[:, None] * stride_qh + d[None, :],
+    q_rows = query * num_q_heads + head  # the row of part_out / part_lse
+    q = tl.load(q_ptr + seq * stride_qb + query[:, None] * stride_qq + head[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -131,7 +143,11 @@ def _decode_split_kernel(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = block_scores(q, k, qk_scale, IEEE)  # [BLOCK_G, BLOCK_N]
-        s = tl.where(live[None, :], s, float("-inf"))
+        if NUM_QUERIES == 1:
+            s = tl.where(live[None, :], s, float("-inf"))
+        else:  # row r sees the keys up to its own position, seq_len - NUM_QUERIES + query[r]
+            seen = position[None, :] <= (seq_len - NUM_QUERIES + query)[:, None]
+            s = tl.where(live[None, :] & seen, s, float("-inf"))
         acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
 
     if USE_PDL:
@@ -144,32 +160,54 @@ def _decode_split_kernel(
     tl.store(part_lse_ptr + seq * stride_lb + q_rows * stride_lh + split, lse, mask=gmask)
 
     num_splits = tl.num_programs(0)
-    counter = counter_ptr + seq * tl.num_programs(1) + sel_head
+    counter = counter_ptr + seq * tl.num_programs(1) + tl.program_id(1)
     if last_to_arrive(counter, num_splits):
-        rows = sel_head * GROUP + tl.arange(0, BLOCK_GM)
-        rmask = tl.arange(0, BLOCK_GM) < GROUP
-        m_run = tl.full([BLOCK_GM], float("-inf"), tl.float32)
-        l_run = tl.zeros([BLOCK_GM], tl.float32)
-        o_run = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
-        for s0 in range(0, num_splits, MERGE_CHUNK):
-            sp = s0 + tl.arange(0, MERGE_CHUNK)
-            smask = rmask[:, None] & (sp[None, :] < num_splits)
-            part_lse = tl.load(part_lse_ptr + seq * stride_lb + rows[:, None] * stride_lh + sp[None, :],
-                               mask=smask, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(part_out_ptr + seq * stride_pb + rows[:, None, None] * stride_ph
-                           + sp[None, :, None] * stride_ps + d[None, None, :],
-                           mask=smask[:, :, None] & dmask[None, None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_run, tl.max(part_lse, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w = tl.exp2(part_lse - m_safe[:, None])
-            alpha = tl.exp2(m_run - m_safe)
-            l_run = l_run * alpha + tl.sum(w, axis=1)
-            o_run = o_run * alpha[:, None] + tl.sum(part * w[:, :, None], axis=1)
-            m_run = m_new
-        merged = o_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
-        tl.store(out_ptr + seq * stride_ob + rows[:, None] * stride_oh + d[None, :],
-                 merged.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+        if QUERY_BLOCK == 1:
+            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, first_query, sel_head, num_q_heads, num_splits,
+                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oq, stride_oh,
+                          HEAD_DIM, BLOCK_D, GROUP, BLOCK_GM, MERGE_CHUNK)
+        else:
+            for j in range(QUERY_BLOCK):
+                if first_query + j < NUM_QUERIES:
+                    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, first_query + j, sel_head, num_q_heads,
+                                  num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
+                                  stride_oq, stride_oh, HEAD_DIM, BLOCK_D, GROUP, BLOCK_GM, MERGE_CHUNK)
         reset_ticket(counter)
+
+
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, query, sel_head, num_q_heads, num_splits,
+                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oq, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_GM: tl.constexpr,
+                  MERGE_CHUNK: tl.constexpr):
+    """Merge the ``num_splits`` partial results of the ``GROUP`` query heads of ``sel_head`` at position ``query``
+    (their log-sum-exp weights, ``MERGE_CHUNK`` splits per step) into ``out``."""
+    heads = sel_head * GROUP + tl.arange(0, BLOCK_GM)
+    rows = query * num_q_heads + heads
+    rmask = tl.arange(0, BLOCK_GM) < GROUP
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    m_run = tl.full([BLOCK_GM], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_GM], tl.float32)
+    o_run = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, MERGE_CHUNK):
+        sp = s0 + tl.arange(0, MERGE_CHUNK)
+        smask = rmask[:, None] & (sp[None, :] < num_splits)
+        part_lse = tl.load(part_lse_ptr + seq * stride_lb + rows[:, None] * stride_lh + sp[None, :],
+                           mask=smask, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_out_ptr + seq * stride_pb + rows[:, None, None] * stride_ph
+                       + sp[None, :, None] * stride_ps + d[None, None, :],
+                       mask=smask[:, :, None] & dmask[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(part_lse, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(part_lse - m_safe[:, None])
+        alpha = tl.exp2(m_run - m_safe)
+        l_run = l_run * alpha + tl.sum(w, axis=1)
+        o_run = o_run * alpha[:, None] + tl.sum(part * w[:, :, None], axis=1)
+        m_run = m_new
+    merged = o_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    tl.store(out_ptr + seq * stride_ob + query * stride_oq + heads[:, None] * stride_oh + d[None, :],
+             merged.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -221,6 +259,13 @@ def plan_splits(num_items: int, programs: int, page_size: int, device: torch.dev
     return triton.cdiv(num_items, items_per_split), items_per_split
 
 
+def query_block(num_queries: int, group: int) -> int:
+    """Positions one program attends of ``num_queries`` per sequence whose selection heads each serve ``group``
+    query heads: all of them when their rows fit ``_MAX_QUERY_ROWS``, else the fewest blocks of equal size that do."""
+    most = max(1, _MAX_QUERY_ROWS // group)
+    return triton.cdiv(num_queries, triton.cdiv(num_queries, most))
+
+
 def merge_chunk(programs: int, group: int, device: torch.device) -> int:
     """Splits the merge combines per step for a grid of ``programs`` programs whose selection heads each
     serve ``group`` query heads: the wide chunk for a grid of at most ``_WIDE_MERGE_PROGRAMS_PER_SM`` per SM
@@ -239,15 +284,20 @@ def attention_buffers(
     dense: bool,
     device: torch.device,
     num_splits: Optional[int] = None,
+    num_queries: int = 1,
 ) -> AttentionBuffers:
     """Scratch for :func:`paged_decode_attention_into` for ``num_items`` pages per (sequence,
-    selection head): ``part_out`` ``[batch, num_q_heads, num_splits, head_dim]`` float32,
-    ``part_lse`` ``[batch, num_q_heads, num_splits]`` float32, ``counters`` ``[batch,
-    num_sel_heads]`` int32 (zero; every launch leaves them zero), ``items_per_split``."""
-    num_splits, items_per_split = plan_splits(num_items, batch * num_sel_heads, page_size, device, dense, num_splits)
-    part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
-    part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=device)
-    counters = torch.zeros((batch, num_sel_heads), dtype=torch.int32, device=device)
+    selection head) and ``num_queries`` queries per sequence: ``part_out`` ``[batch, num_queries * num_q_heads,
+    num_splits, head_dim]`` float32, ``part_lse`` ``[batch, num_queries * num_q_heads, num_splits]`` float32,
+    ``counters`` ``[batch, query blocks * num_sel_heads]`` int32 (zero; every launch leaves them zero),
+    ``items_per_split``."""
+    blocks = triton.cdiv(num_queries, query_block(num_queries, num_q_heads // num_sel_heads))
+    num_splits, items_per_split = plan_splits(num_items, batch * num_sel_heads * blocks, page_size, device, dense,
+                                              num_splits)
+    rows = num_queries * num_q_heads
+    part_out = torch.empty((batch, rows, num_splits, head_dim), dtype=torch.float32, device=device)
+    part_lse = torch.empty((batch, rows, num_splits), dtype=torch.float32, device=device)
+    counters = torch.zeros((batch, blocks * num_sel_heads), dtype=torch.int32, device=device)
     return AttentionBuffers(part_out, part_lse, counters, items_per_split)
 
 
@@ -266,12 +316,13 @@ def paged_decode_attention_into(
     synchronisation).
 
     Args:
-        out: ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype.
-        buffers: from :func:`attention_buffers` with ``dense=selected is None``; its
-            ``num_splits * items_per_split`` must cover ``selected.shape[-1]`` (or ``max_pages``).
+        out: ``q``'s shape and dtype.
+        buffers: from :func:`attention_buffers` with ``dense=selected is None`` and ``q``'s queries per sequence;
+            its ``num_splits * items_per_split`` must cover ``selected.shape[-1]`` (or ``max_pages``).
         Other arguments as in :func:`paged_decode_attention`.
     """
-    batch, num_q_heads, head_dim = q.shape
+    queries = q[:, None] if q.dim() == 3 else q
+    batch, num_queries, num_q_heads, head_dim = queries.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -292,35 +343,42 @@ def paged_decode_attention_into(
     num_splits = part_lse.shape[-1]
     if num_splits * items_per_split < num_items:
         raise ValueError(f"{num_splits} splits of {items_per_split} pages do not cover {num_items} pages")
+    group = num_q_heads // sel_heads
+    block = query_block(num_queries, group)
+    blocks = triton.cdiv(num_queries, block)
     check_shape("out", out, q.shape)
-    check_shape("part_out", part_out, (batch, num_q_heads, num_splits, head_dim))
-    check_shape("part_lse", part_lse, (batch, num_q_heads, num_splits))
-    check_shape("counters", counters, (batch, sel_heads))
+    check_shape("part_out", part_out, (batch, num_queries * num_q_heads, num_splits, head_dim))
+    check_shape("part_lse", part_lse, (batch, num_queries * num_q_heads, num_splits))
+    check_shape("counters", counters, (batch, blocks * sel_heads))
     if counters.dtype != torch.int32 or not counters.is_contiguous():
         raise ValueError(f"counters must be contiguous int32, got {counters.dtype}")
     check_last_dim_contiguous(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, out=out, part_out=part_out)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    group = num_q_heads // sel_heads
-    kind = grid_kind(dense, batch * sel_heads)
+    programs = batch * sel_heads * blocks
+    kind = grid_kind(dense, programs)
     sel = page_table if dense else selected  # not read when dense
-    _decode_split_kernel[(num_splits, sel_heads, batch)](
+    outs = out[:, None] if out.dim() == 3 else out
+    rows = max(16, next_pow2(block * group))
+    _decode_split_kernel[(num_splits, blocks * sel_heads, batch)](
         q, k_pages, v_pages, page_table, seq_lens, sel, part_out, part_lse, counters, out,
-        sm_scale * _LOG2E, num_items, items_per_split,
-        q.stride(0), q.stride(1),
+        sm_scale * _LOG2E, num_items, items_per_split, num_q_heads,
+        queries.stride(0), queries.stride(1), queries.stride(2),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         page_table.stride(0),
         sel.stride(0), 0 if dense else sel.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
+        outs.stride(0), outs.stride(1), outs.stride(2),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_GM=next_pow2(group), SEL_PER_KV=sel_heads // num_kv_heads,
-        PAGES_PER_ITER=pages_per_iter(page_size, kind), MERGE_CHUNK=merge_chunk(num_splits * sel_heads * batch, group, q.device),
+        GROUP=group, BLOCK_G=rows, BLOCK_GM=next_pow2(group), SEL_PER_KV=sel_heads // num_kv_heads,
+        NUM_QUERIES=num_queries, QUERY_BLOCK=block,
+        PAGES_PER_ITER=pages_per_iter(page_size, kind), MERGE_CHUNK=merge_chunk(num_splits * programs, group, q.device),
         DENSE=dense, UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device),
-        num_warps=_NUM_WARPS, num_stages=_CONFIG[kind][2], launch_pdl=use_pdl(q.device),
+        num_warps=_NUM_WARPS if rows <= 32 else 2 * _NUM_WARPS, num_stages=_CONFIG[kind][2],
+        launch_pdl=use_pdl(q.device),
     )
     return out
 
@@ -337,19 +395,22 @@ def paged_decode_attention(
     """Triton :func:`questkv.ops.reference.paged_decode_attention` (flash-decoding).
 
     Args:
-        q: ``[batch, num_q_heads, head_dim]``. k_pages, v_pages: ``[num_pages, page_size,
-            num_kv_heads, head_dim]``. page_table: ``[batch, max_pages]`` int32. seq_lens:
-            ``[batch]`` int32, each >= 1.
+        q: ``[batch, num_q_heads, head_dim]``, or ``[batch, num_queries, num_q_heads, head_dim]`` for the last
+            ``num_queries`` positions of every sequence (causal among them). k_pages, v_pages: ``[num_pages,
+            page_size, num_kv_heads, head_dim]``. page_table: ``[batch, max_pages]`` int32. seq_lens:
+            ``[batch]`` int32, each >= 1 (>= ``num_queries``).
         selected: ``[batch, num_kv_heads or num_q_heads, k]`` int32 logical pages (``-1`` = none),
             or ``None`` for every page (dense paged decode, the same kernel).
         sm_scale: default ``1 / sqrt(head_dim)``.
 
     Returns:
-        ``[batch, num_q_heads, head_dim]`` in ``q``'s dtype; softmax and accumulation in float32.
+        ``q``'s shape and dtype; softmax and accumulation in float32.
     """
-    batch, num_q_heads, head_dim = q.shape
+    num_queries = 1 if q.dim() == 3 else q.shape[1]
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     dense = selected is None
     sel_heads = k_pages.shape[2] if dense else selected.shape[1]
     num_items = page_table.shape[1] if dense else selected.shape[2]
-    buffers = attention_buffers(batch, num_q_heads, sel_heads, head_dim, num_items, k_pages.shape[1], dense, q.device)
+    buffers = attention_buffers(batch, num_q_heads, sel_heads, head_dim, num_items, k_pages.shape[1], dense, q.device,
+                                num_queries=num_queries)
     return paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale)

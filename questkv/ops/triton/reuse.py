@@ -3,7 +3,7 @@ its store back with the selection counts.
 
 One launch each per decode step, where the torch reference runs about twenty small kernels.
 :func:`gather_selections` and :func:`store_selections` have the signatures and results of
-:func:`questkv.ops.reference.gather_selections` and :func:`questkv.ops.reference.store_selections`.
+:func:`questkv.ops.reuse_reference.gather_selections` and :func:`questkv.ops.reuse_reference.store_selections`.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def gather_selections(
     page_size: int,
     budget_pages: int,
 ) -> ReusedSelections:
-    """Triton :func:`questkv.ops.reference.gather_selections` (one launch, no host synchronisation). The memory's
+    """Triton :func:`questkv.ops.reuse_reference.gather_selections` (one launch, no host synchronisation). The memory's
     tensors must be contiguous (``ValueError`` otherwise)."""
     check_selection_memory(pages, selected_at, slots, budget_pages)
     _check_memory_contiguous(pages=pages, selected_at=selected_at)
@@ -138,7 +138,7 @@ def store_selections(
     slots: torch.Tensor,
     rows: ReusedSelections,
 ) -> None:
-    """Triton :func:`questkv.ops.reference.store_selections` (one launch, no host synchronisation). The memory's
+    """Triton :func:`questkv.ops.reuse_reference.store_selections` (one launch, no host synchronisation). The memory's
     tensors (counters included) must be contiguous (``ValueError`` otherwise); padding rows sharing a slot race
     there (scratch)."""
     check_stored_selections(pages, selected_at, slots, rows)
