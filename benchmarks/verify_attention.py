@@ -115,7 +115,6 @@ def run_point(model: str, batch: int, context: int, args, floor_tbps: float) -> 
         print(f"{model} B={batch} L={context} {queries} queries: decode kernel {decode_us:.1f} µs "
               f"({row['decode_kernel_ratio']:.2f}x one query {point['one_query_us']:.1f}), prefill kernel "
               f"{prefill_us:.1f} ({row['prefill_kernel_ratio']:.2f}x)", flush=True)
-        del step
     return point
 
 
