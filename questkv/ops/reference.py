@@ -45,6 +45,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from questkv.ops.checks import (
     check_active,
+    check_page_lse,
     check_mode,
     check_prefill_attention,
     check_select_out,
@@ -313,6 +314,25 @@ def paged_decode_attention(
         ``q``'s shape and dtype. Softmax and accumulation run in float32. Slots past ``seq_lens`` and pages not
         selected are never read into the result (NaN there does not propagate).
     """
+    logits, v = _decode_logits(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale)
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhqgt,bhtd->bqhgd", probs, v)
+    return out.reshape(q.shape).to(q.dtype)
+
+
+def _decode_logits(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    selected: Optional[torch.Tensor],
+    sm_scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_decode_attention`'s scaled scores ``[batch, num_sel_heads, num_queries, group, k * page_size]``
+    float32 (``-inf`` where a query does not see the key: unselected, past the sequence or past the query) and the
+    values ``[batch, num_sel_heads, k * page_size, head_dim]`` float32 they weigh (``k``: selected pages, or the
+    page table's width)."""
     queries = q[:, None] if q.dim() == 3 else q
     batch, num_queries, num_q_heads, head_dim = queries.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
@@ -337,10 +357,7 @@ def paged_decode_attention(
     seen = valid.flatten(2)[:, :, None] & (position.flatten(2)[:, :, None] <= query_position[:, None, :, None])
     qg = queries.float().view(batch, num_queries, sel_heads, group, head_dim)
     logits = torch.einsum("bqhgd,bhtd->bhqgt", qg, k) * sm_scale
-    logits = logits.masked_fill(~seen[:, :, :, None, :], float("-inf"))  # seen: [B, Hs, Q, K*ps]
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("bhqgt,bhtd->bqhgd", probs, v)
-    return out.reshape(q.shape).to(q.dtype)
+    return logits.masked_fill(~seen[:, :, :, None, :], float("-inf")), v  # seen: [B, Hs, Q, K*ps]
 
 
 def paged_prefill_attention(
@@ -514,9 +531,25 @@ def paged_decode_attention_into(
     seq_lens: torch.Tensor,
     selected: Optional[torch.Tensor],
     sm_scale: Optional[float] = None,
+    page_lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`paged_decode_attention` into ``out`` (``q``'s shape); ``buffers`` is unused here (the kernel's
-    scratch). Returns ``out``."""
+    scratch). Returns ``out``.
+
+    ``page_lse`` (dense attention only): ``[batch, num_queries * num_q_heads, max_pages]`` float32, written with
+    each query row's (row ``query * num_q_heads + head``) base-2 log-sum-exp of its scaled scores over each page's
+    keys it sees, ``log2(sum(exp(sm_scale * q . k)))`` (``-inf`` for a page it sees none of): the attention mass of a
+    page is ``2 ** (page_lse - the row's log-sum-exp over its pages)``. Entries of pages past a sequence's are left
+    as they are (:func:`~questkv.ops.checks.check_page_lse`)."""
+    check_page_lse(page_lse, q, page_table, selected)
+    if page_lse is not None:
+        logits, _ = _decode_logits(q, k_pages, v_pages, page_table, seq_lens, None, sm_scale)
+        batch, heads, queries, group, _ = logits.shape
+        pages = page_table.shape[1]
+        lse = torch.logsumexp(logits.view(batch, heads, queries, group, pages, -1), -1) * math.log2(math.e)
+        lse = lse.permute(0, 2, 1, 3, 4).reshape(batch, queries * heads * group, pages)
+        written = valid_pages(seq_lens, k_pages.shape[1], pages)[:, None, :]
+        page_lse.copy_(torch.where(written, lse, page_lse))
     return out.copy_(paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale))
 
 
