@@ -171,6 +171,7 @@ MAX_SPECULATIVE_TOKENS = 16
 """The most draft tokens of one lossless round (the verify step scores at most 17 positions per sequence)."""
 
 SPECULATIVE_METHODS = ("quest",)
+DRAFT_SELECTIONS = ("quest", "verify")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,17 +193,24 @@ class SpeculativeConfig:
         adaptive: the engine picks the drafts of each round, from 0 (dense steps) to ``num_speculative_tokens``, by
             the step times and acceptance it measures (:mod:`questkv.engine.speculation`), so that lossless is never
             much slower than dense; ``False``: every round drafts ``num_speculative_tokens`` (tests, sweeps).
+        draft_selection: where a round's draft pages come from (its drafts all attend one selection): ``"quest"``,
+            its first draft's Quest estimate and top-K; ``"verify"``, the attention mass of each page in the last
+            verify step's dense attention (its positions, summed over them and the query group), top-K with the
+            same budget and forced pages, so the drafts estimate and select nothing (Vegas, SparseSpec). A round
+            with no verify before it (the first, or one after a verify run with prefill rows) selects by Quest.
     """
 
     method: str = "quest"
     num_speculative_tokens: int = 4
     adaptive: bool = True
+    draft_selection: str = "quest"
 
     def __post_init__(self) -> None:
         check_choice("SpeculativeConfig.method", self.method, SPECULATIVE_METHODS)
         check_int("SpeculativeConfig.num_speculative_tokens", self.num_speculative_tokens, minimum=1,
                   maximum=MAX_SPECULATIVE_TOKENS)
         check_bool("SpeculativeConfig.adaptive", self.adaptive)
+        check_choice("SpeculativeConfig.draft_selection", self.draft_selection, DRAFT_SELECTIONS)
 
     @classmethod
     def from_value(cls, value: object, owner: str = "speculative_config") -> Optional["SpeculativeConfig"]:

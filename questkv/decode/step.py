@@ -8,6 +8,7 @@ whole model's decode step captures in a CUDA graph. :func:`quest_decode` is a on
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -38,13 +39,16 @@ class QuestDecodeStep:
         max_pages: page-table width (``page_table.shape[1]``).
         dtype, device: of ``q`` and the page pool.
         num_splits: split count of the attention kernel (default: one wave of a few programs per SM).
-        num_queries: queries per sequence, its last positions, causal among them (a lossless verify step; more
-            than one needs a dense config).
+        num_queries: queries per sequence, its last positions, causal among them (a lossless verify step: with
+            more than one, :meth:`dense` only, and with a sparse config it can also select the next round's pages
+            from its attention mass).
 
     Buffers: ``scores`` ``[batch, num_sel_heads, max_pages]`` float32, ``selected`` ``[batch,
     num_sel_heads, budget_pages + config.reuse_extra_pages]`` int32 (the extra columns, for a reused
     selection's pages begun since, are ``-1``), ``out`` ``[batch * num_queries, num_q_heads, head_dim]`` in
-    ``dtype``, and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`).
+    ``dtype``, and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`); with several
+    queries and a sparse config, ``page_lse`` ``[batch, num_queries * num_q_heads, max_pages]`` float32 (the
+    attention's per-page log-sum-exps, :func:`questkv.ops.reference.paged_decode_attention_into`).
 
     Selection reuse (:mod:`questkv.decode.selection_memory`): :meth:`sparse` given ``active`` and ``selected`` estimates
     and selects only the active rows, into ``selected``, and attends every row's ``selected`` (with
@@ -66,9 +70,8 @@ class QuestDecodeStep:
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-        if num_queries < 1 or (num_queries > 1 and not config.is_dense):
-            raise ValueError(f"num_queries={num_queries}: a step takes 1 query per sequence, or more with a dense "
-                             "config (a verify step)")
+        if num_queries < 1:
+            raise ValueError(f"num_queries={num_queries}: a step takes at least 1 query per sequence")
         device = torch.device(device)
         self.config = config
         self.batch, self.max_pages, self.num_queries = batch, max_pages, num_queries
@@ -87,6 +90,10 @@ class QuestDecodeStep:
             self.selected = torch.full((batch, sel_heads, width), -1, dtype=torch.int32, device=device)
             self.select_buffers = self.backend.select_buffers(batch, sel_heads, max_pages, device)
             self._sparse_buffers = buffers(sel_heads, width, False)
+        self.page_lse = None
+        if num_queries > 1 and not config.is_dense:
+            self.page_lse = torch.empty((batch, num_queries * num_q_heads, max_pages), dtype=torch.float32,
+                                        device=device)
 
     @classmethod
     def for_cache(
@@ -141,17 +148,45 @@ class QuestDecodeStep:
         page_table: torch.Tensor,
         seq_lens: torch.Tensor,
         sm_scale: Optional[float] = None,
+        select_into: Optional[torch.Tensor] = None,
+        select_lens: Optional[torch.Tensor] = None,
+        budgets: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Dense paged decode attention over every page into ``self.out``; returns ``self.out``. ``q``: ``[batch *
-        num_queries, num_q_heads, head_dim]``, each sequence's queries in a run (its last positions)."""
+        num_queries, num_q_heads, head_dim]``, each sequence's queries in a run (its last positions).
+
+        ``select_into`` (a step of several queries with a sparse config: a verify step choosing the next round's
+        draft pages): ``[batch, num_sel_heads, width >= budget_pages]`` int32, whose first ``budget_pages`` columns
+        get the top pages by the attention's mass (each page's softmax weight, summed over the queries and the
+        heads that share a selection) among the first ``num_pages(select_lens)`` pages (``[batch]`` int32), with
+        the config's forced pages and ``budgets`` as in :meth:`select`.
+        """
         out = self.out
         if self.num_queries > 1:
             q = q.view(self.batch, self.num_queries, *q.shape[1:])
             out = out.view(q.shape)
+        if select_into is not None and self.page_lse is None:
+            raise ValueError("QuestDecodeStep.dense selects only in a step of several queries with a sparse config")
+        page_lse = None if select_into is None else self.page_lse
         self.backend.paged_decode_attention_into(
-            out, self._dense_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, None, sm_scale
+            out, self._dense_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, None, sm_scale,
+            page_lse=page_lse,
         )
+        if select_into is not None:
+            self._masses_into_scores(seq_lens)
+            self.select(select_lens, budgets, selected=select_into)
         return self.out
+
+    def _masses_into_scores(self, seq_lens: torch.Tensor) -> None:
+        """``self.scores`` ``[batch, num_sel_heads, max_pages]`` from ``self.page_lse``: each page's attention mass,
+        the softmax over a query row's pages of its per-page log-sum-exps (base 2), summed over the step's queries
+        and the query heads of each selection head (pages past the sequence: 0; device ops only)."""
+        batch, heads, pages = self.scores.shape
+        valid = torch.arange(pages, device=seq_lens.device)[None, :] < (seq_lens[:, None] + self.config.page_size - 1
+                                                                         ) // self.config.page_size
+        lse = self.page_lse.masked_fill(~valid[:, None, :], float("-inf"))
+        mass = torch.softmax(lse * math.log(2.0), dim=-1)  # [batch, queries * num_q_heads, pages]
+        self.scores.copy_(mass.view(batch, self.num_queries, heads, -1, pages).sum((1, 3)))
 
     def sparse(
         self,
@@ -182,6 +217,8 @@ class QuestDecodeStep:
         """
         if self.selected is None:
             raise ValueError("QuestDecodeStep.sparse needs a sparse config (token_budget set)")
+        if self.num_queries > 1:
+            raise ValueError(f"QuestDecodeStep.sparse takes one query per sequence, not {self.num_queries}")
         if (active is None) != (selected is None):
             raise ValueError("QuestDecodeStep.sparse takes active and selected together (selection reuse) or neither")
         if not selecting:

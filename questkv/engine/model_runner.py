@@ -32,7 +32,7 @@ import torch
 
 from questkv.cache.paged import PagedKVCache
 from questkv.config import MAX_SPECULATIVE_TOKENS
-from questkv.decode.context import DecodeRows, PrefillRows, StepContext
+from questkv.decode.context import DecodeRows, DraftSelection, PrefillRows, StepContext
 from questkv.decode.selection_memory import ReuseRows, SelectionMemory, is_due
 from questkv.decode.route import StepRoute, step_route
 from questkv.decode.step import QuestDecodeStep
@@ -41,6 +41,7 @@ from questkv.engine.config import EngineConfig
 from questkv.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_batch_sizes
 from questkv.engine.kv_pool import plan_cache
 from questkv.engine.scheduled_batch import ScheduledBatch
+from questkv.engine.speculation import draft_reuse_steps
 from questkv.engine.step_io import PrefillInputs, SampledTokens, StepMessage
 from questkv.engine.sequence import Sequence
 from questkv.layers.attention import bind_cache
@@ -54,6 +55,8 @@ from questkv.ops.pages import ReusedSelections
 # the row's phase makes it select (selection reuse), and whether it decodes densely (its route).
 _IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _DENSE = range(8)
 NUM_INPUTS = 8
+# A verify step's staged rows per verified row: first position, KV length, page-table row, token budget.
+_VERIFY_INPUTS = 4
 
 
 class ModelRunner:
@@ -76,11 +79,9 @@ class ModelRunner:
         self.device = config.torch_device
         self.tp, self._send = tp, send
         quest = config.quest
-        drafts = 0 if config.speculative_config is None else config.speculative_config.num_speculative_tokens
-        if quest is not None and not quest.is_dense and drafts > quest.selection_interval:
-            # A lossless round selects at its first draft and its later drafts reuse that selection (the pages begun
-            # since attended in full): the buffers and the selection memory are sized for reuse over a round.
-            quest = dataclasses.replace(quest, selection_interval=drafts)
+        reuse = draft_reuse_steps(config.speculative_config)
+        if quest is not None and not quest.is_dense and reuse > quest.selection_interval:
+            quest = dataclasses.replace(quest, selection_interval=reuse)  # the buffers and the memory sized for it
         self._quest = quest  # the config of the decode steps' buffers
         max_seqs = config.max_num_seqs + 1
         size = 1 if tp is None else tp.size
@@ -106,9 +107,9 @@ class ModelRunner:
             prefix_caching=config.enable_prefix_caching, hash_salt=config.prefix_cache_salt(),
         )
         self.cache.track_rewinds = send is not None  # rank 0 tells the other ranks its lossless rewinds
-        self.memory = None
-        if memory_bytes:
-            self.memory = SelectionMemory(quest, *memory_args, self.device)
+        self.memory = SelectionMemory(quest, *memory_args, self.device) if memory_bytes else None
+        # A verify step chooses the next round's draft pages (SpeculativeConfig.draft_selection).
+        self._verify_selects = bool(self.memory) and getattr(config.speculative_config, "draft_selection", 0) == "verify"
         bind_cache(model, self.cache)
         if config.use_cuda_graphs and config.compile_elementwise:
             fuse_elementwise(model)
@@ -140,12 +141,12 @@ class ModelRunner:
         self._forced = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._flip = self._tokens_flip = 0
         self._inputs = torch.zeros((NUM_INPUTS, rows), dtype=torch.int64, device=self.device)
-        # A verify step's static inputs (lossless): per row its first position, KV length and page-table row, and
-        # its input tokens.
+        # A verify step's static inputs (lossless): per row its first position, KV length, page-table row and token
+        # budget, and its input tokens.
         verify_rows = rows if config.speculative_config is not None else 0
-        self._verify_inputs = torch.zeros((3, verify_rows), dtype=torch.int64, device=self.device)
+        self._verify_inputs = torch.zeros((_VERIFY_INPUTS, verify_rows), dtype=torch.int64, device=self.device)
         self._verify_ids = torch.zeros((verify_rows, MAX_SPECULATIVE_TOKENS + 1), dtype=torch.int64, device=self.device)
-        self._host_verify = torch.zeros((3 + MAX_SPECULATIVE_TOKENS + 1, verify_rows), dtype=torch.int64,
+        self._host_verify = torch.zeros((_VERIFY_INPUTS + MAX_SPECULATIVE_TOKENS + 1, verify_rows), dtype=torch.int64,
                                         pin_memory=pin)
         # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
         self._sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
@@ -273,29 +274,32 @@ class ModelRunner:
         rows, q_len = len(batch.seqs), batch.num_new_tokens[0]
         padded = self.graphs.padded(rows)
         width = self.graphs.width(self.cache.pages_for_tokens(max(batch.seq_lens)))
-        host = self._host_verify[:3 + q_len, :padded]
-        host[0].zero_()
-        host[1].fill_(q_len)
-        host[2].fill_(self.scratch_seq)
-        host[3:].zero_()
+        host = self._host_verify[:_VERIFY_INPUTS + q_len, :padded]
+        host[:_VERIFY_INPUTS] = torch.tensor([0, q_len, self.scratch_seq, self.budget or 0])[:, None]  # padding rows
+        host[_VERIFY_INPUTS:].zero_()
         for i, (seq, seq_len) in enumerate(zip(batch.seqs, batch.seq_lens)):
-            host[:3, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id])
-            host[3:, i] = torch.tensor(seq.token_slice(seq_len - q_len, seq_len))
+            host[:_VERIFY_INPUTS, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id,
+                                                     seq.quest.token_budget or self.budget or 0])
+            host[_VERIFY_INPUTS:, i] = torch.tensor(seq.token_slice(seq_len - q_len, seq_len))
         key = (padded, width, StepRoute.VERIFY, q_len)
         self._publish(batch, verify=(host.numpy(), key, batch.seq_ids))
         return self._run_verify(host, key, batch.seq_ids)[:rows * q_len]
 
     def _run_verify(self, host, key: GraphKey, seq_ids: tuple[int, ...]) -> torch.Tensor:
-        """:meth:`_verify` from its staged host inputs on (every rank runs this): ``host`` ``[3 + q_len, padded]``
-        int64 (first positions, KV lengths, page-table rows, then the input tokens; a tensor or a numpy array),
-        the graph ``key``, the verified sequences ``seq_ids``. Returns ``[padded * q_len, vocab]`` float32 logits."""
+        """:meth:`_verify` from its staged host inputs on (every rank runs this): ``host`` ``[_VERIFY_INPUTS + q_len,
+        padded]`` int64 (first positions, KV lengths, page-table rows, token budgets, then the input tokens; a tensor
+        or a numpy array), the graph ``key``, the verified sequences ``seq_ids``. Returns ``[padded * q_len, vocab]``
+        float32 logits."""
         padded, q_len = key[0], key[3]
         host = torch.as_tensor(host)
-        self._verify_inputs[:, :padded].copy_(host[:3], non_blocking=True)
-        self._verify_ids[:padded, :q_len].copy_(host[3:].T, non_blocking=True)
-        self._kept.difference_update(seq_ids)
-        if self.memory is not None:  # the next round's first draft selects afresh; the selection rate counts on
-            self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
+        self._verify_inputs[:, :padded].copy_(host[:_VERIFY_INPUTS], non_blocking=True)
+        self._verify_ids[:padded, :q_len].copy_(host[_VERIFY_INPUTS:].T, non_blocking=True)
+        if self._verify_selects:  # the step keeps each row's next draft pages
+            self._kept.update(seq_ids)
+        else:
+            self._kept.difference_update(seq_ids)
+            if self.memory is not None:  # the next round's first draft selects afresh; the selection rate counts on
+                self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         return self.graphs.run(key, self._verify_body)
 
     def _verify_body(self, batch: int, width: int, route: StepRoute, q_len: int) -> torch.Tensor:
@@ -303,15 +307,24 @@ class ModelRunner:
         ``q_len`` positions each, attending their cached tokens and, causally, each other densely (a dense decode
         step of ``q_len`` queries per row, :func:`~questkv.ops.paged_decode_attention`); ``[batch * q_len, vocab]``
         float32 logits, row after row."""
-        first, seq_lens, table_rows = self._verify_inputs[:, :batch]
+        first, seq_lens, table_rows, budgets = self._verify_inputs[:, :batch]
         positions = first[:, None] + torch.arange(q_len, device=self.device)  # [batch, q_len] int64
         page_table = self.cache.page_table.index_select(0, table_rows)[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
         slots = page_table.gather(1, positions // page_size).long() * page_size + positions % page_size
         step = self._step(batch, width, route, q_len)
-        rows = DecodeRows(page_table, seq_lens.to(torch.int32), step, dense=True, num_queries=q_len)
+        chosen = None
+        if self._verify_selects:
+            layers, heads = self._selection_shape
+            selected = torch.full((layers, batch, heads, self.memory.pages.shape[-1]), -1, dtype=torch.int32,
+                                  device=self.device)
+            chosen = DraftSelection(selected, (first + 1).to(torch.int32), budgets.to(torch.int32))
+        rows = DecodeRows(page_table, seq_lens.to(torch.int32), step, dense=True, num_queries=q_len,
+                          draft_selection=chosen)
         ids = self._verify_ids[:batch, :q_len].reshape(-1)
         hidden = self.model(ids, positions.reshape(-1), StepContext(slots.reshape(-1), decode=rows))
+        if chosen is not None:
+            self.memory.keep(table_rows, chosen.selected, ((first + page_size) // page_size).to(torch.int32))
         return self.model.compute_logits(hidden)
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -322,15 +335,12 @@ class ModelRunner:
 
     def _stage_decode(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], dense_rows: tuple[bool, ...]
                       ) -> tuple[GraphKey, torch.Tensor]:
-        """Stage the decode rows ``seqs`` of a step (their KV lengths ``seq_lens`` and routes ``dense_rows``, the
-        scheduler's :attr:`ScheduledBatch.dense_rows`, see :meth:`_stage_inputs`) and return their graph key and the staged host inputs. The key: the captured batch size they are padded to,
-        the page-table width, whether a dense request shares a Quest batch (the step selects up to every column,
-        a dense row all its pages) and whether any row may select: always, but with fixed-interval selection reuse
-        when every row is off its phase and its slot keeps a selection (then the memory's own test,
-        :meth:`SelectionMemory.rows`, finds no row active: pages begun since a kept selection never outgrow the
-        extra columns on the regular phase). A mixed step's decode rows use the key a decode-only step of theirs
-        would, and so its :class:`QuestDecodeStep` (no buffers of their own). Updates the mirror of the selection
-        memory."""
+        """Stage the decode rows ``seqs`` (KV lengths ``seq_lens``, routes ``dense_rows``: the scheduler's
+        :attr:`ScheduledBatch.dense_rows`; :meth:`_stage_inputs`); return their graph key and staged host inputs.
+        The key: the padded batch size, the page-table width, the route, and whether any row may select (not when
+        every row is off its phase or drafting, and its slot keeps a selection, whose pages begun since never
+        outgrow the extra columns: :meth:`SelectionMemory.rows` then finds no row active). A mixed step's decode
+        rows use a decode-only step's key and buffers. Updates the mirror of the selection memory."""
         padded = self.graphs.padded(len(seqs))
         width = self.graphs.width(self.cache.pages_for_tokens(max(seq_lens)))
         dense_rows = list(dense_rows)
@@ -425,8 +435,9 @@ class ModelRunner:
                 if not known and seq.is_forced(position - seq.num_prompt_tokens):
                     # A forced output in flight: its token is known here (the in-flight one is the sampler's choice).
                     token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True
-                # A lossless round's first draft selects (its verify step cleared the memory's row), its others reuse.
-                due = (not seq.draft_token_ids if seq.quest.speculative_tokens
+                # A lossless round's drafts reuse one selection: its first draft's (its verify step cleared the
+                # memory's row), or the verify step's (a row without one selects all the same).
+                due = (not seq.draft_token_ids and not self._verify_selects if seq.quest.speculative_tokens
                        else is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval))
                 rows.append([token if known else 0, position, seq_len,
                              seq.quest.token_budget or self.budget or 0, seq.cache_id,
@@ -517,27 +528,18 @@ class ModelRunner:
         return ReuseRows(rows, stored=stored)
 
     def _store_selections(self, batch: int, rows: DecodeRows) -> None:
-        """After the forward, keep the selections of the first ``batch`` decode rows for selection reuse (a mixed
-        step: its Quest rows' selections, narrowed to the memory's columns; its dense rows keep none)."""
-        reuse = rows.reuse
-        if reuse is None or self.memory is None:
-            return
-        slots = self._inputs[_ROWS, :batch]
-        if reuse.stored is None:
-            self.memory.store(slots, reuse)
-            return
-        stored = reuse.stored
-        narrow = stored.gathered._replace(active=reuse.active,
-                                          selected=reuse.selected[..., :stored.selected.shape[-1]])
-        self.memory.store(slots, ReuseRows(narrow))
-        self.memory.forget_where(slots, self._inputs[_DENSE, :batch] != 0)
+        """After the forward, keep the selections of the first ``batch`` decode rows for selection reuse
+        (:meth:`SelectionMemory.store_step`)."""
+        if rows.reuse is not None and self.memory is not None:
+            self.memory.store_step(self._inputs[_ROWS, :batch], rows.reuse, self._inputs[_DENSE, :batch] != 0)
 
     def _step(self, batch: int, width: int, route: StepRoute, num_queries: int = 1) -> QuestDecodeStep:
         """The decode step (buffers) of ``batch`` rows of ``num_queries`` queries each (a verify step's ``q_len``)
         over ``width`` page-table columns, for ``route``; built once per shape."""
         key = (batch, width, route, num_queries)
         if key not in self._steps:
-            quest = None if route in (StepRoute.DENSE, StepRoute.VERIFY) else self._quest
+            dense = route == StepRoute.DENSE or (route == StepRoute.VERIFY and not self._verify_selects)
+            quest = None if dense else self._quest
             if route == StepRoute.MIXED:  # selections as wide as the page table: a dense row's hold every page
                 quest = dataclasses.replace(quest, token_budget=max(width * self.cache.page_size, quest.token_budget))
             self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.num_q_heads, width, num_queries)

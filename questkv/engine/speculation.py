@@ -19,9 +19,10 @@ import enum
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
+    from questkv.config import SpeculativeConfig
     from questkv.engine.sequence import Sequence
 
-__all__ = ["PROBE_EVERY", "SpeculationPolicy", "StepKind", "expected_tokens", "keep_verified"]
+__all__ = ["PROBE_EVERY", "SpeculationPolicy", "StepKind", "draft_reuse_steps", "expected_tokens", "keep_verified"]
 
 PROBE_EVERY = 32
 """Rounds between two dense steps that refresh the dense step's time, and dense steps between two rounds that
@@ -122,6 +123,18 @@ class SpeculationPolicy:
         bucket = self._bucket(batch)
         bucket.kept = (1 - _WEIGHT / batch) * bucket.kept + kept
         bucket.tested = (1 - _WEIGHT / batch) * bucket.tested + kept + (kept < drafted)
+
+
+def draft_reuse_steps(config: Optional["SpeculativeConfig"]) -> int:
+    """Decode steps one selection serves in a lossless engine (``config``; 0 without one), which the decode buffers
+    and the selection memory are sized for (``QuestConfig.selection_interval``): a round's drafts attend one
+    selection and the pages begun since it in full. Its first draft's, over its ``k`` drafts; or, with
+    ``draft_selection="verify"``, the verify step's before it, made at the round's first position, over that
+    round's ``k + 1`` positions and the next round's ``k`` drafts."""
+    if config is None:
+        return 0
+    k = config.num_speculative_tokens
+    return 2 * k + 1 if config.draft_selection == "verify" else k
 
 
 def keep_verified(seq: "Sequence", tokens: list[int], policy: Optional[SpeculationPolicy], rows: int) -> list[int]:

@@ -174,7 +174,11 @@ class Attention(nn.Module):
 
     def _sparse_decode(self, q: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
         if rows.dense:  # the step's route (questkv.decode.route): no row gains from Quest here
-            return self._dense_decode(q, rows)
+            chosen = rows.draft_selection
+            if chosen is None:
+                return self._dense_decode(q, rows)
+            return rows.step.dense(q, self.pages, rows.page_table, rows.seq_lens, self.sm_scale,
+                                   chosen.selected[self.sparse_index], chosen.seq_lens, chosen.budgets)
         reuse = rows.reuse
         active = selected = None
         selecting = True

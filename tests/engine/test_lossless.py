@@ -30,11 +30,16 @@ def dense(model_dir):
     return make_llm(model_dir)
 
 
-def lossless(model_dir, k: int = 4, quest: QuestConfig = SMALL, adaptive: bool = False, **kwargs):
+def lossless(model_dir, k: int = 4, quest: QuestConfig = SMALL, adaptive: bool = False, draft_selection: str = "quest",
+             **kwargs):
     """A lossless engine; fixed rounds of ``k`` drafts unless ``adaptive`` (then the measured step times pick, and
-    on a CPU they mostly pick dense steps)."""
-    config = {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive}
+    on a CPU they mostly pick dense steps); drafts attend the pages of ``draft_selection``."""
+    config = {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive, "draft_selection": draft_selection}
     return make_llm(model_dir, quest, speculative_config=config, **kwargs)
+
+
+# Where a round's drafts take their pages from: the first draft's Quest selection, or the verify step's attention.
+SOURCES = pytest.mark.parametrize("source", ["quest", "verify"])
 
 
 def ragged(count: int = 4):
@@ -43,9 +48,10 @@ def ragged(count: int = 4):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_greedy_output_is_the_dense_engines_for_ragged_batches(model_dir, dense, k):
+@SOURCES
+def test_greedy_output_is_the_dense_engines_for_ragged_batches(model_dir, source, dense, k):
     prompts, params = ragged()
-    outputs = lossless(model_dir, k).generate(prompts, params, use_tqdm=False)
+    outputs = lossless(model_dir, k, draft_selection=source).generate(prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == run(dense, prompts, params)
     verified = [out.metrics for out in outputs if out.metrics.mean_tokens_per_verify is not None]
     assert verified and all(1 <= m.mean_tokens_per_verify <= k + 1 and 0 <= m.acceptance_rate <= 1 for m in verified)
@@ -61,21 +67,24 @@ def test_a_lossy_quest_engine_differs_from_dense_where_lossless_does_not(model_d
 
 
 @pytest.mark.parametrize("budget", [8, 12, 16])
-def test_every_request_budget_and_draft_count_with_selection_reuse_gives_the_dense_tokens(model_dir, dense, budget):
+@SOURCES
+def test_every_request_budget_and_draft_count_with_selection_reuse_gives_the_dense_tokens(model_dir, source, dense,
+                                                                                          budget):
     quest = dataclasses.replace(SMALL, selection_interval=3)
     prompts, _ = ragged(5)
     params = [greedy(random.randint(5, 30), token_budget=budget, speculative_tokens=random.randint(1, 16))
               for _ in prompts]
-    assert run(lossless(model_dir, 16, quest), prompts, params) == run(dense, prompts, [greedy(p.max_tokens)
-                                                                                         for p in params])
+    want = run(dense, prompts, [greedy(p.max_tokens) for p in params])
+    assert run(lossless(model_dir, 16, quest, draft_selection=source), prompts, params) == want
 
 
-def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, dense):
+@SOURCES
+def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, source, dense):
     prompts, _ = ragged(6)
     kinds = ["lossless", "dense", "lossy", "lossless", "lossy", "dense"]
     extra = {"lossless": {}, "dense": {"dense": True}, "lossy": {"speculative_tokens": 0}}
     params = [greedy(random.randint(5, 30), **extra[kind]) for kind in kinds]
-    llm = lossless(model_dir, 3)
+    llm = lossless(model_dir, 3, draft_selection=source)
     outputs = run(llm, prompts, params)
     want_dense = run(dense, prompts, [greedy(p.max_tokens) for p in params])
     want_lossy = run(make_llm(model_dir, SMALL), prompts, [greedy(p.max_tokens) for p in params])
@@ -83,12 +92,13 @@ def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, de
         assert out == (lossy if kind == "lossy" else exact), kind
 
 
-def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir):
+@SOURCES
+def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir, source):
     unconstrained = make_llm(model_dir, max_model_len=64)
     per_seq = math.ceil(64 / PAGE)
     scratch = math.ceil((MAX_SPECULATIVE_TOKENS + 1) / PAGE)  # a lossless engine's padding rows' pages
     pages = per_seq + 1 + scratch
-    tiny = lossless(model_dir, 5, max_model_len=64,
+    tiny = lossless(model_dir, 5, max_model_len=64, draft_selection=source,
                     kv_cache_memory=pool_memory(make_llm(model_dir, SMALL, max_model_len=64), pages))
     assert tiny.engine.cache.num_pages == pages
     prompts = [prompt(random.randint(20, 30)) for _ in range(4)]
@@ -100,16 +110,18 @@ def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir
 
 
 @pytest.mark.parametrize("chunked", [True, False])
-def test_chunked_prefill_on_or_off_gives_the_dense_tokens(model_dir, dense, chunked):
-    llm = lossless(model_dir, 4, enable_chunked_prefill=chunked, max_num_batched_tokens=40 if chunked else None)
+@SOURCES
+def test_chunked_prefill_on_or_off_gives_the_dense_tokens(model_dir, source, dense, chunked):
+    llm = lossless(model_dir, 4, draft_selection=source, enable_chunked_prefill=chunked, max_num_batched_tokens=40 if chunked else None)
     prompts, params = ragged(6)
     assert run(llm, prompts, params) == run(dense, prompts, params)
 
 
-def test_lossless_answers_are_cached_for_the_next_turn(model_dir, dense):
+@SOURCES
+def test_lossless_answers_are_cached_for_the_next_turn(model_dir, source, dense):
     """Verified K/V are dense attention's, so a conversation's next turn hits the earlier answers too (a lossy Quest
     answer is recomputed)."""
-    llm = lossless(model_dir, 4)
+    llm = lossless(model_dir, 4, draft_selection=source)
     conversation, cached_before = prompt(60), 0
     for _ in range(3):
         (out,) = llm.generate([conversation], greedy(12), use_tqdm=False)
@@ -137,9 +149,10 @@ def test_stops_and_max_tokens_inside_an_accepted_run_end_the_output_there(model_
     assert_pages_all_back(llm)
 
 
-def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(model_dir):
+@SOURCES
+def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(model_dir, source):
     """The draft steps widen the bounds with keys that the verify overwrites or drops; the verify recomputes them."""
-    llm = lossless(model_dir, 6)
+    llm = lossless(model_dir, 6, draft_selection=source)
     engine = llm.engine
     cache = engine.cache
     for p in [prompt(random.randint(30, 80)) for _ in range(3)]:
@@ -157,7 +170,8 @@ def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(m
     assert rounds > 0
 
 
-def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, dense):
+@SOURCES
+def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, source, dense):
     """Draft and verify draw each position with the request's seeded noise, so a sampled lossless output is the
     dense engine's sample token for token (hence its distribution, exactly), whatever was drafted and kept."""
     prompts = [prompt(random.randint(40, 90)) for _ in range(6)]
@@ -165,7 +179,7 @@ def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, dense):
                              top_p=random.choice([1.0, 0.9]), seed=random.randrange(1 << 30), max_tokens=20,
                              ignore_eos=True) for _ in prompts]
     want = run(dense, prompts, params)
-    outputs = lossless(model_dir, 3).generate(prompts, params, use_tqdm=False)
+    outputs = lossless(model_dir, 3, draft_selection=source).generate(prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == want
     assert sum(out.metrics.num_preemptions == 0 and (out.metrics.acceptance_rate or 0) > 0 for out in outputs) > 0
     assert run(make_llm(model_dir, SMALL), prompts, params) != want  # Quest alone samples other tokens
@@ -212,11 +226,12 @@ def test_lossless_needs_quest(model_dir):
         make_llm(model_dir, speculative_config={"method": "quest", "num_speculative_tokens": 2})
 
 
-def test_two_tensor_parallel_ranks_give_the_dense_tokens(model_dir, dense):
+@SOURCES
+def test_two_tensor_parallel_ranks_give_the_dense_tokens(model_dir, source, dense):
     """Rank 0 sends the verify steps and the rewinds' recomputed bounds; the other rank follows (gloo, CPU)."""
     prompts, params = ragged(5)
     params[1] = SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
-    with lossless(model_dir, 4, tensor_parallel_size=2, enable_chunked_prefill=True,
+    with lossless(model_dir, 4, draft_selection=source, tensor_parallel_size=2, enable_chunked_prefill=True,
                   max_num_batched_tokens=48) as sharded:
         assert run(sharded, prompts, params) == run(dense, prompts, params)
 
@@ -261,3 +276,21 @@ def test_a_round_selects_pages_once_and_its_later_drafts_reuse_them(model_dir, d
     assert 0.2 <= out.metrics.selection_rate <= 0.35
     (one,) = lossless(model_dir, 1).generate([p], params, use_tqdm=False)  # rounds of one draft: every draft selects
     assert one.metrics.selection_rate == 1.0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_with_the_verify_steps_pages_only_the_first_round_selects(model_dir, dense, k):
+    """``draft_selection="verify"``: a verify step keeps each row's next draft pages (top pages by its attention mass),
+    so after the first round no draft estimates or selects: the selection rate is the first round's one selecting
+    draft step over all draft steps (at least 8 here; with Quest's pages, rounds of 4 select at a quarter of them
+    and rounds of 1 at every one)."""
+    p = prompt(80)
+    params = greedy(41)
+    (out,) = lossless(model_dir, k, draft_selection="verify").generate([p], params, use_tqdm=False)
+    assert out.token_ids == run(dense, [p], params)[0]
+    assert 0 < out.metrics.selection_rate <= 1 / 8
+
+
+def test_an_unknown_draft_selection_is_refused(model_dir):
+    with pytest.raises(ValueError, match=r"draft_selection must be one of 'quest', 'verify'; got 'oracle'"):
+        lossless(model_dir, draft_selection="oracle")
