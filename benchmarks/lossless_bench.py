@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import sys
@@ -58,8 +59,13 @@ NEAR_TIE = 0.125
 place)."""
 
 
-def lossless_config(k: int, adaptive: bool) -> dict:
-    return {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive}
+def lossless_config(k: int, adaptive: bool, draft_selection: str = "quest") -> dict:
+    return {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive, "draft_selection": draft_selection}
+
+
+def source_suffix(draft_selection: str) -> str:
+    """A mode's name suffix for its draft pages' source (``SpeculativeConfig.draft_selection``)."""
+    return "" if draft_selection == "quest" else f"-{draft_selection}-pages"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -98,7 +104,11 @@ def check(args) -> dict:
                          ("lossless-k8", {"quest": quest, "speculative_config": lossless_config(8, False)}),
                          ("lossless-adaptive", {"quest": quest, "speculative_config": lossless_config(4, True)}),
                          ("lossless-k4-eager", {"quest": quest, "speculative_config": lossless_config(4, False),
-                                                "enforce_eager": True})):
+                                                "enforce_eager": True}),
+                         ("lossless-k4-verify-pages", {"quest": quest,
+                                                       "speculative_config": lossless_config(4, False, "verify")}),
+                         ("lossless-k4-verify-pages-eager", {"quest": quest, "enforce_eager": True,
+                                                             "speculative_config": lossless_config(4, False, "verify")})):
         llm = engine(**kwargs)
         for mode, params in (("greedy", greedy), ("sampled", sampled)):
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -170,7 +180,8 @@ def real(args) -> dict:
         base = LLM(args.model, quest=QuestConfig(token_budget=budget16, page_size=PAGE, dense_layers=DENSE_LAYERS),
                    **common)
         quest8 = QuestConfig(token_budget=budget8, page_size=PAGE, dense_layers=DENSE_LAYERS)
-        lossless = LLM(args.model, quest=quest8, speculative_config=lossless_config(args.k, True), **common)
+        engines = {source: LLM(args.model, quest=quest8, speculative_config=lossless_config(args.k, True, source),
+                               **common) for source in args.draft_selection}
         texts = {}
         for corpus, task in (("book", "agreement_book"), ("code", "agreement_code")):
             text, _ = agreement.load_text(task)
@@ -187,8 +198,8 @@ def real(args) -> dict:
                 point["modes"]["dense"] = {"tokens_per_s": rate}
                 rate, outs = decode_rate(base, prompts, SamplingParams(**greedy), args.tokens)
                 point["modes"]["quest-1/16"] = {"tokens_per_s": rate, **_identity(base, prompts, want, outs, False)}
-                for policy in ("adaptive", "fixed"):
-                    # One engine, its policy switched between runs (the prompts stay in its prefix cache).
+                for (source, lossless), policy in itertools.product(engines.items(), ("adaptive", "fixed")):
+                    # One engine per source, its policy switched between runs (the prompts stay in its prefix cache).
                     lossless.engine.speculation.adaptive = policy == "adaptive"
                     for label, budget in (("1/16", budget16), ("1/8", budget8)):
                         rate, outs = decode_rate(lossless, prompts, SamplingParams(token_budget=budget, **greedy),
@@ -196,7 +207,7 @@ def real(args) -> dict:
                         accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
                         per_verify = [o.metrics.mean_tokens_per_verify for o in outs
                                       if o.metrics.mean_tokens_per_verify is not None]
-                        point["modes"][f"lossless-{label}-{policy}"] = {
+                        point["modes"][f"lossless-{label}-{policy}{source_suffix(source)}"] = {
                             "tokens_per_s": rate,
                             "acceptance": statistics.mean(accepted) if accepted else None,
                             "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
@@ -206,9 +217,9 @@ def real(args) -> dict:
                     mode["speedup"] = mode["tokens_per_s"] / dense_rate
                 results["points"].append(point)
                 print(_point_line(point), flush=True)
-        for llm in (base, lossless):
+        for llm in (base, *engines.values()):
             llm.close()
-        del base, lossless
+        del base, engines
         gc.collect()
     return results
 
@@ -253,12 +264,13 @@ def _shape_engine(cfg, batch, context, quantization, steps, device, **kwargs) ->
     return llm
 
 
-def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, device: str = "cuda") -> dict:
+def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, device: str = "cuda",
+                draft_selection: str = "quest") -> dict:
     model, batch, context, budget, quantization = POINTS[name]
     cfg = dummy_config(model)
     quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
     record = {"model": model, "batch": batch, "context": context, "budget": budget, "quantization": quantization,
-              "k": k}
+              "k": k, "draft_selection": draft_selection}
     llm = _shape_engine(cfg, batch, context, quantization, steps, device, async_scheduling=True)
     engine = llm.engine
     for _ in range(6):
@@ -273,7 +285,7 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
     del llm, engine
     gc.collect()
     llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest,
-                        speculative_config=lossless_config(k, False))
+                        speculative_config=lossless_config(k, False, draft_selection))
     engine = llm.engine
     times = {"draft": [], "verify": []}
     for i in range(steps + 2 * (k + 1)):
@@ -303,7 +315,8 @@ def _synchronize(device: str) -> None:
 
 
 def shapes(args) -> dict:
-    return {"points": [shape_point(name, args.k, args.acceptance, device=args.device) for name in args.points]}
+    return {"points": [shape_point(name, args.k, args.acceptance, device=args.device, draft_selection=source)
+                       for name in args.points for source in args.draft_selection]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -337,7 +350,8 @@ def table(part: str, record: dict) -> str:
                   "|---|---|---|---|---|"]
         for p in record["results"]["points"]:
             implied = ", ".join(f"{i['speedup']:.2f}× ({i['acceptance']})" for i in p["implied"])
-            name = f"{p['model']} {p['quantization'] or 'bf16'} B={p['batch']} {p['context'] // 1024}k/{p['budget']}"
+            name = (f"{p['model']} {p['quantization'] or 'bf16'} B={p['batch']} {p['context'] // 1024}k/{p['budget']}"
+                    f"{source_suffix(p['draft_selection'])}")
             lines.append(f"| {name} | {p['dense_ms']:.2f} | {p['draft_ms']:.2f} | {p['verify_ms']:.2f} (k={p['k']}) "
                          f"| {implied} |")
     head = record["provenance"]
@@ -360,6 +374,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="real: the dtype")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="real: the K/V pages")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (the adaptive policy's maximum)")
+    parser.add_argument("--draft-selection", nargs="+", default=["quest", "verify"], choices=("quest", "verify"),
+                        help="real, shapes: the lossless engines' draft page sources (SpeculativeConfig)")
     parser.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS), help="shapes: the points")
     parser.add_argument("--acceptance", type=float, nargs="+", default=[0.8, 0.9, 0.95],
                         help="shapes: per-token acceptances to imply speed from (measure them with `real`)")
