@@ -109,7 +109,8 @@ class ModelRunner:
         self.cache.track_rewinds = send is not None  # rank 0 tells the other ranks its lossless rewinds
         self.memory = SelectionMemory(quest, *memory_args, self.device) if memory_bytes else None
         # A verify step chooses the next round's draft pages (SpeculativeConfig.draft_selection).
-        self._verify_selects = bool(self.memory) and getattr(config.speculative_config, "draft_selection", 0) == "verify"
+        speculative = config.speculative_config
+        self._verify_selects = self.memory is not None and getattr(speculative, "draft_selection", None) == "verify"
         bind_cache(model, self.cache)
         if config.use_cuda_graphs and config.compile_elementwise:
             fuse_elementwise(model)

@@ -30,8 +30,8 @@ def dense(model_dir):
     return make_llm(model_dir)
 
 
-def lossless(model_dir, k: int = 4, quest: QuestConfig = SMALL, adaptive: bool = False, draft_selection: str = "quest",
-             **kwargs):
+def lossless(model_dir, k: int = 4, quest: QuestConfig = SMALL, adaptive: bool = False,
+             draft_selection: str = "verify", **kwargs):
     """A lossless engine; fixed rounds of ``k`` drafts unless ``adaptive`` (then the measured step times pick, and
     on a CPU they mostly pick dense steps); drafts attend the pages of ``draft_selection``."""
     config = {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive, "draft_selection": draft_selection}
@@ -112,7 +112,8 @@ def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir
 @pytest.mark.parametrize("chunked", [True, False])
 @SOURCES
 def test_chunked_prefill_on_or_off_gives_the_dense_tokens(model_dir, source, dense, chunked):
-    llm = lossless(model_dir, 4, draft_selection=source, enable_chunked_prefill=chunked, max_num_batched_tokens=40 if chunked else None)
+    llm = lossless(model_dir, 4, draft_selection=source, enable_chunked_prefill=chunked,
+                   max_num_batched_tokens=40 if chunked else None)
     prompts, params = ragged(6)
     assert run(llm, prompts, params) == run(dense, prompts, params)
 
@@ -267,14 +268,15 @@ def test_a_budget_covering_the_context_decodes_densely_without_drafting(model_di
 
 
 def test_a_round_selects_pages_once_and_its_later_drafts_reuse_them(model_dir, dense):
-    """The engine's buffers and selection memory are sized for reuse over a round: a round of 4 drafts estimates and
+    """With Quest's draft pages, the engine's buffers and selection memory are sized for reuse over a round: a round of 4 drafts estimates and
     selects at its first draft only (a quarter of the draft steps select), and the tokens stay dense's."""
     p = prompt(80)
     params = greedy(41)
-    (out,) = lossless(model_dir, 4).generate([p], params, use_tqdm=False)
+    (out,) = lossless(model_dir, 4, draft_selection="quest").generate([p], params, use_tqdm=False)
     assert out.token_ids == run(dense, [p], params)[0]
     assert 0.2 <= out.metrics.selection_rate <= 0.35
-    (one,) = lossless(model_dir, 1).generate([p], params, use_tqdm=False)  # rounds of one draft: every draft selects
+    # rounds of one draft: every draft selects
+    (one,) = lossless(model_dir, 1, draft_selection="quest").generate([p], params, use_tqdm=False)
     assert one.metrics.selection_rate == 1.0
 
 
