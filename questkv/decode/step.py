@@ -8,7 +8,6 @@ whole model's decode step captures in a CUDA graph. :func:`quest_decode` is a on
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -179,14 +178,13 @@ class QuestDecodeStep:
 
     def _masses_into_scores(self, seq_lens: torch.Tensor) -> None:
         """``self.scores`` ``[batch, num_sel_heads, max_pages]`` from ``self.page_lse``: each page's attention mass,
-        the softmax over a query row's pages of its per-page log-sum-exps (base 2), summed over the step's queries
-        and the query heads of each selection head (pages past the sequence: 0; device ops only)."""
+        the softmax over a query row's pages of its per-page log-sum-exps, summed over the step's queries and the
+        query heads of each selection head (pages past the sequence: 0; device ops only)."""
         batch, heads, pages = self.scores.shape
-        valid = torch.arange(pages, device=seq_lens.device)[None, :] < (seq_lens[:, None] + self.config.page_size - 1
-                                                                         ) // self.config.page_size
-        lse = self.page_lse.masked_fill(~valid[:, None, :], float("-inf"))
-        mass = torch.softmax(lse * math.log(2.0), dim=-1)  # [batch, queries * num_q_heads, pages]
-        self.scores.copy_(mass.view(batch, self.num_queries, heads, -1, pages).sum((1, 3)))
+        valid = torch.arange(pages, device=seq_lens.device)[None, None, :] < (
+            (seq_lens[:, None, None] + self.config.page_size - 1) // self.config.page_size)
+        mass = torch.softmax(torch.where(valid, self.page_lse, float("-inf")), dim=-1)  # [batch, rows, pages]
+        torch.sum(mass.view(batch, self.num_queries, heads, -1, pages), (1, 3), out=self.scores)
 
     def sparse(
         self,

@@ -537,16 +537,16 @@ def paged_decode_attention_into(
     scratch). Returns ``out``.
 
     ``page_lse`` (dense attention only): ``[batch, num_queries * num_q_heads, max_pages]`` float32, written with
-    each query row's (row ``query * num_q_heads + head``) base-2 log-sum-exp of its scaled scores over each page's
-    keys it sees, ``log2(sum(exp(sm_scale * q . k)))`` (``-inf`` for a page it sees none of): the attention mass of a
-    page is ``2 ** (page_lse - the row's log-sum-exp over its pages)``. Entries of pages past a sequence's are left
-    as they are (:func:`~questkv.ops.checks.check_page_lse`)."""
+    each query row's (row ``query * num_q_heads + head``) log-sum-exp of its scaled scores over each page's keys it
+    sees, ``log(sum(exp(sm_scale * q . k)))`` (``-inf`` for a page it sees none of): the attention mass of the row's
+    pages is the softmax of its ``page_lse`` over them. Entries of pages past a sequence's are left as they are
+    (:func:`~questkv.ops.checks.check_page_lse`)."""
     check_page_lse(page_lse, q, page_table, selected)
     if page_lse is not None:
         logits, _ = _decode_logits(q, k_pages, v_pages, page_table, seq_lens, None, sm_scale)
         batch, heads, queries, group, _ = logits.shape
         pages = page_table.shape[1]
-        lse = torch.logsumexp(logits.view(batch, heads, queries, group, pages, -1), -1) * math.log2(math.e)
+        lse = torch.logsumexp(logits.view(batch, heads, queries, group, pages, -1), -1)
         lse = lse.permute(0, 2, 1, 3, 4).reshape(batch, queries * heads * group, pages)
         written = valid_pages(seq_lens, k_pages.shape[1], pages)[:, None, :]
         page_lse.copy_(torch.where(written, lse, page_lse))

@@ -27,6 +27,7 @@ from questkv.ops.triton._common import (
 )
 
 _LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)  # (a constexpr: a compiled kernel reads no other global)
 # Launch configuration per kind of grid (grid_kind; measured on an H200, benchmarks/results/kernel-sweep-h200.md):
 # keys per inner iteration (whole pages), programs per SM the split count aims at (rounded down so the grid fits
 # one wave), and software-pipelining depth. A dense grid of at most _FEW_PROGRAMS (sequence, KV head) pairs takes
@@ -80,7 +81,7 @@ def _decode_split_kernel(
     log-sum-exp (``-inf`` for an empty chunk; partial row ``position * num_q_heads + head``), then takes a
     ticket; the program that takes the last ticket of its (sequence, query block, selection head) merges all
     splits into ``out`` and resets the counter for the next launch (one launch per step, no separate merge kernel).
-    With ``PAGE_LSE`` (dense) it also writes each row's base-2 log-sum-exp over each page's keys it sees into
+    With ``PAGE_LSE`` (dense) it also writes each row's log-sum-exp over each page's keys it sees into
     ``page_lse`` (row ``q_rows``, column: the page).
     With ``USE_PDL`` it waits for the kernels before it only at its first
     read of what they may write (``DENSE``: after prefetching its first tile into L2), and lets the next
@@ -186,14 +187,14 @@ def _decode_split_kernel(
 @triton.jit
 def _store_page_lse(row_ptrs, s, first_page, end, gmask, BLOCK_G: tl.constexpr, PAGES: tl.constexpr,
                     PAGE_SIZE: tl.constexpr):
-    """Store each row's base-2 log-sum-exp of the scores ``s`` ``[BLOCK_G, PAGES * PAGE_SIZE]`` (log2 domain,
-    ``-inf`` where unseen) per page, for pages ``first_page .. first_page + PAGES`` below ``end``, at ``row_ptrs``
-    ``[BLOCK_G, 1]`` plus the page (``-inf``: the row sees none of the page's keys)."""
+    """Store each row's log-sum-exp (natural log) of the scores ``s`` ``[BLOCK_G, PAGES * PAGE_SIZE]`` (log2
+    domain, ``-inf`` where unseen) per page, for pages ``first_page .. first_page + PAGES`` below ``end``, at
+    ``row_ptrs`` ``[BLOCK_G, 1]`` plus the page (``-inf``: the row sees none of the page's keys)."""
     per_page = tl.reshape(s, (BLOCK_G, PAGES, PAGE_SIZE))
     m = tl.max(per_page, axis=2)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2(per_page - m_safe[:, :, None]), axis=2)
-    lse = tl.where(total > 0, m_safe + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+    lse = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) * _LN2, float("-inf"))
     page = first_page + tl.arange(0, PAGES)
     tl.store(row_ptrs + page[None, :], lse, mask=gmask[:, None] & (page < end)[None, :])
 
