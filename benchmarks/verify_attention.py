@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import platform
 import sys
@@ -45,6 +46,7 @@ from questkv.decode import QuestDecodeStep  # noqa: E402
 from questkv.eval.provenance import git_commit  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops import triton as kernels  # noqa: E402
+from questkv.ops.triton import decode_attention as attention  # noqa: E402
 
 POINTS = [  # (model, batch, context): the issue's four points at the 8B shape, and llama2-7b's MHA
     ("llama3.1-8b", 1, 32768),
@@ -62,22 +64,24 @@ def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     return float("nan") if out.isnan().any() else ((out - want).norm() / want.norm()).item()
 
 
-def check_small(gen: torch.Generator) -> list[dict]:
+def check_small(gen: torch.Generator, lengths=(3001, 40, 1777), queries_list=QUERIES, models=MODELS,
+                device=DEVICE) -> list[dict]:
     """Both verify kernels against the reference: ragged lengths (one shorter than a key block), every model shape,
     bf16 and fp8 pools, 2 to 17 queries."""
     checks = []
-    for model, (hq, hkv, d) in MODELS.items():
+    for model, (hq, hkv, d) in models.items():
         for pool_dtype in (DTYPE, torch.float8_e4m3fn):
-            lens = torch.tensor([3001, 40, 1777], dtype=torch.int32, device=DEVICE)
-            num_pages = 3 * 200
-            k_pages = torch.randn(num_pages, PAGE_SIZE, hkv, d, device=DEVICE, generator=gen).to(pool_dtype)
-            v_pages = torch.randn(num_pages, PAGE_SIZE, hkv, d, device=DEVICE, generator=gen).to(pool_dtype)
-            table = torch.randperm(num_pages, device=DEVICE, generator=gen).view(3, 200).int()
-            for queries in QUERIES:
-                q = torch.randn(3, queries, hq, d, device=DEVICE, generator=gen).to(DTYPE)
+            lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+            width = -(-max(lengths) // PAGE_SIZE)
+            num_pages = len(lengths) * width
+            k_pages = torch.randn(num_pages, PAGE_SIZE, hkv, d, device=device, generator=gen).to(pool_dtype)
+            v_pages = torch.randn(num_pages, PAGE_SIZE, hkv, d, device=device, generator=gen).to(pool_dtype)
+            table = torch.randperm(num_pages, device=device, generator=gen).view(len(lengths), width).int()
+            for queries in queries_list:
+                q = torch.randn(len(lengths), queries, hq, d, device=device, generator=gen).to(DTYPE)
                 want = reference.paged_decode_attention(q, k_pages, v_pages, table, lens)
                 got = kernels.paged_decode_attention(q, k_pages, v_pages, table, lens)
-                starts = torch.arange(4, dtype=torch.int32, device=DEVICE) * queries
+                starts = torch.arange(len(lengths) + 1, dtype=torch.int32, device=device) * queries
                 prefill = kernels.paged_prefill_attention(q.flatten(0, 1), k_pages, v_pages, table, starts, lens, queries)
                 for name, out in (("decode kernel", got), ("prefill kernel", prefill.view_as(q))):
                     err = rel_err(out, want)
@@ -106,16 +110,42 @@ def run_point(model: str, batch: int, context: int, args, floor_tbps: float) -> 
             q, layers[i].k_pages, layers[i].v_pages, table, starts, lens, queries), n_layers, reps, warmup)
         got = step.dense(q, layers[0], table, lens).clone()
         prefill = kernels.paged_prefill_attention(q, layers[0].k_pages, layers[0].v_pages, table, starts, lens, queries)
+        if args.sweep:
+            def enqueue_fresh(queries=queries, q=q):  # a step built under the configuration being timed
+                fresh = QuestDecodeStep(config, batch, hq, hkv, d, data["npages"], DTYPE, DEVICE, num_queries=queries)
+                return lambda i: fresh.dense(q, layers[i], table, lens)
+            sweep = sweep_configs(enqueue_fresh, n_layers, reps, warmup)
         row = {"queries": queries, "decode_kernel_us": decode_us, "prefill_kernel_us": prefill_us,
                "decode_kernel_ratio": decode_us / point["one_query_us"],
                "prefill_kernel_ratio": prefill_us / point["one_query_us"],
                "kernels_rel_err": rel_err(got, prefill),
                "graph_equals_eager": graph_equals_eager(lambda: step.dense(q, layers[0], table, lens))}
+        if args.sweep:
+            row["sweep_us"] = sweep
         point["queries"].append(row)
         print(f"{model} B={batch} L={context} {queries} queries: decode kernel {decode_us:.1f} µs "
               f"({row['decode_kernel_ratio']:.2f}x one query {point['one_query_us']:.1f}), prefill kernel "
               f"{prefill_us:.1f} ({row['prefill_kernel_ratio']:.2f}x)", flush=True)
     return point
+
+
+def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int) -> dict[str, float]:
+    """µs per layer of ``make_enqueue()`` (an enqueue built, with its buffers, under the configuration) under each
+    launch configuration of the multi-query decode kernel: the most rows a program's query block holds
+    (``_MAX_QUERY_ROWS``) times the warps of a tile of more than 16 rows (``_WARPS_BY_ROWS``); the module's own
+    settings are restored after."""
+    saved = attention._MAX_QUERY_ROWS, dict(attention._WARPS_BY_ROWS)
+    times = {}
+    try:
+        for max_rows, warps in itertools.product((16, 32, 64), (4, 8)):
+            attention._MAX_QUERY_ROWS = max_rows
+            attention._WARPS_BY_ROWS.update({32: warps, 64: warps})
+            times[f"rows<={max_rows}, {warps} warps"] = time_graph(make_enqueue(), n_layers, reps, warmup)
+    finally:
+        attention._MAX_QUERY_ROWS = saved[0]
+        attention._WARPS_BY_ROWS.clear()
+        attention._WARPS_BY_ROWS.update(saved[1])
+    return times
 
 
 def table_lines(points: list[dict]) -> list[str]:
@@ -131,10 +161,28 @@ def table_lines(points: list[dict]) -> list[str]:
     return lines
 
 
+def sweep_lines(points: list[dict]) -> list[str]:
+    """The ``--sweep`` table: per point and query count, µs under each configuration, the fastest in bold."""
+    rows = [(p, r) for p in points for r in p["queries"] if "sweep_us" in r]
+    if not rows:
+        return []
+    configs = list(rows[0][1]["sweep_us"])
+    lines = ["Launch configurations of the multi-query kernel (µs per layer):", "",
+             "| point | queries | " + " | ".join(configs) + " |", "|---|---|" + "---|" * len(configs)]
+    for p, r in rows:
+        best = min(r["sweep_us"].values())
+        cells = [f"**{us:.1f}**" if us == best else f"{us:.1f}" for us in r["sweep_us"].values()]
+        lines.append(f"| {p['model']} B={p['batch']}/{p['context'] // 1024}k | {r['queries']} | " + " | ".join(cells)
+                     + " |")
+    return lines + [""]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--queries", default=",".join(map(str, QUERIES)), help="queries per sequence (k + 1)")
     parser.add_argument("--points", default=None, help="model:batch:context,... (default: the issue's points)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the multi-query kernel under each query-block size and warp count")
     parser.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--max-gb", type=float, default=60.0, help="GPU memory for the pools of one point")
@@ -171,7 +219,7 @@ def main() -> int:
           f"- torch {info['torch']}, triton {info['triton']}; {info['dtype']} pools, page size {PAGE_SIZE}; "
           f"copy bandwidth {info['copy_tbps']:.2f} TB/s (the floor: one layer's K/V at it)",
           f"- checks against the torch reference: {sum(c['ok'] for c in checks)} of {len(checks)} ok", "",
-          *table_lines(points), ""]
+          *table_lines(points), "", *sweep_lines(points)]
     (out_dir / f"verify-attention-{args.tag}.md").write_text("\n".join(md))
     print("\n".join(md))
     return 0 if all(c["ok"] for c in checks) else 1

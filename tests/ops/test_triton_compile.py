@@ -83,7 +83,7 @@ _SCRIPT = textwrap.dedent(
              "PAGES_PER_ITER": decode_attention.pages_per_iter(16, kind or ("dense" if dense else "sparse")), "MERGE_CHUNK": merge_chunk,
              "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl, "PAGE_LSE": page_lse},
             floats=("qk_scale",),
-            num_warps=decode_attention._NUM_WARPS if rows <= 32 else 2 * decode_attention._NUM_WARPS,
+            num_warps=decode_attention._WARPS_BY_ROWS.get(rows, 2 * decode_attention._NUM_WARPS),
             # strides of B=1 with 32 / 8 heads, 129 selected pages (selection reuse), 17 splits
             divisible=("stride_qb", "stride_qq", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp", "stride_vt",
                        "stride_vh", "stride_tb", "stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oq", "stride_oh"),

@@ -49,8 +49,11 @@ _WIDE_MERGE_PROGRAMS_PER_SM = 2
 _WIDE_MERGE_MAX_GROUP = 4
 # Rows of one program's query block with several queries per sequence (positions x the query group): up to this
 # many share each K/V tile; more queries take more blocks, each reading the keys again. A tile of 16 rows is the
-# smallest tl.dot, so a group of 4 verifies 4 positions in the rows a one-query step pads.
+# smallest tl.dot, so a group of 4 verifies 4 positions in the rows a one-query step pads. Warps per program by the
+# tile's padded rows (first guesses that compile without spilling for sm_90; benchmarks/verify_attention.py --sweep
+# times the alternatives).
 _MAX_QUERY_ROWS = 64
+_WARPS_BY_ROWS = {16: _NUM_WARPS, 32: _NUM_WARPS, 64: 2 * _NUM_WARPS}
 
 
 @triton.jit
@@ -407,7 +410,7 @@ def paged_decode_attention_into(
         PAGES_PER_ITER=pages_per_iter(page_size, kind), MERGE_CHUNK=merge_chunk(num_splits * programs, group, q.device),
         DENSE=dense, UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device), PAGE_LSE=page_lse is not None,
-        num_warps=_NUM_WARPS if rows <= 32 else 2 * _NUM_WARPS, num_stages=_CONFIG[kind][2],
+        num_warps=_WARPS_BY_ROWS.get(rows, 2 * _NUM_WARPS), num_stages=_CONFIG[kind][2],
         launch_pdl=use_pdl(q.device),
     )
     return out
