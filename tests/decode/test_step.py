@@ -11,26 +11,9 @@ import torch
 from questkv import QuestConfig
 from questkv.decode import QuestDecodeStep
 from questkv.ops import LayerPages, reference
+from tests.helpers import softmax_page_masses
 
 PAGE = 8
-
-
-def plain_masses(q, k_pages, table, lens, heads_per_selection):
-    """``[batch, num_sel_heads, max_pages]`` float64: each page's softmax weight summed over the queries (the last
-    ``q.shape[1]`` positions, each over the keys up to it) and the query heads sharing a selection head."""
-    batch, queries, num_q, head_dim = q.shape
-    group_kv = num_q // k_pages.shape[2]
-    masses = torch.zeros(batch, num_q // heads_per_selection, table.shape[1], dtype=torch.float64)
-    for b in range(batch):
-        length = int(lens[b])
-        position = torch.arange(length)
-        keys = k_pages[table[b, position // PAGE].long(), position % PAGE].double()  # [L, Hkv, D]
-        for j in range(queries):
-            seen = length - queries + j + 1
-            for h in range(num_q):
-                probs = torch.softmax(keys[:seen, h // group_kv] @ q[b, j, h].double() / head_dim ** 0.5, 0)
-                masses[b, h // heads_per_selection].index_add_(0, position[:seen] // PAGE, probs)
-    return masses
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -58,7 +41,8 @@ def test_the_next_rounds_pages_are_the_top_pages_by_the_verify_steps_attention_m
     out = step.dense(q.flatten(0, 1), layer, table, lens, None, chosen, first + 1, budgets)
     want_out = reference.paged_decode_attention(q, k_pages, v_pages, table, lens)
     torch.testing.assert_close(out.view_as(q), want_out, rtol=1e-5, atol=1e-5)
-    masses = plain_masses(q, k_pages, table, lens, num_q // sel_heads)
+    rows = softmax_page_masses(q, k_pages, table, lens)  # [batch, queries * num_q, pages]
+    masses = rows.view(2, queries, sel_heads, num_q // sel_heads, -1).sum((1, 3))
     torch.testing.assert_close(step.scores.double()[masses > 0], masses[masses > 0], rtol=1e-4, atol=1e-6)
     want = reference.select_pages(masses.float(), first + 1, PAGE, 4, 1, 1, budgets)
     assert torch.equal(chosen[..., :4], want)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from questkv.ops import reference
+from tests.helpers import softmax_page_masses
 
 PAGE = 8
 # (num_q_heads, num_kv_heads, head_dim): GQA of 4, MHA, a group of 3 with a head_dim that is not a power of two
@@ -139,25 +140,6 @@ def test_kernel_refuses_buffers_of_another_query_count(kernels):
         kernels.paged_decode_attention_into(torch.empty_like(q[:, 0]), buffers, q, k_pages, v_pages, table, lens, None)
 
 
-def _masses_from_softmax(q, k_pages, v_pages, table, lens):
-    """Each query row's attention mass per page (``[batch, queries * Hq, max_pages]``, 0 past the sequence), from
-    the probabilities of a plain softmax over every key up to the query's position (float64)."""
-    batch, queries, num_q, head_dim = q.shape
-    num_kv = k_pages.shape[2]
-    masses = torch.zeros(batch, queries * num_q, table.shape[1], dtype=torch.float64)
-    for b in range(batch):
-        length = int(lens[b])
-        position = torch.arange(length)
-        keys = k_pages[table[b, position // PAGE].long(), position % PAGE].double()  # [L, Hkv, D]
-        for j in range(queries):
-            seen = length - queries + j + 1
-            for h in range(num_q):
-                logits = keys[:seen, h // (num_q // num_kv)] @ q[b, j, h].double() / head_dim ** 0.5
-                probs = torch.softmax(logits, 0)
-                masses[b, j * num_q + h].index_add_(0, position[:seen] // PAGE, probs)
-    return masses
-
-
 @pytest.mark.parametrize("num_queries", [1, 3])
 def test_reference_page_lse_gives_the_softmax_mass_of_every_page(num_queries):
     heads = (8, 2, 32)
@@ -169,7 +151,7 @@ def test_reference_page_lse_gives_the_softmax_mass_of_every_page(num_queries):
     valid = reference.valid_pages(lens, PAGE, table.shape[1])[:, None, :].expand_as(page_lse)
     assert (page_lse[~valid] == 7.0).all()  # pages past a sequence are left as they were
     mass = torch.softmax(torch.where(valid, page_lse, float("-inf")).double(), -1)
-    torch.testing.assert_close(mass, _masses_from_softmax(q, k_pages, v_pages, table, lens), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mass, softmax_page_masses(q, k_pages, table, lens), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
