@@ -199,8 +199,8 @@ class SpeculativeConfig:
             estimate and select nothing (Vegas, SparseSpec); ``"quest"``, the round's first draft's Quest estimate
             and top-K. A round with no verify before it (the first, or one after a verify that ran beside prefill
             rows) selects by Quest. Measured on Qwen2.5-Coder-1.5B at 2k (book and code, rounds of 4): acceptance
-            0.690 -> 0.733 at 1/16 of the context, 0.769 -> 0.847 at 1/8
-            (``benchmarks/results/draft-selection-qwen2.5-coder-1.5b-2k-cpu.md``).
+            0.722 -> 0.772 at 1/16 of the context, 0.821 -> 0.866 at 1/8
+            (``benchmarks/results/draft-selection-qwen2.5-coder-1.5b-2k-8windows-cpu.md``).
     """
 
     method: str = "quest"
