@@ -105,13 +105,15 @@ def synthetic_prefill(engine) -> None:
             raise RuntimeError("a decode came before every request was admitted")
         pages = torch.tensor([p for seq in batch.seqs for p in cache.pages_of(seq.cache_id)], device=cache.device)
         for layer in range(cache.num_layers):
-            shape = (len(pages), cache.page_size) + tuple(cache.k_pages.shape[3:])
-            keys = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype).to(cache.kv_dtype)
-            cache.k_pages[layer, pages] = keys
+            stored = cache.layer(layer)  # K/V and bounds in the layer's dtype (fp8, or the model's)
+            shape = (len(pages),) + tuple(stored.k_pages.shape[1:])
+            keys = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype).to(stored.k_pages.dtype)
             values = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype)
-            cache.v_pages[layer, pages] = values.to(cache.kv_dtype)
-            cache.kmin[layer, pages] = keys.to(cache.dtype).amin(1)  # the stored keys' bounds (an fp8 cache's too)
-            cache.kmax[layer, pages] = keys.to(cache.dtype).amax(1)
+            stored.k_pages[pages] = keys
+            stored.v_pages[pages] = values.to(stored.v_pages.dtype)
+            wide = keys.to(cache.dtype)  # (no min/max kernels for fp8; exact: min and max pick one of the keys)
+            stored.kmin[pages] = wide.amin(1).to(stored.kmin.dtype)
+            stored.kmax[pages] = wide.amax(1).to(stored.kmax.dtype)
         engine.scheduler.update(batch, [1] * len(batch.seqs))
 
 

@@ -3,7 +3,7 @@ run, random weights at real shapes, synthetic contexts (``e2e_bench``'s), plus t
 
 Per point, in one run: a dense engine and a Quest engine, each with ``kv_cache_dtype="auto"`` and ``"fp8"``, timed
 in alternation (rounds of asynchronous decode steps, the order swapped every round; median ms per step and the
-median of the per-round ratios), and a correctness check first: on a small fp32 model with sharpened attention the
+median of the per-round ratios; where the two engines do not fit on the GPU together, one after the other, marked), and a correctness check first: on a small fp32 model with sharpened attention the
 fp8 engine's CUDA path (graphs, Triton kernels) gives the tokens of its eager torch-reference path, and with a budget
 covering the context fp8 Quest gives fp8 dense's tokens.
 
@@ -76,50 +76,83 @@ def check(device: str = "cuda") -> dict:
     return results
 
 
-def _engine(cfg, quest, batch, context, kv_cache_dtype, steps) -> LLM:
+def _kv_memory(cfg, batch, context, kv_cache_dtype, steps) -> int:
     element = 1 if kv_cache_dtype == "fp8" else 2
     need = batch * (context + steps + 4 * PAGE) * kv_bytes_per_token(cfg) * element // 2 * (PAGE + 2) // PAGE
+    return int(need * 1.1) + (256 << 20)
+
+
+def _engine(cfg, quest, batch, context, kv_cache_dtype, steps) -> LLM:
     llm = LLM(cfg, quest=quest, load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=batch,
-              max_model_len=context + PAGE, kv_cache_memory=int(need * 1.1) + (256 << 20),
+              max_model_len=context + PAGE, kv_cache_memory=_kv_memory(cfg, batch, context, kv_cache_dtype, steps),
               enable_chunked_prefill=False, async_scheduling=True, kv_cache_dtype=kv_cache_dtype)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for _ in range(batch):
         llm.engine.add_request(torch.randint(0, cfg.vocab_size, (context - steps - 2,), generator=gen).tolist(), params)
     synthetic_prefill(llm.engine)
+    for _ in range(6):
+        llm.engine.step()
     return llm
 
 
+def _time_rounds(engines: dict, rounds: int, steps_per_round: int) -> dict:
+    """ms per step of each engine over ``rounds`` rounds of ``steps_per_round`` asynchronous steps, the engines'
+    order reversed every other round."""
+    ms = {dtype: [] for dtype in engines}
+    order = list(engines)
+    for r in range(rounds):
+        for dtype in (order if r % 2 == 0 else order[::-1]):
+            engine = engines[dtype].engine
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                engine.step()
+            torch.cuda.synchronize()
+            ms[dtype].append((time.perf_counter() - start) / steps_per_round * 1e3)
+    return ms
+
+
+def _close(llm: LLM) -> None:
+    llm.close()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def point(model: str, batch: int, context: int, budget: int, rounds: int = 6, steps_per_round: int = 8) -> dict:
+    """Both KV dtypes timed in alternation when their engines fit on the GPU together, else one after the other
+    (``record[name]["alternated"]``: the ratio then compares rounds of separate engines)."""
     cfg = dummy_config(model)
     steps = 6 + 2 * rounds * steps_per_round
     record = {"model": model, "batch": batch, "context": context, "budget": budget}
     for name, quest in (("dense", None), ("quest", QuestConfig(token_budget=budget, page_size=PAGE,
                                                                  dense_layers=DENSE_LAYERS))):
-        engines = {dtype: _engine(cfg, quest, batch, context, dtype, steps) for dtype in KV_DTYPES}
-        for llm in engines.values():
-            for _ in range(6):
-                llm.engine.step()
-        ms = {dtype: [] for dtype in KV_DTYPES}
-        for r in range(rounds):
-            for dtype in (KV_DTYPES if r % 2 == 0 else KV_DTYPES[::-1]):
-                engine = engines[dtype].engine
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(steps_per_round):
-                    engine.step()
-                torch.cuda.synchronize()
-                ms[dtype].append((time.perf_counter() - start) / steps_per_round * 1e3)
+        engines = {"auto": _engine(cfg, quest, batch, context, "auto", steps)}
+        weights = sum(p.numel() * p.element_size() for p in engines["auto"].engine.runner.model.parameters())
+        together = torch.cuda.mem_get_info()[0] > 1.05 * (weights + _kv_memory(cfg, batch, context, "fp8", steps)) + (
+            4 << 30)  # activations, graphs
+        kv_tokens = {"auto": engines["auto"].engine.runner.cache_spec.kv_tokens}
+        if together:
+            engines["fp8"] = _engine(cfg, quest, batch, context, "fp8", steps)
+            kv_tokens["fp8"] = engines["fp8"].engine.runner.cache_spec.kv_tokens
+            ms = _time_rounds(engines, rounds, steps_per_round)
+            for llm in engines.values():
+                _close(llm)
+        else:
+            ms = _time_rounds(engines, rounds, steps_per_round)
+            _close(engines.pop("auto"))
+            engines["fp8"] = _engine(cfg, quest, batch, context, "fp8", steps)
+            kv_tokens["fp8"] = engines["fp8"].engine.runner.cache_spec.kv_tokens
+            ms.update(_time_rounds(engines, rounds, steps_per_round))
+            _close(engines.pop("fp8"))
+        del engines
         record[name] = {dtype: statistics.median(ms[dtype]) for dtype in KV_DTYPES}
         record[name]["speedup"] = statistics.median(a / b for a, b in zip(ms["auto"], ms["fp8"]))
-        record[name]["kv_tokens"] = {dtype: engines[dtype].engine.runner.cache_spec.kv_tokens for dtype in KV_DTYPES}
-        for llm in engines.values():
-            llm.close()
-        del engines
-        gc.collect()
-        torch.cuda.empty_cache()
+        record[name]["kv_tokens"] = kv_tokens
+        record[name]["alternated"] = together
         print(f"{model} B={batch} {context}: {name} bf16-KV {record[name]['auto']:.2f} ms, fp8-KV "
-              f"{record[name]['fp8']:.2f} ms ({record[name]['speedup']:.2f}x)", flush=True)
+              f"{record[name]['fp8']:.2f} ms ({record[name]['speedup']:.2f}x"
+              f"{'' if together else ', engines one after the other'})", flush=True)
     return record
 
 
@@ -151,8 +184,11 @@ def table(record: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     for p in record["points"]:
         d, q = p["dense"], p["quest"]
+        mark = {name: "" if p[name].get("alternated", True) else " (apart)" for name in ("dense", "quest")}
         lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k/{p['budget']} | {d['auto']:.2f} | "
-                     f"{d['fp8']:.2f} | {d['speedup']:.2f}× | {q['auto']:.2f} | {q['fp8']:.2f} | {q['speedup']:.2f}× |")
+                     f"{d['fp8']:.2f} | {d['speedup']:.2f}×{mark['dense']} | {q['auto']:.2f} | {q['fp8']:.2f} | "
+                     f"{q['speedup']:.2f}×{mark['quest']} |")
+    lines += ["", "(apart): the two engines did not fit on the GPU together and were timed one after the other."]
     return "\n".join(lines) + "\n"
 
 
@@ -176,12 +212,13 @@ def main() -> None:
         stem.with_name(stem.name + ".md").write_text(text)
         print(text)
         return
-    record = {"provenance": provenance("cuda"), "check": check(), "capacity": capacity(),
-              "points": [point(*p) for p in POINTS]}
+    record = {"provenance": provenance("cuda"), "check": check(), "capacity": capacity(), "points": []}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"fp8-kv-{args.tag}"
-    stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))
-    stem.with_name(stem.name + ".md").write_text(table(record))
+    for p in POINTS:  # saved after every point: a run stopped by a time limit keeps what it measured
+        record["points"].append(point(*p))
+        stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))
+        stem.with_name(stem.name + ".md").write_text(table(record))
     print(table(record))
 
 

@@ -8,8 +8,9 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
 * ``real``: a real model (an alias staged by ``benchmarks/gpu_eval.py``, e.g. Qwen2.5-Coder-1.5B), continuations of
   the book and of code (:mod:`questkv.eval.agreement`'s texts) at each context, ``--tokens`` greedy tokens, at
   each batch size (half book, half code windows; batch 1: one of each, run apart). Per batch: decode tokens/s of
-  dense, lossy Quest (1/16 of the context) and lossless (drafts at 1/16 and 1/8; the engine picks the drafts per
-  round, ``adaptive``, and a fixed ``k`` beside it, on one engine whose policy is switched between runs),
+  dense, lossy Quest (1/16 of the context) and lossless (drafts at 1/16 and 1/8; ``--policies``: the engine picks
+  the drafts per round, ``adaptive``, the default, and/or a fixed ``k``, on one engine per draft-page source whose
+  policy is switched between runs),
   acceptance, tokens per verify, and the lossless outputs
   against the dense engine's: rows identical, and at each first difference the gap between dense's own
   log-probabilities of its token and of lossless's (a near tie of bf16 rounding when small).
@@ -20,8 +21,8 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
 
 Decode tokens/s is measured on warm engines whose prompts are in the prefix cache: ``(B * (T - 2)) / (t(T) -
 t(2))`` with ``t(n)`` the wall time of ``generate`` of ``n`` tokens (prefill of the last partial page and the first
-token cancel out). The two engines of one context (dense and lossy requests on one, lossless on the other) are alive
-together (``--memory`` of the GPU each).
+token cancel out). Two engines of one context are alive together (``--memory`` of the GPU each): the base engine
+(dense and lossy requests) and a lossless engine, one per draft-page source in turn.
 
     python benchmarks/lossless_bench.py check --out-dir $OUT
     python benchmarks/lossless_bench.py real --model qwen2.5-coder-1.5b --out-dir $OUT
@@ -73,7 +74,7 @@ def source_suffix(draft_selection: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check(args) -> dict:
+def check(args, save) -> dict:
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -168,9 +169,13 @@ def near_tie_gaps(dense: LLM, prompts, want, got) -> list[dict]:
     return gaps
 
 
-def real(args) -> dict:
+def real(args, save) -> dict:
+    """Per context: the base engine (dense and lossy requests) measures every batch first, then one lossless engine
+    per draft-page source (alive beside the base, one at a time) runs the same prompts. ``save(results)`` after each
+    engine, so a run stopped by a time limit keeps what it measured."""
     results = {"model": args.model, "tokens": args.tokens, "k": args.k, "near_tie_below": NEAR_TIE,
                "kv_cache_dtype": args.kv_cache_dtype, "points": []}
+    greedy = dict(temperature=0, ignore_eos=True)
     for context in args.contexts:
         budget16, budget8 = context // 16, context // 8
         common = dict(dtype=args.dtype, device=args.device, max_model_len=context + args.tokens + 4 * PAGE,
@@ -179,47 +184,53 @@ def real(args) -> dict:
             common["gpu_memory_utilization"] = args.memory
         base = LLM(args.model, quest=QuestConfig(token_budget=budget16, page_size=PAGE, dense_layers=DENSE_LAYERS),
                    **common)
-        quest8 = QuestConfig(token_budget=budget8, page_size=PAGE, dense_layers=DENSE_LAYERS)
-        engines = {source: LLM(args.model, quest=quest8, speculative_config=lossless_config(args.k, True, source),
-                               **common) for source in args.draft_selection}
         texts = {}
         for corpus, task in (("book", "agreement_book"), ("code", "agreement_code")):
             text, _ = agreement.load_text(task)
             texts[corpus] = agreement.contexts(base.tokenizer, text, context + args.tokens + 1,
                                                max(args.batches) // 2, args.tokens)
+        points = []
         for batch in args.batches:
             groups = ([("book", texts["book"][:1]), ("code", texts["code"][:1])] if batch == 1 else
                       [("book+code", texts["book"][:batch // 2] + texts["code"][:batch // 2])])
             for corpus, prompts in groups:
                 point = {"context": context, "batch": batch, "corpus": corpus, "modes": {}}
-                greedy = dict(temperature=0, ignore_eos=True)
                 rate, dense_outs = decode_rate(base, prompts, SamplingParams(dense=True, **greedy), args.tokens)
-                want = [list(o.token_ids) for o in dense_outs]
-                point["modes"]["dense"] = {"tokens_per_s": rate}
+                point["want"] = [list(o.token_ids) for o in dense_outs]
+                point["prompts"] = prompts
+                point["modes"]["dense"] = {"tokens_per_s": rate, "speedup": 1.0}
                 rate, outs = decode_rate(base, prompts, SamplingParams(**greedy), args.tokens)
-                point["modes"]["quest-1/16"] = {"tokens_per_s": rate, **_identity(base, prompts, want, outs, False)}
-                for (source, lossless), policy in itertools.product(engines.items(), ("adaptive", "fixed")):
+                point["modes"]["quest-1/16"] = {"tokens_per_s": rate, "speedup": rate / point["modes"]["dense"]["tokens_per_s"],
+                                                **_identity(base, prompts, point["want"], outs, False)}
+                points.append(point)
+                print(_point_line(point), flush=True)
+        results["points"] += [{key: value for key, value in point.items() if key not in ("want", "prompts")}
+                              for point in points]
+        save(results)
+        quest8 = QuestConfig(token_budget=budget8, page_size=PAGE, dense_layers=DENSE_LAYERS)
+        for source in args.draft_selection:
+            lossless = LLM(args.model, quest=quest8, speculative_config=lossless_config(args.k, True, source), **common)
+            for point, stored in zip(points, results["points"][-len(points):]):
+                for policy, (label, budget) in itertools.product(args.policies, (("1/16", budget16), ("1/8", budget8))):
                     # One engine per source, its policy switched between runs (the prompts stay in its prefix cache).
                     lossless.engine.speculation.adaptive = policy == "adaptive"
-                    for label, budget in (("1/16", budget16), ("1/8", budget8)):
-                        rate, outs = decode_rate(lossless, prompts, SamplingParams(token_budget=budget, **greedy),
-                                                 args.tokens)
-                        accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
-                        per_verify = [o.metrics.mean_tokens_per_verify for o in outs
-                                      if o.metrics.mean_tokens_per_verify is not None]
-                        point["modes"][f"lossless-{label}-{policy}{source_suffix(source)}"] = {
-                            "tokens_per_s": rate,
-                            "acceptance": statistics.mean(accepted) if accepted else None,
-                            "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
-                            **_identity(base, prompts, want, outs, True)}
-                dense_rate = point["modes"]["dense"]["tokens_per_s"]
-                for mode in point["modes"].values():
-                    mode["speedup"] = mode["tokens_per_s"] / dense_rate
-                results["points"].append(point)
-                print(_point_line(point), flush=True)
-        for llm in (base, *engines.values()):
-            llm.close()
-        del base, engines
+                    rate, outs = decode_rate(lossless, point["prompts"], SamplingParams(token_budget=budget, **greedy),
+                                             args.tokens)
+                    accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
+                    per_verify = [o.metrics.mean_tokens_per_verify for o in outs
+                                  if o.metrics.mean_tokens_per_verify is not None]
+                    stored["modes"][f"lossless-{label}-{policy}{source_suffix(source)}"] = {
+                        "tokens_per_s": rate, "speedup": rate / stored["modes"]["dense"]["tokens_per_s"],
+                        "acceptance": statistics.mean(accepted) if accepted else None,
+                        "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
+                        **_identity(base, point["prompts"], point["want"], outs, True)}
+                print(_point_line(stored), flush=True)
+            lossless.close()
+            del lossless
+            gc.collect()
+            save(results)
+        base.close()
+        del base, points
         gc.collect()
     return results
 
@@ -264,13 +275,13 @@ def _shape_engine(cfg, batch, context, quantization, steps, device, **kwargs) ->
     return llm
 
 
-def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, device: str = "cuda",
-                draft_selection: str = "quest") -> dict:
+def shape_point(name: str, k: int, acceptances: list[float], sources: list[str], steps: int = 40,
+                device: str = "cuda") -> list[dict]:
+    """One record per draft-page source: the dense engine's step (timed once) and the lossless engine's draft and
+    verify steps at fixed ``k``."""
     model, batch, context, budget, quantization = POINTS[name]
     cfg = dummy_config(model)
     quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
-    record = {"model": model, "batch": batch, "context": context, "budget": budget, "quantization": quantization,
-              "k": k, "draft_selection": draft_selection}
     llm = _shape_engine(cfg, batch, context, quantization, steps, device, async_scheduling=True)
     engine = llm.engine
     for _ in range(6):
@@ -280,33 +291,38 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
     for _ in range(steps):
         engine.step()
     _synchronize(device)
-    record["dense_ms"] = (time.perf_counter() - start) / steps * 1e3
+    dense_ms = (time.perf_counter() - start) / steps * 1e3
     llm.close()
     del llm, engine
     gc.collect()
-    llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest,
-                        speculative_config=lossless_config(k, False, draft_selection))
-    engine = llm.engine
-    times = {"draft": [], "verify": []}
-    for i in range(steps + 2 * (k + 1)):
-        verifies = engine.scheduler.step_tokens["verify"]
-        start = time.perf_counter()
-        engine.step()
-        seconds = time.perf_counter() - start
-        if i >= 2 * (k + 1):  # after two rounds (the graphs captured)
-            times["verify" if engine.scheduler.step_tokens["verify"] > verifies else "draft"].append(seconds)
-    llm.close()
-    del llm, engine
-    gc.collect()
-    record["draft_ms"] = statistics.median(times["draft"]) * 1e3
-    record["verify_ms"] = statistics.median(times["verify"]) * 1e3
-    round_ms = k * record["draft_ms"] + record["verify_ms"]
-    record["implied"] = [{"acceptance": a, "tokens_per_round": expected_tokens(a, k),
-                          "speedup": expected_tokens(a, k) * record["dense_ms"] / round_ms} for a in acceptances]
-    print(f"{name}: dense {record['dense_ms']:.2f} ms, draft {record['draft_ms']:.2f}, verify "
-          f"{record['verify_ms']:.2f}; implied " + ", ".join(f"{i['speedup']:.2f}x at {i['acceptance']}"
-                                                            for i in record["implied"]), flush=True)
-    return record
+    records = []
+    for draft_selection in sources:
+        record = {"model": model, "batch": batch, "context": context, "budget": budget, "quantization": quantization,
+                  "k": k, "draft_selection": draft_selection, "dense_ms": dense_ms}
+        llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest,
+                            speculative_config=lossless_config(k, False, draft_selection))
+        engine = llm.engine
+        times = {"draft": [], "verify": []}
+        for i in range(steps + 2 * (k + 1)):
+            verifies = engine.scheduler.step_tokens["verify"]
+            start = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - start
+            if i >= 2 * (k + 1):  # after two rounds (the graphs captured)
+                times["verify" if engine.scheduler.step_tokens["verify"] > verifies else "draft"].append(seconds)
+        llm.close()
+        del llm, engine
+        gc.collect()
+        record["draft_ms"] = statistics.median(times["draft"]) * 1e3
+        record["verify_ms"] = statistics.median(times["verify"]) * 1e3
+        round_ms = k * record["draft_ms"] + record["verify_ms"]
+        record["implied"] = [{"acceptance": a, "tokens_per_round": expected_tokens(a, k),
+                              "speedup": expected_tokens(a, k) * record["dense_ms"] / round_ms} for a in acceptances]
+        print(f"{name}{source_suffix(draft_selection)}: dense {record['dense_ms']:.2f} ms, draft "
+              f"{record['draft_ms']:.2f}, verify {record['verify_ms']:.2f}; implied "
+              + ", ".join(f"{i['speedup']:.2f}x at {i['acceptance']}" for i in record["implied"]), flush=True)
+        records.append(record)
+    return records
 
 
 def _synchronize(device: str) -> None:
@@ -314,9 +330,12 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def shapes(args) -> dict:
-    return {"points": [shape_point(name, args.k, args.acceptance, device=args.device, draft_selection=source)
-                       for name in args.points for source in args.draft_selection]}
+def shapes(args, save) -> dict:
+    results = {"points": []}
+    for name in args.points:
+        results["points"] += shape_point(name, args.k, args.acceptance, args.draft_selection, device=args.device)
+        save(results)
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,12 +348,15 @@ def table(part: str, record: dict) -> str:
         lines += [f"| {name} | {r['identical']} | {r['tokens_match']}/{r['tokens']} | {r['acceptance']} |"
                   for name, r in record["results"].items()]
     elif part == "real":
-        modes = list(record["results"]["points"][0]["modes"]) if record["results"]["points"] else []
+        modes = list(dict.fromkeys(mode for point in record["results"]["points"] for mode in point["modes"]))
         lines += ["| context | B | text | " + " | ".join(modes) + " |", "|---" * (3 + len(modes)) + "|"]
         for point in record["results"]["points"]:
             cells = []
             for mode in modes:
-                m = point["modes"][mode]
+                m = point["modes"].get(mode)
+                if m is None:  # a run stopped before this mode
+                    cells.append("–")
+                    continue
                 cell = f"{m['tokens_per_s']:.0f} tok/s ({m['speedup']:.2f}×)"
                 if "rows_identical" in m:
                     cell += f", {m['rows_identical']}/{m['rows']} rows = dense"
@@ -376,6 +398,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (the adaptive policy's maximum)")
     parser.add_argument("--draft-selection", nargs="+", default=["quest", "verify"], choices=("quest", "verify"),
                         help="real, shapes: the lossless engines' draft page sources (SpeculativeConfig)")
+    parser.add_argument("--policies", nargs="+", default=["adaptive"], choices=("adaptive", "fixed"),
+                        help="real: the lossless engine's k policies (adaptive: the engine picks the drafts per round)")
     parser.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS), help="shapes: the points")
     parser.add_argument("--acceptance", type=float, nargs="+", default=[0.8, 0.9, 0.95],
                         help="shapes: per-token acceptances to imply speed from (measure them with `real`)")
@@ -383,13 +407,17 @@ def main() -> None:
     for batch in args.batches:
         if batch != 1 and batch % 2:
             parser.error(f"--batches: {batch} is odd; a batch is half book, half code windows (or 1)")
-    results = {"check": check, "real": real, "shapes": shapes}[args.part](args)
-    record = {"provenance": provenance(args.device), "results": results}
+    head = provenance(args.device)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"lossless-{args.part}-{args.tag}"
-    stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))
-    stem.with_name(stem.name + ".md").write_text(table(args.part, record))
-    print(table(args.part, record))
+
+    def save(results: dict) -> dict:
+        record = {"provenance": head, "results": results}
+        stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))
+        stem.with_name(stem.name + ".md").write_text(table(args.part, record))
+        return record
+
+    print(table(args.part, save({"check": check, "real": real, "shapes": shapes}[args.part](args, save))))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The lossless-Quest and FP8-KV measurements (issues 42 and 43) on the GPU machine, in back-to-back device calls on
+# one warm machine, staging Qwen2.5-Coder-1.5B for `lossless_bench.py real` in the same calls
+# (benchmarks/gpu_eval.py: `prepare qwen2.5-coder-1.5b` here first; .gpu/ must be git-ignored).
+#
+#   bash benchmarks/lossless_fp8_gpu.sh check COMMIT              carry [".gpu/qwen2.5-coder-1.5b/01"]
+#   bash benchmarks/lossless_fp8_gpu.sh fp8 COMMIT 2              carry [".gpu/qwen2.5-coder-1.5b/02"]
+#   bash benchmarks/lossless_fp8_gpu.sh shapes COMMIT 3           carry [".gpu/qwen2.5-coder-1.5b/03"]
+#   bash benchmarks/lossless_fp8_gpu.sh stage - N                 carry [".gpu/qwen2.5-coder-1.5b/NN"], N = 4 .. last-1
+#   bash benchmarks/lossless_fp8_gpu.sh real COMMIT LAST SECONDS  carry [".gpu/qwen2.5-coder-1.5b/LAST", ".gpu/deps"]
+#
+# Each call copies every result so far (JSON + markdown, under /root/questkv-eval/results-lf) to $OUT as one
+# results.tgz, and its log to $OUT.
+set -uo pipefail
+part=$1
+commit=$2
+alias=qwen2.5-coder-1.5b
+results=/root/questkv-eval/results-lf
+mkdir -p "$results"
+export PYTHONPATH="/root/questkv-eval/site:$PWD" QUESTKV_CACHE_DIR=/root/questkv-eval/cache PYTHONUNBUFFERED=1
+export QUESTKV_COMMIT=$commit TQDM_MININTERVAL=20
+stage() { python3 benchmarks/gpu_eval.py stage "$alias" "$1" || exit 1; }
+bench() { # SECONDS SCRIPT ARGS...: one benchmark, stopped after SECONDS (what it saved so far stays)
+    local seconds=$1
+    shift
+    echo "== $* (at most $seconds s)"
+    timeout "$seconds" python3 "$@" --out-dir "$results" 2>&1 | tee -a "$OUT/log-$part.txt"
+    echo "== rc ${PIPESTATUS[0]}"
+}
+case "$part" in
+check)
+    stage 1
+    nvidia-smi -L
+    bench 200 benchmarks/lossless_bench.py check --tag h200
+    bench 200 benchmarks/verify_attention.py --tag h200
+    ;;
+fp8)
+    stage "$3"
+    bench 500 benchmarks/fp8_kv_bench.py --tag h200
+    ;;
+shapes)
+    stage "$3"
+    bench 400 benchmarks/lossless_bench.py shapes --tag h200 --acceptance 0.772 0.866 0.9
+    bench 150 benchmarks/verify_attention.py --tag h200-sweep --sweep
+    ;;
+stage)
+    stage "$3"
+    exit 0
+    ;;
+real)
+    stage "$3"
+    python3 benchmarks/gpu_eval.py finish "$alias" || exit 1
+    bench "$4" benchmarks/lossless_bench.py real --model "$alias" --tag qwen2.5-coder-1.5b-h200 --memory 0.45
+    ;;
+*)
+    echo "unknown part $part" >&2
+    exit 2
+    ;;
+esac
+tar -C "$results" -czf "$OUT/results.tgz" .
+ls -la "$results"
