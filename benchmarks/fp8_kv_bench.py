@@ -196,6 +196,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True, help="where the JSON and the markdown table go")
     parser.add_argument("--tag", default="h200", help="the files' suffix: fp8-kv-TAG.{json,md}")
+    parser.add_argument("--points", default=None,
+                        help="model:batch:context:budget,... (default: the issue's four points)")
     parser.add_argument("--capacity-only", action="store_true",
                         help="only the KV tokens per memory (the planner's arithmetic: runs on a CPU)")
     args = parser.parse_args()
@@ -215,7 +217,9 @@ def main() -> None:
     record = {"provenance": provenance("cuda"), "check": check(), "capacity": capacity(), "points": []}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"fp8-kv-{args.tag}"
-    for p in POINTS:  # saved after every point: a run stopped by a time limit keeps what it measured
+    points = POINTS if args.points is None else [
+        (m, int(b), int(c), int(k)) for m, b, c, k in (p.split(":") for p in args.points.split(","))]
+    for p in points:  # saved after every point: a run stopped by a time limit keeps what it measured
         record["points"].append(point(*p))
         stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))
         stem.with_name(stem.name + ".md").write_text(table(record))

@@ -9,7 +9,7 @@
 #   bash benchmarks/lossless_fp8_gpu.sh stage - N                 carry [".gpu/qwen2.5-coder-1.5b/NN"], N = 4 .. last-1
 #   bash benchmarks/lossless_fp8_gpu.sh real COMMIT LAST SECONDS  carry [".gpu/qwen2.5-coder-1.5b/LAST", ".gpu/deps"]
 #
-# Each call copies every result so far (JSON + markdown, under /root/questkv-eval/results-lf) to $OUT as one
+# FP8_ARGS / SHAPES_ARGS: extra arguments (e.g. --points that fit an 80 GB card). Each call copies every result so far (JSON + markdown, under /root/questkv-eval/results-lf) to $OUT as one
 # results.tgz, and its log to $OUT.
 set -uo pipefail
 part=$1
@@ -19,6 +19,11 @@ results=/root/questkv-eval/results-lf
 mkdir -p "$results"
 export PYTHONPATH="/root/questkv-eval/site:$PWD" QUESTKV_CACHE_DIR=/root/questkv-eval/cache PYTHONUNBUFFERED=1
 export QUESTKV_COMMIT=$commit TQDM_MININTERVAL=20
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
+*H200*) gpu=h200 ;;
+*H100*) gpu=h100 ;;
+*) gpu=gpu ;;
+esac
 stage() { python3 benchmarks/gpu_eval.py stage "$alias" "$1" || exit 1; }
 bench() { # SECONDS SCRIPT ARGS...: one benchmark, stopped after SECONDS (what it saved so far stays)
     local seconds=$1
@@ -31,17 +36,17 @@ case "$part" in
 check)
     stage 1
     nvidia-smi -L
-    bench 200 benchmarks/lossless_bench.py check --tag h200
-    bench 200 benchmarks/verify_attention.py --tag h200
+    bench 200 benchmarks/lossless_bench.py check --tag $gpu
+    bench 200 benchmarks/verify_attention.py --tag $gpu
     ;;
 fp8)
     stage "$3"
-    bench 500 benchmarks/fp8_kv_bench.py --tag h200
+    bench 500 benchmarks/fp8_kv_bench.py --tag $gpu ${FP8_ARGS:-}
     ;;
 shapes)
     stage "$3"
-    bench 400 benchmarks/lossless_bench.py shapes --tag h200 --acceptance 0.772 0.866 0.9
-    bench 150 benchmarks/verify_attention.py --tag h200-sweep --sweep
+    bench 400 benchmarks/lossless_bench.py shapes --tag $gpu --acceptance 0.772 0.866 0.9 ${SHAPES_ARGS:-}
+    bench 150 benchmarks/verify_attention.py --tag $gpu-sweep --sweep
     ;;
 stage)
     stage "$3"
@@ -50,7 +55,7 @@ stage)
 real)
     stage "$3"
     python3 benchmarks/gpu_eval.py finish "$alias" || exit 1
-    bench "$4" benchmarks/lossless_bench.py real --model "$alias" --tag qwen2.5-coder-1.5b-h200 --memory 0.45
+    bench "$4" benchmarks/lossless_bench.py real --model "$alias" --tag qwen2.5-coder-1.5b-$gpu --memory 0.45
     ;;
 *)
     echo "unknown part $part" >&2
