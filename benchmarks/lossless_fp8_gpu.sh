@@ -9,8 +9,8 @@
 #   bash benchmarks/lossless_fp8_gpu.sh stage - N                 carry [".gpu/qwen2.5-coder-1.5b/NN"], N = 4 .. last-1
 #   bash benchmarks/lossless_fp8_gpu.sh real COMMIT LAST SECONDS  carry [".gpu/qwen2.5-coder-1.5b/LAST", ".gpu/deps"]
 #
-# FP8_ARGS / SHAPES_ARGS: extra arguments (e.g. --points that fit an 80 GB card). Each call copies every result so far (JSON + markdown, under /root/questkv-eval/results-lf) to $OUT as one
-# results.tgz, and its log to $OUT.
+# FP8_ARGS / SHAPES_ARGS: extra arguments (e.g. --points that fit an 80 GB card). Each call copies every result so
+# far (JSON + markdown, under /root/questkv-eval/results-lf) to $OUT as one results.tgz, and its log to $OUT.
 set -uo pipefail
 part=$1
 commit=$2
