@@ -7,7 +7,7 @@
 #   bash benchmarks/lossless_fp8_gpu.sh fp8 COMMIT 2              carry [".gpu/qwen2.5-coder-1.5b/02"]
 #   bash benchmarks/lossless_fp8_gpu.sh shapes COMMIT 3           carry [".gpu/qwen2.5-coder-1.5b/03"]
 #   bash benchmarks/lossless_fp8_gpu.sh stage - N                 carry [".gpu/qwen2.5-coder-1.5b/NN"], N = 4 .. last-1
-#   bash benchmarks/lossless_fp8_gpu.sh real COMMIT LAST SECONDS  carry [".gpu/qwen2.5-coder-1.5b/LAST", ".gpu/deps"]
+#   bash benchmarks/lossless_fp8_gpu.sh real COMMIT LAST SECONDS  (fp8 agreement first, then `real` for SECONDS) carry [".gpu/qwen2.5-coder-1.5b/LAST", ".gpu/deps"]
 #
 # FP8_ARGS / SHAPES_ARGS: extra arguments (e.g. --points that fit an 80 GB card). Each call copies every result so
 # far (JSON + markdown, under /root/questkv-eval/results-lf) to $OUT as one results.tgz, and its log to $OUT.
@@ -55,6 +55,8 @@ stage)
 real)
     stage "$3"
     python3 benchmarks/gpu_eval.py finish "$alias" || exit 1
+    bench 150 benchmarks/kv_agreement.py --model "$alias" --device cuda --lengths 16384 32768 \
+        --tag "qwen2.5-coder-1.5b-16k-32k-$gpu"
     bench "$4" benchmarks/lossless_bench.py real --model "$alias" --tag qwen2.5-coder-1.5b-$gpu --memory 0.45
     ;;
 *)
