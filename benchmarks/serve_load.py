@@ -53,7 +53,8 @@ Three ways to point it at a server:
         --budget 256 --clients 8 --prompt-tokens 1500 --output-tokens 32 --out benchmarks/results/serve-load-cpu
 
 ``--compare`` starts the server twice in turn on a free port of 127.0.0.1, dense (the arguments as given: no
-``--budget``) then Quest (``--budget`` added), runs the same load against each and writes both side by side.
+``--budget``) then Quest (``--budget`` and ``--quest-server-args`` added: ``--speculative-config ...`` for lossless
+Quest), runs the same load against each and writes both side by side.
 ``--start`` / ``--compare`` servers run with ``OMP_NUM_THREADS`` (``--threads``, default 1) and are stopped with
 SIGTERM. Results: ``<out>.json`` (with provenance) and ``<out>.md``.
 """
@@ -553,6 +554,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     where.add_argument("--smoke", action="store_true",
                        help="--compare on the CPU with a tiny random model and short prompts (seconds): a check")
     parser.add_argument("--budget", type=int, default=256, help="the Quest server's --budget with --compare")
+    parser.add_argument("--quest-server-args", default="", metavar="'ARGS'",
+                        help="more arguments of the Quest server with --compare, e.g. --speculative-config "
+                        "'{\"method\": \"quest\", \"num_speculative_tokens\": 4}' (lossless Quest against dense)")
     parser.add_argument("--quest", type=json.loads, default=None,
                         help='the requests\' quest field as JSON (e.g. \'{"token_budget": 256}\'); default none')
     parser.add_argument("--workload", choices=["single", "multi-turn", "both"], default="single",
@@ -601,7 +605,8 @@ def run_all(args) -> dict:
         plans = [("start", shlex.split(args.start), args.quest)]
     else:
         base = shlex.split(args.compare)
-        plans = [("dense", base, args.quest), ("quest", base + ["--budget", str(args.budget)], args.quest)]
+        quest_server = base + ["--budget", str(args.budget)] + shlex.split(args.quest_server_args)
+        plans = [("dense", base, args.quest), ("quest", quest_server, args.quest)]
     loads = [("single", clients) for clients in args.clients] if args.workload in ("single", "both") else []
     if args.workload in ("multi-turn", "both"):
         loads.append(("multi-turn", args.multi_turn_clients))
