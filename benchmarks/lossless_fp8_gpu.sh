@@ -57,7 +57,8 @@ real)
     python3 benchmarks/gpu_eval.py finish "$alias" || exit 1
     bench 150 benchmarks/kv_agreement.py --model "$alias" --device cuda --lengths 16384 32768 \
         --tag "qwen2.5-coder-1.5b-16k-32k-$gpu"
-    bench "$4" benchmarks/lossless_bench.py real --model "$alias" --tag qwen2.5-coder-1.5b-$gpu --memory 0.45
+    bench "$4" benchmarks/lossless_bench.py real --model "$alias" --tag qwen2.5-coder-1.5b-$gpu --memory 0.45 \
+        --contexts 32768 16384 --draft-selection verify quest
     ;;
 *)
     echo "unknown part $part" >&2
