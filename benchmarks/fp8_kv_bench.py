@@ -159,7 +159,7 @@ def point(model: str, batch: int, context: int, budget: int, rounds: int = 6, st
 def capacity(model: str = "llama3.1-8b", memory: int = 40 << 30) -> dict:
     """KV tokens ``memory`` bytes of KV cache hold at each KV dtype at ``model``'s shape (bf16 weights): the engine's
     own planner (``questkv.engine.kv_pool.plan_cache``, what ``CacheSpec.kv_tokens`` reports), no weights built."""
-    from questkv.engine.config import EngineConfig
+    from questkv.engine.engine_config import EngineConfig
     from questkv.engine.kv_pool import plan_cache
     from questkv.models.llama import ModelSpec
 

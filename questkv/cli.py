@@ -18,7 +18,7 @@ from questkv.cli_args import (
     add_engine_args, add_quest_args, byte_size, engine_kwargs, fraction, int_at_least, quest_config, quest_options,
     resolve_dtype, unit_interval,
 )
-from questkv.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from questkv.engine.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
 
 

@@ -25,7 +25,7 @@ import json
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from questkv.config import MAX_SPECULATIVE_TOKENS, QuestConfig, SpeculativeConfig
-from questkv.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from questkv.engine.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 __all__ = ["FIELDS", "add_quest_args", "flag", "quest_config", "quest_options"]
 

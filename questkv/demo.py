@@ -175,7 +175,7 @@ def run_passkey_demo(
         page_size: Quest's page size; ``dense_layers`` is :class:`QuestConfig`'s default (2).
         seed: picks the key (:func:`questkv.eval.passkey.trial_key`).
         log: called with a line before each slow part (default: print to stderr).
-        **engine_kwargs: other :class:`~questkv.engine.config.EngineConfig` fields (``device``, ``dtype``, ...).
+        **engine_kwargs: other :class:`~questkv.engine.engine_config.EngineConfig` fields (``device``, ``dtype``, ...).
 
     Returns:
         ``{"model", "prompt_tokens", "depth", "key", "page_size", "dense_layers", "num_layers", "runs": [PasskeyRun

@@ -159,7 +159,7 @@ def generate_text(
         stream: where the text goes as it is generated (default stdout); ``None``: nowhere.
         progress: a tqdm bar on stderr counting the prompt tokens prefilled until the first token
             (:func:`stream_request`).
-        **engine_kwargs: other :class:`~questkv.engine.config.EngineConfig` fields (``device``, ``dtype``,
+        **engine_kwargs: other :class:`~questkv.engine.engine_config.EngineConfig` fields (``device``, ``dtype``,
             ``max_model_len``, ``enforce_eager``, ``speculative_config`` for lossless Quest, ...).
 
     Raises:

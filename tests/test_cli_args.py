@@ -180,7 +180,7 @@ def test_seconds_accepts_positive_numbers_and_zero_only_when_allowed(allow_zero,
 
 def test_every_engine_command_takes_the_tensor_parallel_size(capsys):
     from questkv.cli_args import engine_kwargs
-    from questkv.server.cli import add_serve_args
+    from questkv.server.launch import add_serve_args
 
     parser = cli.build_parser()
     for argv in (["generate", "--prompt", "hi"], ["demo"], ["bench", "latency"]):
@@ -194,7 +194,7 @@ def test_every_engine_command_takes_the_tensor_parallel_size(capsys):
 
 def test_every_engine_command_takes_the_quantization_and_quantize_lm_head():
     from questkv.cli_args import engine_kwargs
-    from questkv.server.cli import add_serve_args
+    from questkv.server.launch import add_serve_args
 
     parser = cli.build_parser()
     serve = argparse.ArgumentParser(prog="serve")
@@ -219,7 +219,7 @@ def test_generate_defaults_to_the_page_size_that_finds_the_key_on_the_default_mo
 
 
 def test_every_model_command_takes_model_and_serve_keeps_its_positional_alias(capsys):
-    from questkv.server.cli import add_serve_args, serve_model
+    from questkv.server.launch import add_serve_args, serve_model
 
     parser = cli.build_parser()
     for argv in (["generate", "--prompt", "hi"], ["demo"], ["bench", "latency"], ["eval", "ppl"]):
@@ -251,8 +251,8 @@ SPECULATIVE = '{"method": "quest", "num_speculative_tokens": 4}'
 def test_every_quest_engine_command_takes_vllms_speculative_config_and_it_reaches_the_engine_config():
     from questkv.cli_args import engine_kwargs
     from questkv.config import SpeculativeConfig
-    from questkv.engine.config import EngineConfig
-    from questkv.server.cli import _engine_config, add_serve_args
+    from questkv.engine.engine_config import EngineConfig
+    from questkv.server.launch import _engine_config, add_serve_args
     from tests.helpers import tiny_config
 
     parser = cli.build_parser()
@@ -286,7 +286,7 @@ def test_every_quest_engine_command_takes_vllms_speculative_config_and_it_reache
     ("4", "--speculative-config must be a dict"),
 ])
 def test_a_bad_speculative_config_is_an_argparse_error_naming_the_flag(value, message, capsys):
-    from questkv.server.cli import add_serve_args
+    from questkv.server.launch import add_serve_args
 
     serve = argparse.ArgumentParser(prog="serve")
     add_serve_args(serve)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from questkv.engine.config import CacheSpec, EngineConfig
+from questkv.engine.engine_config import CacheSpec, EngineConfig
 from questkv.models.llama import ModelSpec
 
 __all__ = ["plan_cache"]

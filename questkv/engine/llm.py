@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from questkv.config import QuestConfig
-from questkv.engine.config import CacheSpec, EngineConfig, dtype_name
+from questkv.engine.engine_config import CacheSpec, EngineConfig, dtype_name
 from questkv.engine.llm_engine import LLMEngine, Prompt
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.sequence import RequestOutput
@@ -21,7 +21,7 @@ class LLM:
         model: an alias (``"smollm2-135m"``), an HF folder, a ``.gguf`` file, or a transformers config
             with ``load_format="dummy"``.
         quest: Quest on decode steps (``QuestConfig(token_budget=...)``), or ``None``: the same engine dense.
-        **kwargs: the other :class:`~questkv.engine.config.EngineConfig` fields (``dtype``, ``device``,
+        **kwargs: the other :class:`~questkv.engine.engine_config.EngineConfig` fields (``dtype``, ``device``,
             ``max_num_seqs``, ``max_model_len``, ``kv_cache_memory``, ``gpu_memory_utilization``,
             ``enforce_eager``, ``seed``, ``load_format``, ``max_num_batched_tokens``, ``tensor_parallel_size``).
 

@@ -19,7 +19,7 @@ import torch
 from questkv.config import RequestQuest
 from questkv.decode.selection_memory import selection_seq_len
 from questkv.decode.step import sparse_tokens_attended
-from questkv.engine.config import ROUND_TO_NEAREST, EngineConfig
+from questkv.engine.engine_config import ROUND_TO_NEAREST, EngineConfig
 from questkv.distributed.group import TensorParallel
 from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.engine.loading import load_shard, quantize_shard, skipped_linears

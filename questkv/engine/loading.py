@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from questkv.distributed.group import TensorParallel
-from questkv.engine.config import ROUND_TO_NEAREST, EngineConfig
+from questkv.engine.engine_config import ROUND_TO_NEAREST, EngineConfig
 from questkv.layers.parallel import row_absmax
 from questkv.layers.quantized_linear import quantize_linears
 from questkv.models.engine_model import EngineModel, load_engine_model

@@ -37,7 +37,7 @@ from questkv.decode.selection_memory import ReuseRows, SelectionMemory, is_due
 from questkv.decode.route import StepRoute, step_route
 from questkv.decode.step import QuestDecodeStep
 from questkv.distributed.group import TensorParallel
-from questkv.engine.config import EngineConfig
+from questkv.engine.engine_config import EngineConfig
 from questkv.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_batch_sizes
 from questkv.engine.kv_pool import plan_cache
 from questkv.engine.scheduled_batch import ScheduledBatch

@@ -41,7 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from questkv.distributed.group import TensorParallel
-from questkv.engine.config import EngineConfig
+from questkv.engine.engine_config import EngineConfig
 from questkv.engine.loading import load_shard, quantize_shard
 from questkv.engine.model_runner import ModelRunner
 

@@ -50,7 +50,7 @@ class EngineSource:
 
     Attributes:
         model: what :class:`questkv.LLM` takes (an alias, HF folder or ``.gguf``).
-        engine_kwargs: other :class:`~questkv.engine.config.EngineConfig` fields (``device``, ``dtype``,
+        engine_kwargs: other :class:`~questkv.engine.engine_config.EngineConfig` fields (``device``, ``dtype``,
             ``gpu_memory_utilization``, ``kv_cache_memory``, ``enforce_eager``, ...).
         max_num_seqs: the most requests an engine decodes together (fewer when a pass has fewer).
     """

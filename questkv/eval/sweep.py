@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from questkv.config import PAGE_POLICY_OPTIONS, QuestConfig
-from questkv.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, ROUND_TO_NEAREST
+from questkv.engine.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS, ROUND_TO_NEAREST
 from questkv.eval import agreement, engine_backend, harness, perplexity, tasks
 from questkv.eval.harness import EVAL_BACKENDS, Setting
 from questkv.policies import POLICIES
@@ -95,12 +95,12 @@ class SweepSpec:
             everything there (refusing what that path does not run).
         agreement_tokens: ``agreement_*``: positions scored per window (:mod:`questkv.eval.agreement`).
         code_commit: ``agreement_code``: the commit of questkv's source to read (``None``: the tree's).
-        quantization: the engine's weights (:attr:`questkv.engine.config.EngineConfig.quantization`: ``"gguf"``
+        quantization: the engine's weights (:attr:`questkv.engine.engine_config.EngineConfig.quantization`: ``"gguf"``
             runs a GGUF on its own packed bits, ``"int4"`` / ``"int8"`` round a float checkpoint at load);
             ``None``: the checkpoint's dtype (a GGUF dequantized). Engine only: every setting must run there.
-        quantize_lm_head: round the LM head too (:attr:`~questkv.engine.config.EngineConfig.quantize_lm_head`;
+        quantize_lm_head: round the LM head too (:attr:`~questkv.engine.engine_config.EngineConfig.quantize_lm_head`;
             ``quantization`` ``"int4"`` or ``"int8"``).
-        kv_cache_dtype: the engine's K/V pages (:attr:`~questkv.engine.config.EngineConfig.kv_cache_dtype`:
+        kv_cache_dtype: the engine's K/V pages (:attr:`~questkv.engine.engine_config.EngineConfig.kv_cache_dtype`:
             ``"auto"`` or ``"fp8"``). Engine only, as ``quantization``.
     """
 

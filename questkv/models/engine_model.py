@@ -73,7 +73,7 @@ def load_engine_model(
 
     Args:
         quantization: the engine's: one of :data:`PACKED_FORMATS` asks for (and must match) a packed checkpoint;
-            ``None`` or one of :data:`~questkv.engine.config.ROUND_TO_NEAREST` loads float weights, unless the
+            ``None`` or one of :data:`~questkv.engine.engine_config.ROUND_TO_NEAREST` loads float weights, unless the
             folder is packed.
         tp: build rank ``tp.rank``'s tensor-parallel shard (:class:`LlamaForCausalLM`'s ``tp``), or ``None``.
         small_batches: whether packed int4 linears also make tinygemm's copy, faster at 2 to 4 rows

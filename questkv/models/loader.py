@@ -173,7 +173,8 @@ def load_gguf(gguf: Path, dtype: torch.dtype):
 
 
 def _convert_alias(name: str, alias: ModelAlias, target: Path) -> None:
-    """Dequantize the alias's GGUF into a float32 safetensors folder at ``target`` (atomically)."""
+    """Dequantize the alias's GGUF into a float32 safetensors folder at ``target`` (atomically: processes that
+    convert it at once all end with one complete folder)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
         model, tokenizer = load_gguf(_alias_gguf(name, alias, Path(tmp)), torch.float32)
@@ -184,7 +185,12 @@ def _convert_alias(name: str, alias: ModelAlias, target: Path) -> None:
         folder = Path(tmp) / "model"
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        os.replace(folder, target)
+        try:
+            os.replace(folder, target)
+        except OSError:
+            # Another process converted the alias meanwhile (a folder cannot replace a non-empty one): use its copy.
+            if not (target / "config.json").is_file():
+                raise
 
 
 def resolve_model_path(name_or_path: str) -> Path:

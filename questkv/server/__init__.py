@@ -12,14 +12,14 @@ from questkv.server.limits import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST
 
 
 def add_serve_args(parser) -> None:
-    """See :func:`questkv.server.cli.add_serve_args`."""
-    from questkv.server.cli import add_serve_args as add
+    """See :func:`questkv.server.launch.add_serve_args`."""
+    from questkv.server.launch import add_serve_args as add
 
     add(parser)
 
 
 def run_server(args) -> int:
-    """See :func:`questkv.server.cli.run_server`."""
-    from questkv.server.cli import run_server as run
+    """See :func:`questkv.server.launch.run_server`."""
+    from questkv.server.launch import run_server as run
 
     return run(args)

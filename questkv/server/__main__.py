@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from questkv.server.cli import add_serve_args, run_server
+from questkv.server.launch import add_serve_args, run_server
 
 
 def main(argv=None) -> int:

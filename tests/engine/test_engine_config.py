@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from questkv import QuestConfig
-from questkv.engine.config import EngineConfig, dtype_name
+from questkv.engine.engine_config import EngineConfig, dtype_name
 from questkv.engine.llm import LLM
 from questkv.engine.sampling_params import SamplingParams
 from tests.helpers import tiny_config

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from questkv.engine.config import EngineConfig
+from questkv.engine.engine_config import EngineConfig
 from tests.engine.test_llm import FULL, PAGE, SMALL, VOCAB, greedy, make_llm, pool_memory, prompt, run
 from tests.helpers import save_tiny_model
 

@@ -14,7 +14,7 @@ import torch
 
 from questkv import QuestConfig
 from questkv.decode.step import QuestDecodeStep
-from questkv.engine.config import EngineConfig
+from questkv.engine.engine_config import EngineConfig
 from questkv.engine.llm import LLM
 from questkv.engine.kv_pool import plan_cache
 from questkv.engine.sampling_params import SamplingParams

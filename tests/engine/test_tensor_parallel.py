@@ -31,7 +31,7 @@ import torch
 from questkv import QuestConfig
 from questkv.distributed.group import TensorParallel
 from questkv.engine import tp_workers
-from questkv.engine.config import EngineConfig
+from questkv.engine.engine_config import EngineConfig
 from questkv.engine.llm import LLM
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.tp_workers import TensorParallelError

@@ -83,3 +83,37 @@ def test_loads_an_hf_folder(tmp_path):
     assert loaded.config._attn_implementation == "sdpa"
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
     assert tokenizer.convert_tokens_to_ids("b") == 2
+
+
+class _Saved:
+    """A model or tokenizer whose ``save_pretrained`` writes ``files`` and first runs ``before`` (the other process)."""
+
+    def __init__(self, files, before=lambda: None):
+        self.files, self.before = files, before
+        self.config = type("Config", (), {})()
+
+    def save_pretrained(self, folder):
+        self.before()
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in self.files:
+            (folder / name).write_text(name)
+
+
+@pytest.mark.parametrize("winner_done", [True, False])
+def test_a_concurrent_conversion_keeps_one_complete_folder(monkeypatch, tmp_path, winner_done):
+    target = tmp_path / "toy"
+
+    def other_process_finishes():  # another process's conversion lands while this one saves
+        target.mkdir()
+        (target / ("config.json" if winner_done else "partial.bin")).write_text("theirs")
+
+    monkeypatch.setattr(loader, "_alias_gguf", lambda name, alias, workdir: workdir / "toy.gguf")
+    monkeypatch.setattr(loader, "load_gguf", lambda gguf, dtype: (_Saved(["config.json"], other_process_finishes),
+                                                                   _Saved(["tokenizer.json"])))
+    if winner_done:
+        loader._convert_alias("toy", None, target)
+        assert (target / "config.json").read_text() == "theirs"
+    else:  # not a finished conversion in the way: the error stands
+        with pytest.raises(OSError):
+            loader._convert_alias("toy", None, target)
+    assert [p.name for p in tmp_path.iterdir()] == ["toy"]  # the temporary folder is gone either way

@@ -323,6 +323,6 @@ def test_unsupported_or_inconsistent_checkpoints_are_refused_naming_the_field_be
 
 
 def test_the_engine_accepts_exactly_the_round_to_nearest_methods_and_the_packed_formats():
-    from questkv.engine.config import QUANTIZATIONS, ROUND_TO_NEAREST
+    from questkv.engine.engine_config import QUANTIZATIONS, ROUND_TO_NEAREST
 
     assert set(QUANTIZATIONS) == set(ROUND_TO_NEAREST + engine_model.PACKED_FORMATS)

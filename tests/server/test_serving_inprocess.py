@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from questkv.config import QuestConfig
-from questkv.engine.config import EngineConfig
+from questkv.engine.engine_config import EngineConfig
 from questkv.engine.llm_engine import LLMEngine
 from questkv.server.app import build_app
 from questkv.server.engine_loop import EngineLoop

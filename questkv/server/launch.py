@@ -74,7 +74,7 @@ def serve_model(args: argparse.Namespace) -> str:
 
 
 def _engine_config(args: argparse.Namespace):
-    from questkv.engine.config import EngineConfig
+    from questkv.engine.engine_config import EngineConfig
 
     return EngineConfig(model=args.model, quest=quest_config(args), **engine_kwargs(args))
 
