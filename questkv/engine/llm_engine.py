@@ -24,14 +24,13 @@ from questkv.distributed.group import TensorParallel
 from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.engine.loading import load_shard, quantize_shard, skipped_linears
 from questkv.engine.model_runner import ModelRunner
-from questkv.engine.step_io import SampledTokens
 from questkv.engine.tp_workers import TensorParallelError, WorkerPool
 from questkv.layers.quantized_linear import check_quantizable
 from questkv.engine.sampling_params import SamplingParams
-from questkv.engine.scheduled_batch import ScheduledBatch
 from questkv.engine.scheduler import Scheduler
 from questkv.engine.speculation import SpeculationPolicy, StepKind
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from questkv.engine.step_data import SampledTokens, ScheduledBatch
 from questkv.validation import check_text
 
 Prompt = Union[str, list[int]]

@@ -40,10 +40,9 @@ from questkv.distributed.group import TensorParallel
 from questkv.engine.engine_config import EngineConfig
 from questkv.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_batch_sizes
 from questkv.engine.kv_pool import plan_cache
-from questkv.engine.scheduled_batch import ScheduledBatch
 from questkv.engine.speculation import draft_reuse_steps
-from questkv.engine.step_io import PrefillInputs, SampledTokens, StepMessage
 from questkv.engine.sequence import Sequence
+from questkv.engine.step_data import PrefillInputs, SampledTokens, ScheduledBatch, StepMessage
 from questkv.layers.attention import bind_cache
 from questkv.layers.sampler import Sampler
 from questkv.models.fusion import fuse_elementwise

@@ -32,7 +32,7 @@ from questkv.cache.paged import PagedKVCache
 from questkv.config import MAX_SPECULATIVE_TOKENS, QuestConfig
 from questkv.decode.route import decodes_densely
 from questkv.engine.sampling_params import check_length
-from questkv.engine.scheduled_batch import ScheduledBatch
+from questkv.engine.step_data import ScheduledBatch
 from questkv.engine.sequence import Sequence, SequenceStatus
 from questkv.engine.speculation import SpeculationPolicy, keep_verified
 from questkv.validation import check_int

@@ -2,7 +2,7 @@
 (:class:`WorkerPool`), sends each step to them and notices when one dies; each of them runs :func:`worker_main`.
 
 A worker builds the same model shard and :class:`~questkv.engine.model_runner.ModelRunner` as rank 0, then runs
-every :class:`~questkv.engine.step_io.StepMessage` that comes down its pipe (pickled once by rank 0, about
+every :class:`~questkv.engine.step_data.StepMessage` that comes down its pipe (pickled once by rank 0, about
 2 KB per decode step at batch 32). The pipe, not a collective, carries the steps, so an idle engine waits on nothing
 that can time out, and a worker whose rank 0 is gone reads end-of-file and exits (on Linux the kernel also kills it
 when rank 0 dies: ``PR_SET_PDEATHSIG``).

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from questkv.cache.paged import PagedKVCache
 from questkv.engine.sampling_params import SamplingParams
-from questkv.engine.scheduled_batch import ScheduledBatch
+from questkv.engine.step_data import ScheduledBatch
 from questkv.engine.scheduler import Scheduler
 from questkv.engine.sequence import RequestOutput, Sequence, SequenceStatus
 
