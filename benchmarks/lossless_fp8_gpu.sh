@@ -9,8 +9,9 @@
 #   bash benchmarks/lossless_fp8_gpu.sh stage - N                 carry [".gpu/qwen2.5-coder-1.5b/NN"], N = 4 .. last-1
 #   bash benchmarks/lossless_fp8_gpu.sh real COMMIT LAST SECONDS  (fp8 agreement first, then `real` for SECONDS) carry [".gpu/qwen2.5-coder-1.5b/LAST", ".gpu/deps"]
 #
-# FP8_ARGS / SHAPES_ARGS: extra arguments (e.g. --points that fit an 80 GB card). Each call copies every result so
-# far (JSON + markdown, under /root/questkv-eval/results-lf) to $OUT as one results.tgz, and its log to $OUT.
+# check, fp8 and shapes also run without their chunk (nothing staged). FP8_ARGS / SHAPES_ARGS: extra arguments
+# (e.g. --points that fit an 80 GB card). Each call copies every result so far (JSON + markdown, under
+# /root/questkv-eval/results-lf) to $OUT as one results.tgz, and its log to $OUT.
 set -uo pipefail
 part=$1
 commit=$2
@@ -24,7 +25,13 @@ case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
 *H100*) gpu=h100 ;;
 *) gpu=gpu ;;
 esac
-stage() { python3 benchmarks/gpu_eval.py stage "$alias" "$1" || exit 1; }
+stage() { # N: copy chunk N there if this call carries it (check, fp8 and shapes run without the model)
+    if [ -d ".gpu/$alias/$(printf %02d "$1")" ]; then
+        python3 benchmarks/gpu_eval.py stage "$alias" "$1" || exit 1
+    else
+        echo "== chunk $1 not carried: not staged"
+    fi
+}
 bench() { # SECONDS SCRIPT ARGS...: one benchmark, stopped after SECONDS (what it saved so far stays)
     local seconds=$1
     shift
