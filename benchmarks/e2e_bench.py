@@ -203,18 +203,8 @@ def time_pair(cfg, quest, batch, context, rounds: int = 8, steps_per_round: int 
         for _ in range(6):
             llm.engine.step()
         engines[name] = llm
-    ms = {name: [] for name in engines}
-    graph = {name: [] for name in engines}
-    for r in range(rounds):
-        for name in (("dense", "quest") if r % 2 == 0 else ("quest", "dense")):
-            engine = engines[name].engine
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(steps_per_round):
-                engine.step()
-            torch.cuda.synchronize()
-            ms[name].append((time.perf_counter() - start) / steps_per_round * 1e3)
-            graph[name].append(replay_ms(engine.runner))
+    ms, graph = time_rounds({name: engines[name] for name in ("dense", "quest")}, rounds, steps_per_round,
+                            replay=True)
     result = {name: {"ms_per_token": statistics.median(ms[name]), "graph_replay_ms": statistics.median(graph[name]),
                      "ms_rounds": ms[name], "graph_rounds": graph[name]} for name in engines}
     result["speedup"] = statistics.median(d / q for d, q in zip(ms["dense"], ms["quest"]))
@@ -226,6 +216,28 @@ def time_pair(cfg, quest, batch, context, rounds: int = 8, steps_per_round: int 
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def time_rounds(engines: dict, rounds: int, steps_per_round: int, replay: bool = False) -> tuple[dict, dict]:
+    """Engines (``{name: LLM}``, alive together) timed in alternation: ``rounds`` rounds, each timing
+    ``steps_per_round`` asynchronous steps of every engine in turn, the order reversed every other round. Returns
+    ``(ms, graph)``: per name, the ms per step of each round and, with ``replay``, one :func:`replay_ms` per round
+    (else empty lists)."""
+    ms = {name: [] for name in engines}
+    graph = {name: [] for name in engines}
+    order = list(engines)
+    for r in range(rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            engine = engines[name].engine
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                engine.step()
+            torch.cuda.synchronize()
+            ms[name].append((time.perf_counter() - start) / steps_per_round * 1e3)
+            if replay:
+                graph[name].append(replay_ms(engine.runner))
+    return ms, graph
 
 
 def replay_ms(runner, replays: int = 20) -> float:

@@ -17,7 +17,6 @@ import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ import torch
 if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.e2e_bench import kv_bytes_per_token, synthetic_prefill  # noqa: E402
+from benchmarks.e2e_bench import kv_bytes_per_token, synthetic_prefill, time_rounds  # noqa: E402
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
 from questkv.engine.sampling_params import SamplingParams  # noqa: E402
@@ -96,23 +95,6 @@ def _engine(cfg, quest, batch, context, kv_cache_dtype, steps) -> LLM:
     return llm
 
 
-def _time_rounds(engines: dict, rounds: int, steps_per_round: int) -> dict:
-    """ms per step of each engine over ``rounds`` rounds of ``steps_per_round`` asynchronous steps, the engines'
-    order reversed every other round."""
-    ms = {dtype: [] for dtype in engines}
-    order = list(engines)
-    for r in range(rounds):
-        for dtype in (order if r % 2 == 0 else order[::-1]):
-            engine = engines[dtype].engine
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(steps_per_round):
-                engine.step()
-            torch.cuda.synchronize()
-            ms[dtype].append((time.perf_counter() - start) / steps_per_round * 1e3)
-    return ms
-
-
 def _close(llm: LLM) -> None:
     llm.close()
     gc.collect()
@@ -135,15 +117,15 @@ def point(model: str, batch: int, context: int, budget: int, rounds: int = 6, st
         if together:
             engines["fp8"] = _engine(cfg, quest, batch, context, "fp8", steps)
             kv_tokens["fp8"] = engines["fp8"].engine.runner.cache_spec.kv_tokens
-            ms = _time_rounds(engines, rounds, steps_per_round)
+            ms = time_rounds(engines, rounds, steps_per_round)[0]
             for llm in engines.values():
                 _close(llm)
         else:
-            ms = _time_rounds(engines, rounds, steps_per_round)
+            ms = time_rounds(engines, rounds, steps_per_round)[0]
             _close(engines.pop("auto"))
             engines["fp8"] = _engine(cfg, quest, batch, context, "fp8", steps)
             kv_tokens["fp8"] = engines["fp8"].engine.runner.cache_spec.kv_tokens
-            ms.update(_time_rounds(engines, rounds, steps_per_round))
+            ms.update(time_rounds(engines, rounds, steps_per_round)[0])
             _close(engines.pop("fp8"))
         del engines
         record[name] = {dtype: statistics.median(ms[dtype]) for dtype in KV_DTYPES}
