@@ -10,7 +10,8 @@
 #   bash benchmarks/lossless_fp8_gpu.sh real COMMIT LAST SECONDS  (fp8 agreement first, then `real` for SECONDS) carry [".gpu/qwen2.5-coder-1.5b/LAST", ".gpu/deps"]
 #
 # check, fp8 and shapes also run without their chunk (nothing staged). FP8_ARGS / SHAPES_ARGS: extra arguments
-# (e.g. --points that fit an 80 GB card). Each call copies every result so far (JSON + markdown, under
+# (e.g. --points that fit an 80 GB card); DEADLINE (epoch seconds): every benchmark ends 20 s before it, so that
+# several parts fit one call. Each call copies every result so far (JSON + markdown, under
 # /root/questkv-eval/results-lf) to $OUT as one results.tgz, and its log to $OUT.
 set -uo pipefail
 part=$1
@@ -35,6 +36,13 @@ stage() { # N: copy chunk N there if this call carries it (check, fp8 and shapes
 bench() { # SECONDS SCRIPT ARGS...: one benchmark, stopped after SECONDS (what it saved so far stays)
     local seconds=$1
     shift
+    if [ -n "${DEADLINE:-}" ] && [ $((DEADLINE - $(date +%s) - 20)) -lt "$seconds" ]; then
+        seconds=$((DEADLINE - $(date +%s) - 20))
+    fi
+    if [ "$seconds" -le 0 ]; then
+        echo "== skipped (DEADLINE): $*"
+        return
+    fi
     echo "== $* (at most $seconds s)"
     timeout "$seconds" python3 "$@" --out-dir "$results" 2>&1 | tee -a "$OUT/log-$part.txt"
     echo "== rc ${PIPESTATUS[0]}"
