@@ -24,7 +24,7 @@ import torch
 if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.e2e_bench import kv_bytes_per_token, synthetic_prefill, time_rounds  # noqa: E402
+from benchmarks.e2e_bench import kv_bytes_per_token, profile_replay, synthetic_prefill, time_rounds  # noqa: E402
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
 from questkv.engine.sampling_params import SamplingParams  # noqa: E402
@@ -104,7 +104,7 @@ def _close(llm: LLM) -> None:
 def point(model: str, batch: int, context: int, budget: int, rounds: int = 6, steps_per_round: int = 8) -> dict:
     """Both KV dtypes timed in alternation when their engines fit on the GPU together, else one after the other
     (``record[name]["alternated"]``: the ratio then compares rounds of separate engines)."""
-    cfg = dummy_config(model)
+    cfg = dummy_config(model, max_position_embeddings=max(context + 1024, 4096))
     steps = 6 + 2 * rounds * steps_per_round
     record = {"model": model, "batch": batch, "context": context, "budget": budget}
     for name, quest in (("dense", None), ("quest", QuestConfig(token_budget=budget, page_size=PAGE,
@@ -135,6 +135,21 @@ def point(model: str, batch: int, context: int, budget: int, rounds: int = 6, st
         print(f"{model} B={batch} {context}: {name} bf16-KV {record[name]['auto']:.2f} ms, fp8-KV "
               f"{record[name]['fp8']:.2f} ms ({record[name]['speedup']:.2f}x"
               f"{'' if together else ', engines one after the other'})", flush=True)
+    return record
+
+
+def profile(model: str, batch: int, context: int, budget: int) -> dict:
+    """The kernels of one decode-graph replay (:func:`~benchmarks.e2e_bench.profile_replay`) of the dense and the
+    Quest engine at each KV dtype, one engine at a time: where the fp8 step's time goes."""
+    cfg = dummy_config(model, max_position_embeddings=max(context + 1024, 4096))
+    record = {"model": model, "batch": batch, "context": context, "budget": budget}
+    for name, quest in (("dense", None), ("quest", QuestConfig(token_budget=budget, page_size=PAGE,
+                                                                 dense_layers=DENSE_LAYERS))):
+        for dtype in KV_DTYPES:
+            llm = _engine(cfg, quest, batch, context, dtype, 16)
+            record[f"{name}/{dtype}"] = profile_replay(llm.engine.runner, top=8)
+            _close(llm)
+            print(f"{name} {dtype}: {json.dumps(record[f'{name}/{dtype}'])}", flush=True)
     return record
 
 
@@ -182,7 +197,16 @@ def main() -> None:
                         help="model:batch:context:budget,... (default: the issue's four points)")
     parser.add_argument("--capacity-only", action="store_true",
                         help="only the KV tokens per memory (the planner's arithmetic: runs on a CPU)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing: the kernels of one decode step at the first point, per KV dtype")
     args = parser.parse_args()
+    points = POINTS if args.points is None else [
+        (m, int(b), int(c), int(k)) for m, b, c, k in (p.split(":") for p in args.points.split(","))]
+    if args.profile:
+        record = {"provenance": provenance("cuda"), "profile": profile(*points[0])}
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / f"fp8-kv-profile-{args.tag}.json").write_text(json.dumps(record, indent=1))
+        return
     if args.capacity_only:
         record = {"provenance": provenance("cpu"), "capacity": capacity()}
         stem = args.out_dir / f"fp8-kv-capacity-{args.tag}"
@@ -199,8 +223,6 @@ def main() -> None:
     record = {"provenance": provenance("cuda"), "check": check(), "capacity": capacity(), "points": []}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"fp8-kv-{args.tag}"
-    points = POINTS if args.points is None else [
-        (m, int(b), int(c), int(k)) for m, b, c, k in (p.split(":") for p in args.points.split(","))]
     for p in points:  # saved after every point: a run stopped by a time limit keeps what it measured
         record["points"].append(point(*p))
         stem.with_name(stem.name + ".json").write_text(json.dumps(record, indent=1))

@@ -282,7 +282,7 @@ def shape_point(name: str, k: int, acceptances: list[float], sources: list[str],
     """One record per draft-page source: the dense engine's step (timed once) and the lossless engine's draft and
     verify steps at fixed ``k``."""
     model, batch, context, budget, quantization = POINTS[name]
-    cfg = dummy_config(model)
+    cfg = dummy_config(model, max_position_embeddings=max(context + 1024, 4096))
     quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
     llm = _shape_engine(cfg, batch, context, quantization, steps, device, async_scheduling=True)
     engine = llm.engine
