@@ -193,20 +193,22 @@ class SpeculativeConfig:
         adaptive: the engine picks the drafts of each round, from 0 (dense steps) to ``num_speculative_tokens``, by
             the step times and acceptance it measures (:mod:`questkv.engine.speculation`), so that lossless is never
             much slower than dense; ``False``: every round drafts ``num_speculative_tokens`` (tests, sweeps).
-        draft_selection: where a round's draft pages come from (its drafts all attend one selection): ``"verify"``
-            (the default), the attention mass of each page in the last verify step's dense attention (its positions,
+        draft_selection: where a round's draft pages come from (its drafts all attend one selection): ``"quest"``
+            (the default), the round's first draft's Quest estimate and top-K, reused by its later drafts;
+            ``"verify"``, the attention mass of each page in the last verify step's dense attention (its positions,
             summed over them and the query group), top-K with the same budget and forced pages, so the drafts
-            estimate and select nothing (Vegas, SparseSpec); ``"quest"``, the round's first draft's Quest estimate
-            and top-K. A round with no verify before it (the first, or one after a verify that ran beside prefill
-            rows) selects by Quest. Measured on Qwen2.5-Coder-1.5B at 2k (book and code, rounds of 4): acceptance
-            0.722 -> 0.772 at 1/16 of the context, 0.821 -> 0.866 at 1/8
-            (``benchmarks/results/draft-selection-qwen2.5-coder-1.5b-2k-8windows-cpu.md``).
+            estimate and select nothing (Vegas, SparseSpec). A round with no verify before it (the first, or one
+            after a verify that ran beside prefill rows) selects by Quest. ``"verify"`` keeps more drafts at 2k on
+            Qwen2.5-Coder-1.5B (acceptance 0.722 -> 0.772 at 1/16, 0.821 -> 0.866 at 1/8; 0.738 -> 0.739 at 4k,
+            ``benchmarks/results/draft-selection-qwen2.5-coder-1.5b-*-cpu.md``) but makes the verify step 1.36x
+            (llama3.1-8b B=16/32k) to 1.58x (B=4/128k) slower on an H200 (the per-page log-sum-exps and their
+            selection, ``benchmarks/results/lossless-shapes-h200.md``), which costs more than the gain buys.
     """
 
     method: str = "quest"
     num_speculative_tokens: int = 4
     adaptive: bool = True
-    draft_selection: str = "verify"
+    draft_selection: str = "quest"
 
     def __post_init__(self) -> None:
         check_choice("SpeculativeConfig.method", self.method, SPECULATIVE_METHODS)

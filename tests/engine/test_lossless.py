@@ -31,7 +31,7 @@ def dense(model_dir):
 
 
 def lossless(model_dir, k: int = 4, quest: QuestConfig = SMALL, adaptive: bool = False,
-             draft_selection: str = "verify", **kwargs):
+             draft_selection: str = "quest", **kwargs):
     """A lossless engine; fixed rounds of ``k`` drafts unless ``adaptive`` (then the measured step times pick, and
     on a CPU they mostly pick dense steps); drafts attend the pages of ``draft_selection``."""
     config = {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive, "draft_selection": draft_selection}
