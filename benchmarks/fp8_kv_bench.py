@@ -153,6 +153,22 @@ def profile(model: str, batch: int, context: int, budget: int) -> dict:
     return record
 
 
+def profile_table(record: dict) -> str:
+    """The markdown of a ``--profile`` record: per engine and KV dtype, the kernels and GPU µs of one decode step
+    and its top kernels."""
+    head, prof = record["provenance"], record["profile"]
+    lines = [f"# FP8 KV cache: the kernels of one decode step ({prof['model']} B={prof['batch']} "
+             f"{prof['context'] // 1024}k, Quest budget {prof['budget']})", "",
+             f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",
+             "One replay of the decode step's CUDA graph under the torch profiler (CUDA activity).", "",
+             "| engine / KV | kernels | GPU µs | top kernels (count, µs) |", "|---|---|---|---|"]
+    for key, entry in prof.items():
+        if isinstance(entry, dict):
+            top = "; ".join(f"{t['name'][:60]} ({t['count']}, {t['us']:.0f})" for t in entry["top"][:6])
+            lines.append(f"| {key} | {entry['count']} | {entry['us']:.0f} | {top} |")
+    return "\n".join(lines) + "\n"
+
+
 def capacity(model: str = "llama3.1-8b", memory: int = 40 << 30) -> dict:
     """KV tokens ``memory`` bytes of KV cache hold at each KV dtype at ``model``'s shape (bf16 weights): the engine's
     own planner (``questkv.engine.kv_pool.plan_cache``, what ``CacheSpec.kv_tokens`` reports), no weights built."""
@@ -206,6 +222,8 @@ def main() -> None:
         record = {"provenance": provenance("cuda"), "profile": profile(*points[0])}
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / f"fp8-kv-profile-{args.tag}.json").write_text(json.dumps(record, indent=1))
+        (args.out_dir / f"fp8-kv-profile-{args.tag}.md").write_text(profile_table(record))
+        print(profile_table(record))
         return
     if args.capacity_only:
         record = {"provenance": provenance("cpu"), "capacity": capacity()}

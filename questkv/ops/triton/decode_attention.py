@@ -50,10 +50,11 @@ _WIDE_MERGE_MAX_GROUP = 4
 # Rows of one program's query block with several queries per sequence (positions x the query group): up to this
 # many share each K/V tile; more queries take more blocks, each reading the keys again. A tile of 16 rows is the
 # smallest tl.dot, so a group of 4 verifies 4 positions in the rows a one-query step pads. Warps per program by the
-# tile's padded rows (first guesses that compile without spilling for sm_90; benchmarks/verify_attention.py --sweep
-# times the alternatives).
+# tile's padded rows: 4 at every size. Measured on an H200 (benchmarks/results/verify-attention-h200-sweep.md), a
+# 64-row tile (9 or 17 queries of a group of 4) runs faster with 4 warps than with 8 at every point, e.g. 9 queries
+# at llama3.1-8b B=16/32k in 600 µs against 808.
 _MAX_QUERY_ROWS = 64
-_WARPS_BY_ROWS = {16: _NUM_WARPS, 32: _NUM_WARPS, 64: 2 * _NUM_WARPS}
+_WARPS_BY_ROWS = {16: _NUM_WARPS, 32: _NUM_WARPS, 64: _NUM_WARPS}
 
 
 @triton.jit
