@@ -42,7 +42,8 @@ KV_DTYPES = ("auto", "fp8")
 
 
 def check(device: str = "cuda") -> dict:
-    """fp8 engine: CUDA path == eager reference path, and fp8 Quest with a covering budget == fp8 dense."""
+    """fp8 engine: CUDA path == eager reference path (beside the same comparison on model-dtype pages, the baseline
+    that tells an fp32 near tie from a fault), and fp8 Quest with a covering budget == fp8 dense."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -51,9 +52,9 @@ def check(device: str = "cuda") -> dict:
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (700, 1500, 333)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-    def tokens(quest, **kwargs):
+    def tokens(quest, kv_cache_dtype="fp8", **kwargs):
         llm = LLM(cfg, quest=quest, load_format="dummy", dtype="float32", device=device, max_num_seqs=4,
-                  kv_cache_memory=256 << 20, seed=5, kv_cache_dtype="fp8", **kwargs)
+                  kv_cache_memory=256 << 20, seed=5, kv_cache_dtype=kv_cache_dtype, **kwargs)
         with torch.no_grad():
             for layer in llm.engine.runner.model.model.layers:
                 layer.self_attn.qkv_proj.weight.mul_(8.0)
@@ -70,7 +71,12 @@ def check(device: str = "cuda") -> dict:
     full = QuestConfig(token_budget=2048, page_size=PAGE, dense_layers=1)
     results = {}
     for name, config in (("dense", None), ("quest-256", quest)):
-        results[name] = {"graphs_equal_reference": tokens(config) == tokens(config, enforce_eager=True)}
+        results[name] = {}
+        for kv in KV_DTYPES:
+            got, want = tokens(config, kv), tokens(config, kv, enforce_eager=True)
+            results[name][f"graphs_equal_reference_{kv}"] = got == want
+            matching = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
+            results[name][f"tokens_matching_{kv}"] = f"{matching}/{sum(map(len, want))}"
     results["quest-full-equals-dense"] = tokens(full) == tokens(None)
     return results
 
