@@ -240,11 +240,12 @@ def time_rounds(engines: dict, rounds: int, steps_per_round: int, replay: bool =
     return ms, graph
 
 
-def replay_ms(runner, replays: int = 20) -> float:
-    """GPU time of one replay of the last captured decode graph: ``replays`` replays back to back between two
-    CUDA events (after 5 untimed), divided by their number. The decode step without the host's scheduling, input
-    copy and sampling; back to back, as the engine's steps run, so no replay pays an idle GPU's launch latency."""
-    graph = runner.graphs.latest()
+def replay_ms(runner, replays: int = 20, route=None) -> float:
+    """GPU time of one replay of the last captured decode graph (of ``route``, a ``StepRoute``, when given):
+    ``replays`` replays back to back between two CUDA events (after 5 untimed), divided by their number. The decode
+    step without the host's scheduling, input copy and sampling; back to back, as the engine's steps run, so no
+    replay pays an idle GPU's launch latency."""
+    graph = runner.graphs.latest(route)
     for _ in range(5):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -256,12 +257,12 @@ def replay_ms(runner, replays: int = 20) -> float:
     return start.elapsed_time(end) / replays
 
 
-def profile_replay(runner, top: int = 12) -> dict:
-    """The kernels of one replay of the last captured decode graph (torch profiler, CUDA activity): their
-    count, summed GPU µs, and the ``top`` names by time with their count and µs."""
+def profile_replay(runner, top: int = 12, route=None) -> dict:
+    """The kernels of one replay of the last captured decode graph (of ``route`` when given; torch profiler, CUDA
+    activity): their count, summed GPU µs, and the ``top`` names by time with their count and µs."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = runner.graphs.latest()
+    graph = runner.graphs.latest(route)
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

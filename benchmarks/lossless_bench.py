@@ -17,7 +17,8 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
 * ``shapes``: random weights at the paper's shapes (``--points``), synthetic contexts (``e2e_bench``'s): ms per
   step of the dense engine (asynchronous), of a lossless draft step and of a verify step (fixed ``k``,
   synchronous), and the speed over dense that an acceptance implies (``E(k) * t_dense / (k * t_draft +
-  t_verify)``, labelled as implied: random weights accept nothing real).
+  t_verify)``, labelled as implied: random weights accept nothing real); on CUDA also each step's graph replayed
+  alone (its GPU time; the rest of a step is the host's) and the verify graph's heaviest kernels.
 
 Decode tokens/s is measured on warm engines whose prompts are in the prefix cache: ``(B * (T - 2)) / (t(T) -
 t(2))`` with ``t(n)`` the wall time of ``generate`` of ``n`` tokens (prefill of the last partial page and the first
@@ -32,6 +33,7 @@ token cancel out). Two engines of one context are alive together (``--memory`` o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -45,8 +47,9 @@ import torch
 if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.e2e_bench import kv_bytes_per_token, synthetic_prefill  # noqa: E402
+from benchmarks.e2e_bench import kv_bytes_per_token, profile_replay, replay_ms, synthetic_prefill  # noqa: E402
 from questkv.config import QuestConfig  # noqa: E402
+from questkv.decode.route import StepRoute  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
 from questkv.engine.sampling_params import SamplingParams  # noqa: E402
 from questkv.engine.speculation import expected_tokens  # noqa: E402
@@ -294,13 +297,18 @@ def shape_point(name: str, k: int, acceptances: list[float], sources: list[str],
         engine.step()
     _synchronize(device)
     dense_ms = (time.perf_counter() - start) / steps * 1e3
+    graphs = {}  # GPU time of each step's graph alone (CUDA): what the host adds is the rest
+    if device == "cuda":
+        with contextlib.suppress(LookupError):  # a route that captured no graph: its figures are left out
+            graphs["dense_graph_ms"] = replay_ms(engine.runner, route=StepRoute.DENSE)
+            graphs["dense_kernels"] = profile_replay(engine.runner, top=10, route=StepRoute.DENSE)
     llm.close()
     del llm, engine
     gc.collect()
     records = []
     for draft_selection in sources:
         record = {"model": model, "batch": batch, "context": context, "budget": budget, "quantization": quantization,
-                  "k": k, "draft_selection": draft_selection, "dense_ms": dense_ms}
+                  "k": k, "draft_selection": draft_selection, "dense_ms": dense_ms, **graphs}
         llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest,
                             speculative_config=lossless_config(k, False, draft_selection))
         engine = llm.engine
@@ -312,6 +320,11 @@ def shape_point(name: str, k: int, acceptances: list[float], sources: list[str],
             seconds = time.perf_counter() - start
             if i >= 2 * (k + 1):  # after two rounds (the graphs captured)
                 times["verify" if engine.scheduler.step_tokens["verify"] > verifies else "draft"].append(seconds)
+        if device == "cuda":
+            with contextlib.suppress(LookupError):
+                record["draft_graph_ms"] = replay_ms(engine.runner, route=StepRoute.SPARSE)
+                record["verify_kernels"] = profile_replay(engine.runner, top=10, route=StepRoute.VERIFY)
+                record["verify_graph_ms"] = replay_ms(engine.runner, route=StepRoute.VERIFY)
         llm.close()
         del llm, engine
         gc.collect()
@@ -378,6 +391,16 @@ def table(part: str, record: dict) -> str:
                     f"{source_suffix(p['draft_selection'])}")
             lines.append(f"| {name} | {p['dense_ms']:.2f} | {p['draft_ms']:.2f} | {p['verify_ms']:.2f} (k={p['k']}) "
                          f"| {implied} |")
+        graphed = [p for p in record["results"]["points"] if "verify_graph_ms" in p and "dense_graph_ms" in p]
+        if graphed:  # the GPU time of each step's graph alone, and the verify graph's heaviest kernels
+            lines += ["", "| point | dense graph ms | draft graph ms | verify graph ms | verify's top kernels "
+                      "(count, µs) |", "|---|---|---|---|---|"]
+            for p in graphed:
+                top = "; ".join(f"{t['name'][:50]} ({t['count']}, {t['us']:.0f})"
+                                for t in p["verify_kernels"]["top"][:5])
+                lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k"
+                             f"{source_suffix(p['draft_selection'])} | {p['dense_graph_ms']:.2f} | "
+                             f"{p['draft_graph_ms']:.2f} | {p['verify_graph_ms']:.2f} | {top} |")
     head = record["provenance"]
     return "\n".join([f"# Lossless Quest: {part}", "",
                       f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",

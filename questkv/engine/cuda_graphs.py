@@ -13,7 +13,7 @@ estimate and select launches). The step's body and its static inputs are the run
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -138,9 +138,12 @@ class DecodeGraphs:
             logits = body(*key)
         self._graphs[key] = (graph, logits)
 
-    def latest(self) -> torch.cuda.CUDAGraph:
-        """The graph captured last (what a benchmark replays)."""
-        return list(self._graphs.values())[-1][0]
+    def latest(self, route: Optional[StepRoute] = None) -> torch.cuda.CUDAGraph:
+        """The graph captured last, of ``route`` when given (what a benchmark replays)."""
+        graphs = [graph for key, (graph, _) in self._graphs.items() if route is None or key[2] == route]
+        if not graphs:
+            raise LookupError(f"no CUDA graph of route {route} was captured")
+        return graphs[-1]
 
     def release(self) -> None:
         """Drop every graph and the pool."""

@@ -27,3 +27,20 @@ def test_startup_capture_covers_the_width_of_every_sequence_length(limit):
     for pages in range(1, limit + 1):
         width = table_width(pages, limit)
         assert width in widths and pages <= width <= limit
+
+
+def test_latest_picks_the_last_graph_of_a_route():
+    import torch
+
+    from questkv.decode.route import StepRoute
+    from questkv.engine.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs((), 8, torch.device("cpu"))  # no batch sizes: no pool, nothing captured
+    with pytest.raises(LookupError, match="VERIFY"):
+        graphs.latest(StepRoute.VERIFY)
+    first, verify, last = object(), object(), object()  # stand-ins for captured graphs, in capture order
+    graphs._graphs = {(1, 8, StepRoute.DENSE, True): (first, None), (1, 8, StepRoute.VERIFY, 5): (verify, None),
+                      (2, 8, StepRoute.DENSE, True): (last, None)}
+    assert graphs.latest() is last
+    assert graphs.latest(StepRoute.DENSE) is last
+    assert graphs.latest(StepRoute.VERIFY) is verify
