@@ -58,6 +58,12 @@ POINTS = [
 WARMUP_STEPS, TIMED_STEPS = 6, 32
 
 
+def context_config(name: str, context: int):
+    """:func:`~questkv.models.shapes.dummy_config` of shape ``name`` with positions for ``context`` tokens and the
+    steps after them (at least 4096): a benchmark's context may exceed the shape's own limit (llama2-7b at 32k)."""
+    return dummy_config(name, max_position_embeddings=max(context + 1024, 4096))
+
+
 def kv_bytes_per_token(cfg, layers=None) -> int:
     heads = cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -628,7 +634,7 @@ def main() -> None:
         return
     points = POINTS if args.points == "all" else [POINTS[int(i)] for i in args.points.split(",")]
     for name, batch, context, budget, target in points:
-        cfg = dummy_config(name, max_position_embeddings=max(context + 1024, 4096))
+        cfg = context_config(name, context)
         quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS,
                             dense_context_ratio=args.dense_context_ratio)
         point = {"model": name, "batch": batch, "context": context, "budget": budget, "target": target,
@@ -674,7 +680,7 @@ def main() -> None:
             point = _find_point(record, name, batch, context)
             if point is None:  # not among --points
                 continue
-            cfg = dummy_config(name, max_position_embeddings=max(context + 1024, 4096))
+            cfg = context_config(name, context)
             model = hf_model(cfg)
             point["hf_eager"] = time_hf(model, batch, context, static=False)
             print(f"HF eager {name} B={batch} L={context}: {point['hf_eager']['ms_per_token']:.2f} ms", flush=True)

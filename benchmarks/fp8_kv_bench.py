@@ -24,7 +24,8 @@ import torch
 if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.e2e_bench import kv_bytes_per_token, profile_replay, synthetic_prefill, time_rounds  # noqa: E402
+from benchmarks.e2e_bench import (  # noqa: E402
+    context_config, kv_bytes_per_token, profile_replay, synthetic_prefill, time_rounds)
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
 from questkv.engine.sampling_params import SamplingParams  # noqa: E402
@@ -110,7 +111,7 @@ def _close(llm: LLM) -> None:
 def point(model: str, batch: int, context: int, budget: int, rounds: int = 6, steps_per_round: int = 8) -> dict:
     """Both KV dtypes timed in alternation when their engines fit on the GPU together, else one after the other
     (``record[name]["alternated"]``: the ratio then compares rounds of separate engines)."""
-    cfg = dummy_config(model, max_position_embeddings=max(context + 1024, 4096))
+    cfg = context_config(model, context)
     steps = 6 + 2 * rounds * steps_per_round
     record = {"model": model, "batch": batch, "context": context, "budget": budget}
     for name, quest in (("dense", None), ("quest", QuestConfig(token_budget=budget, page_size=PAGE,
@@ -147,7 +148,7 @@ def point(model: str, batch: int, context: int, budget: int, rounds: int = 6, st
 def profile(model: str, batch: int, context: int, budget: int) -> dict:
     """The kernels of one decode-graph replay (:func:`~benchmarks.e2e_bench.profile_replay`) of the dense and the
     Quest engine at each KV dtype, one engine at a time: where the fp8 step's time goes."""
-    cfg = dummy_config(model, max_position_embeddings=max(context + 1024, 4096))
+    cfg = context_config(model, context)
     record = {"model": model, "batch": batch, "context": context, "budget": budget}
     for name, quest in (("dense", None), ("quest", QuestConfig(token_budget=budget, page_size=PAGE,
                                                                  dense_layers=DENSE_LAYERS))):

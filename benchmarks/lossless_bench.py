@@ -47,7 +47,8 @@ import torch
 if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.e2e_bench import kv_bytes_per_token, profile_replay, replay_ms, synthetic_prefill  # noqa: E402
+from benchmarks.e2e_bench import (  # noqa: E402
+    context_config, kv_bytes_per_token, profile_replay, replay_ms, synthetic_prefill)
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.decode.route import StepRoute  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
@@ -55,7 +56,6 @@ from questkv.engine.sampling_params import SamplingParams  # noqa: E402
 from questkv.engine.speculation import expected_tokens  # noqa: E402
 from questkv.eval import agreement  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
-from questkv.models.shapes import dummy_config  # noqa: E402
 
 PAGE, DENSE_LAYERS = 16, 2
 NEAR_TIE = 0.125
@@ -285,7 +285,7 @@ def shape_point(name: str, k: int, acceptances: list[float], sources: list[str],
     """One record per draft-page source: the dense engine's step (timed once) and the lossless engine's draft and
     verify steps at fixed ``k``."""
     model, batch, context, budget, quantization = POINTS[name]
-    cfg = dummy_config(model, max_position_embeddings=max(context + 1024, 4096))
+    cfg = context_config(model, context)
     quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
     llm = _shape_engine(cfg, batch, context, quantization, steps, device, async_scheduling=True)
     engine = llm.engine

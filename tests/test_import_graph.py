@@ -3,9 +3,10 @@
 Every ``import`` and ``from ... import`` statement of every module counts, those inside functions too (a deferred
 import hides a cycle, it does not remove it); those under ``if TYPE_CHECKING:`` do not (they never run). An import
 points at the most specific module it names: ``from questkv.engine import llm`` at ``questkv.engine.llm``,
-``from questkv.engine.engine_config import EngineConfig`` at ``questkv.engine.engine_config``; the parent packages that Python
-imports on the way are not edges (every submodule would otherwise form a cycle with an ``__init__`` that imports
-it). ``importlib.import_module`` with a computed name is not followed. Run it as a script to print the cycles.
+``from questkv.engine.engine_config import EngineConfig`` at ``questkv.engine.engine_config``; the parent packages
+that Python imports on the way are not edges (every submodule would otherwise form a cycle with an ``__init__``
+that imports it). ``importlib.import_module`` with a computed name is not followed. Run it as a script to print the
+cycles.
 """
 
 from __future__ import annotations

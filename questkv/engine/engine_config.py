@@ -146,8 +146,8 @@ class EngineConfig:
             if self.device == "cuda" and not torch.cuda.is_available():
                 raise ValueError("EngineConfig.device='cuda' but no CUDA device is available; use 'cpu'")
         if self.dtype == "float64" and self.torch_device.type != "cpu":
-            raise ValueError(f"EngineConfig.dtype='float64' runs on the CPU only (the Triton kernels take 16- and 32-bit "
-                             f"floats), got device {self.torch_device.type!r}")
+            raise ValueError("EngineConfig.dtype='float64' runs on the CPU only (the Triton kernels take 16- and "
+                             f"32-bit floats), got device {self.torch_device.type!r}")
         check_int("EngineConfig.max_num_seqs", self.max_num_seqs, minimum=1)
         check_optional_int("EngineConfig.max_model_len", self.max_model_len, minimum=2)
         check_optional_int("EngineConfig.max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
@@ -186,9 +186,9 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.torch_device.type == "cuda":
             capability = torch.cuda.get_device_capability(self.torch_device)
             if capability < (8, 9):
-                raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r} needs a GPU of compute capability "
-                                 f">= 8.9 (Ada, Hopper) for float8 e4m3, this one has {capability[0]}.{capability[1]}; "
-                                 "use 'auto'")
+                raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r} needs a GPU of compute "
+                                 "capability >= 8.9 (Ada, Hopper) for float8 e4m3, this one has "
+                                 f"{capability[0]}.{capability[1]}; use 'auto'")
         check_int("EngineConfig.seed", self.seed, minimum=0)
         check_choice("EngineConfig.load_format", self.load_format, LOAD_FORMATS)
         is_config = hasattr(self.model, "model_type") and hasattr(self.model, "to_dict")
@@ -205,7 +205,8 @@ class EngineConfig:
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        """The dtype of the K and V pages (:attr:`kv_cache_dtype` resolved); the key bounds stay in :attr:`torch_dtype`."""
+        """The dtype of the K and V pages (:attr:`kv_cache_dtype` resolved); the key bounds stay in
+        :attr:`torch_dtype`."""
         return self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     @property

@@ -139,8 +139,9 @@ class StepMessage:
         pages: ``(seq_id, start, pages, seq_len)`` for every sequence whose page-table row changed since the last
             message (:meth:`~questkv.cache.paged.PagedKVCache.mirror`): the whole row on its prefill, new pages after.
         prefill: the step's prefill rows, or ``None`` (a decode-only step).
-        decode: the step's decode rows: the packed decode inputs ``[NUM_INPUTS, padded]`` (:data:`questkv.engine.model_runner.NUM_INPUTS`) int64 (a numpy array: it
-            pickles in ~10 µs, a tensor in ~70) and the graph key, or ``None``. Both set: a mixed step.
+        decode: the step's decode rows: the packed decode inputs ``[NUM_INPUTS, padded]``
+            (:data:`questkv.engine.model_runner.NUM_INPUTS`) int64 (a numpy array: it pickles in ~10 µs, a tensor in
+            ~70) and the graph key, or ``None``. Both set: a mixed step.
         count: the tokens the step samples (broadcast from rank 0; none for a step that only prefills part of a
             prompt): one per sampling sequence, ``num_new_tokens`` per verify row.
         capture: capture every decode graph (``graph_capture="startup"``), nothing else.

@@ -53,7 +53,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--served-model-name", default=None,
                         help="the model name requests give and /v1/models lists (default: MODEL as given)")
     server.add_argument("--shutdown-grace", type=seconds(allow_zero=True), default=30.0,
-                        help="on SIGTERM, seconds open requests may take to finish before they are aborted (default: 30)")
+                        help="on SIGTERM, seconds open requests may take to finish before they are aborted "
+                        "(default: 30)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level (default: info)")
     server.add_argument("--access-log", action="store_true", help="log every request")
