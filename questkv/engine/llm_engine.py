@@ -113,7 +113,9 @@ class LLMEngine:
             speculation=self.speculation,
         )
         self._ids = itertools.count()
-        self._in_flight: Optional[tuple[ScheduledBatch, SampledTokens]] = None  # launched, not yet processed
+        # Launched, not yet processed: the step, its tokens, when it was scheduled (time.perf_counter()).
+        self._in_flight: Optional[tuple[ScheduledBatch, SampledTokens, float]] = None
+        self._last_update = 0.0  # when the last step was processed
         self._closed = False
 
     def _fail_start(self, error: BaseException) -> None:
@@ -189,21 +191,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, then return an output for every live sequence of the step processed:
         that one (synchronous), or the one launched before it (:attr:`EngineConfig.async_scheduling`: the
-        device runs the new step while the host appends the tokens, detokenises and checks stops)."""
+        device runs the new step while the host appends the tokens, detokenises and checks stops; unless the new
+        step needs those tokens first, at a lossless round's ends: :meth:`Scheduler.waits_for`)."""
         try:
-            start = time.perf_counter()
             outputs = []
-            asynchronous = self.config.use_async_scheduling and not self.scheduler.drafting()
-            if not asynchronous and self._in_flight is not None:  # a lossless round needs every token on the host
+            in_flight = None if self._in_flight is None else self._in_flight[0]
+            asynchronous = self.config.use_async_scheduling and not self.scheduler.waits_for(in_flight)
+            if not asynchronous and self._in_flight is not None:
                 outputs, self._in_flight = self._process(*self._in_flight), None
+            started = time.perf_counter()
             batch = self.scheduler.schedule()
-            launched = None if batch is None else (batch, self.runner.execute(batch))
+            launched = None if batch is None else (batch, self.runner.execute(batch), started)
             if asynchronous:
                 launched, self._in_flight = self._in_flight, launched
             if launched is not None:
                 outputs += self._process(*launched)
-            if batch is not None and self.speculation is not None:
-                self._record_step(batch, time.perf_counter() - start)
             return outputs
         except BaseException as error:
             self._in_flight = None  # its tokens are lost: the caller fails the requests with tokens in flight
@@ -214,19 +216,25 @@ class LLMEngine:
                     raise failure from error
             raise
 
-    def _record_step(self, batch: ScheduledBatch, seconds: float) -> None:
+    def _record_step(self, batch: ScheduledBatch, started: float) -> None:
         """Tell the speculation policy what a decode, draft or verify step of lossless rows cost (a step with
-        prefill work, or without a lossless row, teaches it nothing)."""
+        prefill work, or without a lossless row, teaches it nothing): the time from its scheduling, or from the
+        update of the step before if that came later (a step launched ahead), to its own update. Summed over a
+        round, that is the round's time, whichever steps were launched ahead."""
+        now = time.perf_counter()
+        seconds = now - max(started, self._last_update)
+        self._last_update = now
         rows = batch.num_decodes + batch.num_verifies
-        if len(batch.seqs) > rows or not any(seq.quest.speculative_tokens for seq in batch.seqs):
+        if self.speculation is None or len(batch.seqs) > rows or not any(
+                seq.quest.speculative_tokens for seq in batch.seqs):
             return
         kind = StepKind.VERIFY if batch.num_verifies else StepKind.DRAFT if batch.drafts else StepKind.DENSE
         self.speculation.record_step(kind, rows, seconds)
 
-    def _process(self, batch: ScheduledBatch, sampled: SampledTokens) -> list[RequestOutput]:
+    def _process(self, batch: ScheduledBatch, sampled: SampledTokens, started: float) -> list[RequestOutput]:
         """Append a launched step's tokens (waiting for them), apply the stops and build the outputs of the
         sequences that were live (finished ones: their tokens are discarded); a partial prefill (a chunk) has no
-        token and no output."""
+        token and no output. ``started``: when the step was scheduled."""
         flat = sampled.token_ids()
         tokens, at = [], 0
         for row in range(batch.num_sampled):  # a verify row's tokens as one list
@@ -257,6 +265,7 @@ class LLMEngine:
             if seq.is_finished and seq.decode_steps:
                 seq.selection_rate = self.runner.selection_rate(seq, slot, id(seq) in ahead)  # read once, at the end
             outputs.append(RequestOutput.from_sequence(seq, text))
+        self._record_step(batch, started)
         return outputs
 
     def abort_request(self, request_id: str) -> bool:

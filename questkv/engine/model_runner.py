@@ -173,7 +173,7 @@ class ModelRunner:
         count = batch.num_sampled
         if self.tp is not None and count:
             tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
-        if not batch.num_verifies:  # (a lossless engine's steps are synchronous: nothing reads a verify's tokens here)
+        if not batch.num_verifies:  # (the step after a verify waits for its tokens on the host: Scheduler.waits_for)
             self._sampled[:count].copy_(tokens)
             self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
         flip = self._tokens_flip
@@ -437,7 +437,7 @@ class ModelRunner:
                     token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True
                 # A lossless round's drafts reuse one selection: its first draft's (its verify step cleared the
                 # memory's row), or the verify step's (a row without one selects all the same).
-                due = (not seq.draft_token_ids and not self._verify_selects if seq.quest.speculative_tokens
+                due = (seq.num_drafts <= 1 and not self._verify_selects if seq.quest.speculative_tokens
                        else is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval))
                 rows.append([token if known else 0, position, seq_len,
                              seq.quest.token_budget or self.budget or 0, seq.cache_id,

@@ -211,7 +211,7 @@ class Scheduler:
         decode rows of every running sequence that can decode (preempting likewise), then prefill rows (the
         chunked sequence's next chunk, then admissions) in the rest of the token budget. ``None`` when nothing is
         left to launch. Pages for the step's input tokens are allocated here."""
-        if not self._round_planned:  # (else :meth:`drafting` just asked the policy for this step)
+        if not self._round_planned:  # (else :meth:`waits_for` just asked the policy for this step)
             self._round_k = self.round_draft_tokens()
         self._round_planned = False
         if self.chunked_prefill:
@@ -239,6 +239,8 @@ class Scheduler:
         self.step_tokens["prefill"] += sum(news)
         seq_lens = tuple(self.cache.seq_len(seq.cache_id) for seq in seqs)
         drafts = tuple(i for i, seq in enumerate(decodes) if self._drafts(seq))
+        for i in drafts:
+            decodes[i].num_drafts_in_flight += 1
         dense = tuple(decodes_densely(self.quest, seq.quest.token_budget, seq_len)
                       or (seq.quest.speculative_tokens > 0 and i not in drafts)
                       for i, (seq, seq_len) in enumerate(zip(decodes, seq_lens)))
@@ -255,14 +257,38 @@ class Scheduler:
             return MAX_SPECULATIVE_TOKENS
         return self.speculation.draft_tokens(sum(map(self._decodes, self.running)))
 
-    def drafting(self) -> bool:
-        """Whether the next step may draft or verify (a lossless round is under way or about to start): the engine
-        then runs it synchronously. Asks the policy for the next :meth:`schedule`'s drafts once, so that the answer
-        and the step agree."""
+    def waits_for(self, in_flight: Optional[ScheduledBatch]) -> bool:
+        """Whether the next step needs the tokens of the step ``in_flight`` (launched, not yet updated; ``None``:
+        none) on the host, so that the engine must update that step before it schedules the next (asynchronous
+        scheduling). A lossless round needs them at its ends: after a verify (the tokens it keeps set the lengths),
+        before a verify (it stages every draft of its rows) and before a round starts (its drafts are counted from
+        the outputs). Its draft steps between are launched ahead, as decode steps are. Asks the policy for the
+        next :meth:`schedule`'s drafts once, so that the answer and the step agree."""
         self._round_k, self._round_planned = self.round_draft_tokens(), True
-        if not any(seq.quest.speculative_tokens for seq in self.running):
+        if in_flight is None:
             return False
-        return any(seq.draft_token_ids for seq in self.running) or self._round_k > 0
+        if in_flight.num_verifies:
+            return True
+        due = any(self._due(seq) for seq in self.running)
+        for seq in self.running:
+            if not seq.num_in_flight or not self._decodes(seq):
+                continue
+            if seq.num_drafts_in_flight:
+                if due:
+                    return True
+            elif not seq.num_drafts and self._may_start_round(seq, self.cache.seq_len(seq.cache_id) + 1):
+                return True
+        return False
+
+    def _due(self, seq: Sequence) -> bool:
+        """Whether ``seq`` holds every draft of its round (updated or in flight): it verifies in the next step."""
+        return bool(seq.num_drafts) and seq.num_drafts >= self.draft_limit(seq)
+
+    def _may_start_round(self, seq: Sequence, seq_len: int) -> bool:
+        """Whether a step that gives ``seq`` ``seq_len`` cached tokens may make it draft (a lossless request, a draft
+        limit above 0, a route of Quest's), its tokens so far being all on the host."""
+        return (seq.quest.speculative_tokens > 0 and self.draft_limit(seq) > 0
+                and not decodes_densely(self.quest, seq.quest.token_budget, seq_len))
 
     def update(
         self, batch: ScheduledBatch, token_ids: Iterable, forced_logprobs: Optional[Iterable[float]] = None
@@ -312,6 +338,8 @@ class Scheduler:
                 )
         for seq in sampled:
             seq.num_in_flight -= 1
+        for i in batch.drafts:
+            sampled[i].num_drafts_in_flight -= 1
         verifying = range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
         kept = {i: keep_verified(seq, rows[i], self.speculation, batch.num_decodes + batch.num_verifies)
                 for i, seq, _ in live if i in verifying}
@@ -323,7 +351,8 @@ class Scheduler:
             if i in kept:
                 tokens = kept[i]
             elif i in drafts:
-                seq.draft_token_ids.append(tokens[0])
+                if seq.status is SequenceStatus.RUNNING:  # (a round preempted since is recomputed without its drafts)
+                    seq.draft_token_ids.append(tokens[0])
                 continue
             for token in tokens:
                 stop = self._append(seq, token, logprobs[i] if logprobs is not None else None, now)
@@ -520,8 +549,11 @@ class Scheduler:
         self.cache.allocate([seq.cache_id for seq in seqs], [1] * len(seqs))
         for seq in seqs:
             seq.num_in_flight += 1
-        due = [seq for seq in seqs if seq.draft_token_ids and len(seq.draft_token_ids) >= self.draft_limit(seq)]
-        verify = {id(seq) for seq in seqs if due and seq.draft_token_ids or seq in due}
+        due = any(map(self._due, seqs))
+        verify = {id(seq) for seq in seqs if due and seq.num_drafts}
+        if due and any(seq.num_drafts_in_flight for seq in seqs):
+            raise RuntimeError("a verify step was scheduled with drafts in flight; the engine updates them first "
+                               "(Scheduler.waits_for)")
         return [seq for seq in seqs if id(seq) not in verify], [seq for seq in seqs if id(seq) in verify]
 
     def draft_limit(self, seq: Sequence) -> int:
@@ -534,10 +566,10 @@ class Scheduler:
     def _drafts(self, seq: Sequence) -> bool:
         """Whether the decode row ``seq`` (its next position allocated) drafts: it is in a lossless round, or may
         start one (a route of Quest's and a draft limit above 0)."""
-        if seq.draft_token_ids:
+        if seq.num_drafts:
             return True
-        return (seq.quest.speculative_tokens > 0 and self.draft_limit(seq) > 0
-                and not decodes_densely(self.quest, seq.quest.token_budget, self.cache.seq_len(seq.cache_id)))
+        # A round starts only from tokens on the host (none in flight but this step's): draft_limit counts outputs.
+        return seq.num_in_flight == 1 and self._may_start_round(seq, self.cache.seq_len(seq.cache_id))
 
     def _decodes(self, seq: Sequence) -> bool:
         """Whether the running ``seq`` is a decode row: its prefill is done and its in-flight tokens do not

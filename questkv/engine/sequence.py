@@ -89,6 +89,8 @@ class Sequence:
         draft_token_ids: a lossless request's (``quest.speculative_tokens``) tentative tokens of its current round,
             sampled by its Quest draft steps and not output until a verify step keeps them; the cache holds their
             positions too (see :mod:`questkv.engine.scheduler`).
+        num_drafts_in_flight: its draft steps launched and not yet updated (at most 2, under asynchronous
+            scheduling: a round's drafts are launched one step ahead of their update, like decode steps).
         num_verify_steps, num_draft_tokens, num_accepted_tokens: a lossless request's verify steps so far, the draft
             tokens they scored and those they kept (the bonus token each verify adds is not counted as accepted).
     """
@@ -119,6 +121,7 @@ class Sequence:
     num_cached_tokens: Optional[int] = None
     detokenizer: Optional[Any] = None
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_drafts_in_flight: int = 0
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -179,6 +182,11 @@ class Sequence:
     def is_forced(self, index: int) -> bool:
         """Whether output ``index`` (0-based) is a forced token."""
         return index < len(self.sampling_params.forced_token_ids)
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts of its current round, updated (``draft_token_ids``) or in flight."""
+        return len(self.draft_token_ids) + self.num_drafts_in_flight
 
     @property
     def last_token(self) -> int:

@@ -2,13 +2,13 @@
 
 A lossless round of ``k`` drafts costs ``k`` draft steps and one verify step and yields, with a per-token
 acceptance probability ``p``, ``E(k) = (1 - p**(k + 1)) / (1 - p)`` tokens on average (Leviathan et al. 2023); a
-dense step yields one. So drafting pays while ``E(k) / (k * t_draft + t_verify) > 1 / t_dense``. The engine runs
-lossless steps synchronously, so each step's wall time (``LLMEngine.step``: schedule, launch, wait, update) is
-what it costs; the policy keeps a running mean of each kind of step per batch size, the acceptance over recent
-rounds, and picks ``k`` in ``[0, max_k]`` with the best predicted tokens per second (0: dense steps, which the
-engine then runs asynchronously, as a dense engine does). Every kind of step is measured again now and then (a
-dense step every :data:`PROBE_EVERY` rounds, a round of ``max_k`` every :data:`PROBE_EVERY` dense steps), so the
-choice follows the batch, the context and the text. Every step's output is dense attention's whichever it picks:
+dense step yields one. So drafting pays while ``E(k) / (k * t_draft + t_verify) > 1 / t_dense``. The engine times
+each step from its scheduling (or the update of the step before, when it was launched ahead of that update) to its
+own update, so that a round's steps add up to the round's wall time; the policy keeps a running mean of each kind
+of step per batch size, the acceptance over recent rounds, and picks ``k`` in ``[0, max_k]`` with the best predicted
+tokens per second (0: dense steps). Every kind of step is measured again now and then (a dense step every
+:data:`PROBE_EVERY` rounds, a round of ``max_k`` every :data:`PROBE_EVERY` dense steps), so the choice follows the
+batch, the context and the text. Every step's output is dense attention's whichever it picks:
 only the speed depends on it.
 """
 
@@ -107,7 +107,7 @@ class SpeculationPolicy:
         return best_k
 
     def record_step(self, kind: StepKind, batch: int, seconds: float) -> None:
-        """A step of ``kind`` over ``batch`` rows took ``seconds`` (wall, synchronous)."""
+        """A step of ``kind`` over ``batch`` rows took ``seconds`` (wall, see the module's docstring)."""
         bucket = self._bucket(batch)
         old: Optional[float] = bucket.seconds.get(kind)
         bucket.seconds[kind] = seconds if old is None else (1 - _WEIGHT) * old + _WEIGHT * seconds

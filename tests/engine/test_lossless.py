@@ -40,6 +40,8 @@ def lossless(model_dir, k: int = 4, quest: QuestConfig = SMALL, adaptive: bool =
 
 # Where a round's drafts take their pages from: the first draft's Quest selection, or the verify step's attention.
 SOURCES = pytest.mark.parametrize("source", ["quest", "verify"])
+# Synchronous steps, or asynchronous scheduling: a round's drafts launched one step ahead of their update.
+ASYNC = pytest.mark.parametrize("asynchronous", [False, True])
 
 
 def ragged(count: int = 4):
@@ -49,9 +51,10 @@ def ragged(count: int = 4):
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @SOURCES
-def test_greedy_output_is_the_dense_engines_for_ragged_batches(model_dir, source, dense, k):
+@ASYNC
+def test_greedy_output_is_the_dense_engines_for_ragged_batches(model_dir, source, dense, k, asynchronous):
     prompts, params = ragged()
-    outputs = lossless(model_dir, k, draft_selection=source).generate(prompts, params, use_tqdm=False)
+    outputs = lossless(model_dir, k, draft_selection=source, async_scheduling=asynchronous).generate(prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == run(dense, prompts, params)
     verified = [out.metrics for out in outputs if out.metrics.mean_tokens_per_verify is not None]
     assert verified and all(1 <= m.mean_tokens_per_verify <= k + 1 and 0 <= m.acceptance_rate <= 1 for m in verified)
@@ -79,12 +82,13 @@ def test_every_request_budget_and_draft_count_with_selection_reuse_gives_the_den
 
 
 @SOURCES
-def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, source, dense):
+@ASYNC
+def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, source, dense, asynchronous):
     prompts, _ = ragged(6)
     kinds = ["lossless", "dense", "lossy", "lossless", "lossy", "dense"]
     extra = {"lossless": {}, "dense": {"dense": True}, "lossy": {"speculative_tokens": 0}}
     params = [greedy(random.randint(5, 30), **extra[kind]) for kind in kinds]
-    llm = lossless(model_dir, 3, draft_selection=source)
+    llm = lossless(model_dir, 3, draft_selection=source, async_scheduling=asynchronous)
     outputs = run(llm, prompts, params)
     want_dense = run(dense, prompts, [greedy(p.max_tokens) for p in params])
     want_lossy = run(make_llm(model_dir, SMALL), prompts, [greedy(p.max_tokens) for p in params])
@@ -93,12 +97,13 @@ def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, so
 
 
 @SOURCES
-def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir, source):
+@ASYNC
+def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir, source, asynchronous):
     unconstrained = make_llm(model_dir, max_model_len=64)
     per_seq = math.ceil(64 / PAGE)
     scratch = math.ceil((MAX_SPECULATIVE_TOKENS + 1) / PAGE)  # a lossless engine's padding rows' pages
     pages = per_seq + 1 + scratch
-    tiny = lossless(model_dir, 5, max_model_len=64, draft_selection=source,
+    tiny = lossless(model_dir, 5, max_model_len=64, draft_selection=source, async_scheduling=asynchronous,
                     kv_cache_memory=pool_memory(make_llm(model_dir, SMALL, max_model_len=64), pages))
     assert tiny.engine.cache.num_pages == pages
     prompts = [prompt(random.randint(20, 30)) for _ in range(4)]
@@ -111,8 +116,9 @@ def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir
 
 @pytest.mark.parametrize("chunked", [True, False])
 @SOURCES
-def test_chunked_prefill_on_or_off_gives_the_dense_tokens(model_dir, source, dense, chunked):
-    llm = lossless(model_dir, 4, draft_selection=source, enable_chunked_prefill=chunked,
+@ASYNC
+def test_chunked_prefill_on_or_off_gives_the_dense_tokens(model_dir, source, dense, chunked, asynchronous):
+    llm = lossless(model_dir, 4, draft_selection=source, enable_chunked_prefill=chunked, async_scheduling=asynchronous,
                    max_num_batched_tokens=40 if chunked else None)
     prompts, params = ragged(6)
     assert run(llm, prompts, params) == run(dense, prompts, params)
@@ -133,8 +139,9 @@ def test_lossless_answers_are_cached_for_the_next_turn(model_dir, source, dense)
     assert_pages_all_back(llm)
 
 
-def test_stops_and_max_tokens_inside_an_accepted_run_end_the_output_there(model_dir, dense):
-    llm = lossless(model_dir, 8)
+@ASYNC
+def test_stops_and_max_tokens_inside_an_accepted_run_end_the_output_there(model_dir, dense, asynchronous):
+    llm = lossless(model_dir, 8, async_scheduling=asynchronous)
     k = None
     while k is None:  # a prompt whose greedy output has a new, non-special token past the first rounds
         p = prompt(random.randint(60, 90))
@@ -151,9 +158,10 @@ def test_stops_and_max_tokens_inside_an_accepted_run_end_the_output_there(model_
 
 
 @SOURCES
-def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(model_dir, source):
+@ASYNC
+def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(model_dir, source, asynchronous):
     """The draft steps widen the bounds with keys that the verify overwrites or drops; the verify recomputes them."""
-    llm = lossless(model_dir, 6, draft_selection=source)
+    llm = lossless(model_dir, 6, draft_selection=source, async_scheduling=asynchronous)
     engine = llm.engine
     cache = engine.cache
     for p in [prompt(random.randint(30, 80)) for _ in range(3)]:
@@ -172,7 +180,8 @@ def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(m
 
 
 @SOURCES
-def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, source, dense):
+@ASYNC
+def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, source, dense, asynchronous):
     """Draft and verify draw each position with the request's seeded noise, so a sampled lossless output is the
     dense engine's sample token for token (hence its distribution, exactly), whatever was drafted and kept."""
     prompts = [prompt(random.randint(40, 90)) for _ in range(6)]
@@ -180,7 +189,8 @@ def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, source, dens
                              top_p=random.choice([1.0, 0.9]), seed=random.randrange(1 << 30), max_tokens=20,
                              ignore_eos=True) for _ in prompts]
     want = run(dense, prompts, params)
-    outputs = lossless(model_dir, 3, draft_selection=source).generate(prompts, params, use_tqdm=False)
+    outputs = lossless(model_dir, 3, draft_selection=source, async_scheduling=asynchronous).generate(
+        prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == want
     assert sum(out.metrics.num_preemptions == 0 and (out.metrics.acceptance_rate or 0) > 0 for out in outputs) > 0
     assert run(make_llm(model_dir, SMALL), prompts, params) != want  # Quest alone samples other tokens
@@ -189,17 +199,17 @@ def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, source, dens
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_the_adaptive_policy_gives_the_dense_tokens(model_dir, dense, asynchronous):
     """With the engine picking the drafts per round from measured step times (whatever it picks), greedy and
-    seeded outputs stay the dense engine's; with asynchronous scheduling its dense steps run asynchronously and
-    the step in flight is finished before a round starts."""
+    seeded outputs stay the dense engine's; with asynchronous scheduling the step in flight is finished before a
+    round starts."""
     prompts, params = ragged(4)
     params[0] = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
     llm = lossless(model_dir, 4, adaptive=True, async_scheduling=asynchronous)
     assert run(llm, prompts, params) == run(dense, prompts, params)
 
 
-def test_asynchronous_dense_steps_and_synchronous_rounds_alternate_with_the_dense_tokens(model_dir, dense):
-    """A policy that alternates between dense steps (asynchronous) and rounds (synchronous) every few steps: the
-    engine finishes the step in flight before each round; the tokens stay the dense engine's."""
+def test_asynchronous_dense_steps_and_rounds_alternate_with_the_dense_tokens(model_dir, dense):
+    """A policy that alternates between dense steps and rounds every few steps: the engine finishes the step in
+    flight before each round; the tokens stay the dense engine's."""
     llm = lossless(model_dir, 3, adaptive=True, async_scheduling=True)
     calls = iter(range(1 << 20))
     llm.engine.speculation.draft_tokens = lambda batch: 3 if next(calls) % 7 < 4 else 0
@@ -207,6 +217,27 @@ def test_asynchronous_dense_steps_and_synchronous_rounds_alternate_with_the_dens
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == run(dense, prompts, params)
     assert any(out.metrics.mean_tokens_per_verify for out in outputs)
+
+
+@SOURCES
+def test_asynchronous_rounds_launch_each_draft_ahead_of_the_last_ones_update(model_dir, source, dense):
+    """Under asynchronous scheduling a round's second and later drafts are launched while the draft before is in
+    flight (its token read on the device), and a verify only once every draft is on the host."""
+    llm = lossless(model_dir, 4, draft_selection=source, async_scheduling=True)
+    launches = []
+    execute = llm.engine.runner.execute
+
+    def record(batch):
+        rows = batch.seqs[:batch.num_decodes + batch.num_verifies]
+        launches.append((batch.num_verifies, max((seq.num_drafts_in_flight for seq in rows), default=0)))
+        return execute(batch)
+
+    llm.engine.runner.execute = record
+    prompts, params = ragged(3)
+    params = [greedy(30) for _ in prompts]
+    assert run(llm, prompts, params) == run(dense, prompts, params)
+    assert any(verifies == 0 and in_flight == 2 for verifies, in_flight in launches)  # a draft launched ahead
+    assert all(in_flight == 0 for verifies, in_flight in launches if verifies)
 
 
 @pytest.mark.parametrize("config, message", [
