@@ -54,7 +54,8 @@ def ragged(count: int = 4):
 @ASYNC
 def test_greedy_output_is_the_dense_engines_for_ragged_batches(model_dir, source, dense, k, asynchronous):
     prompts, params = ragged()
-    outputs = lossless(model_dir, k, draft_selection=source, async_scheduling=asynchronous).generate(prompts, params, use_tqdm=False)
+    llm = lossless(model_dir, k, draft_selection=source, async_scheduling=asynchronous)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == run(dense, prompts, params)
     verified = [out.metrics for out in outputs if out.metrics.mean_tokens_per_verify is not None]
     assert verified and all(1 <= m.mean_tokens_per_verify <= k + 1 and 0 <= m.acceptance_rate <= 1 for m in verified)
@@ -229,7 +230,8 @@ def test_asynchronous_rounds_launch_each_draft_ahead_of_the_last_ones_update(mod
 
     def record(batch):  # drafts in flight (this step's counted) on its decode rows and on its verify rows
         decodes, verifies = batch.seqs[:batch.num_decodes], batch.seqs[batch.num_decodes:][:batch.num_verifies]
-        launches.append(tuple(max((seq.num_drafts_in_flight for seq in rows), default=0) for rows in (decodes, verifies)))
+        launches.append(tuple(max((seq.num_drafts_in_flight for seq in rows), default=0)
+                              for rows in (decodes, verifies)))
         return execute(batch)
 
     llm.engine.runner.execute = record
