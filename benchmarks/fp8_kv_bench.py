@@ -79,7 +79,41 @@ def check(device: str = "cuda") -> dict:
             matching = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
             results[name][f"tokens_matching_{kv}"] = f"{matching}/{sum(map(len, want))}"
     results["quest-full-equals-dense"] = tokens(full) == tokens(None)
+    results["append_bytes_equal_reference"] = append_check(device)
     return results
+
+
+def append_check(device: str = "cuda") -> dict:
+    """Whether the Triton append into fp8 pages (the kernel rounds to e4m3 itself), alone and with RoPE folded in,
+    writes the torch reference's bytes (torch's own cast on the device) into pages and bounds, every finite bfloat16
+    value a key."""
+    from questkv.ops import reference
+    from questkv.ops import triton as tk
+
+    gen = torch.Generator().manual_seed(7)
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every)]
+    every = every[torch.randperm(len(every), generator=gen)]
+    heads, group, dim = 8, 4, 128
+    tokens = len(every) // (heads * dim)
+    keys = every[:tokens * heads * dim].view(tokens, heads, dim).to(device)
+    q = torch.randn(tokens, heads * group, dim, generator=gen).to(device, torch.bfloat16)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 100.0
+    cos, sin = angles.cos().to(device, torch.bfloat16), angles.sin().to(device, torch.bfloat16)
+    shape = (-(-(tokens + 3) // PAGE) + 1, PAGE, heads, dim)
+    pools = [torch.zeros(shape, device=device).to(torch.float8_e4m3fn) for _ in range(2)]
+    pools += [torch.randn(shape[0], heads, dim, device=device).to(torch.float8_e4m3fn) for _ in range(2)]
+    slots = torch.arange(PAGE + 3, PAGE + 3 + tokens, device=device)  # (a first page joined mid-way)
+    equal = {}
+    for name, rope in (("append", False), ("rope_append", True)):
+        want, got = [t.clone() for t in pools], [t.clone() for t in pools]
+        for module, pool in ((reference, want), (tk, got)):
+            if rope:
+                module.rope_append_kv(*pool, slots, q.clone(), keys.clone(), keys.flip(0), cos, sin)
+            else:
+                module.append_kv(*pool, slots, keys, keys.flip(0))
+        equal[name] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+    return equal
 
 
 def _kv_memory(cfg, batch, context, kv_cache_dtype, steps) -> int:

@@ -48,7 +48,7 @@ if __name__ == "__main__":  # run as a file: the checkout importable (questkv, b
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.e2e_bench import (  # noqa: E402
-    context_config, kv_bytes_per_token, profile_replay, replay_ms, synthetic_prefill)
+    context_config, kv_bytes_per_token, profile_replay, profile_steps, replay_ms, synthetic_prefill)
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.decode.route import StepRoute  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
@@ -297,7 +297,8 @@ def shape_point(name: str, k: int, acceptances: list[float], sources: list[str],
         engine.step()
     _synchronize(device)
     dense_ms = (time.perf_counter() - start) / steps * 1e3
-    graphs = {}  # GPU time of each step's graph alone (CUDA): what the host adds is the rest
+    graphs = {"dense_profile": profile_steps(engine, 2 * (k + 1))}
+    # GPU time of each step's graph alone (CUDA): what the host adds is the rest
     if device == "cuda":
         with contextlib.suppress(LookupError):  # a route that captured no graph: its figures are left out
             graphs["dense_graph_ms"] = replay_ms(engine.runner, route=StepRoute.DENSE)
@@ -318,6 +319,7 @@ def shape_point(name: str, k: int, acceptances: list[float], sources: list[str],
             engine.step()
             if i >= 2 * (k + 1) and engine.scheduler.step_tokens["verify"] > verifies:  # (graphs captured)
                 ends.append(time.perf_counter())
+        record["round_profile"] = profile_steps(engine, 2 * (k + 1))  # two rounds' worth of steps
         if device == "cuda":
             with contextlib.suppress(LookupError):
                 record["draft_graph_ms"] = replay_ms(engine.runner, route=StepRoute.SPARSE)
@@ -398,6 +400,19 @@ def table(part: str, record: dict) -> str:
                 lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k"
                              f"{source_suffix(p['draft_selection'])} | {p['dense_graph_ms']:.2f} | "
                              f"{p['draft_graph_ms']:.2f} | {p['verify_graph_ms']:.2f} | {top} |")
+        profiled = [p for p in record["results"]["points"] if "round_profile" in p]
+        if profiled:  # where a step's wall time goes, per step (torch profiler: its own host overhead included)
+            lines += ["", "| point | engine | wall ms/step | GPU busy | GPU idle | host: schedule / launch / process "
+                      "| heaviest host ops (µs/step) |", "|---|---|---|---|---|---|---|"]
+            for p in profiled:
+                for engine, prof in (("dense", p["dense_profile"]), (f"lossless k={p['k']}", p["round_profile"])):
+                    busy = "–" if prof["gpu_busy_ms"] is None else f"{prof['gpu_busy_ms']:.2f}"
+                    idle = "–" if prof["gpu_idle_ms"] is None else f"{prof['gpu_idle_ms']:.2f}"
+                    phases = " / ".join(f"{prof['phases_ms'][name]:.2f}" for name in ("schedule", "launch", "process"))
+                    ops = "; ".join(f"{op['name'][:40]} {op['us']:.0f}" for op in prof["host_ops"][:5])
+                    lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k"
+                                 f"{source_suffix(p['draft_selection'])} | {engine} | {prof['wall_ms']:.2f} | "
+                                 f"{busy} | {idle} | {phases} | {ops} |")
     head = record["provenance"]
     return "\n".join([f"# Lossless Quest: {part}", "",
                       f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",

@@ -62,21 +62,14 @@ def resolve_backend(tensor: torch.Tensor, backend: str = "auto") -> ModuleType:
     return _triton_module()
 
 
-def _append_module(k_pages: torch.Tensor, backend: str) -> ModuleType:
-    """The append's module: the torch reference for fp8 pages on every device (the Triton interpreter rounds
-    float8 casts wrongly, so an fp8-writing kernel could not be tested against the reference in CI; the reference
-    runs under CUDA graphs too)."""
-    return reference if k_pages.dtype == torch.float8_e4m3fn else resolve_backend(k_pages, backend)
-
-
 def append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values, backend: str = "auto") -> None:
     """See :func:`questkv.ops.reference.append_kv`."""
-    _append_module(k_pages, backend).append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values)
+    resolve_backend(k_pages, backend).append_kv(k_pages, v_pages, kmin, kmax, slots, keys, values)
 
 
 def rope_append_kv(k_pages, v_pages, kmin, kmax, slots, q, keys, values, cos, sin, backend: str = "auto") -> None:
     """See :func:`questkv.ops.reference.rope_append_kv`."""
-    _append_module(k_pages, backend).rope_append_kv(k_pages, v_pages, kmin, kmax, slots, q, keys, values, cos, sin)
+    resolve_backend(k_pages, backend).rope_append_kv(k_pages, v_pages, kmin, kmax, slots, q, keys, values, cos, sin)
 
 
 def recompute_key_bounds(k_pages, kmin, kmax, pages, counts) -> None:

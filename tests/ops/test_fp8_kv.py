@@ -141,3 +141,65 @@ def test_triton_page_scores_read_fp8_bounds_as_the_reference(selection):
     got = tk.page_scores(q, kmin, kmax, table, lens, PAGE, selection)
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got)) and _rel_err(got[finite], want[finite]) < 1e-5
+
+
+def _bytes(tensors) -> list[torch.Tensor]:
+    return [t.view(torch.uint8) for t in tensors]
+
+
+def test_triton_append_rounds_every_bf16_value_as_torchs_cast():
+    """Every finite bfloat16 value (ties, subnormals, ±0, past ±448) through the Triton append into fp8 pages:
+    each stored byte is torch's cast's and each page's bounds the reference's, bit for bit (the kernel rounds with
+    integer and exact float32 arithmetic, which the interpreter runs as the GPU does)."""
+    from questkv.ops import triton as tk
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every)]
+    every = every[torch.randperm(len(every))]  # pages of mixed magnitudes and signs
+    heads, dim = 2, 32
+    tokens = len(every) // (heads * dim)
+    keys = every[:tokens * heads * dim].view(tokens, heads, dim)
+    values = keys.flip(0)
+    pools = fp8_pool(-(-tokens // PAGE) + 1, heads, dim)
+    want, got = [t.clone() for t in pools], [t.clone() for t in pools]
+    slots = torch.arange(PAGE, PAGE + tokens)  # (page 0 keeps its random bounds)
+    reference.append_kv(*want, slots, keys, values)
+    tk.append_kv(*got, slots.int(), keys, values)
+    assert torch.equal(got[0].view(torch.uint8).flatten(0, 1)[slots], keys.to(FP8).view(torch.uint8))
+    for got_pool, want_pool in zip(_bytes(got), _bytes(want)):
+        assert torch.equal(got_pool, want_pool)
+
+
+# (the interpreter rounds float32 -> bf16 toward zero, so a bf16 rotation is not the reference's there)
+@pytest.mark.parametrize("dtype, rope", [(torch.bfloat16, False), (torch.float16, False), (torch.float16, True),
+                                         (torch.float32, True)])
+def test_triton_append_into_fp8_pages_equals_the_reference(dtype, rope):
+    """The Triton append (with RoPE folded in, or not) into fp8 pages equals the reference byte for byte: a prefill
+    run that starts a page and ends mid-page, a decode token widening a half-full page (its fp8 bounds read back),
+    and a reused page restarted at offset 0; keys over many magnitudes, some past ±448."""
+    from questkv.ops import triton as tk
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    heads, num_q, dim = 2, 4, 16
+    pools = fp8_pool(6, heads, dim)
+    reference.append_kv(*pools, torch.arange(4 * PAGE, 4 * PAGE + 5), torch.randn(5, heads, dim, generator=gen),
+                        torch.randn(5, heads, dim, generator=gen))  # page 4 half full before the step
+    slots = torch.cat([torch.arange(2 * PAGE, 2 * PAGE + 13), torch.tensor([4 * PAGE + 5]), torch.arange(0, 3)])
+    tokens = len(slots)
+    scale = 2.0 ** torch.randint(-12, 10, (tokens, num_q + heads, dim), generator=gen)
+    qk = (torch.randn(tokens, num_q + heads, dim, generator=gen) * scale).to(dtype)
+    values = (torch.randn(tokens, heads, dim, generator=gen) * 30).to(dtype)
+    want, got = [t.clone() for t in pools], [t.clone() for t in pools]
+    if rope:
+        angles = torch.rand(tokens, dim // 2, generator=gen) * 100.0
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        q_want, k_want, q_got, k_got = (part.clone() for part in (*qk.split([num_q, heads], 1),) * 2)
+        reference.rope_append_kv(*want, slots, q_want, k_want, values, cos, sin)
+        tk.rope_append_kv(*got, slots.int(), q_got, k_got, values, cos, sin)
+        assert torch.equal(q_got, q_want) and torch.equal(k_got, k_want)
+    else:
+        keys = qk[:, num_q:].contiguous()
+        reference.append_kv(*want, slots, keys, values)
+        tk.append_kv(*got, slots.int(), keys, values)
+    for got_pool, want_pool in zip(_bytes(got), _bytes(want)):
+        assert torch.equal(got_pool, want_pool)

@@ -24,6 +24,57 @@ def _rotate_pair(x1, x2, cos, sin):
     return first.to(dtype), second.to(dtype)
 
 
+@triton.jit
+def _e4m3_byte(x):
+    """The float8 e4m3fn byte (int32, 0..255) of ``x`` rounded to nearest even, saturating at ±448 as torch's cast
+    does; integer and exact float32 arithmetic only (no float8 cast: the interpreter rounds those wrongly), so the
+    interpreter and the GPU agree with torch bit for bit."""
+    x = x.to(tl.float32)
+    a = tl.minimum(tl.abs(x), 448.0)
+    biased = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF  # float32 exponent field (0 for 0 and subnormals)
+    step = tl.maximum(biased, 121) - 3  # e4m3's spacing there: 2 ** (max(e, -6) - 3), as a biased exponent
+    y = a * ((254 - step) << 23).to(tl.float32, bitcast=True)  # a / spacing, exact: in [0, 16)
+    n = y.to(tl.int32)
+    frac = y - n.to(tl.float32)
+    n += ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
+    r = n.to(tl.float32) * (step << 23).to(tl.float32, bitcast=True)  # the rounded magnitude, exact
+    bits = r.to(tl.int32, bitcast=True)
+    normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
+    code = tl.where(r >= 0.015625, normal, (r * 512.0).to(tl.int32))  # below 2 ** -6: subnormal, m * 2 ** -9
+    return code | tl.where(x.to(tl.int32, bitcast=True) < 0, 0x80, 0)
+
+
+@triton.jit
+def _fp8_order(byte):
+    """:func:`questkv.ops.fp8_codes.fp8_order` of e4m3 bytes (int32): codes in the values' order."""
+    return tl.where(byte >= 128, 255 - byte, 128 + byte)
+
+
+@triton.jit
+def _fp8_from_order(code):
+    """:func:`questkv.ops.fp8_codes.fp8_from_order`: the e4m3 byte (int32) of an order code."""
+    return tl.where(code >= 128, code - 128, 255 - code)
+
+
+@triton.jit
+def _stored(x, pages_ptr, FP8: tl.constexpr):
+    """``x`` as the pool stores it (the pool's dtype, or with ``FP8``, the pool viewed as bytes, e4m3 bytes)."""
+    return _e4m3_byte(x).to(tl.uint8) if FP8 else x.to(pages_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _bound_order(stored, FP8: tl.constexpr):
+    """Stored keys or bounds (:func:`_stored`'s) in an order that min and max reduce: fp8 bytes' order codes
+    (int32; -0 below +0, as the reference orders them), else float32."""
+    return _fp8_order(stored.to(tl.int32)) if FP8 else stored.to(tl.float32)
+
+
+@triton.jit
+def _bound_value(order, ptr, FP8: tl.constexpr):
+    """A bound in ``ptr``'s dtype from :func:`_bound_order`'s order."""
+    return _fp8_from_order(order).to(tl.uint8) if FP8 else order.to(ptr.dtype.element_ty)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # every step's token count: one compiled variant for all
 def _append_kv_kernel(
     k_pages_ptr, v_pages_ptr, kmin_ptr, kmax_ptr, slots_ptr, keys_ptr, values_ptr, q_ptr, cos_ptr, sin_ptr,
@@ -37,7 +88,7 @@ def _append_kv_kernel(
     stride_ct, stride_st,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FIRST: tl.constexpr,
     BLOCK_H: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, ROTATE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (token, KV head). Channels go in two parts, ``[0, FIRST)`` and ``[FIRST, HEAD_DIM)``
     (the halves that RoPE pairs; without ``ROTATE``, ``FIRST == HEAD_DIM`` and the second part is empty).
@@ -92,8 +143,8 @@ def _append_kv_kernel(
         k1, k2 = _rotate_pair(k1, k2, cos_rows, sin_rows)
         tl.store(key_rows, k1, mask=mask1)
         tl.store(key_rows + FIRST, k2, mask=mask2)
-    k1 = k1.to(k_pages_ptr.dtype.element_ty)
-    k2 = k2.to(k_pages_ptr.dtype.element_ty)
+    k1 = _stored(k1, k_pages_ptr, FP8)
+    k2 = _stored(k2, k_pages_ptr, FP8)
     dest = k_pages_ptr + page * stride_kp + offsets[:, None] * stride_kt + head * stride_kh + h[None, :]
     tl.store(dest, k1, mask=mask1)
     tl.store(dest + FIRST, k2, mask=mask2)
@@ -101,25 +152,26 @@ def _append_kv_kernel(
     v_mask = same[:, None] & (d < HEAD_DIM)[None, :]
     value = tl.load(values_ptr + rows[:, None].to(tl.int64) * stride_yt + head * stride_yh + d[None, :], mask=v_mask)
     tl.store(v_pages_ptr + page * stride_vp + offsets[:, None] * stride_vt + head * stride_vh + d[None, :],
-             value.to(v_pages_ptr.dtype.element_ty), mask=v_mask)
+             _stored(value, v_pages_ptr, FP8), mask=v_mask)
 
     # exact: min / max of the stored keys
-    lo1 = tl.min(tl.where(mask1, k1.to(tl.float32), float("inf")), axis=0)
-    hi1 = tl.max(tl.where(mask1, k1.to(tl.float32), float("-inf")), axis=0)
-    lo2 = tl.min(tl.where(mask2, k2.to(tl.float32), float("inf")), axis=0)
-    hi2 = tl.max(tl.where(mask2, k2.to(tl.float32), float("-inf")), axis=0)
+    key1, key2 = _bound_order(k1, FP8), _bound_order(k2, FP8)
+    lo1 = tl.min(tl.where(mask1, key1, 255 if FP8 else float("inf")), axis=0)
+    hi1 = tl.max(tl.where(mask1, key1, 0 if FP8 else float("-inf")), axis=0)
+    lo2 = tl.min(tl.where(mask2, key2, 255 if FP8 else float("inf")), axis=0)
+    hi2 = tl.max(tl.where(mask2, key2, 0 if FP8 else float("-inf")), axis=0)
     bound = page * stride_bp + head * stride_bh + h
     if leader & (slot % PAGE_SIZE != 0):  # the page already holds tokens: widen its bounds
-        lo1 = tl.minimum(lo1, tl.load(kmin_ptr + bound, mask=first_mask).to(tl.float32))
-        hi1 = tl.maximum(hi1, tl.load(kmax_ptr + bound, mask=first_mask).to(tl.float32))
-        lo2 = tl.minimum(lo2, tl.load(kmin_ptr + bound + FIRST, mask=second_mask).to(tl.float32))
-        hi2 = tl.maximum(hi2, tl.load(kmax_ptr + bound + FIRST, mask=second_mask).to(tl.float32))
+        lo1 = tl.minimum(lo1, _bound_order(tl.load(kmin_ptr + bound, mask=first_mask), FP8))
+        hi1 = tl.maximum(hi1, _bound_order(tl.load(kmax_ptr + bound, mask=first_mask), FP8))
+        lo2 = tl.minimum(lo2, _bound_order(tl.load(kmin_ptr + bound + FIRST, mask=second_mask), FP8))
+        hi2 = tl.maximum(hi2, _bound_order(tl.load(kmax_ptr + bound + FIRST, mask=second_mask), FP8))
     lead1 = first_mask & leader
     lead2 = second_mask & leader
-    tl.store(kmin_ptr + bound, lo1.to(kmin_ptr.dtype.element_ty), mask=lead1)
-    tl.store(kmax_ptr + bound, hi1.to(kmax_ptr.dtype.element_ty), mask=lead1)
-    tl.store(kmin_ptr + bound + FIRST, lo2.to(kmin_ptr.dtype.element_ty), mask=lead2)
-    tl.store(kmax_ptr + bound + FIRST, hi2.to(kmax_ptr.dtype.element_ty), mask=lead2)
+    tl.store(kmin_ptr + bound, _bound_value(lo1, kmin_ptr, FP8), mask=lead1)
+    tl.store(kmax_ptr + bound, _bound_value(hi1, kmax_ptr, FP8), mask=lead1)
+    tl.store(kmin_ptr + bound + FIRST, _bound_value(lo2, kmin_ptr, FP8), mask=lead2)
+    tl.store(kmax_ptr + bound + FIRST, _bound_value(hi2, kmax_ptr, FP8), mask=lead2)
 
 
 def _check_pool(k_pages, v_pages, kmin, kmax, slots, keys, values) -> None:
@@ -145,6 +197,9 @@ def _launch(k_pages, v_pages, kmin, kmax, slots, keys, values, q, cos, sin) -> N
     first = head_dim // 2 if rotate else head_dim
     group = q.shape[1] // num_kv_heads if rotate else 1
     q, cos, sin = (q, cos, sin) if rotate else (keys, keys, keys)  # not read without ROTATE
+    fp8 = k_pages.dtype == torch.float8_e4m3fn
+    if fp8:  # the kernel writes e4m3 bytes it rounds itself (see _e4m3_byte)
+        k_pages, v_pages, kmin, kmax = (t.view(torch.uint8) for t in (k_pages, v_pages, kmin, kmax))
     _append_kv_kernel[(num_tokens, num_kv_heads)](
         k_pages, v_pages, kmin, kmax, slots.contiguous(), keys, values, q, cos, sin,
         num_tokens,
@@ -156,7 +211,8 @@ def _launch(k_pages, v_pages, kmin, kmax, slots, keys, values, q, cos, sin) -> N
         q.stride(0), q.stride(1),
         cos.stride(0), sin.stride(0),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), FIRST=first,
-        BLOCK_H=next_pow2(first), GROUP=group, BLOCK_G=next_pow2(group), ROTATE=rotate, USE_PDL=use_pdl(k_pages.device),
+        BLOCK_H=next_pow2(first), GROUP=group, BLOCK_G=next_pow2(group), ROTATE=rotate, FP8=fp8,
+        USE_PDL=use_pdl(k_pages.device),
         num_warps=1, enable_fp_fusion=False,  # the rotation's products and sums rounded as eager torch does
         launch_pdl=use_pdl(k_pages.device),
     )
