@@ -54,8 +54,9 @@ from questkv.ops.pages import ReusedSelections
 # the row's phase makes it select (selection reuse), and whether it decodes densely (its route).
 _IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _DENSE = range(8)
 NUM_INPUTS = 8
-# A verify step's staged rows per verified row: first position, KV length, page-table row, token budget.
-_VERIFY_INPUTS = 4
+# A verify step's staged rows per verified row: first position, KV length, page-table row, token budget, and the
+# row of the previous step's sampled tokens that holds its last input token (-1: that id is staged).
+_VERIFY_INPUTS = 5
 
 
 class ModelRunner:
@@ -141,8 +142,8 @@ class ModelRunner:
         self._forced = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._flip = self._tokens_flip = 0
         self._inputs = torch.zeros((NUM_INPUTS, rows), dtype=torch.int64, device=self.device)
-        # A verify step's static inputs (lossless): per row its first position, KV length, page-table row and token
-        # budget, and its input tokens.
+        # A verify step's static inputs (lossless): per row its first position, KV length, page-table row, token
+        # budget and in-flight source, and its input tokens.
         verify_rows = rows if config.speculative_config is not None else 0
         self._verify_inputs = torch.zeros((_VERIFY_INPUTS, verify_rows), dtype=torch.int64, device=self.device)
         self._verify_ids = torch.zeros((verify_rows, MAX_SPECULATIVE_TOKENS + 1), dtype=torch.int64, device=self.device)
@@ -218,11 +219,15 @@ class ModelRunner:
         already holds tokens (prefix-cache pages, possibly written by an earlier sequence of this very step, or its
         own earlier chunks) computes only the step's (positions from there on), attending those too."""
         n = batch.num_decodes
-        ids = []
-        for seq, seq_len, new in zip(batch.seqs[n:], batch.seq_lens[n:], batch.num_new_tokens[n:]):
-            ids.extend(seq.token_slice(seq_len - new, seq_len))  # a verify row: its drafts too
+        ids, in_flight = [], []
+        for row, (seq, seq_len, new) in enumerate(zip(batch.seqs[n:], batch.seq_lens[n:], batch.num_new_tokens[n:])):
+            known = self._input_known(seq, seq_len)  # (only a verify row's last draft may be in flight)
+            ids.extend(seq.token_slice(seq_len - new, seq_len - (not known)))  # a verify row: its drafts too
+            if not known:
+                in_flight.append((len(ids), self._sampled_rows[seq.request_id]))
+                ids.append(0)
         inputs = PrefillInputs(batch.seq_ids[n:], batch.num_new_tokens[n:], batch.seq_lens[n:], batch.partial, ids,
-                               batch.num_verifies)
+                               batch.num_verifies, tuple(in_flight))
         self._kept.difference_update(inputs.seq_ids)
         if not n:
             self._publish(batch, prefill=inputs)
@@ -246,6 +251,9 @@ class ModelRunner:
         page_table, seq_lens = self.cache.batch(inputs.seq_ids)
         prefill = PrefillRows(page_table, seq_lens, starts, cached if any(cached) else None)
         tokens = torch.tensor([inputs.token_ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        if inputs.in_flight:  # a verify row's last draft, read from the step before's sampled tokens
+            index, source = torch.tensor(inputs.in_flight, dtype=torch.int64).to(self.device, non_blocking=True).T
+            tokens[0, index] = self._sampled[source]
         # The partial sequence, if any, is the last one: its last token samples nothing. A verify row samples at
         # every position.
         picked = [i for r in range(inputs.num_verifies) for i in range(starts[r], starts[r + 1])]
@@ -275,20 +283,23 @@ class ModelRunner:
         padded = self.graphs.padded(rows)
         width = self.graphs.width(self.cache.pages_for_tokens(max(batch.seq_lens)))
         host = self._host_verify[:_VERIFY_INPUTS + q_len, :padded]
-        host[:_VERIFY_INPUTS] = torch.tensor([0, q_len, self.scratch_seq, self.budget or 0])[:, None]  # padding rows
+        host[:_VERIFY_INPUTS] = torch.tensor([0, q_len, self.scratch_seq, self.budget or 0, -1])[:, None]  # padding
         host[_VERIFY_INPUTS:].zero_()
         for i, (seq, seq_len) in enumerate(zip(batch.seqs, batch.seq_lens)):
+            known = self._input_known(seq, seq_len)  # else the last draft is in flight: read on the device
             host[:_VERIFY_INPUTS, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id,
-                                                     seq.quest.token_budget or self.budget or 0])
-            host[_VERIFY_INPUTS:, i] = torch.tensor(seq.token_slice(seq_len - q_len, seq_len))
+                                                     seq.quest.token_budget or self.budget or 0,
+                                                     -1 if known else self._sampled_rows[seq.request_id]])
+            host[_VERIFY_INPUTS:_VERIFY_INPUTS + q_len - (not known), i] = torch.tensor(
+                seq.token_slice(seq_len - q_len, seq_len - (not known)))
         key = (padded, width, StepRoute.VERIFY, q_len)
         self._publish(batch, verify=(host.numpy(), key, batch.seq_ids))
         return self._run_verify(host, key, batch.seq_ids)[:rows * q_len]
 
     def _run_verify(self, host, key: GraphKey, seq_ids: tuple[int, ...]) -> torch.Tensor:
         """:meth:`_verify` from its staged host inputs on (every rank runs this): ``host`` ``[_VERIFY_INPUTS + q_len,
-        padded]`` int64 (first positions, KV lengths, page-table rows, token budgets, then the input tokens; a tensor
-        or a numpy array), the graph ``key``, the verified sequences ``seq_ids``. Returns ``[padded * q_len, vocab]``
+        padded]`` int64 (first positions, KV lengths, page-table rows, token budgets, the rows of the step before's
+        sampled tokens that hold in-flight last inputs, then the input tokens; a tensor or a numpy array), the graph ``key``, the verified sequences ``seq_ids``. Returns ``[padded * q_len, vocab]``
         float32 logits."""
         padded, q_len = key[0], key[3]
         host = torch.as_tensor(host)
@@ -307,7 +318,7 @@ class ModelRunner:
         ``q_len`` positions each, attending their cached tokens and, causally, each other densely (a dense decode
         step of ``q_len`` queries per row, :func:`~questkv.ops.paged_decode_attention`); ``[batch * q_len, vocab]``
         float32 logits, row after row."""
-        first, seq_lens, table_rows, budgets = self._verify_inputs[:, :batch]
+        first, seq_lens, table_rows, budgets, sources = self._verify_inputs[:, :batch]
         positions = first[:, None] + torch.arange(q_len, device=self.device)  # [batch, q_len] int64
         page_table = self.cache.page_table.index_select(0, table_rows)[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
@@ -321,7 +332,9 @@ class ModelRunner:
             chosen = DraftSelection(selected, (first + 1).to(torch.int32), budgets.to(torch.int32))
         rows = DecodeRows(page_table, seq_lens.to(torch.int32), step, dense=True, num_queries=q_len,
                           draft_selection=chosen)
-        ids = self._verify_ids[:batch, :q_len].reshape(-1)
+        staged = self._verify_ids[:batch, :q_len]
+        last = torch.where(sources >= 0, self._sampled[sources.clamp(min=0)], staged[:, -1])  # [batch] int64
+        ids = torch.cat([staged[:, :-1], last[:, None]], dim=1).reshape(-1)
         hidden = self.model(ids, positions.reshape(-1), StepContext(slots.reshape(-1), decode=rows))
         if chosen is not None:
             self.memory.keep(table_rows, chosen.selected, ((first + page_size) // page_size).to(torch.int32))
@@ -407,6 +420,12 @@ class ModelRunner:
             if message.prefill is None or not message.prefill.num_verifies:  # (as rank 0: nothing reads a verify's)
                 self._sampled[:message.count].copy_(tokens)
 
+    @staticmethod
+    def _input_known(seq: Sequence, seq_len: int) -> bool:
+        """Whether the input token at position ``seq_len - 1`` of ``seq`` (a decode or verify row) is on the host,
+        else in flight from the step launched before (asynchronous scheduling)."""
+        return seq_len - 1 < seq.num_tokens + len(seq.draft_token_ids)
+
     def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], padded: int, width: int,
                       dense_rows: list[bool]) -> torch.Tensor:
         """Copy the packed decode inputs of the decode rows ``seqs`` (their KV lengths ``seq_lens``, page-table width
@@ -430,8 +449,7 @@ class ModelRunner:
             for seq, seq_len, dense in zip(seqs, seq_lens, dense_rows):
                 position = seq_len - 1
                 token = seq.last_token
-                # else the input is the token in flight from the last step
-                known = position == seq.num_tokens + len(seq.draft_token_ids) - 1
+                known = self._input_known(seq, seq_len)  # else the token in flight from the last step
                 if not known and seq.is_forced(position - seq.num_prompt_tokens):
                     # A forced output in flight: its token is known here (the in-flight one is the sampler's choice).
                     token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True

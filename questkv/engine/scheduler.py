@@ -216,7 +216,7 @@ class Scheduler:
         self._round_planned = False
         if self.chunked_prefill:
             decodes, verifies = self._schedule_decode()
-            taken = len(decodes) + sum(len(seq.draft_token_ids) + 1 for seq in verifies)
+            taken = len(decodes) + sum(seq.num_drafts + 1 for seq in verifies)
             prefills, news = self._schedule_prefill(self.max_num_batched_tokens - taken)
         else:
             prefills, news = self._schedule_prefill(self.max_num_batched_tokens)
@@ -231,7 +231,7 @@ class Scheduler:
                 )
             return None
         seqs = (*decodes, *verifies, *prefills)
-        verified = tuple(len(seq.draft_token_ids) + 1 for seq in verifies)
+        verified = tuple(seq.num_drafts + 1 for seq in verifies)  # (the last draft may be in flight)
         decoding = decodes or verifies  # (a verify row is decode work: a step of verifies and prefills is mixed)
         self.step_counts["mixed" if decoding and prefills else "decode" if decoding else "prefill"] += 1
         self.step_tokens["decode"] += len(decodes)
@@ -260,25 +260,18 @@ class Scheduler:
     def waits_for(self, in_flight: Optional[ScheduledBatch]) -> bool:
         """Whether the next step needs the tokens of the step ``in_flight`` (launched, not yet updated; ``None``:
         none) on the host, so that the engine must update that step before it schedules the next (asynchronous
-        scheduling). A lossless round needs them at its ends: after a verify (the tokens it keeps set the lengths),
-        before a verify (it stages every draft of its rows) and before a round starts (its drafts are counted from
-        the outputs). Its draft steps between are launched ahead, as decode steps are. Asks the policy for the
-        next :meth:`schedule`'s drafts once, so that the answer and the step agree."""
+        scheduling). A lossless round needs them at its ends: after a verify (the tokens it keeps set the lengths)
+        and before a round starts (its drafts are counted from the outputs). Its draft steps and its verify are
+        launched ahead, as decode steps are (a row's input token in flight is read on the device; the verify's
+        update comes after its last draft's). Asks the policy for the next :meth:`schedule`'s drafts once, so that
+        the answer and the step agree."""
         self._round_k, self._round_planned = self.round_draft_tokens(), True
         if in_flight is None:
             return False
         if in_flight.num_verifies:
             return True
-        due = any(self._due(seq) for seq in self.running)
-        for seq in self.running:
-            if not seq.num_in_flight or not self._decodes(seq):
-                continue
-            if seq.num_drafts_in_flight:
-                if due:
-                    return True
-            elif not seq.num_drafts and self._may_start_round(seq, self.cache.seq_len(seq.cache_id) + 1):
-                return True
-        return False
+        return any(seq.num_in_flight and self._decodes(seq) and not seq.num_drafts
+                   and self._may_start_round(seq, self.cache.seq_len(seq.cache_id) + 1) for seq in self.running)
 
     def _due(self, seq: Sequence) -> bool:
         """Whether ``seq`` holds every draft of its round (updated or in flight): it verifies in the next step."""
@@ -551,9 +544,9 @@ class Scheduler:
             seq.num_in_flight += 1
         due = any(map(self._due, seqs))
         verify = {id(seq) for seq in seqs if due and seq.num_drafts}
-        if due and any(seq.num_drafts_in_flight for seq in seqs):
-            raise RuntimeError("a verify step was scheduled with drafts in flight; the engine updates them first "
-                               "(Scheduler.waits_for)")
+        if due and any(seq.num_drafts_in_flight > 1 for seq in seqs):
+            raise RuntimeError("a verify step was scheduled with two drafts of a row in flight; the engine updates "
+                               "all but the last first (Scheduler.waits_for)")
         return [seq for seq in seqs if id(seq) not in verify], [seq for seq in seqs if id(seq) in verify]
 
     def draft_limit(self, seq: Sequence) -> int:

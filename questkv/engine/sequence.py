@@ -90,7 +90,8 @@ class Sequence:
             sampled by its Quest draft steps and not output until a verify step keeps them; the cache holds their
             positions too (see :mod:`questkv.engine.scheduler`).
         num_drafts_in_flight: its draft steps launched and not yet updated (at most 2, under asynchronous
-            scheduling: a round's drafts are launched one step ahead of their update, like decode steps).
+            scheduling: a round's drafts and its verify are launched one step ahead of their update, like decode
+            steps).
         num_verify_steps, num_draft_tokens, num_accepted_tokens: a lossless request's verify steps so far, the draft
             tokens they scored and those they kept (the bonus token each verify adds is not counted as accepted).
     """

@@ -121,6 +121,8 @@ class PrefillInputs:
         seq_ids, num_new_tokens, seq_lens, partial: the :class:`ScheduledBatch`'s, of its prefill rows.
         token_ids: the prefill rows' input tokens, sequence after sequence (``sum(num_new_tokens)`` of them).
         num_verifies: the leading rows that are verify rows (lossless requests): their logits are every position's.
+        in_flight: ``(index in token_ids, row of the step before's sampled tokens)`` of each input token still in
+            flight (a verify row's last draft, launched just before: its id in ``token_ids`` is a placeholder).
     """
 
     seq_ids: tuple[int, ...]
@@ -129,6 +131,7 @@ class PrefillInputs:
     partial: bool
     token_ids: list[int]
     num_verifies: int = 0
+    in_flight: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

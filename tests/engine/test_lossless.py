@@ -161,7 +161,8 @@ def test_stops_and_max_tokens_inside_an_accepted_run_end_the_output_there(model_
 @SOURCES
 @ASYNC
 def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(model_dir, source, asynchronous):
-    """The draft steps widen the bounds with keys that the verify overwrites or drops; the verify recomputes them."""
+    """The draft steps widen the bounds with keys that the verify overwrites or drops; the verify's update recomputes
+    them (before any later step is launched: a verify launched ahead is checked after its update)."""
     llm = lossless(model_dir, 6, draft_selection=source, async_scheduling=asynchronous)
     engine = llm.engine
     cache = engine.cache
@@ -170,6 +171,8 @@ def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(m
     rounds = 0
     while engine.has_unfinished_requests():
         engine.step()
+        if engine._in_flight is not None and engine._in_flight[0].num_verifies:
+            continue
         for seq in engine.scheduler.running:
             length = cache.seq_len(seq.cache_id)
             for logical, page in enumerate(cache.pages_of(seq.cache_id)):
@@ -221,25 +224,30 @@ def test_asynchronous_dense_steps_and_rounds_alternate_with_the_dense_tokens(mod
 
 
 @SOURCES
-def test_asynchronous_rounds_launch_each_draft_ahead_of_the_last_ones_update(model_dir, source, dense):
-    """Under asynchronous scheduling a round's second and later drafts are launched while the draft before is in
-    flight (its token read on the device), and a verify only once every draft is on the host."""
-    llm = lossless(model_dir, 4, draft_selection=source, async_scheduling=True)
+def test_asynchronous_rounds_launch_each_step_ahead_of_the_last_ones_update(model_dir, source, dense):
+    """Under asynchronous scheduling a round's second and later drafts and its verify are launched while the draft
+    before is in flight (its token read on the device), through the verify step's graph and through the prefill
+    path (ragged rounds, a newcomer's prefill beside them), with the dense engine's tokens."""
+    # Two rows at a time, chunked: a newcomer's prefill and its first draft land beside the others' rounds.
+    llm = lossless(model_dir, 4, draft_selection=source, async_scheduling=True, max_num_seqs=2,
+                   enable_chunked_prefill=True, max_num_batched_tokens=32)
     launches = []
     execute = llm.engine.runner.execute
 
     def record(batch):  # drafts in flight (this step's counted) on its decode rows and on its verify rows
         decodes, verifies = batch.seqs[:batch.num_decodes], batch.seqs[batch.num_decodes:][:batch.num_verifies]
-        launches.append(tuple(max((seq.num_drafts_in_flight for seq in rows), default=0)
-                              for rows in (decodes, verifies)))
+        uniform = batch.num_verifies == len(batch.seqs) and len(set(batch.num_new_tokens)) == 1  # the verify graph
+        launches.append((*(max((seq.num_drafts_in_flight for seq in rows), default=0) for rows in (decodes, verifies)),
+                         uniform))
         return execute(batch)
 
     llm.engine.runner.execute = record
-    prompts, params = ragged(3)
-    params = [greedy(30) for _ in prompts]
+    prompts = [prompt(n) for n in (40, 70, 55, 20)]
+    params = [greedy(30), greedy(17), greedy(23), greedy(26)]
     assert run(llm, prompts, params) == run(dense, prompts, params)
-    assert any(decoding == 2 for decoding, _ in launches)  # a draft launched before the one ahead of it was updated
-    assert all(verifying == 0 for _, verifying in launches)
+    assert any(decoding == 2 for decoding, _, _ in launches)  # a draft launched before the one ahead was updated
+    assert {uniform for _, verifying, uniform in launches if verifying == 1} == {True, False}  # both verify paths
+    assert all(verifying <= 1 for _, verifying, _ in launches)
 
 
 @pytest.mark.parametrize("config, message", [
