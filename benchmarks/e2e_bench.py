@@ -287,57 +287,73 @@ def profile_replay(runner, top: int = 12, route=None) -> dict:
 
 
 def profile_steps(engine, steps: int, top: int = 12) -> dict:
-    """Where the wall time of ``steps`` engine steps goes (torch profiler over CPU and, on CUDA, device activity;
-    the caller has warmed the engine up). Per step: ``wall_ms``; ``gpu_busy_ms``, the union of the device's kernel
-    and copy intervals, and ``gpu_idle_ms``, the rest of the wall time; ``phases_ms``, the host's time in the
+    """Where the wall time of ``steps`` engine steps goes (torch profiler; the caller has warmed the engine up), per
+    step. On CUDA, a pass with device activity only (little host overhead): ``wall_ms``; ``gpu_busy_ms``, the union
+    of the device's kernel and copy intervals, and ``gpu_idle_ms``, the rest; ``gpu_kernels``, the ``top`` kernels
+    by summed time (µs per step; a CUDA graph's kernels are listed one by one). Then a pass with host activity too
+    (it adds host time per operation: compare its figures with each other): ``phases_ms``, the host's time in the
     engine's three phases (``schedule``: the scheduler; ``launch``: the runner staging inputs and launching the step
-    and its sampling; ``process``: waiting for a step's tokens and appending them, stops and outputs); and the
-    ``top`` host operations by self time per step (``host_ops``, µs; a wait for the device shows as
-    ``cudaEventSynchronize``). Profiling adds host time per operation: compare phases with each other, and wall
-    times with the unprofiled ones."""
+    and its sampling; ``process``: waiting for a step's tokens and appending them, stops and outputs), and
+    ``host_ops``, the ``top`` host operations by self time (µs per step; a wait for the device shows as
+    ``cudaEventSynchronize``)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = engine.runner.device.type == "cuda"
-    phases = {"schedule": (engine.scheduler, "schedule"), "launch": (engine.runner, "execute"),
-              "process": (engine, "_process")}
 
-    def labelled(name, method):
-        def run(*args, **kwargs):
-            with record_function(f"questkv::{name}"):
-                return method(*args, **kwargs)
-        return run
-
-    for name, (owner, attr) in phases.items():  # an instance attribute shadows the method until deleted
-        setattr(owner, attr, labelled(name, getattr(owner, attr)))
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    try:
+    def run(activities):
         with profile(activities=activities) as prof:
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             if cuda:
                 torch.cuda.synchronize()
-            wall_us = (time.perf_counter() - start) * 1e6
+            return prof, (time.perf_counter() - start) * 1e6
+
+    record = {"steps": steps, "wall_ms": None, "gpu_busy_ms": None, "gpu_idle_ms": None, "gpu_kernels": []}
+    if cuda:
+        prof, wall_us = run([ProfilerActivity.CUDA])
+        intervals, kernel_us = [], {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                intervals.append((event.time_range.start, event.time_range.end))
+                kernel_us[event.name] = kernel_us.get(event.name, 0.0) + event.device_time
+        busy_us, reach = 0.0, float("-inf")
+        for begin, end in sorted(intervals):  # the union of the device's intervals
+            busy_us += max(0.0, end - max(begin, reach))
+            reach = max(reach, end)
+        ranked = sorted(kernel_us.items(), key=lambda item: -item[1])[:top]
+        record.update(wall_ms=wall_us / steps / 1e3, gpu_busy_ms=busy_us / steps / 1e3,
+                      gpu_idle_ms=(wall_us - busy_us) / steps / 1e3,
+                      gpu_kernels=[{"name": name[:90], "us": us / steps} for name, us in ranked])
+    phases = {"schedule": (engine.scheduler, "schedule"), "launch": (engine.runner, "execute"),
+              "process": (engine, "_process")}
+
+    def labelled(name, method):
+        def run_labelled(*args, **kwargs):
+            with record_function(f"questkv::{name}"):
+                return method(*args, **kwargs)
+        return run_labelled
+
+    for name, (owner, attr) in phases.items():  # an instance attribute shadows the method until deleted
+        setattr(owner, attr, labelled(name, getattr(owner, attr)))
+    try:
+        prof, wall_us = run([ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     finally:
         for owner, attr in phases.values():
             delattr(owner, attr)
-    intervals, phase_us, host_us = [], dict.fromkeys(phases, 0.0), {}
+    phase_us, host_us = dict.fromkeys(phases, 0.0), {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            intervals.append((event.time_range.start, event.time_range.end))
-        elif event.name.startswith("questkv::"):
+            continue
+        if event.name.startswith("questkv::"):
             phase_us[event.name.removeprefix("questkv::")] += event.cpu_time_total
-        elif event.name != "ProfilerStep*":
+        else:
             host_us[event.name] = host_us.get(event.name, 0.0) + event.self_cpu_time_total
-    busy_us, reach = 0.0, float("-inf")
-    for begin, end in sorted(intervals):  # the union of the device's intervals
-        busy_us += max(0.0, end - max(begin, reach))
-        reach = max(reach, end)
     ranked = sorted(host_us.items(), key=lambda item: -item[1])[:top]
-    return {"steps": steps, "wall_ms": wall_us / steps / 1e3, "gpu_busy_ms": busy_us / steps / 1e3 if cuda else None,
-            "gpu_idle_ms": (wall_us - busy_us) / steps / 1e3 if cuda else None,
-            "phases_ms": {name: us / steps / 1e3 for name, us in phase_us.items()},
-            "host_ops": [{"name": name[:90], "us": us / steps} for name, us in ranked]}
+    record.update(host_wall_ms=wall_us / steps / 1e3,
+                  phases_ms={name: us / steps / 1e3 for name, us in phase_us.items()},
+                  host_ops=[{"name": name[:90], "us": us / steps} for name, us in ranked])
+    return record
 
 
 def time_prefill(cfg, quest, context, quantization=None, quantize_lm_head=False) -> float:

@@ -402,17 +402,20 @@ def table(part: str, record: dict) -> str:
                              f"{p['draft_graph_ms']:.2f} | {p['verify_graph_ms']:.2f} | {top} |")
         profiled = [p for p in record["results"]["points"] if "round_profile" in p]
         if profiled:  # where a step's wall time goes, per step (torch profiler: its own host overhead included)
-            lines += ["", "| point | engine | wall ms/step | GPU busy | GPU idle | host: schedule / launch / process "
-                      "| heaviest host ops (µs/step) |", "|---|---|---|---|---|---|---|"]
+            lines += ["", "Per step, two passes of the torch profiler: device activity only (wall, GPU busy and idle, "
+                      "the heaviest kernels), then host activity too (its phases and operations, slowed by it).", "",
+                      "| point | engine | wall ms/step | GPU busy | GPU idle | heaviest kernels (µs/step) | host: "
+                      "schedule / launch / process | heaviest host ops (µs/step) |", "|---|---|---|---|---|---|---|---|"]
             for p in profiled:
                 for engine, prof in (("dense", p["dense_profile"]), (f"lossless k={p['k']}", p["round_profile"])):
-                    busy = "–" if prof["gpu_busy_ms"] is None else f"{prof['gpu_busy_ms']:.2f}"
-                    idle = "–" if prof["gpu_idle_ms"] is None else f"{prof['gpu_idle_ms']:.2f}"
+                    wall, busy, idle = ("–" if prof[key] is None else f"{prof[key]:.2f}"
+                                        for key in ("wall_ms", "gpu_busy_ms", "gpu_idle_ms"))
+                    kernels = "; ".join(f"{k['name'][:40]} {k['us']:.0f}" for k in prof.get("gpu_kernels", [])[:6]) or "–"
                     phases = " / ".join(f"{prof['phases_ms'][name]:.2f}" for name in ("schedule", "launch", "process"))
                     ops = "; ".join(f"{op['name'][:40]} {op['us']:.0f}" for op in prof["host_ops"][:5])
                     lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k"
-                                 f"{source_suffix(p['draft_selection'])} | {engine} | {prof['wall_ms']:.2f} | "
-                                 f"{busy} | {idle} | {phases} | {ops} |")
+                                 f"{source_suffix(p['draft_selection'])} | {engine} | {wall} | {busy} | {idle} | "
+                                 f"{kernels} | {phases} | {ops} |")
     head = record["provenance"]
     return "\n".join([f"# Lossless Quest: {part}", "",
                       f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",
