@@ -50,7 +50,7 @@ from questkv.ops.checks import (
     check_prefill_attention,
     check_select_out,
 )
-from questkv.ops.fp8_codes import widen_fp8_bounds
+from questkv.ops.fp8_codes import to_pool_dtype, widen_fp8_bounds
 from questkv.ops.pages import AttentionBuffers, SelectBuffers
 
 
@@ -82,9 +82,9 @@ def append_kv(
     slots = slots.long()
     pages = slots // page_size
     offsets = slots % page_size
-    stored = keys.to(k_pages.dtype)
+    stored = to_pool_dtype(keys, k_pages.dtype)
     k_pages[pages, offsets] = stored
-    v_pages[pages, offsets] = values.to(v_pages.dtype)
+    v_pages[pages, offsets] = to_pool_dtype(values, v_pages.dtype)
     # Each slot's page starts from its old bounds, or from nothing when the step writes the page's first token.
     restart = torch.zeros(kmin.shape[0], dtype=torch.int8, device=kmin.device)
     restart = restart.scatter_reduce(0, pages, (offsets == 0).to(torch.int8), reduce="amax")[pages].bool()
