@@ -81,7 +81,8 @@ _SCRIPT = textwrap.dedent(
              "BLOCK_GM": triton.next_power_of_2(group), "SEL_PER_KV": sel_per_kv,
              "NUM_QUERIES": num_queries, "QUERY_BLOCK": block,
              "PAGES_PER_ITER": decode_attention.pages_per_iter(16, kind or ("dense" if dense else "sparse")), "MERGE_CHUNK": merge_chunk,
-             "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl, "PAGE_LSE": page_lse},
+             "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl, "PAGE_LSE": page_lse,
+             "F16_DOT": pool == "fp8e4nv" and dtype == "bf16"},
             floats=("qk_scale",),
             num_warps=decode_attention._WARPS_BY_ROWS.get(rows, 2 * decode_attention._NUM_WARPS),
             # strides of B=1 with 32 / 8 heads, 129 selected pages (selection reuse), 17 splits

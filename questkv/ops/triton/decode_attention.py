@@ -75,7 +75,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr, SEL_PER_KV: tl.constexpr,
     NUM_QUERIES: tl.constexpr, QUERY_BLOCK: tl.constexpr,
     PAGES_PER_ITER: tl.constexpr, MERGE_CHUNK: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr, USE_PDL: tl.constexpr, PAGE_LSE: tl.constexpr,
+    IEEE: tl.constexpr, USE_PDL: tl.constexpr, PAGE_LSE: tl.constexpr, F16_DOT: tl.constexpr = False,
 ):
     """One program per (split, query block x selection head, sequence) attends a contiguous chunk of the page
     list (the selection row, or every page when ``DENSE``) for the ``GROUP`` query heads that share
@@ -124,7 +124,9 @@ def _decode_split_kernel(
     q_rows = query * num_q_heads + head  # the row of part_out / part_lse
     q = tl.load(q_ptr + seq * stride_qb + query[:, None] * stride_qq + head[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:
+    if F16_DOT:  # fp8 pages under a bf16 query: float16 dots (see _f16_dot)
+        q = q.to(tl.float16)
+    elif UPCAST:
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -146,7 +148,7 @@ def _decode_split_kernel(
                     + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_pages_ptr + physical[:, None] * stride_vp + offset[:, None] * stride_vt
                     + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
+        if UPCAST and not F16_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         else:  # (fp8 pages: dequantized in registers)
@@ -411,10 +413,17 @@ def paged_decode_attention_into(
         PAGES_PER_ITER=pages_per_iter(page_size, kind), MERGE_CHUNK=merge_chunk(num_splits * programs, group, q.device),
         DENSE=dense, UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device), PAGE_LSE=page_lse is not None,
-        num_warps=_WARPS_BY_ROWS.get(rows, 2 * _NUM_WARPS), num_stages=_CONFIG[kind][2],
+        F16_DOT=_f16_dot(q, k_pages), num_warps=_WARPS_BY_ROWS.get(rows, 2 * _NUM_WARPS), num_stages=_CONFIG[kind][2],
         launch_pdl=use_pdl(q.device),
     )
     return out
+
+
+def _f16_dot(q: torch.Tensor, k_pages: torch.Tensor) -> bool:
+    """Whether the kernel takes fp8 pages under a bf16 query in float16 dots: e4m3 converts to float16 in one
+    instruction per pair of values (to bf16 in three), every e4m3 value and the softmax weights are exact or finer
+    in float16, and a bf16 query is exact there up to float16's range (±65504), far above a query's values."""
+    return k_pages.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
 
 
 def paged_decode_attention(
