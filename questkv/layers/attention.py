@@ -22,7 +22,6 @@ from questkv import ops
 from questkv.cache.paged import PagedKVCache
 from questkv.config import QuestConfig
 from questkv.decode.context import DecodeRows, PrefillRows, StepContext
-from questkv.ops.fp8_codes import to_pool_dtype
 from questkv.ops.pages import LayerPages
 
 
@@ -139,7 +138,7 @@ class Attention(nn.Module):
             return self._prefill_after_prefix(q, rows)
         stored = self.pages.k_pages.dtype
         if stored != k.dtype:
-            k, v = to_pool_dtype(k, stored).to(k.dtype), to_pool_dtype(v, stored).to(v.dtype)
+            k, v = ops.to_pool_dtype(k, stored).to(k.dtype), ops.to_pool_dtype(v, stored).to(v.dtype)
         return self._causal_prefill(q, k, v, rows.query_starts)
 
     def _causal_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int]) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from questkv.config import BACKENDS
 from questkv.ops import quant_reference, reference, reuse_reference
 from questkv.ops.pages import LayerPages
+from questkv.ops.reference import to_pool_dtype
 
 __all__ = [
     "LayerPages",
@@ -36,6 +37,7 @@ __all__ = [
     "rope_append_kv",
     "silu_and_mul",
     "store_selections",
+    "to_pool_dtype",
     "tinygemm_pack",
 ]
 

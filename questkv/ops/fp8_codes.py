@@ -1,24 +1,13 @@
-"""e4m3 values for the KV pool: the saturating cast every writer of an fp8 page uses, and order-preserving byte codes,
-how the torch append keeps fp8 page bounds (torch has no float8 min / max reduction, so it reduces the codes and
-writes the winners back as e4m3)."""
+"""e4m3 values as order-preserving byte codes: how the torch append keeps fp8 page bounds (torch has no float8
+min / max reduction, so it reduces the codes and writes the winners back as e4m3)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["fp8_from_order", "fp8_order", "to_pool_dtype", "widen_fp8_bounds"]
+__all__ = ["fp8_from_order", "fp8_order", "widen_fp8_bounds"]
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-
-
-def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as a pool of ``dtype`` stores it: cast, and to e4m3 rounded to nearest even and saturated at ±448 (as the
-    Triton append rounds). The clamp is not a no-op: torch's own cast gives NaN from ±464 on in some versions (2.11
-    on the GPU machine) and saturates in others (2.13)."""
-    if dtype == FP8:
-        return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return x.to(dtype)
 
 
 def fp8_order(x: torch.Tensor) -> torch.Tensor:

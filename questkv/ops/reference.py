@@ -50,8 +50,18 @@ from questkv.ops.checks import (
     check_prefill_attention,
     check_select_out,
 )
-from questkv.ops.fp8_codes import to_pool_dtype, widen_fp8_bounds
+from questkv.ops.fp8_codes import widen_fp8_bounds
 from questkv.ops.pages import AttentionBuffers, SelectBuffers
+
+
+def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a pool of ``dtype`` stores it: cast, and to e4m3 rounded to nearest even and saturated at ±448 (as the
+    Triton append rounds). The clamp is not a no-op: torch's own cast gives NaN from ±464 on in some versions (2.11
+    on the GPU machine) and saturates in others (2.13)."""
+    if dtype == torch.float8_e4m3fn:
+        fp8_max = torch.finfo(dtype).max  # 448
+        return x.clamp(-fp8_max, fp8_max).to(dtype)
+    return x.to(dtype)
 
 
 def append_kv(
