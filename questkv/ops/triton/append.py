@@ -193,13 +193,6 @@ def _check_pool(k_pages, v_pages, kmin, kmax, slots, keys, values) -> None:
     check_last_dim_contiguous(k_pages=k_pages, v_pages=v_pages, kmin=kmin, kmax=kmax, keys=keys, values=values)
 
 
-def _native_fp8(keys: torch.Tensor) -> bool:
-    """Whether the kernel takes the GPU's e4m3 conversion: compiled, and for 16-bit tokens (the bundled ptxas of
-    triton 3.6 crashed, signal 11, on the GPU machine compiling the variant for float32 tokens; those take the
-    integer rounding, as the interpreter does)."""
-    return not interpreting() and keys.dtype != torch.float32
-
-
 def _launch(k_pages, v_pages, kmin, kmax, slots, keys, values, q, cos, sin) -> None:
     """One launch over ``(num_tokens, num_kv_heads)``; ``q is None``: no rotation (``cos``/``sin`` unused)."""
     _, page_size, num_kv_heads, head_dim = k_pages.shape
@@ -224,7 +217,7 @@ def _launch(k_pages, v_pages, kmin, kmax, slots, keys, values, q, cos, sin) -> N
         q.stride(0), q.stride(1),
         cos.stride(0), sin.stride(0),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), FIRST=first,
-        BLOCK_H=next_pow2(first), GROUP=group, BLOCK_G=next_pow2(group), ROTATE=rotate, FP8=fp8, NATIVE_FP8=_native_fp8(keys),
+        BLOCK_H=next_pow2(first), GROUP=group, BLOCK_G=next_pow2(group), ROTATE=rotate, FP8=fp8, NATIVE_FP8=not interpreting(),
         USE_PDL=use_pdl(k_pages.device),
         num_warps=1, enable_fp_fusion=False,  # the rotation's products and sums rounded as eager torch does
         launch_pdl=use_pdl(k_pages.device),
