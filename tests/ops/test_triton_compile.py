@@ -93,8 +93,7 @@ _SCRIPT = textwrap.dedent(
 
     # the K/V append alone (fp32 tokens into a bf16 pool) and with RoPE folded in (bf16, a group of 4 query heads,
     # programmatic dependent launch as on an H200), and into an fp8 pool (its bytes: the kernel rounds to e4m3)
-    for rotate, token_dtype, pool, native in ((False, "fp32", "bf16", True), (True, "bf16", "bf16", True),
-                                              (True, "bf16", "u8", True), (True, "bf16", "u8", False)):
+    for rotate, token_dtype, pool in ((False, "fp32", "bf16"), (True, "bf16", "bf16"), (True, "bf16", "u8")):
         compile_kernel(
             append._append_kv_kernel,
             {"k_pages_ptr": pool, "v_pages_ptr": pool, "kmin_ptr": pool, "kmax_ptr": pool,
@@ -102,7 +101,7 @@ _SCRIPT = textwrap.dedent(
              "cos_ptr": token_dtype, "sin_ptr": token_dtype},
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "FIRST": 64 if rotate else 128,
              "BLOCK_H": 64 if rotate else 128, "GROUP": 4 if rotate else 1, "BLOCK_G": 4 if rotate else 1,
-             "ROTATE": rotate, "FP8": pool == "u8", "NATIVE_FP8": native, "USE_PDL": rotate},
+             "ROTATE": rotate, "FP8": pool == "u8", "USE_PDL": rotate},
             num_warps=1,
         )
     def compile_estimate(q_dtype, mode, group, blocks, pdl, active=False, bounds="bf16"):
