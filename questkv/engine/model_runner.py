@@ -194,14 +194,8 @@ class ModelRunner:
         """Launch the copy of each sampling row's log-probability of its forced token (``[num_sampled]`` float32 on
         the host, valid once the step's event completes), from the step's ``logits`` (``[num_sampled, vocab]``
         float32, after the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
-        targets, any_forced = [], False
-        for row, (seq, seq_len) in enumerate(zip(batch.seqs[:batch.num_sampled], batch.seq_lens)):
-            index = seq_len - seq.num_prompt_tokens  # the output this step samples for the row
-            forced = seq.is_forced(index)  # (never on a verify row: forced tokens exclude drafts)
-            targets.extend([seq.sampling_params.forced_token_ids[index] if forced else 0]
-                           * batch.num_sampled_tokens(row))
-            any_forced |= forced
-        if not any_forced:
+        targets = batch.forced_targets()
+        if targets is None:
             return None
         count = len(targets)
         staged = self._host_forced[flip][:count]
@@ -221,7 +215,7 @@ class ModelRunner:
         n = batch.num_decodes
         ids, in_flight = [], []
         for row, (seq, seq_len, new) in enumerate(zip(batch.seqs[n:], batch.seq_lens[n:], batch.num_new_tokens[n:])):
-            known = self._input_known(seq, seq_len)  # (only a verify row's last draft may be in flight)
+            known = seq.holds_token(seq_len - 1)  # (only a verify row's last draft may be in flight)
             ids.extend(seq.token_slice(seq_len - new, seq_len - (not known)))  # a verify row: its drafts too
             if not known:
                 in_flight.append((len(ids), self._sampled_rows[seq.request_id]))
@@ -286,7 +280,7 @@ class ModelRunner:
         host[:_VERIFY_INPUTS] = torch.tensor([0, q_len, self.scratch_seq, self.budget or 0, -1])[:, None]  # padding
         host[_VERIFY_INPUTS:].zero_()
         for i, (seq, seq_len) in enumerate(zip(batch.seqs, batch.seq_lens)):
-            known = self._input_known(seq, seq_len)  # else the last draft is in flight: read on the device
+            known = seq.holds_token(seq_len - 1)  # else the last draft is in flight: read on the device
             host[:_VERIFY_INPUTS, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id,
                                                      seq.quest.token_budget or self.budget or 0,
                                                      -1 if known else self._sampled_rows[seq.request_id]])
@@ -299,8 +293,8 @@ class ModelRunner:
     def _run_verify(self, host, key: GraphKey, seq_ids: tuple[int, ...]) -> torch.Tensor:
         """:meth:`_verify` from its staged host inputs on (every rank runs this): ``host`` ``[_VERIFY_INPUTS + q_len,
         padded]`` int64 (first positions, KV lengths, page-table rows, token budgets, the rows of the step before's
-        sampled tokens that hold in-flight last inputs, then the input tokens; a tensor or a numpy array), the graph ``key``, the verified sequences ``seq_ids``. Returns ``[padded * q_len, vocab]``
-        float32 logits."""
+        sampled tokens that hold in-flight last inputs, then the input tokens; a tensor or a numpy array), the graph
+        ``key``, the verified sequences ``seq_ids``. Returns ``[padded * q_len, vocab]`` float32 logits."""
         padded, q_len = key[0], key[3]
         host = torch.as_tensor(host)
         self._verify_inputs[:, :padded].copy_(host[:_VERIFY_INPUTS], non_blocking=True)
@@ -420,12 +414,6 @@ class ModelRunner:
             if message.prefill is None or not message.prefill.num_verifies:  # (as rank 0: nothing reads a verify's)
                 self._sampled[:message.count].copy_(tokens)
 
-    @staticmethod
-    def _input_known(seq: Sequence, seq_len: int) -> bool:
-        """Whether the input token at position ``seq_len - 1`` of ``seq`` (a decode or verify row) is on the host,
-        else in flight from the step launched before (asynchronous scheduling)."""
-        return seq_len - 1 < seq.num_tokens + len(seq.draft_token_ids)
-
     def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], padded: int, width: int,
                       dense_rows: list[bool]) -> torch.Tensor:
         """Copy the packed decode inputs of the decode rows ``seqs`` (their KV lengths ``seq_lens``, page-table width
@@ -449,7 +437,7 @@ class ModelRunner:
             for seq, seq_len, dense in zip(seqs, seq_lens, dense_rows):
                 position = seq_len - 1
                 token = seq.last_token
-                known = self._input_known(seq, seq_len)  # else the token in flight from the last step
+                known = seq.holds_token(seq_len - 1)  # else the token in flight from the last step
                 if not known and seq.is_forced(position - seq.num_prompt_tokens):
                     # A forced output in flight: its token is known here (the in-flight one is the sampler's choice).
                     token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True
@@ -584,12 +572,7 @@ class ModelRunner:
         params = [seq.sampling_params for seq in seqs]
         if all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
-        floats, ints = [], []
-        for row, (p, seq, seq_len) in enumerate(zip(params, seqs, batch.seq_lens)):
-            count, seed = batch.num_sampled_tokens(row), seq.sampling_seed(self.config.seed)
-            for j in range(count):  # the row's outputs, from seq_len - count on
-                floats.append([p.temperature, p.top_p])
-                ints.append([p.top_k, seed, seq_len - count + 1 + j - seq.num_prompt_tokens])
+        floats, ints = batch.sampling_rows(self.config.seed)
         floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
         ints = torch.tensor(ints, dtype=torch.int64).to(self.device, non_blocking=True)
         filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort

@@ -177,7 +177,8 @@ class Scheduler:
         check_length(num_prompt_tokens, max_tokens, self.max_model_len)
         cached = num_prompt_tokens + max_tokens - 1
         need = self.cache.pages_for_tokens(cached)
-        usable = self._usable_pages()
+        held = {page for seq in self.running for page in self.cache.pages_of(seq.cache_id)}  # shared pages once
+        usable = self.cache.num_free_pages + len(held)  # the pages available to requests
         if need > min(usable, self.cache.max_pages_per_seq):
             limit = (
                 f"one sequence may hold at most max_pages_per_seq={self.cache.max_pages_per_seq}"
@@ -379,7 +380,7 @@ class Scheduler:
             seq.first_token_time = now
         if seq.cache_id is not None:
             self._register(seq)  # before a finish frees its pages: a later turn may share its output
-        return self._token_stop(seq, token, forced)
+        return seq.token_stop(token, self.eos_token_ids, self.max_model_len, forced)
 
     def finish(
         self, seq: Sequence, status: SequenceStatus, reason: Union[int, str, None] = None
@@ -447,7 +448,7 @@ class Scheduler:
             if head.num_in_flight:  # preempted with a token in flight: recomputed once the token is known
                 break
             count = head.num_tokens
-            total = cache.pages_for_tokens(min(count + 1, self._max_cached_tokens(head)))
+            total = cache.pages_for_tokens(min(count + 1, head.max_cached_tokens(self.max_model_len)))
             most = (count - 1) // cache.page_size if cache.prefix_caching else 0
             if reserved + total - most > cache.num_free_pages:
                 break  # not even the longest hit would fit: spare the lookup (a blocked queue head waits each step)
@@ -516,7 +517,7 @@ class Scheduler:
         if seq is not self._prefilling:
             return cache.pages_needed(seq.cache_id, 1)
         held = len(cache.pages_of(seq.cache_id))
-        return cache.pages_for_tokens(min(seq.num_tokens + 1, self._max_cached_tokens(seq))) - held
+        return cache.pages_for_tokens(min(seq.num_tokens + 1, seq.max_cached_tokens(self.max_model_len))) - held
 
     def _schedule_decode(self) -> tuple[list[Sequence], list[Sequence]]:
         """The decode rows and the verify rows of a step, their next token's pages allocated: every running sequence
@@ -567,14 +568,7 @@ class Scheduler:
     def _decodes(self, seq: Sequence) -> bool:
         """Whether the running ``seq`` is a decode row: its prefill is done and its in-flight tokens do not
         surely finish it."""
-        return seq is not self._prefilling and not self._ends_in_flight(seq)
-
-    def _ends_in_flight(self, seq: Sequence) -> bool:
-        """Whether the tokens in flight for ``seq`` surely finish it by length (no further step is needed)."""
-        return bool(seq.num_in_flight) and (
-            seq.num_output_tokens + seq.num_in_flight >= seq.sampling_params.max_tokens
-            or seq.num_tokens + seq.num_in_flight >= self.max_model_len
-        )
+        return seq is not self._prefilling and not seq.ends_in_flight(self.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)
@@ -602,22 +596,3 @@ class Scheduler:
             known = min(known, seq.num_prefilled_tokens)
         if known // cache.page_size > cache.num_registered_pages(seq.cache_id):
             cache.register(seq.cache_id, seq.all_token_ids[:known])
-
-    def _max_cached_tokens(self, seq: Sequence) -> int:
-        return min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len) - 1
-
-    def _usable_pages(self) -> int:
-        held = {page for seq in self.running for page in self.cache.pages_of(seq.cache_id)}  # shared pages once
-        return self.cache.num_free_pages + len(held)
-
-    def _token_stop(
-        self, seq: Sequence, token: int, forced: bool = False
-    ) -> Optional[tuple[SequenceStatus, Optional[int]]]:
-        params = seq.sampling_params
-        if not forced and not params.ignore_eos and token in self.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED, None
-        if not forced and token in params.stop_token_ids:
-            return SequenceStatus.FINISHED_STOPPED, token
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH, None
-        return None

@@ -196,6 +196,34 @@ class Sequence:
             return self.draft_token_ids[-1]
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
+    def holds_token(self, position: int) -> bool:
+        """Whether the token at ``position`` (prompt, outputs, then drafts) is on the host, not in flight."""
+        return position < self.num_tokens + len(self.draft_token_ids)
+
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """Whether its tokens in flight surely finish it by length (no further step is needed)."""
+        flying = self.num_in_flight
+        return bool(flying) and (self.num_output_tokens + flying >= self.sampling_params.max_tokens
+                                 or self.num_tokens + flying >= max_model_len)
+
+    def max_cached_tokens(self, max_model_len: int) -> int:
+        """The most tokens it ever caches: all but its last possible token."""
+        return min(self.num_prompt_tokens + self.sampling_params.max_tokens, max_model_len) - 1
+
+    def token_stop(self, token: int, eos_token_ids: frozenset, max_model_len: int, forced: bool = False
+                   ) -> Optional[tuple[SequenceStatus, Optional[int]]]:
+        """The stop that its just-appended output ``token`` hits (status and stop reason), if any: end-of-sequence
+        (``eos_token_ids``, unless ``ignore_eos``) and ``stop_token_ids``, except at a forced output, then
+        ``max_tokens`` and ``max_model_len``."""
+        params = self.sampling_params
+        if not forced and not params.ignore_eos and token in eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, None
+        if not forced and token in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, token
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

@@ -86,6 +86,28 @@ class ScheduledBatch:
         """All input tokens of the step."""
         return sum(self.num_new_tokens)
 
+    def forced_targets(self) -> Optional[list[int]]:
+        """Per sampled token, the forced token of its output (``SamplingParams.forced_token_ids``; 0 where none, and
+        never on a verify row: forced tokens exclude drafts); ``None`` when no row samples a forced output."""
+        targets, any_forced = [], False
+        for row, (seq, seq_len) in enumerate(zip(self.seqs[:self.num_sampled], self.seq_lens)):
+            index = seq_len - seq.num_prompt_tokens  # the output this step samples for the row
+            forced = seq.is_forced(index)
+            targets += [seq.sampling_params.forced_token_ids[index] if forced else 0] * self.num_sampled_tokens(row)
+            any_forced |= forced
+        return targets if any_forced else None
+
+    def sampling_rows(self, engine_seed: int) -> tuple[list[list[float]], list[list[int]]]:
+        """Per sampled token, ``[temperature, top_p]`` and ``[top_k, seed, output index]`` (a verify row's tokens at
+        its consecutive outputs; the seed :meth:`Sequence.sampling_seed`'s)."""
+        floats, ints = [], []
+        for row, (seq, seq_len) in enumerate(zip(self.seqs[:self.num_sampled], self.seq_lens)):
+            p, count, seed = seq.sampling_params, self.num_sampled_tokens(row), seq.sampling_seed(engine_seed)
+            for j in range(count):  # the row's outputs, from seq_len - count on
+                floats.append([p.temperature, p.top_p])
+                ints.append([p.top_k, seed, seq_len - count + 1 + j - seq.num_prompt_tokens])
+        return floats, ints
+
     def token_rows(self, token_ids: Iterable) -> list[list[int]]:
         """``token_ids`` as :meth:`~questkv.engine.scheduler.Scheduler.update` takes them (per sampling row, its token;
         on a verify row the list of its ``num_new_tokens``), checked, as one list of ints per row.
