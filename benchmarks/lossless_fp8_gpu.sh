@@ -9,7 +9,8 @@
 #   bash benchmarks/lossless_fp8_gpu.sh stage - N                 carry [".gpu/qwen2.5-coder-1.5b/NN"], N = 4 .. last-1
 #   bash benchmarks/lossless_fp8_gpu.sh real COMMIT LAST SECONDS  (fp8 agreement first, then `real` for SECONDS) carry [".gpu/qwen2.5-coder-1.5b/LAST", ".gpu/deps"]
 #
-# check, fp8 and shapes also run without their chunk (nothing staged). FP8_ARGS / SHAPES_ARGS: extra arguments
+# COMMIT: the literal hash of the tree sent (`git rev-parse HEAD` here, not on the GPU machine, whose .git may be
+# stale): it goes into every result's provenance. check, fp8 and shapes also run without their chunk (nothing staged). FP8_ARGS / SHAPES_ARGS: extra arguments
 # (e.g. --points that fit an 80 GB card); DEADLINE (epoch seconds): every benchmark ends 20 s before it, so that
 # several parts fit one call. Each call copies every result so far (JSON + markdown, under
 # /root/questkv-eval/results-lf) to $OUT as one results.tgz, and its log to $OUT.
