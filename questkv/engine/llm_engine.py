@@ -191,18 +191,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, then return an output for every live sequence of the step processed:
         that one (synchronous), or the one launched before it (:attr:`EngineConfig.async_scheduling`: the
-        device runs the new step while the host appends the tokens, detokenises and checks stops; unless the new
-        step needs those tokens first, at a lossless round's ends: :meth:`Scheduler.waits_for`)."""
+        device runs the new step while the host appends the tokens, detokenises and checks stops; where the new
+        step needs those tokens first, at a lossless round's ends (:meth:`Scheduler.waits_for`), the step before is
+        processed before the new one is scheduled, and the new one still stays in flight)."""
         try:
             outputs = []
-            in_flight = None if self._in_flight is None else self._in_flight[0]
-            asynchronous = self.config.use_async_scheduling and not self.scheduler.waits_for(in_flight)
-            if not asynchronous and self._in_flight is not None:
+            asynchronous = self.config.use_async_scheduling
+            if asynchronous and self.scheduler.waits_for(None if self._in_flight is None else self._in_flight[0]):
                 outputs, self._in_flight = self._process(*self._in_flight), None
             started = time.perf_counter()
             batch = self.scheduler.schedule()
             launched = None if batch is None else (batch, self.runner.execute(batch), started)
-            if asynchronous:
+            if asynchronous:  # the new step stays in flight; the one before it is processed now, if not yet
                 launched, self._in_flight = self._in_flight, launched
             if launched is not None:
                 outputs += self._process(*launched)

@@ -250,6 +250,27 @@ def test_asynchronous_rounds_launch_each_step_ahead_of_the_last_ones_update(mode
     assert all(verifying <= 1 for _, verifying, _ in launches)
 
 
+def test_only_a_rounds_first_draft_is_launched_after_the_step_before_it_was_updated(model_dir, dense):
+    """Asynchronous rounds of one request: the engine updates a verify before it schedules the next round's first
+    draft, which then stays in flight, so each later draft and the verify are launched ahead of the update of the
+    step before (a draft launched with the one before it in flight counts 2 drafts in flight)."""
+    llm = lossless(model_dir, 4, async_scheduling=True)
+    drafts, verifies = [], []
+    execute = llm.engine.runner.execute
+
+    def record(batch):
+        for i in batch.drafts:
+            drafts.append(batch.seqs[i].num_drafts_in_flight)
+        verifies.extend(batch.seqs[batch.num_decodes:batch.num_decodes + batch.num_verifies])
+        return execute(batch)
+
+    llm.engine.runner.execute = record
+    prompts, params = [prompt(70)], [greedy(40)]
+    assert run(llm, prompts, params) == run(dense, prompts, params)
+    assert len(verifies) >= 4 and set(drafts) == {1, 2}
+    assert drafts.count(1) <= len(verifies) + 1  # one per round: its first draft
+
+
 @pytest.mark.parametrize("config, message", [
     ({"method": "quest", "num_speculative_tokens": 0}, r"num_speculative_tokens must be .* got 0"),
     ({"method": "quest", "num_speculative_tokens": 17}, r"num_speculative_tokens must be .* got 17"),
