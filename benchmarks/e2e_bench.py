@@ -263,6 +263,18 @@ def replay_ms(runner, replays: int = 20, route=None) -> float:
     return start.elapsed_time(end) / replays
 
 
+def _kernels_by_name(prof) -> dict[str, list]:
+    """A torch profile's device kernels by name: ``[count, summed µs]`` (copies and memsets left out)."""
+    by_name: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.name.startswith(("Memcpy", "Memset")):
+            continue
+        entry = by_name.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time
+    return by_name
+
+
 def profile_replay(runner, top: int = 12, route=None) -> dict:
     """The kernels of one replay of the last captured decode graph (of ``route`` when given; torch profiler, CUDA
     activity): their count, summed GPU µs, and the ``top`` names by time with their count and µs."""
@@ -274,13 +286,7 @@ def profile_replay(runner, top: int = 12, route=None) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    by_name: dict[str, list] = {}
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA or event.name.startswith(("Memcpy", "Memset")):
-            continue
-        entry = by_name.setdefault(event.name, [0, 0.0])
-        entry[0] += 1
-        entry[1] += event.device_time
+    by_name = _kernels_by_name(prof)
     ranked = sorted(by_name.items(), key=lambda item: -item[1][1])
     return {"count": sum(n for n, _ in by_name.values()), "us": sum(us for _, us in by_name.values()),
             "top": [{"name": name[:90], "count": n, "us": us} for name, (n, us) in ranked[:top]]}
@@ -290,7 +296,7 @@ def profile_steps(engine, steps: int, top: int = 12) -> dict:
     """Where the wall time of ``steps`` engine steps goes (torch profiler; the caller has warmed the engine up), per
     step. On CUDA, a pass with device activity only (little host overhead): ``wall_ms``; ``gpu_busy_ms``, the union
     of the device's kernel and copy intervals, and ``gpu_idle_ms``, the rest; ``gpu_kernels``, the ``top`` kernels
-    by summed time (µs per step; a CUDA graph's kernels are listed one by one). Then a pass with host activity too
+    by summed time (µs per step, copies left out; a CUDA graph's kernels are listed one by one). Then a pass with host activity too
     (it adds host time per operation: compare its figures with each other): ``phases_ms``, the host's time in the
     engine's three phases (``schedule``: the scheduler; ``launch``: the runner staging inputs and launching the step
     and its sampling; ``process``: waiting for a step's tokens and appending them, stops and outputs), and
@@ -312,19 +318,16 @@ def profile_steps(engine, steps: int, top: int = 12) -> dict:
     record = {"steps": steps, "wall_ms": None, "gpu_busy_ms": None, "gpu_idle_ms": None, "gpu_kernels": []}
     if cuda:
         prof, wall_us = run([ProfilerActivity.CUDA])
-        intervals, kernel_us = [], {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                intervals.append((event.time_range.start, event.time_range.end))
-                kernel_us[event.name] = kernel_us.get(event.name, 0.0) + event.device_time
+        intervals = [(event.time_range.start, event.time_range.end) for event in prof.events()
+                     if event.device_type == torch.autograd.DeviceType.CUDA]  # kernels and copies
         busy_us, reach = 0.0, float("-inf")
         for begin, end in sorted(intervals):  # the union of the device's intervals
             busy_us += max(0.0, end - max(begin, reach))
             reach = max(reach, end)
-        ranked = sorted(kernel_us.items(), key=lambda item: -item[1])[:top]
+        ranked = sorted(_kernels_by_name(prof).items(), key=lambda item: -item[1][1])[:top]
         record.update(wall_ms=wall_us / steps / 1e3, gpu_busy_ms=busy_us / steps / 1e3,
                       gpu_idle_ms=(wall_us - busy_us) / steps / 1e3,
-                      gpu_kernels=[{"name": name[:90], "us": us / steps} for name, us in ranked])
+                      gpu_kernels=[{"name": name[:90], "us": us / steps} for name, (_, us) in ranked])
     phases = {"schedule": (engine.scheduler, "schedule"), "launch": (engine.runner, "execute"),
               "process": (engine, "_process")}
 

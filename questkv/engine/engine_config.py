@@ -102,14 +102,14 @@ class EngineConfig:
             ``{"method": "quest", "num_speculative_tokens": k}``): every Quest request drafts with Quest and verifies
             with dense attention, so its output is dense attention's; needs ``quest``. The engine picks the drafts
             per round from the step times and acceptance it measures (:mod:`questkv.engine.speculation`; 0: dense
-            steps where drafting would not pay). Under ``async_scheduling`` a round's draft steps are launched one
-            ahead of their update, as decode steps are; its verify waits for the last draft's update and the next
-            step for the verify's (the drafts it kept set the lengths). ``None``: Quest's steps are the output
+            steps where drafting would not pay). Under ``async_scheduling`` a round's draft steps and its verify are
+            launched one ahead of their update, as decode steps are; only the step after a verify (the drafts it
+            kept set the lengths) and a round's first draft wait for the update of the step before. ``None``: Quest's steps are the output
             (lossy).
         kv_cache_dtype: ``"auto"`` (K/V in ``dtype``) or ``"fp8"`` / ``"fp8_e4m3"`` (vLLM's names): K and V pages in
             float8 e4m3 (one byte per element, half of bf16's), written with a scale of 1 as vLLM does without
-            calibrated scales (values beyond ±448 saturate); each page's key min and max stay in ``dtype``, taken
-            from the stored fp8 keys, so they bound exactly the keys attention multiplies. CPU, or CUDA compute
+            calibrated scales (values beyond ±448 saturate); each page's key min and max are fp8 too, the min and max
+            of the stored fp8 keys, so they bound exactly the keys attention multiplies. CPU, or CUDA compute
             capability >= 8.9 (Ada, Hopper).
         seed: seeds the dummy weights and requests without a seed of their own.
         load_format: ``"auto"`` (weights from the checkpoint) or ``"dummy"`` (random weights at the real shapes).

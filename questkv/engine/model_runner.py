@@ -214,12 +214,11 @@ class ModelRunner:
         own earlier chunks) computes only the step's (positions from there on), attending those too."""
         n = batch.num_decodes
         ids, in_flight = [], []
-        for row, (seq, seq_len, new) in enumerate(zip(batch.seqs[n:], batch.seq_lens[n:], batch.num_new_tokens[n:])):
-            known = seq.holds_token(seq_len - 1)  # (only a verify row's last draft may be in flight)
-            ids.extend(seq.token_slice(seq_len - new, seq_len - (not known)))  # a verify row: its drafts too
-            if not known:
-                in_flight.append((len(ids), self._sampled_rows[seq.request_id]))
-                ids.append(0)
+        for seq, seq_len, new in zip(batch.seqs[n:], batch.seq_lens[n:], batch.num_new_tokens[n:]):
+            tokens, flying = seq.input_tokens(seq_len, new)  # a verify row: its drafts too
+            if flying:  # (only a verify row's last draft, launched just before)
+                in_flight.append((len(ids) + new - 1, self._sampled_rows[seq.request_id]))
+            ids += tokens
         inputs = PrefillInputs(batch.seq_ids[n:], batch.num_new_tokens[n:], batch.seq_lens[n:], batch.partial, ids,
                                batch.num_verifies, tuple(in_flight))
         self._kept.difference_update(inputs.seq_ids)
@@ -280,12 +279,11 @@ class ModelRunner:
         host[:_VERIFY_INPUTS] = torch.tensor([0, q_len, self.scratch_seq, self.budget or 0, -1])[:, None]  # padding
         host[_VERIFY_INPUTS:].zero_()
         for i, (seq, seq_len) in enumerate(zip(batch.seqs, batch.seq_lens)):
-            known = seq.holds_token(seq_len - 1)  # else the last draft is in flight: read on the device
+            tokens, flying = seq.input_tokens(seq_len, q_len)
             host[:_VERIFY_INPUTS, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id,
                                                      seq.quest.token_budget or self.budget or 0,
-                                                     -1 if known else self._sampled_rows[seq.request_id]])
-            host[_VERIFY_INPUTS:_VERIFY_INPUTS + q_len - (not known), i] = torch.tensor(
-                seq.token_slice(seq_len - q_len, seq_len - (not known)))
+                                                     self._sampled_rows[seq.request_id] if flying else -1])
+            host[_VERIFY_INPUTS:, i] = torch.tensor(tokens)
         key = (padded, width, StepRoute.VERIFY, q_len)
         self._publish(batch, verify=(host.numpy(), key, batch.seq_ids))
         return self._run_verify(host, key, batch.seq_ids)[:rows * q_len]

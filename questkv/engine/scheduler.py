@@ -271,7 +271,7 @@ class Scheduler:
             return False
         if in_flight.num_verifies:
             return True
-        return any(seq.num_in_flight and self._decodes(seq) and not seq.num_drafts
+        return any(seq.quest.speculative_tokens and seq.num_in_flight and not seq.num_drafts and self._decodes(seq)
                    and self._may_start_round(seq, self.cache.seq_len(seq.cache_id) + 1) for seq in self.running)
 
     def _due(self, seq: Sequence) -> bool:

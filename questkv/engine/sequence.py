@@ -200,6 +200,13 @@ class Sequence:
         """Whether the token at ``position`` (prompt, outputs, then drafts) is on the host, not in flight."""
         return position < self.num_tokens + len(self.draft_token_ids)
 
+    def input_tokens(self, seq_len: int, count: int) -> tuple[list[int], bool]:
+        """The input tokens of positions ``[seq_len - count, seq_len)`` (a prefill or verify row), and whether the last
+        one is still in flight (launched just before, not yet appended; then its place holds 0)."""
+        if self.holds_token(seq_len - 1):
+            return self.token_slice(seq_len - count, seq_len), False
+        return self.token_slice(seq_len - count, seq_len - 1) + [0], True
+
     def ends_in_flight(self, max_model_len: int) -> bool:
         """Whether its tokens in flight surely finish it by length (no further step is needed)."""
         flying = self.num_in_flight
