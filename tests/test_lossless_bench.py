@@ -15,10 +15,14 @@ CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
 
 
 def _engine(**kwargs):
+    """A tiny engine holding two requests whose prompts already pass the dense-context threshold (so that their
+    first decode steps draft)."""
+    quest = QuestConfig(token_budget=64, page_size=16, dense_layers=0)
     llm = LLM(CFG, load_format="dummy", dtype="float32", device="cpu", max_num_seqs=2, kv_cache_memory=16 << 20,
-              seed=1, quest=QuestConfig(token_budget=64, page_size=16, dense_layers=0), **kwargs)
+              seed=1, quest=quest, **kwargs)
+    dense_context = int(quest.dense_context_ratio * quest.token_budget)
     for _ in range(2):
-        prompt = [random.randrange(256) for _ in range(random.randint(150, 300))]
+        prompt = [random.randrange(256) for _ in range(random.randint(dense_context + 1, dense_context + 60))]
         llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     return llm
 
