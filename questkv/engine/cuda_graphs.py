@@ -71,7 +71,7 @@ class DecodeGraphs:
         dense_pages: with ``sparse``, the widest page table of a step routed dense by its context (the route's
             ratio times the budget): dense steps are captured at start up to its graph width.
 
-    ``body(batch, width, route, selecting)``, passed to :meth:`run` and :meth:`capture`, runs one decode step
+    ``body(batch, width, route, selecting)``, passed to :meth:`replay` and :meth:`capture`, runs one decode step
     over the runner's static inputs and returns its ``[batch, vocab]`` float32 logits; device ops only (capturable).
     """
 
@@ -96,11 +96,13 @@ class DecodeGraphs:
         """Page-table columns of a step whose longest sequence holds ``pages`` pages (``pages`` without graphs)."""
         return table_width(pages, self.max_pages_per_seq) if self.batch_sizes else pages
 
-    def run(self, key: GraphKey, body: Body) -> torch.Tensor:
-        """The step's ``[batch, vocab]`` logits: a replay of its graph (captured now if new), or ``body`` run
-        eagerly for a batch size without graphs."""
-        if key[0] not in self.batch_sizes:
-            return body(*key)
+    def covers(self, key: GraphKey) -> bool:
+        """Whether the step of ``key`` runs as a graph (its batch size has graphs); otherwise it runs eagerly."""
+        return key[0] in self.batch_sizes
+
+    def replay(self, key: GraphKey, body: Body) -> torch.Tensor:
+        """Replay the graph of ``key`` (one that :meth:`covers`), capturing it from ``body`` first if new; its
+        ``[batch, vocab]`` logits."""
         if key not in self._graphs:
             self.capture(key, body)
         graph, logits = self._graphs[key]

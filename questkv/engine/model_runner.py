@@ -4,8 +4,7 @@ It owns the :class:`~questkv.cache.paged.PagedKVCache` (sized by :func:`~questkv
 one :class:`~questkv.decode.step.QuestDecodeStep` per decode shape (shared by every layer), the static decode
 inputs and, on CUDA, the :class:`~questkv.engine.cuda_graphs.DecodeGraphs` that replay a whole decode step
 (K/V append, every layer's attention, the LM head) over them. It never changes a
-:class:`~questkv.engine.sequence.Sequence`: the scheduler allocates pages and updates sequences, the runner reads
-them.
+:class:`~questkv.engine.sequence.Sequence` (the scheduler allocates pages and updates sequences).
 
 With tensor parallelism every rank has a runner over its shard of the model and its KV heads' page pool (the same
 page count on every rank: each plans, the smallest wins). Rank 0's turns each step into a :class:`StepMessage`
@@ -303,7 +302,7 @@ class ModelRunner:
             self._kept.difference_update(seq_ids)
             if self.memory is not None:  # the next round's first draft selects afresh; the selection rate counts on
                 self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
-        return self.graphs.run(key, self._verify_body)
+        return self._run_step(key, self._verify_body)
 
     def _verify_body(self, batch: int, width: int, route: StepRoute, q_len: int) -> torch.Tensor:
         """One verify step over the static verify inputs (graph-capturable: device ops only): ``batch`` rows of
@@ -336,7 +335,11 @@ class ModelRunner:
         """``[len(batch.seqs), vocab]`` float32 logits of a decode-only step (every row a decode row)."""
         key, host = self._stage_decode(batch.seqs, batch.seq_lens, batch.dense_rows)
         self._publish(batch, decode=(host.numpy(), key))  # pickled at once: no copy
-        return self.graphs.run(key, self._decode_body)[:len(batch.seqs)]
+        return self._run_step(key, self._decode_body)[:len(batch.seqs)]
+
+    def _run_step(self, key: GraphKey, body: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Step ``key``'s logits: its CUDA graph replayed, or ``body`` run eagerly (a batch size without graphs)."""
+        return self.graphs.replay(key, body) if self.graphs.covers(key) else body(*key)
 
     def _stage_decode(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], dense_rows: tuple[bool, ...]
                       ) -> tuple[GraphKey, torch.Tensor]:
@@ -406,7 +409,7 @@ class ModelRunner:
         if message.prefill is not None:
             self._run_prefill(message.prefill, key)
         else:
-            self.graphs.run(key, self._decode_body)
+            self._run_step(key, self._decode_body)
         if message.count:  # as rank 0: a step that samples nothing broadcasts nothing
             tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
             if message.prefill is None or not message.prefill.num_verifies:  # (as rank 0: nothing reads a verify's)
