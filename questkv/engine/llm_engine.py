@@ -229,7 +229,8 @@ class LLMEngine:
                 seq.quest.speculative_tokens for seq in batch.seqs):
             return
         kind = StepKind.VERIFY if batch.num_verifies else StepKind.DRAFT if batch.drafts else StepKind.DENSE
-        self.speculation.record_step(kind, rows, seconds)
+        positions = batch.num_new_tokens[batch.num_decodes:rows]  # a verify row's: its round's drafts + 1
+        self.speculation.record_step(kind, rows, seconds, max(positions, default=1) - 1)
 
     def _process(self, batch: ScheduledBatch, sampled: SampledTokens, started: float) -> list[RequestOutput]:
         """Append a launched step's tokens (waiting for them), apply the stops and build the outputs of the

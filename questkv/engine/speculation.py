@@ -5,8 +5,10 @@ acceptance probability ``p``, ``E(k) = (1 - p**(k + 1)) / (1 - p)`` tokens on av
 dense step yields one. So drafting pays while ``E(k) / (k * t_draft + t_verify) > 1 / t_dense``. The engine times
 each step from its scheduling (or the update of the step before, when it was launched ahead of that update) to its
 own update, so that a round's steps add up to the round's wall time; the policy keeps a running mean of each kind
-of step per batch size, the acceptance over recent rounds, and picks ``k`` in ``[0, max_k]`` with the best predicted
-tokens per second (0: dense steps). Every kind of step is measured again now and then (a dense step every
+of step per batch size (of a verify step per round length too: its ``k + 1`` rows per sequence through every
+linear and attention cost more as ``k`` grows), the acceptance over recent rounds, and picks ``k`` in ``[0, max_k]``
+with the best predicted tokens per second (0: dense steps). A round length whose verify was never timed is
+predicted from the nearest one that was, along the line from the dense step (a verify of no draft is one). Every kind of step is measured again now and then (a dense step every
 :data:`PROBE_EVERY` rounds, a round of ``max_k`` every :data:`PROBE_EVERY` dense steps), so the choice follows the
 batch, the context and the text. Every step's output is dense attention's whichever it picks:
 only the speed depends on it.
@@ -55,7 +57,8 @@ def expected_tokens(acceptance: float, k: int) -> float:
 class _Bucket:
     """What the policy knows about one batch size: running means of step seconds, acceptance counts."""
 
-    seconds: dict = dataclasses.field(default_factory=dict)  # StepKind -> running mean
+    seconds: dict = dataclasses.field(default_factory=dict)  # StepKind.DENSE / DRAFT -> running mean
+    verify_seconds: dict = dataclasses.field(default_factory=dict)  # drafts per round -> running mean
     kept: float = 0.0  # drafts kept, and drafts tested (kept ones plus the first rejected one of each round)
     tested: float = 0.0
     rounds_since_dense: int = 0
@@ -92,25 +95,40 @@ class SpeculationPolicy:
         if not self.adaptive:
             return self.max_k
         bucket = self._bucket(batch)
-        draft, verify = bucket.seconds.get(StepKind.DRAFT), bucket.seconds.get(StepKind.VERIFY)
-        dense = bucket.seconds.get(StepKind.DENSE)
-        if draft is None or verify is None or bucket.dense_since_round >= PROBE_EVERY:
+        draft, dense = bucket.seconds.get(StepKind.DRAFT), bucket.seconds.get(StepKind.DENSE)
+        if draft is None or not bucket.verify_seconds or bucket.dense_since_round >= PROBE_EVERY:
             return self.max_k
         if dense is None or bucket.rounds_since_dense >= PROBE_EVERY:
             return 0
         p = self.acceptance(batch)
         best_k, best_rate = 0, 1.0 / dense
         for k in range(1, self.max_k + 1):
-            rate = expected_tokens(p, k) / (k * draft + verify)
+            rate = expected_tokens(p, k) / (k * draft + self.verify_seconds(batch, k))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
-    def record_step(self, kind: StepKind, batch: int, seconds: float) -> None:
-        """A step of ``kind`` over ``batch`` rows took ``seconds`` (wall, see the module's docstring)."""
+    def verify_seconds(self, batch: int, k: int) -> float:
+        """The predicted seconds of a verify step of ``batch`` rows after ``k`` drafts: measured, or from the
+        nearest measured round length ``m`` (the longer on a tie) as ``dense + (verify(m) - dense) * k / m``.
+        Needs a verify step timed at ``batch`` rows (and a dense step, unless ``k`` was timed)."""
+        timed = self._bucket(batch).verify_seconds
+        if k in timed:
+            return timed[k]
+        nearest = min(timed, key=lambda m: (abs(m - k), -m))
+        dense = self._bucket(batch).seconds[StepKind.DENSE]
+        return dense + (timed[nearest] - dense) * k / nearest
+
+    def record_step(self, kind: StepKind, batch: int, seconds: float, drafts: int = 0) -> None:
+        """A step of ``kind`` over ``batch`` rows took ``seconds`` (wall, see the module's docstring); a verify step
+        checked rounds of at most ``drafts`` drafts (its rows' positions less one; at least 1)."""
+        if kind is StepKind.VERIFY and drafts < 1:
+            raise ValueError(f"a verify step checks at least 1 draft per round, got drafts={drafts}")
         bucket = self._bucket(batch)
-        old: Optional[float] = bucket.seconds.get(kind)
-        bucket.seconds[kind] = seconds if old is None else (1 - _WEIGHT) * old + _WEIGHT * seconds
+        means = bucket.verify_seconds if kind is StepKind.VERIFY else bucket.seconds
+        key = drafts if kind is StepKind.VERIFY else kind
+        old: Optional[float] = means.get(key)
+        means[key] = seconds if old is None else (1 - _WEIGHT) * old + _WEIGHT * seconds
         if kind is StepKind.DENSE:
             bucket.rounds_since_dense = 0
             bucket.dense_since_round += 1

@@ -211,6 +211,15 @@ def test_the_adaptive_policy_gives_the_dense_tokens(model_dir, dense, asynchrono
     assert run(llm, prompts, params) == run(dense, prompts, params)
 
 
+def test_the_engine_times_each_verify_by_its_rounds_drafts(model_dir):
+    """The policy learns a verify step's time per round length: full rounds of 3 drafts, and the shorter last
+    round that ``max_tokens`` cuts."""
+    llm = lossless(model_dir, 3)
+    llm.generate([prompt(70)], greedy(10), use_tqdm=False)  # rounds yield 1..4 tokens: the last one may be cut
+    timed = llm.engine.speculation._bucket(1).verify_seconds
+    assert 3 in timed and set(timed) <= {1, 2, 3} and all(seconds > 0 for seconds in timed.values())
+
+
 def test_asynchronous_dense_steps_and_rounds_alternate_with_the_dense_tokens(model_dir, dense):
     """A policy that alternates between dense steps and rounds every few steps: the engine finishes the step in
     flight before each round; the tokens stay the dense engine's."""

@@ -15,7 +15,7 @@ def test_expected_tokens_of_a_round(p, k, tokens):
 
 def measured(policy, batch, dense, draft, verify):
     policy.record_step(StepKind.DRAFT, batch, draft)
-    policy.record_step(StepKind.VERIFY, batch, verify)
+    policy.record_step(StepKind.VERIFY, batch, verify, policy.max_k)
     policy.record_step(StepKind.DENSE, batch, dense)
 
 
@@ -29,7 +29,7 @@ def test_it_times_a_round_then_a_dense_step_before_it_chooses():
     policy = SpeculationPolicy(4)
     assert policy.draft_tokens(8) == 4  # nothing measured: a round
     policy.record_step(StepKind.DRAFT, 8, 0.001)
-    policy.record_step(StepKind.VERIFY, 8, 0.003)
+    policy.record_step(StepKind.VERIFY, 8, 0.003, 4)
     assert policy.draft_tokens(8) == 0  # no dense step measured: one dense step
     policy.record_step(StepKind.DENSE, 8, 0.004)
     assert policy.draft_tokens(8) > 0  # cheap drafts, the prior acceptance: draft
@@ -44,7 +44,7 @@ def test_it_picks_the_k_of_the_best_predicted_speed_and_dense_where_drafting_los
         policy.record_round(1, 10, 9)
     p = policy.acceptance(1)
     assert p == pytest.approx(9 / 10, abs=0.02)
-    rates = {k: expected_tokens(p, k) / (k * draft + verify) for k in range(1, 9)}
+    rates = {k: expected_tokens(p, k) / (k * draft + dense + (verify - dense) * k / 8) for k in range(1, 9)}
     assert policy.draft_tokens(1) == max(rates, key=rates.get)
     slow = SpeculationPolicy(8)
     measured(slow, 1, dense=0.001, draft=0.0009, verify=0.0012)  # drafts cost nearly a dense step: never pays
@@ -55,9 +55,9 @@ def test_it_refreshes_dense_and_round_times_every_probe_interval():
     policy = SpeculationPolicy(4)
     measured(policy, 2, dense=0.004, draft=0.001, verify=0.005)
     for _ in range(PROBE_EVERY - 1):
-        policy.record_step(StepKind.VERIFY, 2, 0.005)
+        policy.record_step(StepKind.VERIFY, 2, 0.005, 4)
     assert policy.draft_tokens(2) > 0
-    policy.record_step(StepKind.VERIFY, 2, 0.005)
+    policy.record_step(StepKind.VERIFY, 2, 0.005, 4)
     assert policy.draft_tokens(2) == 0  # PROBE_EVERY rounds since the last dense step
     losing = SpeculationPolicy(4)
     measured(losing, 2, dense=0.001, draft=0.001, verify=0.005)  # one dense step since the round
@@ -75,3 +75,41 @@ def test_acceptance_counts_the_drafts_tested_up_to_the_first_rejection():
     policy.record_round(1, 4, 4)  # all kept: 4 tested
     assert 2 / 3 < policy.acceptance(1) < 1
     assert SpeculationPolicy(4).acceptance(random.randint(1, 64)) == pytest.approx(0.8)  # the prior
+
+
+def test_a_verify_is_timed_per_round_length_and_an_untimed_length_is_predicted_from_the_nearest():
+    dense = random.uniform(2e-3, 8e-3)
+    policy = SpeculationPolicy(8)
+    policy.record_step(StepKind.DENSE, 1, dense)
+    policy.record_step(StepKind.VERIFY, 1, 2 * dense, 4)
+    assert policy.verify_seconds(1, 4) == pytest.approx(2 * dense)
+    assert policy.verify_seconds(1, 2) == pytest.approx(1.5 * dense)  # on the line from the dense step
+    assert policy.verify_seconds(1, 8) == pytest.approx(3 * dense)
+    policy.record_step(StepKind.VERIFY, 1, 1.2 * dense, 2)  # a round of 2 is timed on its own
+    assert policy.verify_seconds(1, 2) == pytest.approx(1.2 * dense)
+    assert policy.verify_seconds(1, 4) == pytest.approx(2 * dense)
+    assert policy.verify_seconds(1, 3) == pytest.approx(dense + dense * 3 / 4)  # a tie: the longer round's line
+    assert policy.verify_seconds(1, 1) == pytest.approx(1.1 * dense)
+    with pytest.raises(ValueError, match="drafts=0"):
+        policy.record_step(StepKind.VERIFY, 1, dense)
+
+
+def test_a_verify_that_costs_more_per_draft_makes_shorter_rounds_win():
+    """At a modest acceptance the timed round of 4 drafts loses to dense (its verify costs 1.3 dense steps); a
+    round of 1, whose verify is predicted on the line from the dense step, wins, and keeps winning once timed. (One
+    verify time for every round length would pick 2.)"""
+    dense, draft, verify4 = 7.7e-3, 3.8e-3, 10.2e-3
+    policy = SpeculationPolicy(4)
+    policy.record_step(StepKind.DRAFT, 1, draft)
+    policy.record_step(StepKind.VERIFY, 1, verify4, 4)
+    policy.record_step(StepKind.DENSE, 1, dense)
+    for _ in range(40):  # 10 of every 13 drafts tested are kept
+        for kept in (3, 3, 4, 0):
+            policy.record_round(1, 4, kept)
+    p = policy.acceptance(1)
+    assert expected_tokens(p, 4) / (4 * draft + verify4) < 1 / dense  # the timed round loses
+    rates = {k: expected_tokens(p, k) / (k * draft + dense + (verify4 - dense) * k / 4) for k in range(1, 5)}
+    assert max(rates, key=rates.get) == 1 and rates[1] > 1 / dense
+    assert policy.draft_tokens(1) == 1
+    policy.record_step(StepKind.VERIFY, 1, 8.3e-3, 1)
+    assert policy.draft_tokens(1) == 1
