@@ -185,13 +185,15 @@ def real(args, save) -> dict:
                       max_num_seqs=max(args.batches), kv_cache_dtype=args.kv_cache_dtype)
         if args.device == "cuda":
             common["gpu_memory_utilization"] = args.memory
+        elif args.kv_cache_gib is not None:
+            common["kv_cache_memory"] = int(args.kv_cache_gib * 2**30)
         base = LLM(args.model, quest=QuestConfig(token_budget=budget16, page_size=PAGE, dense_layers=DENSE_LAYERS),
                    **common)
         texts = {}
         for corpus, task in (("book", "agreement_book"), ("code", "agreement_code")):
             text, _ = agreement.load_text(task)
             texts[corpus] = agreement.contexts(base.tokenizer, text, context + args.tokens + 1,
-                                               max(args.batches) // 2, args.tokens)
+                                               max(1, max(args.batches) // 2), args.tokens)
         points = []
         for batch in args.batches:
             groups = ([("book", texts["book"][:1]), ("code", texts["code"][:1])] if batch == 1 else
@@ -432,6 +434,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32], help="real: batch sizes (even, or 1)")
     parser.add_argument("--tokens", type=int, default=256, help="real: generated tokens per request")
     parser.add_argument("--memory", type=float, default=0.4, help="real: gpu_memory_utilization of each engine")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="real on the CPU: each engine's KV cache in GiB (default: the engine's, 1 GiB)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="real, shapes: cpu for a smoke run")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="real: the dtype")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="real: the K/V pages")
