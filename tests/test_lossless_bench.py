@@ -66,3 +66,39 @@ def test_the_shapes_table_shows_rounds_graphs_and_profiles(kernels):
     assert "| llama2-7b B=1 32k | lossless k=4 | 6.00 | 5.00 | 1.00 |" in text
     assert ("_decode_split_kernel 2061" in text) == kernels
     assert "0.20 / 0.70 / 3.60" in text and "cudaEventSynchronize 3000" in text
+
+
+@pytest.mark.parametrize("batches", [[1], [1, 2]])
+def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_equal_dense(tmp_path, batches):
+    """``real`` at batch 1 (a book and a code window each) and 2 (one of each in a batch) on the CPU: every mode
+    timed, the lossless engines' outputs equal to the dense requests' (float32), their acceptance counted."""
+    import argparse
+    import collections
+
+    from questkv.eval import agreement
+    from tests.helpers import tiny_config, tiny_hf_model, word_tokenizer
+
+    model = tmp_path / "tiny"  # positions for a 512-token context (budgets 32 and 64 at page 16)
+    tiny_hf_model(tiny_config("llama3", vocab_size=96, max_position_embeddings=1024),
+                  seed=random.randrange(1 << 16)).save_pretrained(model)
+    words = collections.Counter(word for task in ("agreement_book", "agreement_code")
+                                for word in agreement.load_text(task)[0].split())
+    word_tokenizer([word for word, _ in words.most_common(94)]).save_pretrained(model)  # the texts' commonest words
+    args = argparse.Namespace(model=str(model), contexts=[512], batches=batches, tokens=8, k=3, policies=["fixed"],
+                              draft_selection=["quest"], device="cpu", dtype="float32", kv_cache_dtype="auto",
+                              memory=0.4, kv_cache_gib=None)
+    saved = []
+    results = lossless_bench.real(args, saved.append)
+    assert saved and saved[-1] is results
+    points = results["points"]
+    assert [(p["batch"], p["corpus"]) for p in points] == [(1, "book"), (1, "code"), (2, "book+code")][:len(batches) + 1]
+    for point in points:
+        assert set(point["modes"]) == {"dense", "quest-1/16", "lossless-1/16-fixed", "lossless-1/8-fixed"}
+        assert all(mode["tokens_per_s"] > 0 for mode in point["modes"].values())
+        for label in ("1/16", "1/8"):
+            mode = point["modes"][f"lossless-{label}-fixed"]
+            assert mode["rows_identical"] == mode["rows"] == point["batch"]
+            assert 0 <= mode["acceptance"] <= 1 and 1 <= mode["tokens_per_verify"] <= args.k + 1
+    text = lossless_bench.table("real", {"provenance": {"command": "c", "commit": "x", "machine": "m", "date": "d"},
+                                         "results": results})
+    assert f"| 512 | {batches[-1]} | " in text and "rows = dense" in text
