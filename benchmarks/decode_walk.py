@@ -20,6 +20,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 if __name__ == "__main__":  # run as a file: the checkout importable (questkv, tests.*)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,8 +29,6 @@ from questkv import LLM, QuestConfig  # noqa: E402
 from questkv.engine.sampling_params import SamplingParams  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[1] / "questkv"
-
-
 BACKENDS = ("questkv/ops/reference.py", "questkv/ops/triton/")
 
 
@@ -51,20 +50,28 @@ def walk_one_decode_step() -> tuple[list[tuple[str, int]], list[tuple[str, ...]]
     entries: collections.Counter[str] = collections.Counter()
     chains: dict[tuple[str, ...], None] = {}  # (ordered, distinct)
 
-    def relative(path: str) -> str:
-        return str(Path(path).relative_to(PACKAGE.parent))
+    def package_file(path: Optional[str]) -> str:
+        """``path`` relative to the checkout if it is a package file, else ``""``."""
+        return str(Path(path).relative_to(PACKAGE.parent)) if path and path.startswith(root) else ""
+
+    def chain_of(frame) -> tuple[str, ...]:
+        """The package files on ``frame``'s stack, outermost first (a run of frames in one file counts once)."""
+        chain = []
+        while frame is not None:
+            path = package_file(frame.f_code.co_filename)
+            if path and (not chain or chain[-1] != path):
+                chain.append(path)
+            frame = frame.f_back
+        return tuple(reversed(chain))
 
     def record(frame, event, arg) -> None:
-        path = frame.f_code.co_filename
-        if event == "call" and path.startswith(root) and (frame.f_back is None or frame.f_back.f_code.co_filename != path):
-            entries[relative(path)] += 1  # insertion order: first entry
-            if relative(path).startswith(BACKENDS) and not relative(frame.f_back.f_code.co_filename).startswith(BACKENDS):
-                chain, caller = [], frame
-                while caller is not None:
-                    if caller.f_code.co_filename.startswith(root) and (not chain or chain[-1] != relative(caller.f_code.co_filename)):
-                        chain.append(relative(caller.f_code.co_filename))
-                    caller = caller.f_back
-                chains[tuple(reversed(chain))] = None
+        path = package_file(frame.f_code.co_filename)
+        caller = package_file(frame.f_back.f_code.co_filename if frame.f_back is not None else None)
+        if event != "call" or not path or caller == path:
+            return
+        entries[path] += 1  # insertion order: first entry
+        if path.startswith(BACKENDS) and not caller.startswith(BACKENDS):
+            chains[chain_of(frame)] = None
 
     sys.setprofile(record)
     try:

@@ -8,10 +8,10 @@ own update, so that a round's steps add up to the round's wall time; the policy 
 of step per batch size (of a verify step per round length too: its ``k + 1`` rows per sequence through every
 linear and attention cost more as ``k`` grows), the acceptance over recent rounds, and picks ``k`` in ``[0, max_k]``
 with the best predicted tokens per second (0: dense steps). A round length whose verify was never timed is
-predicted from the nearest one that was, along the line from the dense step (a verify of no draft is one). Every kind of step is measured again now and then (a dense step every
-:data:`PROBE_EVERY` rounds, a round of ``max_k`` every :data:`PROBE_EVERY` dense steps), so the choice follows the
-batch, the context and the text. Every step's output is dense attention's whichever it picks:
-only the speed depends on it.
+predicted from the nearest one that was, along the line from the dense step (a verify of no draft is one). Every
+kind of step is measured again now and then (a dense step every :data:`PROBE_EVERY` rounds, a round of ``max_k``
+every :data:`PROBE_EVERY` dense steps), so the choice follows the batch, the context and the text. Every step's
+output is dense attention's whichever it picks: only the speed depends on it.
 """
 
 from __future__ import annotations
