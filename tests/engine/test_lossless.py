@@ -45,8 +45,10 @@ ASYNC = pytest.mark.parametrize("asynchronous", [False, True])
 
 
 def ragged(count: int = 4):
-    prompts = [prompt(random.randint(1, 90)) for _ in range(count)]
-    return prompts, [greedy(random.randint(1, 30)) for _ in prompts]
+    """``count`` prompts of 1-90 tokens and greedy params of 1-30 tokens; the first request surely has a round to
+    verify (a context past SMALL's budget, and room for a draft and its verify's token after the first token)."""
+    prompts = [prompt(random.randint(20 if i == 0 else 1, 90)) for i in range(count)]
+    return prompts, [greedy(random.randint(3 if i == 0 else 1, 30)) for i in range(count)]
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
