@@ -296,10 +296,11 @@ def profile_steps(engine, steps: int, top: int = 12) -> dict:
     """Where the wall time of ``steps`` engine steps goes (torch profiler; the caller has warmed the engine up), per
     step. On CUDA, a pass with device activity only (little host overhead): ``wall_ms``; ``gpu_busy_ms``, the union
     of the device's kernel and copy intervals, and ``gpu_idle_ms``, the rest; ``gpu_kernels``, the ``top`` kernels
-    by summed time (µs per step, copies left out; a CUDA graph's kernels are listed one by one). Then a pass with host activity too
-    (it adds host time per operation: compare its figures with each other): ``phases_ms``, the host's time in the
-    engine's three phases (``schedule``: the scheduler; ``launch``: the runner staging inputs and launching the step
-    and its sampling; ``process``: waiting for a step's tokens and appending them, stops and outputs), and
+    by summed time (µs per step, copies left out; a CUDA graph's kernels are listed one by one). Then a pass with
+    host activity too (it adds host time per operation: compare its figures with each other): ``phases_ms``, the
+    host's time in the engine's three phases (``schedule``: the scheduler; ``launch``: the runner staging inputs and
+    launching the step and its sampling; ``process``: waiting for a step's tokens and appending them, stops and
+    outputs), and
     ``host_ops``, the ``top`` host operations by self time (µs per step; a wait for the device shows as
     ``cudaEventSynchronize``)."""
     from torch.profiler import ProfilerActivity, profile, record_function

@@ -90,8 +90,8 @@ def check(device: str = "cuda") -> dict:
 
 def append_check(device: str = "cuda") -> dict:
     """Whether the Triton append into fp8 pages (the kernel rounds to e4m3 itself), alone and with RoPE folded in,
-    writes the torch reference's bytes (torch's cast on the device, saturated at ±448) into pages and bounds, every finite bfloat16
-    value a key."""
+    writes the torch reference's bytes (torch's cast on the device, saturated at ±448) into pages and bounds, every
+    finite bfloat16 value a key."""
     from questkv.ops import reference
     from questkv.ops import triton as tk
 

@@ -58,7 +58,7 @@ class _Bucket:
     """What the policy knows about one batch size: running means of step seconds, acceptance counts."""
 
     seconds: dict = dataclasses.field(default_factory=dict)  # StepKind.DENSE / DRAFT -> running mean
-    verify_seconds: dict = dataclasses.field(default_factory=dict)  # drafts per round -> running mean
+    verify_by_drafts: dict = dataclasses.field(default_factory=dict)  # a verify's drafts per round -> running mean
     kept: float = 0.0  # drafts kept, and drafts tested (kept ones plus the first rejected one of each round)
     tested: float = 0.0
     rounds_since_dense: int = 0
@@ -96,7 +96,7 @@ class SpeculationPolicy:
             return self.max_k
         bucket = self._bucket(batch)
         draft, dense = bucket.seconds.get(StepKind.DRAFT), bucket.seconds.get(StepKind.DENSE)
-        if draft is None or not bucket.verify_seconds or bucket.dense_since_round >= PROBE_EVERY:
+        if draft is None or not bucket.verify_by_drafts or bucket.dense_since_round >= PROBE_EVERY:
             return self.max_k
         if dense is None or bucket.rounds_since_dense >= PROBE_EVERY:
             return 0
@@ -112,7 +112,7 @@ class SpeculationPolicy:
         """The predicted seconds of a verify step of ``batch`` rows after ``k`` drafts: measured, or from the
         nearest measured round length ``m`` (the longer on a tie) as ``dense + (verify(m) - dense) * k / m``.
         Needs a verify step timed at ``batch`` rows (and a dense step, unless ``k`` was timed)."""
-        timed = self._bucket(batch).verify_seconds
+        timed = self._bucket(batch).verify_by_drafts
         if k in timed:
             return timed[k]
         nearest = min(timed, key=lambda m: (abs(m - k), -m))
@@ -125,7 +125,7 @@ class SpeculationPolicy:
         if kind is StepKind.VERIFY and drafts < 1:
             raise ValueError(f"a verify step checks at least 1 draft per round, got drafts={drafts}")
         bucket = self._bucket(batch)
-        means = bucket.verify_seconds if kind is StepKind.VERIFY else bucket.seconds
+        means = bucket.verify_by_drafts if kind is StepKind.VERIFY else bucket.seconds
         key = drafts if kind is StepKind.VERIFY else kind
         old: Optional[float] = means.get(key)
         means[key] = seconds if old is None else (1 - _WEIGHT) * old + _WEIGHT * seconds

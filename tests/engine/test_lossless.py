@@ -218,7 +218,7 @@ def test_the_engine_times_each_verify_by_its_rounds_drafts(model_dir):
     round that ``max_tokens`` cuts."""
     llm = lossless(model_dir, 3)
     llm.generate([prompt(70)], greedy(10), use_tqdm=False)  # rounds yield 1..4 tokens: the last one may be cut
-    timed = llm.engine.speculation._bucket(1).verify_seconds
+    timed = llm.engine.speculation._bucket(1).verify_by_drafts
     assert 3 in timed and set(timed) <= {1, 2, 3} and all(seconds > 0 for seconds in timed.values())
 
 

@@ -421,8 +421,9 @@ def paged_decode_attention_into(
 
 def _f16_dot(q: torch.Tensor, k_pages: torch.Tensor) -> bool:
     """Whether the kernel takes fp8 pages under a bf16 query in float16 dots: e4m3 converts to float16 in one
-    instruction per pair of values (to bf16 in three), every e4m3 value and the softmax weights are exact or finer
-    in float16, and a bf16 query is exact there up to float16's range (±65504), far above a query's values."""
+    instruction per pair of values (to bf16 in three), every e4m3 value is exact in float16 and the softmax weights
+    are finer there than in bf16, and a bf16 query is exact there from float16's smallest normal (6.1e-5) to its
+    largest value (65504): a query component outside that keeps float16's subnormal precision or overflows."""
     return k_pages.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
 
 
