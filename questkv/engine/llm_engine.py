@@ -352,6 +352,8 @@ class LLMEngine:
         Quest's page accounting); ``live``: per sampling row."""
         seqs = batch.seqs[:batch.num_decodes]
         contexts = list(batch.seq_lens[:batch.num_decodes])  # the new token included
+        for i in (i for i, drafts in enumerate(batch.ahead) if drafts):  # its verify, updated since, set its length
+            contexts[i] = seqs[i].num_tokens + len(seqs[i].draft_token_ids)
         attended = list(map(float, contexts))
         page_size = self.cache.page_size
         sparse_rows = [i for i, seq in enumerate(seqs) if not seq.quest.dense]

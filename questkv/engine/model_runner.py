@@ -39,7 +39,7 @@ from questkv.distributed.group import TensorParallel
 from questkv.engine.engine_config import EngineConfig
 from questkv.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_batch_sizes
 from questkv.engine.kv_pool import plan_cache
-from questkv.engine.speculation import draft_reuse_steps
+from questkv.engine.speculation import draft_reuse_steps, verified_next_inputs
 from questkv.engine.sequence import Sequence
 from questkv.engine.step_data import PrefillInputs, SampledTokens, ScheduledBatch, StepMessage
 from questkv.layers.attention import bind_cache
@@ -50,9 +50,10 @@ from questkv.ops.pages import ReusedSelections
 
 # Rows of the packed decode inputs: token ids, positions, sequence lengths, token budgets, page-table rows, the
 # row of the previous step's sampled tokens that holds a row's input token (-1: the id is in _IDS), whether
-# the row's phase makes it select (selection reuse), and whether it decodes densely (its route).
-_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _DENSE = range(8)
-NUM_INPUTS = 8
+# the row's phase makes it select (selection reuse), whether it decodes densely (its route), and whether it is
+# launched ahead of its verify's update (1: its position and length move by the drafts that verify kept).
+_IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _DENSE, _AHEAD = range(9)
+NUM_INPUTS = 9
 # A verify step's staged rows per verified row: first position, KV length, page-table row, token budget, and the
 # row of the previous step's sampled tokens that holds its last input token (-1: that id is staged).
 _VERIFY_INPUTS = 5
@@ -148,8 +149,10 @@ class ModelRunner:
         self._verify_ids = torch.zeros((verify_rows, MAX_SPECULATIVE_TOKENS + 1), dtype=torch.int64, device=self.device)
         self._host_verify = torch.zeros((_VERIFY_INPUTS + MAX_SPECULATIVE_TOKENS + 1, verify_rows), dtype=torch.int64,
                                         pin_memory=pin)
-        # The latest step's sampled tokens on the device, in its batch order, and each request's row there.
+        # The latest step's sampled tokens on the device, in its batch order (a verify row's: the next input), and
+        # each request's row there; after a step with verify rows, the drafts each row kept.
         self._sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self._kept_drafts = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._sampled_rows: dict[str, int] = {}
         self._steps: dict[tuple[int, int, StepRoute, int], QuestDecodeStep] = {}
 
@@ -173,9 +176,11 @@ class ModelRunner:
         count = batch.num_sampled
         if self.tp is not None and count:
             tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
-        if not batch.num_verifies:  # (the step after a verify waits for its tokens on the host: Scheduler.waits_for)
+        if batch.num_verifies:
+            self._keep_next_inputs(self._next_inputs(tokens, batch))
+        else:
             self._sampled[:count].copy_(tokens)
-            self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
+        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
         flip = self._tokens_flip
         self._tokens_flip ^= 1
         if self._host_tokens[flip].shape[0] < tokens.shape[0]:
@@ -188,6 +193,36 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         return SampledTokens(host, done, logprobs)
+
+    def _next_inputs(self, tokens: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+        """Each sampling row's next input token and the drafts it kept (:func:`verified_next_inputs` over the
+        step's sampled ``tokens``: a verify row keeps its drafts while they equal its tokens), ``[2, num_sampled]``
+        int64 on the device; with tensor parallelism broadcast from rank 0. Reads the step before's sampled tokens
+        (a verify row's last draft may be in flight), so it runs before they are overwritten."""
+        count = batch.num_sampled
+        width = max(batch.num_new_tokens[batch.num_decodes:batch.num_decodes + batch.num_verifies]) - 1
+        staged = torch.full((count, 1 + width), -1, dtype=torch.int64)  # per row: its first token's index, drafts
+        flying, at = [], 0
+        for row, (seq, seq_len) in enumerate(zip(batch.seqs[:count], batch.seq_lens)):
+            staged[row, 0], tokens_of_row = at, batch.num_sampled_tokens(row)
+            if batch.num_decodes <= row < batch.num_decodes + batch.num_verifies:
+                ids, in_flight = seq.input_tokens(seq_len, tokens_of_row)
+                staged[row, 1:tokens_of_row] = torch.tensor(ids[1:])
+                if in_flight:  # its last draft, launched just before: [row, column, row of the sampled tokens]
+                    flying.append([row, tokens_of_row - 1, self._sampled_rows[seq.request_id]])
+            at += tokens_of_row
+        staged = staged.to(self.device, non_blocking=True)
+        if flying:
+            rows, columns, sources = torch.tensor(flying, dtype=torch.int64).to(self.device, non_blocking=True).T
+            staged[rows, columns] = self._sampled[sources]
+        next_inputs = torch.stack(verified_next_inputs(tokens, staged[:, 0], staged[:, 1:]))
+        return next_inputs if self.tp is None else self.tp.broadcast(next_inputs)
+
+    def _keep_next_inputs(self, next_inputs: torch.Tensor) -> None:
+        """Keep a step's ``[2, rows]`` next inputs and kept drafts (:meth:`_next_inputs`) for the next step's rows."""
+        count = next_inputs.shape[1]
+        self._sampled[:count].copy_(next_inputs[0])
+        self._kept_drafts[:count].copy_(next_inputs[1])
 
     def _forced_logprobs(self, logits: torch.Tensor, batch: ScheduledBatch, flip: int) -> Optional[torch.Tensor]:
         """Launch the copy of each sampling row's log-probability of its forced token (``[num_sampled]`` float32 on
@@ -224,7 +259,7 @@ class ModelRunner:
         if not n:
             self._publish(batch, prefill=inputs)
             return self._run_prefill(inputs)
-        key, host = self._stage_decode(batch.seqs[:n], batch.seq_lens[:n], batch.dense_rows)
+        key, host = self._stage_decode(batch.seqs[:n], batch.seq_lens[:n], batch.dense_rows, batch.ahead)
         self._publish(batch, prefill=inputs, decode=(host.numpy(), key))
         logits = self._run_prefill(inputs, key)  # [padded + sampling prefill rows, vocab]
         return logits if key[0] == n else torch.cat([logits[:n], logits[key[0]:]])  # without the padding rows
@@ -333,7 +368,7 @@ class ModelRunner:
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[len(batch.seqs), vocab]`` float32 logits of a decode-only step (every row a decode row)."""
-        key, host = self._stage_decode(batch.seqs, batch.seq_lens, batch.dense_rows)
+        key, host = self._stage_decode(batch.seqs, batch.seq_lens, batch.dense_rows, batch.ahead)
         self._publish(batch, decode=(host.numpy(), key))  # pickled at once: no copy
         return self._run_step(key, self._decode_body)[:len(batch.seqs)]
 
@@ -341,10 +376,11 @@ class ModelRunner:
         """Step ``key``'s logits: its CUDA graph replayed, or ``body`` run eagerly (a batch size without graphs)."""
         return self.graphs.replay(key, body) if self.graphs.covers(key) else body(*key)
 
-    def _stage_decode(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], dense_rows: tuple[bool, ...]
-                      ) -> tuple[GraphKey, torch.Tensor]:
-        """Stage the decode rows ``seqs`` (KV lengths ``seq_lens``, routes ``dense_rows``: the scheduler's
-        :attr:`ScheduledBatch.dense_rows`; :meth:`_stage_inputs`); return their graph key and staged host inputs.
+    def _stage_decode(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], dense_rows: tuple[bool, ...],
+                      ahead: tuple[int, ...]) -> tuple[GraphKey, torch.Tensor]:
+        """Stage the decode rows ``seqs`` (KV lengths ``seq_lens``, routes ``dense_rows`` and rows launched ahead of
+        their verify ``ahead``: the scheduler's :attr:`ScheduledBatch.dense_rows` and :attr:`ScheduledBatch.ahead`;
+        :meth:`_stage_inputs`); return their graph key and staged host inputs.
         The key: the padded batch size, the page-table width, the route, and whether any row may select (not when
         every row is off its phase or drafting, and its slot keeps a selection, whose pages begun since never
         outgrow the extra columns: :meth:`SelectionMemory.rows` then finds no row active). A mixed step's decode
@@ -353,7 +389,7 @@ class ModelRunner:
         width = self.graphs.width(self.cache.pages_for_tokens(max(seq_lens)))
         dense_rows = list(dense_rows)
         route = step_route(dense_rows)
-        host = self._stage_inputs(seqs, seq_lens, padded, width, dense_rows)
+        host = self._stage_inputs(seqs, seq_lens, padded, width, dense_rows, ahead)
         slots = [seq.cache_id for seq in seqs]
         selecting = (self.memory is None or route != StepRoute.SPARSE or bool(host[_DUE, :len(seqs)].any())
                      or not self._kept.issuperset(slots))
@@ -384,7 +420,8 @@ class ModelRunner:
                 updates.append((seq_id, start, pages, self.cache.seq_len(seq_id)))
             self._mirrored[seq_id] = start + len(pages)
         count = sum(map(batch.num_sampled_tokens, range(batch.num_sampled)))
-        self._send(StepMessage(tuple(updates), count=count, bounds=(bound_pages, bound_counts), **step))
+        self._send(StepMessage(tuple(updates), count=count, rows=batch.num_sampled,
+                               bounds=(bound_pages, bound_counts), **step))
 
     def run_step(self, message: StepMessage) -> None:
         """Run one step rank 0 sent (a rank other than 0 with tensor parallelism): follow its page table, run the
@@ -398,6 +435,8 @@ class ModelRunner:
         if message.verify is not None:
             self._run_verify(*message.verify)
             self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
+            self._keep_next_inputs(self.tp.broadcast(torch.empty((2, message.rows), dtype=torch.int64,
+                                                                 device=self.device)))
             return
         key = None
         if message.decode is not None:
@@ -412,15 +451,19 @@ class ModelRunner:
             self._run_step(key, self._decode_body)
         if message.count:  # as rank 0: a step that samples nothing broadcasts nothing
             tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
-            if message.prefill is None or not message.prefill.num_verifies:  # (as rank 0: nothing reads a verify's)
+            if message.prefill is not None and message.prefill.num_verifies:  # and then the rows' next inputs
+                tokens = torch.empty((2, message.rows), dtype=torch.int64, device=self.device)
+                self._keep_next_inputs(self.tp.broadcast(tokens))
+            else:
                 self._sampled[:message.count].copy_(tokens)
 
     def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], padded: int, width: int,
-                      dense_rows: list[bool]) -> torch.Tensor:
+                      dense_rows: list[bool], ahead: tuple[int, ...]) -> torch.Tensor:
         """Copy the packed decode inputs of the decode rows ``seqs`` (their KV lengths ``seq_lens``, page-table width
-        ``width``, whether each decodes densely ``dense_rows``) to the device; rows past them (up to the padded batch
-        ``padded``) read and write one token of the scratch sequence. Returns the host copy, ``[NUM_INPUTS,
-        padded]`` int64."""
+        ``width``, whether each decodes densely ``dense_rows``, the drafts of the verify each follows in flight
+        ``ahead``, see :attr:`ScheduledBatch.ahead`: staged as if it kept none) to the device; rows past them (up
+        to the padded batch ``padded``) read and write one token of the scratch sequence. Returns the host copy,
+        ``[NUM_INPUTS, padded]`` int64."""
         host = self._host_inputs[self._flip][:, :padded]
         self._flip ^= 1
         host[_IDS].zero_()
@@ -431,14 +474,16 @@ class ModelRunner:
         host[_SRC].fill_(-1)
         host[_DUE].fill_(1)
         host[_DENSE].zero_()
+        host[_AHEAD].zero_()
         if seqs:
             rows = []
             if len(dense_rows) != len(seqs):
                 raise RuntimeError(f"{len(seqs)} decode rows staged with {len(dense_rows)} routes")
-            for seq, seq_len, dense in zip(seqs, seq_lens, dense_rows):
+            for seq, seq_len, dense, drafts in zip(seqs, seq_lens, dense_rows, ahead or (0,) * len(seqs)):
+                seq_len -= drafts
                 position = seq_len - 1
                 token = seq.last_token
-                known = seq.holds_token(seq_len - 1)  # else the token in flight from the last step
+                known = not drafts and seq.holds_token(seq_len - 1)  # else the token in flight from the last step
                 if not known and seq.is_forced(position - seq.num_prompt_tokens):
                     # A forced output in flight: its token is known here (the in-flight one is the sampler's choice).
                     token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True
@@ -448,7 +493,7 @@ class ModelRunner:
                        else is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval))
                 rows.append([token if known else 0, position, seq_len,
                              seq.quest.token_budget or self.budget or 0, seq.cache_id,
-                             -1 if known else self._sampled_rows[seq.request_id], int(due), int(dense)])
+                             -1 if known else self._sampled_rows[seq.request_id], int(due), int(dense), int(drafts > 0)])
             host[:, :len(rows)] = torch.tensor(rows, dtype=torch.int64).T
         self._inputs[:, :padded].copy_(host, non_blocking=True)
         return host
@@ -468,7 +513,7 @@ class ModelRunner:
         if self._send is not None and keys:
             self._send(StepMessage((), capture=True))  # the other ranks capture theirs alongside (the collectives meet)
         for key in tqdm(keys, desc="capturing decode graphs", disable=not progress):
-            self._stage_inputs((), (), *key[:2], [])
+            self._stage_inputs((), (), *key[:2], [], ())
             self.graphs.capture(key, self._decode_body)
         return len(keys)
 
@@ -487,14 +532,15 @@ class ModelRunner:
         int64 positions, ``[batch]`` int64 slots, and the rows' attention metadata (device ops only; on CPU the
         host's claim that no row selects, ``selecting=False``, is checked against the memory's flags)."""
         inputs = self._inputs[:, :batch]
-        source = inputs[_SRC]
-        ids = torch.where(source >= 0, self._sampled[source.clamp(min=0)], inputs[_IDS])
-        positions = inputs[_POS]
+        source = inputs[_SRC].clamp(min=0)
+        ids = torch.where(inputs[_SRC] >= 0, self._sampled[source], inputs[_IDS])
+        shift = self._kept_drafts[source] * inputs[_AHEAD]  # [batch] int64: 0 but on a row launched ahead
+        positions = inputs[_POS] + shift
         page_table = self.cache.page_table.index_select(0, inputs[_ROWS])[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
         slots = page_table.gather(1, (positions // page_size)[:, None])[:, 0].long() * page_size + positions % page_size
         budgets = None if route == StepRoute.DENSE else inputs[_BUDGETS].to(torch.int32)
-        seq_lens = inputs[_LENS].to(torch.int32)
+        seq_lens = (inputs[_LENS] + shift).to(torch.int32)
         step = self._step(batch, width, route)
         reuse = None
         if route == StepRoute.MIXED:
@@ -576,6 +622,10 @@ class ModelRunner:
         floats, ints = batch.sampling_rows(self.config.seed)
         floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
         ints = torch.tensor(ints, dtype=torch.int64).to(self.device, non_blocking=True)
+        ahead = [[row, self._sampled_rows[batch.seqs[row].request_id]] for row, drafts in enumerate(batch.ahead) if drafts]
+        if ahead:  # a row launched ahead of its verify samples the output after the drafts that verify kept
+            rows, sources = torch.tensor(ahead, dtype=torch.int64).to(self.device, non_blocking=True).T
+            ints[rows, 2] += self._kept_drafts[sources]
         filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort
         return self.sampler(
             logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], apply_top_k_top_p=filtering

@@ -233,6 +233,9 @@ class Scheduler:
             return None
         seqs = (*decodes, *verifies, *prefills)
         verified = tuple(seq.num_drafts + 1 for seq in verifies)  # (the last draft may be in flight)
+        ahead = tuple(seq.verify_in_flight for seq in decodes)  # first drafts launched ahead of their verify's update
+        for seq in verifies:
+            seq.verify_in_flight = seq.num_drafts
         decoding = decodes or verifies  # (a verify row is decode work: a step of verifies and prefills is mixed)
         self.step_counts["mixed" if decoding and prefills else "decode" if decoding else "prefill"] += 1
         self.step_tokens["decode"] += len(decodes)
@@ -248,7 +251,7 @@ class Scheduler:
         return ScheduledBatch(
             seqs, (1,) * len(decodes) + verified + tuple(news), seq_lens, num_decodes=len(decodes),
             partial=bool(prefills) and prefills[-1] is self._prefilling, num_verifies=len(verifies),
-            drafts=drafts, dense_rows=dense,
+            drafts=drafts, dense_rows=dense, ahead=ahead if any(ahead) else (),
         )
 
     def round_draft_tokens(self) -> int:
@@ -261,27 +264,41 @@ class Scheduler:
     def waits_for(self, in_flight: Optional[ScheduledBatch]) -> bool:
         """Whether the next step needs the tokens of the step ``in_flight`` (launched, not yet updated; ``None``:
         none) on the host, so that the engine must update that step before it schedules the next (asynchronous
-        scheduling). A lossless round needs them at its ends: after a verify (the tokens it keeps set the lengths)
-        and before a round starts (its drafts are counted from the outputs). Its draft steps and its verify are
-        launched ahead, as decode steps are (a row's input token in flight is read on the device; the verify's
-        update comes after its last draft's). Asks the policy for the next :meth:`schedule`'s drafts once, so that
-        the answer and the step agree."""
+        scheduling). A lossless round's draft steps and its verify are launched ahead, as decode steps are (a row's
+        input token in flight is read on the device; the verify's update comes after its last draft's), and so is
+        the next round's first draft after a verify that :meth:`_drafts_ahead` allows: its input token, position
+        and KV length then follow on the device from the tokens the verify keeps. Otherwise a round needs them at
+        its ends: after a verify (the tokens it keeps set the lengths) and before a round starts (its drafts are
+        counted from the outputs). Asks the policy for the next :meth:`schedule`'s drafts once, so that the answer
+        and the step agree."""
         self._round_k, self._round_planned = self.round_draft_tokens(), True
         if in_flight is None:
             return False
         if in_flight.num_verifies:
-            return True
+            return not self._drafts_ahead(in_flight)
         return any(seq.quest.speculative_tokens and seq.num_in_flight and not seq.num_drafts and self._decodes(seq)
                    and self._may_start_round(seq, self.cache.seq_len(seq.cache_id) + 1) for seq in self.running)
+
+    def _drafts_ahead(self, verify: ScheduledBatch) -> bool:
+        """Whether the next step may launch each verify row of ``verify`` (launched, not yet updated) as the first
+        draft of its next round whatever its verify keeps (between 1 and all its drafts + 1 tokens): no forced
+        output is left, the round starts at the shortest length and drafts at least once after the longest run, and
+        every decoding sequence gets its next token's page without a preemption."""
+        rows = verify.seqs[verify.num_decodes:verify.num_decodes + verify.num_verifies]
+        if not all(seq.status is SequenceStatus.RUNNING and not seq.is_forced(seq.num_output_tokens)
+                   and self._may_start_round(seq, seq.num_tokens + 1, seq.verify_in_flight + 1) for seq in rows):
+            return False
+        decoding = [seq.cache_id for seq in self.running if self._decodes(seq)]
+        return self.cache.can_reserve(decoding, [1] * len(decoding))
 
     def _due(self, seq: Sequence) -> bool:
         """Whether ``seq`` holds every draft of its round (updated or in flight): it verifies in the next step."""
         return bool(seq.num_drafts) and seq.num_drafts >= self.draft_limit(seq)
 
-    def _may_start_round(self, seq: Sequence, seq_len: int) -> bool:
+    def _may_start_round(self, seq: Sequence, seq_len: int, pending: int = 0) -> bool:
         """Whether a step that gives ``seq`` ``seq_len`` cached tokens may make it draft (a lossless request, a draft
-        limit above 0, a route of Quest's), its tokens so far being all on the host."""
-        return (seq.quest.speculative_tokens > 0 and self.draft_limit(seq) > 0
+        limit above 0 after ``pending`` more outputs, a route of Quest's), its tokens so far being all on the host."""
+        return (seq.quest.speculative_tokens > 0 and self.draft_limit(seq, pending) > 0
                 and not decodes_densely(self.quest, seq.quest.token_budget, seq_len))
 
     def update(
@@ -337,6 +354,8 @@ class Scheduler:
         verifying = range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
         kept = {i: keep_verified(seq, rows[i], self.speculation, batch.num_decodes + batch.num_verifies)
                 for i, seq, _ in live if i in verifying}
+        for i in verifying:
+            sampled[i].verify_in_flight = 0
         self._rewind([(seq, kept[i]) for i, seq, _ in live if i in kept and seq.cache_id is not None])
         now = time.perf_counter()
         finished = []
@@ -358,11 +377,12 @@ class Scheduler:
 
     def _rewind(self, rounds: list[tuple[Sequence, list[int]]]) -> None:
         """Drop the verified sequences' positions past their kept tokens (all but the last, which is the next
-        input) and recompute the key bounds of the pages their round wrote."""
+        input) and the next round's first draft if it is in flight (its position follows them), and recompute the
+        key bounds of the pages their round wrote (that draft's key included: its step ran before)."""
         if rounds:
             start = [seq.num_tokens - 1 for seq, _ in rounds]  # the round's first input: its last verified token
             self.cache.rewind([seq.cache_id for seq, _ in rounds],
-                              [seq.num_tokens + len(kept) - 1 for seq, kept in rounds], start)
+                              [seq.num_tokens + len(kept) - 1 + seq.num_in_flight for seq, kept in rounds], start)
         for seq, _ in rounds:
             seq.draft_token_ids = []
 
@@ -550,17 +570,19 @@ class Scheduler:
                                "all but the last first (Scheduler.waits_for)")
         return [seq for seq in seqs if id(seq) not in verify], [seq for seq in seqs if id(seq) in verify]
 
-    def draft_limit(self, seq: Sequence) -> int:
-        """Drafts the lossless ``seq`` takes this round: its ``speculative_tokens``, fewer where the policy picks
-        fewer (:class:`~questkv.engine.speculation.SpeculationPolicy`) or where the round's verify would otherwise
-        pass ``max_tokens`` or ``max_model_len`` (it outputs up to one token more than its drafts)."""
+    def draft_limit(self, seq: Sequence, pending: int = 0) -> int:
+        """Drafts the lossless ``seq`` takes this round (after ``pending`` more outputs): its ``speculative_tokens``,
+        fewer where the policy picks fewer (:class:`~questkv.engine.speculation.SpeculationPolicy`) or where the
+        round's verify would otherwise pass ``max_tokens`` or ``max_model_len`` (it outputs up to one token more
+        than its drafts)."""
+        outputs, tokens = seq.num_output_tokens + pending, seq.num_tokens + pending
         return min(seq.quest.speculative_tokens, self._round_k,
-                   seq.sampling_params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+                   seq.sampling_params.max_tokens - outputs - 1, self.max_model_len - tokens - 1)
 
     def _drafts(self, seq: Sequence) -> bool:
         """Whether the decode row ``seq`` (its next position allocated) drafts: it is in a lossless round, or may
         start one (a route of Quest's and a draft limit above 0)."""
-        if seq.num_drafts:
+        if seq.num_drafts or seq.verify_in_flight:  # (its verify in flight: waits_for let its next round start)
             return True
         # A round starts only from tokens on the host (none in flight but this step's): draft_limit counts outputs.
         return seq.num_in_flight == 1 and self._may_start_round(seq, self.cache.seq_len(seq.cache_id))
@@ -572,7 +594,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)
-        seq.draft_token_ids = []  # a preempted round is recomputed from its verified tokens
+        seq.draft_token_ids, seq.verify_in_flight = [], 0  # a preempted round is recomputed from its verified tokens
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -587,12 +609,15 @@ class Scheduler:
         """Offer the sequence's newly filled pages to the prefix cache (cheap when none filled up). A Quest request
         (``seq.quest``) offers only its prefilled pages: a token that a Quest step computed attended part of its
         context, so its K/V are not those of a prefill of the same tokens (a dense or lossless request's are:
-        a verify step overwrites the drafts' K/V with dense attention's)."""
+        a verify step overwrites the drafts' K/V with dense attention's, all but its newest token's, which the next
+        round's first draft writes, possibly launched before the update that appended the token)."""
         cache = self.cache
         if not cache.prefix_caching:
             return
         known = min(cache.seq_len(seq.cache_id), seq.num_tokens)
-        if not seq.quest.dense and not seq.quest.speculative_tokens:  # a lossless request's K/V are verified
+        if seq.quest.speculative_tokens:  # verified K/V, but its newest token's: the next round's first draft's
+            known = min(known, seq.num_tokens - 1)
+        elif not seq.quest.dense:
             known = min(known, seq.num_prefilled_tokens)
         if known // cache.page_size > cache.num_registered_pages(seq.cache_id):
             cache.register(seq.cache_id, seq.all_token_ids[:known])

@@ -91,7 +91,9 @@ class Sequence:
             positions too (see :mod:`questkv.engine.scheduler`).
         num_drafts_in_flight: its draft steps launched and not yet updated (at most 2, under asynchronous
             scheduling: a round's drafts and its verify are launched one step ahead of their update, like decode
-            steps).
+            steps, and so is the next round's first draft, ahead of the verify's update).
+        verify_in_flight: the drafts its verify step in flight checks (``draft_token_ids`` until its update), 0
+            when none is: the drafts of the next round, whose first may be launched meanwhile, are counted apart.
         num_verify_steps, num_draft_tokens, num_accepted_tokens: a lossless request's verify steps so far, the draft
             tokens they scored and those they kept (the bonus token each verify adds is not counted as accepted).
     """
@@ -123,6 +125,7 @@ class Sequence:
     detokenizer: Optional[Any] = None
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_drafts_in_flight: int = 0
+    verify_in_flight: int = 0
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -186,8 +189,9 @@ class Sequence:
 
     @property
     def num_drafts(self) -> int:
-        """Drafts of its current round, updated (``draft_token_ids``) or in flight."""
-        return len(self.draft_token_ids) + self.num_drafts_in_flight
+        """Drafts of its current round, updated (``draft_token_ids``) or in flight (a round being verified is
+        done: its drafts are not counted)."""
+        return len(self.draft_token_ids) + self.num_drafts_in_flight - self.verify_in_flight
 
     @property
     def last_token(self) -> int:

@@ -20,11 +20,14 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 if TYPE_CHECKING:
     from questkv.config import SpeculativeConfig
     from questkv.engine.sequence import Sequence
 
-__all__ = ["PROBE_EVERY", "SpeculationPolicy", "StepKind", "draft_reuse_steps", "expected_tokens", "keep_verified"]
+__all__ = ["PROBE_EVERY", "SpeculationPolicy", "StepKind", "draft_reuse_steps", "expected_tokens", "keep_verified",
+           "verified_next_inputs"]
 
 PROBE_EVERY = 32
 """Rounds between two dense steps that refresh the dense step's time, and dense steps between two rounds that
@@ -168,3 +171,25 @@ def keep_verified(seq: "Sequence", tokens: list[int], policy: Optional[Speculati
     if policy is not None:
         policy.record_round(rows, len(drafts), accepted)
     return tokens[:accepted + 1]
+
+
+def verified_next_inputs(tokens: torch.Tensor, offsets: torch.Tensor, drafts: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`keep_verified`'s choice on the device, for every row of a step at once, so that the next round's first
+    draft can be launched before the verify's update: per row, the next step's input token (the token after the
+    drafts it keeps) and how many drafts it keeps.
+
+    Args:
+        tokens: ``[num tokens]`` int64, the step's sampled tokens, row after row (a verify row's ``k + 1``).
+        offsets: ``[rows]`` int64, each row's first token in ``tokens``.
+        drafts: ``[rows, width]`` int64, a verify row's ``k <= width`` drafts then -1; any other row's -1 only
+            (a token is never -1: no draft is kept and its one token is the next input).
+
+    Returns:
+        ``[rows]`` int64 next input tokens and ``[rows]`` int64 drafts kept.
+    """
+    width = drafts.shape[1]
+    index = offsets[:, None] + torch.arange(width + 1, dtype=torch.int64, device=tokens.device)
+    sampled = tokens[index.clamp(max=tokens.shape[0] - 1)]  # [rows, width + 1]: past a row's tokens never compared
+    kept = (sampled[:, :width] == drafts).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    return sampled.gather(1, kept[:, None])[:, 0], kept

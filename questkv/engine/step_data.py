@@ -47,6 +47,11 @@ class ScheduledBatch:
         dense_rows: per decode row, whether its step attends densely: the route of
             :func:`~questkv.decode.route.decodes_densely`, or a lossless request's row that does not draft (its
             token is output as it is). The runner and the attention accounting read it.
+        ahead: per decode row, the drafts of its verify step still in flight (0: none), or ``()`` when no row has
+            one: the row is its next round's first draft, launched before the verify's update
+            (:meth:`~questkv.engine.scheduler.Scheduler.waits_for`), and its ``seq_lens`` entry is the longest it
+            can be (every draft kept); on the device its input token is the verify's token after the drafts it
+            keeps, and its position and KV length move back by the drafts it rejects.
         partial: with chunking, whether the last sequence's prefill goes on in a later step (its ``seq_lens``
             stops short of its tokens): it samples nothing, so the step samples a token for ``seqs[:num_sampled]``
             only (every decode row, and each prefill row that completes).
@@ -60,6 +65,7 @@ class ScheduledBatch:
     num_verifies: int = 0
     drafts: tuple[int, ...] = ()
     dense_rows: tuple[bool, ...] = ()
+    ahead: tuple[int, ...] = ()
 
     @property
     def num_prefills(self) -> int:
@@ -99,10 +105,12 @@ class ScheduledBatch:
 
     def sampling_rows(self, engine_seed: int) -> tuple[list[list[float]], list[list[int]]]:
         """Per sampled token, ``[temperature, top_p]`` and ``[top_k, seed, output index]`` (a verify row's tokens at
-        its consecutive outputs; the seed :meth:`Sequence.sampling_seed`'s)."""
+        its consecutive outputs; the seed :meth:`Sequence.sampling_seed`'s; an :attr:`ahead` row's index as if its
+        verify kept no draft: the runner adds the drafts it keeps on the device)."""
         floats, ints = [], []
         for row, (seq, seq_len) in enumerate(zip(self.seqs[:self.num_sampled], self.seq_lens)):
             p, count, seed = seq.sampling_params, self.num_sampled_tokens(row), seq.sampling_seed(engine_seed)
+            seq_len -= self.ahead[row] if row < len(self.ahead) else 0
             for j in range(count):  # the row's outputs, from seq_len - count on
                 floats.append([p.temperature, p.top_p])
                 ints.append([p.top_k, seed, seq_len - count + 1 + j - seq.num_prompt_tokens])
@@ -169,6 +177,8 @@ class StepMessage:
             ~70) and the graph key, or ``None``. Both set: a mixed step.
         count: the tokens the step samples (broadcast from rank 0; none for a step that only prefills part of a
             prompt): one per sampling sequence, ``num_new_tokens`` per verify row.
+        rows: the step's sampling rows; with verify rows, rank 0 then broadcasts each one's next input token and
+            the drafts it kept, ``[2, rows]`` int64 (``ModelRunner._next_inputs``).
         capture: capture every decode graph (``graph_capture="startup"``), nothing else.
         verify: a step of aligned lossless verify rows (:meth:`ModelRunner._run_verify`'s arguments), or ``None``.
         bounds: ``(pages, counts)`` whose key bounds rank 0 recomputed since its last message (lossless rewinds,
@@ -179,6 +189,7 @@ class StepMessage:
     prefill: Optional[PrefillInputs] = None
     decode: Optional[tuple[np.ndarray, GraphKey]] = None
     count: int = 0
+    rows: int = 0
     capture: bool = False
     verify: Optional[tuple[np.ndarray, GraphKey, tuple[int, ...]]] = None
     bounds: tuple[list[int], list[int]] = ([], [])

@@ -261,25 +261,66 @@ def test_asynchronous_rounds_launch_each_step_ahead_of_the_last_ones_update(mode
     assert all(verifying <= 1 for _, verifying, _ in launches)
 
 
-def test_only_a_rounds_first_draft_is_launched_after_the_step_before_it_was_updated(model_dir, dense):
-    """Asynchronous rounds of one request: the engine updates a verify before it schedules the next round's first
-    draft, which then stays in flight, so each later draft and the verify are launched ahead of the update of the
-    step before (a draft launched with the one before it in flight counts 2 drafts in flight)."""
-    llm = lossless(model_dir, 4, async_scheduling=True)
-    drafts, verifies = [], []
+@SOURCES
+def test_a_rounds_first_draft_is_launched_before_its_verifys_update(model_dir, source, dense):
+    """Asynchronous rounds of one request: every draft and verify is launched ahead of the update of the step
+    before, the next round's first draft too, before the verify's update (its input token, position and KV length
+    follow on the device from the drafts the verify keeps), wherever the longest kept run still leaves room for a
+    draft and its verify before ``max_tokens``."""
+    k, max_tokens = 4, 40
+    llm = lossless(model_dir, k, draft_selection=source, async_scheduling=True)
+    launches, drafts, due_ahead = [], [], 0
     execute = llm.engine.runner.execute
 
     def record(batch):
-        for i in batch.drafts:
-            drafts.append(batch.seqs[i].num_drafts_in_flight)
-        verifies.extend(batch.seqs[batch.num_decodes:batch.num_decodes + batch.num_verifies])
+        nonlocal due_ahead
+        launches.append(batch)
+        drafts.extend(batch.seqs[i].num_drafts_in_flight for i in batch.drafts)  # (this step's counted)
+        for seq in batch.seqs[batch.num_decodes:batch.num_decodes + batch.num_verifies]:
+            due_ahead += seq.num_output_tokens + seq.verify_in_flight + 2 < max_tokens
         return execute(batch)
 
     llm.engine.runner.execute = record
-    prompts, params = [prompt(70)], [greedy(40)]
+    prompts, params = [prompt(70)], [greedy(max_tokens)]
     assert run(llm, prompts, params) == run(dense, prompts, params)
-    assert len(verifies) >= 4 and set(drafts) == {1, 2}
-    assert drafts.count(1) <= len(verifies) + 1  # one per round: its first draft
+    ahead = [batch for batch in launches if batch.ahead]
+    assert due_ahead >= 3 and len(ahead) == due_ahead
+    assert all(batch.ahead == (k,) and batch.drafts == (0,) for batch in ahead)
+    assert set(drafts) == {1, 2}  # a later draft launched before the one before it was updated
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_first_drafts_launched_ahead_in_ragged_batches_give_the_dense_engines_tokens(model_dir, dense, temperature):
+    """Ragged rounds launched ahead of their verify's update, greedy or seeded: the drafts' positions, lengths and
+    sampling indices follow on the device from each row's kept drafts; the outputs are the dense engine's, and each
+    seeded draft draws with the index of the output it drafts (the dense step's noise there)."""
+    llm = lossless(model_dir, 3, async_scheduling=True)
+    runner, scheduler = llm.engine.runner, llm.engine.scheduler
+    launched, indices, pending = [], {}, []
+    execute, sampler, update = runner.execute, runner.sampler, scheduler.update
+
+    def record(batch):
+        launched.append(bool(batch.ahead))
+        pending.append(batch)
+        return execute(batch)
+
+    def sample(logits, *args, **kwargs):  # args: temperature, top_k, top_p, seed, output index
+        indices[id(pending[-1])] = args[4].tolist()
+        return sampler(logits, *args, **kwargs)
+
+    def check(batch, tokens, *args):  # a draft's index: the output its token would be once kept
+        for i in batch.drafts:
+            seq = batch.seqs[i]
+            if id(batch) in indices and not seq.is_finished and seq.cache_id is not None:
+                assert indices[id(batch)][i] == seq.num_output_tokens + len(seq.draft_token_ids)
+        return update(batch, tokens, *args)
+
+    runner.execute, runner.sampler, scheduler.update = record, sample, check
+    prompts, params = ragged(6)
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=p.max_tokens + 10, ignore_eos=True)
+              for i, p in enumerate(params)]
+    assert run(llm, prompts, params) == run(dense, prompts, params)
+    assert any(launched) and (temperature == 0 or indices)
 
 
 @pytest.mark.parametrize("config, message", [
@@ -301,12 +342,14 @@ def test_lossless_needs_quest(model_dir):
 
 
 @SOURCES
-def test_two_tensor_parallel_ranks_give_the_dense_tokens(model_dir, source, dense):
-    """Rank 0 sends the verify steps and the rewinds' recomputed bounds; the other rank follows (gloo, CPU)."""
+@ASYNC
+def test_two_tensor_parallel_ranks_give_the_dense_tokens(model_dir, source, dense, asynchronous):
+    """Rank 0 sends the verify steps and the rewinds' recomputed bounds, and broadcasts each verify row's next
+    input and kept drafts (a first draft launched ahead reads them); the other rank follows (gloo, CPU)."""
     prompts, params = ragged(5)
     params[1] = SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
     with lossless(model_dir, 4, draft_selection=source, tensor_parallel_size=2, enable_chunked_prefill=True,
-                  max_num_batched_tokens=48) as sharded:
+                  max_num_batched_tokens=48, async_scheduling=asynchronous) as sharded:
         assert run(sharded, prompts, params) == run(dense, prompts, params)
 
 

@@ -5,7 +5,11 @@ import random
 
 import pytest
 
-from questkv.engine.speculation import PROBE_EVERY, SpeculationPolicy, StepKind, expected_tokens
+import torch
+
+from questkv.engine.sequence import Sequence
+from questkv.engine.speculation import (PROBE_EVERY, SpeculationPolicy, StepKind, expected_tokens, keep_verified,
+                                       verified_next_inputs)
 
 
 @pytest.mark.parametrize("p, k, tokens", [(0.0, 4, 1.0), (1.0, 4, 5.0), (0.5, 2, 1.75), (0.9, 1, 1.9)])
@@ -113,3 +117,25 @@ def test_a_verify_that_costs_more_per_draft_makes_shorter_rounds_win():
     assert policy.draft_tokens(1) == 1
     policy.record_step(StepKind.VERIFY, 1, 8.3e-3, 1)
     assert policy.draft_tokens(1) == 1
+
+
+def test_the_devices_kept_drafts_and_next_inputs_are_keep_verifieds():
+    """verified_next_inputs over a step of random rows (verify rows of random drafts that often match, other rows of
+    one token) equals keep_verified row by row: the drafts kept and the token after them."""
+    rng = random.Random()
+    rows = [rng.choice([0, *range(1, 9)]) for _ in range(12)]  # per row its drafts (0: a decode row)
+    tokens, offsets, width = [], [], max(rows)
+    drafts = torch.full((len(rows), width), -1, dtype=torch.int64)
+    expected = []
+    for row, k in enumerate(rows):
+        sampled = [rng.randrange(5) for _ in range(k + 1)]
+        guesses = [t if rng.random() < 0.7 else rng.randrange(5) for t in sampled[:k]]
+        seq = Sequence(f"r{row}", (1, 2))
+        seq.draft_token_ids = guesses
+        kept = keep_verified(seq, sampled, None, len(rows))
+        expected.append((kept[-1], len(kept) - 1))
+        offsets.append(len(tokens))
+        tokens += sampled
+        drafts[row, :k] = torch.tensor(guesses, dtype=torch.int64)
+    next_inputs, kept = verified_next_inputs(torch.tensor(tokens), torch.tensor(offsets), drafts)
+    assert list(zip(next_inputs.tolist(), kept.tolist())) == expected
