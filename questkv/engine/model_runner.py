@@ -39,11 +39,11 @@ from questkv.distributed.group import TensorParallel
 from questkv.engine.engine_config import EngineConfig
 from questkv.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_batch_sizes
 from questkv.engine.kv_pool import plan_cache
-from questkv.engine.speculation import draft_reuse_steps, verified_next_inputs
+from questkv.engine.speculation import draft_reuse_steps
 from questkv.engine.sequence import Sequence
 from questkv.engine.step_data import PrefillInputs, SampledTokens, ScheduledBatch, StepMessage
+from questkv.engine.step_tokens import StepTokens
 from questkv.layers.attention import bind_cache
-from questkv.layers.sampler import Sampler
 from questkv.models.fusion import fuse_elementwise
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 from questkv.ops.pages import ReusedSelections
@@ -119,7 +119,6 @@ class ModelRunner:
         # (a padding row of a verify step feeds up to MAX_SPECULATIVE_TOKENS + 1 positions)
         self.cache.allocate([self.scratch_seq], [1 if config.speculative_config is None else MAX_SPECULATIVE_TOKENS + 1])
         self.budget = config.quest.token_budget if config.quest is not None else None
-        self.sampler = Sampler()
         batch_sizes = graph_batch_sizes(config.max_num_seqs) if config.use_cuda_graphs else ()
         dense_pages = 0 if self.budget is None else self.cache.pages_for_tokens(
             min(int(quest.dense_context_ratio * self.budget), self.cache.max_pages_per_seq * config.page_size))
@@ -131,16 +130,11 @@ class ModelRunner:
         # (a prefill clears its slots, a step with a dense request its rows', any other decode step sets its rows').
         self._kept: set[int] = set()
         rows = max(batch_sizes, default=config.max_num_seqs)
-        pin = self._pin = self.device.type == "cuda"
+        pin = self.device.type == "cuda"
         # Two pinned staging buffers, used in turn: a step is staged while the copy of the one before may
         # still be queued behind the GPU (asynchronous scheduling).
         self._host_inputs = [torch.zeros((NUM_INPUTS, rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        # Teacher forcing: each row's forced token in, its log-probability out (steps with a forced row only).
-        self._host_forced = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._host_logprobs = [torch.zeros(rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
-        self._forced = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self._flip = self._tokens_flip = 0
+        self._flip = 0
         self._inputs = torch.zeros((NUM_INPUTS, rows), dtype=torch.int64, device=self.device)
         # A verify step's static inputs (lossless): per row its first position, KV length, page-table row, token
         # budget and in-flight source, and its input tokens.
@@ -149,11 +143,7 @@ class ModelRunner:
         self._verify_ids = torch.zeros((verify_rows, MAX_SPECULATIVE_TOKENS + 1), dtype=torch.int64, device=self.device)
         self._host_verify = torch.zeros((_VERIFY_INPUTS + MAX_SPECULATIVE_TOKENS + 1, verify_rows), dtype=torch.int64,
                                         pin_memory=pin)
-        # The latest step's sampled tokens on the device, in its batch order (a verify row's: the next input), and
-        # each request's row there; after a step with verify rows, the drafts each row kept.
-        self._sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self._kept_drafts = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self._sampled_rows: dict[str, int] = {}
+        self.tokens = StepTokens(rows, self.device, config.seed, tp)  # the sampler, and what the next step reads
         self._steps: dict[tuple[int, int, StepRoute, int], QuestDecodeStep] = {}
 
     @torch.inference_mode()
@@ -172,74 +162,7 @@ class ModelRunner:
             logits = self._verify(batch)
         else:
             logits = self._prefill(batch) if batch.num_prefills else self._decode(batch)
-        tokens = self._sample(logits, batch)  # [sampled tokens] int64 on the device
-        count = batch.num_sampled
-        if self.tp is not None and count:
-            tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
-        if batch.num_verifies:
-            self._keep_next_inputs(self._next_inputs(tokens, batch))
-        else:
-            self._sampled[:count].copy_(tokens)
-        self._sampled_rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
-        flip = self._tokens_flip
-        self._tokens_flip ^= 1
-        if self._host_tokens[flip].shape[0] < tokens.shape[0]:
-            self._host_tokens[flip] = torch.zeros(tokens.shape[0], dtype=torch.int64, pin_memory=self._pin)
-        host = self._host_tokens[flip][:tokens.shape[0]]
-        host.copy_(tokens, non_blocking=True)
-        logprobs = self._forced_logprobs(logits, batch, flip)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return SampledTokens(host, done, logprobs)
-
-    def _next_inputs(self, tokens: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
-        """Each sampling row's next input token and the drafts it kept (:func:`verified_next_inputs` over the
-        step's sampled ``tokens``: a verify row keeps its drafts while they equal its tokens), ``[2, num_sampled]``
-        int64 on the device; with tensor parallelism broadcast from rank 0. Reads the step before's sampled tokens
-        (a verify row's last draft may be in flight), so it runs before they are overwritten."""
-        count = batch.num_sampled
-        width = max(batch.num_new_tokens[batch.num_decodes:batch.num_decodes + batch.num_verifies]) - 1
-        staged = torch.full((count, 1 + width), -1, dtype=torch.int64)  # per row: its first token's index, drafts
-        flying, at = [], 0
-        for row, (seq, seq_len) in enumerate(zip(batch.seqs[:count], batch.seq_lens)):
-            staged[row, 0], tokens_of_row = at, batch.num_sampled_tokens(row)
-            if batch.num_decodes <= row < batch.num_decodes + batch.num_verifies:
-                ids, in_flight = seq.input_tokens(seq_len, tokens_of_row)
-                staged[row, 1:tokens_of_row] = torch.tensor(ids[1:])
-                if in_flight:  # its last draft, launched just before: [row, column, row of the sampled tokens]
-                    flying.append([row, tokens_of_row - 1, self._sampled_rows[seq.request_id]])
-            at += tokens_of_row
-        staged = staged.to(self.device, non_blocking=True)
-        if flying:
-            rows, columns, sources = torch.tensor(flying, dtype=torch.int64).to(self.device, non_blocking=True).T
-            staged[rows, columns] = self._sampled[sources]
-        next_inputs = torch.stack(verified_next_inputs(tokens, staged[:, 0], staged[:, 1:]))
-        return next_inputs if self.tp is None else self.tp.broadcast(next_inputs)
-
-    def _keep_next_inputs(self, next_inputs: torch.Tensor) -> None:
-        """Keep a step's ``[2, rows]`` next inputs and kept drafts (:meth:`_next_inputs`) for the next step's rows."""
-        count = next_inputs.shape[1]
-        self._sampled[:count].copy_(next_inputs[0])
-        self._kept_drafts[:count].copy_(next_inputs[1])
-
-    def _forced_logprobs(self, logits: torch.Tensor, batch: ScheduledBatch, flip: int) -> Optional[torch.Tensor]:
-        """Launch the copy of each sampling row's log-probability of its forced token (``[num_sampled]`` float32 on
-        the host, valid once the step's event completes), from the step's ``logits`` (``[num_sampled, vocab]``
-        float32, after the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
-        targets = batch.forced_targets()
-        if targets is None:
-            return None
-        count = len(targets)
-        staged = self._host_forced[flip][:count]
-        staged.copy_(torch.tensor(targets, dtype=torch.int64))
-        forced = self._forced[:count]
-        forced.copy_(staged, non_blocking=True)
-        log_probs = torch.log_softmax(logits.float(), dim=-1)  # [batch, vocab] float32
-        host = self._host_logprobs[flip][:count]
-        host.copy_(log_probs.gather(1, forced[:, None])[:, 0], non_blocking=True)
-        return host
+        return self.tokens.sample(logits, batch)
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[num_sampled, vocab]`` float32 logits of a step with prefill rows: each decode row's token, then each
@@ -251,7 +174,7 @@ class ModelRunner:
         for seq, seq_len, new in zip(batch.seqs[n:], batch.seq_lens[n:], batch.num_new_tokens[n:]):
             tokens, flying = seq.input_tokens(seq_len, new)  # a verify row: its drafts too
             if flying:  # (only a verify row's last draft, launched just before)
-                in_flight.append((len(ids) + new - 1, self._sampled_rows[seq.request_id]))
+                in_flight.append((len(ids) + new - 1, self.tokens.row_of(seq)))
             ids += tokens
         inputs = PrefillInputs(batch.seq_ids[n:], batch.num_new_tokens[n:], batch.seq_lens[n:], batch.partial, ids,
                                batch.num_verifies, tuple(in_flight))
@@ -280,7 +203,7 @@ class ModelRunner:
         tokens = torch.tensor([inputs.token_ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
         if inputs.in_flight:  # a verify row's last draft, read from the step before's sampled tokens
             index, source = torch.tensor(inputs.in_flight, dtype=torch.int64).to(self.device, non_blocking=True).T
-            tokens[0, index] = self._sampled[source]
+            tokens[0, index] = self.tokens.sampled[source]
         # The partial sequence, if any, is the last one: its last token samples nothing. A verify row samples at
         # every position.
         picked = [i for r in range(inputs.num_verifies) for i in range(starts[r], starts[r + 1])]
@@ -316,7 +239,7 @@ class ModelRunner:
             tokens, flying = seq.input_tokens(seq_len, q_len)
             host[:_VERIFY_INPUTS, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id,
                                                      seq.quest.token_budget or self.budget or 0,
-                                                     self._sampled_rows[seq.request_id] if flying else -1])
+                                                     self.tokens.row_of(seq) if flying else -1])
             host[_VERIFY_INPUTS:, i] = torch.tensor(tokens)
         key = (padded, width, StepRoute.VERIFY, q_len)
         self._publish(batch, verify=(host.numpy(), key, batch.seq_ids))
@@ -359,7 +282,7 @@ class ModelRunner:
         rows = DecodeRows(page_table, seq_lens.to(torch.int32), step, dense=True, num_queries=q_len,
                           draft_selection=chosen)
         staged = self._verify_ids[:batch, :q_len]
-        last = torch.where(sources >= 0, self._sampled[sources.clamp(min=0)], staged[:, -1])  # [batch] int64
+        last = torch.where(sources >= 0, self.tokens.sampled[sources.clamp(min=0)], staged[:, -1])  # [batch] int64
         ids = torch.cat([staged[:, :-1], last[:, None]], dim=1).reshape(-1)
         hidden = self.model(ids, positions.reshape(-1), StepContext(slots.reshape(-1), decode=rows))
         if chosen is not None:
@@ -434,9 +357,7 @@ class ModelRunner:
             return
         if message.verify is not None:
             self._run_verify(*message.verify)
-            self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
-            self._keep_next_inputs(self.tp.broadcast(torch.empty((2, message.rows), dtype=torch.int64,
-                                                                 device=self.device)))
+            self.tokens.follow(message.count, message.rows, verifies=True)
             return
         key = None
         if message.decode is not None:
@@ -449,13 +370,8 @@ class ModelRunner:
             self._run_prefill(message.prefill, key)
         else:
             self._run_step(key, self._decode_body)
-        if message.count:  # as rank 0: a step that samples nothing broadcasts nothing
-            tokens = self.tp.broadcast(torch.empty(message.count, dtype=torch.int64, device=self.device))
-            if message.prefill is not None and message.prefill.num_verifies:  # and then the rows' next inputs
-                tokens = torch.empty((2, message.rows), dtype=torch.int64, device=self.device)
-                self._keep_next_inputs(self.tp.broadcast(tokens))
-            else:
-                self._sampled[:message.count].copy_(tokens)
+        verifies = message.prefill is not None and bool(message.prefill.num_verifies)
+        self.tokens.follow(message.count, message.rows, verifies)
 
     def _stage_inputs(self, seqs: tuple[Sequence, ...], seq_lens: tuple[int, ...], padded: int, width: int,
                       dense_rows: list[bool], ahead: tuple[int, ...]) -> torch.Tensor:
@@ -493,7 +409,7 @@ class ModelRunner:
                        else is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval))
                 rows.append([token if known else 0, position, seq_len,
                              seq.quest.token_budget or self.budget or 0, seq.cache_id,
-                             -1 if known else self._sampled_rows[seq.request_id], int(due), int(dense), int(drafts > 0)])
+                             -1 if known else self.tokens.row_of(seq), int(due), int(dense), int(drafts > 0)])
             host[:, :len(rows)] = torch.tensor(rows, dtype=torch.int64).T
         self._inputs[:, :padded].copy_(host, non_blocking=True)
         return host
@@ -533,8 +449,8 @@ class ModelRunner:
         host's claim that no row selects, ``selecting=False``, is checked against the memory's flags)."""
         inputs = self._inputs[:, :batch]
         source = inputs[_SRC].clamp(min=0)
-        ids = torch.where(inputs[_SRC] >= 0, self._sampled[source], inputs[_IDS])
-        shift = self._kept_drafts[source] * inputs[_AHEAD]  # [batch] int64: 0 but on a row launched ahead
+        ids = torch.where(inputs[_SRC] >= 0, self.tokens.sampled[source], inputs[_IDS])
+        shift = self.tokens.kept_drafts[source] * inputs[_AHEAD]  # [batch] int64: 0 but on a row launched ahead
         positions = inputs[_POS] + shift
         page_table = self.cache.page_table.index_select(0, inputs[_ROWS])[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
@@ -608,29 +524,6 @@ class ModelRunner:
             return 1.0  # every decode step selects
         return self.memory.selection_rate(slot, discard_last)
 
-    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
-        """The step's sampled tokens (greedy rows by argmax) from its ``logits``: ``[n, vocab]``, one row per token
-        sampled (a sampling row's one, a verify row's ``num_new_tokens``); ``[n]`` int64. A request draws with its
-        seed and the index of the output it samples, so a preempted and recomputed request draws as it would have,
-        and a verify row draws at each position what a dense step there would: its draft steps drew with the same
-        noise from Quest's logits, and a draft is kept where the two draws agree (a Gumbel coupling), so a lossless
-        request's sampled output is the dense engine's, token for token, whatever it drafted."""
-        seqs = batch.seqs[:batch.num_sampled]
-        params = [seq.sampling_params for seq in seqs]
-        if all(p.temperature == 0 for p in params):
-            return logits.argmax(dim=-1)
-        floats, ints = batch.sampling_rows(self.config.seed)
-        floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
-        ints = torch.tensor(ints, dtype=torch.int64).to(self.device, non_blocking=True)
-        ahead = [[row, self._sampled_rows[batch.seqs[row].request_id]] for row, drafts in enumerate(batch.ahead) if drafts]
-        if ahead:  # a row launched ahead of its verify samples the output after the drafts that verify kept
-            rows, sources = torch.tensor(ahead, dtype=torch.int64).to(self.device, non_blocking=True).T
-            ints[rows, 2] += self._kept_drafts[sources]
-        filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort
-        return self.sampler(
-            logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], apply_top_k_top_p=filtering
-        )
-
     def release(self) -> None:
         """Free the device memory of the page pool, the decode graphs and the weights now; the runner is unusable
         afterwards. Storages are emptied in place, so that no reference left elsewhere (a view, a cycle that
@@ -638,7 +531,7 @@ class ModelRunner:
         self.graphs.release()
         self._steps.clear()
         cache = self.cache
-        tensors = [*cache.tensors(), self._sampled, self._inputs, self._forced,
+        tensors = [*cache.tensors(), *self.tokens.tensors(), self._inputs,
                    *self.model.parameters(), *self.model.buffers()]
         if self.memory is not None:
             tensors += [self.memory.pages, self.memory.selected_at]

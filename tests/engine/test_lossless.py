@@ -297,7 +297,7 @@ def test_first_drafts_launched_ahead_in_ragged_batches_give_the_dense_engines_to
     llm = lossless(model_dir, 3, async_scheduling=True)
     runner, scheduler = llm.engine.runner, llm.engine.scheduler
     launched, indices, pending = [], {}, []
-    execute, sampler, update = runner.execute, runner.sampler, scheduler.update
+    execute, sampler, update = runner.execute, runner.tokens.sampler, scheduler.update
 
     def record(batch):
         launched.append(bool(batch.ahead))
@@ -315,7 +315,7 @@ def test_first_drafts_launched_ahead_in_ragged_batches_give_the_dense_engines_to
                 assert indices[id(batch)][i] == seq.num_output_tokens + len(seq.draft_token_ids)
         return update(batch, tokens, *args)
 
-    runner.execute, runner.sampler, scheduler.update = record, sample, check
+    runner.execute, runner.tokens.sampler, scheduler.update = record, sample, check
     prompts, params = ragged(6)
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=p.max_tokens + 10, ignore_eos=True)
               for i, p in enumerate(params)]

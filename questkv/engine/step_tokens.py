@@ -1,0 +1,169 @@
+"""A step's sampled tokens: drawn from its logits, copied to the host, and kept on the device for the next step.
+
+Under asynchronous scheduling a step is launched before the host holds the tokens of the step before: a row whose
+input token is in flight reads it from :attr:`StepTokens.sampled`, at its sequence's row there
+(:meth:`StepTokens.row_of`). After a step with lossless verify rows, a verify row's entry is the token after the
+drafts it keeps (:func:`~questkv.engine.speculation.verified_next_inputs`: the choice that
+:meth:`~questkv.engine.scheduler.Scheduler.update` makes on the host, made on the device) and
+:attr:`StepTokens.kept_drafts` holds how many it kept, so that the next round's first draft can be launched before the
+verify's update (its position, KV length and sampling index move by them). With tensor parallelism rank 0 samples and
+broadcasts both; the other ranks take them with :meth:`StepTokens.follow`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from questkv.distributed.group import TensorParallel
+from questkv.engine.sequence import Sequence
+from questkv.engine.speculation import verified_next_inputs
+from questkv.engine.step_data import SampledTokens, ScheduledBatch
+from questkv.layers.sampler import Sampler
+
+
+class StepTokens:
+    """The sampler of a runner and the tokens of its latest step.
+
+    Args:
+        rows: the most sampling rows a step has (the largest padded batch).
+        device: the runner's device.
+        seed: the engine's seed (a request without its own draws with it, :meth:`Sequence.sampling_seed`).
+        tp: the tensor-parallel group, or ``None`` on one device.
+
+    Attributes:
+        sampled: ``[rows]`` int64 on the device: the latest step's token per sampling row, in batch order (a verify
+            row's next input).
+        kept_drafts: ``[rows]`` int64 on the device: after a step with verify rows, the drafts each row kept (0 on
+            the others); stale after any other step (only a row launched ahead of its verify reads it).
+        sampler: the :class:`~questkv.layers.sampler.Sampler`.
+    """
+
+    def __init__(self, rows: int, device: torch.device, seed: int, tp: Optional[TensorParallel] = None) -> None:
+        self.device, self.seed, self.tp = device, seed, tp
+        self.sampler = Sampler()
+        self.sampled = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.kept_drafts = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._rows: dict[str, int] = {}
+        pin = self._pin = device.type == "cuda"
+        # Two pinned buffers of each, used in turn: a step's copy may still be queued when the next one is staged.
+        self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # Teacher forcing: each row's forced token in, its log-probability out (steps with a forced row only).
+        self._host_forced = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host_logprobs = [torch.zeros(rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._forced = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._flip = 0
+
+    def row_of(self, seq: Sequence) -> int:
+        """The row of :attr:`sampled` that holds the latest step's token of ``seq`` (it sampled in that step)."""
+        return self._rows[seq.request_id]
+
+    def sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> SampledTokens:
+        """Sample the step's tokens from its ``logits`` (``[n, vocab]`` float32, one row per token sampled: a sampling
+        row's one, a verify row's ``num_new_tokens``), keep them for the next step's inputs and launch their copy
+        to the host (and that of the forced tokens' log-probabilities), without waiting for the device."""
+        tokens = self._draw(logits, batch)  # [n] int64 on the device
+        count = batch.num_sampled
+        if self.tp is not None and count:
+            tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
+        if batch.num_verifies:
+            self._keep(self._next_inputs(tokens, batch))
+        else:
+            self.sampled[:count].copy_(tokens)
+        self._rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
+        flip = self._flip
+        self._flip ^= 1
+        if self._host_tokens[flip].shape[0] < tokens.shape[0]:
+            self._host_tokens[flip] = torch.zeros(tokens.shape[0], dtype=torch.int64, pin_memory=self._pin)
+        host = self._host_tokens[flip][:tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        logprobs = self._forced_logprobs(logits, batch, flip)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return SampledTokens(host, done, logprobs)
+
+    def follow(self, count: int, rows: int, verifies: bool) -> None:
+        """A rank other than 0: take the ``count`` tokens rank 0 broadcasts for a step of ``rows`` sampling rows
+        (and, after a step with verify rows, ``verifies``, their next inputs and kept drafts)."""
+        if not count:
+            return
+        tokens = self.tp.broadcast(torch.empty(count, dtype=torch.int64, device=self.device))
+        if verifies:
+            self._keep(self.tp.broadcast(torch.empty((2, rows), dtype=torch.int64, device=self.device)))
+        else:
+            self.sampled[:count].copy_(tokens)
+
+    def _draw(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+        """The step's sampled tokens (greedy rows by argmax), ``[n]`` int64. A request draws with its seed and the
+        index of the output it samples, so a preempted and recomputed request draws as it would have, and a verify
+        row draws at each position what a dense step there would: its draft steps drew with the same noise from
+        Quest's logits, and a draft is kept where the two draws agree (a Gumbel coupling), so a lossless request's
+        sampled output is the dense engine's, token for token, whatever it drafted."""
+        params = [seq.sampling_params for seq in batch.seqs[:batch.num_sampled]]
+        if all(p.temperature == 0 for p in params):
+            return logits.argmax(dim=-1)
+        floats, ints = batch.sampling_rows(self.seed)
+        floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
+        ints = torch.tensor(ints, dtype=torch.int64).to(self.device, non_blocking=True)
+        ahead = [[row, self.row_of(batch.seqs[row])] for row, drafts in enumerate(batch.ahead) if drafts]
+        if ahead:  # a row launched ahead of its verify samples the output after the drafts that verify kept
+            rows, sources = torch.tensor(ahead, dtype=torch.int64).to(self.device, non_blocking=True).T
+            ints[rows, 2] += self.kept_drafts[sources]
+        filtering = any(p.top_k or p.top_p < 1 for p in params)  # else skip the sort
+        return self.sampler(
+            logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], apply_top_k_top_p=filtering
+        )
+
+    def _next_inputs(self, tokens: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+        """Each sampling row's next input token and the drafts it kept (:func:`verified_next_inputs` over the step's
+        sampled ``tokens``), ``[2, num_sampled]`` int64 on the device; with tensor parallelism broadcast from rank 0.
+        Reads the tokens of the step before (a verify row's last draft may be in flight), so it runs before they
+        are overwritten."""
+        count, verifies = batch.num_sampled, range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
+        width = max(batch.num_new_tokens[row] for row in verifies) - 1
+        staged = torch.full((count, 1 + width), -1, dtype=torch.int64)  # per row: its first token's index, drafts
+        flying, at = [], 0
+        for row, (seq, seq_len) in enumerate(zip(batch.seqs[:count], batch.seq_lens)):
+            staged[row, 0], row_tokens = at, batch.num_sampled_tokens(row)
+            if row in verifies:
+                ids, in_flight = seq.input_tokens(seq_len, row_tokens)
+                staged[row, 1:row_tokens] = torch.tensor(ids[1:])
+                if in_flight:  # its last draft, launched just before: [row, column, row of the sampled tokens]
+                    flying.append([row, row_tokens - 1, self.row_of(seq)])
+            at += row_tokens
+        staged = staged.to(self.device, non_blocking=True)
+        if flying:
+            rows, columns, sources = torch.tensor(flying, dtype=torch.int64).to(self.device, non_blocking=True).T
+            staged[rows, columns] = self.sampled[sources]
+        next_inputs = torch.stack(verified_next_inputs(tokens, staged[:, 0], staged[:, 1:]))
+        return next_inputs if self.tp is None else self.tp.broadcast(next_inputs)
+
+    def _keep(self, next_inputs: torch.Tensor) -> None:
+        """Keep a step's ``[2, rows]`` next inputs and kept drafts (:meth:`_next_inputs`) for the next step."""
+        count = next_inputs.shape[1]
+        self.sampled[:count].copy_(next_inputs[0])
+        self.kept_drafts[:count].copy_(next_inputs[1])
+
+    def _forced_logprobs(self, logits: torch.Tensor, batch: ScheduledBatch, flip: int) -> Optional[torch.Tensor]:
+        """Launch the copy of each sampling row's log-probability of its forced token (``[num_sampled]`` float32 on
+        the host, valid once the step's event completes), from the step's ``logits`` (``[num_sampled, vocab]``
+        float32, after the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
+        targets = batch.forced_targets()
+        if targets is None:
+            return None
+        count = len(targets)
+        staged = self._host_forced[flip][:count]
+        staged.copy_(torch.tensor(targets, dtype=torch.int64))
+        forced = self._forced[:count]
+        forced.copy_(staged, non_blocking=True)
+        log_probs = torch.log_softmax(logits.float(), dim=-1)  # [batch, vocab] float32
+        host = self._host_logprobs[flip][:count]
+        host.copy_(log_probs.gather(1, forced[:, None])[:, 0], non_blocking=True)
+        return host
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Its device tensors (:meth:`ModelRunner.release` empties them)."""
+        return [self.sampled, self.kept_drafts, self._forced]
