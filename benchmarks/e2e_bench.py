@@ -275,6 +275,25 @@ def _kernels_by_name(prof) -> dict[str, list]:
     return by_name
 
 
+def idle_gaps(spans: list[tuple[float, float, str]], steps: int, top: int = 8, least_us: float = 5.0) -> list[dict]:
+    """Where the device idles: its intervals ``spans`` (``(start µs, end µs, name)``, kernels and copies) sorted by start,
+    and each gap of at least ``least_us`` between the end of all before and the next start, summed per pair of the
+    interval ending last before the gap and the one starting after it; the ``top`` pairs by idle time, per step
+    (``after``, ``before``, ``us``, ``count``)."""
+    pairs: dict[tuple[str, str], list] = {}
+    reach, last = float("-inf"), None
+    for begin, end, name in sorted(spans):
+        if last is not None and begin - reach >= least_us:
+            entry = pairs.setdefault((last, name), [0, 0.0])
+            entry[0] += 1
+            entry[1] += begin - reach
+        if end >= reach:
+            reach, last = end, name
+    ranked = sorted(pairs.items(), key=lambda item: -item[1][1])[:top]
+    return [{"after": after[:60], "before": before[:60], "us": us / steps, "count": count / steps}
+            for (after, before), (count, us) in ranked]
+
+
 def profile_replay(runner, top: int = 12, route=None) -> dict:
     """The kernels of one replay of the last captured decode graph (of ``route`` when given; torch profiler, CUDA
     activity): their count, summed GPU µs, and the ``top`` names by time with their count and µs."""
@@ -295,8 +314,9 @@ def profile_replay(runner, top: int = 12, route=None) -> dict:
 def profile_steps(engine, steps: int, top: int = 12) -> dict:
     """Where the wall time of ``steps`` engine steps goes (torch profiler; the caller has warmed the engine up), per
     step. On CUDA, a pass with device activity only (little host overhead): ``wall_ms``; ``gpu_busy_ms``, the union
-    of the device's kernel and copy intervals, and ``gpu_idle_ms``, the rest; ``gpu_kernels``, the ``top`` kernels
-    by summed time (µs per step, copies left out; a CUDA graph's kernels are listed one by one). Then a pass with
+    of the device's kernel and copy intervals, and ``gpu_idle_ms``, the rest (where: ``gpu_gaps``, :func:`idle_gaps`);
+    ``gpu_kernels``, the ``top`` kernels by summed time (µs per step, copies left out; a CUDA graph's kernels are
+    listed one by one). Then a pass with
     host activity too (it adds host time per operation: compare its figures with each other): ``phases_ms``, the
     host's time in the engine's three phases (``schedule``: the scheduler; ``launch``: the runner staging inputs and
     launching the step and its sampling; ``process``: waiting for a step's tokens and appending them, stops and
@@ -319,16 +339,17 @@ def profile_steps(engine, steps: int, top: int = 12) -> dict:
     record = {"steps": steps, "wall_ms": None, "gpu_busy_ms": None, "gpu_idle_ms": None, "gpu_kernels": []}
     if cuda:
         prof, wall_us = run([ProfilerActivity.CUDA])
-        intervals = [(event.time_range.start, event.time_range.end) for event in prof.events()
-                     if event.device_type == torch.autograd.DeviceType.CUDA]  # kernels and copies
+        spans = [(event.time_range.start, event.time_range.end, event.name) for event in prof.events()
+                 if event.device_type == torch.autograd.DeviceType.CUDA]  # kernels and copies
         busy_us, reach = 0.0, float("-inf")
-        for begin, end in sorted(intervals):  # the union of the device's intervals
+        for begin, end, _ in sorted(spans):  # the union of the device's intervals
             busy_us += max(0.0, end - max(begin, reach))
             reach = max(reach, end)
         ranked = sorted(_kernels_by_name(prof).items(), key=lambda item: -item[1][1])[:top]
         record.update(wall_ms=wall_us / steps / 1e3, gpu_busy_ms=busy_us / steps / 1e3,
                       gpu_idle_ms=(wall_us - busy_us) / steps / 1e3,
-                      gpu_kernels=[{"name": name[:90], "us": us / steps} for name, (_, us) in ranked])
+                      gpu_kernels=[{"name": name[:90], "us": us / steps} for name, (_, us) in ranked],
+                      gpu_gaps=idle_gaps(spans, steps))
     phases = {"schedule": (engine.scheduler, "schedule"), "launch": (engine.runner, "execute"),
               "process": (engine, "_process")}
 

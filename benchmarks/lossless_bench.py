@@ -418,6 +418,13 @@ def table(part: str, record: dict) -> str:
                     lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k"
                                  f"{source_suffix(p['draft_selection'])} | {engine} | {wall} | {busy} | {idle} | "
                                  f"{kernels} | {phases} | {ops} |")
+            gaps = [(p, p["round_profile"]["gpu_gaps"]) for p in profiled if p["round_profile"].get("gpu_gaps")]
+            if gaps:
+                lines += ["", "The lossless engine's GPU idle gaps, per step (device-only pass): the kernel or copy that "
+                          "ended before each and the one that started after it.", "",
+                          "| point | after | before | µs/step | gaps/step |", "|---|---|---|---|---|"]
+                lines += [f"| {p['model']} B={p['batch']} {p['context'] // 1024}k | {g['after'][:50]} | "
+                          f"{g['before'][:50]} | {g['us']:.0f} | {g['count']:.1f} |" for p, rows in gaps for g in rows]
     head = record["provenance"]
     return "\n".join([f"# Lossless Quest: {part}", "",
                       f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",

@@ -7,7 +7,7 @@ import pytest
 from transformers import LlamaConfig
 
 from benchmarks import lossless_bench
-from benchmarks.e2e_bench import profile_steps
+from benchmarks.e2e_bench import idle_gaps, profile_steps
 from questkv import LLM, QuestConfig, SamplingParams
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -53,6 +53,7 @@ def test_the_shapes_table_shows_rounds_graphs_and_profiles(kernels):
                "host_ops": [{"name": "cudaEventSynchronize", "us": 3000.0}]}
     if kernels:  # (a run before the device-only pass has none)
         profile["gpu_kernels"] = [{"name": "_decode_split_kernel", "us": 2061.0}]
+        profile["gpu_gaps"] = [{"after": "argmax", "before": "_rms_norm_kernel", "us": 120.0, "count": 0.2}]
     point = {"model": "llama2-7b", "batch": 1, "context": 32768, "budget": 2048, "quantization": "int4", "k": 4,
              "draft_selection": "quest", "dense_ms": 7.7, "round_ms": 25.5,
              "implied": [{"acceptance": 0.929, "tokens_per_round": 4.43, "speedup": 1.34}],
@@ -65,6 +66,7 @@ def test_the_shapes_table_shows_rounds_graphs_and_profiles(kernels):
     assert "| llama2-7b int4 B=1 32k/2048 | 7.70 | 25.50 (k=4) | 1.34× (0.929) |" in text
     assert "| llama2-7b B=1 32k | lossless k=4 | 6.00 | 5.00 | 1.00 |" in text
     assert ("_decode_split_kernel 2061" in text) == kernels
+    assert ("| llama2-7b B=1 32k | argmax | _rms_norm_kernel | 120 | 0.2 |" in text) == kernels
     assert "0.20 / 0.70 / 3.60" in text and "cudaEventSynchronize 3000" in text
 
 
@@ -102,3 +104,12 @@ def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_
     text = lossless_bench.table("real", {"provenance": {"command": "c", "commit": "x", "machine": "m", "date": "d"},
                                          "results": results})
     assert f"| 512 | {batches[-1]} | " in text and "rows = dense" in text
+
+
+def test_idle_gaps_are_summed_per_pair_of_intervals_around_them():
+    """Overlapping intervals leave no gap; a gap is charged to the interval that ended last before it and the one
+    after; gaps under the threshold are not counted; per step."""
+    spans = [(0, 10, "a"), (2, 14, "b"), (30, 40, "c"), (41, 50, "a"), (80, 90, "b"), (100, 110, "c"), (5, 12, "d")]
+    gaps = idle_gaps(spans, steps=2, least_us=5.0)
+    assert gaps == [{"after": "a", "before": "b", "us": 15.0, "count": 0.5},   # 50 -> 80 (40 -> 41: too short)
+                    {"after": "b", "before": "c", "us": 13.0, "count": 1.0}]   # 14 -> 30 and 90 -> 100
