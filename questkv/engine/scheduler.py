@@ -29,11 +29,12 @@ import time
 from typing import Iterable, Optional, Union
 
 from questkv.cache.paged import PagedKVCache
-from questkv.config import MAX_SPECULATIVE_TOKENS, QuestConfig
+from questkv.config import QuestConfig
 from questkv.decode.route import decodes_densely
 from questkv.engine.sampling_params import check_length
 from questkv.engine.step_data import ScheduledBatch
 from questkv.engine.sequence import Sequence, SequenceStatus
+from questkv.engine.rounds import Rounds
 from questkv.engine.speculation import SpeculationPolicy, keep_verified
 from questkv.validation import check_int
 
@@ -93,10 +94,10 @@ class Scheduler:
 
     Lossless requests (``seq.quest.speculative_tokens`` k > 0) decode in rounds: while the route of its next step is
     Quest's, a sequence drafts (decode rows whose tokens go to ``seq.draft_token_ids``) until it holds
-    :meth:`draft_limit` drafts; then every drafting sequence verifies in the same step (rounds stay aligned, so
-    that draft steps stay decode-only steps). A verify keeps the longest prefix of drafts that dense attention
-    agrees with, plus its token; the cache drops the rest (:meth:`~questkv.cache.paged.PagedKVCache.rewind`). A
-    lossless sequence that drafts nothing (its route is dense, the policy chose 0 drafts, or one token is left)
+    :meth:`Rounds.draft_limit <questkv.engine.rounds.Rounds.draft_limit>` drafts; then every drafting sequence
+    verifies in the same step (rounds stay aligned, so that draft steps stay decode-only steps). A verify keeps the
+    longest prefix of drafts that dense attention agrees with, plus its token; the cache drops the rest
+    (:meth:`~questkv.cache.paged.PagedKVCache.rewind`). A lossless sequence that drafts nothing (its route is dense, the policy chose 0 drafts, or one token is left)
     decodes densely. Cache invariant with drafts: ``cache.seq_len == seq.num_tokens + len(seq.draft_token_ids) +
     seq.num_in_flight - 1``.
 
@@ -136,8 +137,7 @@ class Scheduler:
         self.chunked_prefill = bool(chunked_prefill)
         self.quest = quest
         self.speculation = speculation
-        self._round_k = MAX_SPECULATIVE_TOKENS  # the most drafts per round, fixed per schedule()
-        self._round_planned = False
+        self.rounds = Rounds(quest, speculation, max_model_len)
         self._prefilling: Optional[Sequence] = None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -212,9 +212,7 @@ class Scheduler:
         decode rows of every running sequence that can decode (preempting likewise), then prefill rows (the
         chunked sequence's next chunk, then admissions) in the rest of the token budget. ``None`` when nothing is
         left to launch. Pages for the step's input tokens are allocated here."""
-        if not self._round_planned:  # (else :meth:`waits_for` just asked the policy for this step)
-            self._round_k = self.round_draft_tokens()
-        self._round_planned = False
+        self.rounds.plan(self._num_decoding(), once=True)
         if self.chunked_prefill:
             decodes, verifies = self._schedule_decode()
             taken = len(decodes) + sum(seq.num_drafts + 1 for seq in verifies)
@@ -242,7 +240,8 @@ class Scheduler:
         self.step_tokens["verify"] += sum(verified)
         self.step_tokens["prefill"] += sum(news)
         seq_lens = tuple(self.cache.seq_len(seq.cache_id) for seq in seqs)
-        drafts = tuple(i for i, seq in enumerate(decodes) if self._drafts(seq))
+        drafts = tuple(i for i, (seq, seq_len) in enumerate(zip(decodes, seq_lens))
+                       if self.rounds.drafts(seq, seq_len))
         for i in drafts:
             decodes[i].num_drafts_in_flight += 1
         dense = tuple(decodes_densely(self.quest, seq.quest.token_budget, seq_len)
@@ -254,52 +253,27 @@ class Scheduler:
             drafts=drafts, dense_rows=dense, ahead=ahead if any(ahead) else (),
         )
 
-    def round_draft_tokens(self) -> int:
-        """The most drafts per round that the policy allows the sequences decoding now (without a policy, each
-        lossless request's own ``speculative_tokens``)."""
-        if self.speculation is None:
-            return MAX_SPECULATIVE_TOKENS
-        return self.speculation.draft_tokens(sum(map(self._decodes, self.running)))
-
     def waits_for(self, in_flight: Optional[ScheduledBatch]) -> bool:
         """Whether the next step needs the tokens of the step ``in_flight`` (launched, not yet updated; ``None``:
         none) on the host, so that the engine must update that step before it schedules the next (asynchronous
         scheduling). A lossless round's draft steps and its verify are launched ahead, as decode steps are (a row's
         input token in flight is read on the device; the verify's update comes after its last draft's), and so is
-        the next round's first draft after a verify that :meth:`_drafts_ahead` allows: its input token, position
-        and KV length then follow on the device from the tokens the verify keeps. Otherwise a round needs them at
-        its ends: after a verify (the tokens it keeps set the lengths) and before a round starts (its drafts are
-        counted from the outputs). Asks the policy for the next :meth:`schedule`'s drafts once, so that the answer
-        and the step agree."""
-        self._round_k, self._round_planned = self.round_draft_tokens(), True
+        the next round's first draft after a verify whose every row may start it whatever it keeps
+        (:meth:`Rounds.may_draft_ahead`) while every decoding sequence gets its next page without a preemption: its
+        input token, position and KV length then follow on the device from the tokens the verify keeps. Otherwise a
+        round needs them at its ends: after a verify (the tokens it keeps set the lengths) and before a round starts
+        (its drafts are counted from the outputs). Asks the policy for the next :meth:`schedule`'s drafts once, so
+        that the answer and the step agree."""
+        self.rounds.plan(self._num_decoding())
         if in_flight is None:
             return False
         if in_flight.num_verifies:
-            return not self._drafts_ahead(in_flight)
+            verifies = in_flight.seqs[in_flight.num_decodes:in_flight.num_decodes + in_flight.num_verifies]
+            decoding = [seq.cache_id for seq in self.running if self._decodes(seq)]
+            return not (all(map(self.rounds.may_draft_ahead, verifies))
+                        and self.cache.can_reserve(decoding, [1] * len(decoding)))
         return any(seq.quest.speculative_tokens and seq.num_in_flight and not seq.num_drafts and self._decodes(seq)
-                   and self._may_start_round(seq, self.cache.seq_len(seq.cache_id) + 1) for seq in self.running)
-
-    def _drafts_ahead(self, verify: ScheduledBatch) -> bool:
-        """Whether the next step may launch each verify row of ``verify`` (launched, not yet updated) as the first
-        draft of its next round whatever its verify keeps (between 1 and all its drafts + 1 tokens): no forced
-        output is left, the round starts at the shortest length and drafts at least once after the longest run, and
-        every decoding sequence gets its next token's page without a preemption."""
-        rows = verify.seqs[verify.num_decodes:verify.num_decodes + verify.num_verifies]
-        if not all(seq.status is SequenceStatus.RUNNING and not seq.is_forced(seq.num_output_tokens)
-                   and self._may_start_round(seq, seq.num_tokens + 1, seq.verify_in_flight + 1) for seq in rows):
-            return False
-        decoding = [seq.cache_id for seq in self.running if self._decodes(seq)]
-        return self.cache.can_reserve(decoding, [1] * len(decoding))
-
-    def _due(self, seq: Sequence) -> bool:
-        """Whether ``seq`` holds every draft of its round (updated or in flight): it verifies in the next step."""
-        return bool(seq.num_drafts) and seq.num_drafts >= self.draft_limit(seq)
-
-    def _may_start_round(self, seq: Sequence, seq_len: int, pending: int = 0) -> bool:
-        """Whether a step that gives ``seq`` ``seq_len`` cached tokens may make it draft (a lossless request, a draft
-        limit above 0 after ``pending`` more outputs, a route of Quest's), its tokens so far being all on the host."""
-        return (seq.quest.speculative_tokens > 0 and self.draft_limit(seq, pending) > 0
-                and not decodes_densely(self.quest, seq.quest.token_budget, seq_len))
+                   and self.rounds.may_start(seq, self.cache.seq_len(seq.cache_id) + 1) for seq in self.running)
 
     def update(
         self, batch: ScheduledBatch, token_ids: Iterable, forced_logprobs: Optional[Iterable[float]] = None
@@ -542,8 +516,8 @@ class Scheduler:
     def _schedule_decode(self) -> tuple[list[Sequence], list[Sequence]]:
         """The decode rows and the verify rows of a step, their next token's pages allocated: every running sequence
         that decodes, after preempting the newest running sequences (a chunked one first, being the newest) while
-        the pool cannot hold them. A lossless sequence verifies when it holds :meth:`draft_limit` drafts, or when
-        another one verifies and it holds any."""
+        the pool cannot hold them. A lossless sequence verifies when it holds its round's drafts
+        (:meth:`Rounds.due <questkv.engine.rounds.Rounds.due>`), or when another one verifies and it holds any."""
 
         def decoding() -> list[Sequence]:
             return [seq for seq in self.running if self._decodes(seq)]
@@ -563,29 +537,16 @@ class Scheduler:
         self.cache.allocate([seq.cache_id for seq in seqs], [1] * len(seqs))
         for seq in seqs:
             seq.num_in_flight += 1
-        due = any(map(self._due, seqs))
+        due = any(map(self.rounds.due, seqs))
         verify = {id(seq) for seq in seqs if due and seq.num_drafts}
         if due and any(seq.num_drafts_in_flight > 1 for seq in seqs):
             raise RuntimeError("a verify step was scheduled with two drafts of a row in flight; the engine updates "
                                "all but the last first (Scheduler.waits_for)")
         return [seq for seq in seqs if id(seq) not in verify], [seq for seq in seqs if id(seq) in verify]
 
-    def draft_limit(self, seq: Sequence, pending: int = 0) -> int:
-        """Drafts the lossless ``seq`` takes this round (after ``pending`` more outputs): its ``speculative_tokens``,
-        fewer where the policy picks fewer (:class:`~questkv.engine.speculation.SpeculationPolicy`) or where the
-        round's verify would otherwise pass ``max_tokens`` or ``max_model_len`` (it outputs up to one token more
-        than its drafts)."""
-        outputs, tokens = seq.num_output_tokens + pending, seq.num_tokens + pending
-        return min(seq.quest.speculative_tokens, self._round_k,
-                   seq.sampling_params.max_tokens - outputs - 1, self.max_model_len - tokens - 1)
-
-    def _drafts(self, seq: Sequence) -> bool:
-        """Whether the decode row ``seq`` (its next position allocated) drafts: it is in a lossless round, or may
-        start one (a route of Quest's and a draft limit above 0)."""
-        if seq.num_drafts or seq.verify_in_flight:  # (its verify in flight: waits_for let its next round start)
-            return True
-        # A round starts only from tokens on the host (none in flight but this step's): draft_limit counts outputs.
-        return seq.num_in_flight == 1 and self._may_start_round(seq, self.cache.seq_len(seq.cache_id))
+    def _num_decoding(self) -> int:
+        """The running sequences that decode in the next step (:meth:`_decodes`)."""
+        return sum(map(self._decodes, self.running))
 
     def _decodes(self, seq: Sequence) -> bool:
         """Whether the running ``seq`` is a decode row: its prefill is done and its in-flight tokens do not

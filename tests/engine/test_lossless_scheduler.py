@@ -58,7 +58,7 @@ class LosslessSchedulerMachine(SchedulerMachine):
             if i in verifying:
                 drafts = list(seq.draft_token_ids)
                 assert seq.quest.speculative_tokens and batch.num_new_tokens[i] == len(drafts) + 1
-                assert len(drafts) <= self.scheduler.draft_limit(seq) or not drafts
+                assert len(drafts) <= self.scheduler.rounds.draft_limit(seq) or not drafts
                 # Dense attention's tokens: agree with the drafts up to a random point, then anything.
                 agree = draw(0, len(drafts))
                 tokens = drafts[:agree] + [draw(0, 5) for _ in range(len(drafts) + 1 - agree)]
