@@ -98,8 +98,8 @@ class Scheduler:
     verifies in the same step (rounds stay aligned, so that draft steps stay decode-only steps). A verify keeps the
     longest prefix of drafts that dense attention agrees with, plus its token; the cache drops the rest
     (:meth:`~questkv.cache.paged.PagedKVCache.rewind`). A lossless sequence that drafts nothing (its route is
-    dense, the policy chose 0 drafts, or one token is left) decodes densely. Cache invariant with drafts: ``cache.seq_len == seq.num_tokens + len(seq.draft_token_ids) +
-    seq.num_in_flight - 1``.
+    dense, the policy chose 0 drafts, or one token is left) decodes densely. Cache invariant with drafts:
+    ``cache.seq_len == seq.num_tokens + len(seq.draft_token_ids) + seq.num_in_flight - 1``.
 
     ``waiting`` (a deque) and ``running`` (a list, oldest first) are for reading; change them through the
     methods.
