@@ -212,7 +212,8 @@ class Scheduler:
         decode rows of every running sequence that can decode (preempting likewise), then prefill rows (the
         chunked sequence's next chunk, then admissions) in the rest of the token budget. ``None`` when nothing is
         left to launch. Pages for the step's input tokens are allocated here."""
-        self.rounds.plan(self._num_decoding(), once=True)
+        if self.speculation is not None:  # (else every round is as long as its request asks)
+            self.rounds.plan(self._num_decoding(), once=True)
         if self.chunked_prefill:
             decodes, verifies = self._schedule_decode()
             taken = len(decodes) + sum(seq.num_drafts + 1 for seq in verifies)
@@ -241,7 +242,7 @@ class Scheduler:
         self.step_tokens["prefill"] += sum(news)
         seq_lens = tuple(self.cache.seq_len(seq.cache_id) for seq in seqs)
         drafts = tuple(i for i, (seq, seq_len) in enumerate(zip(decodes, seq_lens))
-                       if self.rounds.drafts(seq, seq_len))
+                       if seq.quest.speculative_tokens and self.rounds.drafts(seq, seq_len))
         for i in drafts:
             decodes[i].num_drafts_in_flight += 1
         dense = tuple(decodes_densely(self.quest, seq.quest.token_budget, seq_len)
@@ -264,7 +265,8 @@ class Scheduler:
         round needs them at its ends: after a verify (the tokens it keeps set the lengths) and before a round starts
         (its drafts are counted from the outputs). Asks the policy for the next :meth:`schedule`'s drafts once, so
         that the answer and the step agree."""
-        self.rounds.plan(self._num_decoding())
+        if self.speculation is not None:
+            self.rounds.plan(self._num_decoding())
         if in_flight is None:
             return False
         if in_flight.num_verifies:
@@ -537,7 +539,7 @@ class Scheduler:
         self.cache.allocate([seq.cache_id for seq in seqs], [1] * len(seqs))
         for seq in seqs:
             seq.num_in_flight += 1
-        due = any(map(self.rounds.due, seqs))
+        due = any(self.rounds.due(seq) for seq in seqs if seq.num_drafts)
         verify = {id(seq) for seq in seqs if due and seq.num_drafts}
         if due and any(seq.num_drafts_in_flight > 1 for seq in seqs):
             raise RuntimeError("a verify step was scheduled with two drafts of a row in flight; the engine updates "
