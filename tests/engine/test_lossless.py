@@ -128,10 +128,12 @@ def test_chunked_prefill_on_or_off_gives_the_dense_tokens(model_dir, source, den
 
 
 @SOURCES
-def test_lossless_answers_are_cached_for_the_next_turn(model_dir, source, dense):
+@ASYNC
+def test_lossless_answers_are_cached_for_the_next_turn(model_dir, source, dense, asynchronous):
     """Verified K/V are dense attention's, so a conversation's next turn hits the earlier answers too (a lossy Quest
-    answer is recomputed)."""
-    llm = lossless(model_dir, 4, draft_selection=source)
+    answer is recomputed); asynchronously too, where a round's first draft writes the newest token's K/V before the
+    update that appends it (that token's page is offered only once a verify rewrote it)."""
+    llm = lossless(model_dir, 4, draft_selection=source, async_scheduling=asynchronous)
     conversation, cached_before = prompt(60), 0
     for _ in range(3):
         (out,) = llm.generate([conversation], greedy(12), use_tqdm=False)
