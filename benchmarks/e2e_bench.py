@@ -315,8 +315,8 @@ def profile_steps(engine, steps: int, top: int = 12) -> dict:
     """Where the wall time of ``steps`` engine steps goes (torch profiler; the caller has warmed the engine up), per
     step. On CUDA, a pass with device activity only (little host overhead): ``wall_ms``; ``gpu_busy_ms``, the union
     of the device's kernel and copy intervals, and ``gpu_idle_ms``, the rest (where: ``gpu_gaps``, :func:`idle_gaps`);
-    ``gpu_kernels``, the ``top`` kernels by summed time (µs per step, copies left out; a CUDA graph's kernels are
-    listed one by one). Then a pass with
+    ``gpu_kernels``, every kernel by summed time (µs and launches per step, copies left out; a CUDA graph's kernels
+    are listed one by one). Then a pass with
     host activity too (it adds host time per operation: compare its figures with each other): ``phases_ms``, the
     host's time in the engine's three phases (``schedule``: the scheduler; ``launch``: the runner staging inputs and
     launching the step and its sampling; ``process``: waiting for a step's tokens and appending them, stops and
@@ -345,10 +345,11 @@ def profile_steps(engine, steps: int, top: int = 12) -> dict:
         for begin, end, _ in sorted(spans):  # the union of the device's intervals
             busy_us += max(0.0, end - max(begin, reach))
             reach = max(reach, end)
-        ranked = sorted(_kernels_by_name(prof).items(), key=lambda item: -item[1][1])[:top]
+        ranked = sorted(_kernels_by_name(prof).items(), key=lambda item: -item[1][1])
         record.update(wall_ms=wall_us / steps / 1e3, gpu_busy_ms=busy_us / steps / 1e3,
                       gpu_idle_ms=(wall_us - busy_us) / steps / 1e3,
-                      gpu_kernels=[{"name": name[:90], "us": us / steps} for name, (_, us) in ranked],
+                      gpu_kernels=[{"name": name[:90], "us": us / steps, "count": count / steps}
+                                   for name, (count, us) in ranked],
                       gpu_gaps=idle_gaps(spans, steps))
     phases = {"schedule": (engine.scheduler, "schedule"), "launch": (engine.runner, "execute"),
               "process": (engine, "_process")}
