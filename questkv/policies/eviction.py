@@ -58,11 +58,6 @@ class EvictionState:
     lengths: torch.Tensor
     scores: Optional[torch.Tensor] = None
 
-    @property
-    def num_kept(self) -> torch.Tensor:
-        """``[batch, num_kv_heads]`` int32 kept tokens per row."""
-        return self.keep.sum(-1, dtype=torch.int32)
-
     def _resize(self, max_tokens: int) -> None:
         """Pad (or trim, past every sequence's end) the token axis to ``max_tokens``."""
         have = self.keep.shape[-1]

@@ -169,11 +169,6 @@ class EngineLoop:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._closing
 
-    @property
-    def num_open(self) -> int:
-        """Requests submitted whose stream has not finished."""
-        return len(self._open)
-
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request for the engine thread; read its events from the returned stream.
 
