@@ -394,14 +394,17 @@ def table(part: str, record: dict) -> str:
             lines.append(f"| {name} | {p['dense_ms']:.2f} | {p['round_ms']:.2f} (k={p['k']}) | {implied} |")
         graphed = [p for p in record["results"]["points"] if "verify_graph_ms" in p and "dense_graph_ms" in p]
         if graphed:  # the GPU time of each step's graph alone, and the verify graph's heaviest kernels
-            lines += ["", "| point | dense graph ms | draft graph ms | verify graph ms | verify's top kernels "
-                      "(count, µs) |", "|---|---|---|---|---|"]
+            lines += ["", "| point | dense graph ms | draft graph ms | verify graph ms | a round's graphs ms (k "
+                      "drafts + verify) | round less its graphs ms | verify's top kernels (count, µs) |",
+                      "|---|---|---|---|---|---|---|"]
             for p in graphed:
                 top = "; ".join(f"{t['name'][:50]} ({t['count']}, {t['us']:.0f})"
                                 for t in p["verify_kernels"]["top"][:5])
+                graphs = p["k"] * p["draft_graph_ms"] + p["verify_graph_ms"]
                 lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k"
                              f"{source_suffix(p['draft_selection'])} | {p['dense_graph_ms']:.2f} | "
-                             f"{p['draft_graph_ms']:.2f} | {p['verify_graph_ms']:.2f} | {top} |")
+                             f"{p['draft_graph_ms']:.2f} | {p['verify_graph_ms']:.2f} | {graphs:.2f} | "
+                             f"{p['round_ms'] - graphs:.2f} | {top} |")
         profiled = [p for p in record["results"]["points"] if "round_profile" in p]
         if profiled:  # where a step's wall time goes, per step (torch profiler: its own host overhead included)
             lines += ["", "Per step, two passes of the torch profiler: device activity only (wall, GPU busy and idle, "
@@ -431,8 +434,19 @@ def table(part: str, record: dict) -> str:
                       *lines, ""])
 
 
+def render(paths: list[Path]) -> None:
+    """Rewrite each result's markdown table from its JSON (``lossless-PART-TAG.json``), with this script's tables."""
+    for path in paths:
+        part = path.name.removeprefix("lossless-").split("-")[0]
+        path.with_suffix(".md").write_text(table(part, json.loads(path.read_text())))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if sys.argv[1:2] == ["render"]:  # (no measurement: the tables again, from the JSON files given)
+        render([Path(arg) for arg in sys.argv[2:]])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="`lossless_bench.py render FILE.json...` rewrites the tables from results.")
     parser.add_argument("part", choices=("check", "real", "shapes"), help="what to measure (see the module docstring)")
     parser.add_argument("--out-dir", type=Path, required=True, help="where the JSON and the markdown table go")
     parser.add_argument("--tag", default="h200", help="the files' suffix: lossless-PART-TAG.{json,md}")

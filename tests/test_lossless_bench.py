@@ -1,6 +1,7 @@
 """benchmarks/lossless_bench.py and its engine-step profile (benchmarks/e2e_bench.py's profile_steps) on the CPU: what
 a GPU run would record, on a tiny random model, so that a fault shows here rather than on the GPU's clock."""
 
+import json
 import random
 
 import pytest
@@ -65,6 +66,7 @@ def test_the_shapes_table_shows_rounds_graphs_and_profiles(kernels):
     text = lossless_bench.table("shapes", record)
     assert "| llama2-7b int4 B=1 32k/2048 | 7.70 | 25.50 (k=4) | 1.34× (0.929) |" in text
     assert "| llama2-7b B=1 32k | lossless k=4 | 6.00 | 5.00 | 1.00 |" in text
+    assert "| llama2-7b B=1 32k | 7.70 | 3.20 | 10.20 | 23.00 | 2.50 |" in text  # a round's graphs, the rest
     assert ("_decode_split_kernel 2061" in text) == kernels
     assert ("| llama2-7b B=1 32k | argmax | _rms_norm_kernel | 120 | 0.2 |" in text) == kernels
     assert "0.20 / 0.70 / 3.60" in text and "cudaEventSynchronize 3000" in text
@@ -113,3 +115,14 @@ def test_idle_gaps_are_summed_per_pair_of_intervals_around_them():
     gaps = idle_gaps(spans, steps=2, least_us=5.0)
     assert gaps == [{"after": "a", "before": "b", "us": 15.0, "count": 0.5},   # 50 -> 80 (40 -> 41: too short)
                     {"after": "b", "before": "c", "us": 13.0, "count": 1.0}]   # 14 -> 30 and 90 -> 100
+
+
+def test_render_rewrites_a_results_table_from_its_json(tmp_path):
+    record = {"provenance": {"command": "lossless_bench.py check", "commit": "abc", "machine": "GPU", "date": "today"},
+              "results": {"lossless-k4/greedy": {"identical": True, "tokens_match": 40, "tokens": 40,
+                                                 "acceptance": [0.5]}}}
+    path = tmp_path / "lossless-check-h100.json"
+    path.write_text(json.dumps(record))
+    lossless_bench.render([path])
+    text = path.with_suffix(".md").read_text()
+    assert text == lossless_bench.table("check", record) and "| lossless-k4/greedy | True | 40/40 | [0.5] |" in text
