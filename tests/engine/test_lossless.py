@@ -263,6 +263,26 @@ def test_asynchronous_rounds_launch_each_step_ahead_of_the_last_ones_update(mode
     assert all(verifying <= 1 for _, verifying, _ in launches)
 
 
+def test_a_first_draft_launched_ahead_beside_a_prefill_chunk_gives_the_dense_tokens(model_dir, dense):
+    """A long prompt prefilled in chunks while another request runs its rounds: a first draft launched before its
+    verify's update shares a step with a prefill chunk (the mixed path's decode rows), with the dense engine's
+    tokens."""
+    llm = lossless(model_dir, 4, async_scheduling=True, max_num_seqs=2, enable_chunked_prefill=True,
+                   max_num_batched_tokens=16)
+    paths = set()
+    execute = llm.engine.runner.execute
+
+    def record(batch):
+        if batch.ahead:
+            paths.add(bool(batch.num_prefills))
+        return execute(batch)
+
+    llm.engine.runner.execute = record
+    prompts, params = [prompt(40), prompt(90)], [greedy(30), greedy(20)]
+    assert run(llm, prompts, params) == run(dense, prompts, params)
+    assert True in paths
+
+
 @SOURCES
 def test_a_rounds_first_draft_is_launched_before_its_verifys_update(model_dir, source, dense):
     """Asynchronous rounds of one request: every draft and verify is launched ahead of the update of the step
