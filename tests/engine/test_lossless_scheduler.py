@@ -1,6 +1,8 @@
 """The scheduler with lossless requests: a hypothesis state machine over add / step / abort where requests draft
-(Quest rounds), verify with random dense tokens, stop inside kept runs and are preempted mid-round, on a tiny pool.
-A shadow model computes what every verify must keep."""
+(Quest rounds), verify with random dense tokens, stop inside kept runs and are preempted mid-round, on a tiny pool,
+synchronously and asynchronously (each step scheduled before the one in flight is updated, as ``LLMEngine.step``
+does: a round's first draft launched before its verify's update). A shadow model computes what every verify must
+keep."""
 
 import random
 
@@ -59,13 +61,7 @@ class LosslessSchedulerMachine(SchedulerMachine):
                 drafts = list(seq.draft_token_ids)
                 assert seq.quest.speculative_tokens and batch.num_new_tokens[i] == len(drafts) + 1
                 assert len(drafts) <= self.scheduler.rounds.draft_limit(seq) or not drafts
-                # Dense attention's tokens: agree with the drafts up to a random point, then anything.
-                agree = draw(0, len(drafts))
-                tokens = drafts[:agree] + [draw(0, 5) for _ in range(len(drafts) + 1 - agree)]
-                kept = 0
-                while kept < len(drafts) and tokens[kept] == drafts[kept]:
-                    kept += 1
-                expected[seq.request_id] = tokens[:kept + 1]
+                expected[seq.request_id], tokens = self.verify_tokens(drafts, draw)
                 rows.append(tokens)
             else:
                 assert batch.num_new_tokens[i] == 1 or i >= batch.num_decodes
@@ -73,26 +69,43 @@ class LosslessSchedulerMachine(SchedulerMachine):
                     assert seq.quest.speculative_tokens and i < batch.num_decodes
                 rows.append(draw(0, 5))
         before = {seq.request_id: (seq.num_output_tokens, len(seq.draft_token_ids)) for seq in batch.seqs}
+        self.count(batch)
         finished = self.update(batch, rows)
         for i, (seq, row) in enumerate(zip(batch.seqs[:batch.num_sampled], rows)):
             outputs, drafts = before[seq.request_id]
             if i in batch.drafts and not seq.is_finished:
                 assert seq.num_output_tokens == outputs and len(seq.draft_token_ids) == drafts + 1
                 continue
-            added = seq.output_token_ids[outputs:]
-            want = expected.get(seq.request_id, [row] if not isinstance(row, list) else row)
-            assert added == want[:len(added)] and added, (added, want)
-            params = seq.sampling_params
-            if len(added) < len(want):  # the run was cut by a stop: the last kept token stopped it
-                assert seq in finished
-            last = added[-1]
-            if (last == EOS and not params.ignore_eos) or last in params.stop_token_ids:
-                assert seq.status is SequenceStatus.FINISHED_STOPPED and seq in finished
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.MAX_MODEL_LEN:
-                assert seq.status is SequenceStatus.FINISHED_LENGTH and seq in finished
-            else:
-                assert not seq.is_finished and not seq.draft_token_ids
+            self.check_appended(seq, expected.get(seq.request_id, row), outputs, finished)
         self.verifies += batch.num_verifies
+
+    @staticmethod
+    def verify_tokens(drafts, draw):
+        """A verify row's tokens for ``drafts`` (dense attention's: agreeing with the drafts up to a random point,
+        then anything) and those the verify must keep: ``(kept, tokens)``."""
+        agree = draw(0, len(drafts))
+        tokens = drafts[:agree] + [draw(0, 5) for _ in range(len(drafts) + 1 - agree)]
+        kept = 0
+        while kept < len(drafts) and tokens[kept] == drafts[kept]:
+            kept += 1
+        return tokens[:kept + 1], tokens
+
+    def check_appended(self, seq, want, outputs, finished):
+        """After an update: ``seq`` (``outputs`` outputs before it) appended a prefix of ``want`` (its token, or what
+        its verify keeps), cut only by a stop, and its status follows its last token."""
+        want = want if isinstance(want, list) else [want]
+        added = seq.output_token_ids[outputs:]
+        assert added == want[:len(added)] and added, (added, want)
+        params = seq.sampling_params
+        if len(added) < len(want):  # the run was cut by a stop: the last kept token stopped it
+            assert seq in finished
+        last = added[-1]
+        if (last == EOS and not params.ignore_eos) or last in params.stop_token_ids:
+            assert seq.status is SequenceStatus.FINISHED_STOPPED and seq in finished
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.MAX_MODEL_LEN:
+            assert seq.status is SequenceStatus.FINISHED_LENGTH and seq in finished
+        else:
+            assert not seq.is_finished and not seq.draft_token_ids
 
     def count(self, batch):
         """The shadow of the scheduler's step counts, for a scheduled ``batch``."""
@@ -104,8 +117,7 @@ class LosslessSchedulerMachine(SchedulerMachine):
         self.step_tokens["prefill"] += sum(batch.num_new_tokens[verified:])
 
     def update(self, batch, token_ids):
-        self.count(batch)
-        finished = self.scheduler.update(batch, token_ids)
+        finished = self.scheduler.update(batch, token_ids)  # (the step counted at its scheduling)
         for seq in batch.seqs[:batch.num_sampled]:
             self.tokens[seq.request_id] = list(seq.output_token_ids)
         return finished
@@ -117,8 +129,8 @@ class LosslessSchedulerMachine(SchedulerMachine):
             cached = self.cache.seq_len(seq.cache_id)
             if seq is scheduler.prefilling:
                 assert 0 < cached < seq.num_tokens and not seq.draft_token_ids
-            else:
-                assert cached == seq.num_tokens + len(seq.draft_token_ids) - 1
+            else:  # (asynchronously the inputs in flight too: a first draft ahead after the longest kept run)
+                assert cached == seq.num_tokens + len(seq.draft_token_ids) + seq.num_in_flight - 1
                 assert len(seq.draft_token_ids) <= seq.quest.speculative_tokens
 
     @invariant()
@@ -166,12 +178,7 @@ class AsyncLosslessSchedulerMachine(LosslessSchedulerMachine):
             if i in verifying:
                 drafts = list(seq.draft_token_ids) + self.flying.get(seq.request_id, [])
                 assert seq.quest.speculative_tokens and batch.num_new_tokens[i] == len(drafts) + 1
-                agree = draw(0, len(drafts))
-                tokens = drafts[:agree] + [draw(0, 5) for _ in range(len(drafts) + 1 - agree)]
-                kept = 0
-                while kept < len(drafts) and tokens[kept] == drafts[kept]:
-                    kept += 1
-                expected[seq.request_id] = tokens[:kept + 1]
+                expected[seq.request_id], tokens = self.verify_tokens(drafts, draw)
                 rows.append(tokens)
             else:
                 rows.append(draw(0, 5))
@@ -202,37 +209,9 @@ class AsyncLosslessSchedulerMachine(LosslessSchedulerMachine):
                 grown = 0 if seq.status is SequenceStatus.WAITING else 1  # (preempted since: its round is dropped)
                 assert seq.num_output_tokens == outputs and len(seq.draft_token_ids) == drafts * grown + grown
                 continue
-            added = seq.output_token_ids[outputs:]
-            want = expected.get(seq.request_id, [row] if not isinstance(row, list) else row)
-            assert added == want[:len(added)] and added, (added, want)
-            params = seq.sampling_params
-            if len(added) < len(want):
-                assert seq in finished
-            last = added[-1]
-            if (last == EOS and not params.ignore_eos) or last in params.stop_token_ids:
-                assert seq.status is SequenceStatus.FINISHED_STOPPED and seq in finished
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.MAX_MODEL_LEN:
-                assert seq.status is SequenceStatus.FINISHED_LENGTH and seq in finished
-            else:
-                assert not seq.is_finished and not seq.draft_token_ids
+            self.check_appended(seq, expected.get(seq.request_id, row), outputs, finished)
         self.verifies += batch.num_verifies
 
-    def update(self, batch, token_ids):
-        finished = self.scheduler.update(batch, token_ids)  # (counted at its launch)
-        for seq in batch.seqs[:batch.num_sampled]:
-            self.tokens[seq.request_id] = list(seq.output_token_ids)
-        return finished
-
-    @invariant()
-    def running_sequences_cache_all_but_their_last_token(self):
-        scheduler = self.scheduler
-        for seq in scheduler.running:
-            cached = self.cache.seq_len(seq.cache_id)
-            if seq is scheduler.prefilling:
-                assert 0 < cached < seq.num_tokens and not seq.draft_token_ids
-            else:  # the inputs in flight are cached too (a first draft ahead: after the longest kept run)
-                assert cached == seq.num_tokens + len(seq.draft_token_ids) + seq.num_in_flight - 1
-                assert len(seq.draft_token_ids) <= seq.quest.speculative_tokens
 
 
 TestLosslessSchedulerMachine = LosslessSchedulerMachine.TestCase
