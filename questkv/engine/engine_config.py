@@ -103,9 +103,10 @@ class EngineConfig:
             with dense attention, so its output is dense attention's; needs ``quest``. The engine picks the drafts
             per round from the step times and acceptance it measures (:mod:`questkv.engine.speculation`; 0: dense
             steps where drafting would not pay). Under ``async_scheduling`` a round's draft steps and its verify are
-            launched one ahead of their update, as decode steps are; only the step after a verify (the drafts it
-            kept set the lengths) and a round's first draft wait for the update of the step before. ``None``:
-            Quest's steps are the output (lossy).
+            launched one ahead of their update, as decode steps are, and so is the next round's first draft (the
+            device follows what the verify keeps); the engine waits for the update of the step before only where a
+            round could not start whatever its verify keeps (``Scheduler.waits_for``) and before a round starts
+            from a dense step. ``None``: Quest's steps are the output (lossy).
         kv_cache_dtype: ``"auto"`` (K/V in ``dtype``) or ``"fp8"`` / ``"fp8_e4m3"`` (vLLM's names): K and V pages in
             float8 e4m3 (one byte per element, half of bf16's), written with a scale of 1 as vLLM does without
             calibrated scales (values beyond ±448 saturate); each page's key min and max are fp8 too, the min and max

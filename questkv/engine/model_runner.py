@@ -450,13 +450,15 @@ class ModelRunner:
         inputs = self._inputs[:, :batch]
         source = inputs[_SRC].clamp(min=0)
         ids = torch.where(inputs[_SRC] >= 0, self.tokens.sampled[source], inputs[_IDS])
-        shift = self.tokens.kept_drafts[source] * inputs[_AHEAD]  # [batch] int64: 0 but on a row launched ahead
-        positions = inputs[_POS] + shift
+        positions, seq_lens = inputs[_POS], inputs[_LENS]
+        if self.config.speculative_config is not None:  # a row launched ahead moves by the drafts its verify kept
+            shift = self.tokens.kept_drafts[source] * inputs[_AHEAD]  # [batch] int64
+            positions, seq_lens = positions + shift, seq_lens + shift
         page_table = self.cache.page_table.index_select(0, inputs[_ROWS])[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
         slots = page_table.gather(1, (positions // page_size)[:, None])[:, 0].long() * page_size + positions % page_size
         budgets = None if route == StepRoute.DENSE else inputs[_BUDGETS].to(torch.int32)
-        seq_lens = (inputs[_LENS] + shift).to(torch.int32)
+        seq_lens = seq_lens.to(torch.int32)
         step = self._step(batch, width, route)
         reuse = None
         if route == StepRoute.MIXED:

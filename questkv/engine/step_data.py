@@ -178,7 +178,7 @@ class StepMessage:
         count: the tokens the step samples (broadcast from rank 0; none for a step that only prefills part of a
             prompt): one per sampling sequence, ``num_new_tokens`` per verify row.
         rows: the step's sampling rows; with verify rows, rank 0 then broadcasts each one's next input token and
-            the drafts it kept, ``[2, rows]`` int64 (``ModelRunner._next_inputs``).
+            the drafts it kept, ``[2, rows]`` int64 (``StepTokens._next_inputs``).
         capture: capture every decode graph (``graph_capture="startup"``), nothing else.
         verify: a step of aligned lossless verify rows (:meth:`ModelRunner._run_verify`'s arguments), or ``None``.
         bounds: ``(pages, counts)`` whose key bounds rank 0 recomputed since its last message (lossless rewinds,

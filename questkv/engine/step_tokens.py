@@ -124,17 +124,17 @@ class StepTokens:
         are overwritten."""
         count, verifies = batch.num_sampled, range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
         width = max(batch.num_new_tokens[row] for row in verifies) - 1
-        staged = torch.full((count, 1 + width), -1, dtype=torch.int64)  # per row: its first token's index, drafts
-        flying, at = [], 0
+        staged, flying, at = [], [], 0  # per row: its first token's index, then its drafts (-1 past them)
         for row, (seq, seq_len) in enumerate(zip(batch.seqs[:count], batch.seq_lens)):
-            staged[row, 0], row_tokens = at, batch.num_sampled_tokens(row)
+            row_tokens, drafts = batch.num_sampled_tokens(row), []
             if row in verifies:
                 ids, in_flight = seq.input_tokens(seq_len, row_tokens)
-                staged[row, 1:row_tokens] = torch.tensor(ids[1:])
+                drafts = ids[1:]
                 if in_flight:  # its last draft, launched just before: [row, column, row of the sampled tokens]
                     flying.append([row, row_tokens - 1, self.row_of(seq)])
+            staged.append([at, *drafts] + [-1] * (width - len(drafts)))
             at += row_tokens
-        staged = staged.to(self.device, non_blocking=True)
+        staged = torch.tensor(staged, dtype=torch.int64).to(self.device, non_blocking=True)
         if flying:
             rows, columns, sources = torch.tensor(flying, dtype=torch.int64).to(self.device, non_blocking=True).T
             staged[rows, columns] = self.sampled[sources]
