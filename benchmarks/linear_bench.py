@@ -67,6 +67,8 @@ if __name__ == "__main__":  # run as a file: the checkout importable (questkv, b
 
 from benchmarks.graph_timing import graph_replay_us  # noqa: E402
 from questkv.ops import quant_reference as ref  # noqa: E402
+from questkv.ops.cuda import int4_mma as mma  # noqa: E402
+from questkv.ops.cuda.int4_mma import MMA_MAX_M  # noqa: E402
 
 GROUP = 128  # int4's
 QUANT = {"int4": ("int4", GROUP), "int8": ("int8", GROUP), "int8g16": ("int8_grouped", 16),
@@ -83,7 +85,7 @@ ROTATE_BYTES = 384 * 2**20  # weight bytes one graph replay reads at least (abou
 MAX_COPIES = 32
 MIN_CALLS_PER_REPLAY = 8
 TARGETS = {"int4_m1_ms": 1.57, "int8_speedup_m1": 1.6}  # the issue's targets (llama3.1-8b, all linears of a token)
-SWEEP_KERNELS = ("triton", "bf16-gemv", "int4-gemv", "int4-words")
+SWEEP_KERNELS = ("triton", "bf16-gemv", "int4-gemv", "int4-words", "int4-mma")
 CHECK_TOL = 2e-2  # relative (norm) error vs the float32 reference on the dequantized weight; bf16 output ~4e-3
 
 
@@ -276,6 +278,9 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
 
             out["int4-words"] = [lambda w=w, q=q: int4_words_matmul(x, w, q[1], q[2], GROUP)
                                  for w, q in zip(shape.gemv, shape.q["int4"])]
+        if cuda and m <= MMA_MAX_M and mma.available(shape.device):  # the CUDA C++ kernel over the same words
+            out["int4-mma"] = [lambda w=w, q=q: mma.int4_mma(x, w, q[1], q[2], GROUP)
+                               for w, q in zip(shape.gemv, shape.q["int4"])]
         if m >= args.dequant_min_m:  # an int4 layer's prefill
             from questkv.ops.triton.int4_words import dequantize_k_major
 
@@ -384,6 +389,15 @@ def words_sweep_configs(m: int, n: int, k: int, device: torch.device) -> list:
     return list(dict.fromkeys(configs))
 
 
+def mma_sweep_configs(m: int, n: int, k: int, device: torch.device) -> list:
+    """Alternative launches of the CUDA ``int4_mma`` (the plan first): warps per block and blocks per 64 outputs."""
+    plan = mma.plan_int4_mma(m, n, k, device)
+    groups = k // GROUP
+    configs = [plan] + [mma.Int4MmaConfig(w, s) for w in (2, 4, 8) for s in (1, 2, 4, 8, 16)
+                        if s == 1 or groups // s >= w]
+    return list(dict.fromkeys(configs))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the run
 
@@ -455,7 +469,9 @@ def run(args) -> dict:
 
                     over_words = (  # the kernels that read the K-major words: (name, rows, configs, launcher)
                         ("int4-gemv", m <= GEMV_MAX_M, lambda: gemv_sweep_configs(n, k, device), int4_gemv),
-                        ("int4-words", m > 1, lambda: words_sweep_configs(m, n, k, device), int4_words_matmul))
+                        ("int4-words", m > 1, lambda: words_sweep_configs(m, n, k, device), int4_words_matmul),
+                        ("int4-mma", m <= MMA_MAX_M and mma.available(device),
+                         lambda: mma_sweep_configs(m, n, k, device), mma.int4_mma))
                     for kname, rows_ok, configs, launch in over_words:
                         if rows_ok and shape.gemv and kname in kernels:
                             sweep_launches(

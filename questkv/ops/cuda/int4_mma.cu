@@ -1,0 +1,316 @@
+// int4 (group 128) times a few rows of x on tensor cores, reading the K-major words every int4 kernel reads.
+//
+// The weight: int32 words [K / 8, N] (questkv.ops.quant_reference.pack_int4_k_major): word (j, n) holds
+// q[n, 8 j + i] in bits 4 i .. 4 i + 3. Scales [K / 128, N] in x's dtype; zero points [K / 128, N] in x's dtype
+// or uint8; w[n, k] = (q - z) * s.
+//
+// One mma.sync.m16n8k16 takes the weight as its A operand (16 outputs by 16 features) and up to 8 rows of x as B,
+// so the codes need no shuffle at load: a lane (g = lane / 4, t = lane % 4) loads word column j0 + t of 8 outputs
+// with two 128-bit loads, and each word's nibble pairs (e, e + 4) become one register of two 16-bit floats
+// OFFSET + q with one shift and one lop3 ((q | 0x4300) is bf16 128 + q exactly, (q | 0x6400) fp16 1024 + q). The
+// MMA's feature order within a step is the lane's own: A's columns (2t, 2t + 1, 2t + 8, 2t + 9) are features
+// 8 (j0 + t) + (2h, 2h + 4, 2h + 1, 2h + 5) for the step's MMA h in {0, 1}, and B's rows are the same features of
+// x, one 128-bit load per lane and token and two byte permutes per register pair. Per group the products of
+// OFFSET + q are summed in float32 (d), and the scale and zero point come off once:
+// acc += s * (d - (z + OFFSET) * sum(x_group)), as questkv.ops.triton.int4_words does.
+//
+// A warp owns 64 outputs (4 MMA tiles: tile m's A rows g and g + 8 are outputs n0 + 4 g + m and n0 + 32 + 4 g + m,
+// the components of the lane's two loads) and whole groups; the warps of a block split the block's groups and sum
+// in shared memory in a fixed order; blocks split K further (grid.y) and the last block of an output tile to arrive
+// sums the float32 partials in split order (the ticket of questkv.ops.triton._common): deterministic.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int GROUP = 128;                // features per scale and zero point
+constexpr int STEPS = GROUP / 32;         // a warp's 4 word columns (32 features) per step
+constexpr int WARP_N = 64;                // outputs per warp (and per block)
+constexpr int TILES = WARP_N / 16;        // MMA tiles of 16 outputs
+
+template <typename T>
+struct Float16Codes;
+
+template <>
+struct Float16Codes<__nv_bfloat16> {
+  static constexpr uint32_t MAGIC = 0x43004300u;  // bf16x2 (128 + q_low, 128 + q_high)
+  static constexpr float OFFSET = 128.0f;
+  static __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct Float16Codes<__half> {
+  static constexpr uint32_t MAGIC = 0x64006400u;  // fp16x2 (1024 + q_low, 1024 + q_high)
+  static constexpr float OFFSET = 1024.0f;
+  static __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(uint8_t v) { return static_cast<float>(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
+
+// Nibbles e and e + 4 of a word as two 16-bit floats OFFSET + q: (w >> 4e) & 0x000F000F | MAGIC in one lop3.
+template <uint32_t MAGIC>
+__device__ __forceinline__ uint32_t nibble_pair(uint32_t word, int e) {
+  uint32_t v = word >> (4 * e);
+  uint32_t out;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(out) : "r"(v), "n"(0x000F000F), "n"(MAGIC));
+  return out;
+}
+
+// The sum of 8 16-bit floats (one 128-bit load of x) in float32.
+template <typename T>
+__device__ __forceinline__ float sum8(const uint4& v) {
+  const T* h = reinterpret_cast<const T*>(&v);
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s += to_float(h[i]);
+  return s;
+}
+
+// Four consecutive values of a [groups, N] tensor (scales or zero points) as float32.
+template <typename Z>
+__device__ __forceinline__ void load4(const Z* p, float* out) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = to_float(p[i]);
+}
+
+// Grid (N / 64, split); block 32 * warps threads; dynamic shared memory warps * 64 * 8 * NT floats.
+// x [M, K] (M <= 8 * NT), out [M, N], part float32 [split, M, N], counters one zeroed int32 per output tile.
+template <typename T, typename Z, int NT>
+__global__ void __launch_bounds__(256) int4_mma_kernel(
+    const T* __restrict__ x, const uint32_t* __restrict__ words, const T* __restrict__ scales,
+    const Z* __restrict__ zeros, const T* __restrict__ bias, float* __restrict__ part, int* __restrict__ counters,
+    T* __restrict__ out, int M, int N, int K, int groups_per_split) {
+  using Codes = Float16Codes<T>;
+  extern __shared__ float sums[];  // [warps][NT * 8 tokens][64 outputs]
+  __shared__ int last_block;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int n0 = blockIdx.x * WARP_N;
+  const int groups = K / GROUP;
+  const int g_start = blockIdx.y * groups_per_split;
+  const int g_end = min(g_start + groups_per_split, groups);
+
+  float acc[NT][TILES][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int m = 0; m < TILES; ++m)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[nt][m][c] = 0.0f;
+
+  const uint32_t* w_lane = words + n0 + 4 * g;  // + word row * N; + 32 for the second load
+  uint4 w_cur[STEPS][2];
+  uint4 w_next[STEPS][2];
+  int grp = g_start + warp;
+  if (grp < g_end) {
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      const uint32_t* p = w_lane + static_cast<size_t>(grp * (GROUP / 8) + 4 * s + t) * N;
+      w_cur[s][0] = __ldg(reinterpret_cast<const uint4*>(p));
+      w_cur[s][1] = __ldg(reinterpret_cast<const uint4*>(p + 32));
+    }
+  }
+  for (; grp < g_end; grp += warps) {
+    const int grp_next = grp + warps;
+    if (grp_next < g_end) {  // the next group's words in flight while this one is multiplied
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) {
+        const uint32_t* p = w_lane + static_cast<size_t>(grp_next * (GROUP / 8) + 4 * s + t) * N;
+        w_next[s][0] = __ldg(reinterpret_cast<const uint4*>(p));
+        w_next[s][1] = __ldg(reinterpret_cast<const uint4*>(p + 32));
+      }
+    }
+    float d[NT][TILES][4];
+    float x_sum[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      x_sum[nt] = 0.0f;
+#pragma unroll
+      for (int m = 0; m < TILES; ++m)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) d[nt][m][c] = 0.0f;
+    }
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      const int feature = grp * GROUP + 8 * (4 * s + t);
+      uint32_t b[NT][2][2];  // [token tile][MMA h][register]
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int token = nt * 8 + g;
+        uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+        if (token < M) xv = *reinterpret_cast<const uint4*>(x + static_cast<size_t>(token) * K + feature);
+        x_sum[nt] += sum8<T>(xv);
+        b[nt][0][0] = __byte_perm(xv.x, xv.z, 0x5410);  // features (0, 4)
+        b[nt][0][1] = __byte_perm(xv.x, xv.z, 0x7632);  // (1, 5)
+        b[nt][1][0] = __byte_perm(xv.y, xv.w, 0x5410);  // (2, 6)
+        b[nt][1][1] = __byte_perm(xv.y, xv.w, 0x7632);  // (3, 7)
+      }
+      const uint32_t* low = reinterpret_cast<const uint32_t*>(&w_cur[s][0]);
+      const uint32_t* high = reinterpret_cast<const uint32_t*>(&w_cur[s][1]);
+#pragma unroll
+      for (int m = 0; m < TILES; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t a[4];
+          a[0] = nibble_pair<Codes::MAGIC>(low[m], 2 * h);       // output row g: features (2h, 2h + 4)
+          a[1] = nibble_pair<Codes::MAGIC>(high[m], 2 * h);      // row g + 8
+          a[2] = nibble_pair<Codes::MAGIC>(low[m], 2 * h + 1);   // row g: (2h + 1, 2h + 5)
+          a[3] = nibble_pair<Codes::MAGIC>(high[m], 2 * h + 1);  // row g + 8
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) Codes::mma(d[nt][m], a, b[nt][h][0], b[nt][h][1]);
+        }
+      }
+    }
+    // The group's scale and zero point per output: tile m's rows are outputs n0 + 4g + m and n0 + 32 + 4g + m.
+    float s_low[4], s_high[4], z_low[4], z_high[4];
+    const size_t sz = static_cast<size_t>(grp) * N + n0 + 4 * g;
+    load4(scales + sz, s_low);
+    load4(scales + sz + 32, s_high);
+    load4(zeros + sz, z_low);
+    load4(zeros + sz + 32, z_high);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      float xs = x_sum[nt];  // token nt * 8 + g over this lane's features; the 4 lanes of g hold the group
+      xs += __shfl_xor_sync(0xffffffffu, xs, 1);
+      xs += __shfl_xor_sync(0xffffffffu, xs, 2);
+      const float xs0 = __shfl_sync(0xffffffffu, xs, 8 * t);      // token nt * 8 + 2t
+      const float xs1 = __shfl_sync(0xffffffffu, xs, 8 * t + 4);  // token nt * 8 + 2t + 1
+#pragma unroll
+      for (int m = 0; m < TILES; ++m) {
+        const float zl = z_low[m] + Codes::OFFSET;
+        const float zh = z_high[m] + Codes::OFFSET;
+        acc[nt][m][0] += s_low[m] * (d[nt][m][0] - zl * xs0);
+        acc[nt][m][1] += s_low[m] * (d[nt][m][1] - zl * xs1);
+        acc[nt][m][2] += s_high[m] * (d[nt][m][2] - zh * xs0);
+        acc[nt][m][3] += s_high[m] * (d[nt][m][3] - zh * xs1);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      w_cur[s][0] = w_next[s][0];
+      w_cur[s][1] = w_next[s][1];
+    }
+  }
+
+  // The block's warps summed in shared memory ([warp][token][output]), in warp order.
+  constexpr int PER_WARP = NT * 8 * WARP_N;
+  float* mine = sums + warp * PER_WARP;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int m = 0; m < TILES; ++m) {
+      const int row_low = 4 * g + m;
+      const int row_high = 32 + 4 * g + m;
+      const int token = nt * 8 + 2 * t;
+      mine[token * WARP_N + row_low] = acc[nt][m][0];
+      mine[(token + 1) * WARP_N + row_low] = acc[nt][m][1];
+      mine[token * WARP_N + row_high] = acc[nt][m][2];
+      mine[(token + 1) * WARP_N + row_high] = acc[nt][m][3];
+    }
+  __syncthreads();
+  const int split = gridDim.y;
+  const int outputs = min(M, NT * 8) * WARP_N;
+  for (int i = threadIdx.x; i < outputs; i += blockDim.x) {
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) total += sums[w * PER_WARP + i];
+    const int token = i / WARP_N;
+    const int n = n0 + i % WARP_N;
+    if (split == 1) {
+      if (bias != nullptr) total += to_float(bias[n]);
+      out[static_cast<size_t>(token) * N + n] = from_float<T>(total);
+    } else {
+      part[(static_cast<size_t>(blockIdx.y) * M + token) * N + n] = total;
+    }
+  }
+  if (split == 1) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_block = atomicAdd(counters + blockIdx.x, 1) == split - 1;
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < outputs; i += blockDim.x) {
+    const int token = i / WARP_N;
+    const int n = n0 + i % WARP_N;
+    float total = 0.0f;
+    for (int sp = 0; sp < split; ++sp) total += __ldcg(part + (static_cast<size_t>(sp) * M + token) * N + n);
+    if (bias != nullptr) total += to_float(bias[n]);
+    out[static_cast<size_t>(token) * N + n] = from_float<T>(total);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // the ticket left zero for the next launch
+}
+
+template <typename T, typename Z, int NT>
+cudaError_t launch_typed(const void* x, const void* words, const void* scales, const void* zeros, const void* bias,
+                         float* part, int* counters, void* out, int M, int N, int K, int per_split, int warps,
+                         cudaStream_t stream) {
+  const int groups = K / GROUP;
+  const dim3 grid(N / WARP_N, (groups + per_split - 1) / per_split);
+  const size_t shared = static_cast<size_t>(warps) * NT * 8 * WARP_N * sizeof(float);
+  int4_mma_kernel<T, Z, NT><<<grid, warps * 32, shared, stream>>>(
+      static_cast<const T*>(x), static_cast<const uint32_t*>(words), static_cast<const T*>(scales),
+      static_cast<const Z*>(zeros), static_cast<const T*>(bias), part, counters, static_cast<T*>(out), M, N, K,
+      per_split);
+  return cudaGetLastError();
+}
+
+template <typename T, typename Z>
+cudaError_t launch_rows(const void* x, const void* words, const void* scales, const void* zeros, const void* bias,
+                        float* part, int* counters, void* out, int M, int N, int K, int per_split, int warps,
+                        cudaStream_t stream) {
+  if (M <= 8)
+    return launch_typed<T, Z, 1>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps,
+                                 stream);
+  return launch_typed<T, Z, 2>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps,
+                               stream);
+}
+
+}  // namespace
+
+// dtype: 0 bf16, 1 fp16; zeros_u8: zero points held as uint8 (else in x's dtype); per_split: groups per block
+// (part holds one [M, N] partial per block of an output tile when that leaves more than one). Shapes are checked
+// by the caller.
+cudaError_t questkv_int4_mma(const void* x, const void* words, const void* scales, const void* zeros,
+                             const void* bias, float* part, int* counters, void* out, int M, int N, int K,
+                             int per_split, int warps, int dtype, bool zeros_u8, cudaStream_t stream) {
+  if (dtype == 0) {
+    if (zeros_u8)
+      return launch_rows<__nv_bfloat16, uint8_t>(x, words, scales, zeros, bias, part, counters, out, M, N, K,
+                                                 per_split,                                                 warps, stream);
+    return launch_rows<__nv_bfloat16, __nv_bfloat16>(x, words, scales, zeros, bias, part, counters, out, M, N, K,
+                                                     per_split, warps, stream);
+  }
+  if (zeros_u8)
+    return launch_rows<__half, uint8_t>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps,
+                                        stream);
+  return launch_rows<__half, __half>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps,
+                                     stream);
+}

@@ -1,0 +1,143 @@
+"""``int4`` times up to 16 rows of ``x`` on tensor cores: a CUDA C++ kernel (``int4_mma.cu``) over the K-major words
+every ``int4`` kernel reads (:func:`~questkv.ops.quant_reference.pack_int4_k_major`: no second copy of the codes).
+
+Why CUDA C++ and not Triton: a few rows are a memory-bound product whose codes must become tensor-core operands in
+registers. ``mma.sync.m16n8k16`` takes the weight as its ``A`` operand, and a lane's 32-bit word of 8 nibbles of one
+output is exactly what its ``A`` fragment needs from that output for two MMAs (the features' order inside an MMA is
+free as long as ``x``'s ``B`` fragment follows it), so each word becomes two operand registers with one shift and
+one ``lop3`` each and never leaves the registers. Triton chooses operand layouts itself: its kernel over the same
+words (:mod:`questkv.ops.triton.int4_words`) converts every dequantized tile through shared memory, 3.1× its bytes
+floor at 5 rows on an H100 (``benchmarks/results/linear-h100-words-m5.md``). How the kernel maps words, features and
+outputs is in the ``.cu`` file's header.
+
+Built at first use with :func:`torch.utils.cpp_extension.load` (nvcc and a C++ compiler needed then, once; the
+build is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``); never on a machine
+without CUDA. :func:`available` says whether it loaded (a failed build warns once and the Triton kernels take its
+rows). Reached through :func:`questkv.ops.int4_matmul` (:mod:`questkv.ops.triton.quant_ops` decides which rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from questkv.ops.quant_reference import check_int4_words
+
+__all__ = ["MMA_MAX_M", "MMA_OUTPUTS", "Int4MmaConfig", "available", "fits", "int4_mma", "plan_int4_mma"]
+
+MMA_MAX_M = 16
+"""Rows of ``x`` one launch takes (two MMA column tiles of 8)."""
+
+MMA_GROUP = 128
+"""The group size the kernel reads (its scales and zero points per 128 input features)."""
+
+MMA_OUTPUTS = 64
+"""Outputs per warp and per block: ``N`` must be a multiple."""
+
+MMA_BLOCKS_PER_SM = 4
+""":func:`plan_int4_mma`'s split aims at this many blocks per SM."""
+
+_SOURCES = ("int4_mma.cu", "int4_mma_binding.cpp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4MmaConfig:
+    """One :func:`int4_mma` launch: ``warps`` per block (each takes whole groups of the block's 64 outputs),
+    ``split`` blocks per 64 outputs (each a range of whole groups; the last to finish sums their partials)."""
+
+    warps: int
+    split: int
+
+
+@functools.lru_cache(maxsize=None)
+def _extension() -> Optional[ModuleType]:
+    """The built extension, or ``None`` (with one warning) where it cannot be built or loaded."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        here = Path(__file__).parent
+        return load(name="questkv_int4_mma", sources=[str(here / s) for s in _SOURCES],
+                    extra_cuda_cflags=["-O3"], extra_cflags=["-O3"], verbose=False)
+    except Exception as error:  # noqa: BLE001 - any build or load failure leaves the Triton kernels in place
+        warnings.warn(f"questkv: the int4 tensor-core kernel (questkv/ops/cuda/int4_mma.cu) could not be built "
+                      f"({type(error).__name__}: {error}); int4 layers use the Triton kernels for every row count",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
+def available(device: torch.device) -> bool:
+    """Whether :func:`int4_mma` runs on ``device``: a CUDA GPU of compute capability 8.0 or newer (bf16 MMA) and the
+    extension built (the first call builds it: about a minute, once per machine)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return _extension() is not None
+
+
+def fits(x: torch.Tensor, words: torch.Tensor, group_size: int) -> bool:
+    """Whether :func:`int4_mma` takes this product: 1 to :data:`MMA_MAX_M` rows of bf16 or fp16 ``x``, group 128,
+    outputs a multiple of :data:`MMA_OUTPUTS`, 16-byte aligned rows (``available`` is the device's question)."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MMA_MAX_M and x.dtype in (torch.bfloat16, torch.float16)
+            and group_size == MMA_GROUP and words.shape[-1] % MMA_OUTPUTS == 0 and x.shape[1] % MMA_GROUP == 0
+            and x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and x.stride(0) == x.shape[1])
+
+
+def plan_int4_mma(m: int, n: int, k: int, device: Optional[torch.device] = None) -> Int4MmaConfig:
+    """The launch :func:`int4_mma` uses for ``m`` rows, ``n`` outputs and ``k`` input features: 4 warps, the groups
+    split over blocks so that there are about :data:`MMA_BLOCKS_PER_SM` blocks per SM, each warp at least one
+    group. ``device`` sets the SM count (``None`` or a CPU: an H200's 132)."""
+    from questkv.ops.triton._common import num_sms
+
+    warps = 4
+    groups = k // MMA_GROUP
+    tiles = n // MMA_OUTPUTS
+    programs = MMA_BLOCKS_PER_SM * num_sms(device or torch.device("cpu"))
+    split = max(1, min(max(1, groups // warps), math.ceil(programs / tiles)))
+    return Int4MmaConfig(warps, split)
+
+
+def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             group_size: int = MMA_GROUP, bias: Optional[torch.Tensor] = None,
+             config: Optional[Int4MmaConfig] = None) -> torch.Tensor:
+    """``y = x @ w.T + bias`` for ``x`` ``[M, K]`` bf16 / fp16 (``M`` ≤ :data:`MMA_MAX_M`) and an ``int4`` weight
+    held as K-major words ``[K // 8, N]`` int32 with ``scales`` ``[K // 128, N]`` in ``x``'s dtype and ``zeros``
+    in ``x``'s dtype or uint8 (:mod:`questkv.ops.quant_reference`'s format), on a CUDA device where
+    :func:`available`; ``config`` overrides :func:`plan_int4_mma`. The maths of
+    :func:`~questkv.ops.triton.int4_words.int4_words_matmul`: per group, float32 sums of ``x`` times ``128 + q``
+    (bf16; fp16: ``1024 + q``), then the group's scale and zero point.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    """
+    if not fits(x, words, group_size):
+        raise ValueError(f"int4_mma takes 1 to {MMA_MAX_M} contiguous bf16/fp16 rows, group size {MMA_GROUP} and "
+                         f"outputs in multiples of {MMA_OUTPUTS}; got x {tuple(x.shape)} {x.dtype}, group size "
+                         f"{group_size}, words {tuple(words.shape)}")
+    m, k = x.shape
+    n = check_int4_words(k, words, scales, zeros, group_size, "int4_mma")
+    if scales.dtype != x.dtype or zeros.dtype not in (x.dtype, torch.uint8):
+        raise ValueError(f"int4_mma: scales must be in x's dtype {x.dtype} and zeros in it or uint8; got "
+                         f"{scales.dtype} and {zeros.dtype}")
+    extension = _extension()
+    if extension is None:
+        raise RuntimeError("int4_mma: the CUDA extension is not available on this machine (see the warning)")
+    from questkv.ops.triton._common import ticket_counters
+
+    cfg = config or plan_int4_mma(m, n, k, x.device)
+    groups = k // MMA_GROUP
+    per_split = math.ceil(groups / cfg.split)
+    split = math.ceil(groups / per_split)  # blocks per output tile, as the launcher's grid
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = counters = None
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = ticket_counters(x.device, n // MMA_OUTPUTS)
+    extension.int4_mma(x, words, scales.contiguous(), zeros.contiguous(), bias, part, counters, out, per_split,
+                       cfg.warps)
+    return out

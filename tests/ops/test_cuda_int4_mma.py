@@ -1,0 +1,96 @@
+"""The CUDA C++ int4 tensor-core kernel (questkv.ops.cuda.int4_mma) against the torch reference.
+
+On a GPU it is built and compared with :func:`questkv.ops.quant_reference.int4_matmul` at every row count it takes,
+both zero-point dtypes, bf16 and fp16, with and without a bias, one and several blocks per output tile; on a CPU
+(CI) only what needs no GPU runs: which products it takes and how a launch is planned.
+"""
+
+import pytest
+import torch
+
+from questkv.ops import quant_reference as ref
+from questkv.ops.cuda import int4_mma as mma
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _weight(n: int, k: int, dtype: torch.dtype, zeros_u8: bool, device) -> tuple:
+    w = torch.randn((n, k), device=device) * 0.05
+    qweight, scales, zeros = ref.quantize_weight(w, "int4", 128, dtype=dtype)
+    words = ref.pack_int4_k_major(qweight, 128)
+    return words, scales, zeros.to(torch.uint8) if zeros_u8 else zeros.to(dtype), qweight
+
+
+def test_fits_takes_up_to_sixteen_rows_of_group_128_with_outputs_in_64s():
+    words = torch.zeros((512 // 8, 192), dtype=torch.int32)
+    for m in (1, 5, 16):
+        assert mma.fits(torch.randn(m, 512).to(torch.bfloat16), words, 128)
+    assert not mma.fits(torch.randn(17, 512).to(torch.bfloat16), words, 128)
+    assert not mma.fits(torch.randn(2, 512), words, 128)  # float32
+    assert not mma.fits(torch.randn(2, 512).to(torch.bfloat16), words, 64)
+    assert not mma.fits(torch.randn(2, 512).to(torch.bfloat16), torch.zeros((64, 160), dtype=torch.int32), 128)
+    assert not mma.fits(torch.randn(2, 1024).to(torch.bfloat16)[:, :512], words, 128)  # rows not contiguous
+
+
+def test_plan_splits_groups_over_blocks_without_leaving_a_warp_idle():
+    for n, k in ((4096, 4096), (6144, 4096), (4096, 14336), (128256, 4096), (192, 512)):
+        cfg = mma.plan_int4_mma(5, n, k)
+        groups = k // 128
+        assert cfg.split >= 1 and cfg.warps >= 1
+        assert cfg.split == 1 or groups // cfg.split >= cfg.warps
+    assert mma.plan_int4_mma(5, 128256, 4096).split == 1  # enough output tiles already
+
+
+def test_not_available_without_cuda():
+    assert not mma.available(torch.device("cpu"))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zeros_u8", [True, False])
+def test_matches_the_reference_at_every_row_count(dtype, zeros_u8):
+    device = torch.device("cuda")
+    assert mma.available(device)
+    torch.manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    n, k = 384, 1536
+    words, scales, zeros, qweight = _weight(n, k, dtype, zeros_u8, device)
+    bias = torch.randn(n, device=device).to(dtype)
+    for m in range(1, mma.MMA_MAX_M + 1):
+        x = torch.randn((m, k), device=device).to(dtype)
+        want = ref.int4_matmul(x.float(), words, scales.float(), zeros.float(), 128)
+        for cfg in (mma.Int4MmaConfig(4, 1), mma.Int4MmaConfig(2, 3), mma.Int4MmaConfig(8, 12), None):
+            for b in (None, bias):
+                got = mma.int4_mma(x, words, scales, zeros, 128, b, config=cfg).float()
+                expect = want if b is None else want + b.float()
+                err = (got - expect).norm() / expect.norm()
+                assert err < 1e-2, (m, cfg, b is None, float(err))
+
+
+@cuda
+def test_split_launches_are_deterministic_and_leave_the_tickets_zero():
+    from questkv.ops.triton._common import ticket_counters
+
+    device = torch.device("cuda")
+    words, scales, zeros, _ = _weight(256, 4096, torch.bfloat16, True, device)
+    x = torch.randn((5, 4096), device=device).to(torch.bfloat16)
+    cfg = mma.Int4MmaConfig(4, 8)
+    first = mma.int4_mma(x, words, scales, zeros, config=cfg)
+    for _ in range(3):
+        assert torch.equal(mma.int4_mma(x, words, scales, zeros, config=cfg), first)
+    assert int(ticket_counters(device, 4)[:4].abs().sum()) == 0
+
+
+@cuda
+def test_captured_in_a_cuda_graph():
+    device = torch.device("cuda")
+    words, scales, zeros, _ = _weight(512, 2048, torch.bfloat16, True, device)
+    x = torch.randn((4, 2048), device=device).to(torch.bfloat16)
+    cfg = mma.Int4MmaConfig(4, 4)
+    want = mma.int4_mma(x, words, scales, zeros, config=cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mma.int4_mma(x, words, scales, zeros, config=cfg)
+    x.copy_(torch.randn((4, 2048), device=device).to(torch.bfloat16))
+    graph.replay()
+    assert torch.equal(out, mma.int4_mma(x, words, scales, zeros, config=cfg))
+    assert not torch.equal(out, want)
