@@ -23,13 +23,22 @@ def _weight(n: int, k: int, dtype: torch.dtype, zeros_u8: bool, device) -> tuple
 
 def test_fits_takes_up_to_sixteen_rows_of_group_128_with_outputs_in_64s():
     words = torch.zeros((512 // 8, 192), dtype=torch.int32)
+    s = torch.rand((4, 192)).to(torch.bfloat16)
+    z8 = torch.randint(0, 16, (4, 192), dtype=torch.uint8)
+
+    def fits(x, w=words, scales=s, zeros=z8, group=128):
+        return mma.fits(x, w, scales, zeros, group)
+
     for m in (1, 5, 16):
-        assert mma.fits(torch.randn(m, 512).to(torch.bfloat16), words, 128)
-    assert not mma.fits(torch.randn(17, 512).to(torch.bfloat16), words, 128)
-    assert not mma.fits(torch.randn(2, 512), words, 128)  # float32
-    assert not mma.fits(torch.randn(2, 512).to(torch.bfloat16), words, 64)
-    assert not mma.fits(torch.randn(2, 512).to(torch.bfloat16), torch.zeros((64, 160), dtype=torch.int32), 128)
-    assert not mma.fits(torch.randn(2, 1024).to(torch.bfloat16)[:, :512], words, 128)  # rows not contiguous
+        assert fits(torch.randn(m, 512).to(torch.bfloat16))
+    assert fits(torch.randn(3, 512).to(torch.bfloat16), zeros=z8.to(torch.bfloat16))
+    assert not fits(torch.randn(17, 512).to(torch.bfloat16))
+    assert not fits(torch.randn(2, 512))  # float32
+    assert not fits(torch.randn(2, 512).to(torch.bfloat16), group=64)
+    assert not fits(torch.randn(2, 512).to(torch.bfloat16), w=torch.zeros((64, 160), dtype=torch.int32))
+    assert not fits(torch.randn(2, 1024).to(torch.bfloat16)[:, :512])  # rows not contiguous
+    assert not fits(torch.randn(2, 512).to(torch.float16))  # scales in another dtype
+    assert not fits(torch.randn(2, 512).to(torch.bfloat16), zeros=z8.float())
 
 
 def test_plan_splits_groups_over_blocks_without_leaving_a_warp_idle():

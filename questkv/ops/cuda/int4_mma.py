@@ -80,10 +80,12 @@ def available(device: torch.device) -> bool:
     return _extension() is not None
 
 
-def fits(x: torch.Tensor, words: torch.Tensor, group_size: int) -> bool:
-    """Whether :func:`int4_mma` takes this product: 1 to :data:`MMA_MAX_M` rows of bf16 or fp16 ``x``, group 128,
-    outputs a multiple of :data:`MMA_OUTPUTS`, 16-byte aligned rows (``available`` is the device's question)."""
+def fits(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> bool:
+    """Whether :func:`int4_mma` takes this product: 1 to :data:`MMA_MAX_M` contiguous, 16-byte aligned rows of bf16
+    or fp16 ``x``, scales in ``x``'s dtype and zero points in it or uint8, group 128, outputs a multiple of
+    :data:`MMA_OUTPUTS` (:func:`available` is the device's question)."""
     return (x.dim() == 2 and 1 <= x.shape[0] <= MMA_MAX_M and x.dtype in (torch.bfloat16, torch.float16)
+            and scales.dtype == x.dtype and zeros.dtype in (x.dtype, torch.uint8)
             and group_size == MMA_GROUP and words.shape[-1] % MMA_OUTPUTS == 0 and x.shape[1] % MMA_GROUP == 0
             and x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and x.stride(0) == x.shape[1])
 
@@ -115,15 +117,15 @@ def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
-    if not fits(x, words, group_size):
-        raise ValueError(f"int4_mma takes 1 to {MMA_MAX_M} contiguous bf16/fp16 rows, group size {MMA_GROUP} and "
-                         f"outputs in multiples of {MMA_OUTPUTS}; got x {tuple(x.shape)} {x.dtype}, group size "
-                         f"{group_size}, words {tuple(words.shape)}")
+    if x.dim() != 2:
+        raise ValueError(f"int4_mma: x must be [M, K], got shape {tuple(x.shape)}")
     m, k = x.shape
     n = check_int4_words(k, words, scales, zeros, group_size, "int4_mma")
-    if scales.dtype != x.dtype or zeros.dtype not in (x.dtype, torch.uint8):
-        raise ValueError(f"int4_mma: scales must be in x's dtype {x.dtype} and zeros in it or uint8; got "
-                         f"{scales.dtype} and {zeros.dtype}")
+    if not fits(x, words, scales, zeros, group_size):
+        raise ValueError(f"int4_mma takes 1 to {MMA_MAX_M} contiguous bf16/fp16 rows, scales in their dtype, zero "
+                         f"points in it or uint8, group size {MMA_GROUP} and outputs in multiples of {MMA_OUTPUTS}; "
+                         f"got x {tuple(x.shape)} {x.dtype}, scales {scales.dtype}, zeros {zeros.dtype}, group size "
+                         f"{group_size}, words {tuple(words.shape)}")
     extension = _extension()
     if extension is None:
         raise RuntimeError("int4_mma: the CUDA extension is not available on this machine (see the warning)")
