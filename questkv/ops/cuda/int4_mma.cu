@@ -91,11 +91,20 @@ __device__ __forceinline__ float sum8(const uint4& v) {
   return s;
 }
 
-// Four consecutive values of a [groups, N] tensor (scales or zero points) as float32.
+// Four consecutive values of a [groups, N] tensor (scales or zero points) as float32, in one load (8-byte aligned
+// for 16-bit values, 4-byte for uint8: the caller's index is a multiple of 4).
 template <typename Z>
 __device__ __forceinline__ void load4(const Z* p, float* out) {
+  if constexpr (sizeof(Z) == 1) {
+    const uint32_t v = __ldg(reinterpret_cast<const unsigned int*>(p));
 #pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = to_float(p[i]);
+    for (int i = 0; i < 4; ++i) out[i] = static_cast<float>((v >> (8 * i)) & 0xFFu);
+  } else {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    const Z* h = reinterpret_cast<const Z*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = to_float(h[i]);
+  }
 }
 
 // Grid (N / 64, split); block 32 * warps threads; dynamic shared memory warps * 64 * 8 * NT floats.
