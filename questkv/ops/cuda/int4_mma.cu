@@ -1,18 +1,19 @@
 // int4 (group 128) times a few rows of x on tensor cores, reading the K-major words every int4 kernel reads.
 //
-// The weight: int32 words [K / 8, N] (questkv.ops.quant_reference.pack_int4_k_major): word (j, n) holds
-// q[n, 8 j + i] in bits 4 i .. 4 i + 3. Scales [K / 128, N] in x's dtype; zero points [K / 128, N] in x's dtype
-// or uint8; w[n, k] = (q - z) * s.
+// The weight: int32 words [K / 8, N] (questkv.ops.quant_reference.pack_int4_k_major): inside group g, word row
+// j (0..15) of output n holds in bits 4 i .. 4 i + 3 the code of feature 128 g + 16 i + j. Scales [K / 128, N] in
+// x's dtype; zero points [K / 128, N] in x's dtype or uint8; w[n, k] = (q - z) * s.
 //
 // One mma.sync.m16n8k16 takes the weight as its A operand (16 outputs by 16 features) and up to 8 rows of x as B,
-// so the codes need no shuffle at load: a lane (g = lane / 4, t = lane % 4) loads word column j0 + t of 8 outputs
-// with two 128-bit loads, and each word's nibble pairs (e, e + 4) become one register of two 16-bit floats
-// OFFSET + q with one shift and one lop3 ((q | 0x4300) is bf16 128 + q exactly, (q | 0x6400) fp16 1024 + q). The
-// MMA's feature order within a step is the lane's own: A's columns (2t, 2t + 1, 2t + 8, 2t + 9) are features
-// 8 (j0 + t) + (2h, 2h + 4, 2h + 1, 2h + 5) for the step's MMA h in {0, 1}, and B's rows are the same features of
-// x, one 128-bit load per lane and token and two byte permutes per register pair. Per group the products of
-// OFFSET + q are summed in float32 (d), and the scale and zero point come off once:
-// acc += s * (d - (z + OFFSET) * sum(x_group)), as questkv.ops.triton.int4_words does.
+// so the codes need no shuffle at load: per group a lane (g = lane / 4, t = lane % 4) loads word rows 4 t + s
+// (s = 0..3, one step each) of 8 outputs with two 128-bit loads, and each word's nibble pairs (e, e + 4) become one
+// register of two 16-bit floats OFFSET + q with one shift and one lop3 ((q | 0x4300) is bf16 128 + q exactly,
+// (q | 0x6400) fp16 1024 + q). The features inside an MMA are the lane's own: A's columns (2t, 2t + 1, 2t + 8,
+// 2t + 9) are, for the step's MMA h in {0, 1}, nibbles (2h, 2h + 4, 2h + 1, 2h + 5) of word row 4 t + s, and B's
+// rows are the same features of x: the lane holds features 16 i + 4 t .. + 3 (eight 64-bit loads per token and
+// group) and pairs them with one byte permute per register. Per group the products of OFFSET + q are summed in
+// float32 (d), and the scale and zero point come off once: acc += s * (d - (z + OFFSET) * sum(x_group)), as
+// questkv.ops.triton.int4_words does.
 //
 // A warp owns 64 outputs (4 MMA tiles: tile m's A rows g and g + 8 are outputs n0 + 4 g + m and n0 + 32 + 4 g + m,
 // the components of the lane's two loads) and whole groups; the warps of a block split the block's groups and sum
@@ -81,14 +82,18 @@ __device__ __forceinline__ uint32_t nibble_pair(uint32_t word, int e) {
   return out;
 }
 
-// The sum of 8 16-bit floats (one 128-bit load of x) in float32.
+// The sum of 4 16-bit floats (one 64-bit load of x) in float32.
 template <typename T>
-__device__ __forceinline__ float sum8(const uint4& v) {
+__device__ __forceinline__ float sum4(const uint2& v) {
   const T* h = reinterpret_cast<const T*>(&v);
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s += to_float(h[i]);
-  return s;
+  return (to_float(h[0]) + to_float(h[1])) + (to_float(h[2]) + to_float(h[3]));
+}
+
+// Element s of two 64-bit loads of x (4 16-bit floats each) as one register of two: (first[s], second[s]).
+__device__ __forceinline__ uint32_t pair_of(const uint2& first, const uint2& second, int s) {
+  const uint32_t a = s < 2 ? first.x : first.y;
+  const uint32_t b = s < 2 ? second.x : second.y;
+  return __byte_perm(a, b, s % 2 == 0 ? 0x5410 : 0x7632);
 }
 
 // Four consecutive values of a [groups, N] tensor (scales or zero points) as float32, in one load (8-byte aligned
@@ -142,7 +147,7 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
   if (grp < g_end) {
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
-      const uint32_t* p = w_lane + static_cast<size_t>(grp * (GROUP / 8) + 4 * s + t) * N;
+      const uint32_t* p = w_lane + static_cast<size_t>(grp * (GROUP / 8) + 4 * t + s) * N;
       w_cur[s][0] = __ldg(reinterpret_cast<const uint4*>(p));
       w_cur[s][1] = __ldg(reinterpret_cast<const uint4*>(p + 32));
     }
@@ -152,7 +157,7 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
     if (grp_next < g_end) {  // the next group's words in flight while this one is multiplied
 #pragma unroll
       for (int s = 0; s < STEPS; ++s) {
-        const uint32_t* p = w_lane + static_cast<size_t>(grp_next * (GROUP / 8) + 4 * s + t) * N;
+        const uint32_t* p = w_lane + static_cast<size_t>(grp_next * (GROUP / 8) + 4 * t + s) * N;
         w_next[s][0] = __ldg(reinterpret_cast<const uint4*>(p));
         w_next[s][1] = __ldg(reinterpret_cast<const uint4*>(p + 32));
       }
@@ -167,34 +172,39 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
 #pragma unroll
         for (int c = 0; c < 4; ++c) d[nt][m][c] = 0.0f;
     }
+    uint2 xq[NT][8];  // token nt * 8 + g: features 16 i + 4 t .. 16 i + 4 t + 3 of the group (nibble i's)
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      const int feature = grp * GROUP + 8 * (4 * s + t);
-      uint32_t b[NT][2][2];  // [token tile][MMA h][register]
+    for (int nt = 0; nt < NT; ++nt) {
+      const int token = nt * 8 + g;
+      const T* row = x + static_cast<size_t>(token) * K + grp * GROUP + 4 * t;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int token = nt * 8 + g;
-        uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-        if (token < M) xv = *reinterpret_cast<const uint4*>(x + static_cast<size_t>(token) * K + feature);
-        x_sum[nt] += sum8<T>(xv);
-        b[nt][0][0] = __byte_perm(xv.x, xv.z, 0x5410);  // features (0, 4)
-        b[nt][0][1] = __byte_perm(xv.x, xv.z, 0x7632);  // (1, 5)
-        b[nt][1][0] = __byte_perm(xv.y, xv.w, 0x5410);  // (2, 6)
-        b[nt][1][1] = __byte_perm(xv.y, xv.w, 0x7632);  // (3, 7)
+      for (int i = 0; i < 8; ++i) {
+        xq[nt][i] = make_uint2(0u, 0u);
+        if (token < M) xq[nt][i] = *reinterpret_cast<const uint2*>(row + 16 * i);
+        x_sum[nt] += sum4<T>(xq[nt][i]);
       }
+    }
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {  // word row 4 t + s of the group: nibble i is feature 16 i + 4 t + s
       const uint32_t* low = reinterpret_cast<const uint32_t*>(&w_cur[s][0]);
       const uint32_t* high = reinterpret_cast<const uint32_t*>(&w_cur[s][1]);
 #pragma unroll
-      for (int m = 0; m < TILES; ++m) {
+      for (int h = 0; h < 2; ++h) {
+        uint32_t b[NT][2];  // x at nibbles (2h, 2h + 4) and (2h + 1, 2h + 5)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int nt = 0; nt < NT; ++nt) {
+          b[nt][0] = pair_of(xq[nt][2 * h], xq[nt][2 * h + 4], s);
+          b[nt][1] = pair_of(xq[nt][2 * h + 1], xq[nt][2 * h + 5], s);
+        }
+#pragma unroll
+        for (int m = 0; m < TILES; ++m) {
           uint32_t a[4];
-          a[0] = nibble_pair<Codes::MAGIC>(low[m], 2 * h);       // output row g: features (2h, 2h + 4)
+          a[0] = nibble_pair<Codes::MAGIC>(low[m], 2 * h);       // output row g: nibbles (2h, 2h + 4)
           a[1] = nibble_pair<Codes::MAGIC>(high[m], 2 * h);      // row g + 8
           a[2] = nibble_pair<Codes::MAGIC>(low[m], 2 * h + 1);   // row g: (2h + 1, 2h + 5)
           a[3] = nibble_pair<Codes::MAGIC>(high[m], 2 * h + 1);  // row g + 8
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) Codes::mma(d[nt][m], a, b[nt][h][0], b[nt][h][1]);
+          for (int nt = 0; nt < NT; ++nt) Codes::mma(d[nt][m], a, b[nt][0], b[nt][1]);
         }
       }
     }
