@@ -5,6 +5,10 @@ both zero-point dtypes, bf16 and fp16, with and without a bias, one and several 
 (CI) only what needs no GPU runs: which products it takes and how a launch is planned.
 """
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -48,6 +52,17 @@ def test_plan_splits_groups_over_blocks_without_leaving_a_warp_idle():
         assert cfg.split >= 1 and cfg.warps >= 1
         assert cfg.split == 1 or groups // cfg.split >= cfg.warps
     assert mma.plan_int4_mma(5, 128256, 4096).split == 1  # enough output tiles already
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernel_compiles_for_sm90_without_spilling(tmp_path):
+    source = Path(mma.__file__).with_name("int4_mma.cu")
+    done = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90", "-Xptxas", "-v",
+                           "-c", str(source), "-o", str(tmp_path / "int4_mma.o")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stderr.lower(), done.stderr
+    spills = [line for line in done.stderr.splitlines() if "spill" in line]
+    assert len(spills) == 8 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
 
 
 def test_not_available_without_cuda():
