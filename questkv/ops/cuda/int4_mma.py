@@ -12,8 +12,12 @@ outputs is in the ``.cu`` file's header.
 
 Built at first use with :func:`torch.utils.cpp_extension.load` (nvcc and a C++ compiler needed then, once; the
 build is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``); never on a machine
-without CUDA. :func:`available` says whether it loaded (a failed build warns once and the Triton kernels take its
-rows). Reached through :func:`questkv.ops.int4_matmul` (:mod:`questkv.ops.triton.quant_ops` decides which rows).
+without CUDA. :func:`available` says whether it loaded (a failed build warns once).
+
+Not dispatched yet: :func:`questkv.ops.int4_matmul` does not call it until it has passed its comparison with the
+torch reference on a GPU (``tests/ops/test_cuda_int4_mma.py``) and won rows in ``benchmarks/linear_bench.py``'s table
+(backend ``int4-mma``); its only GPU run so far tested an earlier feature mapping, which failed
+(``benchmarks/results/linear-h100-mma-layout-bug.md``; ``docs/kernels.md``).
 """
 
 from __future__ import annotations

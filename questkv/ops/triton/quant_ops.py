@@ -24,7 +24,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from questkv.ops.cuda import int4_mma as mma
 from questkv.ops.quant_reference import check_int4_words, check_quant_args, unpack_int4_k_major
 from questkv.ops.triton import quant_matmul as loops
 from questkv.ops.triton.int4_gemv import GEMV_MAX_M, int4_gemv
@@ -75,8 +74,6 @@ def int4_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
         return tinygemm_matmul(x, *tinygemm, group_size, bias)
     if 0 < m <= GEMV_MAX_M:
         return int4_gemv(x, words, scales, zeros, group_size, bias)
-    if m <= mma.MMA_MAX_M and mma.fits(x, words, scales, zeros, group_size) and mma.available(x.device):
-        return mma.int4_mma(x, words, scales, zeros, group_size, bias)
     if m <= TRITON_MAX_M:
         return int4_words_matmul(x, words, scales, zeros, group_size, bias)
     wt = dequantize_k_major(words, scales, zeros, group_size, dtype=x.dtype)  # [K, N]
