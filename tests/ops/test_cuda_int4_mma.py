@@ -90,31 +90,32 @@ def test_matches_the_reference_at_every_row_count(dtype, zeros_u8):
                 assert err < 1e-2, (m, cfg, b is None, float(err))
 
 
+def _bf16_product(n: int, k: int, m: int, warps: int, split: int):
+    """A bf16 int4 weight ``[n, k]`` with uint8 zero points, ``m`` random rows of ``x`` and one launch's call."""
+    words, scales, zeros, _ = _weight(n, k, torch.bfloat16, True, torch.device("cuda"))
+    x = torch.randn((m, k), device="cuda").to(torch.bfloat16)
+    return x, lambda: mma.int4_mma(x, words, scales, zeros, config=mma.Int4MmaConfig(warps, split))
+
+
 @cuda
 def test_split_launches_are_deterministic_and_leave_the_tickets_zero():
     from questkv.ops.triton._common import ticket_counters
 
-    device = torch.device("cuda")
-    words, scales, zeros, _ = _weight(256, 4096, torch.bfloat16, True, device)
-    x = torch.randn((5, 4096), device=device).to(torch.bfloat16)
-    cfg = mma.Int4MmaConfig(4, 8)
-    first = mma.int4_mma(x, words, scales, zeros, config=cfg)
+    _, product = _bf16_product(256, 4096, 5, 4, 8)
+    first = product()
     for _ in range(3):
-        assert torch.equal(mma.int4_mma(x, words, scales, zeros, config=cfg), first)
-    assert int(ticket_counters(device, 4)[:4].abs().sum()) == 0
+        assert torch.equal(product(), first)
+    assert int(ticket_counters(torch.device("cuda"), 4)[:4].abs().sum()) == 0
 
 
 @cuda
 def test_captured_in_a_cuda_graph():
-    device = torch.device("cuda")
-    words, scales, zeros, _ = _weight(512, 2048, torch.bfloat16, True, device)
-    x = torch.randn((4, 2048), device=device).to(torch.bfloat16)
-    cfg = mma.Int4MmaConfig(4, 4)
-    want = mma.int4_mma(x, words, scales, zeros, config=cfg)
+    x, product = _bf16_product(512, 2048, 4, 4, 4)
+    want = product()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = mma.int4_mma(x, words, scales, zeros, config=cfg)
-    x.copy_(torch.randn((4, 2048), device=device).to(torch.bfloat16))
+        out = product()
+    x.copy_(torch.randn((4, 2048), device="cuda").to(torch.bfloat16))
     graph.replay()
-    assert torch.equal(out, mma.int4_mma(x, words, scales, zeros, config=cfg))
+    assert torch.equal(out, product())
     assert not torch.equal(out, want)

@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -33,32 +34,25 @@ constexpr int STEPS = GROUP / 32;         // a warp's 4 word columns (32 feature
 constexpr int WARP_N = 64;                // outputs per warp (and per block)
 constexpr int TILES = WARP_N / 16;        // MMA tiles of 16 outputs
 
+// d += a (16 x 16, row-major fragments) times b (16 x 8, column-major), float32 accumulators; TYPE: bf16 or f16.
+#define QUESTKV_MMA_M16N8K16(TYPE, d, a, b0, b1)                                                           \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                                      \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                     \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                            \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
+// The 16-bit float type T's codes: (q | MAGIC) is OFFSET + q exactly, two per 32-bit register.
 template <typename T>
-struct Float16Codes;
-
-template <>
-struct Float16Codes<__nv_bfloat16> {
-  static constexpr uint32_t MAGIC = 0x43004300u;  // bf16x2 (128 + q_low, 128 + q_high)
-  static constexpr float OFFSET = 128.0f;
+struct Float16Codes {
+  static constexpr bool BF16 = std::is_same_v<T, __nv_bfloat16>;
+  static constexpr uint32_t MAGIC = BF16 ? 0x43004300u : 0x64006400u;
+  static constexpr float OFFSET = BF16 ? 128.0f : 1024.0f;
   static __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-template <>
-struct Float16Codes<__half> {
-  static constexpr uint32_t MAGIC = 0x64006400u;  // fp16x2 (1024 + q_low, 1024 + q_high)
-  static constexpr float OFFSET = 1024.0f;
-  static __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (BF16) {
+      QUESTKV_MMA_M16N8K16("bf16", d, a, b0, b1);
+    } else {
+      QUESTKV_MMA_M16N8K16("f16", d, a, b0, b1);
+    }
   }
 };
 
