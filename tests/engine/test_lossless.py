@@ -339,7 +339,8 @@ def test_first_drafts_launched_ahead_in_ragged_batches_give_the_dense_engines_to
 
     runner.execute, runner.tokens.sampler, scheduler.update = record, sample, check
     prompts, params = ragged(6)
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=p.max_tokens + 10, ignore_eos=True)
+    params = [SamplingParams(temperature=temperature, seed=i, ignore_eos=True,
+                             max_tokens=min(p.max_tokens + 10, MAX_LEN - len(prompts[i])))  # within max_model_len
               for i, p in enumerate(params)]
     assert run(llm, prompts, params) == run(dense, prompts, params)
     assert any(launched) and (temperature == 0 or indices)
