@@ -65,6 +65,25 @@ def test_kernel_compiles_for_sm90_without_spilling(tmp_path):
     assert len(spills) == 8 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
 
 
+def test_bad_input_is_refused_before_any_build_or_launch():
+    words = torch.zeros((512 // 8, 192), dtype=torch.int32)
+    scales = torch.rand((4, 192)).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (4, 192), dtype=torch.uint8)
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    cases = [
+        (dict(x=torch.randn(17, 512).to(torch.bfloat16)), r"1 to 16 contiguous"),
+        (dict(bias=torch.randn(192)), r"bias must be \[192\] in x's dtype"),
+        (dict(bias=torch.randn(191).to(torch.bfloat16)), r"bias must be \[192\]"),
+        (dict(config=mma.Int4MmaConfig(9, 1)), r"1 to 8 warps"),
+        (dict(config=mma.Int4MmaConfig(4, 0)), r"split of at least 1"),
+        ({}, r"runs on CUDA tensors, got x on cpu"),
+    ]
+    for change, message in cases:
+        args = {"x": x, "bias": None, "config": None, **change}
+        with pytest.raises(ValueError, match=message):
+            mma.int4_mma(args["x"], words, scales, zeros, 128, args["bias"], config=args["config"])
+
+
 def test_not_available_without_cuda():
     assert not mma.available(torch.device("cpu"))
 

@@ -45,6 +45,9 @@ MMA_GROUP = 128
 MMA_OUTPUTS = 64
 """Outputs per warp and per block: ``N`` must be a multiple."""
 
+MMA_MAX_WARPS = 8
+"""Warps per block at most (the kernel's launch bounds: 256 threads)."""
+
 MMA_BLOCKS_PER_SM = 4
 """:func:`plan_int4_mma`'s split aims at this many blocks per SM."""
 
@@ -130,12 +133,20 @@ def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
                          f"points in it or uint8, group size {MMA_GROUP} and outputs in multiples of {MMA_OUTPUTS}; "
                          f"got x {tuple(x.shape)} {x.dtype}, scales {scales.dtype}, zeros {zeros.dtype}, group size "
                          f"{group_size}, words {tuple(words.shape)}")
+    if bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (n,)):
+        raise ValueError(f"int4_mma: bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    cfg = config or plan_int4_mma(m, n, k, x.device)
+    if not 1 <= cfg.warps <= MMA_MAX_WARPS or cfg.split < 1:
+        raise ValueError(f"int4_mma: a config takes 1 to {MMA_MAX_WARPS} warps and a split of at least 1, got {cfg}")
+    if not x.is_cuda:
+        raise ValueError(f"int4_mma runs on CUDA tensors, got x on {x.device} (the torch reference: "
+                         "questkv.ops.quant_reference.int4_matmul)")
     extension = _extension()
     if extension is None:
         raise RuntimeError("int4_mma: the CUDA extension is not available on this machine (see the warning)")
     from questkv.ops.triton._common import ticket_counters
 
-    cfg = config or plan_int4_mma(m, n, k, x.device)
     groups = k // MMA_GROUP
     per_split = math.ceil(groups / cfg.split)
     split = math.ceil(groups / per_split)  # blocks per output tile, as the launcher's grid
@@ -144,6 +155,6 @@ def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = ticket_counters(x.device, n // MMA_OUTPUTS)
-    extension.int4_mma(x, words, scales.contiguous(), zeros.contiguous(), bias, part, counters, out, per_split,
-                       cfg.warps)
+    extension.int4_mma(x, words.contiguous(), scales.contiguous(), zeros.contiguous(),  # no-ops for a layer's
+                       None if bias is None else bias.contiguous(), part, counters, out, per_split, cfg.warps)
     return out
