@@ -294,16 +294,18 @@ def _token_checks(heading: str, results: dict, extra=lambda r: "") -> list[str]:
 
 
 def weights_lines(record: dict) -> list[str]:
-    """One line per model: its dense engine's weights counted once and as held (copies for other row counts)."""
+    """One line per model: its dense engine's weights (and, in records of engines that held a second copy of int4
+    codes, what they held)."""
     seen, lines = set(), []
     for p in record["points"]:
         d = p["engine_dense"]
         key = (p["model"], p["batch"])
-        if "weight_bytes_held" not in d or key in seen:
+        if "weight_bytes" not in d or key in seen:
             continue
         seen.add(key)
+        held = f", {d['weight_bytes_held'] / 1e9:.2f} GB held" if "weight_bytes_held" in d else ""
         lines.append(f"- {p['model']} at max_num_seqs={p['batch']}: weights {d['weight_bytes'] / 1e9:.2f} GB "
-                     f"({d['weight_bytes'] / 2**30:.2f} GiB) counted once, {d['weight_bytes_held'] / 1e9:.2f} GB held")
+                     f"({d['weight_bytes'] / 2**30:.2f} GiB){held}")
     return lines
 
 
@@ -366,7 +368,13 @@ def render_markdown(record: dict) -> str:
         if check:
             lines += _token_checks(f"fp32 small Llama quantized to {method} at load, one prompt and three: CUDA-graph "
                                    f"path (the {method} kernels) vs eager torch-reference path, greedy tokens:", check)
-    if not fp32 and not b8 and not chunked and not mixed and not any(quantized.values()):
+    int4_bf16 = record.get("check_int4_bf16_rows")
+    if int4_bf16:
+        lines += _token_checks("bf16 small Llama quantized to int4 at load, 1 / 2 / 5 / 16 / 20 prompts (the int4 "
+                               "kernels by rows: GEMV, tensor-core MMA, Triton words): CUDA-graph path vs eager "
+                               "torch-reference path, greedy tokens (bf16: agreement, not identity, expected):",
+                               int4_bf16)
+    if not fp32 and not b8 and not chunked and not mixed and not any(quantized.values()) and not int4_bf16:
         lines += ["(not run)", ""]
     if record["points"]:  # none: a --checks-only run
         lines += (targets_section(record) + all_points_section(record) + interleaved_section(record)

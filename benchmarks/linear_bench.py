@@ -11,8 +11,10 @@ replays; each replay cycles over enough copies of the weight that no call finds 
   early allows: ``benchmarks/e2e_bench.py`` is the arbiter);
 * ``int4`` (group 128) through each kernel over the K-major words a layer holds: ``gemv`` (``int4_gemv``,
   :mod:`questkv.ops.triton.int4_gemv`, ``M <= 2``), ``words`` (``int4_words_matmul``: tensor cores, ``M >= 2``)
-  and ``words-dequant`` (``dequantize_k_major`` + one GEMM, ``M >= --dequant-min-m``), and ``tinygemm``
-  (``torch.ops.aten._weight_int4pack_mm``, the copy a batching engine adds);
+  ``mma`` (``int4_mma``, :mod:`questkv.ops.cuda.int4_mma`: CUDA C++ on tensor cores, ``M <= 16``), ``words-dequant``
+  (``dequantize_k_major`` + one GEMM, ``M >= --dequant-min-m``) and ``dispatch`` (``questkv.ops.int4_matmul``, the
+  kernel ``INT4_KERNELS`` picks: what a layer runs); and ``tinygemm`` (``torch.ops.aten._weight_int4pack_mm`` on
+  its own copy of the codes, ``benchmarks/torch_int4_baseline.py``: the baseline);
 * ``int8`` (per row) through ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's plan, at every
   ``M``) and ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``);
 * ``int8g16`` / ``int8g32``: ``int8_grouped`` in GGUF ``Q6_K``'s groups of 16 and ``Q8_0``'s of 32 (codes and
@@ -214,7 +216,7 @@ class Shape:
 
     def prepare_tinygemm(self, x: torch.Tensor) -> dict:
         """Convert the int4 weight for tinygemm, in whichever nibble order its packer wants (checked on ``x``)."""
-        from questkv.ops.triton import tinygemm as tg
+        from benchmarks import torch_int4_baseline as tg
 
         qweight, scales, zeros = self.q["int4"][0]
         want = reference(x, "int4", self.q["int4"][0])
@@ -281,13 +283,18 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
         if cuda and m <= MMA_MAX_M and mma.available(shape.device):  # the CUDA C++ kernel over the same words
             out["int4-mma"] = [lambda w=w, q=q: mma.int4_mma(x, w, q[1], q[2], GROUP)
                                for w, q in zip(shape.gemv, shape.q["int4"])]
+        if cuda:
+            from questkv import ops
+
+            out["int4-dispatch"] = [lambda w=w, q=q: ops.int4_matmul(x, w, q[1], q[2], GROUP)
+                                    for w, q in zip(shape.gemv, shape.q["int4"])]
         if m >= args.dequant_min_m:  # an int4 layer's prefill
             from questkv.ops.triton.int4_words import dequantize_k_major
 
             out["int4-words-dequant"] = [lambda w=w, q=q: x @ dequantize_k_major(w, q[1], q[2], GROUP, x.dtype)
                                          for w, q in zip(shape.gemv, shape.q["int4"])]
     if shape.tinygemm is not None:
-        from questkv.ops.triton.tinygemm import tinygemm_matmul
+        from benchmarks.torch_int4_baseline import tinygemm_matmul
 
         out["int4-tinygemm"] = [lambda p=p: tinygemm_matmul(x, p[0], p[1], GROUP) for p in shape.tinygemm]
     return out, x

@@ -1,6 +1,6 @@
 """What an engine holds and what it fits, on one GPU: weights (counted once and held) and tokens of KV cache, for
-bf16 and weight-only quantized linears, at batch 1 (``max_num_seqs=1``: int4 layers keep one copy of their codes)
-and batched (``max_num_seqs=16``: int4 bf16 layers make one more copy, tinygemm's, for 2 to 4 rows).
+bf16 and weight-only quantized linears, at batch 1 (``max_num_seqs=1``) and batched (``max_num_seqs=16``): an int4
+layer holds one copy of its codes at any batch (engines before ``int4_mma`` added tinygemm's for 2 to 4 rows).
 
 Each configuration builds ``LLM`` with random weights at the model's real shapes and the engine's own memory plan
 (``gpu_memory_utilization``, as a user would run it), reads :attr:`~questkv.engine.llm.LLM.cache_spec` and
@@ -45,9 +45,8 @@ def measure(model: str, name: str, max_num_seqs: int, max_model_len: int, utiliz
     llm = LLM(dummy_config(model, max_position_embeddings=max_model_len), load_format="dummy", dtype="bfloat16",
               device="cuda", quantization=quantization, quantize_lm_head=head, max_num_seqs=max_num_seqs,
               max_model_len=max_model_len, gpu_memory_utilization=utilization, enforce_eager=True)
-    once, held = model_weight_bytes(llm.engine.runner.model)
     spec = llm.cache_spec
-    row = {"config": name, "max_num_seqs": max_num_seqs, "weight_bytes": once, "weight_bytes_held": held,
+    row = {"config": name, "max_num_seqs": max_num_seqs, "weight_bytes": model_weight_bytes(llm.engine.runner.model),
            "kv_tokens": spec.kv_tokens, "kv_cache_bytes": spec.num_pages * spec.page_bytes,
            "describe": spec.describe()}
     llm.close()
@@ -63,17 +62,15 @@ def render(record: dict) -> str:
              f"- command: `{prov.get('command', '?')}`", f"- commit: `{prov.get('commit', '?')}`",
              f"- GPU: {prov.get('machine', '?')}; date: {prov.get('date', '?')}",
              f"- gpu_memory_utilization {record['gpu_memory_utilization']}, max_model_len {record['max_model_len']}, "
-             "bf16 activations and KV; weights counted once = every parameter and buffer with one copy of each "
-             "quantized layer's codes; held = all of them (int4 bf16 at max_num_seqs > 1: one more copy of the codes, "
-             "tinygemm's, for 2 to 4 rows)", "",
-             "| config | max_num_seqs | weights GB (once) | GiB | held GB | KV cache GiB | KV tokens | vs bf16 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "bf16 activations and KV; weights = every parameter and buffer the model holds", "",
+             "| config | max_num_seqs | weights GB | GiB | KV cache GiB | KV tokens | vs bf16 |",
+             "|---|---|---|---|---|---|---|"]
     base = {r["max_num_seqs"]: r["kv_tokens"] for r in record["rows"] if r["config"] == "bf16"}
     for r in record["rows"]:
         ref = base.get(r["max_num_seqs"])
         ratio = f"{r['kv_tokens'] / ref:.2f}×" if ref else "–"
         lines.append(f"| {r['config']} | {r['max_num_seqs']} | {r['weight_bytes'] / 1e9:.2f} | "
-                     f"{r['weight_bytes'] / 2**30:.2f} | {r['weight_bytes_held'] / 1e9:.2f} | "
+                     f"{r['weight_bytes'] / 2**30:.2f} | "
                      f"{r['kv_cache_bytes'] / 2**30:.2f} | {r['kv_tokens']:,} | {ratio} |")
     return "\n".join(lines) + "\n"
 
@@ -94,8 +91,8 @@ def main() -> None:
         for name in args.configs:
             row = measure(args.model, name, seqs, args.max_model_len, args.gpu_memory_utilization)
             record["rows"].append(row)
-            print(f"{name}, max_num_seqs={seqs}: {row['describe']}; weights {row['weight_bytes'] / 1e9:.2f} GB once, "
-                  f"{row['weight_bytes_held'] / 1e9:.2f} GB held", flush=True)
+            print(f"{name}, max_num_seqs={seqs}: {row['describe']}; weights {row['weight_bytes'] / 1e9:.2f} GB",
+                  flush=True)
             args.out.with_suffix(".json").write_text(json.dumps(record, indent=1))
             args.out.with_suffix(".md").write_text(render(record))
 

@@ -28,14 +28,8 @@ def load_shard(config: EngineConfig, tp: Optional[TensorParallel]) -> EngineMode
     :func:`quantize_shard`."""
     return load_engine_model(
         config.model, config.quest, config.torch_dtype, config.torch_device, config.load_format, config.seed,
-        config.quantization, tp, small_batches=_batches_sequences(config),
+        config.quantization, tp,
     )
-
-
-def _batches_sequences(config: EngineConfig) -> bool:
-    """Whether decode steps may hold several rows: an engine of one sequence at a time decodes one row, and its
-    int4 linears need no tinygemm copy for 2 to 4 rows (a short prompt's few rows take the words)."""
-    return config.max_num_seqs > 1
 
 
 def skipped_linears(config: EngineConfig) -> tuple[str, ...]:
@@ -50,6 +44,6 @@ def quantize_shard(model: LlamaForCausalLM, config: EngineConfig, tp: Optional[T
     if config.quantization not in ROUND_TO_NEAREST:
         return
     quantize_linears(model, config.quantization, skip=skipped_linears(config),
-                     row_absmax=None if tp is None else row_absmax(tp), small_batches=_batches_sequences(config))
+                     row_absmax=None if tp is None else row_absmax(tp))
     if config.torch_device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights' blocks: the KV pool is sized from what is free

@@ -116,8 +116,7 @@ class QuantizedLinear(nn.Module):
                    backend: str = "torch") -> "QuantizedLinear":
         """An empty quantized layer of ``linear``'s shape (a :class:`~questkv.layers.linear.MergedLinear` gives a
         :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype, its bias
-        copied. The ``torch`` backend by default: tinygemm's copy of a still-empty weight would be packed for
-        nothing (call :meth:`set_backend` once the weight is filled)."""
+        copied. The ``torch`` backend by default (call :meth:`set_backend` once the weight is filled)."""
         weight = linear.weight
         kwargs = dict(method=method, bias=linear.bias is not None, group_size=group_size, dtype=weight.dtype,
                       device=weight.device, backend=backend)
@@ -132,25 +131,22 @@ class QuantizedLinear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_float(cls, linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,
-                   backend: str = "auto", row_absmax: Optional[torch.Tensor] = None,
-                   small_batches: bool = True) -> "QuantizedLinear":
+                   backend: str = "auto", row_absmax: Optional[torch.Tensor] = None) -> "QuantizedLinear":
         """A quantized copy of ``linear`` (round to nearest; a :class:`~questkv.layers.linear.MergedLinear` gives a
         :class:`QuantizedMergedLinear` with the same shards) on its device, scales in its weight's dtype
-        (``row_absmax``: see :func:`~questkv.ops.quant_reference.quantize_weight`; ``small_batches``: see
-        :meth:`set_backend`)."""
+        (``row_absmax``: see :func:`~questkv.ops.quant_reference.quantize_weight`)."""
         check_choice("quantization", method, METHODS)
         layer = cls.empty_like(linear, method, group_size)
         quantized = quantize_weight(linear.weight, method, group_size, row_absmax=row_absmax)
         layer.load_packed("weight", quantized)
-        layer.set_backend(backend, small_batches)
+        layer.set_backend(backend)
         return layer
 
     @torch.no_grad()
     def load_packed(self, name: str, loaded: QuantizedWeight, rows: Optional[slice] = None) -> None:
         """Copy a packed weight in this layer's format into output rows ``rows`` (all by default), after checking
         every shape; ``int4`` codes are packed into the words, scales cast to the layer's dtype, zero points held
-        as the class docstring says (``name``, the checkpoint name, only serves the error message). tinygemm's copy,
-        if any, is dropped (:meth:`set_backend` remakes it).
+        as the class docstring says (``name``, the checkpoint name, only serves the error message).
 
         Args:
             loaded: ``qweight``, ``scales``, ``zeros`` as :mod:`questkv.ops.quant_reference` stores them for
@@ -178,7 +174,6 @@ class QuantizedLinear(nn.Module):
         if loaded.zeros is not None:
             self._hold_zeros(loaded.zeros)
             targets["zeros"] = self.zeros[:, rows]
-        self._drop_tinygemm()
         for part, target in targets.items():
             tensor = getattr(loaded, part)
             if part == "qweight" and self.method == "int4":
@@ -195,36 +190,14 @@ class QuantizedLinear(nn.Module):
         if not bool(torch.all((z == z.round()) & (z >= 0) & (z <= 255))):
             self.register_buffer("zeros", self.zeros.to(self.scales.dtype))
 
-    def set_backend(self, backend: str, small_batches: bool = True) -> None:
+    def set_backend(self, backend: str) -> None:
         """Choose the ops' backend :meth:`forward` passes (one of :data:`questkv.config.BACKENDS`: ``auto`` picks
-        the kernels for CUDA tensors and the reference otherwise). Call it outside CUDA graph capture: it may pack
-        a copy of the weight.
-
-        ``small_batches`` (``auto``, an ``int4`` bf16 layer on CUDA): also hold tinygemm's copy of the codes
-        (:func:`questkv.ops.tinygemm_pack`, non-persistent buffers), a second copy that is faster at 2 to 4 rows
-        (:mod:`questkv.ops.triton.quant_ops`); an engine makes it when it batches sequences. Any other choice
-        drops it."""
+        the kernels for CUDA tensors and the reference otherwise). Call it outside CUDA graph capture: an ``int4``
+        layer on CUDA makes sure its kernels are built (:func:`questkv.ops.prepare_int4_matmul`)."""
         check_choice(f"{type(self).__name__}.backend", backend, BACKENDS)
-        if backend == "auto" and small_batches and self._tinygemm_fits():
-            packed, scales_and_zeros = ops.tinygemm_pack(self.words, self.scales, self.zeros, self.group_size)
-            self.register_buffer("tinygemm_packed", packed, persistent=False)
-            self.register_buffer("tinygemm_scales_and_zeros", scales_and_zeros, persistent=False)
-        else:
-            self._drop_tinygemm()
+        if self.method == "int4" and backend != "torch":
+            ops.prepare_int4_matmul(self.words.device)
         self.backend = backend
-
-    def _tinygemm_fits(self) -> bool:
-        return self.method == "int4" and self.scales.device.type == "cuda" and self.scales.dtype == torch.bfloat16
-
-    def _drop_tinygemm(self) -> None:
-        for name in ("tinygemm_packed", "tinygemm_scales_and_zeros"):
-            self._buffers.pop(name, None)
-
-    def _tinygemm(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """tinygemm's copy ``(packed, scales_and_zeros)`` if this layer holds one (:meth:`set_backend`)."""
-        if "tinygemm_packed" not in self._buffers:
-            return None
-        return self.tinygemm_packed, self.tinygemm_scales_and_zeros
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[out_features, in_features]`` this layer multiplies by (a new tensor)."""
@@ -242,7 +215,6 @@ class QuantizedLinear(nn.Module):
         zeros = state_dict.get(prefix + "zeros")
         if self.zeros is not None and isinstance(zeros, torch.Tensor) and zeros.shape == self.zeros.shape:
             self._hold_zeros(zeros)  # a shape error is torch's to raise, with the zero points unchanged
-        self._drop_tinygemm()
         key = prefix + "qweight"
         if self.method != "int4" or key not in state_dict:
             return super()._load_from_state_dict(state_dict, prefix, *args)
@@ -255,7 +227,7 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, K]
         if self.method == "int4":
-            y = ops.int4_matmul(x2, self.words, self.scales, self.zeros, self.group_size, self.bias, self._tinygemm(),
+            y = ops.int4_matmul(x2, self.words, self.scales, self.zeros, self.group_size, self.bias,
                                 backend=self.backend)
         else:
             y = ops.quant_matmul(x2, self.qweight, self.scales, self.zeros, self.method, self.group_size, self.bias,
@@ -304,16 +276,11 @@ class QuantizedMergedLinear(QuantizedLinear):
         return f"{super().extra_repr()}, shards={self.shard_sizes}"
 
 
-def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """``(counted_once, held)`` bytes of ``model``'s weights: every parameter and buffer with one copy of each
-    quantized layer's codes (``int4``: the words, the checkpoint layout's bytes), and everything it holds (plus
-    tinygemm's copies, :meth:`QuantizedLinear.set_backend`). RoPE tables, non-persistent float buffers named
-    ``*_cache``, are in neither."""
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s weights: every parameter and buffer (an ``int4`` layer's one copy of its codes, the
+    words, included). RoPE tables, non-persistent float buffers named ``*_cache``, are not counted."""
     held = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.endswith("_cache"))]
-    copies = {id(b) for m in model.modules() if isinstance(m, QuantizedLinear)
-              for name, b in m.named_buffers(recurse=False) if name.startswith("tinygemm_")}
-    nbytes = [(t.numel() * t.element_size(), id(t) in copies) for t in held]
-    return sum(n for n, copy in nbytes if not copy), sum(n for n, _ in nbytes)
+    return sum(t.numel() * t.element_size() for t in held)
 
 
 def _skipped(name: str, skip: Iterable[str]) -> bool:
@@ -350,8 +317,7 @@ def check_quantizable(model: nn.Module, method: str, skip: Sequence[str] = ("lm_
 @torch.no_grad()
 def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_head",),
                      group_size: int = DEFAULT_GROUP_SIZE, backend: str = "auto",
-                     row_absmax: Optional[Callable[[nn.Linear], Optional[torch.Tensor]]] = None,
-                     small_batches: bool = True) -> list[str]:
+                     row_absmax: Optional[Callable[[nn.Linear], Optional[torch.Tensor]]] = None) -> list[str]:
     """Swap every ``nn.Linear`` of ``model`` (``MergedLinear`` included) for a :class:`QuantizedLinear`, in place.
 
     Call it after the float weights are loaded; embeddings and norms are untouched. Every layer is checked before
@@ -365,7 +331,6 @@ def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_h
         row_absmax: for ``int8``, each layer's whole rows' largest magnitudes when it holds part of them
             (:func:`questkv.layers.parallel.row_absmax`, tensor parallelism), or ``None`` for its own; called for
             every layer in ``named_modules`` order.
-        small_batches: as :meth:`QuantizedLinear.set_backend`'s, for every new layer.
 
     Returns:
         The dotted names of the swapped modules, in ``named_modules`` order.
@@ -376,6 +341,6 @@ def quantize_linears(model: nn.Module, method: str, skip: Sequence[str] = ("lm_h
     for parent, attr, _, linear in targets:
         if id(linear) not in done:
             absmax = None if row_absmax is None or method != "int8" else row_absmax(linear)
-            done[id(linear)] = QuantizedLinear.from_float(linear, method, group_size, backend, absmax, small_batches)
+            done[id(linear)] = QuantizedLinear.from_float(linear, method, group_size, backend, absmax)
         setattr(parent, attr, done[id(linear)])
     return [name for _, _, name, _ in targets]

@@ -66,7 +66,6 @@ def load_engine_model(
     seed: int = 0,
     quantization: Optional[str] = None,
     tp: Optional[TensorParallel] = None,
-    small_batches: bool = True,
 ) -> EngineModel:
     """Build the model of ``model``'s family (:meth:`~questkv.models.families.ModelFamily.model_class`; see the
     module docstring).
@@ -76,8 +75,6 @@ def load_engine_model(
             ``None`` or one of :data:`~questkv.engine.engine_config.ROUND_TO_NEAREST` loads float weights, unless the
             folder is packed.
         tp: build rank ``tp.rank``'s tensor-parallel shard (:class:`LlamaForCausalLM`'s ``tp``), or ``None``.
-        small_batches: whether packed int4 linears also make tinygemm's copy, faster at 2 to 4 rows
-            (:meth:`~questkv.layers.quantized_linear.QuantizedLinear.set_backend`).
 
     Raises:
         ValueError: an unsupported architecture or rope type (naming what is supported), an unknown
@@ -133,7 +130,7 @@ def load_engine_model(
         engine_model.load_weights(packed.weights(names, device))
         for module in engine_model.modules():
             if isinstance(module, QuantizedLinear):
-                module.set_backend("auto", small_batches)  # filled now: on CUDA int4 layers make their small-batch copies
+                module.set_backend("auto")  # filled now
     elif state is not None:
         engine_model.load_weights(state.items())
     elif folder is not None:

@@ -30,6 +30,7 @@ __all__ = [
     "select_pages",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "prepare_int4_matmul",
     "quant_matmul",
     "recompute_key_bounds",
     "resolve_backend",
@@ -38,7 +39,6 @@ __all__ = [
     "silu_and_mul",
     "store_selections",
     "to_pool_dtype",
-    "tinygemm_pack",
 ]
 
 
@@ -161,13 +161,15 @@ def quant_matmul(x, qweight, scales, zeros, method, group_size=128, bias=None, b
     return _quant_module(x, backend).quant_matmul(x, qweight, scales, zeros, method, group_size, bias)
 
 
-def int4_matmul(x, words, scales, zeros, group_size=128, bias=None, tinygemm=None, backend="auto"):
-    """See :func:`questkv.ops.quant_reference.int4_matmul` (on CUDA by rows, ``tinygemm``'s copy for a few:
+def int4_matmul(x, words, scales, zeros, group_size=128, bias=None, backend="auto"):
+    """See :func:`questkv.ops.quant_reference.int4_matmul` (on CUDA by rows:
     :func:`questkv.ops.triton.quant_ops.int4_matmul`)."""
-    return _quant_module(x, backend).int4_matmul(x, words, scales, zeros, group_size, bias, tinygemm)
+    return _quant_module(x, backend).int4_matmul(x, words, scales, zeros, group_size, bias)
 
 
-def tinygemm_pack(words, scales, zeros, group_size=128):
-    """See :func:`questkv.ops.triton.quant_ops.tinygemm_pack`: CUDA only (torch's int4 kernel has no reference;
-    :func:`int4_matmul`'s reference ignores the copy)."""
-    return _quant_module(words, "triton").tinygemm_pack(words, scales, zeros, group_size)
+def prepare_int4_matmul(device: torch.device) -> None:
+    """Make :func:`int4_matmul`'s kernels ready on ``device`` before their first call (CUDA: build or load the
+    tensor-core kernel's extension, :mod:`questkv.ops.cuda.int4_mma`; elsewhere nothing). Call it outside CUDA
+    graph capture."""
+    if device.type == "cuda":
+        _triton_quant_ops().prepare_int4_matmul(device)

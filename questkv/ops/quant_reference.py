@@ -292,15 +292,13 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 
 def int4_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int = DEFAULT_GROUP_SIZE, bias: Optional[torch.Tensor] = None,
-                tinygemm: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                group_size: int = DEFAULT_GROUP_SIZE, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y = x @ w.T + bias`` for an ``int4`` weight held as :func:`pack_int4_k_major`'s words: dequantized to
     float32, float32 matmul.
 
     Args:
         x: ``[M, K]`` float. words: ``[K // 8, N]`` int32. scales, zeros: ``[K // group_size, N]`` (zero points
             in the scales' dtype or uint8). bias: ``[N]`` or ``None``.
-        tinygemm: the CUDA twin's copy for a few rows (``questkv.ops.tinygemm_pack``); the reference ignores it.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.

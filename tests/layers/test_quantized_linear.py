@@ -100,10 +100,12 @@ def test_grouped_int8_through_the_triton_kernel_matches_the_torch_backend():
 def test_the_words_serve_every_row_count_through_the_gemv_tensor_cores_or_the_float_weight(monkeypatch):
     """An int4 layer's one copy of its codes, the K-major words, on the ``triton`` backend (the kernels in the
     interpreter): ``int4_gemv`` up to 2 rows, ``int4_words_matmul`` up to 64, the float weight from the words
-    above; given tinygemm's copy (faked here: CUDA only), 2 to 4 rows take it instead."""
+    above; where the CUDA tensor-core kernel is built (faked here) and fits (bf16), 2 to 16 rows take it."""
     quant_ops = pytest.importorskip("questkv.ops.triton.quant_ops")
+    from questkv.ops.cuda import int4_mma
+
     gen = torch.Generator().manual_seed(8)
-    layer = QuantizedLinear.from_float(nn.Linear(256, 40, bias=True), "int4", backend="triton")
+    layer = QuantizedLinear.from_float(nn.Linear(256, 64, bias=True), "int4", backend="triton")
     layer.bias.uniform_(-1, 1, generator=gen)
     assert "words" in dict(layer.named_buffers()) and "qweight" not in dict(layer.named_buffers())
     calls = []
@@ -118,29 +120,26 @@ def test_the_words_serve_every_row_count_through_the_gemv_tensor_cores_or_the_fl
         torch.testing.assert_close(layer(x[:rows]), want[:rows], rtol=0, atol=tol)
     assert calls == ["int4_gemv", "int4_gemv", "int4_words_matmul", "int4_words_matmul", "dequantize_k_major"]
     calls.clear()
-    monkeypatch.setattr(quant_ops, "tinygemm_matmul", lambda x, *a: calls.append("tinygemm") or want[:len(x)])
-    fake = (torch.zeros(1), torch.zeros(1))
-    for rows in (1, 2, 4, 5):
-        quant_ops.int4_matmul(x[:rows], layer.words, layer.scales, layer.zeros, 128, layer.bias, fake)
-    assert calls == ["int4_gemv", "tinygemm", "tinygemm", "int4_words_matmul"]
+    monkeypatch.setattr(int4_mma, "available", lambda device: True)
+    monkeypatch.setattr(int4_mma, "int4_mma", lambda x, *a: calls.append("int4_mma") or want[:len(x)])
+    xb, scales = x.to(torch.bfloat16), layer.scales.to(torch.bfloat16)
+    for rows in (1, 2, 3, 16, 17):
+        quant_ops.int4_matmul(xb[:rows], layer.words, scales, layer.zeros, 128, None)
+    quant_ops.int4_matmul(x[:5], layer.words, layer.scales, layer.zeros, 128, None)  # float32: not its rows
+    assert calls == ["int4_gemv", "int4_mma", "int4_mma", "int4_mma", "int4_words_matmul", "int4_words_matmul"]
 
 
-def test_tinygemm_copy_is_made_under_auto_only_and_dropped_when_the_weight_changes(monkeypatch):
-    """``set_backend("auto")`` of an int4 bf16 CUDA layer (faked on the CPU) packs tinygemm's copy unless
-    ``small_batches=False``; another backend, a load of packed rows or a state dict drops it (stale otherwise)."""
-    monkeypatch.setattr(QuantizedLinear, "_tinygemm_fits", lambda self: self.method == "int4")
-    monkeypatch.setattr(ops, "tinygemm_pack", lambda *args: (torch.zeros(1), torch.zeros(1)))
+def test_an_int4_layer_on_the_kernels_prepares_them_when_its_backend_is_set(monkeypatch):
+    """``set_backend`` (outside graph capture) asks the ops to build the int4 kernels for the layer's device unless
+    the backend is the torch reference; an int8 layer asks nothing."""
+    prepared = []
+    monkeypatch.setattr(ops, "prepare_int4_matmul", lambda device: prepared.append(device))
     layer = QuantizedLinear.from_float(nn.Linear(256, 16), "int4")
-    state = layer.state_dict()
-    held = lambda: "tinygemm_packed" in dict(layer.named_buffers())  # noqa: E731
-    assert held() and "tinygemm_packed" not in state
-    for change in (lambda: layer.set_backend("torch"), lambda: layer.set_backend("auto", small_batches=False),
-                   lambda: layer.load_state_dict(state),
-                   lambda: layer.load_packed("w", QuantizedWeight(state["qweight"], state["scales"], state["zeros"]))):
-        layer.set_backend("auto")
-        assert held()
-        change()
-        assert not held()
+    assert prepared == [torch.device("cpu")]
+    layer.set_backend("torch")
+    layer.set_backend("triton")
+    QuantizedLinear.from_float(nn.Linear(256, 16), "int8")
+    assert prepared == [torch.device("cpu")] * 2
 
 
 def test_an_int4_layer_holds_only_the_words_and_saves_and_loads_the_checkpoint_layout():
@@ -205,36 +204,25 @@ def test_integer_zero_points_are_held_as_bytes_and_fractions_widen_them_without_
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
-def test_an_engine_that_never_batches_keeps_no_tinygemm_copy(monkeypatch, max_num_seqs):
-    """``small_batches``: every engine builds its int4 layers with the K-major words as their one copy of the
-    codes; one that batches makes tinygemm's copy too, one of one sequence at a time does not (the CUDA-only copy
-    faked on the CPU), and its layers on the kernels (the interpreter) give the torch reference's tokens."""
+def test_an_engine_keeps_one_copy_of_the_codes_at_any_batch_and_its_kernels_give_the_reference_tokens(max_num_seqs):
+    """Every engine, batching or not, builds its int4 layers with the K-major words as their one copy of the codes,
+    and its layers on the kernels (the interpreter) give the torch reference's tokens."""
     pytest.importorskip("questkv.ops.triton.quant_ops")
-    packed = []
-    monkeypatch.setattr(QuantizedLinear, "_tinygemm_fits", lambda self: self.method == "int4")
-    monkeypatch.setattr(ops, "tinygemm_pack", lambda *args: packed.append(1) or (torch.zeros(1), torch.zeros(1)))
     config = tiny_config("llama3", hidden_size=128, intermediate_size=256, head_dim=32, vocab_size=96)
     llm = LLM(config, load_format="dummy", device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=1 << 20,
               quantization="int4", max_num_seqs=max_num_seqs)
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
-    assert layers and all("words" in dict(m.named_buffers()) for m in layers)
-    assert all(("tinygemm_packed" in dict(m.named_buffers())) == (max_num_seqs > 1) for m in layers)
-    assert not any("qweight" in dict(m.named_buffers()) for m in layers)  # the words serve every row count
-    assert len(packed) == (len(layers) if max_num_seqs > 1 else 0)
-    if max_num_seqs == 1:  # one copy serves prefill (float weight from the words) and decode (the GEMV)
-        for layer in layers:
-            layer.set_backend("triton")
-        prompts, params = [[5, 17, 3, 88, 41, 9, 60], [30, 2, 71]], SamplingParams(temperature=0, max_tokens=6,
-                                                                                   ignore_eos=True)
-        got = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.close()
-        monkeypatch.undo()  # the same engine on the torch reference
-        reference = LLM(config, load_format="dummy", device="cpu", dtype="float32", max_model_len=64,
-                        kv_cache_memory=1 << 20, quantization="int4", max_num_seqs=1)
-        assert got == [list(o.token_ids) for o in reference.generate(prompts, params, use_tqdm=False)]
-        reference.close()
-    else:
-        llm.close()
+    assert layers and all(set(dict(m.named_buffers())) == {"words", "scales", "zeros"} for m in layers)
+    for layer in layers:
+        layer.set_backend("triton")
+    prompts, params = [[5, 17, 3, 88, 41, 9, 60], [30, 2, 71]], SamplingParams(temperature=0, max_tokens=6,
+                                                                               ignore_eos=True)
+    got = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    reference = LLM(config, load_format="dummy", device="cpu", dtype="float32", max_model_len=64,
+                    kv_cache_memory=1 << 20, quantization="int4", max_num_seqs=max_num_seqs)
+    assert got == [list(o.token_ids) for o in reference.generate(prompts, params, use_tqdm=False)]
+    reference.close()
 
 
 def test_packed_shards_and_bias_load_into_the_rows_of_a_merged_layer_after_their_shapes_are_checked():

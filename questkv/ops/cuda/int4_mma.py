@@ -14,10 +14,9 @@ Built at first use with :func:`torch.utils.cpp_extension.load` (nvcc and a C++ c
 build is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``); never on a machine
 without CUDA. :func:`available` says whether it loaded (a failed build warns once).
 
-Not dispatched yet: :func:`questkv.ops.int4_matmul` does not call it until it has passed its comparison with the
-torch reference on a GPU (``tests/ops/test_cuda_int4_mma.py``) and won rows in ``benchmarks/linear_bench.py``'s table
-(backend ``int4-mma``); its only GPU run so far tested an earlier feature mapping, which failed
-(``benchmarks/results/linear-h100-mma-layout-bug.md``; ``docs/kernels.md``).
+:func:`questkv.ops.int4_matmul` sends it 2 to 16 rows where it is built
+(:data:`~questkv.ops.triton.quant_ops.INT4_KERNELS`, from ``benchmarks/results/linear-h200-mma.md``); its
+comparison with the torch reference on a GPU is ``tests/ops/test_cuda_int4_mma.py``.
 """
 
 from __future__ import annotations
@@ -48,8 +47,9 @@ MMA_OUTPUTS = 64
 MMA_MAX_WARPS = 8
 """Warps per block at most (the kernel's launch bounds: 256 threads)."""
 
-MMA_BLOCKS_PER_SM = 4
-""":func:`plan_int4_mma`'s split aims at this many blocks per SM."""
+MMA_WARPS_PER_SM = ((8, 12), (MMA_MAX_M, 8))
+"""``(most rows, warps per SM)``: :func:`plan_int4_mma`'s split aims at this many warps in flight per SM (fewer for
+more rows: each warp then holds more accumulators and its split's partials cost more)."""
 
 _SOURCES = ("int4_mma.cu", "int4_mma_binding.cpp")
 
@@ -98,17 +98,31 @@ def fits(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
 
 
 def plan_int4_mma(m: int, n: int, k: int, device: Optional[torch.device] = None) -> Int4MmaConfig:
-    """The launch :func:`int4_mma` uses for ``m`` rows, ``n`` outputs and ``k`` input features: 4 warps, the groups
-    split over blocks so that there are about :data:`MMA_BLOCKS_PER_SM` blocks per SM, each warp at least one
-    group. ``device`` sets the SM count (``None`` or a CPU: an H200's 132)."""
+    """The launch :func:`int4_mma` uses for ``m`` rows, ``n`` outputs and ``k`` input features on ``device``
+    (``None`` or a CPU: an H200's 132 SMs). Fitted to the warps × split sweep of every llama2-7b and llama3.1-8b
+    linear at 2, 5 and 16 rows on an H200 (``benchmarks/results/linear-h200-mma-sweep.md``: within 1 % of the sweep's
+    best over all linears of a token):
+
+    * 8 warps where the 64-output tiles are fewer than the SMs (a block then needs more warps to keep loads in
+      flight), 2 where more than 8 rows meet more than two tiles per SM (the register file is the limit), else 4;
+    * the groups split over a power of two of blocks nearest to :data:`MMA_WARPS_PER_SM` warps per SM in all, each
+      warp at least one group.
+    """
     from questkv.ops.triton._common import num_sms
 
-    warps = 4
-    groups = k // MMA_GROUP
+    sms = num_sms(device or torch.device("cpu"))
     tiles = n // MMA_OUTPUTS
-    programs = MMA_BLOCKS_PER_SM * num_sms(device or torch.device("cpu"))
-    split = max(1, min(max(1, groups // warps), math.ceil(programs / tiles)))
-    return Int4MmaConfig(warps, split)
+    groups = k // MMA_GROUP
+    if tiles < sms:
+        warps = 8
+    elif m > 8 and tiles > 2 * sms:
+        warps = 2
+    else:
+        warps = 4
+    per_sm = next(w for most, w in MMA_WARPS_PER_SM if m <= most)
+    blocks_per_tile = per_sm * sms / (tiles * warps)
+    split = 2 ** round(math.log2(blocks_per_tile)) if blocks_per_tile > 1 else 1
+    return Int4MmaConfig(warps, max(1, min(split, groups // warps)))
 
 
 def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -145,16 +159,11 @@ def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     extension = _extension()
     if extension is None:
         raise RuntimeError("int4_mma: the CUDA extension is not available on this machine (see the warning)")
-    from questkv.ops.triton._common import ticket_counters
+    from questkv.ops.triton._common import split_reduction
 
-    groups = k // MMA_GROUP
-    per_split = math.ceil(groups / cfg.split)
-    split = math.ceil(groups / per_split)  # blocks per output tile, as the launcher's grid
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = counters = None
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = ticket_counters(x.device, n // MMA_OUTPUTS)
+    per_split, _, part, counters = split_reduction(k // MMA_GROUP, cfg.split, out, n // MMA_OUTPUTS,
+                                                   placeholder=None)
     extension.int4_mma(x, words.contiguous(), scales.contiguous(), zeros.contiguous(),  # no-ops for a layer's
                        None if bias is None else bias.contiguous(), part, counters, out, per_split, cfg.warps)
     return out

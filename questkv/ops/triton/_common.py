@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -150,3 +152,17 @@ def ticket_counters(device: torch.device, size: int) -> torch.Tensor:
         counters = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
         _TICKETS[device] = counters
     return counters
+
+
+def split_reduction(units: int, requested: int, out: torch.Tensor, tiles: int,
+            placeholder: Optional[torch.Tensor]) -> tuple[int, int, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The reduction's ``units`` (groups, K steps) over at most ``requested`` blocks per output tile, none empty:
+    ``(per_split, split, part, counters)``, with float32 partials ``[split, M, N]`` for ``out`` ``[M, N]`` and the
+    tickets of ``tiles`` output tiles (:func:`ticket_counters`) when ``split > 1``, else ``placeholder`` for both
+    (never read)."""
+    per_split = math.ceil(units / requested)
+    split = math.ceil(units / per_split)
+    if split == 1:
+        return per_split, split, placeholder, placeholder
+    part = torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
+    return per_split, split, part, ticket_counters(out.device, tiles)

@@ -36,8 +36,8 @@ from questkv.ops.triton._common import (
     last_to_arrive,
     num_sms,
     reset_ticket,
+    split_reduction,
     sum_split_partials,
-    ticket_counters,
     use_pdl,
 )
 from questkv.ops.triton.quant_tiles import group_scale_zero, word_tile
@@ -211,15 +211,10 @@ def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros:
     x = x.contiguous()
     cfg = config or plan_int4_gemv(n, k, group_size, x.device)
     groups = k // group_size
-    per_split = math.ceil(groups / cfg.split)
-    split = math.ceil(groups / per_split)  # no empty split
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, cfg.block_n), split)
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = ticket_counters(x.device, grid[0])
-    else:
-        part = counters = out  # never read
+    tiles = triton.cdiv(n, cfg.block_n)
+    per_split, split, part, counters = split_reduction(groups, cfg.split, out, tiles, placeholder=out)
+    grid = (tiles, split)
     _int4_gemv_kernel[grid](
         x, words, scales, zeros, bias if bias is not None else scales, part, counters, out,
         m, n, groups, per_split, x.stride(0), out.stride(0),

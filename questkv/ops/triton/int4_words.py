@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from questkv.ops.quant_reference import check_int4_words
-from questkv.ops.triton._common import interpreting, next_pow2, num_sms, ticket_counters
+from questkv.ops.triton._common import interpreting, next_pow2, num_sms, split_reduction
 from questkv.ops.triton.quant_tiles import PROGRAMS_PER_SM, group_scale_zero, program_tile, store_tile, word_tile
 
 __all__ = [
@@ -199,14 +199,9 @@ def int4_words_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"int4_words_matmul: slabs need group_size >= 128 (tl.dot's K >= 16), got {group_size}")
     x = x.contiguous()
     groups = k // group_size
-    per_split = math.ceil(groups / cfg.split)
-    split = math.ceil(groups / per_split)  # no empty split
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = ticket_counters(x.device, grid[0] * grid[2])
-    else:
-        part = counters = out  # never read
+    tiles_n, tiles_m = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
+    per_split, split, part, counters = split_reduction(groups, cfg.split, out, tiles_n * tiles_m, placeholder=out)
+    grid = (tiles_n, split, tiles_m)
     upcast = x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16)
     magic16, offset16 = (0, 0.0) if upcast else {torch.bfloat16: (0x4300, 128.0),
                                                   torch.float16: (0x6400, 1024.0)}[x.dtype]

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from questkv.ops.quant_reference import check_quant_args
-from questkv.ops.triton._common import interpreting, next_pow2, num_sms, ticket_counters
+from questkv.ops.triton._common import interpreting, next_pow2, num_sms, split_reduction
 from questkv.ops.triton.quant_tiles import PROGRAMS_PER_SM, program_tile, store_tile
 from questkv.validation import check_choice
 
@@ -282,15 +282,10 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     k_words = k // 4
     step_words = cfg.groups_per_iter * group // 4
     iters = math.ceil(k_words / step_words)
-    per_split = math.ceil(iters / cfg.split_k)
-    split = math.ceil(iters / per_split)  # no empty split
+    tiles_n, tiles_m = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
+    per_split, split, part, counters = split_reduction(iters, cfg.split_k, out, tiles_n * tiles_m, placeholder=out)
     words_per_split = per_split * step_words
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = ticket_counters(x.device, grid[0] * grid[2])
-    else:
-        part = counters = out  # never read
+    grid = (tiles_n, split, tiles_m)
     _quant_matmul_kernel[grid](
         x, words, scales, bias if bias is not None else scales, part, counters, out,
         m, n, k, k_words, words_per_split,

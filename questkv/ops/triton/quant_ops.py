@@ -1,17 +1,15 @@
 """The quantized linear ops on CUDA, with :mod:`questkv.ops.quant_reference`'s signatures (:mod:`questkv.ops`
 dispatches to them for CUDA tensors): which kernel multiplies how many rows.
 
-By rows ``M``, all linears of one llama3.1-8b token on an H200 (LM head bf16; ms):
-
-* ``int4``, one copy of the codes, :func:`~questkv.ops.quant_reference.pack_int4_k_major`'s words: the GEMV
-  (:func:`~questkv.ops.triton.int4_gemv.int4_gemv`) for one and two rows (1.94 ms at M = 1 against 2.43 for
-  tinygemm; 3.19 at M = 2 against 4.13 on tensor cores: ``benchmarks/results/linear-h200-words-final.md``), tensor
-  cores over the words (:func:`~questkv.ops.triton.int4_words.int4_words_matmul`) up to :data:`TRITON_MAX_M` rows
-  (3.89 / 3.91 / 4.01 / 4.20 ms at M = 3 / 4 / 8 / 16, ``-words-plan2.md``; 5.73 / 7.18 at M = 32 / 64,
-  ``-words-final.md``), and above that (prefill) the float weight written from the words for one GEMM, whose cost
-  the prompt's rows share (``-words-dequant.md``: 10.8 / 48.9 ms at M = 256 / 2048). Where the caller holds
-  tinygemm's copy (bf16, an engine that batches), 2 to :data:`TINYGEMM_MAX_M` rows take it instead (2.56 / 2.88 /
-  3.30 ms at M = 2 / 3 / 4, ``-words-final.md`` and ``-words-plan2.md``; 5.21 at M = 8 against the words' 4.01).
+* ``int4``, one copy of the codes, :func:`~questkv.ops.quant_reference.pack_int4_k_major`'s words, by rows ``M``
+  (:data:`INT4_KERNELS`; all linears of one llama3.1-8b token on an H200, LM head bf16, ms,
+  ``benchmarks/results/linear-h200-mma.md``): the GEMV (:func:`~questkv.ops.triton.int4_gemv.int4_gemv`) for one
+  row (1.94; torch's tinygemm 2.43); the CUDA C++ tensor-core kernel (:mod:`questkv.ops.cuda.int4_mma`) for 2 to 16
+  (2.19 / 2.24 / 2.36 / 3.13 at M = 2 / 4 / 8 / 16, against 3.88 / 3.93 / 4.00 / 4.21 for the Triton words kernel
+  and 2.54 / 3.30 / 5.27 / 8.58 for tinygemm); the Triton tensor-core kernel over the words
+  (:func:`~questkv.ops.triton.int4_words.int4_words_matmul`) up to :data:`TRITON_MAX_M` (5.73 / 7.23 at M = 32 /
+  64); above that (prefill) the float weight written from the words for one GEMM, whose cost the prompt's rows
+  share (10.73 / 10.88 at M = 128 / 256, against 13.52 / 23.98 for the words kernel).
 * ``int8`` and ``int8_grouped`` (imported GGUF ``Q8_0`` / ``Q6_K``): the Triton kernel
   (:func:`~questkv.ops.triton.quant_matmul.quant_matmul`) up to :data:`TRITON_MAX_M` rows and the float weight above
   (``linear-h200-dequant.md``: int8 5.55 against 10.05 ms at M = 64, 18.39 against 11.64 at M = 256).
@@ -24,20 +22,24 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from questkv.ops.quant_reference import check_int4_words, check_quant_args, unpack_int4_k_major
+from questkv.ops.cuda import int4_mma as mma
+from questkv.ops.quant_reference import check_int4_words, check_quant_args
 from questkv.ops.triton import quant_matmul as loops
 from questkv.ops.triton.int4_gemv import GEMV_MAX_M, int4_gemv
 from questkv.ops.triton.int4_words import dequantize_k_major, int4_words_matmul
-from questkv.ops.triton.tinygemm import tinygemm_matmul
-from questkv.ops.triton.tinygemm import tinygemm_pack as pack_codes_for_tinygemm
 
-__all__ = ["TINYGEMM_MAX_M", "TRITON_MAX_M", "int4_matmul", "quant_matmul", "tinygemm_pack"]
-
-TINYGEMM_MAX_M = 4
-"""tinygemm's copy, where there is one, takes 2 to this many rows of ``int4``."""
+__all__ = ["INT4_KERNELS", "TRITON_MAX_M", "int4_matmul", "prepare_int4_matmul", "quant_matmul"]
 
 TRITON_MAX_M = 64
 """Up to this many rows the kernels read the packed weight; above, the float weight is written for one GEMM."""
+
+INT4_KERNELS: tuple[tuple[int, str], ...] = ((1, "gemv"), (mma.MMA_MAX_M, "mma"), (GEMV_MAX_M, "gemv"),
+                                             (TRITON_MAX_M, "words"))
+"""``int4`` by rows of ``x``: ``(most rows, kernel)`` in order of preference; the first that takes ``M`` rows and
+runs here multiplies them (``gemv``: :func:`~questkv.ops.triton.int4_gemv.int4_gemv`; ``mma``:
+:func:`~questkv.ops.cuda.int4_mma.int4_mma` where it is built and :func:`~questkv.ops.cuda.int4_mma.fits`, else
+the next: the GEMV for 2 rows, ``words``: :func:`~questkv.ops.triton.int4_words.int4_words_matmul` for more);
+above the last, the float weight written from the words for one GEMM."""
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -56,36 +58,32 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 
 def int4_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int = 128, bias: Optional[torch.Tensor] = None,
-                tinygemm: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-    """:func:`questkv.ops.quant_reference.int4_matmul` on CUDA, by rows of ``x`` ``[M, K]``: ``tinygemm``'s copy
-    (:func:`tinygemm_pack`, if given) for 2 to :data:`TINYGEMM_MAX_M`, the GEMV up to
-    :data:`~questkv.ops.triton.int4_gemv.GEMV_MAX_M`, tensor cores up to :data:`TRITON_MAX_M`, the float weight
-    written from the words and one GEMM above.
+                group_size: int = 128, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`questkv.ops.quant_reference.int4_matmul` on CUDA, by rows of ``x`` ``[M, K]`` (:data:`INT4_KERNELS`).
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
     if x.dim() != 2:
         raise ValueError(f"int4_matmul: x must be [M, K], got shape {tuple(x.shape)}")
-    check_int4_words(x.shape[1], words, scales, zeros, group_size, "int4_matmul")
+    n = check_int4_words(x.shape[1], words, scales, zeros, group_size, "int4_matmul")
     m = x.shape[0]
-    if tinygemm is not None and 1 < m <= TINYGEMM_MAX_M:
-        return tinygemm_matmul(x, *tinygemm, group_size, bias)
-    if 0 < m <= GEMV_MAX_M:
-        return int4_gemv(x, words, scales, zeros, group_size, bias)
-    if m <= TRITON_MAX_M:
-        return int4_words_matmul(x, words, scales, zeros, group_size, bias)
+    if m == 0:
+        return x.new_empty((0, n))
+    for most, kernel in INT4_KERNELS:
+        if m > most:
+            continue
+        if kernel == "gemv":
+            return int4_gemv(x, words, scales, zeros, group_size, bias)
+        if kernel == "words":
+            return int4_words_matmul(x, words, scales, zeros, group_size, bias)
+        if mma.fits(x, words, scales, zeros, group_size) and mma.available(x.device):
+            return mma.int4_mma(x, words, scales, zeros, group_size, bias)
     wt = dequantize_k_major(words, scales, zeros, group_size, dtype=x.dtype)  # [K, N]
     return x @ wt if bias is None else torch.addmm(bias, x, wt)
 
 
-def tinygemm_pack(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """tinygemm's copy of an ``int4`` weight held as K-major words ``[K // 8, N]`` int32 (CUDA, bf16 ``scales``
-    ``[K // group_size, N]``), for :func:`int4_matmul`: ``(packed, scales_and_zeros)``
-    (:func:`questkv.ops.triton.tinygemm.tinygemm_pack`)."""
-    if not words.is_cuda or scales.dtype != torch.bfloat16:
-        raise ValueError(f"tinygemm_pack needs int4 words on CUDA with bf16 scales, got {words.device.type} and "
-                         f"{scales.dtype}")
-    return pack_codes_for_tinygemm(unpack_int4_k_major(words, group_size), scales, zeros, group_size)
+def prepare_int4_matmul(device: torch.device) -> None:
+    """Build or load the tensor-core kernel :data:`INT4_KERNELS` names for ``device`` now, outside graph capture
+    (a build that fails warns once and leaves its rows to the next kernel)."""
+    mma.available(device)

@@ -1,8 +1,8 @@
-"""torch's own int4 kernel, ``torch.ops.aten._weight_int4pack_mm`` (tinygemm; CUDA, bf16 only): an ``int4``
-weight converted to its layout, and the product.
+"""torch's own int4 kernel, ``torch.ops.aten._weight_int4pack_mm`` (tinygemm; CUDA, bf16 only), as a baseline of
+``linear_bench.py``: an ``int4`` weight converted to its layout, and the product.
 
-A second copy of a layer's codes, made only where an engine batches sequences: it is the fastest at 2 to
-:data:`~questkv.ops.triton.quant_ops.TINYGEMM_MAX_M` rows (:mod:`questkv.ops.triton.quant_ops`).
+Engines held it as a second copy of the codes for 2 to 4 rows until questkv's tensor-core kernel over the words
+(:mod:`questkv.ops.cuda.int4_mma`) beat it there (``benchmarks/results/linear-h200-mma.md``).
 """
 
 from __future__ import annotations
