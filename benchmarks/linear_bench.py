@@ -302,8 +302,8 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
 
 def sweep_configs(m: int, n: int, k: int, device: torch.device, name: str):
     """Alternative tilings of the Triton kernel for the :data:`QUANT` format ``name`` (``int8`` or an
-    ``int8_grouped`` one) at ``m`` rows (the plan first; ``int8``: the FMA loop's only; ``int8_grouped``: also
-    other input features per ``tl.dot``)."""
+    ``int8_grouped`` one) at ``m`` rows (the plan first; up to 8 rows the FMA loop's tilings, and for ``int8`` the
+    dot loop's plan; for ``int8_grouped`` the dot loop's tilings and other input features per ``tl.dot``)."""
     from questkv.ops.triton.quant_matmul import plan_quant_matmul
 
     method, group = QUANT[name]
@@ -317,6 +317,9 @@ def sweep_configs(m: int, n: int, k: int, device: torch.device, name: str):
                     for bn, g, w in ((16, 2, 4), (32, 2, 4), (64, 2, 4), (32, 4, 4), (32, 1, 4), (64, 4, 8))]
         configs += [dataclasses.replace(fma, split_k=max(1, fma.split_k * f)) for f in (2, 4)]
         configs += [dataclasses.replace(fma, split_k=max(1, fma.split_k // 2))]
+    if method == "int8" and m <= 8:  # the dot loop where the plan takes the FMA loop
+        configs += [dot, dataclasses.replace(dot, split_k=max(1, dot.split_k * 2)),
+                    dataclasses.replace(dot, split_k=max(1, dot.split_k // 2))]
     if method != "int8":
         configs += [dataclasses.replace(dot, block_n=bn, swap_ab=s, num_stages=st)
                     for bn, s, st in ((64, True, 3), (128, True, 3), (64, False, 3), (64, True, 4), (128, False, 4))]
