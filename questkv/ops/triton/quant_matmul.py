@@ -58,11 +58,13 @@ __all__ = [
 METHODS: tuple[str, ...] = ("int8", "int8_grouped")
 """The formats this module reads (``int4``: :mod:`questkv.ops.triton.int4_words`)."""
 
-FMA_MAX_M = {"int8": 4, "int8_grouped": 1}
+FMA_MAX_M = {"int8": 1, "int8_grouped": 1}
 """Per format, the rows of ``x`` up to which :func:`plan_quant_matmul` picks the FMA loop (above: the ``tl.dot``
-loop). ``int8_grouped`` keeps it for one row only: its groups of 16 or 32 make the FMA loop reduce and scale every
-group per row, 11.3 ms over the 8B's linears at 4 rows on an H200 against 5.9 ms for the dot loop at 16 rows
-(``benchmarks/results/linear-int8g-h200.md``)."""
+loop): one row for both. ``int8_grouped``: its groups of 16 or 32 make the FMA loop reduce and scale every group
+per row, 11.3 ms over the 8B's linears at 4 rows on an H200 against 5.9 ms for the dot loop at 16 rows
+(``benchmarks/results/linear-int8g-h200.md``). ``int8``: at 2 / 3 / 4 rows the FMA loop took 4.50 / 7.86 / 8.19 ms
+over the 8B's linears (LM head int8) on an H100 (``linear-h100-int8-small-sweep.md``), the dot loop 4.09 / 4.07 /
+4.04 (``linear-h100-int8-dot.md``; bf16: 5.40)."""
 
 INT8_CHUNK = 128
 """``int8`` (one scale per row) is reduced in chunks of this many input features, as ``int8_grouped`` in its

@@ -11,7 +11,8 @@ dispatches to them for CUDA tensors): which kernel multiplies how many rows.
   64); above that (prefill) the float weight written from the words for one GEMM, whose cost the prompt's rows
   share (10.73 / 10.88 at M = 128 / 256, against 13.52 / 23.98 for the words kernel).
 * ``int8`` and ``int8_grouped`` (imported GGUF ``Q8_0`` / ``Q6_K``): the Triton kernel
-  (:func:`~questkv.ops.triton.quant_matmul.quant_matmul`) up to :data:`TRITON_MAX_M` rows and the float weight above
+  (:func:`~questkv.ops.triton.quant_matmul.quant_matmul`: its FMA loop for one row, its ``tl.dot`` loop from two,
+  :data:`~questkv.ops.triton.quant_matmul.FMA_MAX_M`) up to :data:`TRITON_MAX_M` rows and the float weight above
   (``linear-h200-dequant.md``: int8 5.55 against 10.05 ms at M = 64, 18.39 against 11.64 at M = 256).
 """
 
