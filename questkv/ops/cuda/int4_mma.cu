@@ -107,6 +107,18 @@ __device__ __forceinline__ void load4(const Z* p, float* out) {
 
 // Grid (N / 64, split); block 32 * warps threads; dynamic shared memory warps * 64 * 8 * NT floats.
 // x [M, K] (M <= 8 * NT), out [M, N], part float32 [split, M, N], counters one zeroed int32 per output tile.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename T, typename Z, int NT>
 __global__ void __launch_bounds__(256) int4_mma_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ words, const T* __restrict__ scales,
@@ -145,6 +157,10 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
       w_cur[s][1] = __ldg(reinterpret_cast<const uint4*>(p + 32));
     }
   }
+  // Launched with programmatic dependent launch, this grid may start while the kernel before it runs: the weights
+  // are constant, so the first group's words are requested above; x, the partials, the tickets and the output only
+  // after the kernel before it has finished (a no-op for an ordinary launch).
+  grid_dependency_wait();
   for (; grp < g_end; grp += warps) {
     const int grp_next = grp + warps;
     if (grp_next < g_end) {  // the next group's words in flight while this one is multiplied
@@ -232,6 +248,8 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
     }
   }
 
+  launch_dependents();  // every weight load issued: the next kernel may start its own
+
   // The block's warps summed in shared memory ([warp][token][output]), in warp order.
   constexpr int PER_WARP = NT * 8 * WARP_N;
   float* mine = sums + warp * PER_WARP;
@@ -283,46 +301,53 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
 template <typename T, typename Z, int NT>
 cudaError_t launch_typed(const void* x, const void* words, const void* scales, const void* zeros, const void* bias,
                          float* part, int* counters, void* out, int M, int N, int K, int per_split, int warps,
-                         cudaStream_t stream) {
+                         bool pdl, cudaStream_t stream) {
   const int groups = K / GROUP;
-  const dim3 grid(N / WARP_N, (groups + per_split - 1) / per_split);
-  const size_t shared = static_cast<size_t>(warps) * NT * 8 * WARP_N * sizeof(float);
-  int4_mma_kernel<T, Z, NT><<<grid, warps * 32, shared, stream>>>(
-      static_cast<const T*>(x), static_cast<const uint32_t*>(words), static_cast<const T*>(scales),
-      static_cast<const Z*>(zeros), static_cast<const T*>(bias), part, counters, static_cast<T*>(out), M, N, K,
-      per_split);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(N / WARP_N, (groups + per_split - 1) / per_split);
+  config.blockDim = dim3(warps * 32);
+  config.dynamicSmemBytes = static_cast<size_t>(warps) * NT * 8 * WARP_N * sizeof(float);
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, int4_mma_kernel<T, Z, NT>, static_cast<const T*>(x),
+                            static_cast<const uint32_t*>(words), static_cast<const T*>(scales),
+                            static_cast<const Z*>(zeros), static_cast<const T*>(bias), part, counters,
+                            static_cast<T*>(out), M, N, K, per_split);
 }
 
 template <typename T, typename Z>
 cudaError_t launch_rows(const void* x, const void* words, const void* scales, const void* zeros, const void* bias,
                         float* part, int* counters, void* out, int M, int N, int K, int per_split, int warps,
-                        cudaStream_t stream) {
+                        bool pdl, cudaStream_t stream) {
   if (M <= 8)
-    return launch_typed<T, Z, 1>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps,
+    return launch_typed<T, Z, 1>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps, pdl,
                                  stream);
-  return launch_typed<T, Z, 2>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps,
+  return launch_typed<T, Z, 2>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps, pdl,
                                stream);
 }
 
 }  // namespace
 
 // dtype: 0 bf16, 1 fp16; zeros_u8: zero points held as uint8 (else in x's dtype); per_split: groups per block
-// (part holds one [M, N] partial per block of an output tile when that leaves more than one). Shapes are checked
-// by the caller.
+// (part holds one [M, N] partial per block of an output tile when that leaves more than one); pdl: launch with
+// programmatic dependent launch (sm_90 and newer). Shapes are checked by the caller.
 cudaError_t questkv_int4_mma(const void* x, const void* words, const void* scales, const void* zeros,
                              const void* bias, float* part, int* counters, void* out, int M, int N, int K,
-                             int per_split, int warps, int dtype, bool zeros_u8, cudaStream_t stream) {
+                             int per_split, int warps, int dtype, bool zeros_u8, bool pdl, cudaStream_t stream) {
   if (dtype == 0) {
     if (zeros_u8)
       return launch_rows<__nv_bfloat16, uint8_t>(x, words, scales, zeros, bias, part, counters, out, M, N, K,
-                                                 per_split,                                                 warps, stream);
+                                                 per_split, warps, pdl, stream);
     return launch_rows<__nv_bfloat16, __nv_bfloat16>(x, words, scales, zeros, bias, part, counters, out, M, N, K,
-                                                     per_split, warps, stream);
+                                                     per_split, warps, pdl, stream);
   }
   if (zeros_u8)
     return launch_rows<__half, uint8_t>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps,
-                                        stream);
+                                        pdl, stream);
   return launch_rows<__half, __half>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps,
-                                     stream);
+                                     pdl, stream);
 }

@@ -159,11 +159,12 @@ def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     extension = _extension()
     if extension is None:
         raise RuntimeError("int4_mma: the CUDA extension is not available on this machine (see the warning)")
-    from questkv.ops.triton._common import split_reduction
+    from questkv.ops.triton._common import split_reduction, use_pdl
 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     per_split, _, part, counters = split_reduction(k // MMA_GROUP, cfg.split, out, n // MMA_OUTPUTS,
                                                    placeholder=None)
     extension.int4_mma(x, words.contiguous(), scales.contiguous(), zeros.contiguous(),  # no-ops for a layer's
-                       None if bias is None else bias.contiguous(), part, counters, out, per_split, cfg.warps)
+                       None if bias is None else bias.contiguous(), part, counters, out, per_split, cfg.warps,
+                       use_pdl(x.device))
     return out

@@ -8,11 +8,12 @@
 
 cudaError_t questkv_int4_mma(const void* x, const void* words, const void* scales, const void* zeros,
                              const void* bias, float* part, int* counters, void* out, int M, int N, int K,
-                             int per_split, int warps, int dtype, bool zeros_u8, cudaStream_t stream);
+                             int per_split, int warps, int dtype, bool zeros_u8, bool pdl, cudaStream_t stream);
 
 void int4_mma(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, const at::Tensor& zeros,
               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& part,
-              const c10::optional<at::Tensor>& counters, const at::Tensor& out, int64_t per_split, int64_t warps) {
+              const c10::optional<at::Tensor>& counters, const at::Tensor& out, int64_t per_split, int64_t warps,
+              bool pdl) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "int4_mma: x must be a contiguous [M, K] CUDA tensor");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "int4_mma: x must be bf16 or fp16");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -22,7 +23,7 @@ void int4_mma(const at::Tensor& x, const at::Tensor& words, const at::Tensor& sc
       bias.has_value() ? bias->data_ptr() : nullptr, part.has_value() ? part->data_ptr<float>() : nullptr,
       counters.has_value() ? counters->data_ptr<int>() : nullptr,
       out.data_ptr(), static_cast<int>(x.size(0)), static_cast<int>(words.size(1)), static_cast<int>(x.size(1)),
-      static_cast<int>(per_split), static_cast<int>(warps), dtype, zeros.scalar_type() == at::kByte,
+      static_cast<int>(per_split), static_cast<int>(warps), dtype, zeros.scalar_type() == at::kByte, pdl,
       c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   TORCH_CHECK(status == cudaSuccess, "int4_mma: launch failed: ", cudaGetErrorString(status));
 }
