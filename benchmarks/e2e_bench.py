@@ -524,11 +524,21 @@ def check_tiny_fp32() -> dict:
     return results
 
 
+def _paths_agree(quest, build, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Greedy tokens of ``prompts`` on the CUDA-graph path against the eager torch-reference path of the engine
+    ``build`` makes (:func:`_engine_paths`)."""
+    tokens = {}
+    for path, llm in _engine_paths(quest, build):
+        tokens[path] = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    return _agreement(tokens["cuda-graphs"], tokens["eager-reference"])
+
+
 def check_quantized_fp32(method: str = "int4", quantize_lm_head: bool = False) -> dict:
     """An int4 or int8 engine's CUDA path (graphs and the quantized kernels: int4 from the K-major words, the
     layers' only copy of the codes, decode rows through ``int4_gemv`` at batch 1 and ``int4_words_matmul`` at batch 3
-    (float32: the tensor-core kernel takes bf16 / fp16 only, ``check_int4_bf16_rows``), prefill through the float weight written from the words; int8 through the
-    Triton kernel and the dequantizing GEMM) against its eager torch-reference path (every quantized layer on the
+    (float32: the tensor-core kernel takes bf16 / fp16 only, ``check_int4_bf16_rows``), prefill through the float
+    weight written from the words; int8 through the Triton kernel and the dequantizing GEMM) against its eager torch-reference path (every quantized layer on the
     ``torch`` backend), a small fp32 Llama quantized at load (its LM head too with ``quantize_lm_head``), one prompt
     and three, dense and Quest."""
     cfg = _tiny_llama()
@@ -538,18 +548,12 @@ def check_quantized_fp32(method: str = "int4", quantize_lm_head: bool = False) -
     results = {}
     for name, quest in (("dense", None), ("quest-256", QuestConfig(token_budget=256))):
         for batch in (1, 3):
-            tokens = {}
-
             def build(q, **kwargs):
                 return LLM(cfg, quest=q, quantization=method, load_format="dummy", dtype="float32", device="cuda",
                            max_num_seqs=batch, kv_cache_memory=256 << 20, seed=6, quantize_lm_head=quantize_lm_head,
                            **kwargs)
 
-            for path, llm in _engine_paths(quest, build):
-                outs = llm.generate(prompts[:batch], params, use_tqdm=False)
-                tokens[path] = [list(o.token_ids) for o in outs]
-                del llm
-            results[f"{name}-batch-{batch}"] = _agreement(tokens["cuda-graphs"], tokens["eager-reference"])
+            results[f"{name}-batch-{batch}"] = _paths_agree(quest, build, prompts[:batch], params)
     return results
 
 
@@ -566,17 +570,11 @@ def check_int4_bf16_rows() -> dict:
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     results = {}
     for batch in (1, 2, 5, 16, 20):
-        tokens = {}
-
         def build(q, **kwargs):
             return LLM(cfg, quest=q, quantization="int4", load_format="dummy", dtype="bfloat16", device="cuda",
                        max_num_seqs=batch, kv_cache_memory=256 << 20, seed=6, **kwargs)
 
-        for path, llm in _engine_paths(None, build):
-            outs = llm.generate(prompts[:batch], params, use_tqdm=False)
-            tokens[path] = [list(o.token_ids) for o in outs]
-            del llm
-        results[f"dense-batch-{batch}"] = _agreement(tokens["cuda-graphs"], tokens["eager-reference"])
+        results[f"dense-batch-{batch}"] = _paths_agree(None, build, prompts[:batch], params)
     return results
 
 
