@@ -12,7 +12,9 @@ outputs is in the ``.cu`` file's header.
 
 Built at first use with :func:`torch.utils.cpp_extension.load` (nvcc and a C++ compiler needed then, once; the
 build is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``); never on a machine
-without CUDA. :func:`available` says whether it loaded (a failed build warns once).
+without CUDA. :func:`available` says whether it loaded (a failed build warns once). Launched with programmatic
+dependent launch where :func:`~questkv.ops.triton._common.use_pdl` allows it, as the Triton kernels are
+(``benchmarks/results/linear-h100-mma-pdl.md`` against ``-nopdl.md``).
 
 :func:`questkv.ops.int4_matmul` sends it 2 to 16 rows where it is built
 (:data:`~questkv.ops.triton.quant_ops.INT4_KERNELS`, from ``benchmarks/results/linear-h200-mma.md``); its
