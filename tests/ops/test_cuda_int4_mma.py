@@ -7,6 +7,8 @@ both zero-point dtypes, bf16 and fp16, with and without a bias, one and several 
 
 import shutil
 import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,23 @@ def test_bad_input_is_refused_before_any_build_or_launch():
         args = {"x": x, "bias": None, "config": None, **change}
         with pytest.raises(ValueError, match=message):
             mma.int4_mma(args["x"], words, scales, zeros, 128, args["bias"], config=args["config"])
+
+
+def test_a_failed_build_warns_once_and_leaves_the_kernel_unavailable(monkeypatch, caplog):
+    def no_compiler(**kwargs):
+        raise RuntimeError(f"no nvcc for {kwargs['name']}")
+
+    # a stand-in module: importing torch's own pulls setuptools in, which changes sys.path
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", types.SimpleNamespace(load=no_compiler))
+    mma._extension.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="questkv.ops"), pytest.warns(RuntimeWarning, match="could not be built"):
+            assert mma._extension() is None
+        assert mma._extension() is None  # cached: no second build, no second warning
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert "building or loading the int4 tensor-core kernel" in caplog.records[0].message
+    finally:
+        mma._extension.cache_clear()
 
 
 def test_not_available_without_cuda():

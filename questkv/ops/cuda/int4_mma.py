@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -68,6 +69,8 @@ class Int4MmaConfig:
 @functools.lru_cache(maxsize=None)
 def _extension() -> Optional[ModuleType]:
     """The built extension, or ``None`` (with one warning) where it cannot be built or loaded."""
+    logging.getLogger("questkv.ops").info("questkv: building or loading the int4 tensor-core kernel (nvcc, about a "
+                                          "minute the first time on a machine; cached in TORCH_EXTENSIONS_DIR)")
     try:
         from torch.utils.cpp_extension import load
 
