@@ -105,8 +105,8 @@ __device__ __forceinline__ void load4(const Z* p, float* out) {
   }
 }
 
-// Grid (N / 64, split); block 32 * warps threads; dynamic shared memory warps * 64 * 8 * NT floats.
-// x [M, K] (M <= 8 * NT), out [M, N], part float32 [split, M, N], counters one zeroed int32 per output tile.
+// Programmatic dependent launch (sm_90; no-ops for an ordinary launch): wait until the kernel before this grid has
+// finished and its writes are visible / let the kernel after this grid start launching.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -119,6 +119,8 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
+// Grid (N / 64, split); block 32 * warps threads; dynamic shared memory warps * 64 * 8 * NT floats.
+// x [M, K] (M <= 8 * NT), out [M, N], part float32 [split, M, N], counters one zeroed int32 per output tile.
 template <typename T, typename Z, int NT>
 __global__ void __launch_bounds__(256) int4_mma_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ words, const T* __restrict__ scales,

@@ -169,7 +169,8 @@ def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     per_split, _, part, counters = split_reduction(k // MMA_GROUP, cfg.split, out, n // MMA_OUTPUTS,
                                                    placeholder=None)
-    extension.int4_mma(x, words.contiguous(), scales.contiguous(), zeros.contiguous(),  # no-ops for a layer's
+    # .contiguous(): no-ops for a layer's own buffers, copies for views a caller may pass
+    extension.int4_mma(x, words.contiguous(), scales.contiguous(), zeros.contiguous(),
                        None if bias is None else bias.contiguous(), part, counters, out, per_split, cfg.warps,
                        use_pdl(x.device))
     return out

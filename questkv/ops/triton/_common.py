@@ -154,8 +154,8 @@ def ticket_counters(device: torch.device, size: int) -> torch.Tensor:
     return counters
 
 
-def split_reduction(units: int, requested: int, out: torch.Tensor, tiles: int,
-            placeholder: Optional[torch.Tensor]) -> tuple[int, int, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def split_reduction(units: int, requested: int, out: torch.Tensor, tiles: int, placeholder: Optional[torch.Tensor]
+                    ) -> tuple[int, int, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The reduction's ``units`` (groups, K steps) over at most ``requested`` blocks per output tile, none empty:
     ``(per_split, split, part, counters)``, with float32 partials ``[split, M, N]`` for ``out`` ``[M, N]`` and the
     tickets of ``tiles`` output tiles (:func:`ticket_counters`) when ``split > 1``, else ``placeholder`` for both
