@@ -1,8 +1,12 @@
 """An fp8 (e4m3) KV cache in the ops: the append rounds and saturates as torch's cast does and keeps fp8 bounds equal
 to the stored keys' min and max (so Quest's page scores bound what attention multiplies); the Triton estimate, decode
-and prefill attention read fp8 bounds and pages as the reference does (Triton interpreter)."""
+and prefill attention read fp8 bounds and pages as the reference does: under the Triton interpreter on a CPU (CI), and
+compiled on a CUDA GPU when run there without the interpreter (``pytest --noconftest tests/ops/test_fp8_kv.py``; the
+compiled kernels convert e4m3 with instructions the interpreter cannot run)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -13,6 +17,18 @@ from tests.ops.test_triton_ops import HEADS, _batch, _poison_unused, _readable, 
 
 FP8 = torch.float8_e4m3fn
 PAGE = 8
+
+
+def kernel_device() -> torch.device:
+    """Where the Triton kernels under test run: a CUDA GPU when there is one and Triton compiles, else the CPU (the
+    interpreter)."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return torch.device("cuda" if torch.cuda.is_available() and not interpreting else "cpu")
+
+
+def on_kernel_device(*tensors):
+    """``tensors`` (``None`` kept) on :func:`kernel_device`."""
+    return [None if t is None else t.to(kernel_device()) for t in tensors]
 
 
 def fp8_pool(num_pages: int, heads: int, dim: int):
@@ -109,7 +125,7 @@ def test_triton_decode_attention_reads_fp8_pages_as_the_reference(dtype, heads, 
         scores = torch.randn(2, num_kv, max_pages, generator=gen)
         selected = reference.select_pages(scores, seq_lens, 16, 4, 0, 0)
     want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), seq_lens, selected)
-    got = tk.paged_decode_attention(q, k_pages, v_pages, table, seq_lens, selected)
+    got = tk.paged_decode_attention(*on_kernel_device(q, k_pages, v_pages, table, seq_lens, selected)).cpu()
     assert got.dtype == dtype and _rel_err(got, want) < 1e-2
 
 
@@ -122,7 +138,7 @@ def test_triton_prefill_attention_reads_fp8_pages_as_the_reference(dtype):
     (q, k_pages, v_pages, table, starts, lens), _, _ = prefill_case([13, 0, 40], [5, 9, 3], (8, 2, 32), dtype, gen)
     k_pages, v_pages = k_pages.to(FP8), v_pages.to(FP8)
     want = reference.paged_prefill_attention(q, k_pages, v_pages, _readable(table), starts, lens)
-    got = tk.paged_prefill_attention(q, k_pages, v_pages, table, starts, lens)
+    got = tk.paged_prefill_attention(*on_kernel_device(q, k_pages, v_pages, table, starts, lens)).cpu()
     assert got.dtype == dtype and _rel_err(got, want) < 1e-2
 
 
@@ -138,7 +154,7 @@ def test_triton_page_scores_read_fp8_bounds_as_the_reference(selection):
     table = torch.stack([torch.randperm(12)[:10] for _ in range(2)]).int()
     lens = torch.tensor([75, 33], dtype=torch.int32)
     want = reference.page_scores(q, kmin, kmax, table, lens, PAGE, selection)
-    got = tk.page_scores(q, kmin, kmax, table, lens, PAGE, selection)
+    got = tk.page_scores(*on_kernel_device(q, kmin, kmax, table, lens), PAGE, selection).cpu()
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got)) and _rel_err(got[finite], want[finite]) < 1e-5
 
@@ -149,8 +165,8 @@ def _bytes(tensors) -> list[torch.Tensor]:
 
 def test_triton_append_rounds_every_bf16_value_as_torchs_cast():
     """Every finite bfloat16 value (ties, subnormals, ±0, past ±448) through the Triton append into fp8 pages:
-    each stored byte is torch's cast's and each page's bounds the reference's, bit for bit (the kernel rounds with
-    integer and exact float32 arithmetic, which the interpreter runs as the GPU does)."""
+    each stored byte is torch's cast's and each page's bounds the reference's, bit for bit (the interpreter's kernel rounds
+    with integer and exact float32 arithmetic, the compiled one with the hardware's conversion)."""
     from questkv.ops import triton as tk
 
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -161,10 +177,11 @@ def test_triton_append_rounds_every_bf16_value_as_torchs_cast():
     keys = every[:tokens * heads * dim].view(tokens, heads, dim)
     values = keys.flip(0)
     pools = fp8_pool(-(-tokens // PAGE) + 1, heads, dim)
-    want, got = [t.clone() for t in pools], [t.clone() for t in pools]
+    want, got = [t.clone() for t in pools], on_kernel_device(*pools)
     slots = torch.arange(PAGE, PAGE + tokens)  # (page 0 keeps its random bounds)
     reference.append_kv(*want, slots, keys, values)
-    tk.append_kv(*got, slots.int(), keys, values)
+    tk.append_kv(*got, *on_kernel_device(slots.int(), keys, values))
+    got = [t.cpu() for t in got]
     assert torch.equal(got[0].view(torch.uint8).flatten(0, 1)[slots], keys.to(FP8).view(torch.uint8))
     for got_pool, want_pool in zip(_bytes(got), _bytes(want)):
         assert torch.equal(got_pool, want_pool)
@@ -189,17 +206,19 @@ def test_triton_append_into_fp8_pages_equals_the_reference(dtype, rope):
     scale = 2.0 ** torch.randint(-12, 10, (tokens, num_q + heads, dim), generator=gen)
     qk = (torch.randn(tokens, num_q + heads, dim, generator=gen) * scale).to(dtype)
     values = (torch.randn(tokens, heads, dim, generator=gen) * 30).to(dtype)
-    want, got = [t.clone() for t in pools], [t.clone() for t in pools]
+    want, got = [t.clone() for t in pools], on_kernel_device(*pools)
     if rope:
         angles = torch.rand(tokens, dim // 2, generator=gen) * 100.0
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         q_want, k_want, q_got, k_got = (part.clone() for part in (*qk.split([num_q, heads], 1),) * 2)
         reference.rope_append_kv(*want, slots, q_want, k_want, values, cos, sin)
-        tk.rope_append_kv(*got, slots.int(), q_got, k_got, values, cos, sin)
-        assert torch.equal(q_got, q_want) and torch.equal(k_got, k_want)
+        q_got, k_got = on_kernel_device(q_got, k_got)
+        tk.rope_append_kv(*got, *on_kernel_device(slots.int()), q_got, k_got, *on_kernel_device(values, cos, sin))
+        assert torch.equal(q_got.cpu(), q_want) and torch.equal(k_got.cpu(), k_want)
     else:
         keys = qk[:, num_q:].contiguous()
         reference.append_kv(*want, slots, keys, values)
-        tk.append_kv(*got, slots.int(), keys, values)
+        tk.append_kv(*got, *on_kernel_device(slots.int(), keys, values))
+    got = [t.cpu() for t in got]
     for got_pool, want_pool in zip(_bytes(got), _bytes(want)):
         assert torch.equal(got_pool, want_pool)

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 _SCRIPT = textwrap.dedent(
     """
     import os
+    import re
     import subprocess
     import sys
     import tempfile
@@ -94,16 +95,18 @@ _SCRIPT = textwrap.dedent(
     # the K/V append alone (fp32 tokens into a bf16 pool) and with RoPE folded in (bf16, a group of 4 query heads,
     # programmatic dependent launch as on an H200), and into an fp8 pool (its bytes: the kernel rounds to e4m3)
     for rotate, token_dtype, pool in ((False, "fp32", "bf16"), (True, "bf16", "bf16"), (True, "bf16", "u8")):
-        compile_kernel(
+        compiled = compile_kernel(
             append._append_kv_kernel,
             {"k_pages_ptr": pool, "v_pages_ptr": pool, "kmin_ptr": pool, "kmax_ptr": pool,
              "slots_ptr": "i64", "keys_ptr": token_dtype, "values_ptr": token_dtype, "q_ptr": token_dtype,
              "cos_ptr": token_dtype, "sin_ptr": token_dtype},
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "FIRST": 64 if rotate else 128,
              "BLOCK_H": 64 if rotate else 128, "GROUP": 4 if rotate else 1, "BLOCK_G": 4 if rotate else 1,
-             "ROTATE": rotate, "FP8": pool == "u8", "USE_PDL": rotate},
+             "ROTATE": rotate, "FP8": pool == "u8", "CAST_FP8": True, "USE_PDL": rotate},
             num_warps=1,
         )
+        # fp8: rounded by the hardware's conversion, not _e4m3_byte's arithmetic
+        assert ("cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]) == (pool == "u8")
     def compile_estimate(q_dtype, mode, group, blocks, pdl, active=False, bounds="bf16"):
         compile_kernel(
             estimate._page_scores_kernel,
@@ -126,8 +129,12 @@ _SCRIPT = textwrap.dedent(
     compile_attention("bf16", False, 4, 1, pdl=True)
     compile_attention("bf16", True, 4, 1, pdl=True)
     compile_attention("fp16", False, 4, 1)
-    for dense in (False, True):  # an fp8 (e4m3) KV cache under bf16 queries: dequantized in registers
-        compile_attention("bf16", dense, 4, 1, pdl=True, pool="fp8e4nv")
+    # an fp8 (e4m3) KV cache under 16-bit queries, dequantized in registers: the values staged in shared memory as
+    # pairs, never read back a byte per instruction (the plain float8 load's ld.shared.b8, 64 per thread per tile)
+    for dense, dtype in ((False, "bf16"), (True, "bf16"), (True, "fp16")):
+        ptx = compile_attention(dtype, dense, 4, 1, pdl=True, pool="fp8e4nv").asm["ptx"]
+        assert "cvt.rn.f16x2.e4m3x2" in ptx
+        assert re.search(r"ld\.shared(\.v[248])?\.[bsu]8", ptx) is None
     # the wide merge (few programs, groups of at most 4) must not spill, nor batch 1's dense grid (128 keys per
     # iteration, its first tile prefetched into L2 before the programmatic-launch wait); the divisibility of a
     # run's launch
@@ -243,6 +250,8 @@ _SCRIPT = textwrap.dedent(
                    ("bf16", 4, 128, 16, 1, "same", True), ("bf16", 4, 128, 16, 5, "fp8e4nv"),
                    ("bf16", 4, 128, 16, 5, "fp8e4nv", True)):
         compiled = compile_prefill(*config)
+        if "fp8e4nv" in config:  # fp8 values staged as pairs, as in the decode attention
+            assert re.search(r"ld\.shared(\.v[248])?\.[bsu]8", compiled.asm["ptx"]) is None
         if config == ("bf16", 4, 128, 16, 512):
             info = ptxas_info(compiled)
             print("paged_prefill_attention llama-3.1-8b:", info)

@@ -92,6 +92,30 @@ def block_scores(q, k, qk_scale, IEEE: tl.constexpr):
     return tl.dot(q, tl.trans(k)) * qk_scale
 
 
+def check_e4m3_pairs(v_pages: torch.Tensor) -> None:
+    """An fp8 value pool is read in pairs of channels (:func:`load_e4m3_as_f16`): raise ``ValueError`` unless its
+    rows start at even offsets and hold an even number of channels."""
+    if v_pages.dtype == torch.float8_e4m3fn and any(n % 2 for n in (*v_pages.stride()[:3], v_pages.shape[-1])):
+        raise ValueError(f"fp8 v_pages must have an even head_dim and even strides, got shape {tuple(v_pages.shape)} "
+                         f"and strides {v_pages.stride()}")
+
+
+@triton.jit
+def load_e4m3_as_f16(pages_ptr, rows, live, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The e4m3 rows ``rows`` ``[N, 1]`` (element offsets into ``pages_ptr``, even; ``live`` ``[N]``, else zeros)
+    as float16 ``[N, BLOCK_D]``, loaded as pairs (int16) and converted by ``cvt.rn.f16x2.e4m3x2``. The
+    conversion's inputs are then what the loop pipeline stages in shared memory: a plain float8 load that feeds
+    ``tl.dot``'s value operand is staged as bytes and read back one byte per instruction (``LDS.U8``: the operand
+    wants consecutive keys, the page consecutive channels), where float16 values take ``ldmatrix.trans``."""
+    pair = tl.arange(0, BLOCK_D // 2)
+    words = tl.load(pages_ptr.to(tl.pointer_type(tl.int16)) + rows // 2 + pair[None, :],
+                    mask=live[:, None] & (pair < HEAD_DIM // 2)[None, :], other=0)
+    low, high = tl.inline_asm_elementwise(
+        "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }", "=h,=h,h", [words],
+        dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.reshape(tl.join(low, high), (words.shape[0], BLOCK_D))
+
+
 @triton.jit
 def online_softmax_step(s, v, acc, m_i, l_i, IEEE: tl.constexpr):
     """One key block of a flash-attention online softmax in base 2: scores ``s`` ``[M, N]`` float32 (log2 domain,

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, next_pow2, use_pdl
+from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2, use_pdl
 
 
 @triton.jit
@@ -57,8 +57,12 @@ def _fp8_from_order(code):
 
 
 @triton.jit
-def _stored(x, pages_ptr, FP8: tl.constexpr):
-    """``x`` as the pool stores it (the pool's dtype, or with ``FP8``, the pool viewed as bytes, e4m3 bytes)."""
+def _stored(x, pages_ptr, FP8: tl.constexpr, CAST_FP8: tl.constexpr):
+    """``x`` as the pool stores it (the pool's dtype, or with ``FP8``, the pool viewed as bytes, e4m3 bytes: with
+    ``CAST_FP8`` (compiled, not interpreted) from the hardware's conversion, ``cvt.rn.satfinite.e4m3x2.f32``,
+    which rounds and saturates as :func:`_e4m3_byte` does in a tenth of its instructions)."""
+    if FP8 and CAST_FP8:
+        return x.to(tl.float32).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return _e4m3_byte(x).to(tl.uint8) if FP8 else x.to(pages_ptr.dtype.element_ty)
 
 
@@ -88,7 +92,7 @@ def _append_kv_kernel(
     stride_ct, stride_st,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FIRST: tl.constexpr,
     BLOCK_H: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, ROTATE: tl.constexpr,
-    FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, CAST_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (token, KV head). Channels go in two parts, ``[0, FIRST)`` and ``[FIRST, HEAD_DIM)``
     (the halves that RoPE pairs; without ``ROTATE``, ``FIRST == HEAD_DIM`` and the second part is empty).
@@ -143,8 +147,8 @@ def _append_kv_kernel(
         k1, k2 = _rotate_pair(k1, k2, cos_rows, sin_rows)
         tl.store(key_rows, k1, mask=mask1)
         tl.store(key_rows + FIRST, k2, mask=mask2)
-    k1 = _stored(k1, k_pages_ptr, FP8)
-    k2 = _stored(k2, k_pages_ptr, FP8)
+    k1 = _stored(k1, k_pages_ptr, FP8, CAST_FP8)
+    k2 = _stored(k2, k_pages_ptr, FP8, CAST_FP8)
     dest = k_pages_ptr + page * stride_kp + offsets[:, None] * stride_kt + head * stride_kh + h[None, :]
     tl.store(dest, k1, mask=mask1)
     tl.store(dest + FIRST, k2, mask=mask2)
@@ -152,7 +156,7 @@ def _append_kv_kernel(
     v_mask = same[:, None] & (d < HEAD_DIM)[None, :]
     value = tl.load(values_ptr + rows[:, None].to(tl.int64) * stride_yt + head * stride_yh + d[None, :], mask=v_mask)
     tl.store(v_pages_ptr + page * stride_vp + offsets[:, None] * stride_vt + head * stride_vh + d[None, :],
-             _stored(value, v_pages_ptr, FP8), mask=v_mask)
+             _stored(value, v_pages_ptr, FP8, CAST_FP8), mask=v_mask)
 
     # exact: min / max of the stored keys
     key1, key2 = _bound_order(k1, FP8), _bound_order(k2, FP8)
@@ -198,7 +202,7 @@ def _launch(k_pages, v_pages, kmin, kmax, slots, keys, values, q, cos, sin) -> N
     group = q.shape[1] // num_kv_heads if rotate else 1
     q, cos, sin = (q, cos, sin) if rotate else (keys, keys, keys)  # not read without ROTATE
     fp8 = k_pages.dtype == torch.float8_e4m3fn
-    if fp8:  # the kernel writes e4m3 bytes it rounds itself (see _e4m3_byte)
+    if fp8:  # the kernel writes e4m3 bytes (see _stored)
         k_pages, v_pages, kmin, kmax = (t.view(torch.uint8) for t in (k_pages, v_pages, kmin, kmax))
     _append_kv_kernel[(num_tokens, num_kv_heads)](
         k_pages, v_pages, kmin, kmax, slots.contiguous(), keys, values, q, cos, sin,
@@ -212,6 +216,7 @@ def _launch(k_pages, v_pages, kmin, kmax, slots, keys, values, q, cos, sin) -> N
         cos.stride(0), sin.stride(0),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), FIRST=first,
         BLOCK_H=next_pow2(first), GROUP=group, BLOCK_G=next_pow2(group), ROTATE=rotate, FP8=fp8,
+        CAST_FP8=not interpreting(),
         USE_PDL=use_pdl(k_pages.device),
         num_warps=1, enable_fp_fusion=False,  # the rotation's products and sums rounded as eager torch does
         launch_pdl=use_pdl(k_pages.device),

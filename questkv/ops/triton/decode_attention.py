@@ -15,10 +15,12 @@ from questkv.ops.checks import check_page_lse
 from questkv.ops.pages import AttentionBuffers
 from questkv.ops.triton._common import (
     block_scores,
+    check_e4m3_pairs,
     check_last_dim_contiguous,
     check_shape,
     interpreting,
     last_to_arrive,
+    load_e4m3_as_f16,
     next_pow2,
     num_sms,
     online_softmax_step,
@@ -146,8 +148,11 @@ def _decode_split_kernel(
         kv_mask = live[:, None] & dmask[None, :]
         k = tl.load(k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt
                     + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_pages_ptr + physical[:, None] * stride_vp + offset[:, None] * stride_vt
-                    + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        v_rows = physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
+        if v_pages_ptr.dtype.element_ty == tl.float8e4nv and not UPCAST:
+            v = load_e4m3_as_f16(v_pages_ptr, v_rows, live, HEAD_DIM, BLOCK_D)
+        else:
+            v = tl.load(v_pages_ptr + v_rows + d[None, :], mask=kv_mask, other=0.0)
         if UPCAST and not F16_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -387,6 +392,7 @@ def paged_decode_attention_into(
     if counters.dtype != torch.int32 or not counters.is_contiguous():
         raise ValueError(f"counters must be contiguous int32, got {counters.dtype}")
     check_last_dim_contiguous(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, out=out, part_out=part_out)
+    check_e4m3_pairs(v_pages)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     programs = batch * sel_heads * blocks

@@ -23,8 +23,10 @@ import triton.language as tl
 from questkv.ops.checks import check_prefill_attention
 from questkv.ops.triton._common import (
     block_scores,
+    check_e4m3_pairs,
     check_last_dim_contiguous,
     interpreting,
+    load_e4m3_as_f16,
     next_pow2,
     num_sms,
     online_softmax_step,
@@ -65,20 +67,23 @@ def _attend_block(
     offset = key % PAGE_SIZE
     k_ptrs = (k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt + kv_head * stride_kh
               + d[None, :])
-    v_ptrs = (v_pages_ptr + physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
-              + d[None, :])
+    v_rows = physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
     if MASKED or HEAD_DIM != BLOCK_D:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    if v_pages_ptr.dtype.element_ty == tl.float8e4nv and not UPCAST:
+        v = load_e4m3_as_f16(v_pages_ptr, v_rows, (key < kv_end) if MASKED else key >= 0, HEAD_DIM, BLOCK_D)
+    elif MASKED or HEAD_DIM != BLOCK_D:
+        v = tl.load(v_pages_ptr + v_rows + d[None, :], mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_pages_ptr + v_rows + d[None, :])
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    else:
+    else:  # (fp8 values stay in float16 unless the query is float32, and the softmax weights follow them)
         k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        v = v.to(tl.float16 if v.dtype == tl.float16 and not IEEE else q.dtype)
     s = block_scores(q, k, qk_scale, IEEE)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where(live[None, :] & (key[None, :] <= position[:, None]), s, float("-inf"))
@@ -214,6 +219,7 @@ def paged_prefill_attention(
     """
     check_prefill_attention(q, k_pages, v_pages, page_table, query_starts, seq_lens)
     check_last_dim_contiguous(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table)
+    check_e4m3_pairs(v_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     batch = seq_lens.shape[0]
