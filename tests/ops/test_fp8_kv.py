@@ -31,6 +31,12 @@ def on_kernel_device(*tensors):
     return [None if t is None else t.to(kernel_device()) for t in tensors]
 
 
+def saturated(x: torch.Tensor) -> torch.Tensor:
+    """torch's cast to e4m3 of ``x`` clamped to ±448 first (torch's own cast saturates in some versions, 2.13, and gives
+    NaN from ±464 on in others, 2.11)."""
+    return x.clamp(-448, 448).to(FP8)
+
+
 def fp8_pool(num_pages: int, heads: int, dim: int):
     """Empty fp8 pages and bounds, as an fp8 cache holds them (random bounds: a page's first write restarts them)."""
     shape = (num_pages, PAGE, heads, dim)
@@ -61,8 +67,8 @@ def test_the_append_stores_torchs_cast_and_bounds_equal_the_stored_keys(dtype):
     ops.append_kv(k_pages, v_pages, kmin, kmax, slots[:7], keys[:7], values[:7])  # in two steps: bounds widen
     ops.append_kv(k_pages, v_pages, kmin, kmax, slots[7:], keys[7:], values[7:])
     stored = k_pages.flatten(0, 1)[slots]
-    assert torch.equal(stored.float(), keys.to(FP8).float()) and stored[0, 0, 0].float() == 448.0
-    assert torch.equal(v_pages.flatten(0, 1)[slots].float(), values.to(FP8).float())
+    assert torch.equal(stored.float(), saturated(keys).float()) and stored[0, 0, 0].float() == 448.0
+    assert torch.equal(v_pages.flatten(0, 1)[slots].float(), saturated(values).float())
     for page, count in ((3, 8), (0, 3), (5, 5)):
         held = k_pages[page, :count].float()
         assert torch.equal(kmin[page].float(), held.amin(0)) and torch.equal(kmax[page].float(), held.amax(0))
@@ -182,7 +188,7 @@ def test_triton_append_rounds_every_bf16_value_as_torchs_cast():
     reference.append_kv(*want, slots, keys, values)
     tk.append_kv(*got, *on_kernel_device(slots.int(), keys, values))
     got = [t.cpu() for t in got]
-    assert torch.equal(got[0].view(torch.uint8).flatten(0, 1)[slots], keys.to(FP8).view(torch.uint8))
+    assert torch.equal(got[0].view(torch.uint8).flatten(0, 1)[slots], saturated(keys).view(torch.uint8))
     for got_pool, want_pool in zip(_bytes(got), _bytes(want)):
         assert torch.equal(got_pool, want_pool)
 
