@@ -38,6 +38,8 @@ class QuestDecodeStep:
         max_pages: page-table width (``page_table.shape[1]``).
         dtype, device: of ``q`` and the page pool.
         num_splits: split count of the attention kernel (default: one wave of a few programs per SM).
+        kv_dtype: the dtype the pool stores K/V in, if not ``dtype`` (``torch.float8_e4m3fn``: the attention's
+            split plan for fp8 pages).
         num_queries: queries per sequence, its last positions, causal among them (a lossless verify step: with
             more than one, :meth:`dense` only, and with a sparse config it can also select the next round's pages
             from its attention mass).
@@ -66,6 +68,7 @@ class QuestDecodeStep:
         device: torch.device | str,
         num_splits: Optional[int] = None,
         num_queries: int = 1,
+        kv_dtype: Optional[torch.dtype] = None,
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -78,7 +81,8 @@ class QuestDecodeStep:
         sel_heads = num_q_heads if config.selection == "q_head" else num_kv_heads
         self.out = torch.empty((batch * num_queries, num_q_heads, head_dim), dtype=dtype, device=device)
         buffers = lambda heads, items, dense: self.backend.attention_buffers(  # noqa: E731
-            batch, num_q_heads, heads, head_dim, items, config.page_size, dense, device, num_splits, num_queries
+            batch, num_q_heads, heads, head_dim, items, config.page_size, dense, device, num_splits, num_queries,
+            kv_dtype,
         )
         self._dense_buffers = buffers(num_kv_heads, max_pages, True)
         self.scores = self.selected = self.select_buffers = self._sparse_buffers = None
@@ -112,7 +116,7 @@ class QuestDecodeStep:
             raise ValueError(f"QuestConfig.page_size={config.page_size} differs from the cache's page_size={cache.page_size}")
         max_pages = cache.max_pages_per_seq if max_pages is None else max_pages
         return cls(config, batch, num_q_heads, cache.num_kv_heads, cache.head_dim, max_pages, cache.dtype, cache.device,
-                   num_queries=num_queries)
+                   num_queries=num_queries, kv_dtype=cache.kv_dtype)
 
     def estimate(
         self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -282,7 +286,8 @@ def quest_decode(
     """
     batch, num_q_heads, head_dim = q.shape
     step = QuestDecodeStep(
-        config, batch, num_q_heads, layer.k_pages.shape[2], head_dim, page_table.shape[1], q.dtype, q.device
+        config, batch, num_q_heads, layer.k_pages.shape[2], head_dim, page_table.shape[1], q.dtype, q.device,
+        kv_dtype=layer.k_pages.dtype,
     )
     return step(q, layer, page_table, seq_lens, sm_scale, budgets)
 

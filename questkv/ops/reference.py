@@ -462,6 +462,7 @@ def attention_buffers(
     device: torch.device,
     num_splits: Optional[int] = None,
     num_queries: int = 1,
+    kv_dtype: Optional[torch.dtype] = None,
 ) -> AttentionBuffers:
     """The reference attention needs no scratch: an empty :class:`AttentionBuffers`."""
     return AttentionBuffers()

@@ -34,7 +34,7 @@ _SCRIPT = textwrap.dedent(
     TARGET = GPUTarget("cuda", 90, 32)
 
 
-    def compile_kernel(kernel, pointers, constexprs, floats=(), num_warps=4, maxnreg=None, divisible=()):
+    def compile_kernel(kernel, pointers, constexprs, floats=(), num_warps=4, maxnreg=None, divisible=(), num_stages=3):
         # divisible: integer arguments known to be multiples of 16 (with every pointer, as a launch with
         # such values specializes them), so that loads vectorize as they do at run time
         signature = {}
@@ -49,7 +49,7 @@ _SCRIPT = textwrap.dedent(
         if divisible:
             attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *divisible)}
         src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-        options = {"num_warps": num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg})}
+        options = {"num_warps": num_warps, "num_stages": num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg})}
         compiled = triton.compile(src, target=TARGET, options=options)
         print(kernel.__name__, sorted(constexprs.items()), "smem", compiled.metadata.shared)
         return compiled
@@ -86,6 +86,7 @@ _SCRIPT = textwrap.dedent(
              "F16_DOT": pool == "fp8e4nv" and dtype == "bf16"},
             floats=("qk_scale",),
             num_warps=decode_attention._WARPS_BY_ROWS.get(rows, 2 * decode_attention._NUM_WARPS),
+            num_stages=decode_attention._CONFIG[kind or ("dense" if dense else "sparse")][2],
             # strides of B=1 with 32 / 8 heads, 129 selected pages (selection reuse), 17 splits
             divisible=("stride_qb", "stride_qq", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp", "stride_vt",
                        "stride_vh", "stride_tb", "stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oq", "stride_oh"),
@@ -132,9 +133,13 @@ _SCRIPT = textwrap.dedent(
     # an fp8 (e4m3) KV cache under 16-bit queries, dequantized in registers: the values staged in shared memory as
     # pairs, never read back a byte per instruction (the plain float8 load's ld.shared.b8, 64 per thread per tile)
     for dense, dtype in ((False, "bf16"), (True, "bf16"), (True, "fp16")):
-        ptx = compile_attention(dtype, dense, 4, 1, pdl=True, pool="fp8e4nv").asm["ptx"]
+        compiled = compile_attention(dtype, dense, 4, 1, pdl=True, pool="fp8e4nv", kind="dense-fp8" if dense else None)
+        ptx = compiled.asm["ptx"]
         assert "cvt.rn.f16x2.e4m3x2" in ptx
-        assert re.search(r"ld\.shared(\.v[248])?\.[bsu]8", ptx) is None
+        assert re.search(r"ld\\.shared(\\.v[248])?\\.[bsu]8", ptx) is None
+        assert "0 bytes spill stores" in ptxas_info(compiled)
+        if dense:  # the programs per SM its split plan aims at fit in an SM's 228 KiB (1 KiB reserved per block)
+            assert decode_attention._CONFIG["dense-fp8"][1] * (compiled.metadata.shared + 1024) <= 228 * 1024
     # the wide merge (few programs, groups of at most 4) must not spill, nor batch 1's dense grid (128 keys per
     # iteration, its first tile prefetched into L2 before the programmatic-launch wait); the divisibility of a
     # run's launch
@@ -251,7 +256,7 @@ _SCRIPT = textwrap.dedent(
                    ("bf16", 4, 128, 16, 5, "fp8e4nv", True)):
         compiled = compile_prefill(*config)
         if "fp8e4nv" in config:  # fp8 values staged as pairs, as in the decode attention
-            assert re.search(r"ld\.shared(\.v[248])?\.[bsu]8", compiled.asm["ptx"]) is None
+            assert re.search(r"ld\\.shared(\\.v[248])?\\.[bsu]8", compiled.asm["ptx"]) is None
         if config == ("bf16", 4, 128, 16, 512):
             info = ptxas_info(compiled)
             print("paged_prefill_attention llama-3.1-8b:", info)

@@ -37,8 +37,10 @@ _LN2 = tl.constexpr(0.6931471805599453)  # (a constexpr: a compiled kernel reads
 # (64 pairs) keeps the shorter ones (243.7 against 247.5). A sparse program's K/V tile takes 72 KiB of shared
 # memory, so an H200 SM holds 3 of them: aiming at 8 gave MHA's 32 heads at B=1 17 splits of 8 pages (1.37 waves),
 # 3 gives 9 splits of 16 in one wave (benchmarks/results/e2e-h200-int4-head-splits3.md against -splits8.md: Quest
-# at C = 8 2.94 -> 2.89 ms, B=4/128k 5.84 -> 5.67; no point slower).
-_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2)}
+# at C = 8 2.94 -> 2.89 ms, B=4/128k 5.84 -> 5.67; no point slower). A dense grid on fp8 pages takes tiles of 128
+# keys in 2 stages, 3 programs per SM (its float16 value staging makes a fourth not fit): 451 -> 417 µs at
+# llama3.1-8b B=16/32k and 444 -> 415 at B=4/128k on an H100, the best of 48 configurations at both.
+_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (128, 3, 2)}
 _FEW_PROGRAMS = 16
 _NUM_WARPS = 4
 # Splits combined per step of the merge. The wide chunk takes up to 32 splits in one step but costs
@@ -262,12 +264,15 @@ def _prefetch_tile_l2(k_pages_ptr, v_pages_ptr, table_ptr, seq, item, offset, en
                               is_pure=False, pack=1)
 
 
-def grid_kind(dense: bool, programs: int) -> str:
+def grid_kind(dense: bool, programs: int, fp8: bool = False) -> str:
     """The launch configuration (a key of ``_CONFIG``) of a grid over ``programs`` (sequence, selection head)
-    pairs: ``"sparse"``, ``"dense"``, or ``"dense-few"`` for a dense grid of at most ``_FEW_PROGRAMS``."""
+    pairs: ``"sparse"``, ``"dense-few"`` for a dense grid of at most ``_FEW_PROGRAMS``, else ``"dense-fp8"`` on
+    ``fp8`` pages and ``"dense"``."""
     if not dense:
         return "sparse"
-    return "dense-few" if programs <= _FEW_PROGRAMS else "dense"
+    if programs <= _FEW_PROGRAMS:
+        return "dense-few"
+    return "dense-fp8" if fp8 else "dense"
 
 
 def pages_per_iter(page_size: int, kind: str) -> int:
@@ -276,15 +281,16 @@ def pages_per_iter(page_size: int, kind: str) -> int:
 
 
 def plan_splits(num_items: int, programs: int, page_size: int, device: torch.device, dense: bool,
-                num_splits: Optional[int] = None) -> tuple[int, int]:
+                num_splits: Optional[int] = None, fp8: bool = False) -> tuple[int, int]:
     """``(num_splits, items_per_split)`` for ``num_items`` pages per (sequence, selection head).
 
     ``programs`` is ``batch * num_sel_heads``. Without an explicit ``num_splits`` the grid aims at its
     kind's programs per SM (``_CONFIG``) times the SMs, rounded down so that it runs in one wave; every split
     holds whole inner iterations. The result depends on shapes only, so a CUDA graph captured once
-    stays valid.
+    stays valid. A grid of another kind may use the plan (a cache's model-dtype layers beside its ``fp8`` ones):
+    the kinds' iterations divide each other's.
     """
-    kind = grid_kind(dense, programs)
+    kind = grid_kind(dense, programs, fp8)
     step = pages_per_iter(page_size, kind)
     num_items = max(num_items, 1)
     if num_splits is None:
@@ -320,15 +326,17 @@ def attention_buffers(
     device: torch.device,
     num_splits: Optional[int] = None,
     num_queries: int = 1,
+    kv_dtype: Optional[torch.dtype] = None,
 ) -> AttentionBuffers:
     """Scratch for :func:`paged_decode_attention_into` for ``num_items`` pages per (sequence,
-    selection head) and ``num_queries`` queries per sequence: ``part_out`` ``[batch, num_queries * num_q_heads,
+    selection head) and ``num_queries`` queries per sequence, planned for pages of ``kv_dtype`` (``None``: the
+    model's dtype): ``part_out`` ``[batch, num_queries * num_q_heads,
     num_splits, head_dim]`` float32, ``part_lse`` ``[batch, num_queries * num_q_heads, num_splits]`` float32,
     ``counters`` ``[batch, query blocks * num_sel_heads]`` int32 (zero; every launch leaves them zero),
     ``items_per_split``."""
     blocks = triton.cdiv(num_queries, query_block(num_queries, num_q_heads // num_sel_heads))
     num_splits, items_per_split = plan_splits(num_items, batch * num_sel_heads * blocks, page_size, device, dense,
-                                              num_splits)
+                                              num_splits, kv_dtype == torch.float8_e4m3fn)
     rows = num_queries * num_q_heads
     part_out = torch.empty((batch, rows, num_splits, head_dim), dtype=torch.float32, device=device)
     part_lse = torch.empty((batch, rows, num_splits), dtype=torch.float32, device=device)
@@ -396,7 +404,7 @@ def paged_decode_attention_into(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     programs = batch * sel_heads * blocks
-    kind = grid_kind(dense, programs)
+    kind = grid_kind(dense, programs, k_pages.dtype == torch.float8_e4m3fn)
     sel = page_table if dense else selected  # not read when dense
     outs = out[:, None] if out.dim() == 3 else out
     rows = max(16, next_pow2(block * group))
@@ -462,5 +470,5 @@ def paged_decode_attention(
     sel_heads = k_pages.shape[2] if dense else selected.shape[1]
     num_items = page_table.shape[1] if dense else selected.shape[2]
     buffers = attention_buffers(batch, num_q_heads, sel_heads, head_dim, num_items, k_pages.shape[1], dense, q.device,
-                                num_queries=num_queries)
+                                num_queries=num_queries, kv_dtype=k_pages.dtype)
     return paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale)
