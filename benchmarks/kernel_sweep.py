@@ -10,6 +10,9 @@ its output against the torch reference on the point's data, and times under CUDA
 * sparse attention over a fixed selection (``step.attend``), the same grid;
 * the estimate (``step.estimate``) over pages per block x blocks per program x stages x warps.
 
+``--kv-cache-dtype fp8`` sweeps the attention on float8 e4m3 pages (the pools cast, bounds their min / max) under
+bf16 queries, with the grid kinds and split plans of an fp8 cache.
+
 The current defaults are one of the configurations, so each table shows what a change would gain in the same run.
 Writes ``kernel-sweep-<tag>.json`` and ``.md``.
 
@@ -37,6 +40,7 @@ from benchmarks.kernels_bench import DEVICE, DTYPE, MODELS, PAGE_SIZE, _rel_err,
 
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.decode import QuestDecodeStep  # noqa: E402
+from questkv.ops import LayerPages  # noqa: E402
 from questkv.eval.provenance import git_commit  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops.triton import decode_attention as attention_kernel  # noqa: E402
@@ -44,7 +48,7 @@ from questkv.ops.triton import estimate as estimate_kernel  # noqa: E402
 
 POINTS = [(1, 32768, 2048), (1, 131072, 4096), (8, 32768, 2048), (32, 32768, 2048)]  # (batch, context, budget)
 KERNELS = ("dense", "sparse", "estimate")
-ATTENTION_GRID = {"tokens_per_iter": (64, 128, 256), "programs_per_sm": (2, 4, 8), "num_stages": (2, 3),
+ATTENTION_GRID = {"tokens_per_iter": (64, 128, 256), "programs_per_sm": (2, 3, 4, 8), "num_stages": (2, 3),
                   "num_warps": (4, 8)}
 ESTIMATE_GRID = {"block_p": (32, 64, 128), "blocks_per_program": (1, 2), "num_stages": (2,), "num_warps": (4, 8)}
 
@@ -52,15 +56,16 @@ ESTIMATE_GRID = {"block_p": (32, 64, 128), "blocks_per_program": (1, 2), "num_st
 @contextlib.contextmanager
 def attention_config(kind: str, tokens_per_iter: int, programs_per_sm: int, num_stages: int,
                      num_warps: int) -> Iterator[None]:
-    """The attention kernel's launch constants for grids of ``kind`` (``attention.grid_kind``) set to these,
-    restored after."""
+    """The attention kernel's launch constants for grids of ``kind`` (``attention.grid_kind``) set to these (the
+    warps of a one-query tile, 16 rows), restored after."""
     module = attention_kernel
-    saved = (dict(module._CONFIG), module._NUM_WARPS)
-    module._CONFIG[kind], module._NUM_WARPS = (tokens_per_iter, programs_per_sm, num_stages), num_warps
+    saved = (dict(module._CONFIG), dict(module._WARPS_BY_ROWS))
+    module._CONFIG[kind] = (tokens_per_iter, programs_per_sm, num_stages)
+    module._WARPS_BY_ROWS[16] = num_warps
     try:
         yield
     finally:
-        module._CONFIG, module._NUM_WARPS = saved
+        module._CONFIG, module._WARPS_BY_ROWS = saved
 
 
 @contextlib.contextmanager
@@ -76,17 +81,20 @@ def estimate_config(block_p: int, blocks_per_program: int, num_stages: int, num_
         module._BLOCK_P, module._BLOCKS_PER_PROGRAM, module._NUM_STAGES, module._NUM_WARPS = saved
 
 
-def _kinds(batch: int, model: str) -> dict:
-    """The attention grid kind of the dense and the sparse kernel at ``batch`` (KV heads of ``model``)."""
+def _kinds(batch: int, model: str, fp8: bool = False) -> dict:
+    """The attention grid kind of the dense and the sparse kernel at ``batch`` (KV heads of ``model``) on ``fp8``
+    pages or not."""
     heads = MODELS[model][1]
-    return {"dense": attention_kernel.grid_kind(True, batch * heads), "sparse": attention_kernel.grid_kind(False, batch * heads)}
+    return {"dense": attention_kernel.grid_kind(True, batch * heads, fp8),
+            "sparse": attention_kernel.grid_kind(False, batch * heads, fp8)}
 
 
-def defaults(batch: int, model: str) -> dict:
+def defaults(batch: int, model: str, fp8: bool = False) -> dict:
     a, e = attention_kernel, estimate_kernel
     attention = {
-        kernel: dict(zip(("tokens_per_iter", "programs_per_sm", "num_stages"), a._CONFIG[kind]), num_warps=a._NUM_WARPS)
-        for kernel, kind in _kinds(batch, model).items()}
+        kernel: dict(zip(("tokens_per_iter", "programs_per_sm", "num_stages"), a._CONFIG[kind]),
+                     num_warps=a._WARPS_BY_ROWS[16])
+        for kernel, kind in _kinds(batch, model, fp8).items()}
     return {
         **attention,
         "estimate": {"block_p": e._BLOCK_P, "blocks_per_program": e._BLOCKS_PER_PROGRAM, "num_stages": e._NUM_STAGES,
@@ -104,8 +112,16 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
     data = point_data(args.model, batch, context, budget, args.max_gb)
     layers, table, lens, q, n_layers = data["layers"], data["table"], data["lens"], data["q"], data["n_layers"]
     npages = data["npages"]
+    fp8 = args.kv_cache_dtype == "fp8"
+    kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
+    if fp8:  # each layer's pages cast in place of the bf16 ones, bounds the cast keys' min / max
+        for i, layer in enumerate(layers):
+            k8, v8 = layer.k_pages.to(kv_dtype), layer.v_pages.to(kv_dtype)
+            layers[i] = LayerPages(k8, v8, k8.float().amin(1).to(kv_dtype), k8.float().amax(1).to(kv_dtype))
+            del layer
+        torch.cuda.empty_cache()
     quest = QuestConfig(token_budget=budget, backend="triton")
-    base = QuestDecodeStep(quest, batch, hq, hkv, d, npages, DTYPE, DEVICE)
+    base = QuestDecodeStep(quest, batch, hq, hkv, d, npages, DTYPE, DEVICE, kv_dtype=kv_dtype)
     base(q, layers[0], table, lens)
     selected = base.selected.clone()
     dense_ref = reference.paged_decode_attention(q, layers[0].k_pages, layers[0].v_pages, table, lens)
@@ -115,9 +131,9 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
     rows = {"dense": [], "sparse": [], "estimate": []}
     for kind in [k for k in ("dense", "sparse") if k in args.kernels]:
         for cfg in grid(ATTENTION_GRID):
-            with attention_config(_kinds(batch, args.model)[kind], **cfg):
+            with attention_config(_kinds(batch, args.model, fp8)[kind], **cfg):
                 step = QuestDecodeStep(quest if kind == "sparse" else QuestConfig(backend="triton"),
-                                       batch, hq, hkv, d, npages, DTYPE, DEVICE)
+                                       batch, hq, hkv, d, npages, DTYPE, DEVICE, kv_dtype=kv_dtype)
                 if kind == "dense":
                     err = _rel_err(step.dense(q, layers[0], table, lens), dense_ref)
                     micros = time_graph(lambda i: step.dense(q, layers[i], table, lens), n_layers, reps, warmup)
@@ -128,7 +144,7 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
             rows[kind].append({**cfg, "us": micros, "rel_err": err, "ok": bool(err <= 1e-2)})
     for cfg in grid(ESTIMATE_GRID) if "estimate" in args.kernels else []:
         with estimate_config(**cfg):
-            step = QuestDecodeStep(quest, batch, hq, hkv, d, npages, DTYPE, DEVICE)
+            step = QuestDecodeStep(quest, batch, hq, hkv, d, npages, DTYPE, DEVICE, kv_dtype=kv_dtype)
             got = step.estimate(q, layers[0], table, lens)
             finite = torch.isfinite(scores_ref)
             err = _rel_err(got[finite], scores_ref[finite])
@@ -137,18 +153,18 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
     del data, layers
     torch.cuda.empty_cache()
     return {"batch": batch, "context": context, "budget": budget, "n_layers": n_layers,
-            "kv_bytes": data_bytes(batch, context, args.model), **rows}
+            "kv_bytes": data_bytes(batch, context, args.model, kv_dtype), **rows}
 
 
-def data_bytes(batch: int, context: int, model: str) -> int:
+def data_bytes(batch: int, context: int, model: str, kv_dtype: torch.dtype = DTYPE) -> int:
     _, hkv, d = MODELS[model]
-    return batch * context * hkv * d * 2 * torch.tensor([], dtype=DTYPE).element_size()
+    return batch * context * hkv * d * 2 * torch.tensor([], dtype=kv_dtype).element_size()
 
 
-def best_lines(points: list[dict], model: str) -> list[str]:
+def best_lines(points: list[dict], model: str, fp8: bool = False) -> list[str]:
     lines = ["| point | kernel | default µs | best µs | best configuration | default / best |", "|---|---|---|---|---|---|"]
     for p in points:
-        default = defaults(p["batch"], model)
+        default = defaults(p["batch"], model, fp8)
         label = f"B={p['batch']}, L={p['context'] // 1024}k, budget {p['budget']}"
         for kind in [k for k in KERNELS if p[k]]:
             ok = [r for r in p[kind] if r["ok"]]
@@ -176,7 +192,10 @@ def main() -> int:
                         choices=range(len(POINTS)), help="indices into POINTS (batch, context, budget): "
                         + ", ".join(f"{i}: {p}" for i, p in enumerate(POINTS)))
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS, help="kernels to sweep")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="the pages' dtype: the model's (bf16) or float8 e4m3")
     args = parser.parse_args()
+    fp8 = args.kv_cache_dtype == "fp8"
     if not torch.cuda.is_available():
         print("benchmarks/kernel_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -186,23 +205,24 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "model": args.model, "dtype": str(DTYPE), "page_size": PAGE_SIZE,
-        "defaults": {POINTS[i][0]: defaults(POINTS[i][0], args.model) for i in args.points},
+        "model": args.model, "dtype": str(DTYPE), "kv_cache_dtype": args.kv_cache_dtype, "page_size": PAGE_SIZE,
+        "defaults": {POINTS[i][0]: defaults(POINTS[i][0], args.model, fp8) for i in args.points},
     }
     points = []
     for batch, context, budget in (POINTS[i] for i in args.points):
         points.append(sweep_point(batch, context, budget, args))
-        print("\n".join(best_lines(points[-1:], args.model)[2:]), flush=True)
+        print("\n".join(best_lines(points[-1:], args.model, fp8)[2:]), flush=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"kernel-sweep-{args.tag}.json").write_text(json.dumps({"info": info, "points": points}, indent=1))
     md = [f"# Kernel launch configurations on {info['gpu']}", "",
           f"- command: `{info['command']}`", f"- commit: `{info['commit']}`, date: {info['date']}",
-          f"- torch {info['torch']}, triton {info['triton']}; {args.model} attention, {DTYPE}, page {PAGE_SIZE}",
+          f"- torch {info['torch']}, triton {info['triton']}; {args.model} attention, {DTYPE} queries, "
+          f"{'float8 e4m3' if fp8 else DTYPE} pages, page {PAGE_SIZE}",
           "- median GPU µs per call under CUDA graphs (kernels_bench.py's method); every configuration checked against "
           "the torch reference on the point's data (attention 1e-2, estimate 1e-5 relative error)",
           "- grids: attention " + json.dumps(ATTENTION_GRID) + "; estimate " + json.dumps(ESTIMATE_GRID),
-          "", "## Best against the defaults", "", *best_lines(points, args.model), ""]
+          "", "## Best against the defaults", "", *best_lines(points, args.model, fp8), ""]
     (out_dir / f"kernel-sweep-{args.tag}.md").write_text("\n".join(md))
     print("\n".join(md))
     return 0
