@@ -38,8 +38,8 @@ _LN2 = tl.constexpr(0.6931471805599453)  # (a constexpr: a compiled kernel reads
 # memory, so an H200 SM holds 3 of them: aiming at 8 gave MHA's 32 heads at B=1 17 splits of 8 pages (1.37 waves),
 # 3 gives 9 splits of 16 in one wave (benchmarks/results/e2e-h200-int4-head-splits3.md against -splits8.md: Quest
 # at C = 8 2.94 -> 2.89 ms, B=4/128k 5.84 -> 5.67; no point slower). A dense grid on fp8 pages takes tiles of 128
-# keys in 2 stages, 3 programs per SM (its float16 value staging makes a fourth not fit): 451 -> 417 µs at
-# llama3.1-8b B=16/32k and 444 -> 415 at B=4/128k on an H100, the best of 48 configurations at both.
+# keys in 2 stages, 3 programs per SM (its float16 value staging makes a fourth not fit; kernel-sweep-h100-fp8.md:
+# 230 -> 209 µs at llama3.1-8b B=8/32k, the best of 48 configurations, and 883 -> 880 at B=32/32k, 2 % off the best).
 _CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (128, 3, 2)}
 _FEW_PROGRAMS = 16
 _NUM_WARPS = 4
