@@ -404,7 +404,7 @@ def mma_sweep_configs(m: int, n: int, k: int, device: torch.device) -> list:
     plan = mma.plan_int4_mma(m, n, k, device)
     groups = k // GROUP
     configs = [plan] + [mma.Int4MmaConfig(w, s) for w in (2, 4, 8) for s in (1, 2, 4, 8, 16)
-                        if s == 1 or groups // s >= w]
+                        if w <= mma.max_warps(m) and (s == 1 or groups // s >= w)]
     return list(dict.fromkeys(configs))
 
 

@@ -100,7 +100,7 @@ def test_grouped_int8_through_the_triton_kernel_matches_the_torch_backend():
 def test_the_words_serve_every_row_count_through_the_gemv_tensor_cores_or_the_float_weight(monkeypatch):
     """An int4 layer's one copy of its codes, the K-major words, on the ``triton`` backend (the kernels in the
     interpreter): ``int4_gemv`` up to 2 rows, ``int4_words_matmul`` up to 64, the float weight from the words
-    above; where the CUDA tensor-core kernel is built (faked here) and fits (bf16), 2 to 16 rows take it."""
+    above; where the CUDA tensor-core kernel is built (faked here) and fits (bf16), 2 to ``MMA_MAX_M`` rows take it."""
     quant_ops = pytest.importorskip("questkv.ops.triton.quant_ops")
     from questkv.ops.cuda import int4_mma
 
@@ -123,7 +123,7 @@ def test_the_words_serve_every_row_count_through_the_gemv_tensor_cores_or_the_fl
     monkeypatch.setattr(int4_mma, "available", lambda device: True)
     monkeypatch.setattr(int4_mma, "int4_mma", lambda x, *a: calls.append("int4_mma") or want[:len(x)])
     xb, scales = x.to(torch.bfloat16), layer.scales.to(torch.bfloat16)
-    for rows in (1, 2, 3, 16, 17):
+    for rows in (1, 2, 3, int4_mma.MMA_MAX_M, int4_mma.MMA_MAX_M + 1):
         quant_ops.int4_matmul(xb[:rows], layer.words, scales, layer.zeros, 128, None)
     quant_ops.int4_matmul(x[:5], layer.words, layer.scales, layer.zeros, 128, None)  # float32: not its rows
     assert calls == ["int4_gemv", "int4_mma", "int4_mma", "int4_mma", "int4_words_matmul", "int4_words_matmul"]

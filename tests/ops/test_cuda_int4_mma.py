@@ -5,6 +5,7 @@ both zero-point dtypes, bf16 and fp16, with and without a bias, one and several 
 (CI) only what needs no GPU runs: which products it takes and how a launch is planned.
 """
 
+import itertools
 import shutil
 import subprocess
 import sys
@@ -35,10 +36,10 @@ def test_fits_takes_up_to_sixteen_rows_of_group_128_with_outputs_in_64s():
     def fits(x, w=words, scales=s, zeros=z8, group=128):
         return mma.fits(x, w, scales, zeros, group)
 
-    for m in (1, 5, 16):
+    for m in (1, 5, 16, 17, 32):
         assert fits(torch.randn(m, 512).to(torch.bfloat16))
     assert fits(torch.randn(3, 512).to(torch.bfloat16), zeros=z8.to(torch.bfloat16))
-    assert not fits(torch.randn(17, 512).to(torch.bfloat16))
+    assert not fits(torch.randn(33, 512).to(torch.bfloat16))
     assert not fits(torch.randn(2, 512))  # float32
     assert not fits(torch.randn(2, 512).to(torch.bfloat16), group=64)
     assert not fits(torch.randn(2, 512).to(torch.bfloat16), w=torch.zeros((64, 160), dtype=torch.int32))
@@ -48,10 +49,11 @@ def test_fits_takes_up_to_sixteen_rows_of_group_128_with_outputs_in_64s():
 
 
 def test_plan_splits_groups_over_blocks_without_leaving_a_warp_idle():
-    for n, k in ((4096, 4096), (6144, 4096), (4096, 14336), (128256, 4096), (192, 512)):
-        cfg = mma.plan_int4_mma(5, n, k)
+    for (n, k), m in itertools.product(((4096, 4096), (6144, 4096), (4096, 14336), (128256, 4096), (192, 512)),
+                                       (1, 5, 16, 17, 32)):
+        cfg = mma.plan_int4_mma(m, n, k)
         groups = k // 128
-        assert cfg.split >= 1 and cfg.warps >= 1
+        assert cfg.split >= 1 and 1 <= cfg.warps <= mma.max_warps(m)
         assert cfg.split == 1 or groups // cfg.split >= cfg.warps
     assert mma.plan_int4_mma(5, 128256, 4096).split == 1  # enough output tiles already
 
@@ -64,7 +66,7 @@ def test_kernel_compiles_for_sm90_without_spilling(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "warning" not in done.stderr.lower(), done.stderr
     spills = [line for line in done.stderr.splitlines() if "spill" in line]
-    assert len(spills) == 8 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
+    assert len(spills) == 12 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
 
 
 def test_bad_input_is_refused_before_any_build_or_launch():
@@ -73,10 +75,12 @@ def test_bad_input_is_refused_before_any_build_or_launch():
     zeros = torch.randint(0, 16, (4, 192), dtype=torch.uint8)
     x = torch.randn(3, 512).to(torch.bfloat16)
     cases = [
-        (dict(x=torch.randn(17, 512).to(torch.bfloat16)), r"1 to 16 contiguous"),
+        (dict(x=torch.randn(33, 512).to(torch.bfloat16)), r"1 to 32 contiguous"),
         (dict(bias=torch.randn(192)), r"bias must be \[192\] in x's dtype"),
         (dict(bias=torch.randn(191).to(torch.bfloat16)), r"bias must be \[192\]"),
-        (dict(config=mma.Int4MmaConfig(9, 1)), r"1 to 8 warps"),
+        (dict(config=mma.Int4MmaConfig(9, 1)), r"for 3 rows takes 1 to 8 warps"),
+        (dict(x=torch.randn(17, 512).to(torch.bfloat16), config=mma.Int4MmaConfig(8, 1)),
+         r"for 17 rows takes 1 to 4 warps"),
         (dict(config=mma.Int4MmaConfig(4, 0)), r"split of at least 1"),
         ({}, r"runs on CUDA tensors, got x on cpu"),
     ]
@@ -120,7 +124,7 @@ def test_matches_the_reference_at_every_row_count(dtype, zeros_u8):
     for m in range(1, mma.MMA_MAX_M + 1):
         x = torch.randn((m, k), device=device).to(dtype)
         want = ref.int4_matmul(x.float(), words, scales.float(), zeros.float(), 128)
-        for cfg in (mma.Int4MmaConfig(4, 1), mma.Int4MmaConfig(2, 3), mma.Int4MmaConfig(8, 12), None):
+        for cfg in (mma.Int4MmaConfig(4, 1), mma.Int4MmaConfig(2, 3), mma.Int4MmaConfig(mma.max_warps(m), 12), None):
             for b in (None, bias):
                 got = mma.int4_mma(x, words, scales, zeros, 128, b, config=cfg).float()
                 expect = want if b is None else want + b.float()

@@ -4,7 +4,8 @@
 // j (0..15) of output n holds in bits 4 i .. 4 i + 3 the code of feature 128 g + 16 i + j. Scales [K / 128, N] in
 // x's dtype; zero points [K / 128, N] in x's dtype or uint8; w[n, k] = (q - z) * s.
 //
-// One mma.sync.m16n8k16 takes the weight as its A operand (16 outputs by 16 features) and up to 8 rows of x as B,
+// One mma.sync.m16n8k16 takes the weight as its A operand (16 outputs by 16 features) and up to 8 rows of x as B
+// (NT = 1, 2 or 4 column tiles for up to 8, 16 or 32 rows),
 // so the codes need no shuffle at load: per group a lane (g = lane / 4, t = lane % 4) loads word rows 4 t + s
 // (s = 0..3, one step each) of 8 outputs with two 128-bit loads, and each word's nibble pairs (e, e + 4) become one
 // register of two 16-bit floats OFFSET + q with one shift and one lop3 ((q | 0x4300) is bf16 128 + q exactly,
@@ -89,6 +90,16 @@ __device__ __forceinline__ uint32_t pair_of(const uint2& first, const uint2& sec
   return __byte_perm(a, b, s % 2 == 0 ? 0x5410 : 0x7632);
 }
 
+// The lane's words of group grp: word rows 4 t + s (s = 0..STEPS-1) of outputs w_lane .. + 3 and + 32 .. + 35.
+__device__ __forceinline__ void load_words(uint4 (*w)[2], const uint32_t* w_lane, int grp, int t, int N) {
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    const uint32_t* p = w_lane + static_cast<size_t>(grp * (GROUP / 8) + 4 * t + s) * N;
+    w[s][0] = __ldg(reinterpret_cast<const uint4*>(p));
+    w[s][1] = __ldg(reinterpret_cast<const uint4*>(p + 32));
+  }
+}
+
 // Four consecutive values of a [groups, N] tensor (scales or zero points) as float32, in one load (8-byte aligned
 // for 16-bit values, 4-byte for uint8: the caller's index is a multiple of 4).
 template <typename Z>
@@ -148,30 +159,21 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
       for (int c = 0; c < 4; ++c) acc[nt][m][c] = 0.0f;
 
   const uint32_t* w_lane = words + n0 + 4 * g;  // + word row * N; + 32 for the second load
+  // Up to 16 rows the next group's words are loaded while this one is multiplied; 32 rows' accumulators leave no
+  // registers for that, and their four MMAs per operand hide the loads' latency instead.
+  constexpr bool PREFETCH = NT <= 2;
   uint4 w_cur[STEPS][2];
-  uint4 w_next[STEPS][2];
+  uint4 w_next[STEPS][2];  // unused without PREFETCH
   int grp = g_start + warp;
-  if (grp < g_end) {
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      const uint32_t* p = w_lane + static_cast<size_t>(grp * (GROUP / 8) + 4 * t + s) * N;
-      w_cur[s][0] = __ldg(reinterpret_cast<const uint4*>(p));
-      w_cur[s][1] = __ldg(reinterpret_cast<const uint4*>(p + 32));
-    }
-  }
+  if (grp < g_end) load_words(w_cur, w_lane, grp, t, N);
   // Launched with programmatic dependent launch, this grid may start while the kernel before it runs: the weights
   // are constant, so the first group's words are requested above; x, the partials, the tickets and the output only
   // after the kernel before it has finished (a no-op for an ordinary launch).
   grid_dependency_wait();
   for (; grp < g_end; grp += warps) {
     const int grp_next = grp + warps;
-    if (grp_next < g_end) {  // the next group's words in flight while this one is multiplied
-#pragma unroll
-      for (int s = 0; s < STEPS; ++s) {
-        const uint32_t* p = w_lane + static_cast<size_t>(grp_next * (GROUP / 8) + 4 * t + s) * N;
-        w_next[s][0] = __ldg(reinterpret_cast<const uint4*>(p));
-        w_next[s][1] = __ldg(reinterpret_cast<const uint4*>(p + 32));
-      }
+    if constexpr (PREFETCH) {
+      if (grp_next < g_end) load_words(w_next, w_lane, grp_next, t, N);  // in flight meanwhile
     }
     float d[NT][TILES][4];
     float x_sum[NT];
@@ -183,41 +185,54 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
 #pragma unroll
         for (int c = 0; c < 4; ++c) d[nt][m][c] = 0.0f;
     }
-    uint2 xq[NT][8];  // token nt * 8 + g: features 16 i + 4 t .. 16 i + 4 t + 3 of the group (nibble i's)
+    // Up to 16 rows the group's x is loaded at once; 32 rows' worth of it is loaded a half per MMA h (registers).
+    constexpr int PASSES = NT <= 2 ? 1 : 2;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int token = nt * 8 + g;
-      const T* row = x + static_cast<size_t>(token) * K + grp * GROUP + 4 * t;
+    for (int pass = 0; pass < PASSES; ++pass) {
+      // token nt * 8 + g's features 16 i + 4 t .. + 3 of the group at the pass's nibbles i: in one pass all eight,
+      // slot i; in two, MMA h = pass's nibbles (2h, 2h + 4, 2h + 1, 2h + 5), slots 0..3
+      uint2 xq[NT][8 / PASSES];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        xq[nt][i] = make_uint2(0u, 0u);
-        if (token < M) xq[nt][i] = *reinterpret_cast<const uint2*>(row + 16 * i);
-        x_sum[nt] += sum4<T>(xq[nt][i]);
+      for (int nt = 0; nt < NT; ++nt) {
+        const int token = nt * 8 + g;
+        const T* row = x + static_cast<size_t>(token) * K + grp * GROUP + 4 * t;
+#pragma unroll
+        for (int j = 0; j < 8 / PASSES; ++j) {
+          const int nibble = PASSES == 1 ? j : 2 * pass + (j & 1) * 4 + (j >> 1);
+          xq[nt][j] = make_uint2(0u, 0u);
+          if (token < M) xq[nt][j] = *reinterpret_cast<const uint2*>(row + 16 * nibble);
+          x_sum[nt] += sum4<T>(xq[nt][j]);
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) {  // word row 4 t + s of the group: nibble i is feature 16 i + 4 t + s
+        const uint32_t* low = reinterpret_cast<const uint32_t*>(&w_cur[s][0]);
+        const uint32_t* high = reinterpret_cast<const uint32_t*>(&w_cur[s][1]);
+#pragma unroll
+        for (int hh = 0; hh < 2 / PASSES; ++hh) {
+          const int h = PASSES == 1 ? hh : pass;
+          uint32_t b[NT][2];  // x at nibbles (2h, 2h + 4) and (2h + 1, 2h + 5)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            b[nt][0] = PASSES == 1 ? pair_of(xq[nt][2 * h], xq[nt][2 * h + 4], s) : pair_of(xq[nt][0], xq[nt][1], s);
+            b[nt][1] = PASSES == 1 ? pair_of(xq[nt][2 * h + 1], xq[nt][2 * h + 5], s)
+                                   : pair_of(xq[nt][2], xq[nt][3], s);
+          }
+#pragma unroll
+          for (int m = 0; m < TILES; ++m) {
+            uint32_t a[4];
+            a[0] = nibble_pair<Codes::MAGIC>(low[m], 2 * h);       // output row g: nibbles (2h, 2h + 4)
+            a[1] = nibble_pair<Codes::MAGIC>(high[m], 2 * h);      // row g + 8
+            a[2] = nibble_pair<Codes::MAGIC>(low[m], 2 * h + 1);   // row g: (2h + 1, 2h + 5)
+            a[3] = nibble_pair<Codes::MAGIC>(high[m], 2 * h + 1);  // row g + 8
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) Codes::mma(d[nt][m], a, b[nt][0], b[nt][1]);
+          }
+        }
       }
     }
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s) {  // word row 4 t + s of the group: nibble i is feature 16 i + 4 t + s
-      const uint32_t* low = reinterpret_cast<const uint32_t*>(&w_cur[s][0]);
-      const uint32_t* high = reinterpret_cast<const uint32_t*>(&w_cur[s][1]);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t b[NT][2];  // x at nibbles (2h, 2h + 4) and (2h + 1, 2h + 5)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          b[nt][0] = pair_of(xq[nt][2 * h], xq[nt][2 * h + 4], s);
-          b[nt][1] = pair_of(xq[nt][2 * h + 1], xq[nt][2 * h + 5], s);
-        }
-#pragma unroll
-        for (int m = 0; m < TILES; ++m) {
-          uint32_t a[4];
-          a[0] = nibble_pair<Codes::MAGIC>(low[m], 2 * h);       // output row g: nibbles (2h, 2h + 4)
-          a[1] = nibble_pair<Codes::MAGIC>(high[m], 2 * h);      // row g + 8
-          a[2] = nibble_pair<Codes::MAGIC>(low[m], 2 * h + 1);   // row g: (2h + 1, 2h + 5)
-          a[3] = nibble_pair<Codes::MAGIC>(high[m], 2 * h + 1);  // row g + 8
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) Codes::mma(d[nt][m], a, b[nt][0], b[nt][1]);
-        }
-      }
+    if constexpr (!PREFETCH) {
+      if (grp_next < g_end) load_words(w_cur, w_lane, grp_next, t, N);  // w_cur is read: reuse it
     }
     // The group's scale and zero point per output: tile m's rows are outputs n0 + 4g + m and n0 + 32 + 4g + m.
     float s_low[4], s_high[4], z_low[4], z_high[4];
@@ -243,10 +258,12 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
         acc[nt][m][3] += s_high[m] * (d[nt][m][3] - zh * xs1);
       }
     }
+    if constexpr (PREFETCH) {
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      w_cur[s][0] = w_next[s][0];
-      w_cur[s][1] = w_next[s][1];
+      for (int s = 0; s < STEPS; ++s) {
+        w_cur[s][0] = w_next[s][0];
+        w_cur[s][1] = w_next[s][1];
+      }
     }
   }
 
@@ -309,6 +326,7 @@ cudaError_t launch_typed(const void* x, const void* words, const void* scales, c
   config.gridDim = dim3(N / WARP_N, (groups + per_split - 1) / per_split);
   config.blockDim = dim3(warps * 32);
   config.dynamicSmemBytes = static_cast<size_t>(warps) * NT * 8 * WARP_N * sizeof(float);
+  if (config.dynamicSmemBytes > 48 * 1024) return cudaErrorInvalidValue;  // the caller keeps 32 rows to 4 warps
   config.stream = stream;
   cudaLaunchAttribute attribute = {};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -328,7 +346,10 @@ cudaError_t launch_rows(const void* x, const void* words, const void* scales, co
   if (M <= 8)
     return launch_typed<T, Z, 1>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps, pdl,
                                  stream);
-  return launch_typed<T, Z, 2>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps, pdl,
+  if (M <= 16)
+    return launch_typed<T, Z, 2>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps, pdl,
+                                 stream);
+  return launch_typed<T, Z, 4>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps, pdl,
                                stream);
 }
 

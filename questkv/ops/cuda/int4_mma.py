@@ -1,4 +1,4 @@
-"""``int4`` times up to 16 rows of ``x`` on tensor cores: a CUDA C++ kernel (``int4_mma.cu``) over the K-major words
+"""``int4`` times up to 32 rows of ``x`` on tensor cores: a CUDA C++ kernel (``int4_mma.cu``) over the K-major words
 every ``int4`` kernel reads (:func:`~questkv.ops.quant_reference.pack_int4_k_major`: no second copy of the codes).
 
 Why CUDA C++ and not Triton: a few rows are a memory-bound product whose codes must become tensor-core operands in
@@ -16,7 +16,7 @@ without CUDA. :func:`available` says whether it loaded (a failed build warns onc
 dependent launch where :func:`~questkv.ops.triton._common.use_pdl` allows it, as the Triton kernels are
 (``benchmarks/results/linear-h100-mma-pdl.md`` against ``-nopdl.md``).
 
-:func:`questkv.ops.int4_matmul` sends it 2 to 16 rows where it is built
+:func:`questkv.ops.int4_matmul` sends it 2 to :data:`MMA_MAX_M` rows where it is built
 (:data:`~questkv.ops.triton.quant_ops.INT4_KERNELS`, from ``benchmarks/results/linear-h200-mma.md``); its
 comparison with the torch reference on a GPU is ``tests/ops/test_cuda_int4_mma.py``.
 """
@@ -36,10 +36,11 @@ import torch
 
 from questkv.ops.quant_reference import check_int4_words
 
-__all__ = ["MMA_MAX_M", "MMA_OUTPUTS", "Int4MmaConfig", "available", "fits", "int4_mma", "plan_int4_mma"]
+__all__ = ["MMA_MAX_M", "MMA_OUTPUTS", "Int4MmaConfig", "available", "fits", "int4_mma", "max_warps",
+           "plan_int4_mma"]
 
-MMA_MAX_M = 16
-"""Rows of ``x`` one launch takes (two MMA column tiles of 8)."""
+MMA_MAX_M = 32
+"""Rows of ``x`` one launch takes (four MMA column tiles of 8)."""
 
 MMA_GROUP = 128
 """The group size the kernel reads (its scales and zero points per 128 input features)."""
@@ -48,7 +49,7 @@ MMA_OUTPUTS = 64
 """Outputs per warp and per block: ``N`` must be a multiple."""
 
 MMA_MAX_WARPS = 8
-"""Warps per block at most (the kernel's launch bounds: 256 threads)."""
+"""Warps per block at most (the kernel's launch bounds: 256 threads); 4 above 16 rows (:func:`max_warps`)."""
 
 MMA_WARPS_PER_SM = ((8, 12), (MMA_MAX_M, 8))
 """``(most rows, warps per SM)``: :func:`plan_int4_mma`'s split aims at this many warps in flight per SM (fewer for
@@ -102,6 +103,12 @@ def fits(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
             and x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and x.stride(0) == x.shape[1])
 
 
+def max_warps(m: int) -> int:
+    """Warps per block :func:`int4_mma` takes for ``m`` rows: the block's warps sum in shared memory, 64 outputs ×
+    8 rows per column tile × 4 bytes each, within the 48 KiB a launch gets without opting in (so 4 above 16 rows)."""
+    return MMA_MAX_WARPS if m <= 16 else 4
+
+
 def plan_int4_mma(m: int, n: int, k: int, device: Optional[torch.device] = None) -> Int4MmaConfig:
     """The launch :func:`int4_mma` uses for ``m`` rows, ``n`` outputs and ``k`` input features on ``device``
     (``None`` or a CPU: an H200's 132 SMs). Fitted to the warps × split sweep of every llama2-7b and llama3.1-8b
@@ -119,7 +126,7 @@ def plan_int4_mma(m: int, n: int, k: int, device: Optional[torch.device] = None)
     tiles = n // MMA_OUTPUTS
     groups = k // MMA_GROUP
     if tiles < sms:
-        warps = 8
+        warps = max_warps(m)
     elif m > 8 and tiles > 2 * sms:
         warps = 2
     else:
@@ -156,8 +163,9 @@ def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
         raise ValueError(f"int4_mma: bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} "
                          f"{tuple(bias.shape)}")
     cfg = config or plan_int4_mma(m, n, k, x.device)
-    if not 1 <= cfg.warps <= MMA_MAX_WARPS or cfg.split < 1:
-        raise ValueError(f"int4_mma: a config takes 1 to {MMA_MAX_WARPS} warps and a split of at least 1, got {cfg}")
+    if not 1 <= cfg.warps <= max_warps(m) or cfg.split < 1:
+        raise ValueError(f"int4_mma: a config for {m} rows takes 1 to {max_warps(m)} warps and a split of at least 1, "
+                         f"got {cfg}")
     if not x.is_cuda:
         raise ValueError(f"int4_mma runs on CUDA tensors, got x on {x.device} (the torch reference: "
                          "questkv.ops.quant_reference.int4_matmul)")
