@@ -67,7 +67,7 @@ class EngineConfig:
         quantization: weight-only quantization of the linear layers after loading: ``"int4"`` (groups of 128,
             asymmetric, round to nearest), ``"int8"`` (per output row), or ``None`` (the checkpoint's dtype).
             Embeddings and the LM head stay in ``dtype`` (see ``quantize_lm_head``). On CPU the torch reference,
-            on CUDA the Triton kernels and, for 2 to 16 rows of int4, a CUDA C++ kernel built at first use; an int4
+            on CUDA the Triton kernels and, for 2 to 32 rows of int4, a CUDA C++ kernel built at first use; an int4
             layer holds its codes once, K-major (every device, any batch).
             A packed checkpoint loads packed instead (``questkv.models.engine_model``): ``"gguf"`` for a GGUF file
             or alias (without it, a GGUF is dequantized to ``dtype``); an HF folder with a ``quantization_config``

@@ -4,11 +4,11 @@ dispatches to them for CUDA tensors): which kernel multiplies how many rows.
 * ``int4``, one copy of the codes, :func:`~questkv.ops.quant_reference.pack_int4_k_major`'s words, by rows ``M``
   (:data:`INT4_KERNELS`; all linears of one llama3.1-8b token on an H200, LM head bf16, ms,
   ``benchmarks/results/linear-h200-mma.md``): the GEMV (:func:`~questkv.ops.triton.int4_gemv.int4_gemv`) for one
-  row (1.94; torch's tinygemm 2.43); the CUDA C++ tensor-core kernel (:mod:`questkv.ops.cuda.int4_mma`) for 2 to 16
+  row (1.94; torch's tinygemm 2.43); the CUDA C++ tensor-core kernel (:mod:`questkv.ops.cuda.int4_mma`) for 2 to 32
   (2.19 / 2.24 / 2.36 / 3.13 at M = 2 / 4 / 8 / 16, against 3.88 / 3.93 / 4.00 / 4.21 for the Triton words kernel
-  and 2.54 / 3.30 / 5.27 / 8.58 for tinygemm); the Triton tensor-core kernel over the words
-  (:func:`~questkv.ops.triton.int4_words.int4_words_matmul`) up to :data:`TRITON_MAX_M` (5.73 / 7.23 at M = 32 /
-  64); above that (prefill) the float weight written from the words for one GEMM, whose cost the prompt's rows
+  and 2.54 / 3.30 / 5.27 / 8.58 for tinygemm; at 17 / 24 / 32 rows on an H100, ``linear-h100-mma32.md``, 4.09 /
+  4.37 / 4.75 against the words kernel's 5.43 / 5.57 / 5.83 and bf16's 5.40-5.47); the Triton tensor-core kernel over
+  the words (:func:`~questkv.ops.triton.int4_words.int4_words_matmul`) up to :data:`TRITON_MAX_M` (7.23 at M = 64); above that (prefill) the float weight written from the words for one GEMM, whose cost the prompt's rows
   share (10.73 / 10.88 at M = 128 / 256, against 13.52 / 23.98 for the words kernel).
 * ``int8`` and ``int8_grouped`` (imported GGUF ``Q8_0`` / ``Q6_K``): the Triton kernel
   (:func:`~questkv.ops.triton.quant_matmul.quant_matmul`: its FMA loop for one row, its ``tl.dot`` loop from two,
