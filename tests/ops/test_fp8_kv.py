@@ -228,3 +228,16 @@ def test_triton_append_into_fp8_pages_equals_the_reference(dtype, rope):
     got = [t.cpu() for t in got]
     for got_pool, want_pool in zip(_bytes(got), _bytes(want)):
         assert torch.equal(got_pool, want_pool)
+
+
+def test_fp8_values_of_an_odd_head_dim_are_refused_before_a_launch():
+    """The attention reads fp8 values in pairs of channels: an odd head_dim is a ValueError naming the shape."""
+    from questkv.ops import triton as tk
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    shape = (3, 16, 1, 15)
+    k_pages, v_pages = (torch.randn(shape, generator=gen).to(FP8) for _ in range(2))
+    q = torch.randn(1, 2, 15, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="even head_dim"):
+        tk.paged_decode_attention(q, k_pages, v_pages, torch.tensor([[0, 1]], dtype=torch.int32),
+                                  torch.tensor([20], dtype=torch.int32))
