@@ -1,0 +1,123 @@
+"""What one iteration of the decode attention's inner loop costs in sm_90 instructions, with no GPU.
+
+The kernel (``questkv.ops.triton.decode_attention._decode_split_kernel``) is compiled for sm_90 as its launcher
+would launch it for llama3.1-8b's shape (32 query heads over 8 KV heads, head_dim 128, page 16, one query, PDL on),
+for each page dtype and grid kind asked; the SASS (Triton's bundled ``cuobjdump``) is cut at its longest backward
+branch, the inner loop, whose instructions are counted by opcode. Where a kernel is bound by its instructions rather
+than by memory (fp8 pages: ``benchmarks/results/kernel-sweep-h200-fp8.md``), instructions per key is the figure to
+lower; a memory-bound one must keep it low enough to hide under its loads.
+
+    python benchmarks/sass_loop.py --out benchmarks/results/sass-decode-loop-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CASES = {  # name: (query dtype, page dtype, dense)
+    "bf16 dense": ("bf16", "bf16", True),
+    "fp8 dense": ("bf16", "fp8e4nv", True),
+    "bf16 sparse": ("bf16", "bf16", False),
+    "fp8 sparse": ("bf16", "fp8e4nv", False),
+}
+PROGRAMS = 16 * 8  # (sequence, KV head) pairs of the grid: batch 16 of llama3.1-8b's 8 KV heads
+_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+_BRANCH = re.compile(r"BRA\s.*?(0x[0-9a-f]+)")
+
+
+def compile_case(query: str, pages: str, dense: bool):
+    """The kernel compiled for sm_90 in the grid kind of :data:`PROGRAMS` (``triton.compile``; every pointer and
+    stride 16-divisible, as a launch over the engine's buffers specializes them): the compiled kernel, its grid kind
+    and its keys per iteration."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from questkv.ops.triton import decode_attention as attention
+
+    kernel = attention._decode_split_kernel
+    kind = attention.grid_kind(dense, PROGRAMS, pages == "fp8e4nv")
+    pointers = {"q_ptr": query, "k_pages_ptr": pages, "v_pages_ptr": pages, "table_ptr": "i32", "lens_ptr": "i32",
+                "sel_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32", "counter_ptr": "i32",
+                "out_ptr": query, "page_lse_ptr": "fp32"}
+    constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": 4, "BLOCK_G": 16, "BLOCK_GM": 4,
+                  "SEL_PER_KV": 1, "NUM_QUERIES": 1, "QUERY_BLOCK": 1,
+                  "PAGES_PER_ITER": attention.pages_per_iter(16, kind), "MERGE_CHUNK": attention._MERGE_CHUNK,
+                  "DENSE": dense, "UPCAST": False, "IEEE": False, "USE_PDL": True, "PAGE_LSE": False,
+                  "F16_DOT": pages == "fp8e4nv" and query == "bf16"}
+    signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers
+                 else "fp32" if name == "qk_scale" else "i32" for name in kernel.arg_names}
+    divisible = [name for name in kernel.arg_names if name in pointers or name.startswith("stride_")]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    options = {"num_warps": attention._WARPS_BY_ROWS[16], "num_stages": attention._CONFIG[kind][2]}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled, kind, constexprs["PAGES_PER_ITER"] * 16
+
+
+def inner_loop(cubin: bytes) -> collections.Counter:
+    """Opcodes of the SASS between the longest backward branch's target and the branch."""
+    from triton import knobs
+
+    cuobjdump = os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    instructions = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines()
+                    if (m := _INSTRUCTION.match(line))]
+    loops = [(int(b.group(1), 16), address) for address, _, line in instructions
+             if (b := _BRANCH.search(line)) and int(b.group(1), 16) < address]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    return collections.Counter(op for address, op, _ in instructions if start <= address <= end)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--out", default=None, help="output prefix (.json and .md); print only without it")
+    args = parser.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+    from questkv.eval.provenance import provenance
+
+    rows = {}
+    for name in args.cases:
+        compiled, kind, keys = compile_case(*CASES[name])
+        ops = inner_loop(compiled.asm["cubin"])
+        total = sum(ops.values())
+        rows[name] = {"kind": kind, "keys_per_iteration": keys, "instructions": total,
+                      "per_key": total / keys, "shared_memory_bytes": compiled.metadata.shared,
+                      "top": ops.most_common(8)}
+        print(f"{name}: {total} instructions per {keys} keys ({total / keys:.2f} a key)", flush=True)
+    record = {"provenance": provenance("cpu"), "cases": rows}
+    lines = ["# The decode attention's inner loop in sm_90 instructions (no GPU)", "",
+             f"`{record['provenance']['command']}` — commit {record['provenance']['commit']}, "
+             f"{record['provenance']['date']}; llama3.1-8b's shape, batch 16, one query, PDL on", "",
+             "| case | grid kind | keys / iteration | instructions | per key | shared memory | top opcodes |",
+             "|---|---|---|---|---|---|---|"]
+    for name, row in rows.items():
+        top = ", ".join(f"{op} {n}" for op, n in row["top"])
+        lines.append(f"| {name} | {row['kind']} | {row['keys_per_iteration']} | {row['instructions']} | "
+                     f"{row['per_key']:.2f} | {row['shared_memory_bytes'] // 1024} KiB | {top} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out + ".json").write_text(json.dumps(record, indent=1))
+        Path(args.out + ".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
