@@ -36,10 +36,10 @@ _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]
 _BRANCH = re.compile(r"BRA\s.*?(0x[0-9a-f]+)")
 
 
-def compile_case(query: str, pages: str, dense: bool):
+def compile_case(query: str, pages: str, dense: bool, keys: int | None = None, stages: int | None = None):
     """The kernel compiled for sm_90 in the grid kind of :data:`PROGRAMS` (``triton.compile``; every pointer and
-    stride 16-divisible, as a launch over the engine's buffers specializes them): the compiled kernel, its grid kind
-    and its keys per iteration."""
+    stride 16-divisible, as a launch over the engine's buffers specializes them), or with ``keys`` per iteration and
+    ``stages`` of pipelining instead of the kind's: the compiled kernel, its grid kind and its keys per iteration."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -53,14 +53,14 @@ def compile_case(query: str, pages: str, dense: bool):
                 "out_ptr": query, "page_lse_ptr": "fp32"}
     constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": 4, "BLOCK_G": 16, "BLOCK_GM": 4,
                   "SEL_PER_KV": 1, "NUM_QUERIES": 1, "QUERY_BLOCK": 1,
-                  "PAGES_PER_ITER": attention.pages_per_iter(16, kind), "MERGE_CHUNK": attention._MERGE_CHUNK,
+                  "PAGES_PER_ITER": (keys or attention._CONFIG[kind][0]) // 16, "MERGE_CHUNK": attention._MERGE_CHUNK,
                   "DENSE": dense, "UPCAST": False, "IEEE": False, "USE_PDL": True, "PAGE_LSE": False,
                   "F16_DOT": pages == "fp8e4nv" and query == "bf16"}
     signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers
                  else "fp32" if name == "qk_scale" else "i32" for name in kernel.arg_names}
     divisible = [name for name in kernel.arg_names if name in pointers or name.startswith("stride_")]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    options = {"num_warps": attention._WARPS_BY_ROWS[16], "num_stages": attention._CONFIG[kind][2]}
+    options = {"num_warps": attention._WARPS_BY_ROWS[16], "num_stages": stages or attention._CONFIG[kind][2]}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     return compiled, kind, constexprs["PAGES_PER_ITER"] * 16
@@ -86,6 +86,8 @@ def inner_loop(cubin: bytes) -> collections.Counter:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--keys", type=int, default=None, help="keys per iteration instead of the grid kind's")
+    parser.add_argument("--stages", type=int, default=None, help="pipeline stages instead of the grid kind's")
     parser.add_argument("--out", default=None, help="output prefix (.json and .md); print only without it")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
@@ -93,7 +95,7 @@ def main() -> int:
 
     rows = {}
     for name in args.cases:
-        compiled, kind, keys = compile_case(*CASES[name])
+        compiled, kind, keys = compile_case(*CASES[name], args.keys, args.stages)
         ops = inner_loop(compiled.asm["cubin"])
         total = sum(ops.values())
         rows[name] = {"kind": kind, "keys_per_iteration": keys, "instructions": total,
