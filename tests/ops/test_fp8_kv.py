@@ -113,8 +113,9 @@ pytest.importorskip("triton")
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("selection", ["kv_head", None])
-def test_triton_decode_attention_reads_fp8_pages_as_the_reference(dtype, heads, selection):
+@pytest.mark.parametrize("selection, num_queries", [("kv_head", 1), (None, 1), (None, 5)])
+def test_triton_decode_attention_reads_fp8_pages_as_the_reference(dtype, heads, selection, num_queries):
+    """One query per sequence (Quest's pages or every page) and a lossless verify's five (dense, causal among them)."""
     from questkv.ops import triton as tk
 
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -125,7 +126,7 @@ def test_triton_decode_attention_reads_fp8_pages_as_the_reference(dtype, heads, 
     table, seq_lens = _batch(lens, 16, num_pages, max_pages, gen)
     _poison_unused(k_pages, v_pages, table, seq_lens, 16)  # (NaN stays NaN in e4m3)
     k_pages, v_pages = k_pages.to(FP8), v_pages.to(FP8)
-    q = torch.randn(len(lens), num_q, dim, generator=gen).to(dtype)
+    q = torch.randn(len(lens), *([num_queries] if num_queries > 1 else []), num_q, dim, generator=gen).to(dtype)
     selected = None
     if selection is not None:
         scores = torch.randn(2, num_kv, max_pages, generator=gen)

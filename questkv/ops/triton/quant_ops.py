@@ -8,8 +8,9 @@ dispatches to them for CUDA tensors): which kernel multiplies how many rows.
   (2.19 / 2.24 / 2.36 / 3.13 at M = 2 / 4 / 8 / 16, against 3.88 / 3.93 / 4.00 / 4.21 for the Triton words kernel
   and 2.54 / 3.30 / 5.27 / 8.58 for tinygemm; at 17 / 24 / 32 rows on an H100, ``linear-h100-mma32.md``, 4.09 /
   4.37 / 4.75 against the words kernel's 5.43 / 5.57 / 5.83 and bf16's 5.40-5.47); the Triton tensor-core kernel over
-  the words (:func:`~questkv.ops.triton.int4_words.int4_words_matmul`) up to :data:`TRITON_MAX_M` (7.23 at M = 64); above that (prefill) the float weight written from the words for one GEMM, whose cost the prompt's rows
-  share (10.73 / 10.88 at M = 128 / 256, against 13.52 / 23.98 for the words kernel).
+  the words (:func:`~questkv.ops.triton.int4_words.int4_words_matmul`) up to :data:`TRITON_MAX_M` (7.23 at M = 64);
+  above that (prefill) the float weight written from the words for one GEMM, whose cost the prompt's rows share
+  (10.73 / 10.88 at M = 128 / 256, against 13.52 / 23.98 for the words kernel).
 * ``int8`` and ``int8_grouped`` (imported GGUF ``Q8_0`` / ``Q6_K``): the Triton kernel
   (:func:`~questkv.ops.triton.quant_matmul.quant_matmul`: its FMA loop for one row, its ``tl.dot`` loop from two,
   :data:`~questkv.ops.triton.quant_matmul.FMA_MAX_M`) up to :data:`TRITON_MAX_M` rows and the float weight above
