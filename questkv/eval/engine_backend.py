@@ -11,7 +11,9 @@ The protocol is the HF path's (:mod:`questkv.eval.harness`), request by request:
   the scored log-probabilities are ``forced_logprobs[1:]``, each from the decode step that fed the token before
   (as :func:`~questkv.eval.harness.score_tokens`);
 * ``agreement_*`` (:mod:`questkv.eval.agreement`): a dense greedy request, then every setting forced with its
-  tokens.
+  tokens. The dense reference always runs on the model dtype's K/V pages: on an fp8 cache
+  (``kv_cache_dtype`` in the engine options) an engine of its own decodes it first, so that fp8's ``full``
+  measures fp8 dense against the model dtype's dense, and each sparse setting the two losses together.
 
 One engine serves every setting of an engine-level config (:func:`engine_configs`: the page size and the page
 selection's options; the largest budget and selection interval among them): each (setting, sample) is a request
@@ -185,7 +187,7 @@ class EngineRun:
         that ran it (prefills included, shared by the settings of that pass)."""
         items = self.inputs.items(task)
         if task in agreement.TASKS:
-            items = self._with_reference(task, items)
+            items = self.with_reference(task, items)
         full = [s for s in settings if s.policy == "full"]
         sparse = [s for s in settings if s.policy != "full"]
         passes = [full, sparse] if any(s.selection_interval > 1 for s in sparse) else [full + sparse]
@@ -199,8 +201,8 @@ class EngineRun:
                 results.append((setting, self._score(task, items, mine), seconds))
         return results
 
-    def _with_reference(self, task: str, items: list[Item]) -> list[Item]:
-        """The agreement items forced with dense's greedy tokens (decoded here the first time)."""
+    def with_reference(self, task: str, items: list[Item]) -> list[Item]:
+        """The agreement items forced with dense's greedy tokens (decoded on this engine the first time)."""
         if task not in self.inputs.references:
             outputs = self._generate([(item, Setting("full", None)) for item in items], reference=True)
             self.inputs.references[task] = [out.token_ids for out in outputs]
@@ -283,6 +285,26 @@ def engine_shape(llm) -> dict:
             "head_dim": spec.head_dim, "dtype_bytes": llm.config.torch_dtype.itemsize}
 
 
+def decode_references(source: EngineSource, inputs: Inputs, tasks_due: Sequence[str], eos_token_id: Optional[int],
+                      say: Callable[[str], None], progress: bool) -> None:
+    """Dense's greedy tokens for the agreement tasks among ``tasks_due`` on an engine whose K/V pages are the model
+    dtype's, where ``source`` builds engines on other pages (``kv_cache_dtype``; otherwise the first engine that
+    runs the task decodes them, on the same pages). Stored in ``inputs.references``."""
+    due = [task for task in dict.fromkeys(tasks_due) if task in agreement.TASKS and task not in inputs.references]
+    if not due or source.engine_kwargs.get("kv_cache_dtype", "auto") == "auto":
+        return
+    kwargs = {k: v for k, v in source.engine_kwargs.items() if k != "kv_cache_dtype"}
+    say(f"length={inputs.length}: building a dense engine on model-dtype pages for the agreement reference")
+    llm = dataclasses.replace(source, engine_kwargs=kwargs).build(
+        None, max(inputs.max_model_len(task) for task in due), max(len(inputs.items(task)) for task in due))
+    try:
+        run = EngineRun(llm, inputs, eos_token_id, progress=progress)
+        for task in due:
+            run.with_reference(task, inputs.items(task))
+    finally:
+        llm.close()
+
+
 def run_length(
     source: EngineSource,
     inputs: Inputs,
@@ -298,6 +320,7 @@ def run_length(
     for every pair as soon as its pass is done. ``progress``: called with a line before each engine and task, and
     each wave of requests shows a tqdm bar (:class:`EngineRun`); ``None``: silent."""
     say = progress or (lambda text: None)
+    decode_references(source, inputs, [task for task, _ in todo], eos_token_id, say, progress is not None)
     settings = list(dict.fromkeys(setting for _, setting in todo))
     wanted = set(todo)
     for quest, group in engine_configs(settings, page_size, dense_layers):

@@ -365,3 +365,30 @@ def test_the_kv_cache_dtype_reaches_the_engine_and_is_refused_for_the_hf_path(mo
         dataclasses.replace(spec, policies=["full", "streaming"])
     with pytest.raises(ValueError, match="SweepSpec.kv_cache_dtype must be one of"):
         dataclasses.replace(spec, kv_cache_dtype="int8")
+
+
+def test_on_fp8_pages_the_agreement_reference_is_dense_on_model_dtype_pages(model_dir, word_tokenizer):
+    """fp8's ``full`` is scored against the model dtype's dense tokens: a reference engine without
+    ``kv_cache_dtype`` decodes them first, the same tokens a model-dtype sweep forces."""
+    built = []
+
+    class Spy(engine_backend.EngineSource):
+        def build(self, quest, max_model_len, max_num_seqs):
+            built.append((quest is None, self.engine_kwargs.get("kv_cache_dtype", "auto")))
+            return super().build(quest, max_model_len, max_num_seqs)
+
+    base = source(model_dir)
+    fp8 = Spy(base.model, {**base.engine_kwargs, "kv_cache_dtype": "fp8"})
+    todo = [("agreement_book", Setting("full", None))]
+    found = {}
+    for name, engine in (("fp8", fp8), ("auto", base)):
+        inputs = engine_backend.Inputs(word_tokenizer, LENGTH, 2, random.randrange(10**6), 8, 8,
+                                       agreement_texts={"agreement_book": agreement.load_text("agreement_book")[0]})
+        cells = []
+        engine_backend.run_length(engine, inputs, todo, PAGE, 1, lambda *args: cells.append(args[2]),
+                                  word_tokenizer.eos_token_id)
+        found[name] = (inputs.references["agreement_book"], cells[0])
+    assert built == [(True, "auto"), (True, "fp8")]  # the reference's engine, then the cell's
+    assert found["fp8"][0] == found["auto"][0]
+    assert found["auto"][1]["value"] == 1.0
+    assert found["fp8"][1]["ppl"] != found["auto"][1]["ppl"]  # fp8 pages scored the same tokens, not the same logits
