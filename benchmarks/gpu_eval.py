@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 GPU_DIR = REPO / ".gpu"
 WORK = Path("/root/questkv-eval")
-CHUNK_BYTES = 50_000_000  # + the ~9 MB working tree + .gpu/deps stays under the 64 MiB a device call carries
+CHUNK_BYTES = 42_000_000  # + the working tree (18.6 MB at 2026-12-06) + .gpu/deps stays under the 64 MiB a call carries
 DEPS = ("gguf", "wonderwords")  # imported by questkv, not on the GPU image; versions from constraints.txt
 
 
