@@ -54,6 +54,7 @@ POINTS = [
     ("llama3.1-8b", 4, 32 * 1024, 2048, None),
     ("llama3.1-8b", 4, 1024, 2048, None),  # the route's short contexts (with points 0, 5, 6, 8): never below dense
     ("llama3.1-8b", 4, 8 * 1024, 2048, None),
+    ("llama3.1-8b", 32, 8 * 1024, 2048, None),  # 32 rows through the linears: int4 dense against bf16 dense
 ]
 WARMUP_STEPS, TIMED_STEPS = 6, 32
 
