@@ -20,10 +20,12 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
   t_verify)``, labelled as implied: random weights accept nothing real); on CUDA also each step's graph replayed
   alone (its GPU time; the rest of a step is the host's) and the verify graph's heaviest kernels.
 
-Decode tokens/s is measured on warm engines whose prompts are in the prefix cache: ``(B * (T - 2)) / (t(T) -
-t(2))`` with ``t(n)`` the wall time of ``generate`` of ``n`` tokens (prefill of the last partial page and the first
-token cancel out). Two engines of one context are alive together (``--memory`` of the GPU each): the base engine
-(dense and lossy requests) and a lossless engine, one per draft-page source in turn.
+Decode tokens/s is ``B * (T - 1) / (t - f)`` with ``t`` the wall time of ``generate`` of ``T`` tokens on a warm
+engine and ``f`` its slowest request's time to first token (:func:`decode_rate`): prefill never counts, whether the
+prefix cache held a prompt or not. (The difference of a ``T``-token and a 2-token run, used before, gave negative
+and impossible rates on an H100 at 32k: ``lossless-real-h100-qwen2.5-coder-1.5b-32k``.) Two engines of one context
+are alive together (``--memory`` of the GPU each): the base engine (dense and lossy requests) and a lossless engine,
+one per draft-page source in turn.
 
     python benchmarks/lossless_bench.py check --out-dir $OUT
     python benchmarks/lossless_bench.py real --model qwen2.5-coder-1.5b --out-dir $OUT
@@ -135,16 +137,15 @@ def check(args, save) -> dict:
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tokens: int) -> tuple[float, list]:
-    """Decode tokens/s of ``prompts`` (warm: prefix-cached, graphs captured) and the outputs of the long run."""
-    short = SamplingParams(**{**_fields(params), "max_tokens": 2})
-    llm.generate(prompts, short, use_tqdm=False)  # warm: the prefix cache holds the prompts
-    start = time.perf_counter()
-    llm.generate(prompts, short, use_tqdm=False)
-    t_short = time.perf_counter() - start
+    """Decode tokens/s of ``prompts`` and the outputs: the ``tokens - 1`` outputs after each request's first over
+    the wall time of ``generate`` less its slowest request's time to first token, so that a prefill (a prompt the
+    prefix cache no longer holds, or the last partial page of one it does) never counts as decode time. A 2-token
+    run first captures the graphs and caches the prompts."""
+    llm.generate(prompts, SamplingParams(**{**_fields(params), "max_tokens": 2}), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(**{**_fields(params), "max_tokens": tokens}), use_tqdm=False)
-    t_long = time.perf_counter() - start
-    return len(prompts) * (tokens - 2) / (t_long - t_short), outs
+    wall = time.perf_counter() - start
+    return len(prompts) * (tokens - 1) / (wall - max(o.metrics.time_to_first_token for o in outs)), outs
 
 
 def _fields(params: SamplingParams) -> dict:
