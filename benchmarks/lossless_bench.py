@@ -13,7 +13,9 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
   policy is switched between runs),
   acceptance, tokens per verify, and the lossless outputs
   against the dense engine's: rows identical, and at each first difference the gap between dense's own
-  log-probabilities of its token and of lossless's (a near tie of bf16 rounding when small).
+  log-probabilities of its token and of lossless's (a near tie of bf16 rounding when small). At a batch above 1,
+  ``dense-alone`` (not timed) decodes each prompt by itself on the dense engine and compares it the same way: how
+  often dense's own tokens change with the batch's arithmetic, the floor a bf16 lossless run is read against.
 * ``shapes``: random weights at the paper's shapes (``--points``), synthetic contexts (``e2e_bench``'s): ms per
   step of the dense engine (asynchronous), of a lossless draft step and of a verify step (fixed ``k``,
   synchronous), and the speed over dense that an acceptance implies (``E(k) * t_dense / (k * t_draft +
@@ -208,6 +210,10 @@ def real(args, save) -> dict:
                 rate, outs = decode_rate(base, prompts, SamplingParams(**greedy), args.tokens)
                 point["modes"]["quest-1/16"] = {"tokens_per_s": rate, "speedup": rate / point["modes"]["dense"]["tokens_per_s"],
                                                 **_identity(base, prompts, point["want"], outs, False)}
+                if batch > 1:  # dense's own arithmetic: each prompt decoded alone, against the batch (not timed)
+                    alone = [base.generate([prompt], SamplingParams(dense=True, max_tokens=args.tokens, **greedy),
+                                           use_tqdm=False)[0] for prompt in prompts]
+                    point["modes"]["dense-alone"] = _identity(base, prompts, point["want"], alone, True)
                 points.append(point)
                 print(_point_line(point), flush=True)
         results["points"] += [{key: value for key, value in point.items() if key not in ("want", "prompts")}
@@ -252,7 +258,8 @@ def _identity(dense: LLM, prompts, want, outs, gaps: bool) -> dict:
 
 
 def _point_line(point: dict) -> str:
-    cells = [f"{name} {mode['speedup']:.2f}x" for name, mode in point["modes"].items()]
+    cells = [f"{name} {mode['speedup']:.2f}x" if "speedup" in mode
+             else f"{name} {mode['rows_identical']}/{mode['rows']} rows" for name, mode in point["modes"].items()]
     return f"{point['context']} B={point['batch']} {point['corpus']}: " + ", ".join(cells)
 
 
@@ -375,7 +382,7 @@ def table(part: str, record: dict) -> str:
                 if m is None:  # a run stopped before this mode
                     cells.append("–")
                     continue
-                cell = f"{m['tokens_per_s']:.0f} tok/s ({m['speedup']:.2f}×)"
+                cell = f"{m['tokens_per_s']:.0f} tok/s ({m['speedup']:.2f}×)" if "tokens_per_s" in m else "not timed"
                 if "rows_identical" in m:
                     cell += f", {m['rows_identical']}/{m['rows']} rows = dense"
                 if m.get("acceptance") is not None:
