@@ -295,8 +295,9 @@ def torch_topk_select(scores: torch.Tensor, seq_lens: torch.Tensor, budget_pages
     return torch.where(chosen == max_pages, -1, chosen).int()
 
 
-def flashinfer_wrappers(batch, hq, hkv, d, table, tensor_core_modes):
-    """Planned CUDA-graph FlashInfer decode wrappers keyed by ``use_tensor_cores``."""
+def flashinfer_wrappers(batch, hq, hkv, d, table, tensor_core_modes, kv_dtype=DTYPE):
+    """Planned CUDA-graph FlashInfer decode wrappers keyed by ``use_tensor_cores``, for pages of ``kv_dtype``
+    (``torch.float8_e4m3fn``: FlashInfer's fp8 KV decode, bf16 queries)."""
     import flashinfer
 
     max_pages = table.shape[1]
@@ -311,7 +312,7 @@ def flashinfer_wrappers(batch, hq, hkv, d, table, tensor_core_modes):
             paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=indices.clone(),
             paged_kv_last_page_len_buffer=last.clone(),
         )
-        wrapper.plan(indptr, indices, last, hq, hkv, d, PAGE_SIZE, q_data_type=DTYPE, kv_data_type=DTYPE)
+        wrapper.plan(indptr, indices, last, hq, hkv, d, PAGE_SIZE, q_data_type=DTYPE, kv_data_type=kv_dtype)
         wrappers[tc] = wrapper
     return wrappers
 
