@@ -31,27 +31,19 @@ if __name__ == "__main__":  # run as a file: the checkout importable (questkv, b
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kernels_bench import (  # noqa: E402
-    DEVICE, DTYPE, MODELS, PAGE_SIZE, _rel_err, copy_bandwidth, flashinfer_wrappers, point_data, time_graph,
+    DEVICE, DTYPE, MODELS, PAGE_SIZE, _rel_err, cast_layer, copy_bandwidth, flashinfer_wrappers, point_data,
+    time_graph,
 )
 
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.decode import QuestDecodeStep  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
-from questkv.ops import LayerPages, reference  # noqa: E402
+from questkv.ops import reference  # noqa: E402
 
 MODEL = "llama3.1-8b"
 POINTS = [(1, 32768), (8, 32768), (16, 32768), (4, 131072)]  # (batch, context)
 E4M3 = torch.float8_e4m3fn
 TOLERANCE = 2e-2  # relative error against the torch reference on the same pages (bf16 output)
-
-
-def cast_layers(layers: list[LayerPages], dtype: torch.dtype) -> list[LayerPages]:
-    """The layers' K/V pages in ``dtype`` (bounds: the cast keys' min and max per page, as an fp8 pool keeps)."""
-    cast = []
-    for layer in layers:
-        k, v = layer.k_pages.to(dtype), layer.v_pages.to(dtype)
-        cast.append(LayerPages(k, v, k.float().amin(1).to(dtype), k.float().amax(1).to(dtype)))
-    return cast
 
 
 def measure_point(batch: int, context: int, args, flashinfer_error: str | None) -> dict:
@@ -62,7 +54,7 @@ def measure_point(batch: int, context: int, args, flashinfer_error: str | None) 
     table, lens, q, n_layers = data["table"], data["lens"], data["q"], data["n_layers"]
     point = {"batch": batch, "context": context, "n_layers": n_layers, "pages": {}}
     for name, dtype in (("bf16", DTYPE), ("fp8", E4M3)):
-        layers = data["layers"] if dtype == DTYPE else cast_layers(data["layers"], dtype)
+        layers = data["layers"] if dtype == DTYPE else [cast_layer(layer, dtype) for layer in data["layers"]]
         kv_bytes = batch * context * hkv * d * 2 * layers[0].k_pages.element_size()
         want = reference.paged_decode_attention(q, layers[0].k_pages, layers[0].v_pages, table, lens)
         rows = {}

@@ -36,11 +36,12 @@ import torch
 if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kernels_bench import DEVICE, DTYPE, MODELS, PAGE_SIZE, _rel_err, point_data, time_graph  # noqa: E402
+from benchmarks.kernels_bench import (  # noqa: E402
+    DEVICE, DTYPE, MODELS, PAGE_SIZE, _rel_err, cast_layer, point_data, time_graph,
+)
 
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.decode import QuestDecodeStep  # noqa: E402
-from questkv.ops import LayerPages  # noqa: E402
 from questkv.eval.provenance import git_commit  # noqa: E402
 from questkv.ops import reference  # noqa: E402
 from questkv.ops.triton import decode_attention as attention_kernel  # noqa: E402
@@ -116,8 +117,7 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
     kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
     if fp8:  # each layer's pages cast in place of the bf16 ones, bounds the cast keys' min / max
         for i, layer in enumerate(layers):
-            k8, v8 = layer.k_pages.to(kv_dtype), layer.v_pages.to(kv_dtype)
-            layers[i] = LayerPages(k8, v8, k8.float().amin(1).to(kv_dtype), k8.float().amax(1).to(kv_dtype))
+            layers[i] = cast_layer(layer, kv_dtype)
             del layer
         torch.cuda.empty_cache()
     quest = QuestConfig(token_budget=budget, backend="triton")

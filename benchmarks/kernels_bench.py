@@ -328,6 +328,13 @@ def head_major(pages: torch.Tensor) -> torch.Tensor:
     return pages.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def cast_layer(layer: LayerPages, dtype: torch.dtype) -> LayerPages:
+    """``layer``'s K/V pages in ``dtype`` (``torch.float8_e4m3fn``: an fp8 pool's), with the bounds an fp8 pool
+    keeps: the cast keys' min and max per page."""
+    k, v = layer.k_pages.to(dtype), layer.v_pages.to(dtype)
+    return LayerPages(k, v, k.float().amin(1).to(dtype), k.float().amax(1).to(dtype))
+
+
 def point_data(model: str, batch: int, context: int, min_budget: int, max_gb: float) -> dict:
     """Random pools for one point: ``n_layers`` independent layers (enough that one graph replay touches
     ``ROTATE_BYTES`` of the smallest Quest step's bytes, within ``max_gb``), a shuffled page table, full

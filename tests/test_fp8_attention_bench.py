@@ -1,17 +1,19 @@
-"""The fp8 attention benchmark's CPU-checkable parts: the cast pools and the report (the timing needs a GPU)."""
+"""The fp8 attention benchmark's CPU-checkable parts: the cast pools (``kernels_bench.cast_layer``, shared with
+kernel_sweep.py) and the report (the timing needs a GPU)."""
 
 import random
 
 import torch
 
 from benchmarks import fp8_attention_bench as bench
+from benchmarks.kernels_bench import cast_layer
 from questkv.ops import LayerPages
 
 
-def test_cast_layers_keep_the_values_as_e4m3_and_bound_the_cast_keys():
+def test_a_cast_layer_keeps_the_values_as_e4m3_and_bounds_the_cast_keys():
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
     k, v = (torch.randn(5, 16, 2, 8, generator=gen).to(torch.bfloat16) for _ in range(2))
-    (cast,) = bench.cast_layers([LayerPages(k, v, k.amin(1), k.amax(1))], bench.E4M3)
+    cast = cast_layer(LayerPages(k, v, k.amin(1), k.amax(1)), bench.E4M3)
     assert cast.k_pages.dtype == cast.v_pages.dtype == cast.kmin.dtype == bench.E4M3
     assert torch.equal(cast.k_pages.float(), k.to(bench.E4M3).float())
     assert torch.equal(cast.kmin.float(), cast.k_pages.float().amin(1))
