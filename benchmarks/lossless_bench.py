@@ -22,9 +22,9 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
   t_verify)``, labelled as implied: random weights accept nothing real); on CUDA also each step's graph replayed
   alone (its GPU time; the rest of a step is the host's) and the verify graph's heaviest kernels.
 
-Decode tokens/s is ``B * (T - 1) / (t - f)`` with ``t`` the wall time of ``generate`` of ``T`` tokens on a warm
-engine and ``f`` its slowest request's time to first token (:func:`decode_rate`): prefill never counts, whether the
-prefix cache held a prompt or not. (The difference of a ``T``-token and a 2-token run, used before, gave negative
+Decode tokens/s is ``B * (T - 1) / (t - f)`` with ``t`` the wall time of ``generate`` of ``T`` tokens on an
+engine warmed by the same run and ``f`` its slowest request's time to first token (:func:`decode_rate`): prefill
+never counts, whether the prefix cache held a prompt or not. (The difference of a ``T``-token and a 2-token run, used before, gave negative
 and impossible rates on an H100 at 32k: ``lossless-real-h100-qwen2.5-coder-1.5b-32k``.) Two engines of one context
 are alive together (``--memory`` of the GPU each): the base engine (dense and lossy requests) and a lossless engine,
 one per draft-page source in turn.
@@ -141,9 +141,12 @@ def check(args, save) -> dict:
 def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tokens: int) -> tuple[float, list]:
     """Decode tokens/s of ``prompts`` and the outputs: the ``tokens - 1`` outputs after each request's first over
     the wall time of ``generate`` less its slowest request's time to first token, so that a prefill (a prompt the
-    prefix cache no longer holds, or the last partial page of one it does) never counts as decode time. A 2-token
-    run first captures the graphs and caches the prompts."""
-    llm.generate(prompts, SamplingParams(**{**_fields(params), "max_tokens": 2}), use_tqdm=False)
+    prefix cache no longer holds, or the last partial page of one it does) never counts as decode time. The same
+    run first, untimed, caches the prompts and captures every graph the timed run replays: a lossless round's
+    steps (drafts, verifies of each round length, steps launched ahead) are captured when they first run, which a
+    short warm-up never reaches (capturing them inside the timed run gave 0.06x of dense at B=1:
+    ``lossless-real-h100-qwen2.5-coder-1.5b``)."""
+    llm.generate(prompts, SamplingParams(**{**_fields(params), "max_tokens": tokens}), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(**{**_fields(params), "max_tokens": tokens}), use_tqdm=False)
     wall = time.perf_counter() - start

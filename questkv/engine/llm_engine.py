@@ -116,6 +116,7 @@ class LLMEngine:
         # Launched, not yet processed: the step, its tokens, when it was scheduled (time.perf_counter()).
         self._in_flight: Optional[tuple[ScheduledBatch, SampledTokens, float]] = None
         self._last_update = 0.0  # when the last step was processed
+        self._graphs_seen = 0  # CUDA graphs captured by the time the last step was processed
         self._closed = False
 
     def _fail_start(self, error: BaseException) -> None:
@@ -220,12 +221,16 @@ class LLMEngine:
         """Tell the speculation policy what a decode, draft or verify step of lossless rows cost (a step with
         prefill work, or without a lossless row, teaches it nothing): the time from its scheduling, or from the
         update of the step before if that came later (a step launched ahead), to its own update. Summed over a
-        round, that is the round's time, whichever steps were launched ahead."""
+        round, that is the round's time, whichever steps were launched ahead. A time that includes a CUDA graph's
+        capture (a first step of its kind, batch size and width: its kernels compiled too) is not a step's cost
+        and is not recorded: hundreds of milliseconds in a running mean of milliseconds would keep the policy
+        off drafting for many rounds."""
         now = time.perf_counter()
         seconds = now - max(started, self._last_update)
         self._last_update = now
+        captured, self._graphs_seen = len(self.runner.graphs) != self._graphs_seen, len(self.runner.graphs)
         rows = batch.num_decodes + batch.num_verifies
-        if self.speculation is None or len(batch.seqs) > rows or not any(
+        if self.speculation is None or captured or len(batch.seqs) > rows or not any(
                 seq.quest.speculative_tokens for seq in batch.seqs):
             return
         kind = StepKind.VERIFY if batch.num_verifies else StepKind.DRAFT if batch.drafts else StepKind.DENSE

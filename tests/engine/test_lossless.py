@@ -14,7 +14,9 @@ import torch
 
 from questkv import QuestConfig
 from questkv.config import MAX_SPECULATIVE_TOKENS
+from questkv.decode.route import StepRoute
 from questkv.engine.sampling_params import SamplingParams
+from questkv.engine.speculation import StepKind
 from tests.engine.test_llm import MAX_LEN, PAGE, SMALL, VOCAB, first_new, greedy, make_llm, pool_memory, prompt, run
 from tests.engine.test_prefix_caching import assert_pages_all_back
 from tests.helpers import save_tiny_model
@@ -222,6 +224,25 @@ def test_the_engine_times_each_verify_by_its_rounds_drafts(model_dir):
     llm.generate([prompt(70)], greedy(10), use_tqdm=False)  # rounds yield 1..4 tokens: the last one may be cut
     timed = llm.engine.speculation._bucket(1).verify_by_drafts
     assert 3 in timed and set(timed) <= {1, 2, 3} and all(seconds > 0 for seconds in timed.values())
+
+
+def test_a_step_whose_time_includes_a_graph_capture_teaches_the_policy_nothing(model_dir):
+    """A CUDA graph's capture (here stood in for: an entry added to the runner's graphs as each verify step runs)
+    makes its step's wall time no measure of the step: the policy records the drafts, no verify."""
+    llm = lossless(model_dir, 3)
+    runner = llm.engine.runner
+    run_step = runner._run_step
+
+    def capturing(key, body):
+        if key[2] is StepRoute.VERIFY:
+            runner.graphs._graphs[("captured", len(runner.graphs))] = None
+        return run_step(key, body)
+
+    runner._run_step = capturing
+    llm.generate([prompt(70)], greedy(10), use_tqdm=False)
+    runner.graphs._graphs.clear()
+    bucket = llm.engine.speculation._bucket(1)
+    assert bucket.seconds[StepKind.DRAFT] > 0 and not bucket.verify_by_drafts
 
 
 def test_asynchronous_dense_steps_and_rounds_alternate_with_the_dense_tokens(model_dir, dense):
