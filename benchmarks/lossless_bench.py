@@ -62,6 +62,7 @@ from questkv.eval import agreement  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
 
 PAGE, DENSE_LAYERS = 16, 2
+WARMUP_RUNS = 3
 NEAR_TIE = 0.125
 """A log-probability gap below this is within bf16 rounding of logits of magnitude 16-32 (one unit in the last
 place)."""
@@ -138,19 +139,28 @@ def check(args, save) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tokens: int) -> tuple[float, list]:
-    """Decode tokens/s of ``prompts`` and the outputs: the ``tokens - 1`` outputs after each request's first over
-    the wall time of ``generate`` less its slowest request's time to first token, so that a prefill (a prompt the
-    prefix cache no longer holds, or the last partial page of one it does) never counts as decode time. The same
-    run first, untimed, caches the prompts and captures every graph the timed run replays: a lossless round's
-    steps (drafts, verifies of each round length, steps launched ahead) are captured when they first run, which a
-    short warm-up never reaches (capturing them inside the timed run gave 0.06x of dense at B=1:
+def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tokens: int) -> tuple[float, list, int]:
+    """Decode tokens/s of ``prompts``, the outputs, and the CUDA graphs captured while timed: the ``tokens - 1``
+    outputs after each request's first over the wall time of ``generate`` less its slowest request's time to first
+    token, so that a prefill (a prompt the prefix cache no longer holds, or the last partial page of one it does)
+    never counts as decode time. The same run first, untimed, up to :data:`WARMUP_RUNS` times until one captures no
+    new graph: it caches the prompts and captures the graphs the timed run replays. A lossless round's steps
+    (drafts, verifies of each round length the policy picks, steps launched ahead) are captured when they first
+    run, which a short warm-up never reaches (captured inside the timed run they gave 0.06x of dense at B=1:
     ``lossless-real-h100-qwen2.5-coder-1.5b``)."""
-    llm.generate(prompts, SamplingParams(**{**_fields(params), "max_tokens": tokens}), use_tqdm=False)
+    fields = {**_fields(params), "max_tokens": tokens}
+    graphs = llm.engine.runner.graphs
+    for _ in range(WARMUP_RUNS):
+        before = len(graphs)
+        llm.generate(prompts, SamplingParams(**fields), use_tqdm=False)
+        if len(graphs) == before:
+            break
+    before = len(graphs)
     start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(**{**_fields(params), "max_tokens": tokens}), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(**fields), use_tqdm=False)
     wall = time.perf_counter() - start
-    return len(prompts) * (tokens - 1) / (wall - max(o.metrics.time_to_first_token for o in outs)), outs
+    rate = len(prompts) * (tokens - 1) / (wall - max(o.metrics.time_to_first_token for o in outs))
+    return rate, outs, len(graphs) - before
 
 
 def _fields(params: SamplingParams) -> dict:
@@ -206,12 +216,14 @@ def real(args, save) -> dict:
                       [("book+code", texts["book"][:batch // 2] + texts["code"][:batch // 2])])
             for corpus, prompts in groups:
                 point = {"context": context, "batch": batch, "corpus": corpus, "modes": {}}
-                rate, dense_outs = decode_rate(base, prompts, SamplingParams(dense=True, **greedy), args.tokens)
+                rate, dense_outs, captured = decode_rate(base, prompts, SamplingParams(dense=True, **greedy),
+                                                         args.tokens)
                 point["want"] = [list(o.token_ids) for o in dense_outs]
                 point["prompts"] = prompts
-                point["modes"]["dense"] = {"tokens_per_s": rate, "speedup": 1.0}
-                rate, outs = decode_rate(base, prompts, SamplingParams(**greedy), args.tokens)
+                point["modes"]["dense"] = {"tokens_per_s": rate, "speedup": 1.0, "graphs_captured_timed": captured}
+                rate, outs, captured = decode_rate(base, prompts, SamplingParams(**greedy), args.tokens)
                 point["modes"]["quest-1/16"] = {"tokens_per_s": rate, "speedup": rate / point["modes"]["dense"]["tokens_per_s"],
+                                                "graphs_captured_timed": captured,
                                                 **_identity(base, prompts, point["want"], outs, False)}
                 if batch > 1:  # dense's own arithmetic: each prompt decoded alone, against the batch (not timed)
                     alone = [base.generate([prompt], SamplingParams(dense=True, max_tokens=args.tokens, **greedy),
@@ -229,13 +241,14 @@ def real(args, save) -> dict:
                 for policy, (label, budget) in itertools.product(args.policies, (("1/16", budget16), ("1/8", budget8))):
                     # One engine per source, its policy switched between runs (the prompts stay in its prefix cache).
                     lossless.engine.speculation.adaptive = policy == "adaptive"
-                    rate, outs = decode_rate(lossless, point["prompts"], SamplingParams(token_budget=budget, **greedy),
-                                             args.tokens)
+                    rate, outs, captured = decode_rate(lossless, point["prompts"],
+                                                       SamplingParams(token_budget=budget, **greedy), args.tokens)
                     accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
                     per_verify = [o.metrics.mean_tokens_per_verify for o in outs
                                   if o.metrics.mean_tokens_per_verify is not None]
                     stored["modes"][f"lossless-{label}-{policy}{source_suffix(source)}"] = {
                         "tokens_per_s": rate, "speedup": rate / stored["modes"]["dense"]["tokens_per_s"],
+                        "graphs_captured_timed": captured,
                         "acceptance": statistics.mean(accepted) if accepted else None,
                         "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
                         **_identity(base, point["prompts"], point["want"], outs, True)}
@@ -392,7 +405,10 @@ def table(part: str, record: dict) -> str:
                     cell += f", α {m['acceptance']:.2f}, {m['tokens_per_verify']:.2f}/verify"
                 ties = m.get("first_differences")
                 if ties:
-                    cell += f", {sum(t['near_tie'] for t in ties)}/{len(ties)} differences at near ties"
+                    cell += (f", {sum(t['near_tie'] for t in ties)}/{len(ties)} differences at near ties (largest gap "
+                             f"{max(abs(t['logprob_gap']) for t in ties):.3f})")
+                if m.get("graphs_captured_timed"):
+                    cell += f", {m['graphs_captured_timed']} graphs captured while timed"
                 cells.append(cell)
             lines.append(f"| {point['context']} | {point['batch']} | {point['corpus']} | " + " | ".join(cells) + " |")
     else:

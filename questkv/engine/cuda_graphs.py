@@ -156,3 +156,6 @@ class DecodeGraphs:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def __contains__(self, key: GraphKey) -> bool:
+        return key in self._graphs

@@ -251,6 +251,8 @@ class ModelRunner:
         sampled tokens that hold in-flight last inputs, then the input tokens; a tensor or a numpy array), the graph
         ``key``, the verified sequences ``seq_ids``. Returns ``[padded * q_len, vocab]`` float32 logits."""
         padded, q_len = key[0], key[3]
+        if self.graphs.covers(key) and key not in self.graphs:
+            self._capture_verify_graphs(padded, key[1])
         host = torch.as_tensor(host)
         self._verify_inputs[:, :padded].copy_(host[:_VERIFY_INPUTS], non_blocking=True)
         self._verify_ids[:padded, :q_len].copy_(host[_VERIFY_INPUTS:].T, non_blocking=True)
@@ -261,6 +263,20 @@ class ModelRunner:
             if self.memory is not None:  # the next round's first draft selects afresh; the selection rate counts on
                 self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         return self._run_step(key, self._verify_body)
+
+    def _capture_verify_graphs(self, batch: int, width: int) -> None:
+        """Capture the verify graph of every round length (2 to ``num_speculative_tokens + 1`` positions per row) at
+        this padded batch size and page-table width, on padding rows only (the scratch sequence): an adaptive
+        policy that changes its round length later never waits for a capture mid-run. Every rank runs it (its
+        collectives meet)."""
+        for q_len in range(2, self.config.speculative_config.num_speculative_tokens + 2):
+            key = (batch, width, StepRoute.VERIFY, q_len)
+            if key in self.graphs:
+                continue
+            self._verify_inputs[:, :batch] = torch.tensor([0, q_len, self.scratch_seq, self.budget or 0, -1],
+                                                          device=self.device)[:, None]
+            self._verify_ids[:batch, :q_len].zero_()
+            self.graphs.capture(key, self._verify_body)
 
     def _verify_body(self, batch: int, width: int, route: StepRoute, q_len: int) -> torch.Tensor:
         """One verify step over the static verify inputs (graph-capturable: device ops only): ``batch`` rows of

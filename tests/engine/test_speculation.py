@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from questkv.engine.sequence import Sequence
-from questkv.engine.speculation import (PROBE_EVERY, SpeculationPolicy, StepKind, expected_tokens, keep_verified,
+from questkv.engine.speculation import (MAX_PROBE_EVERY, PROBE_EVERY, SpeculationPolicy, StepKind, expected_tokens, keep_verified,
                                        verified_next_inputs)
 
 
@@ -70,6 +70,39 @@ def test_it_refreshes_dense_and_round_times_every_probe_interval():
         assert losing.draft_tokens(2) == 0
     losing.record_step(StepKind.DENSE, 2, 0.001)
     assert losing.draft_tokens(2) == 4  # PROBE_EVERY dense steps since the last round: a round again
+
+
+def decode(policy, batch, steps, dense, draft, verify):
+    """``steps`` scheduling decisions of an engine with these step times (every draft kept); the dense steps
+    between two rounds, in order."""
+    gaps, since = [], 0
+    for _ in range(steps):
+        k = policy.draft_tokens(batch)
+        if k == 0:
+            policy.record_step(StepKind.DENSE, batch, dense)
+            since += 1
+            continue
+        for _ in range(k):
+            policy.record_step(StepKind.DRAFT, batch, draft)
+        policy.record_round(batch, k, k)
+        policy.record_step(StepKind.VERIFY, batch, verify, k)
+        gaps.append(since)
+        since = 0
+    return gaps
+
+
+def test_probe_rounds_that_keep_dense_the_choice_come_ever_later_and_a_winning_one_resets_them():
+    policy = SpeculationPolicy(4)
+    losing = dict(dense=0.001, draft=0.001, verify=0.005)  # drafting never pays
+    gaps = decode(policy, 2, 2000, **losing)
+    doubling = [PROBE_EVERY * 2 ** i for i in range(MAX_PROBE_EVERY.bit_length() - PROBE_EVERY.bit_length() + 1)]
+    assert gaps[0] == 0 and gaps[1:1 + len(doubling)] == doubling  # the first round, then the probes
+    assert set(gaps[1 + len(doubling):]) == {MAX_PROBE_EVERY}
+    winning = dict(dense=0.001, draft=0.0001, verify=0.0012)  # the batch's drafts got cheap: drafting pays now
+    gaps = decode(policy, 2, 3 * MAX_PROBE_EVERY, **winning)
+    resumed = next(i for i, gap in enumerate(gaps) if gap <= 1)  # the running means need a probe or two
+    assert resumed <= 2 and max(gaps[:resumed]) <= MAX_PROBE_EVERY and max(gaps[resumed:]) <= 1
+    assert policy._bucket(2).probe_every == PROBE_EVERY
 
 
 def test_acceptance_counts_the_drafts_tested_up_to_the_first_rejection():
