@@ -9,8 +9,8 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
   the book and of code (:mod:`questkv.eval.agreement`'s texts) at each context, ``--tokens`` greedy tokens, at
   each batch size (half book, half code windows; batch 1: one of each, run apart). Per batch: decode tokens/s of
   dense, lossy Quest (1/16 of the context) and lossless (drafts at 1/16 and 1/8; ``--policies``: the engine picks
-  the drafts per round, ``adaptive``, the default, and/or a fixed ``k``, on one engine per draft-page source whose
-  policy is switched between runs),
+  the drafts per round, ``adaptive``, the default, and/or a fixed ``k``, on one engine whose policy is switched
+  between runs),
   acceptance, tokens per verify, and the lossless outputs
   against the dense engine's: rows identical, and at each first difference the gap between dense's own
   log-probabilities of its token and of lossless's (a near tie of bf16 rounding when small). At a batch above 1,
@@ -26,8 +26,8 @@ Decode tokens/s is ``B * (T - 1) / (t - f)`` with ``t`` the wall time of ``gener
 engine warmed by the same run and ``f`` its slowest request's time to first token (:func:`decode_rate`): prefill
 never counts, whether the prefix cache held a prompt or not. (The difference of a ``T``-token and a 2-token run, used before, gave negative
 and impossible rates on an H100 at 32k: ``lossless-real-h100-qwen2.5-coder-1.5b-32k``.) Two engines of one context
-are alive together (``--memory`` of the GPU each): the base engine (dense and lossy requests) and a lossless engine,
-one per draft-page source in turn.
+are alive together (``--memory`` of the GPU each): the base engine (dense and lossy requests) and a lossless
+engine.
 
     python benchmarks/lossless_bench.py check --out-dir $OUT
     python benchmarks/lossless_bench.py real --model qwen2.5-coder-1.5b --out-dir $OUT
@@ -68,13 +68,15 @@ NEAR_TIE = 0.125
 place)."""
 
 
-def lossless_config(k: int, adaptive: bool, draft_selection: str = "quest") -> dict:
-    return {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive, "draft_selection": draft_selection}
+def lossless_config(k: int, adaptive: bool) -> dict:
+    return {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive}
 
 
-def source_suffix(draft_selection: str) -> str:
-    """A mode's name suffix for its draft pages' source (``SpeculativeConfig.draft_selection``)."""
-    return "" if draft_selection == "quest" else f"-{draft_selection}-pages"
+def source_suffix(record: dict) -> str:
+    """A shapes record's name suffix for its draft pages' source: results made before the verify step's pages were
+    removed (``draft_selection="verify"``, git keeps it) carry one."""
+    source = record.get("draft_selection", "quest")
+    return "" if source == "quest" else f"-{source}-pages"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,11 +115,7 @@ def check(args, save) -> dict:
                          ("lossless-k8", {"quest": quest, "speculative_config": lossless_config(8, False)}),
                          ("lossless-adaptive", {"quest": quest, "speculative_config": lossless_config(4, True)}),
                          ("lossless-k4-eager", {"quest": quest, "speculative_config": lossless_config(4, False),
-                                                "enforce_eager": True}),
-                         ("lossless-k4-verify-pages", {"quest": quest,
-                                                       "speculative_config": lossless_config(4, False, "verify")}),
-                         ("lossless-k4-verify-pages-eager", {"quest": quest, "enforce_eager": True,
-                                                             "speculative_config": lossless_config(4, False, "verify")})):
+                                                "enforce_eager": True})):
         llm = engine(**kwargs)
         for mode, params in (("greedy", greedy), ("sampled", sampled)):
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -189,9 +187,9 @@ def near_tie_gaps(dense: LLM, prompts, want, got) -> list[dict]:
 
 
 def real(args, save) -> dict:
-    """Per context: the base engine (dense and lossy requests) measures every batch first, then one lossless engine
-    per draft-page source (alive beside the base, one at a time) runs the same prompts. ``save(results)`` after each
-    engine, so a run stopped by a time limit keeps what it measured."""
+    """Per context: the base engine (dense and lossy requests) measures every batch first, then a lossless engine
+    (alive beside the base) runs the same prompts. ``save(results)`` after each engine, so a run stopped by a time
+    limit keeps what it measured."""
     results = {"model": args.model, "tokens": args.tokens, "k": args.k, "near_tie_below": NEAR_TIE,
                "kv_cache_dtype": args.kv_cache_dtype, "points": []}
     greedy = dict(temperature=0, ignore_eos=True)
@@ -235,28 +233,27 @@ def real(args, save) -> dict:
                               for point in points]
         save(results)
         quest8 = QuestConfig(token_budget=budget8, page_size=PAGE, dense_layers=DENSE_LAYERS)
-        for source in args.draft_selection:
-            lossless = LLM(args.model, quest=quest8, speculative_config=lossless_config(args.k, True, source), **common)
-            for point, stored in zip(points, results["points"][-len(points):]):
-                for policy, (label, budget) in itertools.product(args.policies, (("1/16", budget16), ("1/8", budget8))):
-                    # One engine per source, its policy switched between runs (the prompts stay in its prefix cache).
-                    lossless.engine.speculation.adaptive = policy == "adaptive"
-                    rate, outs, captured = decode_rate(lossless, point["prompts"],
-                                                       SamplingParams(token_budget=budget, **greedy), args.tokens)
-                    accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
-                    per_verify = [o.metrics.mean_tokens_per_verify for o in outs
-                                  if o.metrics.mean_tokens_per_verify is not None]
-                    stored["modes"][f"lossless-{label}-{policy}{source_suffix(source)}"] = {
-                        "tokens_per_s": rate, "speedup": rate / stored["modes"]["dense"]["tokens_per_s"],
-                        "graphs_captured_timed": captured,
-                        "acceptance": statistics.mean(accepted) if accepted else None,
-                        "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
-                        **_identity(base, point["prompts"], point["want"], outs, True)}
-                print(_point_line(stored), flush=True)
-            lossless.close()
-            del lossless
-            gc.collect()
-            save(results)
+        lossless = LLM(args.model, quest=quest8, speculative_config=lossless_config(args.k, True), **common)
+        for point, stored in zip(points, results["points"][-len(points):]):
+            for policy, (label, budget) in itertools.product(args.policies, (("1/16", budget16), ("1/8", budget8))):
+                # One lossless engine, its policy switched between runs (the prompts stay in its prefix cache).
+                lossless.engine.speculation.adaptive = policy == "adaptive"
+                rate, outs, captured = decode_rate(lossless, point["prompts"],
+                                                   SamplingParams(token_budget=budget, **greedy), args.tokens)
+                accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
+                per_verify = [o.metrics.mean_tokens_per_verify for o in outs
+                              if o.metrics.mean_tokens_per_verify is not None]
+                stored["modes"][f"lossless-{label}-{policy}"] = {
+                    "tokens_per_s": rate, "speedup": rate / stored["modes"]["dense"]["tokens_per_s"],
+                    "graphs_captured_timed": captured,
+                    "acceptance": statistics.mean(accepted) if accepted else None,
+                    "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
+                    **_identity(base, point["prompts"], point["want"], outs, True)}
+            print(_point_line(stored), flush=True)
+        lossless.close()
+        del lossless
+        gc.collect()
+        save(results)
         base.close()
         del base, points
         gc.collect()
@@ -306,10 +303,9 @@ def _shape_engine(cfg, batch, context, quantization, steps, device, **kwargs) ->
     return llm
 
 
-def shape_point(name: str, k: int, acceptances: list[float], sources: list[str], steps: int = 40,
-                device: str = "cuda") -> list[dict]:
-    """One record per draft-page source: the dense engine's step (timed once) and the lossless engine's rounds of
-    ``k`` drafts and a verify (timed whole: drafts are launched ahead of their update)."""
+def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, device: str = "cuda") -> dict:
+    """The dense engine's step (timed once) and the lossless engine's rounds of ``k`` drafts and a verify (timed
+    whole: drafts are launched ahead of their update) at the point ``name``."""
     model, batch, context, budget, quantization = POINTS[name]
     cfg = context_config(model, context)
     quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
@@ -323,47 +319,42 @@ def shape_point(name: str, k: int, acceptances: list[float], sources: list[str],
         engine.step()
     _synchronize(device)
     dense_ms = (time.perf_counter() - start) / steps * 1e3
-    graphs = {"dense_profile": profile_steps(engine, 2 * (k + 1))}
+    record = {"model": model, "batch": batch, "context": context, "budget": budget, "quantization": quantization,
+              "k": k, "dense_ms": dense_ms, "dense_profile": profile_steps(engine, 2 * (k + 1))}
     # GPU time of each step's graph alone (CUDA): what the host adds is the rest
     if device == "cuda":
         with contextlib.suppress(LookupError):  # a route that captured no graph: its figures are left out
-            graphs["dense_graph_ms"] = replay_ms(engine.runner, route=StepRoute.DENSE)
-            graphs["dense_kernels"] = profile_replay(engine.runner, top=10, route=StepRoute.DENSE)
+            record["dense_graph_ms"] = replay_ms(engine.runner, route=StepRoute.DENSE)
+            record["dense_kernels"] = profile_replay(engine.runner, top=10, route=StepRoute.DENSE)
     llm.close()
     del llm, engine
     gc.collect()
-    records = []
-    for draft_selection in sources:
-        record = {"model": model, "batch": batch, "context": context, "budget": budget, "quantization": quantization,
-                  "k": k, "draft_selection": draft_selection, "dense_ms": dense_ms, **graphs}
-        llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest,
-                            speculative_config=lossless_config(k, False, draft_selection))
-        engine = llm.engine
-        ends = []  # when each step that launched a verify returned: consecutive ones are one round apart
-        for i in range(steps + 2 * (k + 1)):
-            verifies = engine.scheduler.step_tokens["verify"]
-            engine.step()
-            if i >= 2 * (k + 1) and engine.scheduler.step_tokens["verify"] > verifies:  # (graphs captured)
-                ends.append(time.perf_counter())
-        record["round_profile"] = profile_steps(engine, 2 * (k + 1))  # two rounds' worth of steps
-        if device == "cuda":
-            with contextlib.suppress(LookupError):
-                record["draft_graph_ms"] = replay_ms(engine.runner, route=StepRoute.SPARSE)
-                record["verify_kernels"] = profile_replay(engine.runner, top=10, route=StepRoute.VERIFY)
-                record["verify_graph_ms"] = replay_ms(engine.runner, route=StepRoute.VERIFY)
-        llm.close()
-        del llm, engine
-        gc.collect()
-        # A round's wall time (k drafts and a verify; under asynchronous scheduling drafts are launched ahead, so a
-        # single step's wall time is not its cost).
-        record["round_ms"] = round_ms = (ends[-1] - ends[0]) / (len(ends) - 1) * 1e3
-        record["implied"] = [{"acceptance": a, "tokens_per_round": expected_tokens(a, k),
-                              "speedup": expected_tokens(a, k) * record["dense_ms"] / round_ms} for a in acceptances]
-        print(f"{name}{source_suffix(draft_selection)}: dense {record['dense_ms']:.2f} ms, round of {k} drafts and "
-              f"a verify {round_ms:.2f} ms; implied "
-              + ", ".join(f"{i['speedup']:.2f}x at {i['acceptance']}" for i in record["implied"]), flush=True)
-        records.append(record)
-    return records
+    llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest,
+                        speculative_config=lossless_config(k, False))
+    engine = llm.engine
+    ends = []  # when each step that launched a verify returned: consecutive ones are one round apart
+    for i in range(steps + 2 * (k + 1)):
+        verifies = engine.scheduler.step_tokens["verify"]
+        engine.step()
+        if i >= 2 * (k + 1) and engine.scheduler.step_tokens["verify"] > verifies:  # (graphs captured)
+            ends.append(time.perf_counter())
+    record["round_profile"] = profile_steps(engine, 2 * (k + 1))  # two rounds' worth of steps
+    if device == "cuda":
+        with contextlib.suppress(LookupError):
+            record["draft_graph_ms"] = replay_ms(engine.runner, route=StepRoute.SPARSE)
+            record["verify_kernels"] = profile_replay(engine.runner, top=10, route=StepRoute.VERIFY)
+            record["verify_graph_ms"] = replay_ms(engine.runner, route=StepRoute.VERIFY)
+    llm.close()
+    del llm, engine
+    gc.collect()
+    # A round's wall time (k drafts and a verify; under asynchronous scheduling drafts are launched ahead, so a
+    # single step's wall time is not its cost).
+    record["round_ms"] = round_ms = (ends[-1] - ends[0]) / (len(ends) - 1) * 1e3
+    record["implied"] = [{"acceptance": a, "tokens_per_round": expected_tokens(a, k),
+                          "speedup": expected_tokens(a, k) * record["dense_ms"] / round_ms} for a in acceptances]
+    print(f"{name}: dense {record['dense_ms']:.2f} ms, round of {k} drafts and a verify {round_ms:.2f} ms; implied "
+          + ", ".join(f"{i['speedup']:.2f}x at {i['acceptance']}" for i in record["implied"]), flush=True)
+    return record
 
 
 def _synchronize(device: str) -> None:
@@ -374,7 +365,7 @@ def _synchronize(device: str) -> None:
 def shapes(args, save) -> dict:
     results = {"points": []}
     for name in args.points:
-        results["points"] += shape_point(name, args.k, args.acceptance, args.draft_selection, device=args.device)
+        results["points"].append(shape_point(name, args.k, args.acceptance, device=args.device))
         save(results)
     return results
 
@@ -417,7 +408,7 @@ def table(part: str, record: dict) -> str:
         for p in record["results"]["points"]:
             implied = ", ".join(f"{i['speedup']:.2f}× ({i['acceptance']})" for i in p["implied"])
             name = (f"{p['model']} {p['quantization'] or 'bf16'} B={p['batch']} {p['context'] // 1024}k/{p['budget']}"
-                    f"{source_suffix(p['draft_selection'])}")
+                    f"{source_suffix(p)}")
             lines.append(f"| {name} | {p['dense_ms']:.2f} | {p['round_ms']:.2f} (k={p['k']}) | {implied} |")
         graphed = [p for p in record["results"]["points"] if "verify_graph_ms" in p and "dense_graph_ms" in p]
         if graphed:  # the GPU time of each step's graph alone, and the verify graph's heaviest kernels
@@ -429,7 +420,7 @@ def table(part: str, record: dict) -> str:
                                 for t in p["verify_kernels"]["top"][:5])
                 graphs = p["k"] * p["draft_graph_ms"] + p["verify_graph_ms"]
                 lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k"
-                             f"{source_suffix(p['draft_selection'])} | {p['dense_graph_ms']:.2f} | "
+                             f"{source_suffix(p)} | {p['dense_graph_ms']:.2f} | "
                              f"{p['draft_graph_ms']:.2f} | {p['verify_graph_ms']:.2f} | {graphs:.2f} | "
                              f"{p['round_ms'] - graphs:.2f} | {top} |")
         profiled = [p for p in record["results"]["points"] if "round_profile" in p]
@@ -446,7 +437,7 @@ def table(part: str, record: dict) -> str:
                     phases = " / ".join(f"{prof['phases_ms'][name]:.2f}" for name in ("schedule", "launch", "process"))
                     ops = "; ".join(f"{op['name'][:40]} {op['us']:.0f}" for op in prof["host_ops"][:5])
                     lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k"
-                                 f"{source_suffix(p['draft_selection'])} | {engine} | {wall} | {busy} | {idle} | "
+                                 f"{source_suffix(p)} | {engine} | {wall} | {busy} | {idle} | "
                                  f"{kernels} | {phases} | {ops} |")
             gaps = [(p, p["round_profile"]["gpu_gaps"]) for p in profiled if p["round_profile"].get("gpu_gaps")]
             if gaps:
@@ -488,8 +479,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="real: the dtype")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="real: the K/V pages")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (the adaptive policy's maximum)")
-    parser.add_argument("--draft-selection", nargs="+", default=["quest", "verify"], choices=("quest", "verify"),
-                        help="real, shapes: the lossless engines' draft page sources (SpeculativeConfig)")
     parser.add_argument("--policies", nargs="+", default=["adaptive"], choices=("adaptive", "fixed"),
                         help="real: the lossless engine's k policies (adaptive: the engine picks the drafts per round)")
     parser.add_argument("--points", nargs="+", default=list(POINTS)[:3], choices=list(POINTS), help="shapes: the points")

@@ -50,11 +50,11 @@ def compile_case(query: str, pages: str, dense: bool, keys: int | None = None, s
     kind = attention.grid_kind(dense, PROGRAMS, pages == "fp8e4nv")
     pointers = {"q_ptr": query, "k_pages_ptr": pages, "v_pages_ptr": pages, "table_ptr": "i32", "lens_ptr": "i32",
                 "sel_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32", "counter_ptr": "i32",
-                "out_ptr": query, "page_lse_ptr": "fp32"}
+                "out_ptr": query}
     constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": 4, "BLOCK_G": 16, "BLOCK_GM": 4,
                   "SEL_PER_KV": 1, "NUM_QUERIES": 1, "QUERY_BLOCK": 1,
                   "PAGES_PER_ITER": (keys or attention._CONFIG[kind][0]) // 16, "MERGE_CHUNK": attention._MERGE_CHUNK,
-                  "DENSE": dense, "UPCAST": False, "IEEE": False, "USE_PDL": True, "PAGE_LSE": False,
+                  "DENSE": dense, "UPCAST": False, "IEEE": False, "USE_PDL": True,
                   "F16_DOT": pages == "fp8e4nv" and query == "bf16"}
     signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers
                  else "fp32" if name == "qk_scale" else "i32" for name in kernel.arg_names}

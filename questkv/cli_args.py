@@ -320,9 +320,8 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
             f"K}}' (K in 1..{MAX_SPECULATIVE_TOKENS}). Quest drafts up to K tokens per round and one dense forward "
             "verifies them, keeping the drafts dense attention would have chosen: dense attention's output, its "
             "draft steps at Quest's cost. The engine picks each round's drafts (0: dense steps) from the step times "
-            "and acceptance it measures; \"adaptive\": false drafts K every round; \"draft_selection\": "
-            "\"verify\" takes the drafts' pages from the verify step's attention instead of Quest's estimate. Needs "
-            "--budget (default: none, Quest's steps are the output)")
+            "and acceptance it measures; \"adaptive\": false drafts K every round. Needs --budget (default: none, "
+            "Quest's steps are the output)")
     group.add_argument("--seed", type=int_at_least(0), default=0, help=f"{seed_help} (default: 0)")
     if serving:
         group.add_argument("--max-num-seqs", type=int_at_least(1), default=32,

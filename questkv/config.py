@@ -171,7 +171,6 @@ MAX_SPECULATIVE_TOKENS = 16
 """The most draft tokens of one lossless round (the verify step scores at most 17 positions per sequence)."""
 
 SPECULATIVE_METHODS = ("quest",)
-DRAFT_SELECTIONS = ("quest", "verify")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,29 +192,22 @@ class SpeculativeConfig:
         adaptive: the engine picks the drafts of each round, from 0 (dense steps) to ``num_speculative_tokens``, by
             the step times and acceptance it measures (:mod:`questkv.engine.speculation`), so that lossless is never
             much slower than dense; ``False``: every round drafts ``num_speculative_tokens`` (tests, sweeps).
-        draft_selection: where a round's draft pages come from (its drafts all attend one selection): ``"quest"``
-            (the default), the round's first draft's Quest estimate and top-K, reused by its later drafts;
-            ``"verify"``, the attention mass of each page in the last verify step's dense attention (its positions,
-            summed over them and the query group), top-K with the same budget and forced pages, so the drafts
-            estimate and select nothing (Vegas, SparseSpec). A round with no verify before it (the first, or one
-            after a verify that ran beside prefill rows) selects by Quest. ``"verify"`` keeps more drafts at 2k on
-            Qwen2.5-Coder-1.5B (acceptance 0.722 -> 0.772 at 1/16, 0.821 -> 0.866 at 1/8; 0.738 -> 0.739 at 4k,
-            ``benchmarks/results/draft-selection-qwen2.5-coder-1.5b-*-cpu.md``) but makes the verify step 1.36x
-            (llama3.1-8b B=16/32k) to 1.58x (B=4/128k) slower on an H200 (the per-page log-sum-exps and their
-            selection, ``benchmarks/results/lossless-shapes-h200.md``), which costs more than the gain buys.
+
+    A round's drafts all attend one selection, its first draft's Quest estimate and top-K. (Pages chosen by the
+    verify step's attention mass, as Vegas and SparseSpec do, kept more drafts at 2k on Qwen2.5-Coder-1.5B but made
+    the verify step 1.36-1.58x slower on an H200, which cost more than the gain bought: removed, git keeps it;
+    ``docs/results.md``, "Lossless draft pages".)
     """
 
     method: str = "quest"
     num_speculative_tokens: int = 4
     adaptive: bool = True
-    draft_selection: str = "quest"
 
     def __post_init__(self) -> None:
         check_choice("SpeculativeConfig.method", self.method, SPECULATIVE_METHODS)
         check_int("SpeculativeConfig.num_speculative_tokens", self.num_speculative_tokens, minimum=1,
                   maximum=MAX_SPECULATIVE_TOKENS)
         check_bool("SpeculativeConfig.adaptive", self.adaptive)
-        check_choice("SpeculativeConfig.draft_selection", self.draft_selection, DRAFT_SELECTIONS)
 
     @classmethod
     def from_value(cls, value: object, owner: str = "speculative_config") -> Optional["SpeculativeConfig"]:

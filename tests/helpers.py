@@ -212,27 +212,6 @@ def dense_probs(q: torch.Tensor, keys: torch.Tensor, sm_scale=None) -> torch.Ten
     return torch.softmax(torch.einsum("hd,thd->ht", q.double(), k) * scale, dim=-1)
 
 
-def softmax_page_masses(q: torch.Tensor, k_pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
-                        ) -> torch.Tensor:
-    """Each query row's attention mass per page, ``[batch, queries * num_q_heads, max_pages]`` float64 (row
-    ``query * num_q_heads + head``; 0 past the sequence), from a plain softmax over every key up to the query's
-    position: ``q`` ``[batch, queries, num_q_heads, head_dim]`` holds the last ``queries`` positions of sequences of
-    ``lens`` tokens in the pages of ``table``."""
-    batch, queries, num_q, head_dim = q.shape
-    page_size, num_kv = k_pages.shape[1], k_pages.shape[2]
-    masses = torch.zeros(batch, queries * num_q, table.shape[1], dtype=torch.float64)
-    for b in range(batch):
-        length = int(lens[b])
-        position = torch.arange(length)
-        keys = k_pages[table[b, position // page_size].long(), position % page_size].double()  # [L, Hkv, D]
-        for j in range(queries):
-            seen = length - queries + j + 1
-            for h in range(num_q):
-                probs = torch.softmax(keys[:seen, h // (num_q // num_kv)] @ q[b, j, h].double() / head_dim ** 0.5, 0)
-                masses[b, j * num_q + h].index_add_(0, position[:seen] // page_size, probs)
-    return masses
-
-
 def word_tokenizer(words, split_digits: bool = False):
     """A word-level ``PreTrainedTokenizerFast`` (offline, instant): ``<unk>`` 0, ``<eos>`` 1, then
     ``words`` sorted, one token per word (and per digit with ``split_digits``)."""

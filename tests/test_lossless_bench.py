@@ -56,7 +56,7 @@ def test_the_shapes_table_shows_rounds_graphs_and_profiles(kernels):
         profile["gpu_kernels"] = [{"name": "_decode_split_kernel", "us": 2061.0}]
         profile["gpu_gaps"] = [{"after": "argmax", "before": "_rms_norm_kernel", "us": 120.0, "count": 0.2}]
     point = {"model": "llama2-7b", "batch": 1, "context": 32768, "budget": 2048, "quantization": "int4", "k": 4,
-             "draft_selection": "quest", "dense_ms": 7.7, "round_ms": 25.5,
+             "dense_ms": 7.7, "round_ms": 25.5,
              "implied": [{"acceptance": 0.929, "tokens_per_round": 4.43, "speedup": 1.34}],
              "dense_graph_ms": 7.7, "draft_graph_ms": 3.2, "verify_graph_ms": 10.2,
              "verify_kernels": {"top": [{"name": "_decode_split_kernel", "count": 32, "us": 6329.0}]},
@@ -89,7 +89,7 @@ def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_
                                 for word in agreement.load_text(task)[0].split())
     word_tokenizer([word for word, _ in words.most_common(94)]).save_pretrained(model)  # the texts' commonest words
     args = argparse.Namespace(model=str(model), contexts=[512], batches=batches, tokens=8, k=3, policies=["fixed"],
-                              draft_selection=["quest"], device="cpu", dtype="float32", kv_cache_dtype="auto",
+                              device="cpu", dtype="float32", kv_cache_dtype="auto",
                               memory=0.4, kv_cache_gib=None)
     saved = []
     results = lossless_bench.real(args, saved.append)

@@ -22,24 +22,6 @@ from questkv.decode.step import QuestDecodeStep
 
 
 @dataclasses.dataclass(slots=True)
-class DraftSelection:
-    """A verify step's choice of the next round's draft pages (``SpeculativeConfig.draft_selection="verify"``).
-
-    Attributes:
-        selected: ``[num_sparse_layers, batch, num_sel_heads, width]`` int32: sparse layer ``i`` writes its top
-            pages by attention mass into the first ``budget_pages`` columns of ``selected[i]``.
-        seq_lens: ``[batch]`` int32, the round's first position plus one: the pages chosen from are those of the
-            tokens before the round's drafts (the pages begun since are attended in full, the selection memory's
-            extra columns).
-        budgets: ``[batch]`` int32 token budget of each row.
-    """
-
-    selected: torch.Tensor
-    seq_lens: torch.Tensor
-    budgets: torch.Tensor
-
-
-@dataclasses.dataclass(slots=True)
 class DecodeRows:
     """The decode rows of a step: one new token per sequence (or ``num_queries``, a lossless verify step's), the
     step's leading tokens.
@@ -59,7 +41,6 @@ class DecodeRows:
             layers attend every page too (``step`` is a dense one).
         num_queries: new tokens per sequence, each sequence's in a run, attending the cache and, causally, each
             other (``step`` built for as many; more than one: a verify step, ``dense``).
-        draft_selection: a verify step's sparse layers also choose the next round's draft pages; ``None``: not.
     """
 
     page_table: torch.Tensor
@@ -69,7 +50,6 @@ class DecodeRows:
     reuse: Optional[ReuseRows] = None
     dense: bool = False
     num_queries: int = 1
-    draft_selection: Optional[DraftSelection] = None
 
     @property
     def num_tokens(self) -> int:

@@ -176,13 +176,6 @@ class SelectionMemory:
         self.store(seq_ids, ReuseRows(narrow))
         self.forget_where(seq_ids, dense)
 
-    def keep(self, seq_ids: torch.Tensor, selected: torch.Tensor, selected_at: torch.Tensor) -> None:
-        """Keep selections made outside a decode step (a lossless verify step's, from its attention mass) for slots
-        ``seq_ids`` (``[batch]`` int64): ``selected`` ``[num_sparse_layers, batch, num_sel_heads, width]`` int32,
-        made at page counts ``selected_at`` (``[batch]`` int32). Counts no selection (nothing was estimated)."""
-        self.pages.index_copy_(1, seq_ids, selected)
-        self.selected_at.index_copy_(0, seq_ids, selected_at)
-
     def store(self, seq_ids: torch.Tensor, rows: ReuseRows) -> None:
         """Keep the step's selections (``rows`` from :meth:`rows` of the same ``seq_ids``) for the next steps and
         count the (layer, head) selections the step made."""

@@ -41,15 +41,12 @@ class QuestDecodeStep:
         kv_dtype: the dtype the pool stores K/V in, if not ``dtype`` (``torch.float8_e4m3fn``: the attention's
             split plan for fp8 pages).
         num_queries: queries per sequence, its last positions, causal among them (a lossless verify step: with
-            more than one, :meth:`dense` only, and with a sparse config it can also select the next round's pages
-            from its attention mass).
+            more than one, :meth:`dense` only).
 
     Buffers: ``scores`` ``[batch, num_sel_heads, max_pages]`` float32, ``selected`` ``[batch,
     num_sel_heads, budget_pages + config.reuse_extra_pages]`` int32 (the extra columns, for a reused
     selection's pages begun since, are ``-1``), ``out`` ``[batch * num_queries, num_q_heads, head_dim]`` in
-    ``dtype``, and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`); with several
-    queries and a sparse config, ``page_lse`` ``[batch, num_queries * num_q_heads, max_pages]`` float32 (the
-    attention's per-page log-sum-exps, :func:`questkv.ops.reference.paged_decode_attention_into`).
+    ``dtype``, and the select's scratch ``select_buffers`` (:func:`questkv.ops.triton.select_buffers`).
 
     Selection reuse (:mod:`questkv.decode.selection_memory`): :meth:`sparse` given ``active`` and ``selected`` estimates
     and selects only the active rows, into ``selected``, and attends every row's ``selected`` (with
@@ -93,10 +90,6 @@ class QuestDecodeStep:
             self.selected = torch.full((batch, sel_heads, width), -1, dtype=torch.int32, device=device)
             self.select_buffers = self.backend.select_buffers(batch, sel_heads, max_pages, device)
             self._sparse_buffers = buffers(sel_heads, width, False)
-        self.page_lse = None
-        if num_queries > 1 and not config.is_dense:
-            self.page_lse = torch.empty((batch, num_queries * num_q_heads, max_pages), dtype=torch.float32,
-                                        device=device)
 
     @classmethod
     def for_cache(
@@ -151,44 +144,17 @@ class QuestDecodeStep:
         page_table: torch.Tensor,
         seq_lens: torch.Tensor,
         sm_scale: Optional[float] = None,
-        select_into: Optional[torch.Tensor] = None,
-        select_lens: Optional[torch.Tensor] = None,
-        budgets: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Dense paged decode attention over every page into ``self.out``; returns ``self.out``. ``q``: ``[batch *
-        num_queries, num_q_heads, head_dim]``, each sequence's queries in a run (its last positions).
-
-        ``select_into`` (a step of several queries with a sparse config: a verify step choosing the next round's
-        draft pages): ``[batch, num_sel_heads, width >= budget_pages]`` int32, whose first ``budget_pages`` columns
-        get the top pages by the attention's mass (each page's softmax weight, summed over the queries and the
-        heads that share a selection) among the first ``num_pages(select_lens)`` pages (``[batch]`` int32), with
-        the config's forced pages and ``budgets`` as in :meth:`select`.
-        """
+        num_queries, num_q_heads, head_dim]``, each sequence's queries in a run (its last positions)."""
         out = self.out
         if self.num_queries > 1:
             q = q.view(self.batch, self.num_queries, *q.shape[1:])
             out = out.view(q.shape)
-        if select_into is not None and self.page_lse is None:
-            raise ValueError("QuestDecodeStep.dense selects only in a step of several queries with a sparse config")
-        page_lse = None if select_into is None else self.page_lse
         self.backend.paged_decode_attention_into(
             out, self._dense_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, None, sm_scale,
-            page_lse=page_lse,
         )
-        if select_into is not None:
-            self._masses_into_scores(seq_lens)
-            self.select(select_lens, budgets, selected=select_into)
         return self.out
-
-    def _masses_into_scores(self, seq_lens: torch.Tensor) -> None:
-        """``self.scores`` ``[batch, num_sel_heads, max_pages]`` from ``self.page_lse``: each page's attention mass,
-        the softmax over a query row's pages of its per-page log-sum-exps, summed over the step's queries and the
-        query heads of each selection head (pages past the sequence: 0; device ops only)."""
-        batch, heads, pages = self.scores.shape
-        valid = torch.arange(pages, device=seq_lens.device)[None, None, :] < (
-            (seq_lens[:, None, None] + self.config.page_size - 1) // self.config.page_size)
-        mass = torch.softmax(torch.where(valid, self.page_lse, float("-inf")), dim=-1)  # [batch, rows, pages]
-        torch.sum(mass.view(batch, self.num_queries, heads, -1, pages), (1, 3), out=self.scores)
 
     def sparse(
         self,

@@ -31,7 +31,7 @@ import torch
 
 from questkv.cache.paged import PagedKVCache
 from questkv.config import MAX_SPECULATIVE_TOKENS
-from questkv.decode.context import DecodeRows, DraftSelection, PrefillRows, StepContext
+from questkv.decode.context import DecodeRows, PrefillRows, StepContext
 from questkv.decode.selection_memory import ReuseRows, SelectionMemory, is_due
 from questkv.decode.route import StepRoute, step_route
 from questkv.decode.step import QuestDecodeStep
@@ -54,9 +54,9 @@ from questkv.ops.pages import ReusedSelections
 # launched ahead of its verify's update (1: its position and length move by the drafts that verify kept).
 _IDS, _POS, _LENS, _BUDGETS, _ROWS, _SRC, _DUE, _DENSE, _AHEAD = range(9)
 NUM_INPUTS = 9
-# A verify step's staged rows per verified row: first position, KV length, page-table row, token budget, and the
-# row of the previous step's sampled tokens that holds its last input token (-1: that id is staged).
-_VERIFY_INPUTS = 5
+# A verify step's staged rows per verified row: first position, KV length, page-table row, and the row of the
+# previous step's sampled tokens that holds its last input token (-1: that id is staged).
+_VERIFY_INPUTS = 4
 
 
 class ModelRunner:
@@ -108,9 +108,6 @@ class ModelRunner:
         )
         self.cache.track_rewinds = send is not None  # rank 0 tells the other ranks its lossless rewinds
         self.memory = SelectionMemory(quest, *memory_args, self.device) if memory_bytes else None
-        # A verify step chooses the next round's draft pages (SpeculativeConfig.draft_selection).
-        speculative = config.speculative_config
-        self._verify_selects = self.memory is not None and getattr(speculative, "draft_selection", None) == "verify"
         bind_cache(model, self.cache)
         if config.use_cuda_graphs and config.compile_elementwise:
             fuse_elementwise(model)
@@ -233,12 +230,11 @@ class ModelRunner:
         padded = self.graphs.padded(rows)
         width = self.graphs.width(self.cache.pages_for_tokens(max(batch.seq_lens)))
         host = self._host_verify[:_VERIFY_INPUTS + q_len, :padded]
-        host[:_VERIFY_INPUTS] = torch.tensor([0, q_len, self.scratch_seq, self.budget or 0, -1])[:, None]  # padding
+        host[:_VERIFY_INPUTS] = torch.tensor([0, q_len, self.scratch_seq, -1])[:, None]  # padding
         host[_VERIFY_INPUTS:].zero_()
         for i, (seq, seq_len) in enumerate(zip(batch.seqs, batch.seq_lens)):
             tokens, flying = seq.input_tokens(seq_len, q_len)
             host[:_VERIFY_INPUTS, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id,
-                                                     seq.quest.token_budget or self.budget or 0,
                                                      self.tokens.row_of(seq) if flying else -1])
             host[_VERIFY_INPUTS:, i] = torch.tensor(tokens)
         key = (padded, width, StepRoute.VERIFY, q_len)
@@ -247,7 +243,7 @@ class ModelRunner:
 
     def _run_verify(self, host, key: GraphKey, seq_ids: tuple[int, ...]) -> torch.Tensor:
         """:meth:`_verify` from its staged host inputs on (every rank runs this): ``host`` ``[_VERIFY_INPUTS + q_len,
-        padded]`` int64 (first positions, KV lengths, page-table rows, token budgets, the rows of the step before's
+        padded]`` int64 (first positions, KV lengths, page-table rows, the rows of the step before's
         sampled tokens that hold in-flight last inputs, then the input tokens; a tensor or a numpy array), the graph
         ``key``, the verified sequences ``seq_ids``. Returns ``[padded * q_len, vocab]`` float32 logits."""
         padded, q_len = key[0], key[3]
@@ -256,12 +252,9 @@ class ModelRunner:
         host = torch.as_tensor(host)
         self._verify_inputs[:, :padded].copy_(host[:_VERIFY_INPUTS], non_blocking=True)
         self._verify_ids[:padded, :q_len].copy_(host[_VERIFY_INPUTS:].T, non_blocking=True)
-        if self._verify_selects:  # the step keeps each row's next draft pages
-            self._kept.update(seq_ids)
-        else:
-            self._kept.difference_update(seq_ids)
-            if self.memory is not None:  # the next round's first draft selects afresh; the selection rate counts on
-                self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
+        self._kept.difference_update(seq_ids)
+        if self.memory is not None:  # the next round's first draft selects afresh; the selection rate counts on
+            self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         return self._run_step(key, self._verify_body)
 
     def _capture_verify_graphs(self, batch: int, width: int) -> None:
@@ -273,8 +266,7 @@ class ModelRunner:
             key = (batch, width, StepRoute.VERIFY, q_len)
             if key in self.graphs:
                 continue
-            self._verify_inputs[:, :batch] = torch.tensor([0, q_len, self.scratch_seq, self.budget or 0, -1],
-                                                          device=self.device)[:, None]
+            self._verify_inputs[:, :batch] = torch.tensor([0, q_len, self.scratch_seq, -1], device=self.device)[:, None]
             self._verify_ids[:batch, :q_len].zero_()
             self.graphs.capture(key, self._verify_body)
 
@@ -283,26 +275,17 @@ class ModelRunner:
         ``q_len`` positions each, attending their cached tokens and, causally, each other densely (a dense decode
         step of ``q_len`` queries per row, :func:`~questkv.ops.paged_decode_attention`); ``[batch * q_len, vocab]``
         float32 logits, row after row."""
-        first, seq_lens, table_rows, budgets, sources = self._verify_inputs[:, :batch]
+        first, seq_lens, table_rows, sources = self._verify_inputs[:, :batch]
         positions = first[:, None] + torch.arange(q_len, device=self.device)  # [batch, q_len] int64
         page_table = self.cache.page_table.index_select(0, table_rows)[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
         slots = page_table.gather(1, positions // page_size).long() * page_size + positions % page_size
         step = self._step(batch, width, route, q_len)
-        chosen = None
-        if self._verify_selects:
-            layers, heads = self._selection_shape
-            selected = torch.full((layers, batch, heads, self.memory.pages.shape[-1]), -1, dtype=torch.int32,
-                                  device=self.device)
-            chosen = DraftSelection(selected, (first + 1).to(torch.int32), budgets.to(torch.int32))
-        rows = DecodeRows(page_table, seq_lens.to(torch.int32), step, dense=True, num_queries=q_len,
-                          draft_selection=chosen)
+        rows = DecodeRows(page_table, seq_lens.to(torch.int32), step, dense=True, num_queries=q_len)
         staged = self._verify_ids[:batch, :q_len]
         last = torch.where(sources >= 0, self.tokens.sampled[sources.clamp(min=0)], staged[:, -1])  # [batch] int64
         ids = torch.cat([staged[:, :-1], last[:, None]], dim=1).reshape(-1)
         hidden = self.model(ids, positions.reshape(-1), StepContext(slots.reshape(-1), decode=rows))
-        if chosen is not None:
-            self.memory.keep(table_rows, chosen.selected, ((first + page_size) // page_size).to(torch.int32))
         return self.model.compute_logits(hidden)
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -420,8 +403,8 @@ class ModelRunner:
                     # A forced output in flight: its token is known here (the in-flight one is the sampler's choice).
                     token, known = seq.sampling_params.forced_token_ids[position - seq.num_prompt_tokens], True
                 # A lossless round's drafts reuse one selection: its first draft's (its verify step cleared the
-                # memory's row), or the verify step's (a row without one selects all the same).
-                due = (seq.num_drafts <= 1 and not self._verify_selects if seq.quest.speculative_tokens
+                # memory's row).
+                due = (seq.num_drafts <= 1 if seq.quest.speculative_tokens
                        else is_due(seq_len, seq.num_prompt_tokens, seq.quest.selection_interval))
                 rows.append([token if known else 0, position, seq_len,
                              seq.quest.token_budget or self.budget or 0, seq.cache_id,
@@ -525,7 +508,7 @@ class ModelRunner:
         over ``width`` page-table columns, for ``route``; built once per shape."""
         key = (batch, width, route, num_queries)
         if key not in self._steps:
-            dense = route == StepRoute.DENSE or (route == StepRoute.VERIFY and not self._verify_selects)
+            dense = route in (StepRoute.DENSE, StepRoute.VERIFY)
             quest = None if dense else self._quest
             if route == StepRoute.MIXED:  # selections as wide as the page table: a dense row's hold every page
                 quest = dataclasses.replace(quest, token_budget=max(width * self.cache.page_size, quest.token_budget))

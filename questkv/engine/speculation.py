@@ -169,13 +169,8 @@ class SpeculationPolicy:
 def draft_reuse_steps(config: Optional["SpeculativeConfig"]) -> int:
     """Decode steps one selection serves in a lossless engine (``config``; 0 without one), which the decode buffers
     and the selection memory are sized for (``QuestConfig.selection_interval``): a round's drafts attend one
-    selection and the pages begun since it in full. Its first draft's, over its ``k`` drafts; or, with
-    ``draft_selection="verify"``, the verify step's before it, made at the round's first position, over that
-    round's ``k + 1`` positions and the next round's ``k`` drafts."""
-    if config is None:
-        return 0
-    k = config.num_speculative_tokens
-    return 2 * k + 1 if config.draft_selection == "verify" else k
+    selection, its first draft's, and the pages begun since it in full: ``k`` steps."""
+    return 0 if config is None else config.num_speculative_tokens
 
 
 def keep_verified(seq: "Sequence", tokens: list[int], policy: Optional[SpeculationPolicy], rows: int) -> list[int]:

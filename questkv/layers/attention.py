@@ -174,11 +174,7 @@ class Attention(nn.Module):
 
     def _sparse_decode(self, q: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
         if rows.dense:  # the step's route (questkv.decode.route): no row gains from Quest here
-            chosen = rows.draft_selection
-            if chosen is None:
-                return self._dense_decode(q, rows)
-            return rows.step.dense(q, self.pages, rows.page_table, rows.seq_lens, self.sm_scale,
-                                   chosen.selected[self.sparse_index], chosen.seq_lens, chosen.budgets)
+            return self._dense_decode(q, rows)
         reuse = rows.reuse
         active = selected = None
         selecting = True

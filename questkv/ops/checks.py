@@ -13,22 +13,6 @@ from questkv.config import GROUP_REDUCTIONS, SELECTIONS
 from questkv.ops.pages import ReusedSelections
 
 
-def check_page_lse(page_lse, q: torch.Tensor, page_table: torch.Tensor, selected) -> None:
-    """``ValueError`` unless the decode attention's ``page_lse`` output (or ``None``) fits its dense call: float32
-    ``[batch, num_queries * num_q_heads, max_pages]`` with a contiguous last dimension, on ``q``'s device, and
-    ``selected`` is ``None`` (the per-page sums are over every page, of a dense attention)."""
-    if page_lse is None:
-        return
-    if selected is not None:
-        raise ValueError("page_lse is written by dense attention only (selected=None)")
-    queries = 1 if q.dim() == 3 else q.shape[1]
-    shape = (q.shape[0], queries * q.shape[-2], page_table.shape[1])
-    if (tuple(page_lse.shape) != shape or page_lse.dtype != torch.float32 or page_lse.device != q.device
-            or page_lse.stride(-1) != 1):
-        raise ValueError(f"page_lse must be a float32 {shape} tensor on {q.device} with a contiguous last "
-                         f"dimension, got {page_lse.dtype} {tuple(page_lse.shape)} on {page_lse.device}")
-
-
 def check_prefill_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,

@@ -45,7 +45,6 @@ from torch.nn.attention.bias import causal_lower_right
 
 from questkv.ops.checks import (
     check_active,
-    check_page_lse,
     check_mode,
     check_prefill_attention,
     check_select_out,
@@ -542,25 +541,9 @@ def paged_decode_attention_into(
     seq_lens: torch.Tensor,
     selected: Optional[torch.Tensor],
     sm_scale: Optional[float] = None,
-    page_lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`paged_decode_attention` into ``out`` (``q``'s shape); ``buffers`` is unused here (the kernel's
-    scratch). Returns ``out``.
-
-    ``page_lse`` (dense attention only): ``[batch, num_queries * num_q_heads, max_pages]`` float32, written with
-    each query row's (row ``query * num_q_heads + head``) log-sum-exp of its scaled scores over each page's keys it
-    sees, ``log(sum(exp(sm_scale * q . k)))`` (``-inf`` for a page it sees none of): the attention mass of the row's
-    pages is the softmax of its ``page_lse`` over them. Entries of pages past a sequence's are left as they are
-    (:func:`~questkv.ops.checks.check_page_lse`)."""
-    check_page_lse(page_lse, q, page_table, selected)
-    if page_lse is not None:
-        logits, _ = _decode_logits(q, k_pages, v_pages, page_table, seq_lens, None, sm_scale)
-        batch, heads, queries, group, _ = logits.shape
-        pages = page_table.shape[1]
-        lse = torch.logsumexp(logits.view(batch, heads, queries, group, pages, -1), -1)
-        lse = lse.permute(0, 2, 1, 3, 4).reshape(batch, queries * heads * group, pages)
-        written = valid_pages(seq_lens, k_pages.shape[1], pages)[:, None, :]
-        page_lse.copy_(torch.where(written, lse, page_lse))
+    scratch). Returns ``out``."""
     return out.copy_(paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale))
 
 

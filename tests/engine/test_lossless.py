@@ -32,16 +32,13 @@ def dense(model_dir):
     return make_llm(model_dir)
 
 
-def lossless(model_dir, k: int = 4, quest: QuestConfig = SMALL, adaptive: bool = False,
-             draft_selection: str = "quest", **kwargs):
+def lossless(model_dir, k: int = 4, quest: QuestConfig = SMALL, adaptive: bool = False, **kwargs):
     """A lossless engine; fixed rounds of ``k`` drafts unless ``adaptive`` (then the measured step times pick, and
-    on a CPU they mostly pick dense steps); drafts attend the pages of ``draft_selection``."""
-    config = {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive, "draft_selection": draft_selection}
+    on a CPU they mostly pick dense steps)."""
+    config = {"method": "quest", "num_speculative_tokens": k, "adaptive": adaptive}
     return make_llm(model_dir, quest, speculative_config=config, **kwargs)
 
 
-# Where a round's drafts take their pages from: the first draft's Quest selection, or the verify step's attention.
-SOURCES = pytest.mark.parametrize("source", ["quest", "verify"])
 # Synchronous steps, or asynchronous scheduling: a round's drafts launched one step ahead of their update.
 ASYNC = pytest.mark.parametrize("asynchronous", [False, True])
 
@@ -54,11 +51,10 @@ def ragged(count: int = 4):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@SOURCES
 @ASYNC
-def test_greedy_output_is_the_dense_engines_for_ragged_batches(model_dir, source, dense, k, asynchronous):
+def test_greedy_output_is_the_dense_engines_for_ragged_batches(model_dir, dense, k, asynchronous):
     prompts, params = ragged()
-    llm = lossless(model_dir, k, draft_selection=source, async_scheduling=asynchronous)
+    llm = lossless(model_dir, k, async_scheduling=asynchronous)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == run(dense, prompts, params)
     verified = [out.metrics for out in outputs if out.metrics.mean_tokens_per_verify is not None]
@@ -75,25 +71,23 @@ def test_a_lossy_quest_engine_differs_from_dense_where_lossless_does_not(model_d
 
 
 @pytest.mark.parametrize("budget", [8, 12, 16])
-@SOURCES
-def test_every_request_budget_and_draft_count_with_selection_reuse_gives_the_dense_tokens(model_dir, source, dense,
+def test_every_request_budget_and_draft_count_with_selection_reuse_gives_the_dense_tokens(model_dir, dense,
                                                                                           budget):
     quest = dataclasses.replace(SMALL, selection_interval=3)
     prompts, _ = ragged(5)
     params = [greedy(random.randint(5, 30), token_budget=budget, speculative_tokens=random.randint(1, 16))
               for _ in prompts]
     want = run(dense, prompts, [greedy(p.max_tokens) for p in params])
-    assert run(lossless(model_dir, 16, quest, draft_selection=source), prompts, params) == want
+    assert run(lossless(model_dir, 16, quest), prompts, params) == want
 
 
-@SOURCES
 @ASYNC
-def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, source, dense, asynchronous):
+def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, dense, asynchronous):
     prompts, _ = ragged(6)
     kinds = ["lossless", "dense", "lossy", "lossless", "lossy", "dense"]
     extra = {"lossless": {}, "dense": {"dense": True}, "lossy": {"speculative_tokens": 0}}
     params = [greedy(random.randint(5, 30), **extra[kind]) for kind in kinds]
-    llm = lossless(model_dir, 3, draft_selection=source, async_scheduling=asynchronous)
+    llm = lossless(model_dir, 3, async_scheduling=asynchronous)
     outputs = run(llm, prompts, params)
     want_dense = run(dense, prompts, [greedy(p.max_tokens) for p in params])
     want_lossy = run(make_llm(model_dir, SMALL), prompts, [greedy(p.max_tokens) for p in params])
@@ -101,14 +95,13 @@ def test_dense_and_lossy_requests_share_a_batch_with_lossless_ones(model_dir, so
         assert out == (lossy if kind == "lossy" else exact), kind
 
 
-@SOURCES
 @ASYNC
-def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir, source, asynchronous):
+def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir, asynchronous):
     unconstrained = make_llm(model_dir, max_model_len=64)
     per_seq = math.ceil(64 / PAGE)
     scratch = math.ceil((MAX_SPECULATIVE_TOKENS + 1) / PAGE)  # a lossless engine's padding rows' pages
     pages = per_seq + 1 + scratch
-    tiny = lossless(model_dir, 5, max_model_len=64, draft_selection=source, async_scheduling=asynchronous,
+    tiny = lossless(model_dir, 5, max_model_len=64, async_scheduling=asynchronous,
                     kv_cache_memory=pool_memory(make_llm(model_dir, SMALL, max_model_len=64), pages))
     assert tiny.engine.cache.num_pages == pages
     prompts = [prompt(random.randint(20, 30)) for _ in range(4)]
@@ -120,22 +113,20 @@ def test_preemption_mid_round_gives_the_dense_tokens_and_leaks_no_page(model_dir
 
 
 @pytest.mark.parametrize("chunked", [True, False])
-@SOURCES
 @ASYNC
-def test_chunked_prefill_on_or_off_gives_the_dense_tokens(model_dir, source, dense, chunked, asynchronous):
-    llm = lossless(model_dir, 4, draft_selection=source, enable_chunked_prefill=chunked, async_scheduling=asynchronous,
+def test_chunked_prefill_on_or_off_gives_the_dense_tokens(model_dir, dense, chunked, asynchronous):
+    llm = lossless(model_dir, 4, enable_chunked_prefill=chunked, async_scheduling=asynchronous,
                    max_num_batched_tokens=40 if chunked else None)
     prompts, params = ragged(6)
     assert run(llm, prompts, params) == run(dense, prompts, params)
 
 
-@SOURCES
 @ASYNC
-def test_lossless_answers_are_cached_for_the_next_turn(model_dir, source, dense, asynchronous):
+def test_lossless_answers_are_cached_for_the_next_turn(model_dir, dense, asynchronous):
     """Verified K/V are dense attention's, so a conversation's next turn hits the earlier answers too (a lossy Quest
     answer is recomputed); asynchronously too, where a round's first draft writes the newest token's K/V before the
     update that appends it (that token's page is offered only once a verify rewrote it)."""
-    llm = lossless(model_dir, 4, draft_selection=source, async_scheduling=asynchronous)
+    llm = lossless(model_dir, 4, async_scheduling=asynchronous)
     conversation, cached_before = prompt(60), 0
     for _ in range(3):
         (out,) = llm.generate([conversation], greedy(12), use_tqdm=False)
@@ -164,12 +155,11 @@ def test_stops_and_max_tokens_inside_an_accepted_run_end_the_output_there(model_
     assert_pages_all_back(llm)
 
 
-@SOURCES
 @ASYNC
-def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(model_dir, source, asynchronous):
+def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(model_dir, asynchronous):
     """The draft steps widen the bounds with keys that the verify overwrites or drops; the verify's update recomputes
     them (before any later step is launched: a verify launched ahead is checked after its update)."""
-    llm = lossless(model_dir, 6, draft_selection=source, async_scheduling=asynchronous)
+    llm = lossless(model_dir, 6, async_scheduling=asynchronous)
     engine = llm.engine
     cache = engine.cache
     for p in [prompt(random.randint(30, 80)) for _ in range(3)]:
@@ -189,9 +179,8 @@ def test_page_bounds_after_every_step_equal_a_recomputation_from_the_kept_keys(m
     assert rounds > 0
 
 
-@SOURCES
 @ASYNC
-def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, source, dense, asynchronous):
+def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, dense, asynchronous):
     """Draft and verify draw each position with the request's seeded noise, so a sampled lossless output is the
     dense engine's sample token for token (hence its distribution, exactly), whatever was drafted and kept."""
     prompts = [prompt(random.randint(40, 90)) for _ in range(6)]
@@ -199,7 +188,7 @@ def test_seeded_sampling_gives_the_dense_engines_samples(model_dir, source, dens
                              top_p=random.choice([1.0, 0.9]), seed=random.randrange(1 << 30), max_tokens=20,
                              ignore_eos=True) for _ in prompts]
     want = run(dense, prompts, params)
-    outputs = lossless(model_dir, 3, draft_selection=source, async_scheduling=asynchronous).generate(
+    outputs = lossless(model_dir, 3, async_scheduling=asynchronous).generate(
         prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == want
     assert sum(out.metrics.num_preemptions == 0 and (out.metrics.acceptance_rate or 0) > 0 for out in outputs) > 0
@@ -257,13 +246,12 @@ def test_asynchronous_dense_steps_and_rounds_alternate_with_the_dense_tokens(mod
     assert any(out.metrics.mean_tokens_per_verify for out in outputs)
 
 
-@SOURCES
-def test_asynchronous_rounds_launch_each_step_ahead_of_the_last_ones_update(model_dir, source, dense):
+def test_asynchronous_rounds_launch_each_step_ahead_of_the_last_ones_update(model_dir, dense):
     """Under asynchronous scheduling a round's second and later drafts and its verify are launched while the draft
     before is in flight (its token read on the device), through the verify step's graph and through the prefill
     path (ragged rounds, a newcomer's prefill beside them), with the dense engine's tokens."""
     # Two rows at a time, chunked: a newcomer's prefill and its first draft land beside the others' rounds.
-    llm = lossless(model_dir, 4, draft_selection=source, async_scheduling=True, max_num_seqs=2,
+    llm = lossless(model_dir, 4, async_scheduling=True, max_num_seqs=2,
                    enable_chunked_prefill=True, max_num_batched_tokens=32)
     launches = []
     execute = llm.engine.runner.execute
@@ -304,14 +292,13 @@ def test_a_first_draft_launched_ahead_beside_a_prefill_chunk_gives_the_dense_tok
     assert True in paths
 
 
-@SOURCES
-def test_a_rounds_first_draft_is_launched_before_its_verifys_update(model_dir, source, dense):
+def test_a_rounds_first_draft_is_launched_before_its_verifys_update(model_dir, dense):
     """Asynchronous rounds of one request: every draft and verify is launched ahead of the update of the step
     before, the next round's first draft too, before the verify's update (its input token, position and KV length
     follow on the device from the drafts the verify keeps), wherever the longest kept run still leaves room for a
     draft and its verify before ``max_tokens``."""
     k, max_tokens = 4, 40
-    llm = lossless(model_dir, k, draft_selection=source, async_scheduling=True)
+    llm = lossless(model_dir, k, async_scheduling=True)
     launches, drafts, due_ahead = [], [], 0
     execute = llm.engine.runner.execute
 
@@ -385,14 +372,13 @@ def test_lossless_needs_quest(model_dir):
         make_llm(model_dir, speculative_config={"method": "quest", "num_speculative_tokens": 2})
 
 
-@SOURCES
 @ASYNC
-def test_two_tensor_parallel_ranks_give_the_dense_tokens(model_dir, source, dense, asynchronous):
+def test_two_tensor_parallel_ranks_give_the_dense_tokens(model_dir, dense, asynchronous):
     """Rank 0 sends the verify steps and the rewinds' recomputed bounds, and broadcasts each verify row's next
     input and kept drafts (a first draft launched ahead reads them); the other rank follows (gloo, CPU)."""
     prompts, params = ragged(5)
     params[1] = SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
-    with lossless(model_dir, 4, draft_selection=source, tensor_parallel_size=2, enable_chunked_prefill=True,
+    with lossless(model_dir, 4, tensor_parallel_size=2, enable_chunked_prefill=True,
                   max_num_batched_tokens=48, async_scheduling=asynchronous) as sharded:
         assert run(sharded, prompts, params) == run(dense, prompts, params)
 
@@ -432,27 +418,14 @@ def test_a_round_selects_pages_once_and_its_later_drafts_reuse_them(model_dir, d
     selects at its first draft only (a quarter of the draft steps select), and the tokens stay dense's."""
     p = prompt(80)
     params = greedy(41)
-    (out,) = lossless(model_dir, 4, draft_selection="quest").generate([p], params, use_tqdm=False)
+    (out,) = lossless(model_dir, 4).generate([p], params, use_tqdm=False)
     assert out.token_ids == run(dense, [p], params)[0]
     assert 0.2 <= out.metrics.selection_rate <= 0.35
     # rounds of one draft: every draft selects
-    (one,) = lossless(model_dir, 1, draft_selection="quest").generate([p], params, use_tqdm=False)
+    (one,) = lossless(model_dir, 1).generate([p], params, use_tqdm=False)
     assert one.metrics.selection_rate == 1.0
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_with_the_verify_steps_pages_only_the_first_round_selects(model_dir, dense, k):
-    """``draft_selection="verify"``: a verify step keeps each row's next draft pages (top pages by its attention mass),
-    so after the first round no draft estimates or selects: the selection rate is the first round's one selecting
-    draft step over all draft steps (at least 8 here; with Quest's pages, rounds of 4 select at a quarter of them
-    and rounds of 1 at every one)."""
-    p = prompt(80)
-    params = greedy(41)
-    (out,) = lossless(model_dir, k, draft_selection="verify").generate([p], params, use_tqdm=False)
-    assert out.token_ids == run(dense, [p], params)[0]
-    assert 0 < out.metrics.selection_rate <= 1 / 8
-
-
-def test_an_unknown_draft_selection_is_refused(model_dir):
-    with pytest.raises(ValueError, match=r"draft_selection must be one of 'quest', 'verify'; got 'oracle'"):
-        lossless(model_dir, draft_selection="oracle")
+def test_the_removed_draft_selection_is_refused_as_an_unknown_key(model_dir):
+    with pytest.raises(ValueError, match=r"speculative_config has unknown keys \['draft_selection'\]"):
+        make_llm(model_dir, SMALL, speculative_config={"method": "quest", "draft_selection": "verify"})

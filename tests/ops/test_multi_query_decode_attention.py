@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from questkv.ops import reference
-from tests.helpers import softmax_page_masses
 
 PAGE = 8
 # (num_q_heads, num_kv_heads, head_dim): GQA of 4, MHA, a group of 3 with a head_dim that is not a power of two
@@ -138,49 +137,3 @@ def test_kernel_refuses_buffers_of_another_query_count(kernels):
     buffers = kernels.attention_buffers(2, 8, 2, 32, table.shape[1], PAGE, True, q.device, num_queries=3)
     with pytest.raises(ValueError, match="out must have shape"):
         kernels.paged_decode_attention_into(torch.empty_like(q[:, 0]), buffers, q, k_pages, v_pages, table, lens, None)
-
-
-@pytest.mark.parametrize("num_queries", [1, 3])
-def test_reference_page_lse_gives_the_softmax_mass_of_every_page(num_queries):
-    heads = (8, 2, 32)
-    q, k_pages, v_pages, table, lens = verify_case([41, 9], num_queries, heads, torch.float32, generator())
-    table = readable(table)
-    page_lse = torch.full((2, num_queries * 8, table.shape[1]), 7.0)
-    reference.paged_decode_attention_into(torch.empty_like(q), None, q, k_pages, v_pages, table, lens, None,
-                                          page_lse=page_lse)
-    valid = reference.valid_pages(lens, PAGE, table.shape[1])[:, None, :].expand_as(page_lse)
-    assert (page_lse[~valid] == 7.0).all()  # pages past a sequence are left as they were
-    mass = torch.softmax(torch.where(valid, page_lse, float("-inf")).double(), -1)
-    torch.testing.assert_close(mass, softmax_page_masses(q, k_pages, table, lens), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_queries", [1, 3, 17])
-def test_kernel_page_lse_matches_reference(kernels, dtype, num_queries):
-    heads = (6, 2, 24)
-    q, k_pages, v_pages, table, lens = verify_case([41, 30, 18], num_queries, heads, dtype, generator())
-    valid = reference.valid_pages(lens, PAGE, table.shape[1])[:, None, :].expand(3, num_queries * 6, -1)
-    want = torch.zeros(3, num_queries * 6, table.shape[1])
-    out_want = reference.paged_decode_attention_into(torch.empty_like(q), None, q, k_pages, v_pages, readable(table),
-                                                     lens, None, page_lse=want)
-    buffers = kernels.attention_buffers(3, 6, 2, 24, table.shape[1], PAGE, True, q.device, 2, num_queries)
-    got = torch.zeros_like(want)
-    out = kernels.paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, table, lens, None,
-                                              page_lse=got)
-    assert _rel_err(out, out_want) < _tol(dtype)
-    assert torch.equal(want[valid].isinf(), got[valid].isinf())  # a page a row sees none of: -inf in both
-    finite = valid & want.isfinite()
-    torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=1e-4 if dtype == torch.float32 else 0.1)
-
-
-def test_page_lse_is_refused_with_a_selection_or_a_wrong_shape(kernels):
-    q, k_pages, v_pages, table, lens = verify_case([20, 9], 3, (8, 2, 32), torch.float32, generator())
-    selected = torch.zeros(2, 2, 1, dtype=torch.int32)
-    buffers = kernels.attention_buffers(2, 8, 2, 32, table.shape[1], PAGE, True, q.device, num_queries=3)
-    for module, pages in ((reference, readable(table)), (kernels, table)):
-        with pytest.raises(ValueError, match="dense attention only"):
-            module.paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, pages, lens, selected,
-                                               page_lse=torch.zeros(2, 24, table.shape[1]))
-        with pytest.raises(ValueError, match=r"page_lse must be a float32 \(2, 24, 6\)"):
-            module.paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, pages, lens, None,
-                                               page_lse=torch.zeros(2, 8, table.shape[1]))

@@ -68,7 +68,7 @@ _SCRIPT = textwrap.dedent(
 
 
     def compile_attention(dtype, dense, group, sel_per_kv, pdl=False, merge_chunk=decode_attention._MERGE_CHUNK,
-                          kind=None, pool=None, num_queries=1, page_lse=False):
+                          kind=None, pool=None, num_queries=1):
         ieee = dtype == "fp32"
         pool = pool or dtype
         block = decode_attention.query_block(num_queries, group)
@@ -77,12 +77,12 @@ _SCRIPT = textwrap.dedent(
             decode_attention._decode_split_kernel,
             {"q_ptr": dtype, "k_pages_ptr": pool, "v_pages_ptr": pool, "table_ptr": "i32",
              "lens_ptr": "i32", "sel_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
-             "counter_ptr": "i32", "out_ptr": dtype, "page_lse_ptr": "fp32"},
+             "counter_ptr": "i32", "out_ptr": dtype},
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": rows,
              "BLOCK_GM": triton.next_power_of_2(group), "SEL_PER_KV": sel_per_kv,
              "NUM_QUERIES": num_queries, "QUERY_BLOCK": block,
              "PAGES_PER_ITER": decode_attention.pages_per_iter(16, kind or ("dense" if dense else "sparse")), "MERGE_CHUNK": merge_chunk,
-             "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl, "PAGE_LSE": page_lse,
+             "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl,
              "F16_DOT": pool == "fp8e4nv" and dtype == "bf16"},
             floats=("qk_scale",),
             num_warps=decode_attention._WARPS_BY_ROWS.get(rows, 2 * decode_attention._NUM_WARPS),
@@ -153,16 +153,13 @@ _SCRIPT = textwrap.dedent(
     compile_attention("fp32", False, 4, 1)
     compile_attention("fp32", True, 4, 1)
     # a lossless verify step's attention (several queries per sequence, causal among them): GQA groups of 4 (the 8B)
-    # and 6 (Qwen2.5-1.5B) and MHA (llama2-7b) from 2 to 17 positions, an fp8 pool, a query tile of 16 to 64 rows,
-    # the per-page log-sum-exps the next round's selection reads; none may spill
-    for group, num_queries, pool, page_lse in ((4, 2, None, False), (4, 5, None, False), (4, 9, None, False),
-                                               (4, 17, None, False), (6, 9, None, False), (1, 17, None, False),
-                                               (4, 5, "fp8e4nv", False), (4, 5, None, True), (6, 9, None, True),
-                                               (1, 5, None, True)):
-        compiled = compile_attention("bf16", True, group, 1, pdl=True, pool=pool, num_queries=num_queries,
-                                     page_lse=page_lse)
+    # and 6 (Qwen2.5-1.5B) and MHA (llama2-7b) from 2 to 17 positions, an fp8 pool, a query tile of 16 to 64 rows;
+    # none may spill
+    for group, num_queries, pool in ((4, 2, None), (4, 5, None), (4, 9, None), (4, 17, None), (6, 9, None),
+                                     (1, 17, None), (4, 5, "fp8e4nv"), (1, 5, None)):
+        compiled = compile_attention("bf16", True, group, 1, pdl=True, pool=pool, num_queries=num_queries)
         info = ptxas_info(compiled)
-        print("attention, verify:", group, num_queries, pool, page_lse, info)
+        print("attention, verify:", group, num_queries, pool, info)
         assert "0 bytes spill stores" in info, info
     compile_estimate("fp32", 1, 4, 1, False)
     # selection reuse: the memory's gather and store (llama2-7b's 30 sparse layers of 32 heads and 129 columns;

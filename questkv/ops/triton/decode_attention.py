@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops.checks import check_page_lse
 from questkv.ops.pages import AttentionBuffers
 from questkv.ops.triton._common import (
     block_scores,
@@ -29,7 +28,6 @@ from questkv.ops.triton._common import (
 )
 
 _LOG2E = 1.4426950408889634
-_LN2 = tl.constexpr(0.6931471805599453)  # (a constexpr: a compiled kernel reads no other global)
 # Launch configuration per kind of grid (grid_kind; measured on an H200, benchmarks/results/kernel-sweep-h200.md):
 # keys per inner iteration (whole pages), programs per SM the split count aims at (rounded down so the grid fits
 # one wave), and software-pipelining depth. A dense grid of at most _FEW_PROGRAMS (sequence, KV head) pairs takes
@@ -64,7 +62,7 @@ _WARPS_BY_ROWS = {16: _NUM_WARPS, 32: _NUM_WARPS, 64: _NUM_WARPS}
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
-    counter_ptr, out_ptr, page_lse_ptr,
+    counter_ptr, out_ptr,
     qk_scale, num_items, items_per_split, num_q_heads,
     stride_qb, stride_qq, stride_qh,
     stride_kp, stride_kt, stride_kh,
@@ -74,12 +72,11 @@ def _decode_split_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oq, stride_oh,
-    stride_eb, stride_er,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr, SEL_PER_KV: tl.constexpr,
     NUM_QUERIES: tl.constexpr, QUERY_BLOCK: tl.constexpr,
     PAGES_PER_ITER: tl.constexpr, MERGE_CHUNK: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr, USE_PDL: tl.constexpr, PAGE_LSE: tl.constexpr, F16_DOT: tl.constexpr = False,
+    IEEE: tl.constexpr, USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False,
 ):
     """One program per (split, query block x selection head, sequence) attends a contiguous chunk of the page
     list (the selection row, or every page when ``DENSE``) for the ``GROUP`` query heads that share
@@ -89,8 +86,6 @@ def _decode_split_kernel(
     log-sum-exp (``-inf`` for an empty chunk; partial row ``position * num_q_heads + head``), then takes a
     ticket; the program that takes the last ticket of its (sequence, query block, selection head) merges all
     splits into ``out`` and resets the counter for the next launch (one launch per step, no separate merge kernel).
-    With ``PAGE_LSE`` (dense) it also writes each row's log-sum-exp over each page's keys it sees into
-    ``page_lse`` (row ``q_rows``, column: the page).
     With ``USE_PDL`` it waits for the kernels before it only at its first
     read of what they may write (``DENSE``: after prefetching its first tile into L2), and lets the next
     kernel launch once its split is attended."""
@@ -167,9 +162,6 @@ def _decode_split_kernel(
         else:  # row r sees the keys up to its own position, seq_len - NUM_QUERIES + query[r]
             seen = position[None, :] <= (seq_len - NUM_QUERIES + query)[:, None]
             s = tl.where(live[None, :] & seen, s, float("-inf"))
-        if PAGE_LSE:
-            _store_page_lse(page_lse_ptr + seq * stride_eb + q_rows[:, None] * stride_er, s, it, end, gmask,
-                            BLOCK_G, PAGES_PER_ITER, PAGE_SIZE)
         acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
 
     if USE_PDL:
@@ -195,21 +187,6 @@ def _decode_split_kernel(
                                   num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
                                   stride_oq, stride_oh, HEAD_DIM, BLOCK_D, GROUP, BLOCK_GM, MERGE_CHUNK)
         reset_ticket(counter)
-
-
-@triton.jit
-def _store_page_lse(row_ptrs, s, first_page, end, gmask, BLOCK_G: tl.constexpr, PAGES: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr):
-    """Store each row's log-sum-exp (natural log) of the scores ``s`` ``[BLOCK_G, PAGES * PAGE_SIZE]`` (log2
-    domain, ``-inf`` where unseen) per page, for pages ``first_page .. first_page + PAGES`` below ``end``, at
-    ``row_ptrs`` ``[BLOCK_G, 1]`` plus the page (``-inf``: the row sees none of the page's keys)."""
-    per_page = tl.reshape(s, (BLOCK_G, PAGES, PAGE_SIZE))
-    m = tl.max(per_page, axis=2)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(per_page - m_safe[:, :, None]), axis=2)
-    lse = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) * _LN2, float("-inf"))
-    page = first_page + tl.arange(0, PAGES)
-    tl.store(row_ptrs + page[None, :], lse, mask=gmask[:, None] & (page < end)[None, :])
 
 
 @triton.jit
@@ -354,7 +331,6 @@ def paged_decode_attention_into(
     seq_lens: torch.Tensor,
     selected: Optional[torch.Tensor],
     sm_scale: Optional[float] = None,
-    page_lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Split-KV attention with the merge fused in, into preallocated buffers (one launch, no host
     synchronisation).
@@ -363,11 +339,8 @@ def paged_decode_attention_into(
         out: ``q``'s shape and dtype.
         buffers: from :func:`attention_buffers` with ``dense=selected is None`` and ``q``'s queries per sequence;
             its ``num_splits * items_per_split`` must cover ``selected.shape[-1]`` (or ``max_pages``).
-        page_lse: dense only, the per-page log-sum-exps of
-            :func:`questkv.ops.reference.paged_decode_attention_into`, or ``None``.
         Other arguments as in :func:`paged_decode_attention`.
     """
-    check_page_lse(page_lse, q, page_table, selected)
     queries = q[:, None] if q.dim() == 3 else q
     batch, num_queries, num_q_heads, head_dim = queries.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -408,9 +381,8 @@ def paged_decode_attention_into(
     sel = page_table if dense else selected  # not read when dense
     outs = out[:, None] if out.dim() == 3 else out
     rows = max(16, next_pow2(block * group))
-    lse_out = part_lse if page_lse is None else page_lse  # (not written without page_lse)
     _decode_split_kernel[(num_splits, blocks * sel_heads, batch)](
-        q, k_pages, v_pages, page_table, seq_lens, sel, part_out, part_lse, counters, out, lse_out,
+        q, k_pages, v_pages, page_table, seq_lens, sel, part_out, part_lse, counters, out,
         sm_scale * _LOG2E, num_items, items_per_split, num_q_heads,
         queries.stride(0), queries.stride(1), queries.stride(2),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
@@ -420,13 +392,12 @@ def paged_decode_attention_into(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         outs.stride(0), outs.stride(1), outs.stride(2),
-        lse_out.stride(0), lse_out.stride(1),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         GROUP=group, BLOCK_G=rows, BLOCK_GM=next_pow2(group), SEL_PER_KV=sel_heads // num_kv_heads,
         NUM_QUERIES=num_queries, QUERY_BLOCK=block,
         PAGES_PER_ITER=pages_per_iter(page_size, kind), MERGE_CHUNK=merge_chunk(num_splits * programs, group, q.device),
         DENSE=dense, UPCAST=interpreting(),
-        IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device), PAGE_LSE=page_lse is not None,
+        IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device),
         F16_DOT=_f16_dot(q, k_pages), num_warps=_WARPS_BY_ROWS.get(rows, 2 * _NUM_WARPS), num_stages=_CONFIG[kind][2],
         launch_pdl=use_pdl(q.device),
     )
