@@ -24,8 +24,8 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
 
 Decode tokens/s is ``B * (T - 1) / (t - f)`` with ``t`` the wall time of ``generate`` of ``T`` tokens on an
 engine warmed by the same run and ``f`` its slowest request's time to first token (:func:`decode_rate`): prefill
-never counts, whether the prefix cache held a prompt or not. (The difference of a ``T``-token and a 2-token run, used before, gave negative
-and impossible rates on an H100 at 32k: ``lossless-real-h100-qwen2.5-coder-1.5b-32k``.) Two engines of one context
+never counts, whether the prefix cache held a prompt or not. (The difference of a ``T``-token and a 2-token run,
+used before, gave negative and impossible rates on an H100 at 32k: ``lossless-real-h100-qwen2.5-coder-1.5b-32k``.) Two engines of one context
 are alive together (``--memory`` of the GPU each): the base engine (dense and lossy requests) and a lossless
 engine.
 

@@ -230,7 +230,7 @@ class ModelRunner:
         padded = self.graphs.padded(rows)
         width = self.graphs.width(self.cache.pages_for_tokens(max(batch.seq_lens)))
         host = self._host_verify[:_VERIFY_INPUTS + q_len, :padded]
-        host[:_VERIFY_INPUTS] = torch.tensor([0, q_len, self.scratch_seq, -1])[:, None]  # padding
+        host[:_VERIFY_INPUTS] = self._verify_padding(q_len)[:, None]
         host[_VERIFY_INPUTS:].zero_()
         for i, (seq, seq_len) in enumerate(zip(batch.seqs, batch.seq_lens)):
             tokens, flying = seq.input_tokens(seq_len, q_len)
@@ -266,9 +266,14 @@ class ModelRunner:
             key = (batch, width, StepRoute.VERIFY, q_len)
             if key in self.graphs:
                 continue
-            self._verify_inputs[:, :batch] = torch.tensor([0, q_len, self.scratch_seq, -1], device=self.device)[:, None]
+            self._verify_inputs[:, :batch] = self._verify_padding(q_len).to(self.device)[:, None]
             self._verify_ids[:batch, :q_len].zero_()
             self.graphs.capture(key, self._verify_body)
+
+    def _verify_padding(self, q_len: int) -> torch.Tensor:
+        """``[_VERIFY_INPUTS]`` int64 staged inputs of a verify step's padding row of ``q_len`` positions: the
+        scratch sequence's first positions, its last input token staged."""
+        return torch.tensor([0, q_len, self.scratch_seq, -1])
 
     def _verify_body(self, batch: int, width: int, route: StepRoute, q_len: int) -> torch.Tensor:
         """One verify step over the static verify inputs (graph-capturable: device ops only): ``batch`` rows of

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from questkv.config import SpeculativeConfig
     from questkv.engine.sequence import Sequence
 
-__all__ = ["MAX_PROBE_EVERY", "PROBE_EVERY", "SpeculationPolicy", "StepKind", "draft_reuse_steps", "expected_tokens", "keep_verified",
-           "verified_next_inputs"]
+__all__ = ["MAX_PROBE_EVERY", "PROBE_EVERY", "SpeculationPolicy", "StepKind", "draft_reuse_steps", "expected_tokens",
+           "keep_verified", "verified_next_inputs"]
 
 PROBE_EVERY = 32
 """Rounds between two dense steps that refresh the dense step's time, and dense steps between two rounds that

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from questkv.engine.sequence import Sequence
-from questkv.engine.speculation import (MAX_PROBE_EVERY, PROBE_EVERY, SpeculationPolicy, StepKind, expected_tokens, keep_verified,
-                                       verified_next_inputs)
+from questkv.engine.speculation import (MAX_PROBE_EVERY, PROBE_EVERY, SpeculationPolicy, StepKind, expected_tokens,
+                                       keep_verified, verified_next_inputs)
 
 
 @pytest.mark.parametrize("p, k, tokens", [(0.0, 4, 1.0), (1.0, 4, 5.0), (0.5, 2, 1.75), (0.9, 1, 1.9)])
