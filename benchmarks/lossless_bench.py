@@ -286,6 +286,10 @@ POINTS = {  # name: (model, batch, context, budget, quantization)
     "llama3.1-8b-b4-128k": ("llama3.1-8b", 4, 128 * 1024, 4096, None),
     "llama3.1-8b-b8-32k": ("llama3.1-8b", 8, 32 * 1024, 2048, None),  # these two fit an 80 GB card (H100)
     "llama3.1-8b-b2-128k": ("llama3.1-8b", 2, 128 * 1024, 4096, None),
+    # the real lossless runs' model (Qwen2.5-Coder-1.5B's shape): where its Quest step's time goes
+    "qwen2.5-1.5b-b1-32k": ("qwen2.5-1.5b", 1, 32 * 1024, 2048, None),
+    "qwen2.5-1.5b-b16-32k": ("qwen2.5-1.5b", 16, 32 * 1024, 2048, None),
+    "qwen2.5-1.5b-b32-32k": ("qwen2.5-1.5b", 32, 32 * 1024, 2048, None),
 }
 
 
@@ -342,6 +346,7 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
     if device == "cuda":
         with contextlib.suppress(LookupError):
             record["draft_graph_ms"] = replay_ms(engine.runner, route=StepRoute.SPARSE)
+            record["draft_kernels"] = profile_replay(engine.runner, top=16, route=StepRoute.SPARSE)
             record["verify_kernels"] = profile_replay(engine.runner, top=10, route=StepRoute.VERIFY)
             record["verify_graph_ms"] = replay_ms(engine.runner, route=StepRoute.VERIFY)
     llm.close()
@@ -423,6 +428,16 @@ def table(part: str, record: dict) -> str:
                              f"{source_suffix(p)} | {p['dense_graph_ms']:.2f} | "
                              f"{p['draft_graph_ms']:.2f} | {p['verify_graph_ms']:.2f} | {graphs:.2f} | "
                              f"{p['round_ms'] - graphs:.2f} | {top} |")
+        kernels = [p for p in record["results"]["points"] if "draft_kernels" in p and "dense_kernels" in p]
+        if kernels:  # each graph's kernels: how many, their summed GPU time, the heaviest
+            lines += ["", "| point | graph | kernels | GPU µs | heaviest kernels (count, µs) |", "|---|---|---|---|---|"]
+            for p in kernels:
+                for graph in ("dense", "draft", "verify"):
+                    prof = p.get(f"{graph}_kernels")
+                    if prof is not None:
+                        top = "; ".join(f"{t['name'][:48]} ({t['count']}, {t['us']:.0f})" for t in prof["top"][:8])
+                        lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k | {graph} | "
+                                     f"{prof['count']} | {prof['us']:.0f} | {top} |")
         profiled = [p for p in record["results"]["points"] if "round_profile" in p]
         if profiled:  # where a step's wall time goes, per step (torch profiler: its own host overhead included)
             lines += ["", "Per step, two passes of the torch profiler: device activity only (wall, GPU busy and idle, "

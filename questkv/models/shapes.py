@@ -53,6 +53,14 @@ DUMMY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         max_position_embeddings=32768, tie_word_embeddings=False, use_sliding_window=False,
         bos_token_id=151643, eos_token_id=151645,
     )),
+    # Qwen/Qwen2.5-Coder-1.5B (QKV bias, tied embeddings): the real model of the lossless and accuracy runs
+    "qwen2.5-1.5b": ("qwen2", dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        max_position_embeddings=32768, tie_word_embeddings=True, use_sliding_window=False,
+        bos_token_id=151643, eos_token_id=151643,
+    )),
 }
 
 
