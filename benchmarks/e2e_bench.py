@@ -384,6 +384,52 @@ def profile_steps(engine, steps: int, top: int = 12) -> dict:
     return record
 
 
+def time_host(engine, steps: int) -> dict:
+    """Where the host's time of ``steps`` engine steps goes, timed without a profiler (``perf_counter`` around the
+    phases; the caller has warmed the engine up), ms per step: ``wall``; ``schedule`` (the scheduler); ``launch``
+    (the runner staging inputs and launching the step and its sampling), of which ``replay`` (the host's call of a
+    CUDA graph's replay) and ``sample`` (launching the sampling); ``process`` (appending a step's tokens, stops,
+    outputs), of which ``wait`` (blocked on the device for the tokens). ``busy`` is the wall less ``wait``: where it
+    reaches the device's time per step, the host, not the device, sets the pace."""
+    from questkv.engine.step_data import SampledTokens
+
+    runner = engine.runner
+    spent = dict.fromkeys(("schedule", "launch", "replay", "sample", "process", "wait"), 0.0)
+
+    def timed(name, method):
+        def run_timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return run_timed
+
+    instances = {"schedule": (engine.scheduler, "schedule"), "launch": (runner, "execute"),
+                 "replay": (runner.graphs, "replay"), "sample": (runner.tokens, "sample"),
+                 "process": (engine, "_process")}
+    for name, (owner, attr) in instances.items():  # an instance attribute shadows the method until deleted
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    waits = {attr: getattr(SampledTokens, attr) for attr in ("token_ids", "forced_logprobs")}
+    for attr, method in waits.items():
+        setattr(SampledTokens, attr, timed("wait", method))
+    try:
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    finally:
+        for owner, attr in instances.values():
+            delattr(owner, attr)
+        for attr, method in waits.items():
+            setattr(SampledTokens, attr, method)
+    record = {name: seconds / steps * 1e3 for name, seconds in spent.items()}
+    record.update(wall=wall / steps * 1e3, busy=(wall - spent["wait"]) / steps * 1e3, steps=steps)
+    return record
+
+
 def time_prefill(cfg, quest, context, quantization=None, quantize_lm_head=False) -> float:
     """Seconds of one real engine prefill of ``context`` tokens (batch 1, weights in ``quantization``), after a
     short warm-up prefill."""

@@ -52,7 +52,7 @@ if __name__ == "__main__":  # run as a file: the checkout importable (questkv, b
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.e2e_bench import (  # noqa: E402
-    context_config, kv_bytes_per_token, profile_replay, profile_steps, replay_ms, synthetic_prefill)
+    context_config, kv_bytes_per_token, profile_replay, profile_steps, replay_ms, synthetic_prefill, time_host)
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.decode.route import StepRoute  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
@@ -324,7 +324,8 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
     _synchronize(device)
     dense_ms = (time.perf_counter() - start) / steps * 1e3
     record = {"model": model, "batch": batch, "context": context, "budget": budget, "quantization": quantization,
-              "k": k, "dense_ms": dense_ms, "dense_profile": profile_steps(engine, 2 * (k + 1))}
+              "k": k, "dense_ms": dense_ms, "dense_host": time_host(engine, steps),
+              "dense_profile": profile_steps(engine, 2 * (k + 1))}
     # GPU time of each step's graph alone (CUDA): what the host adds is the rest
     if device == "cuda":
         with contextlib.suppress(LookupError):  # a route that captured no graph: its figures are left out
@@ -332,6 +333,18 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
             record["dense_kernels"] = profile_replay(engine.runner, top=10, route=StepRoute.DENSE)
     llm.close()
     del llm, engine
+    gc.collect()
+    # lossy Quest (what a draft step runs, decoded asynchronously): its step, and whether the host keeps up
+    llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest, async_scheduling=True)
+    for _ in range(6):
+        llm.engine.step()
+    record["quest_host"] = time_host(llm.engine, steps)
+    record["quest_ms"] = record["quest_host"]["wall"]
+    if device == "cuda":
+        with contextlib.suppress(LookupError):
+            record["quest_graph_ms"] = replay_ms(llm.engine.runner, route=StepRoute.SPARSE)
+    llm.close()
+    del llm
     gc.collect()
     llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest,
                         speculative_config=lossless_config(k, False))
@@ -342,6 +355,7 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
         engine.step()
         if i >= 2 * (k + 1) and engine.scheduler.step_tokens["verify"] > verifies:  # (graphs captured)
             ends.append(time.perf_counter())
+    record["round_host"] = time_host(engine, 4 * (k + 1))  # four rounds' worth of steps
     record["round_profile"] = profile_steps(engine, 2 * (k + 1))  # two rounds' worth of steps
     if device == "cuda":
         with contextlib.suppress(LookupError):
@@ -408,13 +422,14 @@ def table(part: str, record: dict) -> str:
                 cells.append(cell)
             lines.append(f"| {point['context']} | {point['batch']} | {point['corpus']} | " + " | ".join(cells) + " |")
     else:
-        lines += ["| point | dense ms/step | round ms (k drafts + verify) | implied speedup (acceptance) |",
-                  "|---|---|---|---|"]
+        lines += ["| point | dense ms/step | lossy Quest ms/step | round ms (k drafts + verify) | implied speedup "
+                  "(acceptance) |", "|---|---|---|---|---|"]
         for p in record["results"]["points"]:
             implied = ", ".join(f"{i['speedup']:.2f}× ({i['acceptance']})" for i in p["implied"])
             name = (f"{p['model']} {p['quantization'] or 'bf16'} B={p['batch']} {p['context'] // 1024}k/{p['budget']}"
                     f"{source_suffix(p)}")
-            lines.append(f"| {name} | {p['dense_ms']:.2f} | {p['round_ms']:.2f} (k={p['k']}) | {implied} |")
+            quest = f"{p['quest_ms']:.2f}" if "quest_ms" in p else "–"
+            lines.append(f"| {name} | {p['dense_ms']:.2f} | {quest} | {p['round_ms']:.2f} (k={p['k']}) | {implied} |")
         graphed = [p for p in record["results"]["points"] if "verify_graph_ms" in p and "dense_graph_ms" in p]
         if graphed:  # the GPU time of each step's graph alone, and the verify graph's heaviest kernels
             lines += ["", "| point | dense graph ms | draft graph ms | verify graph ms | a round's graphs ms (k "
@@ -438,6 +453,19 @@ def table(part: str, record: dict) -> str:
                         top = "; ".join(f"{t['name'][:48]} ({t['count']}, {t['us']:.0f})" for t in prof["top"][:8])
                         lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k | {graph} | "
                                      f"{prof['count']} | {prof['us']:.0f} | {top} |")
+        timed = [p for p in record["results"]["points"] if "round_host" in p]
+        if timed:  # the host's time per step without a profiler (e2e_bench.time_host)
+            lines += ["", "The host per step, no profiler (ms): `busy` is the wall less the wait for the device's tokens; "
+                      "where it reaches the device's step time, the host sets the pace.", "",
+                      "| point | engine | wall | busy | wait | schedule | launch (graph replay, sampling) | process |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for p in timed:
+                for engine, key in (("dense", "dense_host"), ("lossy Quest", "quest_host"),
+                                    (f"lossless k={p['k']}", "round_host")):
+                    h = p[key]
+                    lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k | {engine} | {h['wall']:.2f} | "
+                                 f"{h['busy']:.2f} | {h['wait']:.2f} | {h['schedule']:.2f} | {h['launch']:.2f} "
+                                 f"({h['replay']:.2f}, {h['sample']:.2f}) | {h['process']:.2f} |")
         profiled = [p for p in record["results"]["points"] if "round_profile" in p]
         if profiled:  # where a step's wall time goes, per step (torch profiler: its own host overhead included)
             lines += ["", "Per step, two passes of the torch profiler: device activity only (wall, GPU busy and idle, "

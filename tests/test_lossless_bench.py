@@ -1,4 +1,5 @@
-"""benchmarks/lossless_bench.py and its engine-step profile (benchmarks/e2e_bench.py's profile_steps) on the CPU: what
+"""benchmarks/lossless_bench.py and its engine-step profile and host timing (benchmarks/e2e_bench.py's profile_steps,
+time_host) on the CPU: what
 a GPU run would record, on a tiny random model, so that a fault shows here rather than on the GPU's clock."""
 
 import json
@@ -8,7 +9,7 @@ import pytest
 from transformers import LlamaConfig
 
 from benchmarks import lossless_bench
-from benchmarks.e2e_bench import idle_gaps, profile_steps
+from benchmarks.e2e_bench import idle_gaps, profile_steps, time_host
 from questkv import LLM, QuestConfig, SamplingParams
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -47,6 +48,30 @@ def test_profile_steps_times_the_engines_phases_and_leaves_the_engine_as_it_was(
         engine.step()
 
 
+def test_time_host_splits_the_steps_wall_time_and_leaves_the_engine_as_it_was():
+    from questkv.engine.step_data import SampledTokens
+
+    methods = {attr: getattr(SampledTokens, attr) for attr in ("token_ids", "forced_logprobs")}
+    llm = _engine(speculative_config=lossless_bench.lossless_config(3, False), async_scheduling=True)
+    engine = llm.engine
+    for _ in range(4):
+        engine.step()
+    verifies = engine.scheduler.step_tokens["verify"]
+    record = time_host(engine, 8)
+    assert engine.scheduler.step_tokens["verify"] > verifies  # the timed steps ran a round
+    assert record["steps"] == 8
+    assert 0 < record["schedule"] and 0 < record["sample"] < record["launch"] and record["replay"] == 0  # (no graphs)
+    assert record["wait"] <= record["process"]
+    assert record["schedule"] + record["launch"] + record["process"] <= record["wall"] * 1.01
+    assert record["busy"] == pytest.approx(record["wall"] - record["wait"])
+    for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.runner.graphs, "replay"),
+                        (engine.runner.tokens, "sample"), (engine, "_process")):
+        assert name not in vars(owner)  # the timing wrappers are gone
+    assert all(getattr(SampledTokens, attr) is method for attr, method in methods.items())
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 def test_the_shapes_table_shows_rounds_graphs_and_profiles(kernels):
     profile = {"steps": 10, "wall_ms": 6.0, "gpu_busy_ms": 5.0, "gpu_idle_ms": 1.0, "host_wall_ms": 5.5,
@@ -61,10 +86,14 @@ def test_the_shapes_table_shows_rounds_graphs_and_profiles(kernels):
              "dense_graph_ms": 7.7, "draft_graph_ms": 3.2, "verify_graph_ms": 10.2,
              "verify_kernels": {"top": [{"name": "_decode_split_kernel", "count": 32, "us": 6329.0}]},
              "dense_profile": profile, "round_profile": profile}
+    host = {"wall": 6.0, "busy": 4.5, "wait": 1.5, "schedule": 1.0, "launch": 2.0, "replay": 0.25, "sample": 0.5,
+            "process": 2.75, "steps": 20}
+    point.update(dense_host=host, quest_host=host, round_host=host, quest_ms=3.5)
     record = {"provenance": {"command": "lossless_bench.py shapes", "commit": "abc", "machine": "GPU", "date": "today"},
               "results": {"points": [point]}}
     text = lossless_bench.table("shapes", record)
-    assert "| llama2-7b int4 B=1 32k/2048 | 7.70 | 25.50 (k=4) | 1.34× (0.929) |" in text
+    assert "| llama2-7b int4 B=1 32k/2048 | 7.70 | 3.50 | 25.50 (k=4) | 1.34× (0.929) |" in text
+    assert "| llama2-7b B=1 32k | lossy Quest | 6.00 | 4.50 | 1.50 | 1.00 | 2.00 (0.25, 0.50) | 2.75 |" in text
     assert "| llama2-7b B=1 32k | lossless k=4 | 6.00 | 5.00 | 1.00 |" in text
     assert "| llama2-7b B=1 32k | 7.70 | 3.20 | 10.20 | 23.00 | 2.50 |" in text  # a round's graphs, the rest
     assert ("_decode_split_kernel 2061" in text) == kernels
