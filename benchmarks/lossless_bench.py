@@ -10,7 +10,7 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
   each batch size (half book, half code windows; batch 1: one of each, run apart). Per batch: decode tokens/s of
   dense, lossy Quest (1/16 of the context) and lossless (drafts at 1/16 and 1/8; ``--policies``: the engine picks
   the drafts per round, ``adaptive``, the default, and/or a fixed ``k``, on one engine whose policy is switched
-  between runs),
+  between runs; ``--draft-dense-layers``: lossless engines whose drafts attend densely in that many first layers),
   acceptance, tokens per verify, and the lossless outputs
   against the dense engine's: rows identical, and at each first difference the gap between dense's own
   log-probabilities of its token and of lossless's (a near tie of bf16 rounding when small). At a batch above 1,
@@ -232,28 +232,30 @@ def real(args, save) -> dict:
         results["points"] += [{key: value for key, value in point.items() if key not in ("want", "prompts")}
                               for point in points]
         save(results)
-        quest8 = QuestConfig(token_budget=budget8, page_size=PAGE, dense_layers=DENSE_LAYERS)
-        lossless = LLM(args.model, quest=quest8, speculative_config=lossless_config(args.k, True), **common)
-        for point, stored in zip(points, results["points"][-len(points):]):
-            for policy, (label, budget) in itertools.product(args.policies, (("1/16", budget16), ("1/8", budget8))):
-                # One lossless engine, its policy switched between runs (the prompts stay in its prefix cache).
-                lossless.engine.speculation.adaptive = policy == "adaptive"
-                rate, outs, captured = decode_rate(lossless, point["prompts"],
-                                                   SamplingParams(token_budget=budget, **greedy), args.tokens)
-                accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
-                per_verify = [o.metrics.mean_tokens_per_verify for o in outs
-                              if o.metrics.mean_tokens_per_verify is not None]
-                stored["modes"][f"lossless-{label}-{policy}"] = {
-                    "tokens_per_s": rate, "speedup": rate / stored["modes"]["dense"]["tokens_per_s"],
-                    "graphs_captured_timed": captured,
-                    "acceptance": statistics.mean(accepted) if accepted else None,
-                    "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
-                    **_identity(base, point["prompts"], point["want"], outs, True)}
-            print(_point_line(stored), flush=True)
-        lossless.close()
-        del lossless
-        gc.collect()
-        save(results)
+        for dense_layers in args.draft_dense_layers:  # one lossless engine each, alive beside the base
+            quest8 = QuestConfig(token_budget=budget8, page_size=PAGE, dense_layers=dense_layers)
+            lossless = LLM(args.model, quest=quest8, speculative_config=lossless_config(args.k, True), **common)
+            suffix = "" if dense_layers == DENSE_LAYERS else f"-dense{dense_layers}"
+            for point, stored in zip(points, results["points"][-len(points):]):
+                for policy, (label, budget) in itertools.product(args.policies, (("1/16", budget16), ("1/8", budget8))):
+                    # One lossless engine, its policy switched between runs (the prompts stay in its prefix cache).
+                    lossless.engine.speculation.adaptive = policy == "adaptive"
+                    rate, outs, captured = decode_rate(lossless, point["prompts"],
+                                                       SamplingParams(token_budget=budget, **greedy), args.tokens)
+                    accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
+                    per_verify = [o.metrics.mean_tokens_per_verify for o in outs
+                                  if o.metrics.mean_tokens_per_verify is not None]
+                    stored["modes"][f"lossless-{label}-{policy}{suffix}"] = {
+                        "tokens_per_s": rate, "speedup": rate / stored["modes"]["dense"]["tokens_per_s"],
+                        "graphs_captured_timed": captured,
+                        "acceptance": statistics.mean(accepted) if accepted else None,
+                        "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
+                        **_identity(base, point["prompts"], point["want"], outs, True)}
+                print(_point_line(stored), flush=True)
+            lossless.close()
+            del lossless
+            gc.collect()
+            save(results)
         base.close()
         del base, points
         gc.collect()
@@ -522,6 +524,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="real: the dtype")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="real: the K/V pages")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (the adaptive policy's maximum)")
+    parser.add_argument("--draft-dense-layers", type=int, nargs="+", default=[DENSE_LAYERS],
+                        help="real: the lossless engines' dense layers (QuestConfig.dense_layers; one engine each): "
+                             "the layers its drafts attend densely; modes of a value other than the default are "
+                             "suffixed -denseN")
     parser.add_argument("--policies", nargs="+", default=["adaptive"], choices=("adaptive", "fixed"),
                         help="real: the lossless engine's k policies (adaptive: the engine picks the drafts per round)")
     parser.add_argument("--points", nargs="+", default=list(POINTS)[:3], choices=list(POINTS), help="shapes: the points")

@@ -117,9 +117,10 @@ def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_
     words = collections.Counter(word for task in ("agreement_book", "agreement_code")
                                 for word in agreement.load_text(task)[0].split())
     word_tokenizer([word for word, _ in words.most_common(94)]).save_pretrained(model)  # the texts' commonest words
+    dense_layers = [lossless_bench.DENSE_LAYERS] + [0] * (len(batches) > 1)  # drafts sparse in every layer too
     args = argparse.Namespace(model=str(model), contexts=[512], batches=batches, tokens=8, k=3, policies=["fixed"],
                               device="cpu", dtype="float32", kv_cache_dtype="auto",
-                              memory=0.4, kv_cache_gib=None)
+                              memory=0.4, kv_cache_gib=None, draft_dense_layers=dense_layers)
     saved = []
     results = lossless_bench.real(args, saved.append)
     assert saved and saved[-1] is results
@@ -127,13 +128,15 @@ def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_
     assert [(p["batch"], p["corpus"]) for p in points] == [(1, "book"), (1, "code"), (2, "book+code")][:len(batches) + 1]
     for point in points:
         alone = {"dense-alone"} if point["batch"] > 1 else set()
-        assert set(point["modes"]) == {"dense", "quest-1/16", "lossless-1/16-fixed", "lossless-1/8-fixed"} | alone
+        lossless = {f"lossless-{label}-fixed{suffix}" for label in ("1/16", "1/8")
+                    for suffix in ("", "-dense0")[:len(dense_layers)]}
+        assert set(point["modes"]) == {"dense", "quest-1/16"} | lossless | alone
         assert all(mode["tokens_per_s"] > 0 and mode["graphs_captured_timed"] == 0  # (no graphs on the CPU)
                    for name, mode in point["modes"].items() if name not in alone)
         if alone:  # float32: a prompt decoded alone gives the batch's tokens
             assert point["modes"]["dense-alone"]["rows_identical"] == point["batch"]
-        for label in ("1/16", "1/8"):
-            mode = point["modes"][f"lossless-{label}-fixed"]
+        for name in lossless:
+            mode = point["modes"][name]
             assert mode["rows_identical"] == mode["rows"] == point["batch"]
             assert 0 <= mode["acceptance"] <= 1 and 1 <= mode["tokens_per_verify"] <= args.k + 1
     text = lossless_bench.table("real", {"provenance": {"command": "c", "commit": "x", "machine": "m", "date": "d"},
