@@ -11,10 +11,11 @@ with the best predicted tokens per second (0: dense steps). A round length whose
 predicted from the nearest one that was, along the line from the dense step (a verify of no draft is one). Every
 kind of step is measured again now and then (a dense step every :data:`PROBE_EVERY` rounds, a round of ``max_k``
 after :data:`PROBE_EVERY` dense steps), so the choice follows the batch, the context and the text. A probe round
-that leaves dense the choice doubles the dense steps before the next one, up to :data:`MAX_PROBE_EVERY`: where
-drafting never pays (a 1.5B model at batch 1: 0.94x of dense with a probe every 32 steps,
-``lossless-real-h200-qwen2.5-coder-1.5b-warm``), each probe costs about two steps more than it yields. Every step's
-output is dense attention's whichever it picks: only the speed depends on it.
+that leaves dense the choice doubles the dense steps before the next one, up to :data:`MAX_PROBE_EVERY`, and goes
+straight there where drafting could not pay even if every draft were kept (a draft step as dear as a dense one: a
+1.5B model at batch 1 ran at 0.94x of dense with a probe every 32 steps, ``lossless-real-h200-qwen2.5-coder-1.5b-warm``,
+each probe costing about two steps more than it yields). Every step's output is dense attention's whichever it
+picks: only the speed depends on it.
 """
 
 from __future__ import annotations
@@ -147,17 +148,30 @@ class SpeculationPolicy:
         key = drafts if kind is StepKind.VERIFY else kind
         old: Optional[float] = means.get(key)
         means[key] = seconds if old is None else (1 - _WEIGHT) * old + _WEIGHT * seconds
+        measured = StepKind.DRAFT in bucket.seconds and StepKind.DENSE in bucket.seconds and bucket.verify_by_drafts
         if kind is StepKind.DENSE:
             bucket.rounds_since_dense = 0
             bucket.dense_since_round += 1
+            if measured and bucket.dense_since_round == 1 and self._never_pays(batch):  # (the round's times fresh)
+                bucket.probe_every = MAX_PROBE_EVERY
         elif kind is StepKind.VERIFY:
-            if StepKind.DRAFT in bucket.seconds and StepKind.DENSE in bucket.seconds:
+            if measured:
                 if self._best_k(batch):
                     bucket.probe_every = PROBE_EVERY
                 elif bucket.dense_since_round >= bucket.probe_every:  # a probe round that leaves dense the choice
-                    bucket.probe_every = min(2 * bucket.probe_every, MAX_PROBE_EVERY)
+                    bucket.probe_every = (MAX_PROBE_EVERY if self._never_pays(batch)
+                                          else min(2 * bucket.probe_every, MAX_PROBE_EVERY))
             bucket.rounds_since_dense += 1
             bucket.dense_since_round = 0
+
+    def _never_pays(self, batch: int) -> bool:
+        """Whether drafting loses to dense steps at ``batch`` rows even if every draft were kept: no ``k`` in ``[1,
+        max_k]`` predicts more than ``(k + 1) / (k * t_draft + t_verify(k))`` tokens per second, and none of those
+        beats ``1 / t_dense`` (a draft step as dear as a dense one, a 1.5B model at batch 1). Only the step times can
+        change that, so the next probe waits :data:`MAX_PROBE_EVERY` dense steps."""
+        bucket = self._bucket(batch)
+        draft, dense = bucket.seconds[StepKind.DRAFT], bucket.seconds[StepKind.DENSE]
+        return all((k + 1) * dense <= k * draft + self.verify_seconds(batch, k) for k in range(1, self.max_k + 1))
 
     def record_round(self, batch: int, drafted: int, kept: int) -> None:
         """A verify of ``batch`` rows kept ``kept`` of a row's ``drafted`` drafts (once per verified row)."""

@@ -64,7 +64,9 @@ def test_it_refreshes_dense_and_round_times_every_probe_interval():
     policy.record_step(StepKind.VERIFY, 2, 0.005, 4)
     assert policy.draft_tokens(2) == 0  # PROBE_EVERY rounds since the last dense step
     losing = SpeculationPolicy(4)
-    measured(losing, 2, dense=0.001, draft=0.001, verify=0.005)  # one dense step since the round
+    for _ in range(10):  # every draft rejected: cheap drafts lose
+        losing.record_round(2, 4, 0)
+    measured(losing, 2, dense=0.001, draft=0.0004, verify=0.0015)  # one dense step since the round
     for _ in range(PROBE_EVERY - 2):
         losing.record_step(StepKind.DENSE, 2, 0.001)
         assert losing.draft_tokens(2) == 0
@@ -72,9 +74,9 @@ def test_it_refreshes_dense_and_round_times_every_probe_interval():
     assert losing.draft_tokens(2) == 4  # PROBE_EVERY dense steps since the last round: a round again
 
 
-def decode(policy, batch, steps, dense, draft, verify):
-    """``steps`` scheduling decisions of an engine with these step times (every draft kept); the dense steps
-    between two rounds, in order."""
+def decode(policy, batch, steps, dense, draft, verify, keep=True):
+    """``steps`` scheduling decisions of an engine with these step times (every draft kept, or with ``keep=False``
+    none); the dense steps between two rounds, in order."""
     gaps, since = [], 0
     for _ in range(steps):
         k = policy.draft_tokens(batch)
@@ -84,7 +86,7 @@ def decode(policy, batch, steps, dense, draft, verify):
             continue
         for _ in range(k):
             policy.record_step(StepKind.DRAFT, batch, draft)
-        policy.record_round(batch, k, k)
+        policy.record_round(batch, k, k if keep else 0)
         policy.record_step(StepKind.VERIFY, batch, verify, k)
         gaps.append(since)
         since = 0
@@ -93,8 +95,8 @@ def decode(policy, batch, steps, dense, draft, verify):
 
 def test_probe_rounds_that_keep_dense_the_choice_come_ever_later_and_a_winning_one_resets_them():
     policy = SpeculationPolicy(4)
-    losing = dict(dense=0.001, draft=0.001, verify=0.005)  # drafting never pays
-    gaps = decode(policy, 2, 2000, **losing)
+    losing = dict(dense=0.001, draft=0.0004, verify=0.0015, keep=False)  # cheap drafts, all rejected: dense wins
+    gaps = decode(policy, 2, 4000, **losing)
     doubling = [PROBE_EVERY * 2 ** i for i in range(MAX_PROBE_EVERY.bit_length() - PROBE_EVERY.bit_length() + 1)]
     assert gaps[0] == 0 and gaps[1:1 + len(doubling)] == doubling  # the first round, then the probes
     assert set(gaps[1 + len(doubling):]) == {MAX_PROBE_EVERY}
@@ -103,6 +105,18 @@ def test_probe_rounds_that_keep_dense_the_choice_come_ever_later_and_a_winning_o
     resumed = next(i for i, gap in enumerate(gaps) if gap <= 1)  # the running means need a probe or two
     assert resumed <= 2 and max(gaps[:resumed]) <= MAX_PROBE_EVERY and max(gaps[resumed:]) <= 1
     assert policy._bucket(2).probe_every == PROBE_EVERY
+
+
+@pytest.mark.parametrize("draft", [0.001, 0.0012])
+def test_where_drafting_could_not_pay_even_keeping_every_draft_it_probes_at_the_longest_interval_at_once(draft):
+    """A draft step as dear as a dense one (a 1.5B model at batch 1): after the first round and dense step, a probe
+    every MAX_PROBE_EVERY dense steps, however high the acceptance."""
+    policy = SpeculationPolicy(4)
+    gaps = decode(policy, 1, 3 * MAX_PROBE_EVERY, dense=0.001, draft=draft, verify=0.0011)
+    assert gaps[0] == 0 and len(gaps) >= 3 and set(gaps[1:]) == {MAX_PROBE_EVERY}
+    payable = SpeculationPolicy(4)  # a little cheaper: all kept, k = 4 would pay, so it drafts
+    gaps = decode(payable, 1, 200, dense=0.001, draft=0.0007, verify=0.0011)
+    assert max(gaps[1:]) <= 1
 
 
 def test_acceptance_counts_the_drafts_tested_up_to_the_first_rejection():
