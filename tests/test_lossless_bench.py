@@ -29,14 +29,20 @@ def _engine(**kwargs):
     return llm
 
 
-def test_profile_steps_times_the_engines_phases_and_leaves_the_engine_as_it_was():
-    llm = _engine(speculative_config=lossless_bench.lossless_config(3, False), async_scheduling=True)
-    engine = llm.engine
+def _measured_round(measure):
+    """``measure(engine, 8)`` over 8 steps of a warmed-up lossless engine (rounds of 3 drafts: a verify among them);
+    returns the record and the engine, whose requests the caller finishes."""
+    engine = _engine(speculative_config=lossless_bench.lossless_config(3, False), async_scheduling=True).engine
     for _ in range(4):
         engine.step()
     verifies = engine.scheduler.step_tokens["verify"]
-    record = profile_steps(engine, 8)
-    assert engine.scheduler.step_tokens["verify"] > verifies  # the profiled steps ran a round
+    record = measure(engine, 8)
+    assert engine.scheduler.step_tokens["verify"] > verifies  # the measured steps ran a round
+    return record, engine
+
+
+def test_profile_steps_times_the_engines_phases_and_leaves_the_engine_as_it_was():
+    record, engine = _measured_round(profile_steps)
     assert record["steps"] == 8 and record["gpu_busy_ms"] is None and record["gpu_kernels"] == []
     assert set(record["phases_ms"]) == {"schedule", "launch", "process"}
     assert all(ms > 0 for ms in record["phases_ms"].values())
@@ -52,13 +58,7 @@ def test_time_host_splits_the_steps_wall_time_and_leaves_the_engine_as_it_was():
     from questkv.engine.step_data import SampledTokens
 
     methods = {attr: getattr(SampledTokens, attr) for attr in ("token_ids", "forced_logprobs")}
-    llm = _engine(speculative_config=lossless_bench.lossless_config(3, False), async_scheduling=True)
-    engine = llm.engine
-    for _ in range(4):
-        engine.step()
-    verifies = engine.scheduler.step_tokens["verify"]
-    record = time_host(engine, 8)
-    assert engine.scheduler.step_tokens["verify"] > verifies  # the timed steps ran a round
+    record, engine = _measured_round(time_host)
     assert record["steps"] == 8
     assert 0 < record["schedule"] and 0 < record["sample"] < record["launch"] and record["replay"] == 0  # (no graphs)
     assert record["wait"] <= record["process"]
