@@ -165,10 +165,10 @@ class SpeculationPolicy:
             bucket.dense_since_round = 0
 
     def _never_pays(self, batch: int) -> bool:
-        """Whether drafting loses to dense steps at ``batch`` rows even if every draft were kept: no ``k`` in ``[1,
-        max_k]`` predicts more than ``(k + 1) / (k * t_draft + t_verify(k))`` tokens per second, and none of those
-        beats ``1 / t_dense`` (a draft step as dear as a dense one, a 1.5B model at batch 1). Only the step times can
-        change that, so the next probe waits :data:`MAX_PROBE_EVERY` dense steps."""
+        """Whether drafting loses to dense steps at ``batch`` rows even if every draft were kept: for every ``k`` in
+        ``[1, max_k]``, ``(k + 1) / (k * t_draft + t_verify(k)) <= 1 / t_dense`` (a draft step as dear as a dense one,
+        a 1.5B model at batch 1). Only the step times can change that, so the next probe waits
+        :data:`MAX_PROBE_EVERY` dense steps."""
         bucket = self._bucket(batch)
         draft, dense = bucket.seconds[StepKind.DRAFT], bucket.seconds[StepKind.DENSE]
         return all((k + 1) * dense <= k * draft + self.verify_seconds(batch, k) for k in range(1, self.max_k + 1))
