@@ -232,11 +232,11 @@ class ModelRunner:
         host = self._host_verify[:_VERIFY_INPUTS + q_len, :padded]
         host[:_VERIFY_INPUTS] = self._verify_padding(q_len)[:, None]
         host[_VERIFY_INPUTS:].zero_()
-        for i, (seq, seq_len) in enumerate(zip(batch.seqs, batch.seq_lens)):
+        staged = []  # per row: its _VERIFY_INPUTS, then its q_len input tokens
+        for seq, seq_len in zip(batch.seqs, batch.seq_lens):
             tokens, flying = seq.input_tokens(seq_len, q_len)
-            host[:_VERIFY_INPUTS, i] = torch.tensor([seq_len - q_len, seq_len, seq.cache_id,
-                                                     self.tokens.row_of(seq) if flying else -1])
-            host[_VERIFY_INPUTS:, i] = torch.tensor(tokens)
+            staged.append([seq_len - q_len, seq_len, seq.cache_id, self.tokens.row_of(seq) if flying else -1, *tokens])
+        host[:, :rows] = torch.tensor(staged, dtype=torch.int64).T
         key = (padded, width, StepRoute.VERIFY, q_len)
         self._publish(batch, verify=(host.numpy(), key, batch.seq_ids))
         return self._run_verify(host, key, batch.seq_ids)[:rows * q_len]

@@ -114,12 +114,12 @@ class SpeculationPolicy:
             return 0
         return self._best_k(batch)
 
-    def _best_k(self, batch: int) -> int:
+    def _best_k(self, batch: int, acceptance: Optional[float] = None) -> int:
         """The ``k`` in ``[0, max_k]`` of the best predicted tokens per second from the measured times (a dense step,
-        a draft step and a verify step timed at ``batch`` rows)."""
+        a draft step and a verify step timed at ``batch`` rows) at ``acceptance`` (default: the measured one)."""
         bucket = self._bucket(batch)
         draft, dense = bucket.seconds[StepKind.DRAFT], bucket.seconds[StepKind.DENSE]
-        p = self.acceptance(batch)
+        p = self.acceptance(batch) if acceptance is None else acceptance
         best_k, best_rate = 0, 1.0 / dense
         for k in range(1, self.max_k + 1):
             rate = expected_tokens(p, k) / (k * draft + self.verify_seconds(batch, k))
@@ -165,13 +165,10 @@ class SpeculationPolicy:
             bucket.dense_since_round = 0
 
     def _never_pays(self, batch: int) -> bool:
-        """Whether drafting loses to dense steps at ``batch`` rows even if every draft were kept: for every ``k`` in
-        ``[1, max_k]``, ``(k + 1) / (k * t_draft + t_verify(k)) <= 1 / t_dense`` (a draft step as dear as a dense one,
-        a 1.5B model at batch 1). Only the step times can change that, so the next probe waits
+        """Whether drafting loses to dense steps at ``batch`` rows even if every draft were kept (a draft step as
+        dear as a dense one, a 1.5B model at batch 1). Only the step times can change that, so the next probe waits
         :data:`MAX_PROBE_EVERY` dense steps."""
-        bucket = self._bucket(batch)
-        draft, dense = bucket.seconds[StepKind.DRAFT], bucket.seconds[StepKind.DENSE]
-        return all((k + 1) * dense <= k * draft + self.verify_seconds(batch, k) for k in range(1, self.max_k + 1))
+        return self._best_k(batch, acceptance=1.0) == 0
 
     def record_round(self, batch: int, drafted: int, kept: int) -> None:
         """A verify of ``batch`` rows kept ``kept`` of a row's ``drafted`` drafts (once per verified row)."""
