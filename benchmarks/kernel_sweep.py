@@ -1,6 +1,7 @@
 """Launch configurations of the estimate and attention kernels, timed side by side on one GPU.
 
-For each point (Llama-3.1-8B attention by default, ``--model llama2-7b`` for MHA; bf16, page 16) and each
+For each point (Llama-3.1-8B attention by default, ``--model llama2-7b`` for MHA, ``--model qwen2.5-1.5b``
+for a group of 6 query heads on 2 KV heads; bf16, page 16) and each
 configuration, the script builds a fresh
 :class:`~questkv.decode.QuestDecodeStep` with the kernels' module constants set to that configuration, checks
 its output against the torch reference on the point's data, and times under CUDA graphs (the method and data of
@@ -47,7 +48,7 @@ from questkv.ops import reference  # noqa: E402
 from questkv.ops.triton import decode_attention as attention_kernel  # noqa: E402
 from questkv.ops.triton import estimate as estimate_kernel  # noqa: E402
 
-POINTS = [(1, 32768, 2048), (1, 131072, 4096), (8, 32768, 2048), (32, 32768, 2048)]  # (batch, context, budget)
+POINTS = [(1, 32768, 2048), (1, 131072, 4096), (8, 32768, 2048), (32, 32768, 2048), (16, 32768, 2048)]  # (batch, context, budget)
 KERNELS = ("dense", "sparse", "estimate")
 ATTENTION_GRID = {"tokens_per_iter": (64, 128, 256), "programs_per_sm": (2, 3, 4, 8), "num_stages": (2, 3),
                   "num_warps": (4, 8)}

@@ -59,6 +59,7 @@ from questkv.eval.provenance import git_commit  # noqa: E402
 MODELS = {  # name: (num_q_heads, num_kv_heads, head_dim)
     "llama3.1-8b": (32, 8, 128),
     "llama2-7b": (32, 32, 128),
+    "qwen2.5-1.5b": (12, 2, 128),  # lossless Quest's real model: a group of 6 query heads per KV head
 }
 PAGE_SIZE = 16
 DEVICE = "cuda"
