@@ -73,10 +73,13 @@ def lossless_config(k: int, adaptive: bool) -> dict:
 
 
 def source_suffix(record: dict) -> str:
-    """A shapes record's name suffix for its draft pages' source: results made before the verify step's pages were
-    removed (``draft_selection="verify"``, git keeps it) carry one."""
+    """A shapes record's name suffix for its drafts: ``-denseN`` where they attend ``N`` layers densely other than
+    :data:`DENSE_LAYERS`, and for their pages' source where results were made before the verify step's pages were
+    removed (``draft_selection="verify"``, git keeps it)."""
     source = record.get("draft_selection", "quest")
-    return "" if source == "quest" else f"-{source}-pages"
+    dense_layers = record.get("draft_dense_layers", DENSE_LAYERS)
+    return ("" if dense_layers == DENSE_LAYERS else f"-dense{dense_layers}") + (
+        "" if source == "quest" else f"-{source}-pages")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -309,12 +312,14 @@ def _shape_engine(cfg, batch, context, quantization, steps, device, **kwargs) ->
     return llm
 
 
-def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, device: str = "cuda") -> dict:
+def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, device: str = "cuda",
+                dense_layers: int = DENSE_LAYERS) -> dict:
     """The dense engine's step (timed once) and the lossless engine's rounds of ``k`` drafts and a verify (timed
-    whole: drafts are launched ahead of their update) at the point ``name``."""
+    whole: drafts are launched ahead of their update) at the point ``name``; the Quest engines attend their first
+    ``dense_layers`` layers densely (``QuestConfig.dense_layers``)."""
     model, batch, context, budget, quantization = POINTS[name]
     cfg = context_config(model, context)
-    quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=DENSE_LAYERS)
+    quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=dense_layers)
     llm = _shape_engine(cfg, batch, context, quantization, steps, device, async_scheduling=True)
     engine = llm.engine
     for _ in range(6):
@@ -326,7 +331,7 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
     _synchronize(device)
     dense_ms = (time.perf_counter() - start) / steps * 1e3
     record = {"model": model, "batch": batch, "context": context, "budget": budget, "quantization": quantization,
-              "k": k, "dense_ms": dense_ms, "dense_host": time_host(engine, steps),
+              "k": k, "draft_dense_layers": dense_layers, "dense_ms": dense_ms, "dense_host": time_host(engine, steps),
               "dense_profile": profile_steps(engine, 2 * (k + 1))}
     # GPU time of each step's graph alone (CUDA): what the host adds is the rest
     if device == "cuda":
@@ -385,8 +390,9 @@ def _synchronize(device: str) -> None:
 
 def shapes(args, save) -> dict:
     results = {"points": []}
-    for name in args.points:
-        results["points"].append(shape_point(name, args.k, args.acceptance, device=args.device))
+    for name, dense_layers in itertools.product(args.points, args.draft_dense_layers):
+        results["points"].append(shape_point(name, args.k, args.acceptance, device=args.device,
+                                             dense_layers=dense_layers))
         save(results)
     return results
 
@@ -453,8 +459,8 @@ def table(part: str, record: dict) -> str:
                     prof = p.get(f"{graph}_kernels")
                     if prof is not None:
                         top = "; ".join(f"{t['name'][:48]} ({t['count']}, {t['us']:.0f})" for t in prof["top"][:8])
-                        lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k | {graph} | "
-                                     f"{prof['count']} | {prof['us']:.0f} | {top} |")
+                        lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k{source_suffix(p)} | "
+                                     f"{graph} | {prof['count']} | {prof['us']:.0f} | {top} |")
         timed = [p for p in record["results"]["points"] if "round_host" in p]
         if timed:  # the host's time per step without a profiler (e2e_bench.time_host)
             lines += ["", "The host per step, no profiler (ms): `busy` is the wall less the wait for the device's tokens; "
@@ -465,8 +471,9 @@ def table(part: str, record: dict) -> str:
                 for engine, key in (("dense", "dense_host"), ("lossy Quest", "quest_host"),
                                     (f"lossless k={p['k']}", "round_host")):
                     h = p[key]
-                    lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k | {engine} | {h['wall']:.2f} | "
-                                 f"{h['busy']:.2f} | {h['wait']:.2f} | {h['schedule']:.2f} | {h['launch']:.2f} "
+                    lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k{source_suffix(p)} | {engine} | "
+                                 f"{h['wall']:.2f} | {h['busy']:.2f} | {h['wait']:.2f} | {h['schedule']:.2f} | "
+                                 f"{h['launch']:.2f} "
                                  f"({h['replay']:.2f}, {h['sample']:.2f}) | {h['process']:.2f} |")
         profiled = [p for p in record["results"]["points"] if "round_profile" in p]
         if profiled:  # where a step's wall time goes, per step (torch profiler: its own host overhead included)
@@ -489,8 +496,8 @@ def table(part: str, record: dict) -> str:
                 lines += ["", "The lossless engine's GPU idle gaps, per step (device-only pass): the kernel or copy that "
                           "ended before each and the one that started after it.", "",
                           "| point | after | before | µs/step | gaps/step |", "|---|---|---|---|---|"]
-                lines += [f"| {p['model']} B={p['batch']} {p['context'] // 1024}k | {g['after'][:50]} | "
-                          f"{g['before'][:50]} | {g['us']:.0f} | {g['count']:.1f} |" for p, rows in gaps for g in rows]
+                lines += [f"| {p['model']} B={p['batch']} {p['context'] // 1024}k{source_suffix(p)} | "
+                          f"{g['after'][:50]} | {g['before'][:50]} | {g['us']:.0f} | {g['count']:.1f} |" for p, rows in gaps for g in rows]
     head = record["provenance"]
     return "\n".join([f"# Lossless Quest: {part}", "",
                       f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",
@@ -525,9 +532,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="real: the K/V pages")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (the adaptive policy's maximum)")
     parser.add_argument("--draft-dense-layers", type=int, nargs="+", default=[DENSE_LAYERS],
-                        help="real: the lossless engines' dense layers (QuestConfig.dense_layers; one engine each): "
-                             "the layers its drafts attend densely; modes of a value other than the default are "
-                             "suffixed -denseN")
+                        help="real, shapes: the lossless engines' dense layers (QuestConfig.dense_layers; one "
+                             "engine each, shapes: one point each): the layers its drafts attend densely; modes and "
+                             "points of a value other than the default are suffixed -denseN")
     parser.add_argument("--policies", nargs="+", default=["adaptive"], choices=("adaptive", "fixed"),
                         help="real: the lossless engine's k policies (adaptive: the engine picks the drafts per round)")
     parser.add_argument("--points", nargs="+", default=list(POINTS)[:3], choices=list(POINTS), help="shapes: the points")

@@ -99,6 +99,10 @@ def test_the_shapes_table_shows_rounds_graphs_and_profiles(kernels):
     assert ("_decode_split_kernel 2061" in text) == kernels
     assert ("| llama2-7b B=1 32k | argmax | _rms_norm_kernel | 120 | 0.2 |" in text) == kernels
     assert "0.20 / 0.70 / 3.60" in text and "cudaEventSynchronize 3000" in text
+    record["results"]["points"].append({**point, "draft_dense_layers": 0})  # drafts sparse in every layer
+    text = lossless_bench.table("shapes", record)
+    assert "| llama2-7b int4 B=1 32k/2048-dense0 | 7.70 |" in text
+    assert "| llama2-7b B=1 32k-dense0 | lossless k=4 | 6.00 | 5.00 | 1.00 |" in text
 
 
 @pytest.mark.parametrize("batches", [[1], [1, 2]])
