@@ -25,7 +25,11 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
 Decode tokens/s is ``B * (T - 1) / (t - f)`` with ``t`` the wall time of ``generate`` of ``T`` tokens on an
 engine warmed by the same run and ``f`` its slowest request's time to first token (:func:`decode_rate`): prefill
 never counts, whether the prefix cache held a prompt or not. (The difference of a ``T``-token and a 2-token run,
-used before, gave negative and impossible rates on an H100 at 32k: ``lossless-real-h100-qwen2.5-coder-1.5b-32k``.) Two engines of one context
+used before, gave negative and impossible rates on an H100 at 32k: ``lossless-real-h100-qwen2.5-coder-1.5b-32k``.)
+Beside it, the sum of the requests' own decode rates (``RequestMetrics.decode_tokens_per_s``, each from its first
+token to its finish): the rate while every row runs. A lossless batch's rows accept different numbers of drafts, so
+their lengths drift apart and the batch's wall time ends with its slowest row; dense's rows end together, so there
+the two agree, and a server that refills its batch sees the second. Two engines of one context
 are alive together (``--memory`` of the GPU each): the base engine (dense and lossy requests) and a lossless
 engine.
 
@@ -140,11 +144,13 @@ def check(args, save) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tokens: int) -> tuple[float, list, int]:
-    """Decode tokens/s of ``prompts``, the outputs, and the CUDA graphs captured while timed: the ``tokens - 1``
-    outputs after each request's first over the wall time of ``generate`` less its slowest request's time to first
-    token, so that a prefill (a prompt the prefix cache no longer holds, or the last partial page of one it does)
-    never counts as decode time. The same run first, untimed, up to :data:`WARMUP_RUNS` times until one captures no
+def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tokens: int
+                ) -> tuple[float, float, list, int]:
+    """Decode tokens/s of ``prompts``, the sum of the requests' own decode rates, the outputs, and the CUDA graphs
+    captured while timed. The first: the ``tokens - 1`` outputs after each request's first over the wall time of
+    ``generate`` less its slowest request's time to first token, so that a prefill (a prompt the prefix cache no
+    longer holds, or the last partial page of one it does) never counts as decode time; the second: the rate while
+    every row runs (the module docstring says why the two differ). The same run first, untimed, up to :data:`WARMUP_RUNS` times until one captures no
     new graph: it caches the prompts and captures the graphs the timed run replays. A lossless round's steps
     (drafts, verifies of each round length the policy picks, steps launched ahead) are captured when they first
     run, which a short warm-up never reaches (captured inside the timed run they gave 0.06x of dense at B=1:
@@ -161,7 +167,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, toke
     outs = llm.generate(prompts, SamplingParams(**fields), use_tqdm=False)
     wall = time.perf_counter() - start
     rate = len(prompts) * (tokens - 1) / (wall - max(o.metrics.time_to_first_token for o in outs))
-    return rate, outs, len(graphs) - before
+    return rate, sum(o.metrics.decode_tokens_per_s for o in outs), outs, len(graphs) - before
 
 
 def _fields(params: SamplingParams) -> dict:
@@ -217,14 +223,14 @@ def real(args, save) -> dict:
                       [("book+code", texts["book"][:batch // 2] + texts["code"][:batch // 2])])
             for corpus, prompts in groups:
                 point = {"context": context, "batch": batch, "corpus": corpus, "modes": {}}
-                rate, dense_outs, captured = decode_rate(base, prompts, SamplingParams(dense=True, **greedy),
-                                                         args.tokens)
+                rate, rows_rate, dense_outs, captured = decode_rate(
+                    base, prompts, SamplingParams(dense=True, **greedy), args.tokens)
                 point["want"] = [list(o.token_ids) for o in dense_outs]
                 point["prompts"] = prompts
-                point["modes"]["dense"] = {"tokens_per_s": rate, "speedup": 1.0, "graphs_captured_timed": captured}
-                rate, outs, captured = decode_rate(base, prompts, SamplingParams(**greedy), args.tokens)
-                point["modes"]["quest-1/16"] = {"tokens_per_s": rate, "speedup": rate / point["modes"]["dense"]["tokens_per_s"],
-                                                "graphs_captured_timed": captured,
+                dense = point["modes"]["dense"] = {"tokens_per_s": rate, "speedup": 1.0, "rows_tokens_per_s": rows_rate,
+                                                   "rows_speedup": 1.0, "graphs_captured_timed": captured}
+                rate, rows_rate, outs, captured = decode_rate(base, prompts, SamplingParams(**greedy), args.tokens)
+                point["modes"]["quest-1/16"] = {**_rates(rate, rows_rate, dense), "graphs_captured_timed": captured,
                                                 **_identity(base, prompts, point["want"], outs, False)}
                 if batch > 1:  # dense's own arithmetic: each prompt decoded alone, against the batch (not timed)
                     alone = [base.generate([prompt], SamplingParams(dense=True, max_tokens=args.tokens, **greedy),
@@ -243,14 +249,13 @@ def real(args, save) -> dict:
                 for policy, (label, budget) in itertools.product(args.policies, (("1/16", budget16), ("1/8", budget8))):
                     # One lossless engine, its policy switched between runs (the prompts stay in its prefix cache).
                     lossless.engine.speculation.adaptive = policy == "adaptive"
-                    rate, outs, captured = decode_rate(lossless, point["prompts"],
-                                                       SamplingParams(token_budget=budget, **greedy), args.tokens)
+                    rate, rows_rate, outs, captured = decode_rate(
+                        lossless, point["prompts"], SamplingParams(token_budget=budget, **greedy), args.tokens)
                     accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
                     per_verify = [o.metrics.mean_tokens_per_verify for o in outs
                                   if o.metrics.mean_tokens_per_verify is not None]
                     stored["modes"][f"lossless-{label}-{policy}{suffix}"] = {
-                        "tokens_per_s": rate, "speedup": rate / stored["modes"]["dense"]["tokens_per_s"],
-                        "graphs_captured_timed": captured,
+                        **_rates(rate, rows_rate, stored["modes"]["dense"]), "graphs_captured_timed": captured,
                         "acceptance": statistics.mean(accepted) if accepted else None,
                         "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
                         **_identity(base, point["prompts"], point["want"], outs, True)}
@@ -263,6 +268,12 @@ def real(args, save) -> dict:
         del base, points
         gc.collect()
     return results
+
+
+def _rates(rate: float, rows_rate: float, dense: dict) -> dict:
+    """A mode's two decode rates (:func:`decode_rate`) and each over dense's."""
+    return {"tokens_per_s": rate, "speedup": rate / dense["tokens_per_s"], "rows_tokens_per_s": rows_rate,
+            "rows_speedup": rows_rate / dense["rows_tokens_per_s"]}
 
 
 def _identity(dense: LLM, prompts, want, outs, gaps: bool) -> dict:
@@ -417,6 +428,8 @@ def table(part: str, record: dict) -> str:
                     cells.append("–")
                     continue
                 cell = f"{m['tokens_per_s']:.0f} tok/s ({m['speedup']:.2f}×)" if "tokens_per_s" in m else "not timed"
+                if "rows_tokens_per_s" in m:  # (results before the rows' own rates have none)
+                    cell += f", rows running {m['rows_tokens_per_s']:.0f} tok/s ({m['rows_speedup']:.2f}×)"
                 if "rows_identical" in m:
                     cell += f", {m['rows_identical']}/{m['rows']} rows = dense"
                 if m.get("acceptance") is not None:

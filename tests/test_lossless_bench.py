@@ -136,7 +136,9 @@ def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_
                     for suffix in ("", "-dense0")[:len(dense_layers)]}
         assert set(point["modes"]) == {"dense", "quest-1/16"} | lossless | alone
         assert all(mode["tokens_per_s"] > 0 and mode["graphs_captured_timed"] == 0  # (no graphs on the CPU)
+                   and mode["rows_tokens_per_s"] > 0 and mode["rows_speedup"] > 0
                    for name, mode in point["modes"].items() if name not in alone)
+        assert point["modes"]["dense"]["rows_speedup"] == 1.0
         if alone:  # float32: a prompt decoded alone gives the batch's tokens
             assert point["modes"]["dense-alone"]["rows_identical"] == point["batch"]
         for name in lossless:
@@ -145,7 +147,7 @@ def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_
             assert 0 <= mode["acceptance"] <= 1 and 1 <= mode["tokens_per_verify"] <= args.k + 1
     text = lossless_bench.table("real", {"provenance": {"command": "c", "commit": "x", "machine": "m", "date": "d"},
                                          "results": results})
-    assert f"| 512 | {batches[-1]} | " in text and "rows = dense" in text
+    assert f"| 512 | {batches[-1]} | " in text and "rows = dense" in text and "rows running" in text
     assert ("not timed" in text) == (batches[-1] > 1)
 
 
