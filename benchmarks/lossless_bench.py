@@ -8,9 +8,10 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
 * ``real``: a real model (an alias staged by ``benchmarks/gpu_eval.py``, e.g. Qwen2.5-Coder-1.5B), continuations of
   the book and of code (:mod:`questkv.eval.agreement`'s texts) at each context, ``--tokens`` greedy tokens, at
   each batch size (half book, half code windows; batch 1: one of each, run apart). Per batch: decode tokens/s of
-  dense, lossy Quest (1/16 of the context) and lossless (drafts at 1/16 and 1/8; ``--policies``: the engine picks
-  the drafts per round, ``adaptive``, the default, and/or a fixed ``k``, on one engine whose policy is switched
-  between runs; ``--draft-dense-layers``: lossless engines whose drafts attend densely in that many first layers),
+  dense, lossy Quest (1/16 of the context) and lossless (drafts at 1/16 and 1/8, an engine built for each budget;
+  ``--policies``: the engine picks the drafts per round, ``adaptive``, the default, and/or a fixed ``k``, its policy
+  switched between runs; ``--draft-dense-layers``: lossless engines whose drafts attend densely in that many first
+  layers),
   acceptance, tokens per verify, and the lossless outputs
   against the dense engine's: rows identical, and at each first difference the gap between dense's own
   log-probabilities of its token and of lossless's (a near tie of bf16 rounding when small). At a batch above 1,
@@ -197,7 +198,7 @@ def near_tie_gaps(dense: LLM, prompts, want, got) -> list[dict]:
 
 def real(args, save) -> dict:
     """Per context: the base engine (dense and lossy requests) measures every batch first, then a lossless engine
-    (alive beside the base) runs the same prompts. ``save(results)`` after each engine, so a run stopped by a time
+    per draft budget and dense-layer count (alive beside the base, one at a time) runs the same prompts. ``save(results)`` after each engine, so a run stopped by a time
     limit keeps what it measured."""
     results = {"model": args.model, "tokens": args.tokens, "k": args.k, "near_tie_below": NEAR_TIE,
                "kv_cache_dtype": args.kv_cache_dtype, "points": []}
@@ -241,13 +242,15 @@ def real(args, save) -> dict:
         results["points"] += [{key: value for key, value in point.items() if key not in ("want", "prompts")}
                               for point in points]
         save(results)
-        for dense_layers in args.draft_dense_layers:  # one lossless engine each, alive beside the base
-            quest8 = QuestConfig(token_budget=budget8, page_size=PAGE, dense_layers=dense_layers)
-            lossless = LLM(args.model, quest=quest8, speculative_config=lossless_config(args.k, True), **common)
+        for dense_layers, (label, budget) in itertools.product(args.draft_dense_layers,
+                                                               (("1/16", budget16), ("1/8", budget8))):
+            # One lossless engine per budget, alive beside the base: its requests' budget is its own, so that its
+            # attention's launch plan is the budget's (a smaller request budget fills the plan's first splits only).
+            quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=dense_layers)
+            lossless = LLM(args.model, quest=quest, speculative_config=lossless_config(args.k, True), **common)
             suffix = "" if dense_layers == DENSE_LAYERS else f"-dense{dense_layers}"
             for point, stored in zip(points, results["points"][-len(points):]):
-                for policy, (label, budget) in itertools.product(args.policies, (("1/16", budget16), ("1/8", budget8))):
-                    # One lossless engine, its policy switched between runs (the prompts stay in its prefix cache).
+                for policy in args.policies:  # its policy switched between runs (the prompts stay in its prefix cache)
                     lossless.engine.speculation.adaptive = policy == "adaptive"
                     rate, rows_rate, outs, captured = decode_rate(
                         lossless, point["prompts"], SamplingParams(token_budget=budget, **greedy), args.tokens)
