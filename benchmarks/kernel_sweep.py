@@ -122,6 +122,7 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
             del layer
         torch.cuda.empty_cache()
     quest = QuestConfig(token_budget=budget, backend="triton")
+    planned = QuestConfig(token_budget=max(budget, args.engine_budget or budget), backend="triton")
     base = QuestDecodeStep(quest, batch, hq, hkv, d, npages, DTYPE, DEVICE, kv_dtype=kv_dtype)
     base(q, layers[0], table, lens)
     selected = base.selected.clone()
@@ -133,13 +134,14 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
     for kind in [k for k in ("dense", "sparse") if k in args.kernels]:
         for cfg in grid(ATTENTION_GRID):
             with attention_config(_kinds(batch, args.model, fp8)[kind], **cfg):
-                step = QuestDecodeStep(quest if kind == "sparse" else QuestConfig(backend="triton"),
+                step = QuestDecodeStep(planned if kind == "sparse" else QuestConfig(backend="triton"),
                                        batch, hq, hkv, d, npages, DTYPE, DEVICE, kv_dtype=kv_dtype)
                 if kind == "dense":
                     err = _rel_err(step.dense(q, layers[0], table, lens), dense_ref)
                     micros = time_graph(lambda i: step.dense(q, layers[i], table, lens), n_layers, reps, warmup)
-                else:
-                    step.selected.copy_(selected)
+                else:  # (a step built for a larger budget: the selection in its first columns, the rest empty)
+                    step.selected.fill_(-1)
+                    step.selected[..., :selected.shape[-1]].copy_(selected)
                     err = _rel_err(step.attend(q, layers[0], table, lens), sparse_ref)
                     micros = time_graph(lambda i: step.attend(q, layers[i], table, lens), n_layers, reps, warmup)
             rows[kind].append({**cfg, "us": micros, "rel_err": err, "ok": bool(err <= 1e-2)})
@@ -193,6 +195,10 @@ def main() -> int:
                         choices=range(len(POINTS)), help="indices into POINTS (batch, context, budget): "
                         + ", ".join(f"{i}: {p}" for i, p in enumerate(POINTS)))
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS, help="kernels to sweep")
+    parser.add_argument("--engine-budget", type=int, default=None,
+                        help="sparse: time the attention of a step built for this larger budget (a request's smaller "
+                             "selection in its first columns, the rest empty), as an engine serves a request whose "
+                             "token_budget is below its own")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="the pages' dtype: the model's (bf16) or float8 e4m3")
     args = parser.parse_args()
@@ -207,6 +213,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
         "model": args.model, "dtype": str(DTYPE), "kv_cache_dtype": args.kv_cache_dtype, "page_size": PAGE_SIZE,
+        "engine_budget": args.engine_budget,
         "defaults": {POINTS[i][0]: defaults(POINTS[i][0], args.model, fp8) for i in args.points},
     }
     points = []
@@ -219,7 +226,8 @@ def main() -> int:
     md = [f"# Kernel launch configurations on {info['gpu']}", "",
           f"- command: `{info['command']}`", f"- commit: `{info['commit']}`, date: {info['date']}",
           f"- torch {info['torch']}, triton {info['triton']}; {args.model} attention, {DTYPE} queries, "
-          f"{'float8 e4m3' if fp8 else DTYPE} pages, page {PAGE_SIZE}",
+          f"{'float8 e4m3' if fp8 else DTYPE} pages, page {PAGE_SIZE}"
+          + (f"; sparse steps built for a budget of {args.engine_budget}" if args.engine_budget else ""),
           "- median GPU µs per call under CUDA graphs (kernels_bench.py's method); every configuration checked against "
           "the torch reference on the point's data (attention 1e-2, estimate 1e-5 relative error)",
           "- grids: attention " + json.dumps(ATTENTION_GRID) + "; estimate " + json.dumps(ESTIMATE_GRID),
