@@ -48,7 +48,8 @@ from questkv.ops import reference  # noqa: E402
 from questkv.ops.triton import decode_attention as attention_kernel  # noqa: E402
 from questkv.ops.triton import estimate as estimate_kernel  # noqa: E402
 
-POINTS = [(1, 32768, 2048), (1, 131072, 4096), (8, 32768, 2048), (32, 32768, 2048), (16, 32768, 2048)]  # (batch, context, budget)
+# (batch, context, budget)
+POINTS = [(1, 32768, 2048), (1, 131072, 4096), (8, 32768, 2048), (32, 32768, 2048), (16, 32768, 2048)]
 KERNELS = ("dense", "sparse", "estimate")
 ATTENTION_GRID = {"tokens_per_iter": (64, 128, 256), "programs_per_sm": (2, 3, 4, 8), "num_stages": (2, 3),
                   "num_warps": (4, 8)}

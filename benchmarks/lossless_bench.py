@@ -151,8 +151,9 @@ def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, toke
     captured while timed. The first: the ``tokens - 1`` outputs after each request's first over the wall time of
     ``generate`` less its slowest request's time to first token, so that a prefill (a prompt the prefix cache no
     longer holds, or the last partial page of one it does) never counts as decode time; the second: the rate while
-    every row runs (the module docstring says why the two differ). The same run first, untimed, up to :data:`WARMUP_RUNS` times until one captures no
-    new graph: it caches the prompts and captures the graphs the timed run replays. A lossless round's steps
+    every row runs (the module docstring says why the two differ). The same run first, untimed, up to
+    :data:`WARMUP_RUNS` times until one captures no new graph: it caches the prompts and captures the graphs the
+    timed run replays. A lossless round's steps
     (drafts, verifies of each round length the policy picks, steps launched ahead) are captured when they first
     run, which a short warm-up never reaches (captured inside the timed run they gave 0.06x of dense at B=1:
     ``lossless-real-h100-qwen2.5-coder-1.5b``)."""
@@ -198,8 +199,8 @@ def near_tie_gaps(dense: LLM, prompts, want, got) -> list[dict]:
 
 def real(args, save) -> dict:
     """Per context: the base engine (dense and lossy requests) measures every batch first, then a lossless engine
-    per draft budget and dense-layer count (alive beside the base, one at a time) runs the same prompts. ``save(results)`` after each engine, so a run stopped by a time
-    limit keeps what it measured."""
+    per draft budget and dense-layer count (alive beside the base, one at a time) runs the same prompts.
+    ``save(results)`` after each engine, so a run stopped by a time limit keeps what it measured."""
     results = {"model": args.model, "tokens": args.tokens, "k": args.k, "near_tie_below": NEAR_TIE,
                "kv_cache_dtype": args.kv_cache_dtype, "points": []}
     greedy = dict(temperature=0, ignore_eos=True)
@@ -487,9 +488,9 @@ def table(part: str, record: dict) -> str:
                 for engine, key in (("dense", "dense_host"), ("lossy Quest", "quest_host"),
                                     (f"lossless k={p['k']}", "round_host")):
                     h = p[key]
-                    lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k{source_suffix(p)} | {engine} | "
-                                 f"{h['wall']:.2f} | {h['busy']:.2f} | {h['wait']:.2f} | {h['schedule']:.2f} | "
-                                 f"{h['launch']:.2f} "
+                    lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k{source_suffix(p)} | "
+                                 f"{engine} | {h['wall']:.2f} | {h['busy']:.2f} | {h['wait']:.2f} | "
+                                 f"{h['schedule']:.2f} | {h['launch']:.2f} "
                                  f"({h['replay']:.2f}, {h['sample']:.2f}) | {h['process']:.2f} |")
         profiled = [p for p in record["results"]["points"] if "round_profile" in p]
         if profiled:  # where a step's wall time goes, per step (torch profiler: its own host overhead included)
@@ -513,7 +514,8 @@ def table(part: str, record: dict) -> str:
                           "ended before each and the one that started after it.", "",
                           "| point | after | before | µs/step | gaps/step |", "|---|---|---|---|---|"]
                 lines += [f"| {p['model']} B={p['batch']} {p['context'] // 1024}k{source_suffix(p)} | "
-                          f"{g['after'][:50]} | {g['before'][:50]} | {g['us']:.0f} | {g['count']:.1f} |" for p, rows in gaps for g in rows]
+                          f"{g['after'][:50]} | {g['before'][:50]} | {g['us']:.0f} | {g['count']:.1f} |"
+                          for p, rows in gaps for g in rows]
     head = record["provenance"]
     return "\n".join([f"# Lossless Quest: {part}", "",
                       f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",
