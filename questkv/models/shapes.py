@@ -15,6 +15,10 @@ from questkv.validation import check_optional_int
 
 __all__ = ["DUMMY_SHAPES", "dummy_config"]
 
+_QWEN2_5 = dict(  # what the Qwen2.5 shapes share
+    rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    max_position_embeddings=32768, use_sliding_window=False, bos_token_id=151643,
+)
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -48,18 +52,12 @@ DUMMY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     # Qwen/Qwen2.5-7B-Instruct (QKV bias)
     "qwen2.5-7b": ("qwen2", dict(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        max_position_embeddings=32768, tie_word_embeddings=False, use_sliding_window=False,
-        bos_token_id=151643, eos_token_id=151645,
+        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, eos_token_id=151645, **_QWEN2_5,
     )),
     # Qwen/Qwen2.5-Coder-1.5B (QKV bias, tied embeddings): the real model of the lossless and accuracy runs
     "qwen2.5-1.5b": ("qwen2", dict(
         vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-        num_attention_heads=12, num_key_value_heads=2, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        max_position_embeddings=32768, tie_word_embeddings=True, use_sliding_window=False,
-        bos_token_id=151643, eos_token_id=151643,
+        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=151643, **_QWEN2_5,
     )),
 }
 
