@@ -30,9 +30,11 @@ used before, gave negative and impossible rates on an H100 at 32k: ``lossless-re
 Beside it, the sum of the requests' own decode rates (``RequestMetrics.decode_tokens_per_s``, each from its first
 token to its finish): the rate while every row runs. A lossless batch's rows accept different numbers of drafts, so
 their lengths drift apart and the batch's wall time ends with its slowest row; dense's rows end together, so there
-the two agree, and a server that refills its batch sees the second. Two engines of one context
-are alive together (``--memory`` of the GPU each): the base engine (dense and lossy requests) and a lossless
-engine.
+the two agree, and a server that refills its batch sees the second. With ``--host-steps N`` each timed mode
+also runs its prompts once more for ``N`` steps under :func:`~benchmarks.e2e_bench.time_host` (every row decoding,
+after a warm-up; then aborted): the host's milliseconds per step and how much of a step it waits for the device.
+Two engines of one context are alive together (``--memory`` of the GPU each): the base engine (dense and lossy
+requests) and a lossless engine.
 
     python benchmarks/lossless_bench.py check --out-dir $OUT
     python benchmarks/lossless_bench.py real --model qwen2.5-coder-1.5b --out-dir $OUT
@@ -68,6 +70,7 @@ from questkv.eval.provenance import provenance  # noqa: E402
 
 PAGE, DENSE_LAYERS = 16, 2
 WARMUP_RUNS = 3
+HOST_WARMUP_STEPS = 10
 NEAR_TIE = 0.125
 """A log-probability gap below this is within bf16 rounding of logits of magnitude 16-32 (one unit in the last
 place)."""
@@ -230,10 +233,13 @@ def real(args, save) -> dict:
                 point["want"] = [list(o.token_ids) for o in dense_outs]
                 point["prompts"] = prompts
                 dense = point["modes"]["dense"] = {"tokens_per_s": rate, "speedup": 1.0, "rows_tokens_per_s": rows_rate,
-                                                   "rows_speedup": 1.0, "graphs_captured_timed": captured}
+                                                   "rows_speedup": 1.0, "graphs_captured_timed": captured,
+                                                   **host_time(base, prompts, SamplingParams(dense=True, **greedy),
+                                                               args)}
                 rate, rows_rate, outs, captured = decode_rate(base, prompts, SamplingParams(**greedy), args.tokens)
                 point["modes"]["quest-1/16"] = {**_rates(rate, rows_rate, dense), "graphs_captured_timed": captured,
-                                                **_identity(base, prompts, point["want"], outs, False)}
+                                                **_identity(base, prompts, point["want"], outs, False),
+                                                **host_time(base, prompts, SamplingParams(**greedy), args)}
                 if batch > 1:  # dense's own arithmetic: each prompt decoded alone, against the batch (not timed)
                     alone = [base.generate([prompt], SamplingParams(dense=True, max_tokens=args.tokens, **greedy),
                                            use_tqdm=False)[0] for prompt in prompts]
@@ -262,7 +268,8 @@ def real(args, save) -> dict:
                         **_rates(rate, rows_rate, stored["modes"]["dense"]), "graphs_captured_timed": captured,
                         "acceptance": statistics.mean(accepted) if accepted else None,
                         "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
-                        **_identity(base, point["prompts"], point["want"], outs, True)}
+                        **_identity(base, point["prompts"], point["want"], outs, True),
+                        **host_time(lossless, point["prompts"], SamplingParams(token_budget=budget, **greedy), args)}
                 print(_point_line(stored), flush=True)
             lossless.close()
             del lossless
@@ -272,6 +279,27 @@ def real(args, save) -> dict:
         del base, points
         gc.collect()
     return results
+
+
+def host_time(llm: LLM, prompts: list[list[int]], params: SamplingParams, args) -> dict:
+    """``{"host": ...}``: :func:`~benchmarks.e2e_bench.time_host` over ``args.host_steps`` steps of ``prompts``
+    decoding together on ``llm`` (after their prefill and :data:`HOST_WARMUP_STEPS` steps; then aborted), or ``{}``
+    without ``--host-steps``. Each request's ``args.tokens`` must outlast the timed steps."""
+    if not args.host_steps:
+        return {}
+    engine = llm.engine
+    ids = [engine.add_request(prompt, SamplingParams(**{**_fields(params), "max_tokens": args.tokens}))
+           for prompt in prompts]
+    while engine.scheduler.num_waiting or engine.scheduler.prefilling is not None:
+        engine.step()
+    for _ in range(HOST_WARMUP_STEPS):
+        engine.step()
+    record = time_host(engine, args.host_steps)
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"host": record}
 
 
 def _rates(rate: float, rows_rate: float, dense: dict) -> dict:
@@ -446,6 +474,16 @@ def table(part: str, record: dict) -> str:
                     cell += f", {m['graphs_captured_timed']} graphs captured while timed"
                 cells.append(cell)
             lines.append(f"| {point['context']} | {point['batch']} | {point['corpus']} | " + " | ".join(cells) + " |")
+        hosted = [(point, name, mode["host"]) for point in record["results"]["points"]
+                  for name, mode in point["modes"].items() if "host" in mode]
+        if hosted:  # the host per step of each mode (e2e_bench.time_host), its rows all decoding
+            lines += ["", "The host per step, no profiler (ms), every row decoding: `busy` is the wall less the wait "
+                      "for the device's tokens; where it reaches the wall, the host sets the pace.", "",
+                      "| context | B | text | mode | wall | busy | wait | schedule | launch (graph replay, sampling) "
+                      "| process |", "|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {p['context']} | {p['batch']} | {p['corpus']} | {name} | {h['wall']:.2f} | {h['busy']:.2f} | "
+                      f"{h['wait']:.2f} | {h['schedule']:.2f} | {h['launch']:.2f} ({h['replay']:.2f}, "
+                      f"{h['sample']:.2f}) | {h['process']:.2f} |" for p, name, h in hosted]
     else:
         lines += ["| point | dense ms/step | lossy Quest ms/step | round ms (k drafts + verify) | implied speedup "
                   "(acceptance) |", "|---|---|---|---|---|"]
@@ -542,6 +580,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768], help="real: context lengths")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32], help="real: batch sizes (even, or 1)")
     parser.add_argument("--tokens", type=int, default=256, help="real: generated tokens per request")
+    parser.add_argument("--host-steps", type=int, default=0,
+                        help="real: also time the host over this many steps of each mode (0: not)")
     parser.add_argument("--memory", type=float, default=0.4, help="real: gpu_memory_utilization of each engine")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="real on the CPU: each engine's KV cache in GiB (default: the engine's, 1 GiB)")
@@ -559,6 +599,9 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float, nargs="+", default=[0.8, 0.9, 0.95],
                         help="shapes: per-token acceptances to imply speed from (measure them with `real`)")
     args = parser.parse_args()
+    if args.host_steps < 0 or (args.host_steps and args.host_steps + HOST_WARMUP_STEPS >= args.tokens):
+        parser.error(f"--host-steps: {args.host_steps} must be 0, or a count whose steps after the "
+                     f"{HOST_WARMUP_STEPS} warm-up ones fit in --tokens {args.tokens}")
     for batch in args.batches:
         if batch != 1 and batch % 2:
             parser.error(f"--batches: {batch} is odd; a batch is half book, half code windows (or 1)")

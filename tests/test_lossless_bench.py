@@ -122,9 +122,10 @@ def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_
                                 for word in agreement.load_text(task)[0].split())
     word_tokenizer([word for word, _ in words.most_common(94)]).save_pretrained(model)  # the texts' commonest words
     dense_layers = [lossless_bench.DENSE_LAYERS] + [0] * (len(batches) > 1)  # drafts sparse in every layer too
-    args = argparse.Namespace(model=str(model), contexts=[512], batches=batches, tokens=8, k=3, policies=["fixed"],
-                              device="cpu", dtype="float32", kv_cache_dtype="auto",
-                              memory=0.4, kv_cache_gib=None, draft_dense_layers=dense_layers)
+    host_steps = 3 * (len(batches) > 1)  # the host timed over 3 steps of each mode (after 10 warm-up ones)
+    args = argparse.Namespace(model=str(model), contexts=[512], batches=batches, tokens=8 + 8 * bool(host_steps), k=3,
+                              policies=["fixed"], device="cpu", dtype="float32", kv_cache_dtype="auto", memory=0.4,
+                              kv_cache_gib=None, draft_dense_layers=dense_layers, host_steps=host_steps)
     saved = []
     results = lossless_bench.real(args, saved.append)
     assert saved and saved[-1] is results
@@ -139,6 +140,10 @@ def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_
                    and mode["rows_tokens_per_s"] > 0 and mode["rows_speedup"] > 0
                    for name, mode in point["modes"].items() if name not in alone)
         assert point["modes"]["dense"]["rows_speedup"] == 1.0
+        hosted = {name for name, mode in point["modes"].items() if "host" in mode}
+        assert hosted == (set(point["modes"]) - alone if host_steps else set())
+        assert all(point["modes"][name]["host"]["steps"] == host_steps and point["modes"][name]["host"]["wall"] > 0
+                   for name in hosted)
         if alone:  # float32: a prompt decoded alone gives the batch's tokens
             assert point["modes"]["dense-alone"]["rows_identical"] == point["batch"]
         for name in lossless:
@@ -149,6 +154,7 @@ def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_
                                          "results": results})
     assert f"| 512 | {batches[-1]} | " in text and "rows = dense" in text and "rows running" in text
     assert ("not timed" in text) == (batches[-1] > 1)
+    assert ("| 512 | 2 | book+code | lossless-1/8-fixed-dense0 | " in text) == bool(host_steps)
 
 
 def test_idle_gaps_are_summed_per_pair_of_intervals_around_them():
