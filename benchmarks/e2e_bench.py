@@ -390,7 +390,9 @@ def time_host(engine, steps: int) -> dict:
     (the runner staging inputs and launching the step and its sampling), of which ``replay`` (the host's call of a
     CUDA graph's replay) and ``sample`` (launching the sampling); ``process`` (appending a step's tokens, stops,
     outputs), of which ``wait`` (blocked on the device for the tokens). ``busy`` is the wall less ``wait``: where it
-    reaches the device's time per step, the host, not the device, sets the pace."""
+    reaches the device's time per step, the host, not the device, sets the pace. ``kinds``: the same per step of
+    each kind that the steps launched (``verify``: a lossless verify; ``decode``: any other step), with its
+    ``steps``, so that a round's draft and verify steps are told apart."""
     from questkv.engine.step_data import SampledTokens
 
     runner = engine.runner
@@ -413,21 +415,36 @@ def time_host(engine, steps: int) -> dict:
     waits = {attr: getattr(SampledTokens, attr) for attr in ("token_ids", "forced_logprobs")}
     for attr, method in waits.items():
         setattr(SampledTokens, attr, timed("wait", method))
+    kinds: dict[str, dict[str, float]] = {}
+    verifies = engine.scheduler.step_tokens
     try:
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
+            before, launched, verified = dict(spent), time.perf_counter(), verifies["verify"]
             engine.step()
+            kind = kinds.setdefault("verify" if verifies["verify"] > verified else "decode",
+                                    dict.fromkeys((*spent, "wall", "steps"), 0.0))
+            for name, seconds in spent.items():
+                kind[name] += seconds - before[name]
+            kind["wall"] += time.perf_counter() - launched
+            kind["steps"] += 1
         wall = time.perf_counter() - start
     finally:
         for owner, attr in instances.values():
             delattr(owner, attr)
         for attr, method in waits.items():
             setattr(SampledTokens, attr, method)
-    record = {name: seconds / steps * 1e3 for name, seconds in spent.items()}
-    record.update(wall=wall / steps * 1e3, busy=(wall - spent["wait"]) / steps * 1e3, steps=steps)
+    record = _per_step(spent, wall, steps)
+    record["kinds"] = {name: _per_step(kind, kind.pop("wall"), int(kind.pop("steps"))) for name, kind in kinds.items()}
     return record
+
+
+def _per_step(spent: dict[str, float], wall: float, steps: int) -> dict:
+    """:func:`time_host`'s record of ``steps`` steps that took ``wall`` seconds, ``spent`` of them in each phase."""
+    return {**{name: seconds / steps * 1e3 for name, seconds in spent.items()},
+            "wall": wall / steps * 1e3, "busy": (wall - spent["wait"]) / steps * 1e3, "steps": steps}
 
 
 def time_prefill(cfg, quest, context, quantization=None, quantize_lm_head=False) -> float:

@@ -481,9 +481,10 @@ def table(part: str, record: dict) -> str:
                       "for the device's tokens; where it reaches the wall, the host sets the pace.", "",
                       "| context | B | text | mode | wall | busy | wait | schedule | launch (graph replay, sampling) "
                       "| process |", "|---|---|---|---|---|---|---|---|---|---|"]
-            lines += [f"| {p['context']} | {p['batch']} | {p['corpus']} | {name} | {h['wall']:.2f} | {h['busy']:.2f} | "
-                      f"{h['wait']:.2f} | {h['schedule']:.2f} | {h['launch']:.2f} ({h['replay']:.2f}, "
-                      f"{h['sample']:.2f}) | {h['process']:.2f} |" for p, name, h in hosted]
+            lines += [f"| {p['context']} | {p['batch']} | {p['corpus']} | {label} | {h['wall']:.2f} | "
+                      f"{h['busy']:.2f} | {h['wait']:.2f} | {h['schedule']:.2f} | {h['launch']:.2f} ({h['replay']:.2f}, "
+                      f"{h['sample']:.2f}) | {h['process']:.2f} |"
+                      for p, name, host in hosted for label, h in _host_rows(name, host)]
     else:
         lines += ["| point | dense ms/step | lossy Quest ms/step | round ms (k drafts + verify) | implied speedup "
                   "(acceptance) |", "|---|---|---|---|---|"]
@@ -525,11 +526,11 @@ def table(part: str, record: dict) -> str:
             for p in timed:
                 for engine, key in (("dense", "dense_host"), ("lossy Quest", "quest_host"),
                                     (f"lossless k={p['k']}", "round_host")):
-                    h = p[key]
-                    lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k{source_suffix(p)} | "
-                                 f"{engine} | {h['wall']:.2f} | {h['busy']:.2f} | {h['wait']:.2f} | "
-                                 f"{h['schedule']:.2f} | {h['launch']:.2f} "
-                                 f"({h['replay']:.2f}, {h['sample']:.2f}) | {h['process']:.2f} |")
+                    for label, h in _host_rows(engine, p[key]):
+                        lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k{source_suffix(p)} | "
+                                     f"{label} | {h['wall']:.2f} | {h['busy']:.2f} | {h['wait']:.2f} | "
+                                     f"{h['schedule']:.2f} | {h['launch']:.2f} "
+                                     f"({h['replay']:.2f}, {h['sample']:.2f}) | {h['process']:.2f} |")
         profiled = [p for p in record["results"]["points"] if "round_profile" in p]
         if profiled:  # where a step's wall time goes, per step (torch profiler: its own host overhead included)
             lines += ["", "Per step, two passes of the torch profiler: device activity only (wall, GPU busy and idle, "
@@ -558,6 +559,16 @@ def table(part: str, record: dict) -> str:
     return "\n".join([f"# Lossless Quest: {part}", "",
                       f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",
                       *lines, ""])
+
+
+def _host_rows(name: str, host: dict) -> list[tuple[str, dict]]:
+    """The rows of one engine's :func:`~benchmarks.e2e_bench.time_host` record in a host table: all its steps, then,
+    where it launched verifies, the steps of each kind apart (records before the split have no ``kinds``)."""
+    kinds = host.get("kinds", {})
+    if "verify" not in kinds:
+        return [(name, host)]
+    return [(name, host)] + [(f"{name}: {kind['steps']} steps launching {'a' if label == 'verify' else 'no'} verify",
+                              kind) for label, kind in sorted(kinds.items())]
 
 
 def render(paths: list[Path]) -> None:

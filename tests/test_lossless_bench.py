@@ -64,6 +64,12 @@ def test_time_host_splits_the_steps_wall_time_and_leaves_the_engine_as_it_was():
     assert record["wait"] <= record["process"]
     assert record["schedule"] + record["launch"] + record["process"] <= record["wall"] * 1.01
     assert record["busy"] == pytest.approx(record["wall"] - record["wait"])
+    kinds = record["kinds"]  # a round of 3 drafts and its verify: the steps that launched each kind apart
+    assert set(kinds) == {"decode", "verify"} and kinds["decode"]["steps"] + kinds["verify"]["steps"] == 8
+    assert kinds["verify"]["steps"] == 2
+    for name in ("schedule", "launch", "process", "wait", "wall"):
+        total = sum(kind[name] * kind["steps"] for kind in kinds.values())
+        assert total == pytest.approx(record[name] * 8, rel=0.05 if name == "wall" else 1e-9)
     for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.runner.graphs, "replay"),
                         (engine.runner.tokens, "sample"), (engine, "_process")):
         assert name not in vars(owner)  # the timing wrappers are gone
@@ -88,13 +94,16 @@ def test_the_shapes_table_shows_rounds_graphs_and_profiles(kernels):
              "dense_profile": profile, "round_profile": profile}
     host = {"wall": 6.0, "busy": 4.5, "wait": 1.5, "schedule": 1.0, "launch": 2.0, "replay": 0.25, "sample": 0.5,
             "process": 2.75, "steps": 20}
-    point.update(dense_host=host, quest_host=host, round_host=host, quest_ms=3.5)
+    kinds = {"decode": {**host, "steps": 16}, "verify": {**host, "wall": 9.0, "steps": 4}}  # a round's steps apart
+    point.update(dense_host=host, quest_host=host, round_host={**host, "kinds": kinds}, quest_ms=3.5)
     record = {"provenance": {"command": "lossless_bench.py shapes", "commit": "abc", "machine": "GPU", "date": "today"},
               "results": {"points": [point]}}
     text = lossless_bench.table("shapes", record)
     assert "| llama2-7b int4 B=1 32k/2048 | 7.70 | 3.50 | 25.50 (k=4) | 1.34× (0.929) |" in text
     assert "| llama2-7b B=1 32k | lossy Quest | 6.00 | 4.50 | 1.50 | 1.00 | 2.00 (0.25, 0.50) | 2.75 |" in text
     assert "| llama2-7b B=1 32k | lossless k=4 | 6.00 | 5.00 | 1.00 |" in text
+    assert "| llama2-7b B=1 32k | lossless k=4: 16 steps launching no verify | 6.00 |" in text
+    assert "| llama2-7b B=1 32k | lossless k=4: 4 steps launching a verify | 9.00 |" in text
     assert "| llama2-7b B=1 32k | 7.70 | 3.20 | 10.20 | 23.00 | 2.50 |" in text  # a round's graphs, the rest
     assert ("_decode_split_kernel 2061" in text) == kernels
     assert ("| llama2-7b B=1 32k | argmax | _rms_norm_kernel | 120 | 0.2 |" in text) == kernels
