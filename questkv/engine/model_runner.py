@@ -141,6 +141,13 @@ class ModelRunner:
         self._host_verify = torch.zeros((_VERIFY_INPUTS + MAX_SPECULATIVE_TOKENS + 1, verify_rows), dtype=torch.int64,
                                         pin_memory=pin)
         self.tokens = StepTokens(rows, self.device, config.seed, tp)  # the sampler, and what the next step reads
+        # Every CUDA graph writes its logits here: an output of its own per graph held [rows, vocab] float32 for each
+        # batch size, page-table width, route (and verify length) until the engine closed (GBs at a 150k vocabulary).
+        # A step's sampling reads them before the next step is launched on the stream.
+        verify_len = 1 if config.speculative_config is None else config.speculative_config.num_speculative_tokens + 1
+        logit_rows = rows * verify_len
+        self._graph_logits = (torch.empty((logit_rows, spec.vocab_size), dtype=torch.float32, device=self.device)
+                              if batch_sizes else None)
         self._steps: dict[tuple[int, int, StepRoute, int], QuestDecodeStep] = {}
 
     @torch.inference_mode()
@@ -291,7 +298,7 @@ class ModelRunner:
         last = torch.where(sources >= 0, self.tokens.sampled[sources.clamp(min=0)], staged[:, -1])  # [batch] int64
         ids = torch.cat([staged[:, :-1], last[:, None]], dim=1).reshape(-1)
         hidden = self.model(ids, positions.reshape(-1), StepContext(slots.reshape(-1), decode=rows))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, self._logits_out(batch * q_len))
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[len(batch.seqs), vocab]`` float32 logits of a decode-only step (every row a decode row)."""
@@ -443,7 +450,12 @@ class ModelRunner:
         ids, positions, slots, rows = self._decode_rows(batch, width, route, selecting)
         hidden = self.model(ids, positions, StepContext(slots, decode=rows))
         self._store_selections(batch, rows)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, self._logits_out(batch))
+
+    def _logits_out(self, rows: int) -> Optional[torch.Tensor]:
+        """Where a graph body's ``rows`` logits go: the graphs' shared ``[rows, vocab]`` output (``None`` without
+        graphs: a new tensor each step)."""
+        return None if self._graph_logits is None else self._graph_logits[:rows]
 
     def _decode_rows(self, batch: int, width: int, route: StepRoute, selecting: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeRows]:
@@ -539,6 +551,8 @@ class ModelRunner:
         cache = self.cache
         tensors = [*cache.tensors(), *self.tokens.tensors(), self._inputs,
                    *self.model.parameters(), *self.model.buffers()]
+        if self._graph_logits is not None:
+            tensors.append(self._graph_logits)
         if self.memory is not None:
             tensors += [self.memory.pages, self.memory.selected_at]
         for tensor in tensors:

@@ -438,9 +438,11 @@ class LlamaForCausalLM(nn.Module):
                         "pass %s)", fragile, scaled, kv_max)
         return tuple(fragile)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[N, hidden_size]`` (the rows to sample from) → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden`` ``[N, hidden_size]`` (the rows to sample from) → ``[N, vocab_size]`` float32 logits, written
+        into ``out`` (``[N, vocab_size]`` float32: the engine's CUDA graphs share one output) when given."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
     def expected_weight_names(self) -> list[str]:
         """The HF safetensors names :meth:`load_weights` needs, in checkpoint order."""

@@ -49,8 +49,8 @@ def record_logits(monkeypatch, llm) -> list[torch.Tensor]:
     model, calls = llm.engine.runner.model, []
     compute = model.compute_logits
 
-    def spy(hidden):
-        logits = compute(hidden)
+    def spy(hidden, out=None):
+        logits = compute(hidden, out)
         calls.append(logits.clone())
         return logits
 
@@ -305,3 +305,42 @@ def test_the_decode_rows_of_a_mixed_step_get_the_logits_of_a_decode_only_step(mo
         logits.append(rows[:2])
     # The same attention maths; only the linear layers see more rows (float rounding of the matrix products).
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_and_verify_bodies_writing_one_shared_logits_buffer_give_the_same_tokens(model_dir, monkeypatch):
+    """On CUDA every graph body writes its logits into one buffer of the runner (a graph's own output, kept per batch
+    size, width, route and verify length, held GBs): here, on the CPU, the bodies run eagerly into such a buffer, and
+    lossless rounds (draft and verify steps) with dense requests beside them give the tokens of the runner that
+    allocates each step's logits."""
+    spec = {"method": "quest", "num_speculative_tokens": 3, "adaptive": False}
+    prompts = [prompt(random.randint(20, 60)) for _ in range(4)]
+    params = [greedy(random.randint(12, 16)) for _ in range(3)] + [greedy(4, dense=True)]  # verifies alone at the end
+    want = [out.token_ids for out in make_llm(model_dir, SMALL, speculative_config=spec).generate(
+        prompts, params, use_tqdm=False)]
+    llm = make_llm(model_dir, SMALL, speculative_config=spec)
+    runner = llm.engine.runner
+    assert runner._graph_logits is None  # (no graphs on the CPU)
+    shared = runner._graph_logits = torch.full((llm.engine.config.max_num_seqs * 4, VOCAB), float("nan"))
+    written = []
+    compute = runner.model.compute_logits
+
+    def spy(hidden, out=None):
+        written.append(out is not None and out.data_ptr() == shared.data_ptr())
+        return compute(hidden, out)
+
+    bodies = {"_decode_body": 0, "_verify_body": 0}
+
+    def counted(name):
+        body = getattr(runner, name)
+
+        def run(*key):
+            bodies[name] += 1
+            return body(*key)
+        return run
+
+    monkeypatch.setattr(runner.model, "compute_logits", spy)
+    for name in bodies:
+        monkeypatch.setattr(runner, name, counted(name))
+    assert [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert bodies["_decode_body"] and bodies["_verify_body"]  # both kinds of graph body ran, each into the buffer
+    assert sum(written) == sum(bodies.values())

@@ -88,6 +88,10 @@ def test_a_bfloat16_model_gives_float32_logits_close_to_the_float32_model():
         torch.testing.assert_close(got, want, rtol=0, atol=0.2)
     # decode tokens may differ from the float32 run's, so only their logits' sanity is checked
     assert all(logits.dtype == torch.float32 and torch.isfinite(logits).all() for logits in decode)
+    hidden = torch.randn(3, hf.config.hidden_size, dtype=torch.bfloat16)
+    out = torch.full((3, hf.config.vocab_size), float("nan"))  # (a CUDA graph's shared output)
+    assert model.compute_logits(hidden, out) is out
+    torch.testing.assert_close(out, model.compute_logits(hidden), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
