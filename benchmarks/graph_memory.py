@@ -104,9 +104,8 @@ def main() -> None:
                "budget": args.budget, "k": args.k, "engines": [measure(engine, args) for engine in args.engines]}
     record = {"provenance": provenance(args.device), "results": results}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"graph-memory-{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    stem.with_suffix(".md").write_text(table(record))
+    (args.out_dir / f"graph-memory-{args.tag}.json").write_text(json.dumps(record, indent=1))
+    (args.out_dir / f"graph-memory-{args.tag}.md").write_text(table(record))
     print(table(record))
 
 
