@@ -8,8 +8,7 @@ its output against the torch reference on the point's data, and times under CUDA
 ``benchmarks/kernels_bench.py``):
 
 * dense paged decode (``step.dense``) over tokens per inner iteration x programs per SM x pipeline stages x warps;
-* sparse attention over a fixed selection (``step.attend``, the rows' budgets passed as the engine passes them),
-  the same grid;
+* sparse attention over a fixed selection (``step.attend``), the same grid;
 * the estimate (``step.estimate``) over pages per block x blocks per program x stages x warps.
 
 ``--kv-cache-dtype fp8`` sweeps the attention on float8 e4m3 pages (the pools cast, bounds their min / max) under
@@ -125,9 +124,6 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
         torch.cuda.empty_cache()
     quest = QuestConfig(token_budget=budget, backend="triton")
     planned = QuestConfig(token_budget=max(budget, args.engine_budget or budget), backend="triton")
-    # the rows' budgets, passed as the engine passes them (below the step's with --engine-budget: its splits share
-    # the row's pages)
-    budgets = torch.full((batch,), budget, dtype=torch.int32, device=DEVICE)
     base = QuestDecodeStep(quest, batch, hq, hkv, d, npages, DTYPE, DEVICE, kv_dtype=kv_dtype)
     base(q, layers[0], table, lens)
     selected = base.selected.clone()
@@ -147,9 +143,8 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
                 else:  # (a step built for a larger budget: the selection in its first columns, the rest empty)
                     step.selected.fill_(-1)
                     step.selected[..., :selected.shape[-1]].copy_(selected)
-                    err = _rel_err(step.attend(q, layers[0], table, lens, budgets=budgets), sparse_ref)
-                    micros = time_graph(lambda i: step.attend(q, layers[i], table, lens, budgets=budgets), n_layers,
-                                        reps, warmup)
+                    err = _rel_err(step.attend(q, layers[0], table, lens), sparse_ref)
+                    micros = time_graph(lambda i: step.attend(q, layers[i], table, lens), n_layers, reps, warmup)
             rows[kind].append({**cfg, "us": micros, "rel_err": err, "ok": bool(err <= 1e-2)})
     for cfg in grid(ESTIMATE_GRID) if "estimate" in args.kernels else []:
         with estimate_config(**cfg):
@@ -233,7 +228,6 @@ def main() -> int:
           f"- command: `{info['command']}`", f"- commit: `{info['commit']}`, date: {info['date']}",
           f"- torch {info['torch']}, triton {info['triton']}; {args.model} attention, {DTYPE} queries, "
           f"{'float8 e4m3' if fp8 else DTYPE} pages, page {PAGE_SIZE}"
-          + "; sparse attention given the rows' budgets"
           + (f"; sparse steps built for a budget of {args.engine_budget}" if args.engine_budget else ""),
           "- median GPU µs per call under CUDA graphs (kernels_bench.py's method); every configuration checked against "
           "the torch reference on the point's data (attention 1e-2, estimate 1e-5 relative error)",
