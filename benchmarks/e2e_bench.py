@@ -416,15 +416,15 @@ def time_host(engine, steps: int) -> dict:
     for attr, method in waits.items():
         setattr(SampledTokens, attr, timed("wait", method))
     kinds: dict[str, dict[str, float]] = {}
-    verifies = engine.scheduler.step_tokens
+    step_tokens = engine.scheduler.step_tokens  # the tokens of each kind the steps launched so far
     try:
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
-            before, launched, verified = dict(spent), time.perf_counter(), verifies["verify"]
+            before, launched, verify_tokens = dict(spent), time.perf_counter(), step_tokens["verify"]
             engine.step()
-            kind = kinds.setdefault("verify" if verifies["verify"] > verified else "decode",
+            kind = kinds.setdefault("verify" if step_tokens["verify"] > verify_tokens else "decode",
                                     dict.fromkeys((*spent, "wall", "steps"), 0.0))
             for name, seconds in spent.items():
                 kind[name] += seconds - before[name]

@@ -40,7 +40,7 @@ def measure(engine: str, args) -> dict:
     verify graph) and measure what they hold."""
     cfg = context_config(args.model, args.max_model_len)
     quest = None if engine == "dense" else QuestConfig(token_budget=args.budget, page_size=PAGE, dense_layers=2)
-    speculative = ({"method": "quest", "num_speculative_tokens": args.k} if engine == "lossless" else None)
+    speculative = {"method": "quest", "num_speculative_tokens": args.k} if engine == "lossless" else None
     device = torch.device(args.device)
     llm = LLM(cfg, load_format="dummy", dtype="bfloat16", device=args.device, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, kv_cache_memory=2 << 30, quest=quest,
@@ -50,17 +50,20 @@ def measure(engine: str, args) -> dict:
     if cuda:
         torch.cuda.synchronize()
     reserved, allocated = _memory(cuda)
+    keys = runner.graphs.missing()  # what the startup capture captures: (batch, width, route, selecting)
     runner.capture_decode_graphs()
-    decode_graphs = len(runner.graphs)
-    if engine == "lossless" and cuda:
+    verify_keys = []
+    if engine == "lossless" and cuda:  # (batch, width, route, q_len): every round length at each batch and width
         for batch in graph_batch_sizes(args.max_num_seqs):
             for width in graph_widths(runner.cache.max_pages_per_seq):
                 runner._capture_verify_graphs(batch, width)
-    keys = list(runner.graphs._graphs) if cuda else []
-    rows = sum(key[0] * (key[3] if key[2] is StepRoute.VERIFY else 1) for key in keys)
+                verify_keys += [(batch, width, StepRoute.VERIFY, q_len) for q_len in range(2, args.k + 2)]
+    if len(runner.graphs) != len(keys) + len(verify_keys):
+        raise RuntimeError(f"captured {len(runner.graphs)} graphs, expected {len(keys)} + {len(verify_keys)}")
+    rows = sum(key[0] for key in keys) + sum(key[0] * key[3] for key in verify_keys)
     after_reserved, after_allocated = _memory(cuda)
-    record = {"engine": engine, "graphs": len(keys), "decode_graphs": decode_graphs,
-              "verify_graphs": len(keys) - decode_graphs, "reserved_bytes": after_reserved - reserved,
+    record = {"engine": engine, "graphs": len(runner.graphs), "decode_graphs": len(keys),
+              "verify_graphs": len(verify_keys), "reserved_bytes": after_reserved - reserved,
               "allocated_bytes": after_allocated - allocated, "logits_rows": rows,
               "one_output_each_bytes": rows * cfg.vocab_size * 4}
     llm.close()
