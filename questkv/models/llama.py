@@ -564,12 +564,10 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         missing = [n for n in self.expected_weight_names() if n not in loaded]
         if unknown or missing:
-            parts = []
-            if unknown:
-                parts.append(f"unknown weights for {self.spec.model_type} ({len(unknown)}): {_listing(unknown)}")
-            if missing:
-                parts.append(f"missing weights ({len(missing)}): {_listing(missing)}")
-            raise ValueError("LlamaForCausalLM.load_weights: " + "; ".join(parts))
+            parts = [f"unknown weights for {self.spec.model_type} ({len(unknown)}): {_listing(unknown)}",
+                     f"missing weights ({len(missing)}): {_listing(missing)}"]
+            listed = (part for part, names in zip(parts, (unknown, missing)) if names)
+            raise ValueError("LlamaForCausalLM.load_weights: " + "; ".join(listed))
 
     def _load_one(self, name: str, tensor: Union[torch.Tensor, QuantizedWeight]) -> None:
         match = _LAYER_NAME.match(name)
@@ -598,5 +596,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _listing(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(map(repr, names[:limit]))
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+    return ", ".join(map(repr, names[:limit])) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
