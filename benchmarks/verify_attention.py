@@ -129,22 +129,28 @@ def run_point(model: str, batch: int, context: int, args, floor_tbps: float) -> 
     return point
 
 
+SWEEP_CONFIGS = [(64, 4, 3), (128, 4, 2), (128, 3, 2), (64, 3, 3), (128, 2, 3), (64, 2, 3)]
+"""(keys per iteration, programs per SM the split plan aims at, pipeline stages) that ``--sweep`` tries for the
+multi-query grids (``_CONFIG["verify"]`` and ``["verify-few"]`` alike)."""
+
+
 def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int) -> dict[str, float]:
-    """µs per layer of ``make_enqueue()`` (an enqueue built, with its buffers, under the configuration) under each
-    launch configuration of the multi-query decode kernel: the most rows a program's query block holds
-    (``_MAX_QUERY_ROWS``) times the warps of a tile of more than 16 rows (``_WARPS_BY_ROWS``); the module's own
-    settings are restored after."""
-    saved = attention._MAX_QUERY_ROWS, dict(attention._WARPS_BY_ROWS)
+    """µs per layer of ``make_enqueue()`` (an enqueue built, with its buffers and so its split plan, under the
+    configuration) under each launch configuration of the multi-query decode kernel: the fewest rows of a tile
+    (``_MIN_QUERY_ROWS``: 16, or 64, whose ``tl.dot`` can take Hopper's warpgroup MMA) times
+    :data:`SWEEP_CONFIGS`; the module's own settings are restored after."""
+    saved = attention._MIN_QUERY_ROWS, dict(attention._CONFIG)
     times = {}
     try:
-        for max_rows, warps in itertools.product((16, 32, 64), (4, 8)):
-            attention._MAX_QUERY_ROWS = max_rows
-            attention._WARPS_BY_ROWS.update({32: warps, 64: warps})
-            times[f"rows<={max_rows}, {warps} warps"] = time_graph(make_enqueue(), n_layers, reps, warmup)
+        for min_rows, (keys, per_sm, stages) in itertools.product((16, 64), SWEEP_CONFIGS):
+            attention._MIN_QUERY_ROWS = min_rows
+            attention._CONFIG.update({"verify": (keys, per_sm, stages), "verify-few": (keys, per_sm, stages)})
+            name = f"rows>={min_rows}, {keys} keys, {per_sm}/SM, {stages} stages"
+            times[name] = time_graph(make_enqueue(), n_layers, reps, warmup)
     finally:
-        attention._MAX_QUERY_ROWS = saved[0]
-        attention._WARPS_BY_ROWS.clear()
-        attention._WARPS_BY_ROWS.update(saved[1])
+        attention._MIN_QUERY_ROWS = saved[0]
+        attention._CONFIG.clear()
+        attention._CONFIG.update(saved[1])
     return times
 
 
@@ -182,7 +188,7 @@ def main() -> int:
     parser.add_argument("--queries", default=",".join(map(str, QUERIES)), help="queries per sequence (k + 1)")
     parser.add_argument("--points", default=None, help="model:batch:context,... (default: the issue's points)")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time the multi-query kernel under each query-block size and warp count")
+                        help="also time the multi-query kernel under each tile padding and launch configuration")
     parser.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--max-gb", type=float, default=60.0, help="GPU memory for the pools of one point")
