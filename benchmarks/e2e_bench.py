@@ -561,7 +561,8 @@ def _engine_paths(quest, build):
 def check_tiny_fp32() -> dict:
     """Engine CUDA path (Triton, graphs) == eager torch-reference path, greedy tokens on a small fp32 Llama: three
     prompts per setting, and one prompt dense and Quest (``-batch-1``: decode steps of one row, the batch-1
-    graphs and launch plans)."""
+    graphs and launch plans), and requests of budget 256 on engines built for 512 (``-requests-256``: the attention
+    spreads each row's smaller selection over the larger plan's splits; with reuse, its extra columns after it)."""
     cfg = _tiny_llama()
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (700, 1500, 333)]
@@ -571,10 +572,14 @@ def check_tiny_fp32() -> dict:
                         ("quest-256-reuse-4", QuestConfig(token_budget=256, selection_interval=4)),
                         ("quest-full", QuestConfig(token_budget=2048)),
                         ("quest-full-reuse-4", QuestConfig(token_budget=2048, selection_interval=4)),
+                        ("quest-512-requests-256", QuestConfig(token_budget=512)),
+                        ("quest-512-requests-256-reuse-4", QuestConfig(token_budget=512, selection_interval=4)),
                         ("dense-batch-1", None), ("quest-256-batch-1", QuestConfig(token_budget=256))):
         tokens, rates = {}, {}
+        request = (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, token_budget=256)
+                   if "requests-256" in name else params)
         for path, llm in _engine_paths(quest, lambda q, **kwargs: _sharpened_engine(cfg, q, **kwargs)):
-            outs = llm.generate(prompts[:1] if name.endswith("batch-1") else prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts[:1] if name.endswith("batch-1") else prompts, request, use_tqdm=False)
             tokens[path] = [list(o.token_ids) for o in outs]
             rates[path] = [o.metrics.selection_rate for o in outs]
             del llm

@@ -42,6 +42,10 @@ class QuestDecodeStep:
             split plan for fp8 pages).
         num_queries: queries per sequence, its last positions, causal among them (a lossless verify step: with
             more than one, :meth:`dense` only).
+        row_budgets: whether a row's budget below the config's limits the selection columns its attention reads
+            (its first ``budget // page_size``, then the reuse extra columns), spread over all its splits; ``False``
+            for selections laid out otherwise (the engine's steps of dense and Quest rows, where a dense row's
+            selection holds every page whatever its budget).
 
     Buffers: ``scores`` ``[batch, num_sel_heads, max_pages]`` float32, ``selected`` ``[batch,
     num_sel_heads, budget_pages + config.reuse_extra_pages]`` int32 (the extra columns, for a reused
@@ -66,6 +70,7 @@ class QuestDecodeStep:
         num_splits: Optional[int] = None,
         num_queries: int = 1,
         kv_dtype: Optional[torch.dtype] = None,
+        row_budgets: bool = True,
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -74,6 +79,7 @@ class QuestDecodeStep:
         device = torch.device(device)
         self.config = config
         self.batch, self.max_pages, self.num_queries = batch, max_pages, num_queries
+        self.row_budgets = row_budgets
         self.backend = ops.resolve_backend(torch.empty(0, device=device), config.backend)
         sel_heads = num_q_heads if config.selection == "q_head" else num_kv_heads
         self.out = torch.empty((batch * num_queries, num_q_heads, head_dim), dtype=dtype, device=device)
@@ -100,16 +106,18 @@ class QuestDecodeStep:
         num_q_heads: int,
         max_pages: Optional[int] = None,
         num_queries: int = 1,
+        row_budgets: bool = True,
     ) -> "QuestDecodeStep":
         """A step over ``cache``'s pool for ``batch`` sequences of ``num_queries`` queries; ``config=None`` is dense
-        (the cache's page size and backend); ``max_pages`` defaults to ``cache.max_pages_per_seq``."""
+        (the cache's page size and backend); ``max_pages`` defaults to ``cache.max_pages_per_seq``; ``row_budgets``
+        as in the constructor."""
         if config is None:
             config = QuestConfig(page_size=cache.page_size, backend=cache.backend)
         elif config.page_size != cache.page_size:
             raise ValueError(f"QuestConfig.page_size={config.page_size} differs from the cache's page_size={cache.page_size}")
         max_pages = cache.max_pages_per_seq if max_pages is None else max_pages
         return cls(config, batch, num_q_heads, cache.num_kv_heads, cache.head_dim, max_pages, cache.dtype, cache.device,
-                   num_queries=num_queries, kv_dtype=cache.kv_dtype)
+                   num_queries=num_queries, kv_dtype=cache.kv_dtype, row_budgets=row_budgets)
 
     def estimate(
         self, q: torch.Tensor, layer: LayerPages, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -192,10 +200,10 @@ class QuestDecodeStep:
         if not selecting:
             if selected is None:
                 raise ValueError("QuestDecodeStep.sparse with selecting=False needs selected (selection reuse)")
-            return self.attend(q, layer, page_table, seq_lens, sm_scale, selected)
+            return self.attend(q, layer, page_table, seq_lens, sm_scale, selected, budgets)
         self.estimate(q, layer, page_table, seq_lens, active)
         self.select(seq_lens, budgets, active=active, selected=selected)
-        return self.attend(q, layer, page_table, seq_lens, sm_scale, selected)
+        return self.attend(q, layer, page_table, seq_lens, sm_scale, selected, budgets)
 
     def attend(
         self,
@@ -205,12 +213,16 @@ class QuestDecodeStep:
         seq_lens: torch.Tensor,
         sm_scale: Optional[float] = None,
         selected: Optional[torch.Tensor] = None,
+        budgets: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Attention over the pages in ``selected`` (default ``self.selected``) into ``self.out`` (the last
-        part of :meth:`sparse`)."""
+        part of :meth:`sparse`); with ``row_budgets`` a row of ``budgets`` below the config's reads only its budget's
+        columns of the selection (and the extra ones), spread over all its splits."""
         selected = self.selected if selected is None else selected
+        budgets = budgets if self.row_budgets else None
         return self.backend.paged_decode_attention_into(
-            self.out, self._sparse_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected, sm_scale
+            self.out, self._sparse_buffers, q, layer.k_pages, layer.v_pages, page_table, seq_lens, selected, sm_scale,
+            budgets, None if budgets is None else self.config.budget_pages,
         )
 
     def __call__(

@@ -529,7 +529,8 @@ class ModelRunner:
             quest = None if dense else self._quest
             if route == StepRoute.MIXED:  # selections as wide as the page table: a dense row's hold every page
                 quest = dataclasses.replace(quest, token_budget=max(width * self.cache.page_size, quest.token_budget))
-            self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.num_q_heads, width, num_queries)
+            self._steps[key] = QuestDecodeStep.for_cache(quest, self.cache, batch, self.num_q_heads, width, num_queries,
+                                                         row_budgets=route != StepRoute.MIXED)
         return self._steps[key]
 
     def selection_rate(self, seq: Sequence, slot: Optional[int], discard_last: bool = False) -> Optional[float]:

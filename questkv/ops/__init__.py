@@ -108,10 +108,11 @@ def select_pages(scores, seq_lens, page_size, budget_pages, sink_pages=0, recent
     )
 
 
-def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected=None, sm_scale=None, backend="auto"):
+def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected=None, sm_scale=None, budgets=None,
+                           selection_cols=None, backend="auto"):
     """See :func:`questkv.ops.reference.paged_decode_attention`."""
     return resolve_backend(q, backend).paged_decode_attention(
-        q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale
+        q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale, budgets, selection_cols
     )
 
 

@@ -61,6 +61,31 @@ def check_active(active: torch.Tensor, batch: int, device: torch.device) -> None
                          f"{'' if active.is_contiguous() else ', not contiguous'}")
 
 
+def check_row_budgets(selected, budgets, selection_cols, batch: int) -> int:
+    """The decode attention's per-row budgets: ``ValueError`` unless ``budgets`` is ``None`` or, with ``selected``, a
+    contiguous ``[batch]`` int32 tensor on its device, and ``selection_cols`` is ``None`` or an int in ``[1,
+    selected.shape[-1]]``; returns ``selection_cols`` resolved (default: every column)."""
+    if budgets is None:
+        if selection_cols is not None:
+            raise ValueError("selection_cols is given without budgets; it only tells which columns budgets limit")
+        return 0 if selected is None else selected.shape[-1]
+    if selected is None:
+        raise ValueError("budgets limit a selection's columns: dense attention (selected=None) takes none")
+    if (not isinstance(budgets, torch.Tensor) or tuple(budgets.shape) != (batch,) or budgets.dtype != torch.int32
+            or budgets.device != selected.device or not budgets.is_contiguous()):
+        got = (f"shape {tuple(budgets.shape)}, {budgets.dtype} on {budgets.device}" if isinstance(budgets, torch.Tensor)
+               else type(budgets).__name__)
+        raise ValueError(f"budgets must be None or a contiguous int32 tensor of shape ({batch},) on {selected.device}, "
+                         f"got {got}")
+    if selection_cols is None:
+        return selected.shape[-1]
+    if isinstance(selection_cols, bool) or not isinstance(selection_cols, int) or not (
+            1 <= selection_cols <= selected.shape[-1]):
+        raise ValueError(f"selection_cols must be an int in [1, {selected.shape[-1]}] (selected's columns), "
+                         f"got {selection_cols!r}")
+    return selection_cols
+
+
 def check_select_out(out: torch.Tensor, batch: int, num_sel_heads: int, budget_pages: int) -> None:
     """``ValueError`` unless ``out`` is ``[batch, num_sel_heads, width]`` with ``width >= budget_pages``
     (the selection fills its first ``budget_pages`` columns)."""

@@ -47,6 +47,7 @@ from questkv.ops.checks import (
     check_active,
     check_mode,
     check_prefill_attention,
+    check_row_budgets,
     check_select_out,
 )
 from questkv.ops.fp8_codes import widen_fp8_bounds
@@ -306,6 +307,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     selected: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
+    budgets: Optional[torch.Tensor] = None,
+    selection_cols: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode attention of each sequence's last query, or its last few, over a set of its pages.
 
@@ -318,11 +321,20 @@ def paged_decode_attention(
         selected: ``[batch, num_kv_heads or num_q_heads, k]`` int32 logical pages (``-1`` = none),
             or ``None`` for every page of the sequence (dense paged decode).
         sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        budgets: with ``selected``, ``[batch]`` int32 token budgets of the rows (a request's below the step's): of
+            the first ``selection_cols`` columns of row ``b`` (default: every column) only the first
+            ``budgets[b] // page_size`` are read, the columns after them always (a reused selection's extra
+            columns). ``None``: every column. The kernel then spreads each row's columns over all its splits.
 
     Returns:
         ``q``'s shape and dtype. Softmax and accumulation run in float32. Slots past ``seq_lens`` and pages not
         selected are never read into the result (NaN there does not propagate).
     """
+    selection_cols = check_row_budgets(selected, budgets, selection_cols, q.shape[0])
+    if budgets is not None:  # the columns a row's budget leaves out: no page
+        column = torch.arange(selected.shape[-1], device=selected.device)
+        skipped = (column >= (budgets.long() // k_pages.shape[1])[:, None]) & (column < selection_cols)
+        selected = selected.masked_fill(skipped[:, None, :], -1)
     logits, v = _decode_logits(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale)
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhqgt,bhtd->bqhgd", probs, v)
@@ -541,10 +553,13 @@ def paged_decode_attention_into(
     seq_lens: torch.Tensor,
     selected: Optional[torch.Tensor],
     sm_scale: Optional[float] = None,
+    budgets: Optional[torch.Tensor] = None,
+    selection_cols: Optional[int] = None,
 ) -> torch.Tensor:
     """:func:`paged_decode_attention` into ``out`` (``q``'s shape); ``buffers`` is unused here (the kernel's
     scratch). Returns ``out``."""
-    return out.copy_(paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale))
+    return out.copy_(paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale, budgets,
+                                            selection_cols))
 
 
 def _lexsort_desc(rank: torch.Tensor) -> torch.Tensor:

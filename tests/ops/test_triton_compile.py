@@ -68,7 +68,7 @@ _SCRIPT = textwrap.dedent(
 
 
     def compile_attention(dtype, dense, group, sel_per_kv, pdl=False, merge_chunk=decode_attention._MERGE_CHUNK,
-                          kind=None, pool=None, num_queries=1):
+                          kind=None, pool=None, num_queries=1, row_budgets=False):
         ieee = dtype == "fp32"
         pool = pool or dtype
         block = decode_attention.query_block(num_queries, group)
@@ -76,14 +76,14 @@ _SCRIPT = textwrap.dedent(
         return compile_kernel(
             decode_attention._decode_split_kernel,
             {"q_ptr": dtype, "k_pages_ptr": pool, "v_pages_ptr": pool, "table_ptr": "i32",
-             "lens_ptr": "i32", "sel_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
+             "lens_ptr": "i32", "sel_ptr": "i32", "budgets_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
              "counter_ptr": "i32", "out_ptr": dtype},
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": rows,
              "BLOCK_GM": triton.next_power_of_2(group), "SEL_PER_KV": sel_per_kv,
              "NUM_QUERIES": num_queries, "QUERY_BLOCK": block,
              "PAGES_PER_ITER": decode_attention.pages_per_iter(16, kind or ("dense" if dense else "sparse")), "MERGE_CHUNK": merge_chunk,
              "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl,
-             "F16_DOT": pool == "fp8e4nv" and dtype == "bf16"},
+             "F16_DOT": pool == "fp8e4nv" and dtype == "bf16", "ROW_BUDGETS": row_budgets},
             floats=("qk_scale",),
             num_warps=decode_attention._WARPS_BY_ROWS.get(rows, 2 * decode_attention._NUM_WARPS),
             num_stages=decode_attention._CONFIG[kind or ("dense" if dense else "sparse")][2],
@@ -128,6 +128,7 @@ _SCRIPT = textwrap.dedent(
     for dense, group, sel_per_kv in ((False, 4, 1), (True, 4, 1), (False, 1, 1), (False, 1, 4)):
         compile_attention("bf16", dense, group, sel_per_kv)
     compile_attention("bf16", False, 4, 1, pdl=True)
+    compile_attention("bf16", False, 4, 1, pdl=True, row_budgets=True)  # requests below the step's budget
     compile_attention("bf16", True, 4, 1, pdl=True)
     compile_attention("fp16", False, 4, 1)
     # an fp8 (e4m3) KV cache under 16-bit queries, dequantized in registers: the values staged in shared memory as

@@ -321,6 +321,52 @@ def test_paged_decode_attention_matches_reference(dtype, heads, selection):
     assert _rel_err(got, want) < _tol(dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+def test_row_budgets_below_the_steps_read_their_columns_then_the_extra_ones_over_every_split(num_splits):
+    """A selection of 6 budget columns then 2 extra ones (a reused selection's pages begun since), rows whose token
+    budgets leave 1-6 of the budget columns: the kernel, each row's pages spread over all the splits of a plan made
+    for every column, equals the reference, which reads the same columns; columns past a row's budget hold pages
+    here (any value there is ignored), so ignoring them changes the output."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    page_size, max_pages, heads, batch = 16, 12, (8, 2, 32), 4
+    q, k_pages, v_pages, table, lens = _attention_case(torch.float32, heads, [180, 120, 60, 40], max_pages,
+                                                        page_size, gen)
+    selected = torch.full((batch, heads[1], 8), -1, dtype=torch.int32)  # each row's own pages, then -1
+    for row, length in enumerate(lens.tolist()):
+        n = -(-length // page_size)
+        for head in range(heads[1]):
+            selected[row, head, :min(n, 8)] = torch.randperm(n, generator=gen)[:8].int()
+    budgets = torch.randint(1, 7, (batch,), generator=gen, dtype=torch.int32) * page_size
+    budgets[0] = 2 * page_size  # (row 0 holds a page in every column: its budget surely leaves some out)
+    want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), lens, selected, None, budgets, 6)
+    unlimited = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), lens, selected)
+    skipped = selected.masked_fill((torch.arange(8) >= budgets[:, None] // page_size)[:, None, :]
+                                   & (torch.arange(8) < 6)[None, None, :], -1)
+    torch.testing.assert_close(want, reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), lens,
+                                                                      skipped), rtol=0, atol=0)
+    assert not torch.equal(want[0], unlimited[0])
+    buffers = tk.attention_buffers(batch, heads[0], heads[1], heads[2], 8, page_size, False, q.device, num_splits)
+    got = tk.paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, table, lens, selected,
+                                         None, budgets, 6)
+    assert _rel_err(got, want) < _tol(torch.float32)
+
+
+def test_row_budgets_are_checked():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, k_pages, v_pages, table, lens = _attention_case(torch.float32, (8, 2, 32), [60, 40], 8, 16, gen)
+    selected = torch.zeros((2, 2, 4), dtype=torch.int32)
+    budgets = torch.full((2,), 32, dtype=torch.int32)
+    args = (q, k_pages, v_pages, _readable(table), lens)
+    with pytest.raises(ValueError, match="dense attention"):
+        reference.paged_decode_attention(*args, None, None, budgets)
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        reference.paged_decode_attention(*args, selected, None, budgets.long())
+    with pytest.raises(ValueError, match=r"selection_cols must be an int in \[1, 4\].*5"):
+        reference.paged_decode_attention(*args, selected, None, budgets, 5)
+    with pytest.raises(ValueError, match="without budgets"):
+        reference.paged_decode_attention(*args, selected, None, None, 2)
+
+
 @pytest.mark.parametrize("selection", ["kv_head", None])
 def test_paged_decode_attention_reads_a_head_major_pool(selection):
     """The kernel takes the pools' strides: the same values stored head-major ([pages, kv heads, page

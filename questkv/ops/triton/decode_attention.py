@@ -12,6 +12,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from questkv.ops.pages import AttentionBuffers
+from questkv.ops.checks import check_row_budgets
 from questkv.ops.triton._common import (
     block_scores,
     check_e4m3_pairs,
@@ -66,9 +67,9 @@ _MIN_QUERY_ROWS = 16
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, sel_ptr, budgets_ptr, part_out_ptr, part_lse_ptr,
     counter_ptr, out_ptr,
-    qk_scale, num_items, items_per_split, num_q_heads,
+    qk_scale, num_items, items_per_split, selection_cols, num_q_heads,
     stride_qb, stride_qq, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -81,7 +82,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr, SEL_PER_KV: tl.constexpr,
     NUM_QUERIES: tl.constexpr, QUERY_BLOCK: tl.constexpr,
     PAGES_PER_ITER: tl.constexpr, MERGE_CHUNK: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr, USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False,
+    IEEE: tl.constexpr, USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False, ROW_BUDGETS: tl.constexpr = False,
 ):
     """One program per (split, query block x selection head, sequence) attends a contiguous chunk of the page
     list (the selection row, or every page when ``DENSE``) for the ``GROUP`` query heads that share
@@ -91,7 +92,9 @@ def _decode_split_kernel(
     log-sum-exp (``-inf`` for an empty chunk; partial row ``position * num_q_heads + head``), then takes a
     ticket; the program that takes the last ticket of its (sequence, query block, selection head) merges all
     splits into ``out`` and resets the counter for the next launch (one launch per step, no separate merge kernel).
-    With ``USE_PDL`` it waits for the kernels before it only at its first
+    With ``ROW_BUDGETS`` a row reads only the first ``budgets[seq] // PAGE_SIZE`` of its first ``selection_cols``
+    columns, then the rest, and its splits share what it reads evenly (a plan made for the step's budget would leave
+    a smaller one to its first splits). With ``USE_PDL`` it waits for the kernels before it only at its first
     read of what they may write (``DENSE``: after prefetching its first tile into L2), and lets the next
     kernel launch once its split is attended."""
     split = tl.program_id(0)
@@ -106,6 +109,11 @@ def _decode_split_kernel(
     seq_len = tl.load(lens_ptr + seq)
     if DENSE:
         num_items = tl.cdiv(seq_len, PAGE_SIZE)
+    lead = selection_cols  # the row's columns before the ones that follow its budget's (all of them without budgets)
+    if ROW_BUDGETS:
+        lead = tl.minimum(tl.load(budgets_ptr + seq) // PAGE_SIZE, selection_cols)
+        num_items = lead + num_items - selection_cols
+        items_per_split = tl.cdiv(tl.cdiv(num_items, tl.num_programs(0)), PAGES_PER_ITER) * PAGES_PER_ITER
     start = split * items_per_split
     end = tl.minimum(start + items_per_split, num_items)
 
@@ -143,7 +151,8 @@ def _decode_split_kernel(
         if DENSE:
             logical = item
         else:
-            logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + item, mask=in_chunk, other=-1)
+            column = item + tl.where(item >= lead, selection_cols - lead, 0) if ROW_BUDGETS else item
+            logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + column, mask=in_chunk, other=-1)
         position = logical * PAGE_SIZE + offset
         live = in_chunk & (logical >= 0) & (position < seq_len)
         physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0).to(tl.int64)
@@ -340,6 +349,8 @@ def paged_decode_attention_into(
     seq_lens: torch.Tensor,
     selected: Optional[torch.Tensor],
     sm_scale: Optional[float] = None,
+    budgets: Optional[torch.Tensor] = None,
+    selection_cols: Optional[int] = None,
 ) -> torch.Tensor:
     """Split-KV attention with the merge fused in, into preallocated buffers (one launch, no host
     synchronisation).
@@ -368,6 +379,7 @@ def paged_decode_attention_into(
         if sel_heads not in (num_kv_heads, num_q_heads):
             raise ValueError(f"selected has {sel_heads} heads; expected {num_kv_heads} or {num_q_heads}")
         check_last_dim_contiguous(selected=selected)
+    selection_cols = check_row_budgets(selected, budgets, selection_cols, batch)
     part_out, part_lse, counters, items_per_split = buffers
     num_splits = part_lse.shape[-1]
     if num_splits * items_per_split < num_items:
@@ -391,8 +403,8 @@ def paged_decode_attention_into(
     outs = out[:, None] if out.dim() == 3 else out
     rows = max(16 if num_queries == 1 else _MIN_QUERY_ROWS, next_pow2(block * group))
     _decode_split_kernel[(num_splits, blocks * sel_heads, batch)](
-        q, k_pages, v_pages, page_table, seq_lens, sel, part_out, part_lse, counters, out,
-        sm_scale * _LOG2E, num_items, items_per_split, num_q_heads,
+        q, k_pages, v_pages, page_table, seq_lens, sel, seq_lens if budgets is None else budgets, part_out, part_lse,
+        counters, out, sm_scale * _LOG2E, num_items, items_per_split, selection_cols, num_q_heads,
         queries.stride(0), queries.stride(1), queries.stride(2),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
@@ -407,7 +419,8 @@ def paged_decode_attention_into(
         PAGES_PER_ITER=pages_per_iter(page_size, kind), MERGE_CHUNK=merge_chunk(num_splits * programs, group, q.device),
         DENSE=dense, UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device),
-        F16_DOT=_f16_dot(q, k_pages), num_warps=_WARPS_BY_ROWS.get(rows, 2 * _NUM_WARPS), num_stages=_CONFIG[kind][2],
+        F16_DOT=_f16_dot(q, k_pages), ROW_BUDGETS=budgets is not None,
+        num_warps=_WARPS_BY_ROWS.get(rows, 2 * _NUM_WARPS), num_stages=_CONFIG[kind][2],
         launch_pdl=use_pdl(q.device),
     )
     return out
@@ -429,6 +442,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     selected: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
+    budgets: Optional[torch.Tensor] = None,
+    selection_cols: Optional[int] = None,
 ) -> torch.Tensor:
     """Triton :func:`questkv.ops.reference.paged_decode_attention` (flash-decoding).
 
@@ -440,6 +455,7 @@ def paged_decode_attention(
         selected: ``[batch, num_kv_heads or num_q_heads, k]`` int32 logical pages (``-1`` = none),
             or ``None`` for every page (dense paged decode, the same kernel).
         sm_scale: default ``1 / sqrt(head_dim)``.
+        budgets, selection_cols: as in the reference (a row's budget below the step's: its splits share its pages).
 
     Returns:
         ``q``'s shape and dtype; softmax and accumulation in float32.
@@ -451,4 +467,5 @@ def paged_decode_attention(
     num_items = page_table.shape[1] if dense else selected.shape[2]
     buffers = attention_buffers(batch, num_q_heads, sel_heads, head_dim, num_items, k_pages.shape[1], dense, q.device,
                                 num_queries=num_queries, kv_dtype=k_pages.dtype)
-    return paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, page_table, seq_lens, selected, sm_scale)
+    return paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, page_table, seq_lens,
+                                       selected, sm_scale, budgets, selection_cols)
