@@ -8,7 +8,8 @@ its output against the torch reference on the point's data, and times under CUDA
 ``benchmarks/kernels_bench.py``):
 
 * dense paged decode (``step.dense``) over tokens per inner iteration x programs per SM x pipeline stages x warps;
-* sparse attention over a fixed selection (``step.attend``), the same grid;
+* sparse attention over a fixed selection (``step.attend``, the rows' budgets passed as the engine passes them),
+  the same grid;
 * the estimate (``step.estimate``) over pages per block x blocks per program x stages x warps.
 
 ``--kv-cache-dtype fp8`` sweeps the attention on float8 e4m3 pages (the pools cast, bounds their min / max) under
@@ -124,8 +125,9 @@ def sweep_point(batch: int, context: int, budget: int, args) -> dict:
         torch.cuda.empty_cache()
     quest = QuestConfig(token_budget=budget, backend="triton")
     planned = QuestConfig(token_budget=max(budget, args.engine_budget or budget), backend="triton")
-    # a request's budget below the step's, passed with the rows as the engine passes it (its splits share its pages)
-    budgets = torch.full((batch,), budget, dtype=torch.int32, device=DEVICE) if args.engine_budget else None
+    # the rows' budgets, passed as the engine passes them (below the step's with --engine-budget: its splits share
+    # the row's pages)
+    budgets = torch.full((batch,), budget, dtype=torch.int32, device=DEVICE)
     base = QuestDecodeStep(quest, batch, hq, hkv, d, npages, DTYPE, DEVICE, kv_dtype=kv_dtype)
     base(q, layers[0], table, lens)
     selected = base.selected.clone()
@@ -201,8 +203,8 @@ def main() -> int:
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS, help="kernels to sweep")
     parser.add_argument("--engine-budget", type=int, default=None,
                         help="sparse: time the attention of a step built for this larger budget (a request's smaller "
-                             "selection in its first columns, the rest empty, the rows' budgets passed), as an engine "
-                             "serves a request whose token_budget is below its own")
+                             "selection in its first columns, the rest empty), as an engine serves a request whose "
+                             "token_budget is below its own")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="the pages' dtype: the model's (bf16) or float8 e4m3")
     args = parser.parse_args()
@@ -231,8 +233,8 @@ def main() -> int:
           f"- command: `{info['command']}`", f"- commit: `{info['commit']}`, date: {info['date']}",
           f"- torch {info['torch']}, triton {info['triton']}; {args.model} attention, {DTYPE} queries, "
           f"{'float8 e4m3' if fp8 else DTYPE} pages, page {PAGE_SIZE}"
-          + (f"; sparse steps built for a budget of {args.engine_budget}, the rows' budgets passed"
-             if args.engine_budget else ""),
+          + "; sparse attention given the rows' budgets"
+          + (f"; sparse steps built for a budget of {args.engine_budget}" if args.engine_budget else ""),
           "- median GPU µs per call under CUDA graphs (kernels_bench.py's method); every configuration checked against "
           "the torch reference on the point's data (attention 1e-2, estimate 1e-5 relative error)",
           "- grids: attention " + json.dumps(ATTENTION_GRID) + "; estimate " + json.dumps(ESTIMATE_GRID),

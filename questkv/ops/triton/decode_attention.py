@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops.pages import AttentionBuffers
 from questkv.ops.checks import check_row_budgets
+from questkv.ops.pages import AttentionBuffers
 from questkv.ops.triton._common import (
     block_scores,
     check_e4m3_pairs,
