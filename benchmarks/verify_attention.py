@@ -136,21 +136,18 @@ multi-query grids (``_CONFIG["verify"]`` and ``["verify-few"]`` alike)."""
 
 def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int) -> dict[str, float]:
     """µs per layer of ``make_enqueue()`` (an enqueue built, with its buffers and so its split plan, under the
-    configuration) under each launch configuration of the multi-query decode kernel: the fewest rows of a tile
-    (``_MIN_QUERY_ROWS``: 16, or 64, whose ``tl.dot`` can take Hopper's warpgroup MMA) times
-    :data:`SWEEP_CONFIGS`; the module's own settings are restored after."""
-    saved = attention._MIN_QUERY_ROWS, dict(attention._CONFIG)
+    configuration) under each of :data:`SWEEP_CONFIGS` for the multi-query grids; the module's own settings are
+    restored after. (Tiles padded to 64 rows, Hopper's warpgroup MMA, were slower or no faster at every point on an
+    H100: verify-attention-h100-tiles.md, commit 618ca59.)"""
+    saved = dict(attention._CONFIG)
     times = {}
     try:
-        for min_rows, (keys, per_sm, stages) in itertools.product((16, 64), SWEEP_CONFIGS):
-            attention._MIN_QUERY_ROWS = min_rows
+        for keys, per_sm, stages in SWEEP_CONFIGS:
             attention._CONFIG.update({"verify": (keys, per_sm, stages), "verify-few": (keys, per_sm, stages)})
-            name = f"rows>={min_rows}, {keys} keys, {per_sm}/SM, {stages} stages"
-            times[name] = time_graph(make_enqueue(), n_layers, reps, warmup)
+            times[f"{keys} keys, {per_sm}/SM, {stages} stages"] = time_graph(make_enqueue(), n_layers, reps, warmup)
     finally:
-        attention._MIN_QUERY_ROWS = saved[0]
         attention._CONFIG.clear()
-        attention._CONFIG.update(saved[1])
+        attention._CONFIG.update(saved)
     return times
 
 
@@ -188,7 +185,7 @@ def main() -> int:
     parser.add_argument("--queries", default=",".join(map(str, QUERIES)), help="queries per sequence (k + 1)")
     parser.add_argument("--points", default=None, help="model:batch:context,... (default: the issue's points)")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time the multi-query kernel under each tile padding and launch configuration")
+                        help="also time the multi-query kernel under each launch configuration")
     parser.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--max-gb", type=float, default=60.0, help="GPU memory for the pools of one point")

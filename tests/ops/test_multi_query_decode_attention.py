@@ -130,11 +130,9 @@ def test_query_blocks_splits_and_relaunches(kernels, num_splits, monkeypatch):
 
 
 @pytest.mark.parametrize("queries", [2, 5])
-def test_tiles_padded_to_64_rows_under_another_launch_configuration(kernels, queries, monkeypatch):
-    """A multi-query tile padded past its rows (a group of 4 at 2 or 5 positions in 64 rows) under the verify
-    grids' other iteration length and split plan (benchmarks/verify_attention.py --sweep tries them) gives the
-    reference's output; the plan is the verify kind's."""
-    monkeypatch.setattr(kernels, "_MIN_QUERY_ROWS", 64)
+def test_verify_grids_under_another_launch_configuration(kernels, queries, monkeypatch):
+    """A multi-query grid under another iteration length and split plan (benchmarks/verify_attention.py --sweep
+    tries them) gives the reference's output; the plan is the verify kind's."""
     monkeypatch.setitem(kernels._CONFIG, "verify", (128, 3, 2))
     monkeypatch.setitem(kernels._CONFIG, "verify-few", (128, 3, 2))
     heads = (8, 2, 32)

@@ -40,7 +40,10 @@ _LOG2E = 1.4426950408889634
 # keys in 2 stages, 3 programs per SM (its float16 value staging makes a fourth not fit; kernel-sweep-h100-fp8.md:
 # 230 -> 209 µs at llama3.1-8b B=8/32k, the best of 48 configurations, and 883 -> 880 at B=32/32k, 2 % off the best).
 # A dense grid of several queries per sequence (a lossless verify step, model-dtype pages) has its own entries,
-# "verify" and "verify-few", the one-query grids' until benchmarks/verify_attention.py --sweep measures them.
+# "verify" and "verify-few": the one-query grids' values, which no configuration of benchmarks/verify_attention.py
+# --sweep beat at 3, 5 and 9 queries alike on an H100 (verify-attention-h100-tiles.md: at llama3.1-8b B=16/32k the
+# fastest per count were 1-6 % faster, each a different one; at B=1 2 programs per SM in 3 stages of 64 keys took
+# 9 queries from 77 to 62 µs but 5 from 56 to 59).
 _CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (128, 3, 2),
            "verify": (64, 4, 3), "verify-few": (128, 2, 2)}
 _FEW_PROGRAMS = 16
@@ -61,8 +64,6 @@ _WIDE_MERGE_MAX_GROUP = 4
 # at llama3.1-8b B=16/32k in 600 µs against 808.
 _MAX_QUERY_ROWS = 64
 _WARPS_BY_ROWS = {16: _NUM_WARPS, 32: _NUM_WARPS, 64: _NUM_WARPS}
-# The fewest rows a tile of several queries per sequence is padded to (a power of two, 16 to _MAX_QUERY_ROWS).
-_MIN_QUERY_ROWS = 16
 
 
 @triton.jit
@@ -401,7 +402,7 @@ def paged_decode_attention_into(
     kind = grid_kind(dense, programs, k_pages.dtype == torch.float8_e4m3fn, num_queries)
     sel = page_table if dense else selected  # not read when dense
     outs = out[:, None] if out.dim() == 3 else out
-    rows = max(16 if num_queries == 1 else _MIN_QUERY_ROWS, next_pow2(block * group))
+    rows = max(16, next_pow2(block * group))
     _decode_split_kernel[(num_splits, blocks * sel_heads, batch)](
         q, k_pages, v_pages, page_table, seq_lens, sel, seq_lens if budgets is None else budgets, part_out, part_lse,
         counters, out, sm_scale * _LOG2E, num_items, items_per_split, selection_cols, num_q_heads,
