@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import platform
 import sys
