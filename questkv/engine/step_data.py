@@ -95,6 +95,8 @@ class ScheduledBatch:
     def forced_targets(self) -> Optional[list[int]]:
         """Per sampled token, the forced token of its output (``SamplingParams.forced_token_ids``; 0 where none, and
         never on a verify row: forced tokens exclude drafts); ``None`` when no row samples a forced output."""
+        if not any(seq.sampling_params.forced_token_ids for seq in self.seqs[:self.num_sampled]):
+            return None  # (the common case, asked every step: no per-token list)
         targets, any_forced = [], False
         for row, (seq, seq_len) in enumerate(zip(self.seqs[:self.num_sampled], self.seq_lens)):
             index = seq_len - seq.num_prompt_tokens  # the output this step samples for the row
