@@ -280,11 +280,11 @@ def plan_splits(num_items: int, programs: int, page_size: int, device: torch.dev
                 num_splits: Optional[int] = None, fp8: bool = False, queries: int = 1) -> tuple[int, int]:
     """``(num_splits, items_per_split)`` for ``num_items`` pages per (sequence, selection head).
 
-    ``programs`` is ``batch * num_sel_heads`` (times the query blocks of ``queries`` per sequence). Without an explicit ``num_splits`` the grid aims at its
-    kind's programs per SM (``_CONFIG``) times the SMs, rounded down so that it runs in one wave; every split
-    holds whole inner iterations. The result depends on shapes only, so a CUDA graph captured once
-    stays valid. A grid of another kind may use the plan (a cache's model-dtype layers beside its ``fp8`` ones):
-    the kinds' iterations divide each other's.
+    ``programs`` is ``batch * num_sel_heads`` (times the query blocks of ``queries`` per sequence). Without an
+    explicit ``num_splits`` the grid aims at its kind's programs per SM (``_CONFIG``) times the SMs, rounded down so
+    that it runs in one wave; every split holds whole inner iterations. The result depends on shapes only, so a
+    CUDA graph captured once stays valid. A grid of another kind may use the plan (a cache's model-dtype layers
+    beside its ``fp8`` ones): the kinds' iterations divide each other's.
     """
     kind = grid_kind(dense, programs, fp8, queries)
     step = pages_per_iter(page_size, kind)
