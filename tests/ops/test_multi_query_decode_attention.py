@@ -132,13 +132,13 @@ def test_query_blocks_splits_and_relaunches(kernels, num_splits, monkeypatch):
 @pytest.mark.parametrize("queries", [2, 5])
 def test_verify_grids_under_another_launch_configuration(kernels, queries, monkeypatch):
     """A multi-query grid under another iteration length and split plan (benchmarks/verify_attention.py --sweep
-    tries them) gives the reference's output; the plan is the verify kind's."""
-    monkeypatch.setitem(kernels._CONFIG, "verify", (128, 3, 2))
-    monkeypatch.setitem(kernels._CONFIG, "verify-few", (128, 3, 2))
+    tries them) gives the reference's output; the plan is the patched dense kind's."""
+    monkeypatch.setitem(kernels._CONFIG, "dense", (128, 3, 2))
+    monkeypatch.setitem(kernels._CONFIG, "dense-few", (128, 3, 2))
     heads = (8, 2, 32)
     q, k_pages, v_pages, table, lens = verify_case([45, 23], queries, heads, torch.float32, generator())
     buffers = kernels.attention_buffers(2, 8, 2, 32, table.shape[1], PAGE, True, q.device, num_queries=queries)
-    assert buffers.items_per_split % kernels.pages_per_iter(PAGE, "verify") == 0
+    assert buffers.items_per_split % kernels.pages_per_iter(PAGE, "dense") == 0
     want = reference.paged_decode_attention(q, k_pages, v_pages, readable(table), lens, None)
     got = kernels.paged_decode_attention_into(torch.empty_like(q), buffers, q, k_pages, v_pages, table, lens, None)
     assert _rel_err(got, want) < 1e-5

@@ -448,10 +448,6 @@ def test_dense_grids_of_few_programs_take_longer_splits():
     assert [attention.grid_kind(True, n) for n in (8, 16, 17)] == ["dense-few", "dense-few", "dense"]
     assert [attention.grid_kind(True, n, fp8=True) for n in (16, 17)] == ["dense-few", "dense-fp8"]
     assert attention.grid_kind(False, 8) == attention.grid_kind(False, 64, fp8=True) == "sparse"
-    # several queries per sequence (a verify step) on model-dtype pages: the verify kinds; on fp8 pages the dense ones
-    assert [attention.grid_kind(True, n, queries=5) for n in (16, 17)] == ["verify-few", "verify"]
-    assert attention.grid_kind(True, 17, fp8=True, queries=5) == "dense-fp8"
-    assert attention.grid_kind(False, 17, queries=5) == "sparse"
     assert attention.plan_splits(2048, 8, 16, cpu, True) == (32, 64)  # 33 aimed at, whole 8-page iterations
     assert attention.plan_splits(2048, 64, 16, cpu, True) == (8, 256)  # 8 = 4 * 132 // 64, 4-page iterations
     assert attention.plan_splits(2048, 64, 16, cpu, True, fp8=True) == (6, 344)  # 6 = 3 * 132 // 64, 8-page ones

@@ -39,13 +39,11 @@ _LOG2E = 1.4426950408889634
 # at C = 8 2.94 -> 2.89 ms, B=4/128k 5.84 -> 5.67; no point slower). A dense grid on fp8 pages takes tiles of 128
 # keys in 2 stages, 3 programs per SM (its float16 value staging makes a fourth not fit; kernel-sweep-h100-fp8.md:
 # 230 -> 209 µs at llama3.1-8b B=8/32k, the best of 48 configurations, and 883 -> 880 at B=32/32k, 2 % off the best).
-# A dense grid of several queries per sequence (a lossless verify step, model-dtype pages) has its own entries,
-# "verify" and "verify-few": the one-query grids' values, which no configuration of benchmarks/verify_attention.py
-# --sweep beat at 3, 5 and 9 queries alike on an H100 (verify-attention-h100-tiles.md: at llama3.1-8b B=16/32k the
-# fastest per count were 1-6 % faster, each a different one; at B=1 2 programs per SM in 3 stages of 64 keys took
+# A verify step's multi-query grid takes the dense grids' entries: no configuration of benchmarks/verify_attention.py
+# --sweep beat them at 3, 5 and 9 queries alike on an H100 (verify-attention-h100-tiles.md: at llama3.1-8b B=16/32k
+# the fastest per count were 1-6 % faster, each a different one; at B=1 2 programs per SM in 3 stages of 64 keys took
 # 9 queries from 77 to 62 µs but 5 from 56 to 59).
-_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (128, 3, 2),
-           "verify": (64, 4, 3), "verify-few": (128, 2, 2)}
+_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (128, 3, 2)}
 _FEW_PROGRAMS = 16
 _NUM_WARPS = 4
 # Splits combined per step of the merge. The wide chunk takes up to 32 splits in one step but costs
@@ -256,17 +254,13 @@ def _prefetch_tile_l2(k_pages_ptr, v_pages_ptr, table_ptr, seq, item, offset, en
                               is_pure=False, pack=1)
 
 
-def grid_kind(dense: bool, programs: int, fp8: bool = False, queries: int = 1) -> str:
-    """The launch configuration (a key of ``_CONFIG``) of a grid over ``programs`` (sequence, selection head, query
-    block) triples of ``queries`` per sequence: ``"sparse"``; dense, ``"verify"`` for several queries on
-    model-dtype pages (``"verify-few"`` for at most ``_FEW_PROGRAMS``), else ``"dense-few"`` for at most
-    ``_FEW_PROGRAMS``, ``"dense-fp8"`` on ``fp8`` pages and ``"dense"``."""
+def grid_kind(dense: bool, programs: int, fp8: bool = False) -> str:
+    """The launch configuration (a key of ``_CONFIG``) of a grid over ``programs`` (sequence, selection head)
+    pairs: ``"sparse"``, ``"dense-few"`` for a dense grid of at most ``_FEW_PROGRAMS``, else ``"dense-fp8"`` on
+    ``fp8`` pages and ``"dense"``."""
     if not dense:
         return "sparse"
-    few = programs <= _FEW_PROGRAMS
-    if queries > 1 and not fp8:
-        return "verify-few" if few else "verify"
-    if few:
+    if programs <= _FEW_PROGRAMS:
         return "dense-few"
     return "dense-fp8" if fp8 else "dense"
 
@@ -277,7 +271,7 @@ def pages_per_iter(page_size: int, kind: str) -> int:
 
 
 def plan_splits(num_items: int, programs: int, page_size: int, device: torch.device, dense: bool,
-                num_splits: Optional[int] = None, fp8: bool = False, queries: int = 1) -> tuple[int, int]:
+                num_splits: Optional[int] = None, fp8: bool = False) -> tuple[int, int]:
     """``(num_splits, items_per_split)`` for ``num_items`` pages per (sequence, selection head).
 
     ``programs`` is ``batch * num_sel_heads`` (times the query blocks of ``queries`` per sequence). Without an
@@ -286,7 +280,7 @@ def plan_splits(num_items: int, programs: int, page_size: int, device: torch.dev
     CUDA graph captured once stays valid. A grid of another kind may use the plan (a cache's model-dtype layers
     beside its ``fp8`` ones): the kinds' iterations divide each other's.
     """
-    kind = grid_kind(dense, programs, fp8, queries)
+    kind = grid_kind(dense, programs, fp8)
     step = pages_per_iter(page_size, kind)
     num_items = max(num_items, 1)
     if num_splits is None:
@@ -332,7 +326,7 @@ def attention_buffers(
     ``items_per_split``."""
     blocks = triton.cdiv(num_queries, query_block(num_queries, num_q_heads // num_sel_heads))
     num_splits, items_per_split = plan_splits(num_items, batch * num_sel_heads * blocks, page_size, device, dense,
-                                              num_splits, kv_dtype == torch.float8_e4m3fn, num_queries)
+                                              num_splits, kv_dtype == torch.float8_e4m3fn)
     rows = num_queries * num_q_heads
     part_out = torch.empty((batch, rows, num_splits, head_dim), dtype=torch.float32, device=device)
     part_lse = torch.empty((batch, rows, num_splits), dtype=torch.float32, device=device)
@@ -399,7 +393,7 @@ def paged_decode_attention_into(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     programs = batch * sel_heads * blocks
-    kind = grid_kind(dense, programs, k_pages.dtype == torch.float8_e4m3fn, num_queries)
+    kind = grid_kind(dense, programs, k_pages.dtype == torch.float8_e4m3fn)
     sel = page_table if dense else selected  # not read when dense
     outs = out[:, None] if out.dim() == 3 else out
     rows = max(16, next_pow2(block * group))
