@@ -134,7 +134,7 @@ class ModelRunner:
         self._flip = 0
         self._inputs = torch.zeros((NUM_INPUTS, rows), dtype=torch.int64, device=self.device)
         # A verify step's static inputs (lossless): per row its first position, KV length, page-table row, token
-        # budget and in-flight source, and its input tokens.
+        # budget and in-flight source, and its input tokens (the last one resolved by the step where in flight).
         verify_rows = rows if config.speculative_config is not None else 0
         self._verify_inputs = torch.zeros((_VERIFY_INPUTS, verify_rows), dtype=torch.int64, device=self.device)
         self._verify_ids = torch.zeros((verify_rows, MAX_SPECULATIVE_TOKENS + 1), dtype=torch.int64, device=self.device)
@@ -164,8 +164,8 @@ class ModelRunner:
         """
         if batch.num_verifies == len(batch.seqs) and len(set(batch.num_new_tokens)) == 1:
             logits = self._verify(batch)
-        else:
-            logits = self._prefill(batch) if batch.num_prefills else self._decode(batch)
+            return self.tokens.sample(logits, batch, self._verify_ids[:len(batch.seqs), :batch.num_new_tokens[0]])
+        logits = self._prefill(batch) if batch.num_prefills else self._decode(batch)
         return self.tokens.sample(logits, batch)
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -295,9 +295,9 @@ class ModelRunner:
         step = self._step(batch, width, route, q_len)
         rows = DecodeRows(page_table, seq_lens.to(torch.int32), step, dense=True, num_queries=q_len)
         staged = self._verify_ids[:batch, :q_len]
-        last = torch.where(sources >= 0, self.tokens.sampled[sources.clamp(min=0)], staged[:, -1])  # [batch] int64
-        ids = torch.cat([staged[:, :-1], last[:, None]], dim=1).reshape(-1)
-        hidden = self.model(ids, positions.reshape(-1), StepContext(slots.reshape(-1), decode=rows))
+        # The last inputs in flight, resolved in place: the sampler reads the step's drafts there (StepTokens.sample).
+        staged[:, -1] = torch.where(sources >= 0, self.tokens.sampled[sources.clamp(min=0)], staged[:, -1])
+        hidden = self.model(staged.reshape(-1), positions.reshape(-1), StepContext(slots.reshape(-1), decode=rows))
         return self.model.compute_logits(hidden, self._logits_out(batch * q_len))
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -59,16 +59,19 @@ class StepTokens:
         """The row of :attr:`sampled` that holds the latest step's token of ``seq`` (it sampled in that step)."""
         return self._rows[seq.request_id]
 
-    def sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, batch: ScheduledBatch, verify_inputs: Optional[torch.Tensor] = None
+               ) -> SampledTokens:
         """Sample the step's tokens from its ``logits`` (``[n, vocab]`` float32, one row per token sampled: a sampling
         row's one, a verify row's ``num_new_tokens``), keep them for the next step's inputs and launch their copy
-        to the host (and that of the forced tokens' log-probabilities), without waiting for the device."""
+        to the host (and that of the forced tokens' log-probabilities), without waiting for the device.
+        ``verify_inputs``: a step of verify rows only, ``[rows, q_len]`` int64 on the device, each row's input tokens
+        (its last verified token, then its drafts) as the step read them: its drafts are taken from there."""
         tokens = self._draw(logits, batch)  # [n] int64 on the device
         count = batch.num_sampled
         if self.tp is not None and count:
             tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
         if batch.num_verifies:
-            self._keep(self._next_inputs(tokens, batch))
+            self._keep(self._next_inputs(tokens, batch, verify_inputs))
         else:
             self.sampled[:count].copy_(tokens)
         self._rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
@@ -117,11 +120,18 @@ class StepTokens:
             logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], apply_top_k_top_p=filtering
         )
 
-    def _next_inputs(self, tokens: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+    def _next_inputs(self, tokens: torch.Tensor, batch: ScheduledBatch, verify_inputs: Optional[torch.Tensor]
+                     ) -> torch.Tensor:
         """Each sampling row's next input token and the drafts it kept (:func:`verified_next_inputs` over the step's
         sampled ``tokens``), ``[2, num_sampled]`` int64 on the device; with tensor parallelism broadcast from rank 0.
-        Reads the tokens of the step before (a verify row's last draft may be in flight), so it runs before they
-        are overwritten."""
+        The drafts: a verify-only step's ``verify_inputs`` (:meth:`sample`), else staged from the sequences, reading
+        the tokens of the step before (a verify row's last draft may be in flight), so it runs before they are
+        overwritten."""
+        if verify_inputs is not None:
+            rows, q_len = verify_inputs.shape
+            offsets = torch.arange(rows, device=self.device) * q_len
+            next_inputs = torch.stack(verified_next_inputs(tokens, offsets, verify_inputs[:, 1:]))
+            return next_inputs if self.tp is None else self.tp.broadcast(next_inputs)
         count, verifies = batch.num_sampled, range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
         width = max(batch.num_new_tokens[row] for row in verifies) - 1
         staged, flying, at = [], [], 0  # per row: its first token's index, then its drafts (-1 past them)
