@@ -130,7 +130,7 @@ def run_point(model: str, batch: int, context: int, args, floor_tbps: float) -> 
 
 SWEEP_CONFIGS = [(64, 4, 3), (128, 4, 2), (128, 3, 2), (64, 3, 3), (128, 2, 3), (64, 2, 3)]
 """(keys per iteration, programs per SM the split plan aims at, pipeline stages) that ``--sweep`` tries for the
-multi-query grids (``_CONFIG["dense"]`` and ``["dense-few"]`` alike, which they take)."""
+multi-query grids (``_CONFIG["verify"]`` and ``["verify-64"]`` alike: tiles of up to 32 rows and of 64)."""
 
 
 def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int) -> dict[str, float]:
@@ -142,7 +142,7 @@ def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int) -> dict[s
     times = {}
     try:
         for keys, per_sm, stages in SWEEP_CONFIGS:
-            attention._CONFIG.update({"dense": (keys, per_sm, stages), "dense-few": (keys, per_sm, stages)})
+            attention._CONFIG.update({"verify": (keys, per_sm, stages), "verify-64": (keys, per_sm, stages)})
             times[f"{keys} keys, {per_sm}/SM, {stages} stages"] = time_graph(make_enqueue(), n_layers, reps, warmup)
     finally:
         attention._CONFIG.clear()

@@ -73,6 +73,8 @@ _SCRIPT = textwrap.dedent(
         pool = pool or dtype
         block = decode_attention.query_block(num_queries, group)
         rows = max(16, triton.next_power_of_2(block * group))
+        kind = kind or decode_attention.grid_kind(dense, 64, pool == "fp8e4nv",
+                                                  decode_attention._verify_rows(num_queries, block, group))
         return compile_kernel(
             decode_attention._decode_split_kernel,
             {"q_ptr": dtype, "k_pages_ptr": pool, "v_pages_ptr": pool, "table_ptr": "i32",
@@ -81,12 +83,12 @@ _SCRIPT = textwrap.dedent(
             {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": rows,
              "BLOCK_GM": triton.next_power_of_2(group), "SEL_PER_KV": sel_per_kv,
              "NUM_QUERIES": num_queries, "QUERY_BLOCK": block,
-             "PAGES_PER_ITER": decode_attention.pages_per_iter(16, kind or ("dense" if dense else "sparse")), "MERGE_CHUNK": merge_chunk,
+             "PAGES_PER_ITER": decode_attention.pages_per_iter(16, kind), "MERGE_CHUNK": merge_chunk,
              "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl,
              "F16_DOT": pool == "fp8e4nv" and dtype == "bf16", "ROW_BUDGETS": row_budgets},
             floats=("qk_scale",),
             num_warps=decode_attention._WARPS_BY_ROWS.get(rows, 2 * decode_attention._NUM_WARPS),
-            num_stages=decode_attention._CONFIG[kind or ("dense" if dense else "sparse")][2],
+            num_stages=decode_attention._CONFIG[kind][2],
             # strides of B=1 with 32 / 8 heads, 129 selected pages (selection reuse), 17 splits
             divisible=("stride_qb", "stride_qq", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp", "stride_vt",
                        "stride_vh", "stride_tb", "stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oq", "stride_oh"),
@@ -153,9 +155,9 @@ _SCRIPT = textwrap.dedent(
         assert (compiled.asm["ptx"].count("prefetch.global.L2") > 0) == dense
     compile_attention("fp32", False, 4, 1)
     compile_attention("fp32", True, 4, 1)
-    # a lossless verify step's attention (several queries per sequence, causal among them): GQA groups of 4 (the 8B)
-    # and 6 (Qwen2.5-1.5B) and MHA (llama2-7b) from 2 to 17 positions, an fp8 pool, a query tile of 16 to 64 rows;
-    # none may spill
+    # a lossless verify step's attention (several queries per sequence, causal among them) in the launch it takes
+    # (grid_kind): GQA groups of 4 (the 8B) and 6 (Qwen2.5-1.5B) and MHA (llama2-7b) from 2 to 17 positions, an fp8
+    # pool, a query tile of 16 to 64 rows; none may spill
     for group, num_queries, pool in ((4, 2, None), (4, 5, None), (4, 9, None), (4, 17, None), (6, 9, None),
                                      (1, 17, None), (4, 5, "fp8e4nv"), (1, 5, None)):
         compiled = compile_attention("bf16", True, group, 1, pdl=True, pool=pool, num_queries=num_queries)

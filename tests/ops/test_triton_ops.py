@@ -454,6 +454,21 @@ def test_dense_grids_of_few_programs_take_longer_splits():
     assert attention.plan_splits(129, 8, 16, cpu, False) == (17, 8)  # 49 aimed at, at least one 8-page iteration
 
 
+def test_multi_query_grids_take_their_own_launch():
+    """A dense grid of several queries per sequence on model-dtype pages (a verify step) aims at 2 programs per SM
+    in 3 stages, 128 keys per iteration for tiles of up to 32 rows, 64 for 64 rows, whatever its program count;
+    on fp8 pages it keeps the dense grids' launch; one query per sequence is the dense grid's."""
+    cpu = torch.device("cpu")
+    assert [attention.grid_kind(True, n, verify_rows=r) for n, r in ((8, 16), (64, 32), (64, 64))] == [
+        "verify", "verify", "verify-64"]
+    assert attention.grid_kind(True, 64, fp8=True, verify_rows=32) == "dense-fp8"
+    assert attention.grid_kind(False, 64, verify_rows=32) == "sparse"
+    assert attention.plan_splits(2048, 64, 16, cpu, True, verify_rows=32) == (4, 512)  # 4 = 2 * 132 // 64, 8 pages
+    assert attention.plan_splits(2048, 64, 16, cpu, True, verify_rows=64) == (4, 512)  # 4-page iterations
+    buffers = attention.attention_buffers(16, 32, 8, 128, 2048, 16, True, cpu, num_queries=9)  # 36 rows -> 64
+    assert buffers.part_lse.shape == (16, 9 * 32, 2)  # 2 = 2 * 132 // 128 programs
+
+
 def _force_split_select(monkeypatch, split):
     """Make every select take the split path (chunks of 8 pages) or the one-program-per-row kernel."""
     monkeypatch.setattr(select, "_SPLIT_MIN_PAGES", 1 if split else 10**9)

@@ -39,11 +39,13 @@ _LOG2E = 1.4426950408889634
 # at C = 8 2.94 -> 2.89 ms, B=4/128k 5.84 -> 5.67; no point slower). A dense grid on fp8 pages takes tiles of 128
 # keys in 2 stages, 3 programs per SM (its float16 value staging makes a fourth not fit; kernel-sweep-h100-fp8.md:
 # 230 -> 209 µs at llama3.1-8b B=8/32k, the best of 48 configurations, and 883 -> 880 at B=32/32k, 2 % off the best).
-# A verify step's multi-query grid takes the dense grids' entries: no configuration of benchmarks/verify_attention.py
-# --sweep beat them at 3, 5 and 9 queries alike on an H100 (verify-attention-h100-tiles.md: at llama3.1-8b B=16/32k
-# the fastest per count were 1-6 % faster, each a different one; at B=1 2 programs per SM in 3 stages of 64 keys took
-# 9 queries from 77 to 62 µs but 5 from 56 to 59).
-_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (128, 3, 2)}
+# A verify step's multi-query grid on model-dtype pages aims at 2 programs per SM in 3 stages, with 128 keys per
+# iteration where its tile has at most 32 rows (positions x the query group) and 64 keys at 64 rows
+# (benchmarks/verify_attention.py --sweep on an H200 and an H100, verify-attention-h200-tiles.md and -h100-tiles.md:
+# faster than the dense grids' entries at 3, 5 and 9 queries of llama3.1-8b at B=16/32k on both GPUs, e.g. 5 queries
+# 624 -> 516 µs on the H200, and at B=1/32k, 9 queries 73 -> 54 µs; within 1.3 % of them at B=1 with 5 queries).
+_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (128, 3, 2),
+           "verify": (128, 2, 3), "verify-64": (64, 2, 3)}
 _FEW_PROGRAMS = 16
 _NUM_WARPS = 4
 # Splits combined per step of the merge. The wide chunk takes up to 32 splits in one step but costs
@@ -254,12 +256,16 @@ def _prefetch_tile_l2(k_pages_ptr, v_pages_ptr, table_ptr, seq, item, offset, en
                               is_pure=False, pack=1)
 
 
-def grid_kind(dense: bool, programs: int, fp8: bool = False) -> str:
+def grid_kind(dense: bool, programs: int, fp8: bool = False, verify_rows: Optional[int] = None) -> str:
     """The launch configuration (a key of ``_CONFIG``) of a grid over ``programs`` (sequence, selection head)
-    pairs: ``"sparse"``, ``"dense-few"`` for a dense grid of at most ``_FEW_PROGRAMS``, else ``"dense-fp8"`` on
-    ``fp8`` pages and ``"dense"``."""
+    pairs: ``"sparse"``; for a dense grid of several queries per sequence on model-dtype pages (``verify_rows``: its
+    tile's padded rows, positions x the query group; ``None`` for one query) ``"verify"`` up to 32 rows, else
+    ``"verify-64"``; ``"dense-few"`` for a dense grid of at most ``_FEW_PROGRAMS``, else ``"dense-fp8"`` on ``fp8``
+    pages and ``"dense"``."""
     if not dense:
         return "sparse"
+    if verify_rows is not None and not fp8:
+        return "verify" if verify_rows <= 32 else "verify-64"
     if programs <= _FEW_PROGRAMS:
         return "dense-few"
     return "dense-fp8" if fp8 else "dense"
@@ -271,7 +277,8 @@ def pages_per_iter(page_size: int, kind: str) -> int:
 
 
 def plan_splits(num_items: int, programs: int, page_size: int, device: torch.device, dense: bool,
-                num_splits: Optional[int] = None, fp8: bool = False) -> tuple[int, int]:
+                num_splits: Optional[int] = None, fp8: bool = False, verify_rows: Optional[int] = None
+                ) -> tuple[int, int]:
     """``(num_splits, items_per_split)`` for ``num_items`` pages per (sequence, selection head).
 
     ``programs`` is ``batch * num_sel_heads`` (times the query blocks of ``queries`` per sequence). Without an
@@ -280,7 +287,7 @@ def plan_splits(num_items: int, programs: int, page_size: int, device: torch.dev
     CUDA graph captured once stays valid. A grid of another kind may use the plan (a cache's model-dtype layers
     beside its ``fp8`` ones): the kinds' iterations divide each other's.
     """
-    kind = grid_kind(dense, programs, fp8)
+    kind = grid_kind(dense, programs, fp8, verify_rows)
     step = pages_per_iter(page_size, kind)
     num_items = max(num_items, 1)
     if num_splits is None:
@@ -295,6 +302,16 @@ def query_block(num_queries: int, group: int) -> int:
     query heads: all of them when their rows fit ``_MAX_QUERY_ROWS``, else the fewest blocks of equal size that do."""
     most = max(1, _MAX_QUERY_ROWS // group)
     return triton.cdiv(num_queries, triton.cdiv(num_queries, most))
+
+
+def _tile_rows(block: int, group: int) -> int:
+    """The padded rows of a program's query tile: ``block`` positions x ``group`` query heads, at least 16."""
+    return max(16, next_pow2(block * group))
+
+
+def _verify_rows(num_queries: int, block: int, group: int) -> Optional[int]:
+    """:func:`grid_kind`'s ``verify_rows``: the tile's rows for several queries per sequence, ``None`` for one."""
+    return _tile_rows(block, group) if num_queries > 1 else None
 
 
 def merge_chunk(programs: int, group: int, device: torch.device) -> int:
@@ -324,9 +341,12 @@ def attention_buffers(
     num_splits, head_dim]`` float32, ``part_lse`` ``[batch, num_queries * num_q_heads, num_splits]`` float32,
     ``counters`` ``[batch, query blocks * num_sel_heads]`` int32 (zero; every launch leaves them zero),
     ``items_per_split``."""
-    blocks = triton.cdiv(num_queries, query_block(num_queries, num_q_heads // num_sel_heads))
+    group = num_q_heads // num_sel_heads
+    block = query_block(num_queries, group)
+    blocks = triton.cdiv(num_queries, block)
     num_splits, items_per_split = plan_splits(num_items, batch * num_sel_heads * blocks, page_size, device, dense,
-                                              num_splits, kv_dtype == torch.float8_e4m3fn)
+                                              num_splits, kv_dtype == torch.float8_e4m3fn,
+                                              _verify_rows(num_queries, block, group))
     rows = num_queries * num_q_heads
     part_out = torch.empty((batch, rows, num_splits, head_dim), dtype=torch.float32, device=device)
     part_lse = torch.empty((batch, rows, num_splits), dtype=torch.float32, device=device)
@@ -393,10 +413,10 @@ def paged_decode_attention_into(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     programs = batch * sel_heads * blocks
-    kind = grid_kind(dense, programs, k_pages.dtype == torch.float8_e4m3fn)
+    kind = grid_kind(dense, programs, k_pages.dtype == torch.float8_e4m3fn, _verify_rows(num_queries, block, group))
     sel = page_table if dense else selected  # not read when dense
     outs = out[:, None] if out.dim() == 3 else out
-    rows = max(16, next_pow2(block * group))
+    rows = _tile_rows(block, group)
     _decode_split_kernel[(num_splits, blocks * sel_heads, batch)](
         q, k_pages, v_pages, page_table, seq_lens, sel, seq_lens if budgets is None else budgets, part_out, part_lse,
         counters, out, sm_scale * _LOG2E, num_items, items_per_split, selection_cols, num_q_heads,
