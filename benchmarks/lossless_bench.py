@@ -20,8 +20,9 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
 * ``shapes``: random weights at the paper's shapes (``--points``), synthetic contexts (``e2e_bench``'s): ms per
   step of the dense engine (asynchronous), of a lossless draft step and of a verify step (fixed ``k``,
   synchronous), and the speed over dense that an acceptance implies (``E(k) * t_dense / (k * t_draft +
-  t_verify)``, labelled as implied: random weights accept nothing real); on CUDA also each step's graph replayed
-  alone (its GPU time; the rest of a step is the host's) and the verify graph's heaviest kernels.
+  t_verify)``, labelled as implied: random weights accept nothing real), and the step of dense requests on a
+  lossless engine (what a lossless request's step costs where its policy decodes densely); on CUDA also each step's
+  graph replayed alone (its GPU time; the rest of a step is the host's) and the graphs' heaviest kernels.
 
 Decode tokens/s is ``B * (T - 1) / (t - f)`` with ``t`` the wall time of ``generate`` of ``T`` tokens on an
 engine warmed by the same run and ``f`` its slowest request's time to first token (:func:`decode_rate`): prefill
@@ -341,13 +342,13 @@ POINTS = {  # name: (model, batch, context, budget, quantization)
 }
 
 
-def _shape_engine(cfg, batch, context, quantization, steps, device, **kwargs) -> LLM:
+def _shape_engine(cfg, batch, context, quantization, steps, device, dense: bool = False, **kwargs) -> LLM:
     need = batch * (context + steps * 20 + 4 * PAGE) * kv_bytes_per_token(cfg) * (2 * PAGE + 2) // (2 * PAGE)
     llm = LLM(cfg, load_format="dummy", dtype="bfloat16", device=device, max_num_seqs=batch,
               max_model_len=context + PAGE * 8, kv_cache_memory=int(need * 1.05) + (256 << 20),
               quantization=quantization, enable_chunked_prefill=False, **kwargs)
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=steps * 18, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps * 18, ignore_eos=True, dense=dense)
     for _ in range(batch):
         prompt = torch.randint(0, cfg.vocab_size, (context - steps * 18 - 2,), generator=gen).tolist()
         llm.engine.add_request(prompt, params)
@@ -415,6 +416,20 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
             record["verify_graph_ms"] = replay_ms(engine.runner, route=StepRoute.VERIFY)
     llm.close()
     del llm, engine
+    gc.collect()
+    # Dense requests on a lossless engine: the step a lossless request takes where its policy decodes densely
+    # (the engine's selection memory and its rows launched ahead of a verify add work to the dense engine's step).
+    llm = _shape_engine(cfg, batch, context, quantization, steps, device, dense=True, quest=quest,
+                        speculative_config=lossless_config(k, True), async_scheduling=True)
+    for _ in range(6):
+        llm.engine.step()
+    record["lossless_dense_host"] = time_host(llm.engine, steps)
+    if device == "cuda":
+        with contextlib.suppress(LookupError):
+            record["lossless_dense_graph_ms"] = replay_ms(llm.engine.runner, route=StepRoute.DENSE)
+            record["lossless_dense_kernels"] = profile_replay(llm.engine.runner, top=10, route=StepRoute.DENSE)
+    llm.close()
+    del llm
     gc.collect()
     # A round's wall time (k drafts and a verify; under asynchronous scheduling drafts are launched ahead, so a
     # single step's wall time is not its cost).
@@ -511,12 +526,13 @@ def table(part: str, record: dict) -> str:
         if kernels:  # each graph's kernels: how many, their summed GPU time, the heaviest
             lines += ["", "| point | graph | kernels | GPU µs | heaviest kernels (count, µs) |", "|---|---|---|---|---|"]
             for p in kernels:
-                for graph in ("dense", "draft", "verify"):
+                for graph in ("dense", "lossless_dense", "draft", "verify"):
                     prof = p.get(f"{graph}_kernels")
                     if prof is not None:
                         top = "; ".join(f"{t['name'][:48]} ({t['count']}, {t['us']:.0f})" for t in prof["top"][:8])
+                        label = "dense, on the lossless engine" if graph == "lossless_dense" else graph
                         lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k{source_suffix(p)} | "
-                                     f"{graph} | {prof['count']} | {prof['us']:.0f} | {top} |")
+                                     f"{label} | {prof['count']} | {prof['us']:.0f} | {top} |")
         timed = [p for p in record["results"]["points"] if "round_host" in p]
         if timed:  # the host's time per step without a profiler (e2e_bench.time_host)
             lines += ["", "The host per step, no profiler (ms): `busy` is the wall less the wait for the device's tokens; "
@@ -524,8 +540,10 @@ def table(part: str, record: dict) -> str:
                       "| point | engine | wall | busy | wait | schedule | launch (graph replay, sampling) | process |",
                       "|---|---|---|---|---|---|---|---|"]
             for p in timed:
-                for engine, key in (("dense", "dense_host"), ("lossy Quest", "quest_host"),
-                                    (f"lossless k={p['k']}", "round_host")):
+                for engine, key in (("dense", "dense_host"), ("dense, on the lossless engine", "lossless_dense_host"),
+                                    ("lossy Quest", "quest_host"), (f"lossless k={p['k']}", "round_host")):
+                    if key not in p:  # (runs before the lossless engine's dense step was timed)
+                        continue
                     for label, h in _host_rows(engine, p[key]):
                         lines.append(f"| {p['model']} B={p['batch']} {p['context'] // 1024}k{source_suffix(p)} | "
                                      f"{label} | {h['wall']:.2f} | {h['busy']:.2f} | {h['wait']:.2f} | "

@@ -104,6 +104,15 @@ def test_the_shapes_table_shows_rounds_graphs_and_profiles(kernels):
     assert "| llama2-7b B=1 32k | lossless k=4 | 6.00 | 5.00 | 1.00 |" in text
     assert "| llama2-7b B=1 32k | lossless k=4: 16 steps launching no verify | 6.00 |" in text
     assert "| llama2-7b B=1 32k | lossless k=4: 4 steps launching a verify | 9.00 |" in text
+    assert "dense, on the lossless engine" not in text  # (a run before it was timed)
+    with_dense = {**point, "lossless_dense_host": {**host, "wall": 6.4},
+                  "dense_kernels": {"count": 300, "us": 1900.0, "top": []},
+                  "lossless_dense_kernels": {"count": 312, "us": 1990.0, "top": []},
+                  "draft_kernels": {"count": 308, "us": 2000.0, "top": []},
+                  "verify_kernels": {"count": 303, "us": 6300.0, "top": []}}
+    dense_text = lossless_bench.table("shapes", {**record, "results": {"points": [with_dense]}})
+    assert "| llama2-7b B=1 32k | dense, on the lossless engine | 6.40 | 4.50 | 1.50 |" in dense_text
+    assert "| llama2-7b B=1 32k | dense, on the lossless engine | 312 | 1990 |" in dense_text
     assert "| llama2-7b B=1 32k | 7.70 | 3.20 | 10.20 | 23.00 | 2.50 |" in text  # a round's graphs, the rest
     assert ("_decode_split_kernel 2061" in text) == kernels
     assert ("| llama2-7b B=1 32k | argmax | _rms_norm_kernel | 120 | 0.2 |" in text) == kernels
