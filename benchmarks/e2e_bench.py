@@ -18,12 +18,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import gzip
 import json
 import math
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -313,7 +317,7 @@ def profile_replay(runner, top: int = 12, route=None) -> dict:
             "top": [{"name": name[:90], "count": n, "us": us} for name, (n, us) in ranked[:top]]}
 
 
-def profile_steps(engine, steps: int, top: int = 12) -> dict:
+def profile_steps(engine, steps: int, top: int = 12, trace: Optional[Path] = None) -> dict:
     """Where the wall time of ``steps`` engine steps goes (torch profiler; the caller has warmed the engine up), per
     step. On CUDA, a pass with device activity only (little host overhead): ``wall_ms``; ``gpu_busy_ms``, the union
     of the device's kernel and copy intervals, and ``gpu_idle_ms``, the rest (where: ``gpu_gaps``, :func:`idle_gaps`);
@@ -324,7 +328,8 @@ def profile_steps(engine, steps: int, top: int = 12) -> dict:
     launching the step and its sampling; ``process``: waiting for a step's tokens and appending them, stops and
     outputs), and
     ``host_ops``, the ``top`` host operations by self time (µs per step; a wait for the device shows as
-    ``cudaEventSynchronize``)."""
+    ``cudaEventSynchronize``). ``trace``: that pass's timeline written there as a gzipped Chrome trace (host
+    operations and the kernels they launched, for ``chrome://tracing`` or Perfetto)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = engine.runner.device.type == "cuda"
@@ -369,6 +374,12 @@ def profile_steps(engine, steps: int, top: int = 12) -> dict:
     finally:
         for owner, attr in phases.values():
             delattr(owner, attr)
+    if trace is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(plain))
+            with open(plain, "rb") as source, gzip.open(trace, "wb") as out:
+                shutil.copyfileobj(source, out)
     phase_us, host_us = dict.fromkeys(phases, 0.0), {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:

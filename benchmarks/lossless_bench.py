@@ -53,6 +53,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -357,10 +358,11 @@ def _shape_engine(cfg, batch, context, quantization, steps, device, dense: bool 
 
 
 def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, device: str = "cuda",
-                dense_layers: int = DENSE_LAYERS) -> dict:
+                dense_layers: int = DENSE_LAYERS, trace: Optional[Path] = None) -> dict:
     """The dense engine's step (timed once) and the lossless engine's rounds of ``k`` drafts and a verify (timed
     whole: drafts are launched ahead of their update) at the point ``name``; the Quest engines attend their first
-    ``dense_layers`` layers densely (``QuestConfig.dense_layers``)."""
+    ``dense_layers`` layers densely (``QuestConfig.dense_layers``). ``trace``: where the lossless rounds' profile
+    writes its timeline (:func:`~benchmarks.e2e_bench.profile_steps`)."""
     model, batch, context, budget, quantization = POINTS[name]
     cfg = context_config(model, context)
     quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=dense_layers)
@@ -407,7 +409,7 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
         if i >= 2 * (k + 1) and engine.scheduler.step_tokens["verify"] > verifies:  # (graphs captured)
             ends.append(time.perf_counter())
     record["round_host"] = time_host(engine, 4 * (k + 1))  # four rounds' worth of steps
-    record["round_profile"] = profile_steps(engine, 2 * (k + 1))  # two rounds' worth of steps
+    record["round_profile"] = profile_steps(engine, 2 * (k + 1), trace=trace)  # two rounds' worth of steps
     if device == "cuda":
         with contextlib.suppress(LookupError):
             record["draft_graph_ms"] = replay_ms(engine.runner, route=StepRoute.SPARSE)
@@ -449,8 +451,9 @@ def _synchronize(device: str) -> None:
 def shapes(args, save) -> dict:
     results = {"points": []}
     for name, dense_layers in itertools.product(args.points, args.draft_dense_layers):
+        trace = None if args.trace_dir is None else args.trace_dir / f"trace-{name}-dense{dense_layers}.json.gz"
         results["points"].append(shape_point(name, args.k, args.acceptance, device=args.device,
-                                             dense_layers=dense_layers))
+                                             dense_layers=dense_layers, trace=trace))
         save(results)
     return results
 
@@ -625,6 +628,9 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["adaptive"], choices=("adaptive", "fixed"),
                         help="real: the lossless engine's k policies (adaptive: the engine picks the drafts per round)")
     parser.add_argument("--points", nargs="+", default=list(POINTS)[:3], choices=list(POINTS), help="shapes: the points")
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="shapes: write each point's lossless rounds' profile timeline there "
+                             "(trace-POINT-denseN.json.gz, a Chrome trace: host operations and their kernels)")
     parser.add_argument("--acceptance", type=float, nargs="+", default=[0.8, 0.9, 0.95],
                         help="shapes: per-token acceptances to imply speed from (measure them with `real`)")
     args = parser.parse_args()

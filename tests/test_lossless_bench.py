@@ -54,6 +54,20 @@ def test_profile_steps_times_the_engines_phases_and_leaves_the_engine_as_it_was(
         engine.step()
 
 
+def test_profile_steps_writes_its_timeline_as_a_gzipped_chrome_trace(tmp_path):
+    import gzip
+    import json
+
+    trace = tmp_path / "trace.json.gz"
+    record, engine = _measured_round(lambda engine, steps: profile_steps(engine, steps, trace=trace))
+    events = json.load(gzip.open(trace))["traceEvents"]
+    names = {event.get("name") for event in events}
+    assert {"questkv::schedule", "questkv::launch", "questkv::process"} <= names  # the engine's phases on the timeline
+    assert record["steps"] == 8
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_time_host_splits_the_steps_wall_time_and_leaves_the_engine_as_it_was():
     from questkv.engine.step_data import SampledTokens
 
