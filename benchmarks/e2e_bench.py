@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import gzip
 import json
 import math
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -328,8 +325,8 @@ def profile_steps(engine, steps: int, top: int = 12, trace: Optional[Path] = Non
     launching the step and its sampling; ``process``: waiting for a step's tokens and appending them, stops and
     outputs), and
     ``host_ops``, the ``top`` host operations by self time (µs per step; a wait for the device shows as
-    ``cudaEventSynchronize``). ``trace``: that pass's timeline written there as a gzipped Chrome trace (host
-    operations and the kernels they launched, for ``chrome://tracing`` or Perfetto)."""
+    ``cudaEventSynchronize``). ``trace``: that pass's timeline written there as a Chrome trace, gzipped where
+    the name ends in ``.gz`` (host operations and the kernels they launched, for ``chrome://tracing`` or Perfetto)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = engine.runner.device.type == "cuda"
@@ -375,11 +372,7 @@ def profile_steps(engine, steps: int, top: int = 12, trace: Optional[Path] = Non
         for owner, attr in phases.values():
             delattr(owner, attr)
     if trace is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            plain = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(plain))
-            with open(plain, "rb") as source, gzip.open(trace, "wb") as out:
-                shutil.copyfileobj(source, out)
+        prof.export_chrome_trace(str(trace))  # (gzipped by torch where the name ends in .gz)
     phase_us, host_us = dict.fromkeys(phases, 0.0), {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:

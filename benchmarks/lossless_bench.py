@@ -362,7 +362,7 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
     """The dense engine's step (timed once) and the lossless engine's rounds of ``k`` drafts and a verify (timed
     whole: drafts are launched ahead of their update) at the point ``name``; the Quest engines attend their first
     ``dense_layers`` layers densely (``QuestConfig.dense_layers``). ``trace``: where the lossless rounds' profile
-    writes its timeline (:func:`~benchmarks.e2e_bench.profile_steps`)."""
+    writes its timeline (:func:`~benchmarks.e2e_bench.profile_steps`; gzipped where the name ends in ``.gz``)."""
     model, batch, context, budget, quantization = POINTS[name]
     cfg = context_config(model, context)
     quest = QuestConfig(token_budget=budget, page_size=PAGE, dense_layers=dense_layers)
@@ -388,17 +388,9 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
     del llm, engine
     gc.collect()
     # lossy Quest (what a draft step runs, decoded asynchronously): its step, and whether the host keeps up
-    llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest, async_scheduling=True)
-    for _ in range(6):
-        llm.engine.step()
-    record["quest_host"] = time_host(llm.engine, steps)
+    record.update(_steady_step(_shape_engine(cfg, batch, context, quantization, steps, device, quest=quest,
+                                             async_scheduling=True), steps, device, StepRoute.SPARSE, "quest"))
     record["quest_ms"] = record["quest_host"]["wall"]
-    if device == "cuda":
-        with contextlib.suppress(LookupError):
-            record["quest_graph_ms"] = replay_ms(llm.engine.runner, route=StepRoute.SPARSE)
-    llm.close()
-    del llm
-    gc.collect()
     llm = _shape_engine(cfg, batch, context, quantization, steps, device, quest=quest,
                         speculative_config=lossless_config(k, False))
     engine = llm.engine
@@ -421,18 +413,9 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
     gc.collect()
     # Dense requests on a lossless engine: the step a lossless request takes where its policy decodes densely
     # (the engine's selection memory and its rows launched ahead of a verify add work to the dense engine's step).
-    llm = _shape_engine(cfg, batch, context, quantization, steps, device, dense=True, quest=quest,
-                        speculative_config=lossless_config(k, True), async_scheduling=True)
-    for _ in range(6):
-        llm.engine.step()
-    record["lossless_dense_host"] = time_host(llm.engine, steps)
-    if device == "cuda":
-        with contextlib.suppress(LookupError):
-            record["lossless_dense_graph_ms"] = replay_ms(llm.engine.runner, route=StepRoute.DENSE)
-            record["lossless_dense_kernels"] = profile_replay(llm.engine.runner, top=10, route=StepRoute.DENSE)
-    llm.close()
-    del llm
-    gc.collect()
+    record.update(_steady_step(_shape_engine(cfg, batch, context, quantization, steps, device, dense=True, quest=quest,
+                                             speculative_config=lossless_config(k, True), async_scheduling=True),
+                               steps, device, StepRoute.DENSE, "lossless_dense", kernels=True))
     # A round's wall time (k drafts and a verify; under asynchronous scheduling drafts are launched ahead, so a
     # single step's wall time is not its cost).
     record["round_ms"] = round_ms = (ends[-1] - ends[0]) / (len(ends) - 1) * 1e3
@@ -440,6 +423,24 @@ def shape_point(name: str, k: int, acceptances: list[float], steps: int = 40, de
                           "speedup": expected_tokens(a, k) * record["dense_ms"] / round_ms} for a in acceptances]
     print(f"{name}: dense {record['dense_ms']:.2f} ms, round of {k} drafts and a verify {round_ms:.2f} ms; implied "
           + ", ".join(f"{i['speedup']:.2f}x at {i['acceptance']}" for i in record["implied"]), flush=True)
+    return record
+
+
+def _steady_step(llm: LLM, steps: int, device: str, route: StepRoute, prefix: str, kernels: bool = False) -> dict:
+    """``llm``'s step with its requests decoding, after a warm-up, as ``{prefix}_host`` (:func:`time_host` over
+    ``steps`` steps) and on CUDA ``{prefix}_graph_ms`` (its ``route`` graph replayed alone) and, with ``kernels``,
+    ``{prefix}_kernels``; closes ``llm``."""
+    for _ in range(6):
+        llm.engine.step()
+    record = {f"{prefix}_host": time_host(llm.engine, steps)}
+    if device == "cuda":
+        with contextlib.suppress(LookupError):  # a route that captured no graph: its figures are left out
+            record[f"{prefix}_graph_ms"] = replay_ms(llm.engine.runner, route=route)
+            if kernels:
+                record[f"{prefix}_kernels"] = profile_replay(llm.engine.runner, top=10, route=route)
+    llm.close()
+    del llm
+    gc.collect()
     return record
 
 
