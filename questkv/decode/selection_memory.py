@@ -95,6 +95,7 @@ class SelectionMemory:
         self.selections = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.steps = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.last_selections = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self._one = torch.ones(1, dtype=torch.int64, device=device)
 
     @staticmethod
     def nbytes(config: QuestConfig, num_layers: int, num_sel_heads: int, max_seqs: int) -> int:
@@ -103,7 +104,7 @@ class SelectionMemory:
             return 0
         sparse_layers = num_layers - min(config.dense_layers, num_layers)
         width = config.budget_pages + config.reuse_extra_pages
-        return 4 * (sparse_layers * max_seqs * num_sel_heads * width + max_seqs) + 3 * 8 * max_seqs
+        return 4 * (sparse_layers * max_seqs * num_sel_heads * width + max_seqs) + 8 * (3 * max_seqs + 1)
 
     @property
     def counters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,9 +130,11 @@ class SelectionMemory:
 
     def count_dense_step(self, seq_ids: torch.Tensor) -> None:
         """A step where every row decodes densely (its route): no selection is made or kept; counted as a step
-        without selections for the selection rate of slots ``seq_ids`` (``[batch]`` int64)."""
+        without selections for the selection rate of slots ``seq_ids`` (``[batch]`` int64). Three index kernels
+        and no temporary: the step of a lossless engine's dense requests costs little more than a dense engine's."""
         self.forget(seq_ids)
-        reuse_reference.count_selections(self.counters, seq_ids, torch.zeros_like(seq_ids))
+        self.steps.index_add_(0, seq_ids, self._one.expand(seq_ids.shape[0]))
+        self.last_selections.index_fill_(0, seq_ids, 0)
 
     def selection_rate(self, slot: int, discard_last: bool = False) -> Optional[float]:
         """The fraction of (decode step, sparse layer, selecting head) of slot ``slot``'s sequence, since its

@@ -468,8 +468,7 @@ class ModelRunner:
         ids = torch.where(inputs[_SRC] >= 0, self.tokens.sampled[source], inputs[_IDS])
         positions, seq_lens = inputs[_POS], inputs[_LENS]
         if self.config.speculative_config is not None:  # a row launched ahead moves by the drafts its verify kept
-            shift = self.tokens.kept_drafts[source] * inputs[_AHEAD]  # [batch] int64
-            positions, seq_lens = positions + shift, seq_lens + shift
+            positions, seq_lens = inputs[_POS:_LENS + 1] + self.tokens.kept_drafts[source] * inputs[_AHEAD]
         page_table = self.cache.page_table.index_select(0, inputs[_ROWS])[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
         slots = page_table.gather(1, (positions // page_size)[:, None])[:, 0].long() * page_size + positions % page_size

@@ -127,7 +127,8 @@ def test_a_memory_needs_a_sparse_config_with_reuse_and_reports_its_bytes():
     memory = SelectionMemory(cfg, 3, KV_HEADS, 5, "cpu")
     assert memory.pages.shape == (2, 5, KV_HEADS, 4 + 2)
     assert SelectionMemory.nbytes(cfg, 3, KV_HEADS, 5) == sum(
-        t.nbytes for t in (memory.pages, memory.selected_at, memory.selections, memory.steps, memory.last_selections))
+        t.nbytes for t in (memory.pages, memory.selected_at, memory.selections, memory.steps, memory.last_selections,
+                           memory._one))
     assert SelectionMemory.nbytes(config(1), 3, KV_HEADS, 5) == 0
     with pytest.raises(ValueError, match="QuestConfig.selection_interval must be >= 1"):
         QuestConfig(selection_interval=0)
@@ -154,4 +155,5 @@ def test_the_selection_rate_counts_each_slots_selecting_layer_heads_and_restarts
     memory.restart(torch.tensor([0]))
     assert memory.selection_rate(0) is None and memory.selection_rate(2) == 4 / 8
     assert SelectionMemory.nbytes(cfg, 2, KV_HEADS, 4) == sum(
-        t.nbytes for t in (memory.pages, memory.selected_at, memory.selections, memory.steps, memory.last_selections))
+        t.nbytes for t in (memory.pages, memory.selected_at, memory.selections, memory.steps, memory.last_selections,
+                           memory._one))
