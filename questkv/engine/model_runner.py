@@ -140,11 +140,12 @@ class ModelRunner:
         self._verify_ids = torch.zeros((verify_rows, MAX_SPECULATIVE_TOKENS + 1), dtype=torch.int64, device=self.device)
         self._host_verify = torch.zeros((_VERIFY_INPUTS + MAX_SPECULATIVE_TOKENS + 1, verify_rows), dtype=torch.int64,
                                         pin_memory=pin)
-        self.tokens = StepTokens(rows, self.device, config.seed, tp)  # the sampler, and what the next step reads
+        verify_len = 1 if config.speculative_config is None else config.speculative_config.num_speculative_tokens + 1
+        # The sampler, and what the next step reads.
+        self.tokens = StepTokens(rows, self.device, config.seed, tp, max_queries=verify_len)
         # Every CUDA graph writes its logits here: an output of its own per graph held [rows, vocab] float32 for each
         # batch size, page-table width, route (and verify length) until the engine closed (GBs at a 150k vocabulary).
         # A step's sampling reads them before the next step is launched on the stream.
-        verify_len = 1 if config.speculative_config is None else config.speculative_config.num_speculative_tokens + 1
         logit_rows = rows * verify_len
         self._graph_logits = (torch.empty((logit_rows, spec.vocab_size), dtype=torch.float32, device=self.device)
                               if batch_sizes else None)
@@ -164,9 +165,11 @@ class ModelRunner:
         """
         if batch.num_verifies == len(batch.seqs) and len(set(batch.num_new_tokens)) == 1:
             logits = self._verify(batch)
-            return self.tokens.sample(logits, batch, self._verify_ids[:len(batch.seqs), :batch.num_new_tokens[0]])
-        logits = self._prefill(batch) if batch.num_prefills else self._decode(batch)
-        return self.tokens.sample(logits, batch)
+            return self.tokens.sample(logits, batch, self._verify_ids[:len(batch.seqs), :batch.num_new_tokens[0]],
+                                      drawn=True)
+        if batch.num_prefills:
+            return self.tokens.sample(self._prefill(batch), batch)
+        return self.tokens.sample(self._decode(batch), batch, drawn=True)
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[num_sampled, vocab]`` float32 logits of a step with prefill rows: each decode row's token, then each
@@ -260,8 +263,6 @@ class ModelRunner:
         self._verify_inputs[:, :padded].copy_(host[:_VERIFY_INPUTS], non_blocking=True)
         self._verify_ids[:padded, :q_len].copy_(host[_VERIFY_INPUTS:].T, non_blocking=True)
         self._kept.difference_update(seq_ids)
-        if self.memory is not None:  # the next round's first draft selects afresh; the selection rate counts on
-            self.memory.forget(torch.tensor(seq_ids, dtype=torch.int64).to(self.device, non_blocking=True))
         return self._run_step(key, self._verify_body)
 
     def _capture_verify_graphs(self, batch: int, width: int) -> None:
@@ -286,7 +287,8 @@ class ModelRunner:
         """One verify step over the static verify inputs (graph-capturable: device ops only): ``batch`` rows of
         ``q_len`` positions each, attending their cached tokens and, causally, each other densely (a dense decode
         step of ``q_len`` queries per row, :func:`~questkv.ops.paged_decode_attention`); ``[batch * q_len, vocab]``
-        float32 logits, row after row."""
+        float32 logits, row after row, and their greedy tokens and next inputs (:meth:`StepTokens.draw_greedy`: a
+        greedy batch's sampling launches nothing more)."""
         first, seq_lens, table_rows, sources = self._verify_inputs[:, :batch]
         positions = first[:, None] + torch.arange(q_len, device=self.device)  # [batch, q_len] int64
         page_table = self.cache.page_table.index_select(0, table_rows)[:, :width]  # [batch, width] int32
@@ -297,8 +299,12 @@ class ModelRunner:
         staged = self._verify_ids[:batch, :q_len]
         # The last inputs in flight, resolved in place: the sampler reads the step's drafts there (StepTokens.sample).
         staged[:, -1] = torch.where(sources >= 0, self.tokens.sampled[sources.clamp(min=0)], staged[:, -1])
+        if self.memory is not None:  # the next round's first draft selects afresh; the selection rate counts on
+            self.memory.forget(table_rows)
         hidden = self.model(staged.reshape(-1), positions.reshape(-1), StepContext(slots.reshape(-1), decode=rows))
-        return self.model.compute_logits(hidden, self._logits_out(batch * q_len))
+        logits = self.model.compute_logits(hidden, self._logits_out(batch * q_len))
+        self.tokens.draw_greedy(logits, staged)
+        return logits
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
         """``[len(batch.seqs), vocab]`` float32 logits of a decode-only step (every row a decode row)."""
@@ -446,11 +452,13 @@ class ModelRunner:
 
     def _decode_body(self, batch: int, width: int, route: StepRoute, selecting: bool) -> torch.Tensor:
         """One decode-only step over the packed inputs (graph-capturable: device ops only); ``[batch, vocab]``
-        float32 logits."""
+        float32 logits, and their greedy tokens (:meth:`StepTokens.draw_greedy`)."""
         ids, positions, slots, rows = self._decode_rows(batch, width, route, selecting)
         hidden = self.model(ids, positions, StepContext(slots, decode=rows))
         self._store_selections(batch, rows)
-        return self.model.compute_logits(hidden, self._logits_out(batch))
+        logits = self.model.compute_logits(hidden, self._logits_out(batch))
+        self.tokens.draw_greedy(logits)
+        return logits
 
     def _logits_out(self, rows: int) -> Optional[torch.Tensor]:
         """Where a graph body's ``rows`` logits go: the graphs' shared ``[rows, vocab]`` output (``None`` without

@@ -31,20 +31,26 @@ class StepTokens:
         device: the runner's device.
         seed: the engine's seed (a request without its own draws with it, :meth:`Sequence.sampling_seed`).
         tp: the tensor-parallel group, or ``None`` on one device.
+        max_queries: the most positions a row of a verify step has (``num_speculative_tokens + 1``; 1 without
+            lossless decoding).
 
     Attributes:
         sampled: ``[rows]`` int64 on the device: the latest step's token per sampling row, in batch order (a verify
             row's next input).
         kept_drafts: ``[rows]`` int64 on the device: after a step with verify rows, the drafts each row kept (0 on
             the others); stale after any other step (only a row launched ahead of its verify reads it).
+        greedy: ``[rows * max_queries]`` int64 on the device: the argmax of each logits row of the latest decode or
+            verify step (:meth:`draw_greedy`).
         sampler: the :class:`~questkv.layers.sampler.Sampler`.
     """
 
-    def __init__(self, rows: int, device: torch.device, seed: int, tp: Optional[TensorParallel] = None) -> None:
+    def __init__(self, rows: int, device: torch.device, seed: int, tp: Optional[TensorParallel] = None,
+                 max_queries: int = 1) -> None:
         self.device, self.seed, self.tp = device, seed, tp
         self.sampler = Sampler()
         self.sampled = torch.zeros(rows, dtype=torch.int64, device=device)
         self.kept_drafts = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.greedy = torch.zeros(rows * max_queries, dtype=torch.int64, device=device)
         self._rows: dict[str, int] = {}
         pin = self._pin = device.type == "cuda"
         # Two pinned buffers of each, used in turn: a step's copy may still be queued when the next one is staged.
@@ -59,21 +65,42 @@ class StepTokens:
         """The row of :attr:`sampled` that holds the latest step's token of ``seq`` (it sampled in that step)."""
         return self._rows[seq.request_id]
 
-    def sample(self, logits: torch.Tensor, batch: ScheduledBatch, verify_inputs: Optional[torch.Tensor] = None
-               ) -> SampledTokens:
+    def draw_greedy(self, logits: torch.Tensor, verify_inputs: Optional[torch.Tensor] = None) -> None:
+        """In a decode or verify step's body (graph-capturable: device ops only), after its ``logits`` (``[n,
+        vocab]`` float32): each row's argmax into :attr:`greedy` and the next step's inputs from them (a verify
+        step's, ``verify_inputs`` as :meth:`sample` takes them: each row's next input and the drafts it keeps). A
+        step whose sampling rows are all greedy then launches nothing after its graph but the copy to the host
+        (:meth:`sample` with ``drawn``); any other step's sampling overwrites them."""
+        count = logits.shape[0]
+        tokens = self.greedy[:count]
+        torch.argmax(logits, dim=-1, out=tokens)
+        if verify_inputs is None:
+            self.sampled[:count].copy_(tokens)
+        else:
+            rows, q_len = verify_inputs.shape
+            offsets = torch.arange(rows, device=self.device) * q_len
+            self._keep(torch.stack(verified_next_inputs(tokens, offsets, verify_inputs[:, 1:])))
+
+    def sample(self, logits: torch.Tensor, batch: ScheduledBatch, verify_inputs: Optional[torch.Tensor] = None,
+               drawn: bool = False) -> SampledTokens:
         """Sample the step's tokens from its ``logits`` (``[n, vocab]`` float32, one row per token sampled: a sampling
         row's one, a verify row's ``num_new_tokens``), keep them for the next step's inputs and launch their copy
         to the host (and that of the forced tokens' log-probabilities), without waiting for the device.
         ``verify_inputs``: a step of verify rows only, ``[rows, q_len]`` int64 on the device, each row's input tokens
-        (its last verified token, then its drafts) as the step read them: its drafts are taken from there."""
-        tokens = self._draw(logits, batch)  # [n] int64 on the device
+        (its last verified token, then its drafts) as the step read them: its drafts are taken from there.
+        ``drawn``: the step ran :meth:`draw_greedy` on these logits; where every sampling row is greedy (on one
+        device) its tokens and next inputs are taken from there."""
         count = batch.num_sampled
-        if self.tp is not None and count:
-            tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
-        if batch.num_verifies:
-            self._keep(self._next_inputs(tokens, batch, verify_inputs))
+        if drawn and self.tp is None and self._all_greedy(batch):
+            tokens = self.greedy[:logits.shape[0]]
         else:
-            self.sampled[:count].copy_(tokens)
+            tokens = self._draw(logits, batch)  # [n] int64 on the device
+            if self.tp is not None and count:
+                tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
+            if batch.num_verifies:
+                self._keep(self._next_inputs(tokens, batch, verify_inputs))
+            else:
+                self.sampled[:count].copy_(tokens)
         self._rows = {seq.request_id: i for i, seq in enumerate(batch.seqs[:count])}
         flip = self._flip
         self._flip ^= 1
@@ -105,9 +132,9 @@ class StepTokens:
         row draws at each position what a dense step there would: its draft steps drew with the same noise from
         Quest's logits, and a draft is kept where the two draws agree (a Gumbel coupling), so a lossless request's
         sampled output is the dense engine's, token for token, whatever it drafted."""
-        params = [seq.sampling_params for seq in batch.seqs[:batch.num_sampled]]
-        if all(p.temperature == 0 for p in params):
+        if self._all_greedy(batch):
             return logits.argmax(dim=-1)
+        params = [seq.sampling_params for seq in batch.seqs[:batch.num_sampled]]
         floats, ints = batch.sampling_rows(self.seed)
         floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
         ints = torch.tensor(ints, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -119,6 +146,11 @@ class StepTokens:
         return self.sampler(
             logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], apply_top_k_top_p=filtering
         )
+
+    @staticmethod
+    def _all_greedy(batch: ScheduledBatch) -> bool:
+        """Whether every sampling row of ``batch`` takes its argmax (temperature 0)."""
+        return all(seq.sampling_params.temperature == 0 for seq in batch.seqs[:batch.num_sampled])
 
     def _next_inputs(self, tokens: torch.Tensor, batch: ScheduledBatch, verify_inputs: Optional[torch.Tensor]
                      ) -> torch.Tensor:
@@ -176,4 +208,4 @@ class StepTokens:
 
     def tensors(self) -> list[torch.Tensor]:
         """Its device tensors (:meth:`ModelRunner.release` empties them)."""
-        return [self.sampled, self.kept_drafts, self._forced]
+        return [self.sampled, self.kept_drafts, self.greedy, self._forced]

@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.sequence import Sequence
 from questkv.engine.speculation import keep_verified
 from questkv.engine.step_data import ScheduledBatch
@@ -62,3 +63,43 @@ def test_another_steps_tokens_are_kept_as_sampled():
     tokens = [random.randrange(VOCAB) for _ in seqs]
     state.sample(logits_for(tokens), ScheduledBatch(seqs, (1, 1, 1), (3, 3, 3), num_decodes=3))
     assert state.sampled[:3].tolist() == tokens and [state.row_of(seq) for seq in seqs] == [0, 1, 2]
+
+
+def test_tokens_drawn_in_the_step_are_the_samplers_own():
+    # draw_greedy in the step's body, then sample(drawn=True): what the sampler draws after the step (a verify-only
+    # step: tokens, next inputs, kept drafts; a decode step); a row that samples makes the sampler draw itself.
+    rng = random.Random()
+    k = rng.randint(1, 6)
+    seqs = []
+    for i in range(3):
+        seq = Sequence(f"v{i}", tuple(rng.randrange(VOCAB) for _ in range(rng.randint(2, 9))))
+        seq.draft_token_ids = [rng.randrange(VOCAB) for _ in range(k)]
+        seqs.append(seq)
+    inputs = torch.tensor([[seq.last_token, *seq.draft_token_ids] for seq in seqs])
+    sampled = [[d if rng.random() < 0.7 else rng.randrange(VOCAB) for d in seq.draft_token_ids] + [rng.randrange(VOCAB)]
+               for seq in seqs]
+    verify = (logits_for([t for row in sampled for t in row]),
+              ScheduledBatch(tuple(seqs), (k + 1,) * 3, tuple(seq.num_tokens + k for seq in seqs), num_verifies=3),
+              inputs)
+    decode = (logits_for([rng.randrange(VOCAB) for _ in seqs]), ScheduledBatch(tuple(seqs), (1,) * 3, (9,) * 3,
+                                                                                num_decodes=3), None)
+    for logits, batch, verify_inputs in (verify, decode):
+        seen = []
+        for drawn in (False, True):
+            state = StepTokens(4, torch.device("cpu"), seed=0, max_queries=k + 1)
+            if drawn:
+                state.draw_greedy(logits, verify_inputs)
+            host = state.sample(logits, batch, verify_inputs, drawn=drawn)
+            seen.append((host.token_ids(), state.sampled[:3].tolist(), state.kept_drafts[:3].tolist()))
+        assert seen[0] == seen[1]
+        assert seen[1][0] == logits.argmax(-1).tolist()
+
+    hot = Sequence("hot", (1, 2, 3), SamplingParams(temperature=1.0, seed=rng.randrange(1 << 30)))
+    batch = ScheduledBatch((seqs[0], hot), (1, 1), (9, 4), num_decodes=2)
+    logits = torch.randn(2, VOCAB)
+    logits[:, 0] = -1e4  # never drawn
+    state = StepTokens(4, torch.device("cpu"), seed=0)
+    state.draw_greedy(logits + 2e4 * torch.nn.functional.one_hot(torch.tensor([0, 0]), VOCAB))  # argmax 0 twice
+    drawn = state.sample(logits, batch, drawn=True).token_ids()
+    assert drawn == StepTokens(4, torch.device("cpu"), seed=0).sample(logits, batch).token_ids()
+    assert state.sampled[:2].tolist() == drawn
