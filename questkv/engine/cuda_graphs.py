@@ -64,7 +64,8 @@ class DecodeGraphs:
         max_pages_per_seq: the widest page table.
         device: the CUDA device.
         warmup_keeps: tensors that the eager warm-up run before a capture must leave as they were: counters a step
-            adds to (a graph captured on first use runs its step once more when it replays).
+            adds to (a graph captured on first use runs its step once more when it replays), and the tokens a step
+            reads and then overwrites (the in-flight inputs that its replay reads again).
         reusing_steps: the engine reuses selections (``selection_interval`` > 1): the graphs of steps where no row
             selects are captured at start too.
         sparse: the engine has Quest layers: its Quest steps are captured at start, beside the dense ones.

@@ -119,14 +119,18 @@ class ModelRunner:
         batch_sizes = graph_batch_sizes(config.max_num_seqs) if config.use_cuda_graphs else ()
         dense_pages = 0 if self.budget is None else self.cache.pages_for_tokens(
             min(int(quest.dense_context_ratio * self.budget), self.cache.max_pages_per_seq * config.page_size))
+        rows = max(batch_sizes, default=config.max_num_seqs)
+        verify_len = 1 if config.speculative_config is None else config.speculative_config.num_speculative_tokens + 1
+        # The sampler, and what the next step reads.
+        self.tokens = StepTokens(rows, self.device, config.seed, tp, max_queries=verify_len)
+        counters = self.memory.counters if self.memory is not None else ()
         self.graphs = DecodeGraphs(batch_sizes, self.cache.max_pages_per_seq, self.device,
-                                   warmup_keeps=self.memory.counters if self.memory is not None else (),
+                                   warmup_keeps=(*counters, self.tokens.sampled, self.tokens.kept_drafts),
                                    reusing_steps=self.memory is not None, sparse=self.budget is not None,
                                    dense_pages=dense_pages)
         # Rank 0's mirror of the selection memory: the cache slots that hold a selection a next step may reuse
         # (a prefill clears its slots, a step with a dense request its rows', any other decode step sets its rows').
         self._kept: set[int] = set()
-        rows = max(batch_sizes, default=config.max_num_seqs)
         pin = self.device.type == "cuda"
         # Two pinned staging buffers, used in turn: a step is staged while the copy of the one before may
         # still be queued behind the GPU (asynchronous scheduling).
@@ -140,9 +144,6 @@ class ModelRunner:
         self._verify_ids = torch.zeros((verify_rows, MAX_SPECULATIVE_TOKENS + 1), dtype=torch.int64, device=self.device)
         self._host_verify = torch.zeros((_VERIFY_INPUTS + MAX_SPECULATIVE_TOKENS + 1, verify_rows), dtype=torch.int64,
                                         pin_memory=pin)
-        verify_len = 1 if config.speculative_config is None else config.speculative_config.num_speculative_tokens + 1
-        # The sampler, and what the next step reads.
-        self.tokens = StepTokens(rows, self.device, config.seed, tp, max_queries=verify_len)
         # Every CUDA graph writes its logits here: an output of its own per graph held [rows, vocab] float32 for each
         # batch size, page-table width, route (and verify length) until the engine closed (GBs at a 150k vocabulary).
         # A step's sampling reads them before the next step is launched on the stream.
