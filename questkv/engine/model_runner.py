@@ -330,6 +330,8 @@ class ModelRunner:
         width = self.graphs.width(self.cache.pages_for_tokens(max(seq_lens)))
         dense_rows = list(dense_rows)
         route = step_route(dense_rows)
+        if route == StepRoute.DENSE and any(ahead):
+            raise RuntimeError(f"a dense step launched rows ahead of their verify ({ahead}): only drafts are")
         host = self._stage_inputs(seqs, seq_lens, padded, width, dense_rows, ahead)
         slots = [seq.cache_id for seq in seqs]
         selecting = (self.memory is None or route != StepRoute.SPARSE or bool(host[_DUE, :len(seqs)].any())
@@ -476,7 +478,8 @@ class ModelRunner:
         source = inputs[_SRC].clamp(min=0)
         ids = torch.where(inputs[_SRC] >= 0, self.tokens.sampled[source], inputs[_IDS])
         positions, seq_lens = inputs[_POS], inputs[_LENS]
-        if self.config.speculative_config is not None:  # a row launched ahead moves by the drafts its verify kept
+        if self.config.speculative_config is not None and route != StepRoute.DENSE:
+            # A row launched ahead of its verify (a draft: never routed dense) moves by the drafts that verify kept.
             positions, seq_lens = inputs[_POS:_LENS + 1] + self.tokens.kept_drafts[source] * inputs[_AHEAD]
         page_table = self.cache.page_table.index_select(0, inputs[_ROWS])[:, :width]  # [batch, width] int32
         page_size = self.cache.page_size
