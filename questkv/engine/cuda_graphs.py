@@ -112,9 +112,9 @@ class DecodeGraphs:
 
     def missing(self) -> list[GraphKey]:
         """The keys a server captures at start, largest first, that have no graph yet: every batch size and width
-        of a dense engine's steps; a Quest engine's Quest steps (with ``reusing_steps`` each also without
-        selection) and its dense steps up to the width of ``dense_pages`` (no dense request: a mixed step is
-        captured when it first runs)."""
+        of a dense engine's steps; a Quest engine's Quest steps and its dense steps up to the width of
+        ``dense_pages`` (no dense request: a mixed step is captured when it first runs), with ``reusing_steps``
+        each also without selection (a dense step then keeps no books in the selection memory)."""
         selecting = (True, False) if self.reusing_steps else (True,)
         widths = graph_widths(self.max_pages_per_seq)
         dense_widths = [w for w in widths if w <= self.width(self.dense_pages)] if self.sparse else widths
@@ -122,7 +122,7 @@ class DecodeGraphs:
         for batch in sorted(self.batch_sizes, reverse=True):
             if self.sparse:
                 keys += [(batch, width, StepRoute.SPARSE, select) for width in widths for select in selecting]
-            keys += [(batch, width, StepRoute.DENSE, True) for width in dense_widths]
+            keys += [(batch, width, StepRoute.DENSE, select) for width in dense_widths for select in selecting]
         return [key for key in keys if key not in self._graphs]
 
     def capture(self, key: GraphKey, body: Body) -> None:

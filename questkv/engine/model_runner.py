@@ -324,8 +324,9 @@ class ModelRunner:
         :meth:`_stage_inputs`); return their graph key and staged host inputs.
         The key: the padded batch size, the page-table width, the route, and whether any row may select (not when
         every row is off its phase or drafting, and its slot keeps a selection, whose pages begun since never
-        outgrow the extra columns: :meth:`SelectionMemory.rows` then finds no row active). A mixed step's decode
-        rows use a decode-only step's key and buffers. Updates the mirror of the selection memory."""
+        outgrow the extra columns: :meth:`SelectionMemory.rows` then finds no row active; a dense step of an engine
+        with a selection memory: whether it keeps the memory's books). A mixed step's decode rows use a decode-only
+        step's key and buffers. Updates the mirror of the selection memory."""
         padded = self.graphs.padded(len(seqs))
         width = self.graphs.width(self.cache.pages_for_tokens(max(seq_lens)))
         dense_rows = list(dense_rows)
@@ -334,8 +335,15 @@ class ModelRunner:
             raise RuntimeError(f"a dense step launched rows ahead of their verify ({ahead}): only drafts are")
         host = self._stage_inputs(seqs, seq_lens, padded, width, dense_rows, ahead)
         slots = [seq.cache_id for seq in seqs]
-        selecting = (self.memory is None or route != StepRoute.SPARSE or bool(host[_DUE, :len(seqs)].any())
-                     or not self._kept.issuperset(slots))
+        if route == StepRoute.DENSE:
+            # The memory counts and forgets a lossy Quest request's dense step (its selection rate counts the step,
+            # its next sparse step selects afresh); a dense request needs neither, nor does a lossless one (its rate
+            # is over its drafts, a round's first draft selects): their dense steps are the dense engine's.
+            selecting = self.memory is None or any(not seq.quest.dense and not seq.quest.speculative_tokens
+                                                   for seq in seqs)
+        else:
+            selecting = (self.memory is None or route != StepRoute.SPARSE or bool(host[_DUE, :len(seqs)].any())
+                         or not self._kept.issuperset(slots))
         if self.memory is not None:  # a dense row's step forgets its selection, a Quest row's keeps one
             self._kept.update(slot for slot, dense in zip(slots, dense_rows) if not dense)
             self._kept.difference_update(slot for slot, dense in zip(slots, dense_rows) if dense)
@@ -491,8 +499,9 @@ class ModelRunner:
         if route == StepRoute.MIXED:
             reuse = self._mixed_rows(inputs, seq_lens, step.selected.shape[-1])
         elif self.memory is not None:
-            if route == StepRoute.DENSE:  # nothing selects; the next sparse step of each row selects afresh
-                self.memory.count_dense_step(inputs[_ROWS])
+            if route == StepRoute.DENSE:  # nothing selects
+                if selecting:
+                    self.memory.count_dense_step(inputs[_ROWS])
             else:
                 reuse = self.memory.rows(inputs[_ROWS], inputs[_DUE], seq_lens, selecting)
                 if not selecting and self.device.type == "cpu":  # free here; a sync (and no capture) on CUDA

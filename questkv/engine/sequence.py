@@ -285,8 +285,8 @@ class RequestMetrics:
         num_cached_tokens: prompt tokens whose prefill the prefix cache skipped at the request's admission (whole
             pages, as vLLM's ``num_cached_tokens``); 0 without a hit or with prefix caching off.
         selection_rate: the fraction of (decode step, sparse layer, selecting head) that estimated and selected
-            pages (1 without selection reuse, about ``1 / selection_interval`` with it; a lossless request's draft
-            steps: one per round), counted on the device since the request's last (re)prefill; set once it finishes,
+            pages (1 without selection reuse, about ``1 / selection_interval`` with it; a lossless request's, over its
+            draft steps: one per round), counted on the device since the request's last (re)prefill; set once it finishes,
             ``None`` before, for a dense request or engine, or without decode steps. With tensor parallelism: rank
             0's heads.
         acceptance_rate: a lossless request's draft tokens that its verify steps kept, over those they scored

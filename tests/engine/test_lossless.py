@@ -405,12 +405,15 @@ def test_draft_tokens_on_an_engine_without_a_speculative_config_are_refused(mode
 
 def test_a_budget_covering_the_context_decodes_densely_without_drafting(model_dir, dense):
     """Where the route decodes densely (here: the budget covers every context), a lossless request drafts nothing:
-    its steps are dense decode steps, no verify runs."""
+    its steps are dense decode steps (the dense engine's: no books in the selection memory, whose rate counts draft
+    steps), no verify runs."""
     full = QuestConfig(token_budget=MAX_LEN, page_size=PAGE, dense_layers=1)
     prompts, params = ragged(3)
-    outputs = lossless(model_dir, 4, full).generate(prompts, params, use_tqdm=False)
+    llm = lossless(model_dir, 4, full)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == run(dense, prompts, params)
-    assert all(out.metrics.mean_tokens_per_verify is None for out in outputs)
+    assert all(out.metrics.mean_tokens_per_verify is None and out.metrics.selection_rate is None for out in outputs)
+    assert int(llm.engine.runner.memory.steps.sum()) == 0
 
 
 def test_a_round_selects_pages_once_and_its_later_drafts_reuse_them(model_dir, dense):
