@@ -18,7 +18,6 @@ import torch
 
 from questkv import ops
 from questkv.config import QuestConfig
-from questkv.ops import reuse_reference
 from questkv.ops.pages import ReusedSelections
 
 
