@@ -286,9 +286,9 @@ class RequestMetrics:
             pages, as vLLM's ``num_cached_tokens``); 0 without a hit or with prefix caching off.
         selection_rate: the fraction of (decode step, sparse layer, selecting head) that estimated and selected
             pages (1 without selection reuse, about ``1 / selection_interval`` with it; a lossless request's, over its
-            draft steps: one per round), counted on the device since the request's last (re)prefill; set once it finishes,
-            ``None`` before, for a dense request or engine, or without decode steps. With tensor parallelism: rank
-            0's heads.
+            draft steps: one per round), counted on the device since the request's last (re)prefill; set once it
+            finishes, ``None`` before, for a dense request or engine, or without decode (or draft) steps. With tensor
+            parallelism: rank 0's heads.
         acceptance_rate: a lossless request's draft tokens that its verify steps kept, over those they scored
             (``None`` without a verify step).
         mean_tokens_per_verify: output tokens per verify step of a lossless request (kept drafts plus dense
