@@ -6,7 +6,8 @@ step scans (a power of two, so that estimate and select scan at most twice the p
 the step's :class:`~questkv.decode.route.StepRoute` (every row dense, every row Quest, or both kinds: its step may
 select every column), and whether any row may select
 (with selection reuse a step where every row reuses its last selection is a graph of its own, without the
-estimate and select launches). The step's body and its static inputs are the runner's
+estimate and select launches; a dense step of an engine with a selection memory: whether it keeps the memory's
+books, which only a lossy Quest row needs). The step's body and its static inputs are the runner's
 (:class:`~questkv.engine.model_runner.ModelRunner`); this module only knows the keys.
 """
 
@@ -128,18 +129,24 @@ class DecodeGraphs:
     def capture(self, key: GraphKey, body: Body) -> None:
         """Capture the step of ``key``. The current static inputs are only read: warm-up and capture write K/V to
         the slots they name."""
-        kept = [tensor.clone() for tensor in self.warmup_keeps]
         stream = _capture_stream(self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
-            body(*key)  # compiles the kernels outside the capture
+            self.warm_up(key, body)
         torch.cuda.current_stream(self._device).wait_stream(stream)
-        for tensor, value in zip(self.warmup_keeps, kept):
-            tensor.copy_(value)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = body(*key)
         self._graphs[key] = (graph, logits)
+
+    def warm_up(self, key: GraphKey, body: Body) -> None:
+        """Run the step of ``key`` eagerly once, as :meth:`capture` does before it captures (its kernels compile
+        outside the capture), and leave :attr:`warmup_keeps` as they were: the replay that follows runs the step
+        again, reading them."""
+        kept = [tensor.clone() for tensor in self.warmup_keeps]
+        body(*key)
+        for tensor, value in zip(self.warmup_keeps, kept):
+            tensor.copy_(value)
 
     def latest(self, route: Optional[StepRoute] = None) -> torch.cuda.CUDAGraph:
         """The graph captured last, of ``route`` when given (what a benchmark replays)."""

@@ -125,7 +125,7 @@ class ModelRunner:
         self.tokens = StepTokens(rows, self.device, config.seed, tp, max_queries=verify_len)
         counters = self.memory.counters if self.memory is not None else ()
         self.graphs = DecodeGraphs(batch_sizes, self.cache.max_pages_per_seq, self.device,
-                                   warmup_keeps=(*counters, self.tokens.sampled, self.tokens.kept_drafts),
+                                   warmup_keeps=(*counters, self.tokens.sampled),
                                    reusing_steps=self.memory is not None, sparse=self.budget is not None,
                                    dense_pages=dense_pages)
         # Rank 0's mirror of the selection memory: the cache slots that hold a selection a next step may reuse

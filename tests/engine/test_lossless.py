@@ -354,6 +354,30 @@ def test_first_drafts_launched_ahead_in_ragged_batches_give_the_dense_engines_to
     assert any(launched) and (temperature == 0 or indices)
 
 
+@ASYNC
+def test_a_step_captured_on_first_use_gives_the_dense_tokens(model_dir, dense, asynchronous):
+    """On a GPU a graph captured on first use runs its step once eagerly before the capture, then replays it: that
+    warm-up must leave what the replay reads again as it was (the step tokens a step reads its in-flight inputs from
+    and then overwrites, the selection counters). Emulated here: every decode and verify step runs its body twice,
+    :meth:`DecodeGraphs.warm_up` first."""
+    prompts, params = ragged()
+    plain = lossless(model_dir, 4, async_scheduling=asynchronous)
+    plain.generate(prompts, params, use_tqdm=False)
+    llm = lossless(model_dir, 4, async_scheduling=asynchronous)
+    runner = llm.engine.runner
+
+    def warmed_up_then_run(key, body):
+        runner.graphs.warm_up(key, body)
+        return body(*key)
+
+    runner._run_step = warmed_up_then_run
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == run(dense, prompts, params)
+    counted = [[counter.tolist() for counter in engine.engine.runner.memory.counters] for engine in (plain, llm)]
+    assert counted[0] == counted[1]
+
+
+
 @pytest.mark.parametrize("config, message", [
     ({"method": "quest", "num_speculative_tokens": 0}, r"num_speculative_tokens must be .* got 0"),
     ({"method": "quest", "num_speculative_tokens": 17}, r"num_speculative_tokens must be .* got 17"),
