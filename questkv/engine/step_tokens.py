@@ -77,9 +77,7 @@ class StepTokens:
         if verify_inputs is None:
             self.sampled[:count].copy_(tokens)
         else:
-            rows, q_len = verify_inputs.shape
-            offsets = torch.arange(rows, device=self.device) * q_len
-            self._keep(torch.stack(verified_next_inputs(tokens, offsets, verify_inputs[:, 1:])))
+            self._keep(self._verified_next_inputs(tokens, verify_inputs))
 
     def sample(self, logits: torch.Tensor, batch: ScheduledBatch, verify_inputs: Optional[torch.Tensor] = None,
                drawn: bool = False) -> SampledTokens:
@@ -91,10 +89,11 @@ class StepTokens:
         ``drawn``: the step ran :meth:`draw_greedy` on these logits; where every sampling row is greedy (on one
         device) its tokens and next inputs are taken from there."""
         count = batch.num_sampled
-        if drawn and self.tp is None and self._all_greedy(batch):
+        greedy = all(seq.sampling_params.temperature == 0 for seq in batch.seqs[:count])
+        if drawn and greedy and self.tp is None:
             tokens = self.greedy[:logits.shape[0]]
         else:
-            tokens = self._draw(logits, batch)  # [n] int64 on the device
+            tokens = logits.argmax(dim=-1) if greedy else self._draw(logits, batch)  # [n] int64 on the device
             if self.tp is not None and count:
                 tokens = self.tp.broadcast(tokens.contiguous())  # every rank's next inputs may read them
             if batch.num_verifies:
@@ -127,13 +126,12 @@ class StepTokens:
             self.sampled[:count].copy_(tokens)
 
     def _draw(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
-        """The step's sampled tokens (greedy rows by argmax), ``[n]`` int64. A request draws with its seed and the
-        index of the output it samples, so a preempted and recomputed request draws as it would have, and a verify
+        """The step's sampled tokens, ``[n]`` int64, for a batch with a row that samples (a greedy row takes its
+        argmax). A request draws with its seed and the index of the output it samples, so a preempted and recomputed
+        request draws as it would have, and a verify
         row draws at each position what a dense step there would: its draft steps drew with the same noise from
         Quest's logits, and a draft is kept where the two draws agree (a Gumbel coupling), so a lossless request's
         sampled output is the dense engine's, token for token, whatever it drafted."""
-        if self._all_greedy(batch):
-            return logits.argmax(dim=-1)
         params = [seq.sampling_params for seq in batch.seqs[:batch.num_sampled]]
         floats, ints = batch.sampling_rows(self.seed)
         floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
@@ -147,11 +145,6 @@ class StepTokens:
             logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], apply_top_k_top_p=filtering
         )
 
-    @staticmethod
-    def _all_greedy(batch: ScheduledBatch) -> bool:
-        """Whether every sampling row of ``batch`` takes its argmax (temperature 0)."""
-        return all(seq.sampling_params.temperature == 0 for seq in batch.seqs[:batch.num_sampled])
-
     def _next_inputs(self, tokens: torch.Tensor, batch: ScheduledBatch, verify_inputs: Optional[torch.Tensor]
                      ) -> torch.Tensor:
         """Each sampling row's next input token and the drafts it kept (:func:`verified_next_inputs` over the step's
@@ -160,9 +153,7 @@ class StepTokens:
         the tokens of the step before (a verify row's last draft may be in flight), so it runs before they are
         overwritten."""
         if verify_inputs is not None:
-            rows, q_len = verify_inputs.shape
-            offsets = torch.arange(rows, device=self.device) * q_len
-            next_inputs = torch.stack(verified_next_inputs(tokens, offsets, verify_inputs[:, 1:]))
+            next_inputs = self._verified_next_inputs(tokens, verify_inputs)
             return next_inputs if self.tp is None else self.tp.broadcast(next_inputs)
         count, verifies = batch.num_sampled, range(batch.num_decodes, batch.num_decodes + batch.num_verifies)
         width = max(batch.num_new_tokens[row] for row in verifies) - 1
@@ -182,6 +173,14 @@ class StepTokens:
             staged[rows, columns] = self.sampled[sources]
         next_inputs = torch.stack(verified_next_inputs(tokens, staged[:, 0], staged[:, 1:]))
         return next_inputs if self.tp is None else self.tp.broadcast(next_inputs)
+
+    def _verified_next_inputs(self, tokens: torch.Tensor, verify_inputs: torch.Tensor) -> torch.Tensor:
+        """A verify-only step's ``[2, rows]`` next inputs and kept drafts (:func:`verified_next_inputs`) from its
+        ``tokens`` (``[rows * q_len]`` int64, row after row) and ``verify_inputs`` (``[rows, q_len]``: each row's
+        last verified token, then its drafts)."""
+        rows, q_len = verify_inputs.shape
+        offsets = torch.arange(rows, device=self.device) * q_len
+        return torch.stack(verified_next_inputs(tokens, offsets, verify_inputs[:, 1:]))
 
     def _keep(self, next_inputs: torch.Tensor) -> None:
         """Keep a step's ``[2, rows]`` next inputs and kept drafts (:meth:`_next_inputs`) for the next step."""
