@@ -128,10 +128,10 @@ class StepTokens:
     def _draw(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
         """The step's sampled tokens, ``[n]`` int64, for a batch with a row that samples (a greedy row takes its
         argmax). A request draws with its seed and the index of the output it samples, so a preempted and recomputed
-        request draws as it would have, and a verify
-        row draws at each position what a dense step there would: its draft steps drew with the same noise from
-        Quest's logits, and a draft is kept where the two draws agree (a Gumbel coupling), so a lossless request's
-        sampled output is the dense engine's, token for token, whatever it drafted."""
+        request draws as it would have, and a verify row draws at each position what a dense step there would: its
+        draft steps drew with the same noise from Quest's logits, and a draft is kept where the two draws agree (a
+        Gumbel coupling), so a lossless request's sampled output is the dense engine's, token for token, whatever it
+        drafted."""
         params = [seq.sampling_params for seq in batch.seqs[:batch.num_sampled]]
         floats, ints = batch.sampling_rows(self.seed)
         floats = torch.tensor(floats, dtype=torch.float32).to(self.device, non_blocking=True)
