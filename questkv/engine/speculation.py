@@ -14,8 +14,10 @@ after :data:`PROBE_EVERY` dense steps), so the choice follows the batch, the con
 that leaves dense the choice doubles the dense steps before the next one, up to :data:`MAX_PROBE_EVERY`, and goes
 straight there where drafting could not pay even if every draft were kept (a draft step as dear as a dense one: a
 1.5B model at batch 1 ran at 0.94x of dense with a probe every 32 steps, ``lossless-real-h200-qwen2.5-coder-1.5b-warm``,
-each probe costing about two steps more than it yields). Every step's output is dense attention's whichever it
-picks: only the speed depends on it.
+each probe costing about two steps more than it yields). One ``k`` serves the batch (its rows verify together);
+a row whose own recent acceptance would lose at the batch's step times decodes densely beside the others' rounds
+and tries a round again after :data:`PROBE_EVERY` of its steps (:meth:`SpeculationPolicy.row_drafts`). Every
+step's output is dense attention's whichever it picks: only the speed depends on it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ _WEIGHT = 0.2
 
 _PRIOR_ACCEPTANCE = 0.8
 """Per-token acceptance assumed before a batch size has verified anything."""
+
+_MIN_ROW_ROUNDS = 3
+"""Rounds a row verifies before its own acceptance may stop it drafting (:meth:`SpeculationPolicy.row_drafts`)."""
 
 
 class StepKind(enum.Enum):
@@ -113,6 +118,20 @@ class SpeculationPolicy:
         if dense is None or bucket.rounds_since_dense >= PROBE_EVERY:
             return 0
         return self._best_k(batch)
+
+    def row_drafts(self, batch: int, seq: "Sequence") -> bool:
+        """Whether the lossless row ``seq``, in a step of ``batch`` decoding rows, may start a round: always under a
+        fixed policy, before it has verified :data:`_MIN_ROW_ROUNDS` rounds, before the batch size's steps are all
+        timed, and once :data:`PROBE_EVERY` of its decode steps passed without a round (its acceptance is measured
+        again); otherwise while drafting at its own recent acceptance (``seq.recent_kept / seq.recent_tested``)
+        beats dense steps at the batch size's step times. A row whose text the drafts keep missing (sampled at a
+        high temperature, say) then decodes densely beside the others' rounds instead of drafting at a loss."""
+        if not self.adaptive or seq.num_verify_steps < _MIN_ROW_ROUNDS or seq.steps_without_round >= PROBE_EVERY:
+            return True
+        bucket = self._bucket(batch)
+        if StepKind.DRAFT not in bucket.seconds or StepKind.DENSE not in bucket.seconds or not bucket.verify_by_drafts:
+            return True
+        return self._best_k(batch, acceptance=seq.recent_kept / seq.recent_tested) > 0
 
     def _best_k(self, batch: int, acceptance: Optional[float] = None) -> int:
         """The ``k`` in ``[0, max_k]`` of the best predicted tokens per second from the measured times (a dense step,
@@ -186,7 +205,8 @@ def draft_reuse_steps(config: Optional["SpeculativeConfig"]) -> int:
 
 def keep_verified(seq: "Sequence", tokens: list[int], policy: Optional[SpeculationPolicy], rows: int) -> list[int]:
     """The tokens a verify row of ``seq`` keeps: its drafts while they equal ``tokens`` (dense attention's), then the
-    token after them; counts the round on the sequence and, for a step of ``rows`` decoding rows, in ``policy``."""
+    token after them; counts the round on the sequence (its totals, and its recent acceptance as the policy's
+    running counts) and, for a step of ``rows`` decoding rows, in ``policy``."""
     drafts = seq.draft_token_ids
     accepted = 0
     while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
@@ -194,6 +214,9 @@ def keep_verified(seq: "Sequence", tokens: list[int], policy: Optional[Speculati
     seq.num_verify_steps += 1
     seq.num_draft_tokens += len(drafts)
     seq.num_accepted_tokens += accepted
+    seq.recent_kept = (1 - _WEIGHT) * seq.recent_kept + accepted
+    seq.recent_tested = (1 - _WEIGHT) * seq.recent_tested + accepted + (accepted < len(drafts))
+    seq.steps_without_round = 0
     if policy is not None:
         policy.record_round(rows, len(drafts), accepted)
     return tokens[:accepted + 1]

@@ -128,6 +128,49 @@ def test_acceptance_counts_the_drafts_tested_up_to_the_first_rejection():
     assert SpeculationPolicy(4).acceptance(random.randint(1, 64)) == pytest.approx(0.8)  # the prior
 
 
+def verified_rounds(seq, rounds, drafts, kept):
+    """``rounds`` verifies of ``seq``, each keeping ``kept`` of ``drafts`` random drafts."""
+    for _ in range(rounds):
+        seq.draft_token_ids = [random.randrange(100) for _ in range(drafts)]
+        keep_verified(seq, seq.draft_token_ids[:kept] + [-1] * (drafts - kept + 1), None, 1)
+
+
+def test_a_row_keeps_its_recent_acceptance_and_its_steps_without_a_round():
+    seq = Sequence("r", (1, 2))
+    verified_rounds(seq, 1, 4, 2)  # kept 2, the third rejected: 3 tested
+    assert (seq.recent_kept, seq.recent_tested) == (2, 3)
+    seq.steps_without_round = 5
+    verified_rounds(seq, 1, 4, 4)
+    assert seq.recent_kept == pytest.approx(0.8 * 2 + 4) and seq.recent_tested == pytest.approx(0.8 * 3 + 4)
+    assert seq.steps_without_round == 0
+    verified_rounds(seq, 40, 4, 0)  # the old rounds fade: the recent acceptance follows the text
+    assert seq.recent_kept / seq.recent_tested < 0.01
+
+
+def test_a_row_whose_own_acceptance_loses_decodes_densely_and_tries_again_after_a_probe_interval():
+    """Times at which drafting wins at the batch's acceptance (cheap drafts); a row that keeps none of its drafts
+    stops drafting once it has verified a few rounds, and drafts again after PROBE_EVERY of its steps without one."""
+    batch = random.randint(1, 32)
+    policy = SpeculationPolicy(4)
+    good, bad = Sequence("good", (1, 2)), Sequence("bad", (1, 2))
+    assert policy.row_drafts(batch, bad)  # nothing timed
+    measured(policy, batch, dense=0.004, draft=0.001, verify=0.005)
+    assert policy.draft_tokens(batch) > 0
+    verified_rounds(good, 3, 4, 4)
+    verified_rounds(bad, 2, 4, 0)
+    assert policy.row_drafts(batch, bad)  # two rounds are too few to judge a row by
+    verified_rounds(bad, 1, 4, 0)
+    assert policy.row_drafts(batch, good) and not policy.row_drafts(batch, bad)
+    assert policy.row_drafts(2 * batch + 1, bad)  # a batch size not yet timed
+    assert SpeculationPolicy(4, adaptive=False).row_drafts(batch, bad)
+    bad.steps_without_round = PROBE_EVERY - 1
+    assert not policy.row_drafts(batch, bad)
+    bad.steps_without_round = PROBE_EVERY
+    assert policy.row_drafts(batch, bad)
+    verified_rounds(bad, 1, 4, 4)  # the probe round kept everything: the row drafts on
+    assert policy.row_drafts(batch, bad)
+
+
 def test_a_verify_is_timed_per_round_length_and_an_untimed_length_is_predicted_from_the_nearest():
     dense = random.uniform(2e-3, 8e-3)
     policy = SpeculationPolicy(8)
