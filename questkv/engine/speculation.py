@@ -97,7 +97,10 @@ class SpeculationPolicy:
         self._buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, batch: int) -> _Bucket:
-        return self._buckets.setdefault(batch, _Bucket())
+        bucket = self._buckets.get(batch)
+        if bucket is None:  # (not setdefault: it would build a bucket on every call, and this runs per row and step)
+            bucket = self._buckets[batch] = _Bucket()
+        return bucket
 
     def acceptance(self, batch: int) -> float:
         """The per-token acceptance measured at ``batch`` rows (a prior before any round)."""
