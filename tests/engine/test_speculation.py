@@ -171,6 +171,31 @@ def test_a_row_whose_own_acceptance_loses_decodes_densely_and_tries_again_after_
     assert policy.row_drafts(batch, bad)
 
 
+def test_a_row_drafts_exactly_where_some_round_at_its_acceptance_beats_dense_steps_and_follows_new_times():
+    """The per-row decision (round costs kept between changes of the times) against the rate comparison written
+    out, for random times and rows; a new step time changes the decision at once."""
+    batch = random.randint(1, 32)
+    for _ in range(200):
+        policy = SpeculationPolicy(random.randint(1, 8))
+        dense, draft = random.uniform(1e-3, 1e-2), random.uniform(1e-4, 1e-2)
+        for _ in range(random.randint(1, 3)):  # running means of equal times: the time
+            measured(policy, batch, dense=dense, draft=draft, verify=random.uniform(dense, 3 * dense))
+        seq = Sequence("r", (1, 2))
+        verified_rounds(seq, 3, 4, random.randint(0, 4))
+        p = seq.recent_kept / seq.recent_tested
+        rates = [expected_tokens(p, k) / (k * draft + policy.verify_seconds(batch, k))
+                 for k in range(1, policy.max_k + 1)]
+        assert policy.row_drafts(batch, seq) == (max(rates) > 1 / dense)
+    cheap = SpeculationPolicy(4)
+    measured(cheap, batch, dense=0.004, draft=0.001, verify=0.005)
+    seq = Sequence("r", (1, 2))
+    verified_rounds(seq, 3, 4, 1)
+    assert cheap.row_drafts(batch, seq)
+    for _ in range(40):  # drafts become as dear as dense steps: the row stops
+        cheap.record_step(StepKind.DRAFT, batch, 0.004)
+    assert not cheap.row_drafts(batch, seq)
+
+
 def test_a_verify_is_timed_per_round_length_and_an_untimed_length_is_predicted_from_the_nearest():
     dense = random.uniform(2e-3, 8e-3)
     policy = SpeculationPolicy(8)
