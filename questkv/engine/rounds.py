@@ -33,7 +33,6 @@ class Rounds:
                  max_model_len: int) -> None:
         self.quest, self.speculation, self.max_model_len = quest, speculation, max_model_len
         self.k = MAX_SPECULATIVE_TOKENS  # the most drafts per round in the step being scheduled
-        self.decoding = 0  # its decode rows, for the policy's per-row choice
         self._planned = False
 
     def plan(self, decoding: int, once: bool = False) -> None:
@@ -42,7 +41,6 @@ class Rounds:
         the answer of a plan made just before it (``Scheduler.waits_for``), so that the two agree."""
         if not (once and self._planned):
             self.k = MAX_SPECULATIVE_TOKENS if self.speculation is None else self.speculation.draft_tokens(decoding)
-            self.decoding = decoding
         self._planned = not once
 
     def draft_limit(self, seq: Sequence, pending: int = 0) -> int:
@@ -55,11 +53,9 @@ class Rounds:
 
     def may_start(self, seq: Sequence, seq_len: int, pending: int = 0) -> bool:
         """Whether a step that gives ``seq`` ``seq_len`` cached tokens may make it draft (a lossless request, a draft
-        limit above 0 after ``pending`` more outputs, a route of Quest's, a row the policy lets draft:
-        :meth:`~questkv.engine.speculation.SpeculationPolicy.row_drafts`), its tokens so far being all on the host."""
+        limit above 0 after ``pending`` more outputs, a route of Quest's), its tokens so far being all on the host."""
         return (seq.quest.speculative_tokens > 0 and self.draft_limit(seq, pending) > 0
-                and not decodes_densely(self.quest, seq.quest.token_budget, seq_len)
-                and (self.speculation is None or self.speculation.row_drafts(self.decoding, seq)))
+                and not decodes_densely(self.quest, seq.quest.token_budget, seq_len))
 
     def due(self, seq: Sequence) -> bool:
         """Whether ``seq`` holds every draft of its round (updated or in flight): it verifies in the next step."""

@@ -244,11 +244,8 @@ class Scheduler:
         drafts = tuple(i for i, (seq, seq_len) in enumerate(zip(decodes, seq_lens))
                        if seq.quest.speculative_tokens and self.rounds.drafts(seq, seq_len))
         drafting = set(drafts)
-        for i, seq in enumerate(decodes):
-            if i in drafting:
-                seq.num_drafts_in_flight += 1
-            elif seq.quest.speculative_tokens:
-                seq.steps_without_round += 1
+        for i in drafts:
+            decodes[i].num_drafts_in_flight += 1
         dense = tuple(decodes_densely(self.quest, seq.quest.token_budget, seq_len)
                       or (seq.quest.speculative_tokens > 0 and i not in drafting)
                       for i, (seq, seq_len) in enumerate(zip(decodes, seq_lens)))

@@ -96,10 +96,6 @@ class Sequence:
             when none is: the drafts of the next round, whose first may be launched meanwhile, are counted apart.
         num_verify_steps, num_draft_tokens, num_accepted_tokens: a lossless request's verify steps so far, the draft
             tokens they scored and those they kept (the bonus token each verify adds is not counted as accepted).
-        recent_kept, recent_tested, steps_without_round: its recent rounds' kept drafts and drafts tested (kept ones
-            and each round's first rejected one), as running counts that fade by a fifth a round, and its decode
-            steps since its last verify: what :meth:`SpeculationPolicy.row_drafts
-            <questkv.engine.speculation.SpeculationPolicy.row_drafts>` reads.
     """
 
     request_id: str
@@ -133,9 +129,6 @@ class Sequence:
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    recent_kept: float = 0.0
-    recent_tested: float = 0.0
-    steps_without_round: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -14,10 +14,8 @@ after :data:`PROBE_EVERY` dense steps), so the choice follows the batch, the con
 that leaves dense the choice doubles the dense steps before the next one, up to :data:`MAX_PROBE_EVERY`, and goes
 straight there where drafting could not pay even if every draft were kept (a draft step as dear as a dense one: a
 1.5B model at batch 1 ran at 0.94x of dense with a probe every 32 steps, ``lossless-real-h200-qwen2.5-coder-1.5b-warm``,
-each probe costing about two steps more than it yields). One ``k`` serves the batch (its rows verify together);
-a row whose own recent acceptance would lose at the batch's step times decodes densely beside the others' rounds
-and tries a round again after :data:`PROBE_EVERY` of its steps (:meth:`SpeculationPolicy.row_drafts`). Every
-step's output is dense attention's whichever it picks: only the speed depends on it.
+each probe costing about two steps more than it yields). Every step's output is dense attention's whichever it
+picks: only the speed depends on it.
 """
 
 from __future__ import annotations
@@ -49,9 +47,6 @@ _WEIGHT = 0.2
 _PRIOR_ACCEPTANCE = 0.8
 """Per-token acceptance assumed before a batch size has verified anything."""
 
-_MIN_ROW_ROUNDS = 3
-"""Rounds a row verifies before its own acceptance may stop it drafting (:meth:`SpeculationPolicy.row_drafts`)."""
-
 
 class StepKind(enum.Enum):
     """The kinds of step whose wall time the policy learns from."""
@@ -80,7 +75,6 @@ class _Bucket:
     rounds_since_dense: int = 0
     dense_since_round: int = 0
     probe_every: int = PROBE_EVERY  # dense steps before the next probe round
-    round_costs: Optional[tuple] = None  # SpeculationPolicy.round_costs for these times (None: to compute)
 
 
 class SpeculationPolicy:
@@ -123,37 +117,6 @@ class SpeculationPolicy:
             return 0
         return self._best_k(batch)
 
-    def row_drafts(self, batch: int, seq: "Sequence") -> bool:
-        """Whether the lossless row ``seq``, in a step of ``batch`` decoding rows, may start a round: always under a
-        fixed policy, before it has verified :data:`_MIN_ROW_ROUNDS` rounds, before the batch size's steps are all
-        timed, and once :data:`PROBE_EVERY` of its decode steps passed without a round (its acceptance is measured
-        again); otherwise while drafting at its own recent acceptance (``seq.recent_kept / seq.recent_tested``)
-        beats dense steps at the batch size's step times. A row whose text the drafts keep missing (sampled at a
-        high temperature, say) then decodes densely beside the others' rounds instead of drafting at a loss."""
-        if not self.adaptive or seq.num_verify_steps < _MIN_ROW_ROUNDS or seq.steps_without_round >= PROBE_EVERY:
-            return True
-        bucket = self._bucket(batch)
-        if StepKind.DRAFT not in bucket.seconds or StepKind.DENSE not in bucket.seconds or not bucket.verify_by_drafts:
-            return True
-        if bucket.round_costs is None:
-            bucket.round_costs = self.round_costs(batch)
-        acceptance, tokens, power = seq.recent_kept / seq.recent_tested, 1.0, 1.0
-        for cost in bucket.round_costs:  # k = 1, 2, ...: a round wins while it yields more tokens than it costs
-            power *= acceptance
-            tokens += power
-            if tokens > cost:
-                return True
-        return False
-
-    def round_costs(self, batch: int) -> tuple[float, ...]:
-        """What a round of ``k`` drafts costs in dense steps at the step times measured at ``batch`` rows,
-        ``(k * t_draft + t_verify(k)) / t_dense`` for ``k`` in ``[1, max_k]``: a round of ``k`` beats dense steps
-        while its :func:`expected_tokens` exceed it. Computed once per change of the times (:meth:`row_drafts` asks
-        per row and step, where :meth:`_best_k` cost about 8 us a row on a CPU)."""
-        bucket = self._bucket(batch)
-        draft, dense = bucket.seconds[StepKind.DRAFT], bucket.seconds[StepKind.DENSE]
-        return tuple((k * draft + self.verify_seconds(batch, k)) / dense for k in range(1, self.max_k + 1))
-
     def _best_k(self, batch: int, acceptance: Optional[float] = None) -> int:
         """The ``k`` in ``[0, max_k]`` of the best predicted tokens per second from the measured times (a dense step,
         a draft step and a verify step timed at ``batch`` rows) at ``acceptance`` (default: the measured one)."""
@@ -188,7 +151,6 @@ class SpeculationPolicy:
         key = drafts if kind is StepKind.VERIFY else kind
         old: Optional[float] = means.get(key)
         means[key] = seconds if old is None else (1 - _WEIGHT) * old + _WEIGHT * seconds
-        bucket.round_costs = None
         measured = StepKind.DRAFT in bucket.seconds and StepKind.DENSE in bucket.seconds and bucket.verify_by_drafts
         if kind is StepKind.DENSE:
             bucket.rounds_since_dense = 0
@@ -227,8 +189,7 @@ def draft_reuse_steps(config: Optional["SpeculativeConfig"]) -> int:
 
 def keep_verified(seq: "Sequence", tokens: list[int], policy: Optional[SpeculationPolicy], rows: int) -> list[int]:
     """The tokens a verify row of ``seq`` keeps: its drafts while they equal ``tokens`` (dense attention's), then the
-    token after them; counts the round on the sequence (its totals, and its recent acceptance as the policy's
-    running counts) and, for a step of ``rows`` decoding rows, in ``policy``."""
+    token after them; counts the round on the sequence and, for a step of ``rows`` decoding rows, in ``policy``."""
     drafts = seq.draft_token_ids
     accepted = 0
     while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
@@ -236,9 +197,6 @@ def keep_verified(seq: "Sequence", tokens: list[int], policy: Optional[Speculati
     seq.num_verify_steps += 1
     seq.num_draft_tokens += len(drafts)
     seq.num_accepted_tokens += accepted
-    seq.recent_kept = (1 - _WEIGHT) * seq.recent_kept + accepted
-    seq.recent_tested = (1 - _WEIGHT) * seq.recent_tested + accepted + (accepted < len(drafts))
-    seq.steps_without_round = 0
     if policy is not None:
         policy.record_round(rows, len(drafts), accepted)
     return tokens[:accepted + 1]

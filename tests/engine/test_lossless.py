@@ -206,32 +206,6 @@ def test_the_adaptive_policy_gives_the_dense_tokens(model_dir, dense, asynchrono
     assert run(llm, prompts, params) == run(dense, prompts, params)
 
 
-@ASYNC
-def test_a_row_the_policy_stops_drafting_decodes_densely_beside_the_others_rounds(model_dir, dense, asynchronous):
-    """A row whose own acceptance loses (here: the policy says so of one request) decodes densely in the steps in
-    which the other rows draft and verify, with the dense engine's tokens; it verifies nothing and counts its steps
-    without a round."""
-    llm = lossless(model_dir, 3, async_scheduling=asynchronous)
-    prompts, params = [prompt(n) for n in (70, 60, 80)], [greedy(20), greedy(25), greedy(18)]
-    cut = prompts[1]
-    llm.engine.speculation.row_drafts = lambda batch, seq: list(seq.prompt_token_ids) != list(cut)
-    mixed, counts, execute = [], [], llm.engine.runner.execute
-
-    def record(batch):  # steps in which another row drafts while the cut one decodes densely; its count of them
-        rows = batch.seqs[:batch.num_decodes]
-        at = [i for i, seq in enumerate(rows) if list(seq.prompt_token_ids) == list(cut)]
-        mixed.append(bool(at and batch.drafts and batch.dense_rows[at[0]] and at[0] not in batch.drafts))
-        counts.extend(rows[i].steps_without_round for i in at)
-        return execute(batch)
-
-    llm.engine.runner.execute = record
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [out.token_ids for out in outputs] == run(dense, prompts, params)
-    assert any(mixed) and counts == list(range(1, len(counts) + 1))
-    assert outputs[1].metrics.mean_tokens_per_verify is None
-    assert all(out.metrics.mean_tokens_per_verify is not None for out in (outputs[0], outputs[2]))
-
-
 def test_the_engine_times_each_verify_by_its_rounds_drafts(model_dir):
     """The policy learns a verify step's time per round length: full rounds of 3 drafts, and the shorter last
     round that ``max_tokens`` cuts."""
