@@ -17,6 +17,10 @@ Three parts, each writing its JSON and markdown table (command, commit, GPU, dat
   log-probabilities of its token and of lossless's (a near tie of bf16 rounding when small). At a batch above 1,
   ``dense-alone`` (not timed) decodes each prompt by itself on the dense engine and compares it the same way: how
   often dense's own tokens change with the batch's arithmetic, the floor a bf16 lossless run is read against.
+  Each lossless mode also records its speculation policy after the timed run, per batch size its steps ran at
+  (the ramp and the tail of a closed batch included): the step times it measured, its acceptance, the ``k`` it
+  would pick and the timed run's steps by kind (``policy``; a table of its own), which is where a fixed-``k`` and
+  an adaptive run of the same point differ.
 * ``shapes``: random weights at the paper's shapes (``--points``), synthetic contexts (``e2e_bench``'s): ms per
   step of the dense engine (asynchronous), of a lossless draft step and of a verify step (fixed ``k``,
   synchronous), and the speed over dense that an acceptance implies (``E(k) * t_dense / (k * t_draft +
@@ -150,7 +154,7 @@ def check(args, save) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tokens: int
+def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tokens: int, before_timed=None
                 ) -> tuple[float, float, list, int]:
     """Decode tokens/s of ``prompts``, the sum of the requests' own decode rates, the outputs, and the CUDA graphs
     captured while timed. The first: the ``tokens - 1`` outputs after each request's first over the wall time of
@@ -161,7 +165,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, toke
     timed run replays. A lossless round's steps
     (drafts, verifies of each round length the policy picks, steps launched ahead) are captured when they first
     run, which a short warm-up never reaches (captured inside the timed run they gave 0.06x of dense at B=1:
-    ``lossless-real-h100-qwen2.5-coder-1.5b``)."""
+    ``lossless-real-h100-qwen2.5-coder-1.5b``). ``before_timed()``, if given, is called just before the timed run."""
     fields = {**_fields(params), "max_tokens": tokens}
     graphs = llm.engine.runner.graphs
     for _ in range(WARMUP_RUNS):
@@ -169,6 +173,8 @@ def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, toke
         llm.generate(prompts, SamplingParams(**fields), use_tqdm=False)
         if len(graphs) == before:
             break
+    if before_timed is not None:
+        before_timed()
     before = len(graphs)
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(**fields), use_tqdm=False)
@@ -260,9 +266,13 @@ def real(args, save) -> dict:
             suffix = "" if dense_layers == DENSE_LAYERS else f"-dense{dense_layers}"
             for point, stored in zip(points, results["points"][-len(points):]):
                 for policy in args.policies:  # its policy switched between runs (the prompts stay in its prefix cache)
-                    lossless.engine.speculation.adaptive = policy == "adaptive"
+                    speculation = lossless.engine.speculation
+                    speculation.adaptive = policy == "adaptive"
+                    seen = {}
                     rate, rows_rate, outs, captured = decode_rate(
-                        lossless, point["prompts"], SamplingParams(token_budget=budget, **greedy), args.tokens)
+                        lossless, point["prompts"], SamplingParams(token_budget=budget, **greedy), args.tokens,
+                        before_timed=lambda: seen.update(speculation.snapshot()))
+                    learnt = policy_view(seen, speculation.snapshot())
                     accepted = [o.metrics.acceptance_rate for o in outs if o.metrics.acceptance_rate is not None]
                     per_verify = [o.metrics.mean_tokens_per_verify for o in outs
                                   if o.metrics.mean_tokens_per_verify is not None]
@@ -270,6 +280,7 @@ def real(args, save) -> dict:
                         **_rates(rate, rows_rate, stored["modes"]["dense"]), "graphs_captured_timed": captured,
                         "acceptance": statistics.mean(accepted) if accepted else None,
                         "tokens_per_verify": statistics.mean(per_verify) if per_verify else None,
+                        "policy": learnt,
                         **_identity(base, point["prompts"], point["want"], outs, True),
                         **host_time(lossless, point["prompts"], SamplingParams(token_budget=budget, **greedy), args)}
                 print(_point_line(stored), flush=True)
@@ -281,6 +292,25 @@ def real(args, save) -> dict:
         del base, points
         gc.collect()
     return results
+
+
+def _ms_cell(ms: Optional[float]) -> str:
+    return "-" if ms is None else f"{ms:.2f}"
+
+
+def policy_view(before: dict, after: dict) -> dict:
+    """The speculation policy after a timed run (:meth:`~questkv.engine.speculation.SpeculationPolicy.snapshot`),
+    per batch size that ran steps in it, with the steps of the timed run alone (``after``'s less ``before``'s):
+    what it measured and chose there. Keys are strings (JSON)."""
+    view = {}
+    for batch, seen in after.items():
+        earlier = before.get(batch, {}).get("steps", {})
+        steps = {name: count - earlier.get(name, 0) for name, count in seen["steps"].items()
+                 if count > earlier.get(name, 0)}
+        if steps:
+            view[str(batch)] = {**seen, "verify_ms": {str(k): ms for k, ms in seen["verify_ms"].items()},
+                                "steps": steps}
+    return view
 
 
 def host_time(llm: LLM, prompts: list[list[int]], params: SamplingParams, args) -> dict:
@@ -504,6 +534,19 @@ def table(part: str, record: dict) -> str:
                       f"{h['busy']:.2f} | {h['wait']:.2f} | {h['schedule']:.2f} | {h['launch']:.2f} ({h['replay']:.2f}, "
                       f"{h['sample']:.2f}) | {h['process']:.2f} |"
                       for p, name, host in hosted for label, h in _host_rows(name, host)]
+        learnt = [(point, name, batch, seen) for point in record["results"]["points"]
+                  for name, mode in point["modes"].items() for batch, seen in mode.get("policy", {}).items()]
+        if learnt:  # what the speculation policy measured and chose, per batch size that ran in the timed run
+            lines += ["", "The speculation policy after each timed run, per batch size of its steps (running means, "
+                      "ms; `k now`: the drafts it would pick, fixed rounds or not; steps: those of the timed run).", "",
+                      "| context | B | text | mode | rows | dense | draft | verify by drafts | acceptance | k now "
+                      "| steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {p['context']} | {p['batch']} | {p['corpus']} | {name} | {batch} | {_ms_cell(seen['dense_ms'])} | "
+                      f"{_ms_cell(seen['draft_ms'])} | "
+                      + ", ".join(f"{k}: {ms:.2f}" for k, ms in seen["verify_ms"].items())
+                      + f" | {seen['acceptance']:.3f} | {seen['k']} | "
+                      + ", ".join(f"{kind} {count}" for kind, count in seen["steps"].items()) + " |"
+                      for p, name, batch, seen in learnt]
     else:
         lines += ["| point | dense ms/step | lossy Quest ms/step | round ms (k drafts + verify) | implied speedup "
                   "(acceptance) |", "|---|---|---|---|---|"]

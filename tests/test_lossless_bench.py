@@ -182,11 +182,17 @@ def test_the_real_run_measures_every_mode_on_a_tiny_model_and_the_lossless_ones_
             mode = point["modes"][name]
             assert mode["rows_identical"] == mode["rows"] == point["batch"]
             assert 0 <= mode["acceptance"] <= 1 and 1 <= mode["tokens_per_verify"] <= args.k + 1
+            seen = mode["policy"]  # what the policy timed in the timed run, per batch size of its steps
+            assert set(seen) <= {str(b) for b in range(1, point["batch"] + 1)} and str(point["batch"]) in seen
+            assert any(name.startswith("verify-") for view in seen.values() for name in view["steps"])
+            assert all(count > 0 for view in seen.values() for count in view["steps"].values())
     text = lossless_bench.table("real", {"provenance": {"command": "c", "commit": "x", "machine": "m", "date": "d"},
                                          "results": results})
     assert f"| 512 | {batches[-1]} | " in text and "rows = dense" in text and "rows running" in text
     assert ("not timed" in text) == (batches[-1] > 1)
     assert ("| 512 | 2 | book+code | lossless-1/8-fixed-dense0 | " in text) == bool(host_steps)
+    assert "The speculation policy after each timed run" in text
+    assert f"| 512 | {batches[-1]} | {points[-1]['corpus']} | lossless-1/16-fixed | {batches[-1]} | " in text
 
 
 def test_idle_gaps_are_summed_per_pair_of_intervals_around_them():

@@ -75,6 +75,7 @@ class _Bucket:
     rounds_since_dense: int = 0
     dense_since_round: int = 0
     probe_every: int = PROBE_EVERY  # dense steps before the next probe round
+    steps: dict = dataclasses.field(default_factory=dict)  # "dense" / "draft" / "verify-K" -> steps recorded
 
 
 class SpeculationPolicy:
@@ -151,6 +152,8 @@ class SpeculationPolicy:
         key = drafts if kind is StepKind.VERIFY else kind
         old: Optional[float] = means.get(key)
         means[key] = seconds if old is None else (1 - _WEIGHT) * old + _WEIGHT * seconds
+        name = f"verify-{drafts}" if kind is StepKind.VERIFY else kind.value
+        bucket.steps[name] = bucket.steps.get(name, 0) + 1
         measured = StepKind.DRAFT in bucket.seconds and StepKind.DENSE in bucket.seconds and bucket.verify_by_drafts
         if kind is StepKind.DENSE:
             bucket.rounds_since_dense = 0
@@ -167,6 +170,20 @@ class SpeculationPolicy:
             bucket.rounds_since_dense += 1
             bucket.dense_since_round = 0
 
+    def snapshot(self) -> dict[int, dict]:
+        """What the policy has learnt, per batch size, for reports: the running means of a dense and a draft step
+        and of a verify step per round length (ms), the acceptance, the ``k`` it would pick now (``None`` before
+        every kind of step is timed) and the steps recorded per kind (``"dense"``, ``"draft"``, ``"verify-K"``)."""
+        report = {}
+        for batch, bucket in sorted(self._buckets.items()):
+            measured = {StepKind.DRAFT, StepKind.DENSE} <= bucket.seconds.keys() and bucket.verify_by_drafts
+            report[batch] = {
+                "dense_ms": _ms(bucket.seconds.get(StepKind.DENSE)), "draft_ms": _ms(bucket.seconds.get(StepKind.DRAFT)),
+                "verify_ms": {k: _ms(t) for k, t in sorted(bucket.verify_by_drafts.items())},
+                "acceptance": self.acceptance(batch), "k": self._best_k(batch) if measured else None,
+                "steps": dict(bucket.steps)}
+        return report
+
     def _never_pays(self, batch: int) -> bool:
         """Whether drafting loses to dense steps at ``batch`` rows even if every draft were kept (a draft step as
         dear as a dense one, a 1.5B model at batch 1). Only the step times can change that, so the next probe waits
@@ -178,6 +195,10 @@ class SpeculationPolicy:
         bucket = self._bucket(batch)
         bucket.kept = (1 - _WEIGHT / batch) * bucket.kept + kept
         bucket.tested = (1 - _WEIGHT / batch) * bucket.tested + kept + (kept < drafted)
+
+
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else 1e3 * seconds
 
 
 def draft_reuse_steps(config: Optional["SpeculativeConfig"]) -> int:

@@ -128,6 +128,24 @@ def test_acceptance_counts_the_drafts_tested_up_to_the_first_rejection():
     assert SpeculationPolicy(4).acceptance(random.randint(1, 64)) == pytest.approx(0.8)  # the prior
 
 
+def test_its_snapshot_reports_the_means_the_choice_and_the_steps_per_batch_size():
+    policy, batch = SpeculationPolicy(4), random.randint(1, 32)
+    policy.record_step(StepKind.DRAFT, batch, 0.002)
+    assert policy.snapshot()[batch]["k"] is None  # not every kind timed yet
+    dense, draft, verify = random.uniform(4e-3, 8e-3), random.uniform(5e-4, 1e-3), random.uniform(8e-3, 1e-2)
+    for _ in range(3):
+        measured(policy, batch, dense=dense, draft=draft, verify=verify)
+    policy.record_step(StepKind.VERIFY, batch, verify, 2)
+    report = policy.snapshot()
+    assert list(report) == [batch]
+    seen = report[batch]
+    assert seen["dense_ms"] == pytest.approx(1e3 * dense) and seen["verify_ms"] == pytest.approx({2: 1e3 * verify,
+                                                                                                   4: 1e3 * verify})
+    assert seen["draft_ms"] == pytest.approx(1e3 * (0.8 ** 3 * 0.002 + (1 - 0.8 ** 3) * draft))
+    assert seen["k"] == policy.draft_tokens(batch) > 0 and seen["acceptance"] == policy.acceptance(batch)
+    assert seen["steps"] == {"draft": 4, "verify-4": 3, "dense": 3, "verify-2": 1}
+
+
 def test_a_verify_is_timed_per_round_length_and_an_untimed_length_is_predicted_from_the_nearest():
     dense = random.uniform(2e-3, 8e-3)
     policy = SpeculationPolicy(8)
