@@ -294,6 +294,11 @@ def real(args, save) -> dict:
     return results
 
 
+def _section(intro: str, header: list[str], rows: list[str]) -> list[str]:
+    """A markdown table after a blank line and its introducing sentence."""
+    return ["", intro, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows]
+
+
 def _ms_cell(ms: Optional[float]) -> str:
     return "-" if ms is None else f"{ms:.2f}"
 
@@ -526,27 +531,27 @@ def table(part: str, record: dict) -> str:
         hosted = [(point, name, mode["host"]) for point in record["results"]["points"]
                   for name, mode in point["modes"].items() if "host" in mode]
         if hosted:  # the host per step of each mode (e2e_bench.time_host), its rows all decoding
-            lines += ["", "The host per step, no profiler (ms), every row decoding: `busy` is the wall less the wait "
-                      "for the device's tokens; where it reaches the wall, the host sets the pace.", "",
-                      "| context | B | text | mode | wall | busy | wait | schedule | launch (graph replay, sampling) "
-                      "| process |", "|---|---|---|---|---|---|---|---|---|---|"]
-            lines += [f"| {p['context']} | {p['batch']} | {p['corpus']} | {label} | {h['wall']:.2f} | "
-                      f"{h['busy']:.2f} | {h['wait']:.2f} | {h['schedule']:.2f} | {h['launch']:.2f} ({h['replay']:.2f}, "
-                      f"{h['sample']:.2f}) | {h['process']:.2f} |"
-                      for p, name, host in hosted for label, h in _host_rows(name, host)]
+            lines += _section(
+                "The host per step, no profiler (ms), every row decoding: `busy` is the wall less the wait for the "
+                "device's tokens; where it reaches the wall, the host sets the pace.",
+                ["context", "B", "text", "mode", "wall", "busy", "wait", "schedule", "launch (graph replay, sampling)",
+                 "process"],
+                [f"| {p['context']} | {p['batch']} | {p['corpus']} | {label} | {h['wall']:.2f} | {h['busy']:.2f} | "
+                 f"{h['wait']:.2f} | {h['schedule']:.2f} | {h['launch']:.2f} ({h['replay']:.2f}, {h['sample']:.2f}) | "
+                 f"{h['process']:.2f} |" for p, name, host in hosted for label, h in _host_rows(name, host)])
         learnt = [(point, name, batch, seen) for point in record["results"]["points"]
                   for name, mode in point["modes"].items() for batch, seen in mode.get("policy", {}).items()]
         if learnt:  # what the speculation policy measured and chose, per batch size that ran in the timed run
-            lines += ["", "The speculation policy after each timed run, per batch size of its steps (running means, "
-                      "ms; `k now`: the drafts it would pick, fixed rounds or not; steps: those of the timed run).", "",
-                      "| context | B | text | mode | rows | dense | draft | verify by drafts | acceptance | k now "
-                      "| steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-            lines += [f"| {p['context']} | {p['batch']} | {p['corpus']} | {name} | {batch} | {_ms_cell(seen['dense_ms'])} | "
-                      f"{_ms_cell(seen['draft_ms'])} | "
-                      + ", ".join(f"{k}: {ms:.2f}" for k, ms in seen["verify_ms"].items())
-                      + f" | {seen['acceptance']:.3f} | {seen['k']} | "
-                      + ", ".join(f"{kind} {count}" for kind, count in seen["steps"].items()) + " |"
-                      for p, name, batch, seen in learnt]
+            lines += _section(
+                "The speculation policy after each timed run, per batch size of its steps (running means, ms; "
+                "`k now`: the drafts it would pick, fixed rounds or not; steps: those of the timed run).",
+                ["context", "B", "text", "mode", "rows", "dense", "draft", "verify by drafts", "acceptance", "k now",
+                 "steps"],
+                [f"| {p['context']} | {p['batch']} | {p['corpus']} | {name} | {batch} | {_ms_cell(seen['dense_ms'])} | "
+                 f"{_ms_cell(seen['draft_ms'])} | " + ", ".join(f"{k}: {ms:.2f}" for k, ms in seen["verify_ms"].items())
+                 + f" | {seen['acceptance']:.3f} | {seen['k']} | "
+                 + ", ".join(f"{kind} {count}" for kind, count in seen["steps"].items()) + " |"
+                 for p, name, batch, seen in learnt])
     else:
         lines += ["| point | dense ms/step | lossy Quest ms/step | round ms (k drafts + verify) | implied speedup "
                   "(acceptance) |", "|---|---|---|---|---|"]

@@ -178,7 +178,8 @@ class SpeculationPolicy:
         for batch, bucket in sorted(self._buckets.items()):
             measured = {StepKind.DRAFT, StepKind.DENSE} <= bucket.seconds.keys() and bucket.verify_by_drafts
             report[batch] = {
-                "dense_ms": _ms(bucket.seconds.get(StepKind.DENSE)), "draft_ms": _ms(bucket.seconds.get(StepKind.DRAFT)),
+                "dense_ms": _ms(bucket.seconds.get(StepKind.DENSE)),
+                "draft_ms": _ms(bucket.seconds.get(StepKind.DRAFT)),
                 "verify_ms": {k: _ms(t) for k, t in sorted(bucket.verify_by_drafts.items())},
                 "acceptance": self.acceptance(batch), "k": self._best_k(batch) if measured else None,
                 "steps": dict(bucket.steps)}
