@@ -77,6 +77,12 @@ class _Bucket:
     probe_every: int = PROBE_EVERY  # dense steps before the next probe round
     steps: dict = dataclasses.field(default_factory=dict)  # "dense" / "draft" / "verify-K" -> steps recorded
 
+    @property
+    def timed(self) -> bool:
+        """Whether a dense, a draft and a verify step have been timed (what :meth:`SpeculationPolicy._best_k`
+        needs)."""
+        return StepKind.DRAFT in self.seconds and StepKind.DENSE in self.seconds and bool(self.verify_by_drafts)
+
 
 class SpeculationPolicy:
     """The engine-wide choice of draft tokens per round (:meth:`draft_tokens`), learnt from :meth:`record_step` and
@@ -94,7 +100,7 @@ class SpeculationPolicy:
 
     def _bucket(self, batch: int) -> _Bucket:
         bucket = self._buckets.get(batch)
-        if bucket is None:  # (not setdefault: it would build a bucket on every call, and this runs per row and step)
+        if bucket is None:  # (not setdefault: it would build a bucket on every call, several a step)
             bucket = self._buckets[batch] = _Bucket()
         return bucket
 
@@ -154,14 +160,13 @@ class SpeculationPolicy:
         means[key] = seconds if old is None else (1 - _WEIGHT) * old + _WEIGHT * seconds
         name = f"verify-{drafts}" if kind is StepKind.VERIFY else kind.value
         bucket.steps[name] = bucket.steps.get(name, 0) + 1
-        measured = StepKind.DRAFT in bucket.seconds and StepKind.DENSE in bucket.seconds and bucket.verify_by_drafts
         if kind is StepKind.DENSE:
             bucket.rounds_since_dense = 0
             bucket.dense_since_round += 1
-            if measured and bucket.dense_since_round == 1 and self._never_pays(batch):  # (the round's times fresh)
+            if bucket.timed and bucket.dense_since_round == 1 and self._never_pays(batch):  # (the round's times fresh)
                 bucket.probe_every = MAX_PROBE_EVERY
         elif kind is StepKind.VERIFY:
-            if measured:
+            if bucket.timed:
                 if self._best_k(batch):
                     bucket.probe_every = PROBE_EVERY
                 elif bucket.dense_since_round >= bucket.probe_every:  # a probe round that leaves dense the choice
@@ -176,12 +181,11 @@ class SpeculationPolicy:
         every kind of step is timed) and the steps recorded per kind (``"dense"``, ``"draft"``, ``"verify-K"``)."""
         report = {}
         for batch, bucket in sorted(self._buckets.items()):
-            measured = {StepKind.DRAFT, StepKind.DENSE} <= bucket.seconds.keys() and bucket.verify_by_drafts
             report[batch] = {
                 "dense_ms": _ms(bucket.seconds.get(StepKind.DENSE)),
                 "draft_ms": _ms(bucket.seconds.get(StepKind.DRAFT)),
                 "verify_ms": {k: _ms(t) for k, t in sorted(bucket.verify_by_drafts.items())},
-                "acceptance": self.acceptance(batch), "k": self._best_k(batch) if measured else None,
+                "acceptance": self.acceptance(batch), "k": self._best_k(batch) if bucket.timed else None,
                 "steps": dict(bucket.steps)}
         return report
 
