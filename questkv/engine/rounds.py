@@ -2,8 +2,11 @@
 
 A lossless request (``seq.quest.speculative_tokens`` k > 0) decodes in rounds while the route of its next step is
 Quest's: draft steps until it holds :meth:`Rounds.draft_limit` drafts, then a verify step
-(:mod:`questkv.engine.scheduler` schedules them). The round length of a step is the policy's
-(:class:`~questkv.engine.speculation.SpeculationPolicy`), asked once per step (:meth:`Rounds.plan`).
+(:mod:`questkv.engine.scheduler` schedules them). The round length is the policy's
+(:class:`~questkv.engine.speculation.SpeculationPolicy`), asked once per step (:meth:`Rounds.plan`) and fixed for a
+round when its first draft is scheduled (:meth:`Rounds.count_draft`): the policy's choice is close between
+neighbouring lengths and flips with the noise of its step times, and a round that ended at the first step whose
+choice was shorter than its drafts so far ran shorter than any step chose.
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ class Rounds:
 
     def draft_limit(self, seq: Sequence, pending: int = 0) -> int:
         """Drafts the lossless ``seq`` takes this round (after ``pending`` more outputs): its ``speculative_tokens``,
-        fewer where the policy picks fewer or where the round's verify would otherwise pass ``max_tokens`` or
-        ``max_model_len`` (it outputs up to one token more than its drafts)."""
+        fewer where the policy picked fewer (for a round under way: when it started) or where the round's verify
+        would otherwise pass ``max_tokens`` or ``max_model_len`` (it outputs up to one token more than its drafts)."""
         outputs, tokens = seq.num_output_tokens + pending, seq.num_tokens + pending
-        return min(seq.quest.speculative_tokens, self.k,
+        return min(seq.quest.speculative_tokens, seq.round_drafts if seq.num_drafts else self.k,
                    seq.sampling_params.max_tokens - outputs - 1, self.max_model_len - tokens - 1)
 
     def may_start(self, seq: Sequence, seq_len: int, pending: int = 0) -> bool:
@@ -56,6 +59,13 @@ class Rounds:
         limit above 0 after ``pending`` more outputs, a route of Quest's), its tokens so far being all on the host."""
         return (seq.quest.speculative_tokens > 0 and self.draft_limit(seq, pending) > 0
                 and not decodes_densely(self.quest, seq.quest.token_budget, seq_len))
+
+    def count_draft(self, seq: Sequence) -> None:
+        """A draft step of ``seq`` is scheduled: counted in flight, and a round that it starts takes the step's
+        most drafts per round as its own."""
+        if not seq.num_drafts:
+            seq.round_drafts = self.k
+        seq.num_drafts_in_flight += 1
 
     def due(self, seq: Sequence) -> bool:
         """Whether ``seq`` holds every draft of its round (updated or in flight): it verifies in the next step."""

@@ -245,7 +245,7 @@ class Scheduler:
                        if seq.quest.speculative_tokens and self.rounds.drafts(seq, seq_len))
         drafting = set(drafts)
         for i in drafts:
-            decodes[i].num_drafts_in_flight += 1
+            self.rounds.count_draft(decodes[i])
         dense = tuple(decodes_densely(self.quest, seq.quest.token_budget, seq_len)
                       or (seq.quest.speculative_tokens > 0 and i not in drafting)
                       for i, (seq, seq_len) in enumerate(zip(decodes, seq_lens)))

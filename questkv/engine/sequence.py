@@ -92,6 +92,9 @@ class Sequence:
         num_drafts_in_flight: its draft steps launched and not yet updated (at most 2, under asynchronous
             scheduling: a round's drafts and its verify are launched one step ahead of their update, like decode
             steps, and so is the next round's first draft, ahead of the verify's update).
+        round_drafts: the most drafts of its current round: the engine's choice when the round's first draft was
+            scheduled (:meth:`Rounds.count_draft <questkv.engine.rounds.Rounds.count_draft>`), which holds to the
+            round's verify whatever the engine picks meanwhile.
         verify_in_flight: the drafts its verify step in flight checks (``draft_token_ids`` until its update), 0
             when none is: the drafts of the next round, whose first may be launched meanwhile, are counted apart.
         num_verify_steps, num_draft_tokens, num_accepted_tokens: a lossless request's verify steps so far, the draft
@@ -125,6 +128,7 @@ class Sequence:
     detokenizer: Optional[Any] = None
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_drafts_in_flight: int = 0
+    round_drafts: int = 0
     verify_in_flight: int = 0
     num_verify_steps: int = 0
     num_draft_tokens: int = 0

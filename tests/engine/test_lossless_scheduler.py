@@ -14,6 +14,7 @@ from questkv import QuestConfig
 from questkv.config import RequestQuest
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.sequence import Sequence, SequenceStatus
+from questkv.engine.speculation import SpeculationPolicy
 from tests.engine.test_scheduler import EOS, PAGE, SchedulerMachine, make_scheduler
 
 # Quest from a context of 8 tokens on (two pages): shorter sequences decode densely and draft nothing.
@@ -255,3 +256,41 @@ def test_the_asynchronous_machine_launches_first_drafts_ahead_and_preempts():
     assert machine.verifies > 0 and machine.ahead > 0
     assert sum(seq.num_preemptions for seq in machine.seqs.values()) > 0
     assert all(seq.is_finished for seq in machine.seqs.values())
+
+
+class PolicyOfTheDay(SpeculationPolicy):
+    """A policy whose choice of drafts per round is drawn afresh at every step (as noise in its step times flips
+    the real one's between neighbouring lengths); :attr:`chosen` holds its answers."""
+
+    def __init__(self, rng):
+        super().__init__(max_k=5)
+        self.rng, self.chosen = rng, []
+
+    def draft_tokens(self, batch):
+        self.chosen.append(self.rng.randint(1, 5))
+        return self.chosen[-1]
+
+
+def test_a_round_drafts_what_the_policy_chose_at_its_start_whatever_it_chooses_later():
+    rng = random.Random(random.randrange(2**32))
+    policy = PolicyOfTheDay(rng)
+    scheduler = make_scheduler(64, max_num_seqs=3, max_model_len=200, quest=QUEST, speculation=policy)
+    for i in range(3):
+        scheduler.add(Sequence(str(i), [rng.randint(1, 99) for _ in range(9)],
+                               SamplingParams(max_tokens=100, ignore_eos=True), quest=RequestQuest(8, 1, 5)))
+    started = {}  # request id -> the policy's choice in the step of its round's first draft
+    rounds = []
+    for _ in range(60):
+        batch = scheduler.schedule()
+        tokens = []
+        for i, seq in enumerate(batch.seqs[:batch.num_sampled]):
+            if i in batch.drafts and len(seq.draft_token_ids) == 0:
+                started[seq.request_id] = policy.chosen[-1]
+            if batch.num_decodes <= i < batch.num_decodes + batch.num_verifies:
+                rounds.append((len(seq.draft_token_ids), started.pop(seq.request_id)))
+                tokens.append(list(seq.draft_token_ids) + [rng.randint(1, 99)])  # every draft kept
+            else:
+                tokens.append(rng.randint(1, 99))
+        scheduler.update(batch, tokens)
+    assert len(rounds) > 10 and len(set(policy.chosen)) >= 3
+    assert all(drafts == chosen for drafts, chosen in rounds), rounds

@@ -17,10 +17,10 @@ PAGE, EOS = 4, 0
 
 
 def make_scheduler(num_pages=10, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64, max_seqs=8,
-                   max_pages_per_seq=None, chunked_prefill=False, quest=None):
+                   max_pages_per_seq=None, chunked_prefill=False, quest=None, speculation=None):
     cache = PagedKVCache(1, 1, 1, num_pages, PAGE, max_seqs=max_seqs, max_pages_per_seq=max_pages_per_seq)
     return Scheduler(cache, max_num_seqs, max_num_batched_tokens, frozenset({EOS}), max_model_len,
-                     chunked_prefill=chunked_prefill, quest=quest)
+                     chunked_prefill=chunked_prefill, quest=quest, speculation=speculation)
 
 
 def request(request_id, prompt_len, **params):
