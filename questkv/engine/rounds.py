@@ -4,9 +4,9 @@ A lossless request (``seq.quest.speculative_tokens`` k > 0) decodes in rounds wh
 Quest's: draft steps until it holds :meth:`Rounds.draft_limit` drafts, then a verify step
 (:mod:`questkv.engine.scheduler` schedules them). The round length is the policy's
 (:class:`~questkv.engine.speculation.SpeculationPolicy`), asked once per step (:meth:`Rounds.plan`) and fixed for a
-round when its first draft is scheduled (:meth:`Rounds.count_draft`): the policy's choice is close between
-neighbouring lengths and flips with the noise of its step times, and a round that ended at the first step whose
-choice was shorter than its drafts so far ran shorter than any step chose.
+round when its first draft is scheduled (:meth:`Rounds.count_draft`): where neighbouring lengths predict close rates
+the choice flips with the noise of the step times, and a round that ended at the first step whose choice was shorter
+than its drafts so far ran shorter than any step chose.
 """
 
 from __future__ import annotations
