@@ -1,6 +1,6 @@
 """The device memory an engine's CUDA graphs hold: every decode graph a server captures at start
-(``graph_capture="startup"``) and, for a lossless engine, the verify graphs of every batch size, page-table width and
-round length (captured when a verify first needs them).
+(``graph_capture="startup"``), for a lossless engine with the verify graphs of every batch size, page-table width
+and round length.
 
 Random weights (``load_format="dummy"``) at a real shape, a small KV pool; per engine (dense, Quest, lossless Quest)
 the graphs captured, the bytes the process reserves from the GPU across their capture
@@ -27,7 +27,6 @@ if __name__ == "__main__":  # run as a file: the checkout importable (questkv, b
 from benchmarks.e2e_bench import context_config  # noqa: E402
 from questkv.config import QuestConfig  # noqa: E402
 from questkv.decode.route import StepRoute  # noqa: E402
-from questkv.engine.cuda_graphs import graph_batch_sizes, graph_widths  # noqa: E402
 from questkv.engine.llm import LLM  # noqa: E402
 from questkv.eval.provenance import provenance  # noqa: E402
 
@@ -36,8 +35,8 @@ ENGINES = ("dense", "quest", "lossless")
 
 
 def measure(engine: str, args) -> dict:
-    """Build the ``engine`` kind at ``args``' shape with lazy capture, then capture its graphs (lossless: also every
-    verify graph) and measure what they hold."""
+    """Build the ``engine`` kind at ``args``' shape with lazy capture, then capture what the startup capture
+    captures (lossless: every verify graph too) and measure what they hold."""
     cfg = context_config(args.model, args.max_model_len)
     quest = None if engine == "dense" else QuestConfig(token_budget=args.budget, page_size=PAGE, dense_layers=2)
     speculative = {"method": "quest", "num_speculative_tokens": args.k} if engine == "lossless" else None
@@ -50,19 +49,14 @@ def measure(engine: str, args) -> dict:
     if cuda:
         torch.cuda.synchronize()
     reserved, allocated = _memory(cuda)
-    keys = runner.graphs.missing()  # what the startup capture captures: (batch, width, route, selecting)
+    keys = runner.graphs.missing()  # what the startup capture captures; lossless: every round length's verify too
     runner.capture_decode_graphs()
-    verify_keys = []
-    if engine == "lossless" and cuda:  # (batch, width, route, q_len): every round length at each batch and width
-        for batch in graph_batch_sizes(args.max_num_seqs):
-            for width in graph_widths(runner.cache.max_pages_per_seq):
-                runner._capture_verify_graphs(batch, width)
-                verify_keys += [(batch, width, StepRoute.VERIFY, q_len) for q_len in range(2, args.k + 2)]
-    if len(runner.graphs) != len(keys) + len(verify_keys):
-        raise RuntimeError(f"captured {len(runner.graphs)} graphs, expected {len(keys)} + {len(verify_keys)}")
-    rows = sum(key[0] for key in keys) + sum(key[0] * key[3] for key in verify_keys)
+    if len(runner.graphs) != len(keys):
+        raise RuntimeError(f"captured {len(runner.graphs)} graphs, expected {len(keys)}")
+    verify_keys = [key for key in keys if key[2] == StepRoute.VERIFY]  # (batch, width, route, q_len)
+    rows = sum(key[0] * (key[3] if key[2] == StepRoute.VERIFY else 1) for key in keys)
     after_reserved, after_allocated = _memory(cuda)
-    record = {"engine": engine, "graphs": len(runner.graphs), "decode_graphs": len(keys),
+    record = {"engine": engine, "graphs": len(runner.graphs), "decode_graphs": len(keys) - len(verify_keys),
               "verify_graphs": len(verify_keys), "reserved_bytes": after_reserved - reserved,
               "allocated_bytes": after_allocated - allocated, "logits_rows": rows,
               "one_output_each_bytes": rows * cfg.vocab_size * 4}

@@ -7,7 +7,8 @@ the step's :class:`~questkv.decode.route.StepRoute` (every row dense, every row 
 select every column), and whether any row may select
 (with selection reuse a step where every row reuses its last selection is a graph of its own, without the
 estimate and select launches; a dense step of an engine with a selection memory: whether it keeps the memory's
-books, which only a lossy Quest row needs). The step's body and its static inputs are the runner's
+books, which only a lossy Quest row needs). A lossless verify step (route ``VERIFY``) has its positions per row
+in place of ``selecting``. The step's body and its static inputs are the runner's
 (:class:`~questkv.engine.model_runner.ModelRunner`); this module only knows the keys.
 """
 
@@ -72,6 +73,9 @@ class DecodeGraphs:
         sparse: the engine has Quest layers: its Quest steps are captured at start, beside the dense ones.
         dense_pages: with ``sparse``, the widest page table of a step routed dense by its context (the route's
             ratio times the budget): dense steps are captured at start up to its graph width.
+        verify_lengths: the positions per row of the lossless verify steps (2 to ``num_speculative_tokens + 1``;
+            empty without speculation): captured at start at every batch size and width, and so are the dense
+            steps then.
 
     ``body(batch, width, route, selecting)``, passed to :meth:`replay` and :meth:`capture`, runs one decode step
     over the runner's static inputs and returns its ``[batch, vocab]`` float32 logits; device ops only (capturable).
@@ -79,8 +83,9 @@ class DecodeGraphs:
 
     def __init__(self, batch_sizes: tuple[int, ...], max_pages_per_seq: int, device: torch.device,
                  warmup_keeps: tuple[torch.Tensor, ...] = (), reusing_steps: bool = False, sparse: bool = False,
-                 dense_pages: int = 0) -> None:
+                 dense_pages: int = 0, verify_lengths: tuple[int, ...] = ()) -> None:
         self.batch_sizes = batch_sizes
+        self.verify_lengths = verify_lengths
         self.reusing_steps = reusing_steps
         self.sparse = sparse
         self.dense_pages = dense_pages
@@ -115,15 +120,19 @@ class DecodeGraphs:
         """The keys a server captures at start, largest first, that have no graph yet: every batch size and width
         of a dense engine's steps; a Quest engine's Quest steps and its dense steps up to the width of
         ``dense_pages`` (no dense request: a mixed step is captured when it first runs), with ``reusing_steps``
-        each also without selection (a dense step then keeps no books in the selection memory)."""
+        each also without selection (a dense step then keeps no books in the selection memory); and a verify
+        step of each of :attr:`verify_lengths` at every width (keyed by its positions per row instead), beside dense
+        steps at every width (a lossless engine's policy may run a step densely at any length)."""
         selecting = (True, False) if self.reusing_steps else (True,)
         widths = graph_widths(self.max_pages_per_seq)
-        dense_widths = [w for w in widths if w <= self.width(self.dense_pages)] if self.sparse else widths
+        short = self.sparse and not self.verify_lengths  # a lossless engine's policy may step densely at any length
+        dense_widths = [w for w in widths if w <= self.width(self.dense_pages)] if short else widths
         keys = []
         for batch in sorted(self.batch_sizes, reverse=True):
             if self.sparse:
                 keys += [(batch, width, StepRoute.SPARSE, select) for width in widths for select in selecting]
             keys += [(batch, width, StepRoute.DENSE, select) for width in dense_widths for select in selecting]
+            keys += [(batch, width, StepRoute.VERIFY, q_len) for width in widths for q_len in self.verify_lengths]
         return [key for key in keys if key not in self._graphs]
 
     def capture(self, key: GraphKey, body: Body) -> None:

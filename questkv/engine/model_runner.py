@@ -127,7 +127,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(batch_sizes, self.cache.max_pages_per_seq, self.device,
                                    warmup_keeps=(*counters, self.tokens.sampled),
                                    reusing_steps=self.memory is not None, sparse=self.budget is not None,
-                                   dense_pages=dense_pages)
+                                   dense_pages=dense_pages, verify_lengths=tuple(range(2, verify_len + 1)))
         # Rank 0's mirror of the selection memory: the cache slots that hold a selection a next step may reuse
         # (a prefill clears its slots, a step with a dense request its rows', any other decode step sets its rows').
         self._kept: set[int] = set()
@@ -268,16 +268,19 @@ class ModelRunner:
 
     def _capture_verify_graphs(self, batch: int, width: int) -> None:
         """Capture the verify graph of every round length (2 to ``num_speculative_tokens + 1`` positions per row) at
-        this padded batch size and page-table width, on padding rows only (the scratch sequence): an adaptive
-        policy that changes its round length later never waits for a capture mid-run. Every rank runs it (its
-        collectives meet)."""
-        for q_len in range(2, self.config.speculative_config.num_speculative_tokens + 2):
+        this padded batch size and page-table width: an adaptive policy that changes its round length later never
+        waits for a capture mid-run. Every rank runs it (its collectives meet)."""
+        for q_len in self.graphs.verify_lengths:
             key = (batch, width, StepRoute.VERIFY, q_len)
-            if key in self.graphs:
-                continue
-            self._verify_inputs[:, :batch] = self._verify_padding(q_len).to(self.device)[:, None]
-            self._verify_ids[:batch, :q_len].zero_()
-            self.graphs.capture(key, self._verify_body)
+            if key not in self.graphs:
+                self._capture_verify(key)
+
+    def _capture_verify(self, key: GraphKey) -> None:
+        """Capture the verify step of ``key`` on padding rows only (the scratch sequence)."""
+        batch, q_len = key[0], key[3]
+        self._verify_inputs[:, :batch] = self._verify_padding(q_len).to(self.device)[:, None]
+        self._verify_ids[:batch, :q_len].zero_()
+        self.graphs.capture(key, self._verify_body)
 
     def _verify_padding(self, q_len: int) -> torch.Tensor:
         """``[_VERIFY_INPUTS]`` int64 staged inputs of a verify step's padding row of ``q_len`` positions: the
@@ -445,8 +448,9 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self, progress: bool = False) -> int:
         """Capture the decode graph of every batch size and page-table width a step can use (compiling their
-        kernels), largest first; those already captured are kept. What ``graph_capture="startup"`` runs at
-        start. Only the scratch sequence's token is written.
+        kernels), with speculation also the verify graph of every round length, largest first; those already
+        captured are kept. What ``graph_capture="startup"`` runs at start. Only the scratch sequence's tokens are
+        written.
 
         Returns:
             The number of graphs captured by this call.
@@ -457,6 +461,9 @@ class ModelRunner:
         if self._send is not None and keys:
             self._send(StepMessage((), capture=True))  # the other ranks capture theirs alongside (the collectives meet)
         for key in tqdm(keys, desc="capturing decode graphs", disable=not progress):
+            if key[2] == StepRoute.VERIFY:
+                self._capture_verify(key)
+                continue
             self._stage_inputs((), (), *key[:2], [], ())
             self.graphs.capture(key, self._decode_body)
         return len(keys)

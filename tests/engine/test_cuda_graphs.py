@@ -44,3 +44,27 @@ def test_latest_picks_the_last_graph_of_a_route():
     assert graphs.latest() is last
     assert graphs.latest(StepRoute.DENSE) is last
     assert graphs.latest(StepRoute.VERIFY) is verify
+
+
+@pytest.mark.parametrize("verify_lengths", [(), (2, 3, 4, 5)])
+def test_a_lossless_startup_capture_lists_every_round_lengths_verify_and_dense_steps_at_every_width(
+        monkeypatch, verify_lengths):
+    import torch
+
+    from questkv.decode.route import StepRoute
+    from questkv.engine.cuda_graphs import DecodeGraphs
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # the keys only: no pool on a CPU machine
+    sizes, limit = graph_batch_sizes(16), 300
+    graphs = DecodeGraphs(sizes, limit, torch.device("cpu"), sparse=True, dense_pages=40,
+                          verify_lengths=verify_lengths)
+    keys = graphs.missing()
+    verify = {key for key in keys if key[2] == StepRoute.VERIFY}
+    assert verify == {(b, w, StepRoute.VERIFY, q) for b in sizes for w in graph_widths(limit) for q in verify_lengths}
+    assert len(keys) == len(set(keys))
+    # a Quest engine's dense steps up to the width of 40 pages; a lossless one's at every width (its policy's)
+    dense_widths = graph_widths(limit) if verify_lengths else [64]
+    assert {key for key in keys if key[2] != StepRoute.VERIFY} == {
+        *((b, w, StepRoute.SPARSE, True) for b in sizes for w in graph_widths(limit)),
+        *((b, w, StepRoute.DENSE, True) for b in sizes for w in dense_widths)}
+    assert [key[0] for key in keys] == sorted((key[0] for key in keys), reverse=True)  # largest batch first
