@@ -15,6 +15,8 @@ in place of ``selecting``. The step's body and its static inputs are the runner'
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from typing import Callable, Optional
 
 import torch
@@ -22,6 +24,8 @@ import torch
 from questkv.decode.route import StepRoute
 
 __all__ = ["DecodeGraphs", "GraphKey", "graph_batch_sizes", "graph_widths", "table_width"]
+
+logger = logging.getLogger(__name__)
 
 # Batch sizes with a captured decode graph: these, then every multiple of 16 up to max_num_seqs.
 _GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -75,7 +79,7 @@ class DecodeGraphs:
             ratio times the budget): dense steps are captured at start up to its graph width.
         verify_lengths: the positions per row of the lossless verify steps (2 to ``num_speculative_tokens + 1``;
             empty without speculation): captured at start at every batch size and width, and so are the dense
-            steps then.
+            and mixed steps then.
 
     ``body(batch, width, route, selecting)``, passed to :meth:`replay` and :meth:`capture`, runs one decode step
     over the runner's static inputs and returns its ``[batch, vocab]`` float32 logits; device ops only (capturable).
@@ -111,10 +115,18 @@ class DecodeGraphs:
         """Replay the graph of ``key`` (one that :meth:`covers`), capturing it from ``body`` first if new; its
         ``[batch, vocab]`` logits."""
         if key not in self._graphs:
-            self.capture(key, body)
+            self.capture_late(key, functools.partial(self.capture, key, body))
         graph, logits = self._graphs[key]
         graph.replay()
         return logits
+
+    def capture_late(self, key: GraphKey, capture: Callable[[], None]) -> None:
+        """Run ``capture`` (the capture of ``key``'s graph, with any it brings along) for a step that needs it now,
+        and log how long that step waited for it: a key the startup capture does not cover."""
+        began = time.perf_counter()
+        capture()
+        logger.info("a step waited %.0f ms for the capture of its CUDA graph (batch %d, width %d, %s, %s)",
+                    1e3 * (time.perf_counter() - began), key[0], key[1], key[2].value, key[3])
 
     def missing(self) -> list[GraphKey]:
         """The keys a server captures at start, largest first, that have no graph yet: every batch size and width
@@ -122,7 +134,8 @@ class DecodeGraphs:
         ``dense_pages`` (no dense request: a mixed step is captured when it first runs), with ``reusing_steps``
         each also without selection (a dense step then keeps no books in the selection memory); and a verify
         step of each of :attr:`verify_lengths` at every width (keyed by its positions per row instead), beside dense
-        steps at every width (a lossless engine's policy may run a step densely at any length)."""
+        and mixed steps at every width (a lossless engine's policy may run a step densely at any length, and a row
+        that joins while others draft decodes densely at first)."""
         selecting = (True, False) if self.reusing_steps else (True,)
         widths = graph_widths(self.max_pages_per_seq)
         short = self.sparse and not self.verify_lengths  # a lossless engine's policy may step densely at any length
@@ -132,6 +145,8 @@ class DecodeGraphs:
             if self.sparse:
                 keys += [(batch, width, StepRoute.SPARSE, select) for width in widths for select in selecting]
             keys += [(batch, width, StepRoute.DENSE, select) for width in dense_widths for select in selecting]
+            if self.verify_lengths:  # rows joining while others draft (a new row's first steps are dense)
+                keys += [(batch, width, StepRoute.MIXED, select) for width in widths for select in selecting]
             keys += [(batch, width, StepRoute.VERIFY, q_len) for width in widths for q_len in self.verify_lengths]
         return [key for key in keys if key not in self._graphs]
 

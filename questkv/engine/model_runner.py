@@ -25,6 +25,7 @@ followed by the prefill tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -259,7 +260,7 @@ class ModelRunner:
         ``key``, the verified sequences ``seq_ids``. Returns ``[padded * q_len, vocab]`` float32 logits."""
         padded, q_len = key[0], key[3]
         if self.graphs.covers(key) and key not in self.graphs:
-            self._capture_verify_graphs(padded, key[1])
+            self.graphs.capture_late(key, functools.partial(self._capture_verify_graphs, padded, key[1]))
         host = torch.as_tensor(host)
         self._verify_inputs[:, :padded].copy_(host[:_VERIFY_INPUTS], non_blocking=True)
         self._verify_ids[:padded, :q_len].copy_(host[_VERIFY_INPUTS:].T, non_blocking=True)

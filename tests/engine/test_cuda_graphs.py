@@ -47,7 +47,7 @@ def test_latest_picks_the_last_graph_of_a_route():
 
 
 @pytest.mark.parametrize("verify_lengths", [(), (2, 3, 4, 5)])
-def test_a_lossless_startup_capture_lists_every_round_lengths_verify_and_dense_steps_at_every_width(
+def test_a_lossless_startup_capture_lists_every_round_lengths_verify_and_dense_and_mixed_steps_at_every_width(
         monkeypatch, verify_lengths):
     import torch
 
@@ -64,7 +64,9 @@ def test_a_lossless_startup_capture_lists_every_round_lengths_verify_and_dense_s
     assert len(keys) == len(set(keys))
     # a Quest engine's dense steps up to the width of 40 pages; a lossless one's at every width (its policy's)
     dense_widths = graph_widths(limit) if verify_lengths else [64]
+    mixed_widths = graph_widths(limit) if verify_lengths else []  # rows joining a lossless batch while others draft
     assert {key for key in keys if key[2] != StepRoute.VERIFY} == {
         *((b, w, StepRoute.SPARSE, True) for b in sizes for w in graph_widths(limit)),
-        *((b, w, StepRoute.DENSE, True) for b in sizes for w in dense_widths)}
+        *((b, w, StepRoute.DENSE, True) for b in sizes for w in dense_widths),
+        *((b, w, StepRoute.MIXED, True) for b in sizes for w in mixed_widths)}
     assert [key[0] for key in keys] == sorted((key[0] for key in keys), reverse=True)  # largest batch first
