@@ -70,3 +70,19 @@ def test_a_lossless_startup_capture_lists_every_round_lengths_verify_and_dense_a
         *((b, w, StepRoute.DENSE, True) for b in sizes for w in dense_widths),
         *((b, w, StepRoute.MIXED, True) for b in sizes for w in mixed_widths)}
     assert [key[0] for key in keys] == sorted((key[0] for key in keys), reverse=True)  # largest batch first
+
+
+def test_a_capture_on_first_use_runs_it_and_logs_the_key_it_waited_for(caplog):
+    import logging
+
+    import torch
+
+    from questkv.decode.route import StepRoute
+    from questkv.engine.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs((), 8, torch.device("cpu"))
+    ran = []
+    with caplog.at_level(logging.INFO, logger="questkv.engine.cuda_graphs"):
+        graphs.capture_late((16, 2048, StepRoute.MIXED, False), lambda: ran.append(True))
+    assert ran == [True]
+    assert "(batch 16, width 2048, mixed, False)" in caplog.text and "waited" in caplog.text
