@@ -321,8 +321,21 @@ def summarise(results: list[dict], wall: float) -> dict:
     }
 
 
+def verified(ok: list[dict]) -> dict:
+    """Of the lossless requests among ``ok`` that ran a verify step (the server's ``quest`` echo): how many, and the
+    means of their acceptance rates and of their tokens per verify (``None`` where none verified)."""
+    echoes = [r["quest"] for r in ok if r.get("quest") and r["quest"].get("mean_tokens_per_verify") is not None]
+
+    def mean(key: str) -> Optional[float]:
+        return sum(echo[key] for echo in echoes) / len(echoes) if echoes else None
+
+    return {"verified_requests": len(echoes), "mean_acceptance_rate": mean("acceptance_rate"),
+            "mean_tokens_per_verify": mean("mean_tokens_per_verify")}
+
+
 def summarise_turns(turns: list[tuple[list[dict], float]]) -> dict:
-    """Per turn: TTFT, ITL, prefix-cache hits, tokens and wall time; over the load: ITL (and while prompts
+    """Per turn: TTFT, ITL, prefix-cache hits, tokens, wall time and the lossless requests' verifies
+    (:func:`verified`); over the load: ITL (and while prompts
     arrive), output tokens/s overall and over turns >= 2, and the TTFT p50 of turns >= 2 over turn 1's."""
     per_turn, all_ok, later_ttft = [], [], []
     later_tokens, later_wall = 0, 0.0
@@ -338,6 +351,7 @@ def summarise_turns(turns: list[tuple[list[dict], float]]) -> dict:
             "output_tokens": output_tokens(ok), "output_tokens_per_s": output_tokens(ok) / wall,
             "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
             "mean_cached_tokens": sum(cached) / len(cached) if cached else None,
+            **verified(ok),
         })
         all_ok += ok
         if t >= 2:
@@ -464,6 +478,13 @@ def markdown(result: dict) -> str:
             f"- TTFT p50 of turns >= 2 / turn 1 = {rate(r['ttft_p50_turns_2_on_over_turn_1'], 3)}",
             f"- mean tokens attended: {attended(r)}",
         ]
+        if any(turn.get("verified_requests") for turn in r["turns"]):
+            def by_turn(key: str, digits: int = 2) -> str:
+                return " / ".join(rate(turn[key], digits) for turn in r["turns"])
+
+            lines.append(f"- lossless, turn by turn: requests that verified {by_turn('verified_requests', 0)}; their "
+                         f"mean acceptance {by_turn('mean_acceptance_rate', 3)}; tokens a verify "
+                         f"{by_turn('mean_tokens_per_verify')}")
     for c in result.get("quest_vs_dense", []):
         if c.get("workload") == "multi-turn":
             lines += ["", "## Quest vs dense, multi-turn", "",

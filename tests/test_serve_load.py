@@ -33,6 +33,19 @@ def test_turns_are_summarised_each_and_turns_from_the_second_on_together():
     assert summary["failed"] == 0 and summary["requests"] == 6
 
 
+def test_a_turns_lossless_requests_that_verified_are_counted_with_their_mean_acceptance_and_tokens_a_verify():
+    drafting = [request(0.0, [1.0, 2.0], 2), request(0.0, [1.0, 3.0], 2), request(0.0, [1.0, 2.0], 2)]
+    drafting[0]["quest"] = {"mean_tokens_attended": 50.0, "acceptance_rate": 0.5, "mean_tokens_per_verify": 3.0}
+    drafting[1]["quest"] = {"mean_tokens_attended": 60.0, "acceptance_rate": 1.0, "mean_tokens_per_verify": 5.0}
+    drafting[2]["quest"] = {"mean_tokens_attended": 70.0}  # a lossless request that only decoded densely
+    dense = [request(4.0, [5.0, 6.0], 2)]
+    turns = serve_load.summarise_turns([(drafting, 4.0), (dense, 2.0)])["turns"]
+    assert (turns[0]["verified_requests"], turns[0]["mean_acceptance_rate"], turns[0]["mean_tokens_per_verify"]) == (
+        2, 0.75, 4.0)
+    assert (turns[1]["verified_requests"], turns[1]["mean_acceptance_rate"], turns[1]["mean_tokens_per_verify"]) == (
+        0, None, None)
+
+
 def test_the_smoke_run_serves_every_load_dense_and_quest_and_writes_its_report(tmp_path):
     result = serve_load.main(["--smoke", "--out", str(tmp_path / "serve")])
     runs = {(run["name"], run["workload"]): run for run in result["runs"]}
