@@ -3,7 +3,9 @@
 and round length.
 
 Random weights (``load_format="dummy"``) at a real shape, a small KV pool; per engine (dense, Quest, lossless Quest)
-the graphs captured, the bytes the process reserves from the GPU across their capture
+the graphs captured, the seconds their capture takes (a server's start; a kernel compiles on its first use in the
+process, so an engine after another captures faster), the
+bytes the process reserves from the GPU across their capture
 (``torch.cuda.memory_reserved``; a graph pool keeps its blocks) and the bytes still allocated after it, and the
 logits outputs alone (``[rows, vocab]`` float32 per graph) as a reference: what the graphs would hold with one output
 each. On the CPU (no graphs) it only checks that it runs.
@@ -17,6 +19,7 @@ import argparse
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,7 +53,11 @@ def measure(engine: str, args) -> dict:
         torch.cuda.synchronize()
     reserved, allocated = _memory(cuda)
     keys = runner.graphs.missing()  # what the startup capture captures; lossless: every round length's verify too
+    began = time.perf_counter()
     runner.capture_decode_graphs()
+    if cuda:
+        torch.cuda.synchronize()
+    capture_s = time.perf_counter() - began  # what a server's start spends on them (kernels compiled in the first)
     if len(runner.graphs) != len(keys):
         raise RuntimeError(f"captured {len(runner.graphs)} graphs, expected {len(keys)}")
     verify_keys = [key for key in keys if key[2] == StepRoute.VERIFY]  # (batch, width, route, q_len)
@@ -59,7 +66,7 @@ def measure(engine: str, args) -> dict:
     record = {"engine": engine, "graphs": len(runner.graphs), "decode_graphs": len(keys) - len(verify_keys),
               "verify_graphs": len(verify_keys), "reserved_bytes": after_reserved - reserved,
               "allocated_bytes": after_allocated - allocated, "logits_rows": rows,
-              "one_output_each_bytes": rows * cfg.vocab_size * 4}
+              "one_output_each_bytes": rows * cfg.vocab_size * 4, "capture_s": capture_s}
     llm.close()
     del llm, runner
     gc.collect()
@@ -76,12 +83,12 @@ def table(record: dict) -> str:
     head, res = record["provenance"], record["results"]
     lines = [f"# CUDA graph memory: {res['model']}, max_num_seqs {res['max_num_seqs']}, {res['max_model_len']} "
              f"tokens", "", f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",
-             "| engine | graphs (decode + verify) | GiB reserved across the captures | GiB allocated after | logits "
-             "rows | GiB of logits at one output per graph |", "|---|---|---|---|---|---|"]
+             "| engine | graphs (decode + verify) | capture s | GiB reserved across the captures | GiB allocated after "
+             "| logits rows | GiB of logits at one output per graph |", "|---|---|---|---|---|---|---|"]
     for p in res["engines"]:
         lines.append(f"| {p['engine']} | {p['graphs']} ({p['decode_graphs']} + {p['verify_graphs']}) | "
-                     f"{p['reserved_bytes'] / 2**30:.2f} | {p['allocated_bytes'] / 2**30:.2f} | {p['logits_rows']} | "
-                     f"{p['one_output_each_bytes'] / 2**30:.2f} |")
+                     f"{p['capture_s']:.1f} | {p['reserved_bytes'] / 2**30:.2f} | {p['allocated_bytes'] / 2**30:.2f} | "
+                     f"{p['logits_rows']} | {p['one_output_each_bytes'] / 2**30:.2f} |")
     return "\n".join(lines + [""])
 
 
