@@ -4,9 +4,8 @@ and round length.
 
 Random weights (``load_format="dummy"``) at a real shape, a small KV pool; per engine (dense, Quest, lossless Quest)
 the graphs captured, the seconds their capture takes (a server's start; a kernel compiles on its first use in the
-process, so an engine after another captures faster), the
-bytes the process reserves from the GPU across their capture
-(``torch.cuda.memory_reserved``; a graph pool keeps its blocks) and the bytes still allocated after it, and the
+process, so an engine after another captures faster), the bytes the process reserves from the GPU across their
+capture (``torch.cuda.memory_reserved``; a graph pool keeps its blocks) and the bytes still allocated after it, and the
 logits outputs alone (``[rows, vocab]`` float32 per graph) as a reference: what the graphs would hold with one output
 each. On the CPU (no graphs) it only checks that it runs.
 
@@ -39,7 +38,7 @@ ENGINES = ("dense", "quest", "lossless")
 
 def measure(engine: str, args) -> dict:
     """Build the ``engine`` kind at ``args``' shape with lazy capture, then capture what the startup capture
-    captures (lossless: every verify graph too) and measure what they hold."""
+    captures (lossless: its verify and mixed graphs too) and measure what they hold."""
     cfg = context_config(args.model, args.max_model_len)
     quest = None if engine == "dense" else QuestConfig(token_budget=args.budget, page_size=PAGE, dense_layers=2)
     speculative = {"method": "quest", "num_speculative_tokens": args.k} if engine == "lossless" else None
@@ -57,7 +56,7 @@ def measure(engine: str, args) -> dict:
     runner.capture_decode_graphs()
     if cuda:
         torch.cuda.synchronize()
-    capture_s = time.perf_counter() - began  # what a server's start spends on them (kernels compiled in the first)
+    capture_s = time.perf_counter() - began
     if len(runner.graphs) != len(keys):
         raise RuntimeError(f"captured {len(runner.graphs)} graphs, expected {len(keys)}")
     verify_keys = [key for key in keys if key[2] == StepRoute.VERIFY]  # (batch, width, route, q_len)

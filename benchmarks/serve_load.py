@@ -335,8 +335,8 @@ def verified(ok: list[dict]) -> dict:
 
 def summarise_turns(turns: list[tuple[list[dict], float]]) -> dict:
     """Per turn: TTFT, ITL, prefix-cache hits, tokens, wall time and the lossless requests' verifies
-    (:func:`verified`); over the load: ITL (and while prompts
-    arrive), output tokens/s overall and over turns >= 2, and the TTFT p50 of turns >= 2 over turn 1's."""
+    (:func:`verified`); over the load: ITL (and while prompts arrive), output tokens/s overall and over turns >= 2,
+    and the TTFT p50 of turns >= 2 over turn 1's."""
     per_turn, all_ok, later_ttft = [], [], []
     later_tokens, later_wall = 0, 0.0
     for t, (results, wall) in enumerate(turns, start=1):
