@@ -456,3 +456,39 @@ def test_a_round_selects_pages_once_and_its_later_drafts_reuse_them(model_dir, d
 def test_the_removed_draft_selection_is_refused_as_an_unknown_key(model_dir):
     with pytest.raises(ValueError, match=r"speculative_config has unknown keys \['draft_selection'\]"):
         make_llm(model_dir, SMALL, speculative_config={"method": "quest", "draft_selection": "verify"})
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@ASYNC
+def test_every_graph_step_of_requests_joining_mid_round_is_one_the_startup_capture_takes(
+        model_dir, monkeypatch, adaptive, asynchronous):
+    """What a lossless server meets when requests arrive while others draft: every decode-only and verify step
+    runs a key (mapped to the CUDA runner's padded batch size and width) of :meth:`DecodeGraphs.missing`, so no step
+    of it waits for a capture on a GPU."""
+    from questkv.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, table_width
+
+    llm = lossless(model_dir, 4, adaptive=adaptive, async_scheduling=asynchronous, max_num_seqs=6)
+    engine, runner = llm.engine, llm.engine.runner
+    used = set()
+    run_step = runner._run_step
+
+    def recording(key, body):
+        used.add(key)
+        return run_step(key, body)
+
+    monkeypatch.setattr(runner, "_run_step", recording)
+    for _ in range(6):  # each request's prefill lands while the earlier ones draft or verify
+        engine.add_request(prompt(random.randint(20, 90)), greedy(random.randint(8, 30)))
+        for _ in range(random.randint(1, 4)):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # the keys only: no pool on a CPU machine
+    sizes, pages = graph_batch_sizes(6), runner.cache.max_pages_per_seq
+    cuda = DecodeGraphs(sizes, pages, torch.device("cpu"), reusing_steps=runner.graphs.reusing_steps,
+                        sparse=runner.graphs.sparse, dense_pages=runner.graphs.dense_pages,
+                        verify_lengths=runner.graphs.verify_lengths)
+    on_cuda = {(next(size for size in sizes if size >= batch), table_width(width, pages), route, flag)
+               for batch, width, route, flag in used}
+    assert {key[2] for key in on_cuda} >= {StepRoute.SPARSE, StepRoute.VERIFY}
+    assert on_cuda <= set(cuda.missing()), on_cuda - set(cuda.missing())
