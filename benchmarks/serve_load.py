@@ -55,8 +55,9 @@ Three ways to point it at a server:
 ``--compare`` starts the server twice in turn on a free port of 127.0.0.1, dense (the arguments as given: no
 ``--budget``) then Quest (``--budget`` and ``--quest-server-args`` added: ``--speculative-config ...`` for lossless
 Quest), runs the same load against each and writes both side by side.
-``--start`` / ``--compare`` servers run with ``OMP_NUM_THREADS`` (``--threads``, default 1) and are stopped with
-SIGTERM. Results: ``<out>.json`` (with provenance) and ``<out>.md``.
+``--start`` / ``--compare`` servers run with ``OMP_NUM_THREADS`` (``--threads``, default 1) and a Triton cache of
+their own (``TRITON_CACHE_DIR``, removed after; so that the second of two servers does not start with the first's
+compiled kernels), and are stopped with SIGTERM. Results: ``<out>.json`` (with provenance) and ``<out>.md``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,8 +108,12 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.command = [sys.executable, "-m", "questkv.server", *args, "--host", "127.0.0.1", "--port", str(port)]
         self.log = tempfile.NamedTemporaryFile("w+b", prefix="serve-load-", suffix=".log", delete=False)
+        # A Triton cache of its own: a server compiles every kernel it uses, whatever ran before it (an earlier
+        # server's compiles would otherwise move into this one's warm start, and the first of two servers compared
+        # would pay for both).
+        self.triton_cache = tempfile.mkdtemp(prefix="serve-load-triton-")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "TRITON_CACHE_DIR": self.triton_cache}
         began = time.monotonic()
         self.proc = subprocess.Popen(self.command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = began + START_TIMEOUT_S
@@ -137,6 +143,8 @@ class Server:
             self.proc.kill()
             self.proc.wait(timeout=10)
             return None
+        finally:
+            shutil.rmtree(self.triton_cache, ignore_errors=True)
 
 
 def served_model(url: str) -> str:
@@ -424,7 +432,8 @@ def markdown(result: dict) -> str:
             "next turn begins")
     lines += [
         f"- server threads (OMP_NUM_THREADS): {s['threads']}; three warm-up requests before each load (a prompt, then "
-        "that prompt grown, a prefix hit, beside a fresh one)",
+        "that prompt grown, a prefix hit, beside a fresh one); each started server compiles its Triton kernels "
+        "afresh (a `TRITON_CACHE_DIR` of its own): a kernel's first use in a load costs its compile there",
         "- TTFT: request sent -> first chunk with a choice (queueing and prefill of all concurrent prompts "
         "included); inter-token latency (ITL): gap between successive chunks of one request; ITL while prompts "
         "arrive: the gaps during which another request of the load waited for its first token",

@@ -2,6 +2,7 @@
 servers of a tiny random model, single-turn and multi-turn loads) end to end."""
 
 import json
+import os
 
 import pytest
 
@@ -46,8 +47,19 @@ def test_a_turns_lossless_requests_that_verified_are_counted_with_their_mean_acc
         0, None, None)
 
 
-def test_the_smoke_run_serves_every_load_dense_and_quest_and_writes_its_report(tmp_path):
+def test_the_smoke_run_serves_every_load_dense_and_quest_and_writes_its_report(tmp_path, monkeypatch):
+    caches, mkdtemp = [], serve_load.tempfile.mkdtemp
+
+    def recorded(*args, **kwargs):
+        folder = mkdtemp(*args, **kwargs)
+        if "triton" in kwargs.get("prefix", ""):
+            caches.append(folder)
+        return folder
+
+    monkeypatch.setattr(serve_load.tempfile, "mkdtemp", recorded)
     result = serve_load.main(["--smoke", "--out", str(tmp_path / "serve")])
+    # each server compiled into a Triton cache of its own, removed when it stopped
+    assert len(caches) == len(set(caches)) == 2 and not any(os.path.exists(cache) for cache in caches)
     runs = {(run["name"], run["workload"]): run for run in result["runs"]}
     assert sorted(runs) == [("dense", "multi-turn"), ("dense", "single"), ("quest", "multi-turn"), ("quest", "single")]
     for run in runs.values():
