@@ -57,13 +57,15 @@ Three ways to point it at a server:
 Quest), runs the same load against each and writes both side by side.
 ``--start`` / ``--compare`` servers run with ``OMP_NUM_THREADS`` (``--threads``, default 1) and a Triton cache of
 their own (``TRITON_CACHE_DIR``, removed after; so that the second of two servers does not start with the first's
-compiled kernels), and are stopped with SIGTERM. Results: ``<out>.json`` (with provenance) and ``<out>.md``.
+compiled kernels), and are stopped with SIGTERM. The report lists, per server and load, the Triton kernels it
+compiled inside the timed load (first uses that a request waited for; the warm-up requests' excluded). Results: ``<out>.json`` (with provenance) and ``<out>.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
@@ -130,6 +132,12 @@ class Server:
                 raise RuntimeError(f"the server was not ready within {START_TIMEOUT_S:.0f} s:\n{self.tail()}")
             time.sleep(0.5)
         self.startup_s = time.monotonic() - began
+
+    def compiled_since(self, since: float) -> list[str]:
+        """The Triton kernels this server compiled after ``since`` (a ``time.time()``), by name, sorted: one
+        ``__grp__<kernel>.json`` per compile in a folder of its cache."""
+        groups = Path(self.triton_cache).glob("*/__grp__*.json")
+        return sorted(path.name[len("__grp__"):-len(".json")] for path in groups if path.stat().st_mtime > since)
 
     def tail(self, chars: int = 4000) -> str:
         return Path(self.log.name).read_text(errors="replace")[-chars:]
@@ -227,10 +235,10 @@ async def run_load(url: str, args, quest: Optional[dict], clients: int) -> dict:
         async def client(mine: list[dict]) -> list[dict]:
             return [await one_request(http, body) for body in mine]
 
-        began = time.monotonic()
+        timed_from, began = time.time(), time.monotonic()
         per_client = await asyncio.gather(*(client(mine) for mine in bodies))
         wall = time.monotonic() - began
-    return summarise([r for results in per_client for r in results], wall)
+    return {**summarise([r for results in per_client for r in results], wall), "timed_from": timed_from}
 
 
 async def run_multi_turn(url: str, args, quest: Optional[dict]) -> dict:
@@ -244,6 +252,7 @@ async def run_multi_turn(url: str, args, quest: Optional[dict]) -> dict:
     turns = []
     async with http_client(url, args, clients) as http:
         await warm_up(http, model, args, quest)
+        timed_from = time.time()
         for _ in range(args.turns):
             bodies = []
             for i in range(clients):
@@ -257,7 +266,7 @@ async def run_multi_turn(url: str, args, quest: Optional[dict]) -> dict:
             for conversation, result in zip(conversations, results):
                 conversation += result.get("token_ids") or []
             turns.append((results, wall))
-    return summarise_turns(turns)
+    return {**summarise_turns(turns), "timed_from": timed_from}
 
 
 def percentile(values: list[float], q: float) -> Optional[float]:
@@ -494,6 +503,15 @@ def markdown(result: dict) -> str:
             lines.append(f"- lossless, turn by turn: requests that verified {by_turn('verified_requests', 0)}; their "
                          f"mean acceptance {by_turn('mean_acceptance_rate', 3)}; tokens a verify "
                          f"{by_turn('mean_tokens_per_verify')}")
+    compiled = [run for run in result["runs"] if "kernels_compiled" in run["load"]]
+    if compiled:
+        lines += ["", "## Triton kernels compiled inside the timed loads", "",
+                  "(each server on a Triton cache of its own; the warm-up requests' compiles excluded)", ""]
+        for run in compiled:
+            names = collections.Counter(run["load"]["kernels_compiled"])
+            listed = ", ".join(f"{name} x{count}" if count > 1 else name for name, count in sorted(names.items()))
+            lines.append(f"- {run['name']}, {run['workload']}, {run['clients']} clients: {sum(names.values())}"
+                         + (f" ({listed})" if listed else ""))
     for c in result.get("quest_vs_dense", []):
         if c.get("workload") == "multi-turn":
             lines += ["", "## Quest vs dense, multi-turn", "",
@@ -648,9 +666,12 @@ def run_all(args) -> dict:
         try:
             for workload, clients in loads:
                 print(f"[{name}] {workload}, {clients} clients on {url} ...", flush=True)
-                load = (run_load(url, args, quest, clients) if workload == "single"
-                        else run_multi_turn(url, args, quest))
-                done.append((workload, clients, asyncio.run(load)))
+                load = asyncio.run(run_load(url, args, quest, clients) if workload == "single"
+                                   else run_multi_turn(url, args, quest))
+                timed_from = load.pop("timed_from")
+                if server is not None:  # first uses inside the timed load (its warm-up excluded)
+                    load["kernels_compiled"] = server.compiled_since(timed_from)
+                done.append((workload, clients, load))
         finally:
             code = None if server is None else server.stop()
         for workload, clients, load in done:

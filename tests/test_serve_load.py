@@ -47,6 +47,20 @@ def test_a_turns_lossless_requests_that_verified_are_counted_with_their_mean_acc
         0, None, None)
 
 
+def test_a_servers_kernels_compiled_since_a_moment_are_its_cache_groups_written_after_it(tmp_path):
+    server = serve_load.Server.__new__(serve_load.Server)  # the cache only: no process
+    server.triton_cache = str(tmp_path)
+    for folder, kernel, mtime in [("a1", "append_kernel", 100.0), ("b2", "verify_kernel", 300.0),
+                                  ("c3", "verify_kernel", 400.0), ("d4", "select_kernel", 250.0)]:
+        (tmp_path / folder).mkdir()
+        group = tmp_path / folder / f"__grp__{kernel}.json"
+        group.write_text("{}")
+        (tmp_path / folder / f"{kernel}.cubin").write_text("")
+        os.utime(group, (mtime, mtime))
+    assert server.compiled_since(200.0) == ["select_kernel", "verify_kernel", "verify_kernel"]
+    assert server.compiled_since(500.0) == []
+
+
 def test_the_smoke_run_serves_every_load_dense_and_quest_and_writes_its_report(tmp_path, monkeypatch):
     caches, mkdtemp = [], serve_load.tempfile.mkdtemp
 
@@ -64,6 +78,7 @@ def test_the_smoke_run_serves_every_load_dense_and_quest_and_writes_its_report(t
     assert sorted(runs) == [("dense", "multi-turn"), ("dense", "single"), ("quest", "multi-turn"), ("quest", "single")]
     for run in runs.values():
         assert run["load"]["failed"] == 0 and run["exit_code"] == 0
+        assert isinstance(run["load"]["kernels_compiled"], list) and "timed_from" not in run["load"]
         assert run["load"]["itl_s"]["count"] > 0
     for name in ("dense", "quest"):
         turns = runs[name, "multi-turn"]["load"]["turns"]
@@ -76,3 +91,4 @@ def test_the_smoke_run_serves_every_load_dense_and_quest_and_writes_its_report(t
     assert saved["provenance"]["command"] and saved["settings"]["turns"] == 3
     report = (tmp_path / "serve.md").read_text()
     assert "## Multi-turn: quest" in report and "over turns >= 2" in report and "ITL while prompts arrive" in report
+    assert "## Triton kernels compiled inside the timed loads" in report
