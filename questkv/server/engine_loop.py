@@ -398,7 +398,12 @@ class EngineLoop:
         self._live.clear()
 
     def _publish(self) -> None:
-        """Refresh the pool and queue gauges and :attr:`stats` (the engine thread's view, read by ``/health``)."""
+        """Refresh the pool and queue gauges and :attr:`stats` (the engine thread's view, read by ``/health``), under
+        the metrics' lock: a scrape sees them all from one publish."""
+        with self.metrics.lock:
+            self._publish_counts()
+
+    def _publish_counts(self) -> None:
         engine = self.engine
         free, total = engine.cache.num_free_pages, engine.cache.num_pages
         running, waiting = engine.scheduler.num_running, engine.scheduler.num_waiting

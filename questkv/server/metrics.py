@@ -2,7 +2,9 @@
 share a process).
 
 The engine loop's thread observes tokens, latencies and the pool (``prometheus_client`` is thread-safe);
-:mod:`questkv.server.serving` counts finished requests by status. Metric names:
+:mod:`questkv.server.serving` counts finished requests by status. The loop sets a step's pool and queue counts under
+:attr:`ServerMetrics.lock`, which a scrape holds too: a scrape that finds nothing running also finds the pages that the
+last request freed. Metric names:
 
 * ``questkv_requests_total{status}``: finished requests by how they ended: ``stop``, ``length`` (served),
   ``abort`` (the client went away), ``timeout``, ``error`` (500), ``invalid`` (4xx), ``rejected`` (503).
@@ -26,6 +28,8 @@ The engine loop's thread observes tokens, latencies and the pool (``prometheus_c
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from questkv.engine.scheduler import ROW_KINDS, STEP_KINDS
@@ -42,6 +46,7 @@ class ServerMetrics:
     """The server's metrics on ``self.registry`` (a fresh ``CollectorRegistry``)."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()  # one step's counts published whole (EngineLoop._publish), one scrape read whole
         self.registry = registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("questkv_requests", "finished requests by status", ["status"], registry=registry)
         for status in REQUEST_STATUSES:  # every label present from the start, at 0
@@ -104,5 +109,6 @@ class ServerMetrics:
         self.requests.labels(status=status).inc()
 
     def render(self) -> tuple[bytes, str]:
-        """The Prometheus text exposition and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The Prometheus text exposition and its content type, read between two publishes of the engine loop."""
+        with self.lock:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST

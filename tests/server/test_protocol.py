@@ -140,6 +140,38 @@ def test_the_loop_serves_mixed_budgets_like_llm_generate_and_frees_every_page(en
     assert engine.cache.num_free_pages == free
 
 
+def test_a_scrape_reads_between_two_publishes_of_the_pool_and_queue_counts(engine, monkeypatch):
+    """The loop sets a step's counts under the metrics' lock and a scrape renders under it: a scrape that finds
+    nothing running finds the pages the last request freed too (no scrape between the two gauges' updates)."""
+    loop = EngineLoop(engine)
+    metrics, held = loop.metrics, []
+    for gauge in (metrics.running, metrics.waiting, metrics.pages_free, metrics.pages_used):
+        set_value = gauge.set
+        monkeypatch.setattr(gauge, "set", lambda value, set_value=set_value: (held.append(metrics.lock.locked()),
+                                                                               set_value(value)))
+
+    async def run():
+        loop.start()
+        events = await _collect(loop.submit("r0", _prompt(12), SamplingParams(temperature=0, max_tokens=4)))
+        await loop.shutdown(1.0)
+        return events
+
+    assert isinstance(asyncio.run(run())[-1], RequestOutput)
+    assert held and all(held)
+
+    class CountingLock:
+        entered = 0
+
+        def __enter__(self):
+            CountingLock.entered += 1
+
+        def __exit__(self, *exc):
+            return False
+
+    metrics.lock = CountingLock()
+    assert b"questkv_kv_pages_free" in metrics.render()[0] and CountingLock.entered == 1
+
+
 def _fail_once(engine, monkeypatch, call: int) -> None:
     """Make the ``call``-th step that ``engine``'s runner executes raise."""
     execute, calls = engine.runner.execute, {"n": 0}
