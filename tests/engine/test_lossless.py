@@ -490,5 +490,6 @@ def test_every_graph_step_of_requests_joining_mid_round_is_one_the_startup_captu
                         verify_lengths=runner.graphs.verify_lengths)
     on_cuda = {(next(size for size in sizes if size >= batch), table_width(width, pages), route, flag)
                for batch, width, route, flag in used}
-    assert {key[2] for key in on_cuda} >= {StepRoute.SPARSE, StepRoute.VERIFY}
+    if not adaptive:  # fixed rounds surely draft and verify (the adaptive policy may keep to dense steps on a CPU)
+        assert {key[2] for key in on_cuda} >= {StepRoute.SPARSE, StepRoute.VERIFY}
     assert on_cuda <= set(cuda.missing()), on_cuda - set(cuda.missing())
