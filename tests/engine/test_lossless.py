@@ -465,7 +465,7 @@ def test_every_graph_step_of_requests_joining_mid_round_is_one_the_startup_captu
     """What a lossless server meets when requests arrive while others draft: every decode-only and verify step
     runs a key (mapped to the CUDA runner's padded batch size and width) of :meth:`DecodeGraphs.missing`, so no step
     of it waits for a capture on a GPU."""
-    from questkv.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, table_width
+    from questkv.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
     llm = lossless(model_dir, 4, adaptive=adaptive, async_scheduling=asynchronous, max_num_seqs=6)
     engine, runner = llm.engine, llm.engine.runner
@@ -488,8 +488,7 @@ def test_every_graph_step_of_requests_joining_mid_round_is_one_the_startup_captu
     cuda = DecodeGraphs(sizes, pages, torch.device("cpu"), reusing_steps=runner.graphs.reusing_steps,
                         sparse=runner.graphs.sparse, dense_pages=runner.graphs.dense_pages,
                         verify_lengths=runner.graphs.verify_lengths)
-    on_cuda = {(next(size for size in sizes if size >= batch), table_width(width, pages), route, flag)
-               for batch, width, route, flag in used}
+    on_cuda = {(cuda.padded(batch), cuda.width(width), route, flag) for batch, width, route, flag in used}
     if not adaptive:  # fixed rounds surely draft and verify (the adaptive policy may keep to dense steps on a CPU)
         assert {key[2] for key in on_cuda} >= {StepRoute.SPARSE, StepRoute.VERIFY}
     assert on_cuda <= set(cuda.missing()), on_cuda - set(cuda.missing())
