@@ -207,7 +207,19 @@ def main() -> int:
                              "token_budget is below its own")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="the pages' dtype: the model's (bf16) or float8 e4m3")
+    parser.add_argument("--fp8-scores", default="e4m3", choices=("e4m3", "f16"),
+                        help="fp8 pages: scores in e4m3 tensor-core dots (the default) or keys converted to float16")
+    parser.add_argument("--attention-grid", type=json.loads, default=None,
+                        help="the attention configurations as JSON, keys as ATTENTION_GRID's (default: that grid)")
     args = parser.parse_args()
+    attention_kernel.E4M3_DOTS = args.fp8_scores == "e4m3"
+    if args.attention_grid is not None:
+        unknown = set(args.attention_grid) ^ set(ATTENTION_GRID)
+        if unknown:
+            parser.error(f"--attention-grid must have exactly the keys {sorted(ATTENTION_GRID)}, got "
+                         f"{sorted(args.attention_grid)}")
+        ATTENTION_GRID.clear()
+        ATTENTION_GRID.update(args.attention_grid)
     fp8 = args.kv_cache_dtype == "fp8"
     if not torch.cuda.is_available():
         print("benchmarks/kernel_sweep.py needs a CUDA GPU", file=sys.stderr)
@@ -219,7 +231,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
         "model": args.model, "dtype": str(DTYPE), "kv_cache_dtype": args.kv_cache_dtype, "page_size": PAGE_SIZE,
-        "engine_budget": args.engine_budget,
+        "engine_budget": args.engine_budget, "fp8_scores": args.fp8_scores if fp8 else None,
         "defaults": {POINTS[i][0]: defaults(POINTS[i][0], args.model, fp8) for i in args.points},
     }
     points = []
@@ -233,6 +245,7 @@ def main() -> int:
           f"- command: `{info['command']}`", f"- commit: `{info['commit']}`, date: {info['date']}",
           f"- torch {info['torch']}, triton {info['triton']}; {args.model} attention, {DTYPE} queries, "
           f"{'float8 e4m3' if fp8 else DTYPE} pages, page {PAGE_SIZE}"
+          + (f", scores in {'e4m3 tensor-core dots' if args.fp8_scores == 'e4m3' else 'float16 dots'}" if fp8 else "")
           + "; sparse attention given the rows' budgets"
           + (f"; sparse steps built for a budget of {args.engine_budget}" if args.engine_budget else ""),
           "- median GPU µs per call under CUDA graphs (kernels_bench.py's method); every configuration checked against "

@@ -30,13 +30,16 @@ CASES = {  # name: (query dtype, page dtype, dense)
     "fp8 dense": ("bf16", "fp8e4nv", True),
     "bf16 sparse": ("bf16", "bf16", False),
     "fp8 sparse": ("bf16", "fp8e4nv", False),
+    "fp8 dense e4m3 dot": ("bf16", "fp8e4nv", True, True),
+    "fp8 sparse e4m3 dot": ("bf16", "fp8e4nv", False, True),
 }
 PROGRAMS = 16 * 8  # (sequence, KV head) pairs of the grid: batch 16 of llama3.1-8b's 8 KV heads
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 _BRANCH = re.compile(r"BRA\s.*?(0x[0-9a-f]+)")
 
 
-def compile_case(query: str, pages: str, dense: bool, keys: int | None = None, stages: int | None = None):
+def compile_case(query: str, pages: str, dense: bool, e4m3_dot: bool = False, keys: int | None = None,
+                 stages: int | None = None):
     """The kernel compiled for sm_90 in the grid kind of :data:`PROGRAMS` (``triton.compile``; every pointer and
     stride 16-divisible, as a launch over the engine's buffers specializes them), or with ``keys`` per iteration and
     ``stages`` of pipelining instead of the kind's: the compiled kernel, its grid kind and its keys per iteration."""
@@ -49,13 +52,13 @@ def compile_case(query: str, pages: str, dense: bool, keys: int | None = None, s
     kernel = attention._decode_split_kernel
     kind = attention.grid_kind(dense, PROGRAMS, pages == "fp8e4nv")
     pointers = {"q_ptr": query, "k_pages_ptr": pages, "v_pages_ptr": pages, "table_ptr": "i32", "lens_ptr": "i32",
-                "sel_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32", "counter_ptr": "i32",
+                "sel_ptr": "i32", "budgets_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32", "counter_ptr": "i32",
                 "out_ptr": query}
     constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": 4, "BLOCK_G": 16, "BLOCK_GM": 4,
                   "SEL_PER_KV": 1, "NUM_QUERIES": 1, "QUERY_BLOCK": 1,
                   "PAGES_PER_ITER": (keys or attention._CONFIG[kind][0]) // 16, "MERGE_CHUNK": attention._MERGE_CHUNK,
                   "DENSE": dense, "UPCAST": False, "IEEE": False, "USE_PDL": True,
-                  "F16_DOT": pages == "fp8e4nv" and query == "bf16"}
+                  "F16_DOT": pages == "fp8e4nv" and query == "bf16", "E4M3_DOT": e4m3_dot, "ROW_BUDGETS": False}
     signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers
                  else "fp32" if name == "qk_scale" else "i32" for name in kernel.arg_names}
     divisible = [name for name in kernel.arg_names if name in pointers or name.startswith("stride_")]
@@ -95,7 +98,7 @@ def main() -> int:
 
     rows = {}
     for name in args.cases:
-        compiled, kind, keys = compile_case(*CASES[name], args.keys, args.stages)
+        compiled, kind, keys = compile_case(*CASES[name], keys=args.keys, stages=args.stages)
         ops = inner_loop(compiled.asm["cubin"])
         total = sum(ops.values())
         rows[name] = {"kind": kind, "keys_per_iteration": keys, "instructions": total,

@@ -72,7 +72,8 @@ _SCRIPT = textwrap.dedent(
         ieee = dtype == "fp32"
         pool = pool or dtype
         block = decode_attention.query_block(num_queries, group)
-        rows = max(16, triton.next_power_of_2(block * group))
+        e4m3 = pool == "fp8e4nv" and dtype in ("bf16", "fp16") and num_queries == 1  # (the launcher's _e4m3_dot)
+        rows = max(16, triton.next_power_of_2((2 if e4m3 else block) * group))
         kind = kind or decode_attention.grid_kind(dense, 64, pool == "fp8e4nv",
                                                   decode_attention._verify_rows(num_queries, block, group))
         return compile_kernel(
@@ -85,7 +86,7 @@ _SCRIPT = textwrap.dedent(
              "NUM_QUERIES": num_queries, "QUERY_BLOCK": block,
              "PAGES_PER_ITER": decode_attention.pages_per_iter(16, kind), "MERGE_CHUNK": merge_chunk,
              "DENSE": dense, "UPCAST": False, "IEEE": ieee, "USE_PDL": pdl,
-             "F16_DOT": pool == "fp8e4nv" and dtype == "bf16", "ROW_BUDGETS": row_budgets},
+             "F16_DOT": pool == "fp8e4nv" and dtype == "bf16", "ROW_BUDGETS": row_budgets, "E4M3_DOT": e4m3},
             floats=("qk_scale",),
             num_warps=decode_attention._WARPS_BY_ROWS.get(rows, 2 * decode_attention._NUM_WARPS),
             num_stages=decode_attention._CONFIG[kind][2],
@@ -133,16 +134,19 @@ _SCRIPT = textwrap.dedent(
     compile_attention("bf16", False, 4, 1, pdl=True, row_budgets=True)  # requests below the step's budget
     compile_attention("bf16", True, 4, 1, pdl=True)
     compile_attention("fp16", False, 4, 1)
-    # an fp8 (e4m3) KV cache under 16-bit queries, dequantized in registers: the values staged in shared memory as
-    # pairs, never read back a byte per instruction (the plain float8 load's ld.shared.b8, 64 per thread per tile)
+    # an fp8 (e4m3) KV cache under 16-bit queries: scores in e4m3 tensor-core dots (wgmma, the keys straight from
+    # shared memory), the values staged in shared memory as pairs and converted to float16, never read back a byte
+    # per instruction (the plain float8 load's ld.shared.b8, 64 per thread per tile)
     for dense, dtype in ((False, "bf16"), (True, "bf16"), (True, "fp16")):
-        compiled = compile_attention(dtype, dense, 4, 1, pdl=True, pool="fp8e4nv", kind="dense-fp8" if dense else None)
+        kind = decode_attention.grid_kind(dense, 64, True)
+        compiled = compile_attention(dtype, dense, 4, 1, pdl=True, pool="fp8e4nv", kind=kind)
         ptx = compiled.asm["ptx"]
+        assert re.search(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n16k32\\.f32\\.e4m3\\.e4m3", ptx)
         assert "cvt.rn.f16x2.e4m3x2" in ptx
         assert re.search(r"ld\\.shared(\\.v[248])?\\.[bsu]8", ptx) is None
         assert "0 bytes spill stores" in ptxas_info(compiled)
-        if dense:  # the programs per SM its split plan aims at fit in an SM's 228 KiB (1 KiB reserved per block)
-            assert decode_attention._CONFIG["dense-fp8"][1] * (compiled.metadata.shared + 1024) <= 228 * 1024
+        # the programs per SM its split plan aims at fit in an SM's 228 KiB (1 KiB reserved per block)
+        assert decode_attention._CONFIG[kind][1] * (compiled.metadata.shared + 1024) <= 228 * 1024
     # the wide merge (few programs, groups of at most 4) must not spill, nor batch 1's dense grid (128 keys per
     # iteration, its first tile prefetched into L2 before the programmatic-launch wait); the divisibility of a
     # run's launch

@@ -117,6 +117,44 @@ def load_e4m3_as_f16(pages_ptr, rows, live, HEAD_DIM: tl.constexpr, BLOCK_D: tl.
 
 
 @triton.jit
+def round_e4m3(x):
+    """``x`` rounded to the nearest float8 e4m3fn value (ties to even, saturating at ±448 as torch's cast does), as
+    float32; integer and exact float32 arithmetic only (no float8 cast: the interpreter rounds those wrongly)."""
+    x = x.to(tl.float32)
+    a = tl.minimum(tl.abs(x), 448.0)
+    biased = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF  # float32 exponent field (0 for 0 and subnormals)
+    step = tl.maximum(biased, 121) - 3  # e4m3's spacing there: 2 ** (max(e, -6) - 3), as a biased exponent
+    y = a * ((254 - step) << 23).to(tl.float32, bitcast=True)  # a / spacing, exact: in [0, 16)
+    n = y.to(tl.int32)
+    frac = y - n.to(tl.float32)
+    n += ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
+    r = n.to(tl.float32) * (step << 23).to(tl.float32, bitcast=True)  # the rounded magnitude, exact
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def split_query_e4m3(q, high, HARDWARE: tl.constexpr):
+    """Rows of ``q`` ``[M, D]`` as e4m3 for tensor-core dots with e4m3 keys, in two parts: a row where ``high``
+    ``[M]`` holds ``hi``, the others ``lo``, with ``q ~= (hi + lo / 16) * scale`` per row; each row is scaled so that
+    its largest component is e4m3's largest finite value (448), ``hi`` holds 4 significant bits of every component
+    and ``lo`` the next 4 (``hi``'s rounding residual times 16): together about bfloat16's 8. Returns the rows
+    ``[M, D]`` (float8e4nv rounded by the hardware with ``HARDWARE``, else float32 by :func:`round_e4m3`) and the
+    factor ``[M]`` float32 that turns a row's dot into its part of the score (``scale``, or ``scale / 16`` for
+    ``lo``; 1 for a row of zeros)."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), axis=1)
+    up = 448.0 / tl.where(amax > 0, amax, 448.0)
+    qs = qf * up[:, None]
+    if HARDWARE:
+        hi = qs.to(tl.float8e4nv)
+        lo = ((qs - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+    else:
+        hi = round_e4m3(qs)
+        lo = round_e4m3((qs - hi) * 16.0)
+    return tl.where(high[:, None], hi, lo), tl.where(high, 1.0, 0.0625) / up
+
+
+@triton.jit
 def online_softmax_step(s, v, acc, m_i, l_i, IEEE: tl.constexpr):
     """One key block of a flash-attention online softmax in base 2: scores ``s`` ``[M, N]`` float32 (log2 domain,
     ``-inf`` where masked) and values ``v`` ``[N, D]`` update the running ``acc`` ``[M, D]``, row maximum ``m_i``

@@ -9,7 +9,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from questkv.ops.triton._common import check_last_dim_contiguous, check_shape, interpreting, next_pow2, use_pdl
+from questkv.ops.triton._common import (
+    check_last_dim_contiguous, check_shape, interpreting, next_pow2, round_e4m3, use_pdl,
+)
 
 
 @triton.jit
@@ -27,21 +29,12 @@ def _rotate_pair(x1, x2, cos, sin):
 @triton.jit
 def _e4m3_byte(x):
     """The float8 e4m3fn byte (int32, 0..255) of ``x`` rounded to nearest even, saturating at ±448 as torch's cast
-    does; integer and exact float32 arithmetic only (no float8 cast: the interpreter rounds those wrongly), so the
-    interpreter and the GPU agree with torch bit for bit."""
-    x = x.to(tl.float32)
-    a = tl.minimum(tl.abs(x), 448.0)
-    biased = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF  # float32 exponent field (0 for 0 and subnormals)
-    step = tl.maximum(biased, 121) - 3  # e4m3's spacing there: 2 ** (max(e, -6) - 3), as a biased exponent
-    y = a * ((254 - step) << 23).to(tl.float32, bitcast=True)  # a / spacing, exact: in [0, 16)
-    n = y.to(tl.int32)
-    frac = y - n.to(tl.float32)
-    n += ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
-    r = n.to(tl.float32) * (step << 23).to(tl.float32, bitcast=True)  # the rounded magnitude, exact
+    does (:func:`round_e4m3`'s arithmetic), so the interpreter and the GPU agree with torch bit for bit."""
+    r = tl.abs(round_e4m3(x))
     bits = r.to(tl.int32, bitcast=True)
     normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
     code = tl.where(r >= 0.015625, normal, (r * 512.0).to(tl.int32))  # below 2 ** -6: subnormal, m * 2 ** -9
-    return code | tl.where(x.to(tl.int32, bitcast=True) < 0, 0x80, 0)
+    return code | tl.where(x.to(tl.float32).to(tl.int32, bitcast=True) < 0, 0x80, 0)
 
 
 @triton.jit

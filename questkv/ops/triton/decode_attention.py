@@ -25,6 +25,7 @@ from questkv.ops.triton._common import (
     num_sms,
     online_softmax_step,
     reset_ticket,
+    split_query_e4m3,
     use_pdl,
 )
 
@@ -44,7 +45,8 @@ _LOG2E = 1.4426950408889634
 # (benchmarks/verify_attention.py --sweep on an H200 and an H100, verify-attention-h200-tiles.md and -h100-tiles.md:
 # faster than the dense grids' entries at 3, 5 and 9 queries of llama3.1-8b at B=16/32k on both GPUs, e.g. 5 queries
 # 624 -> 516 µs on the H200, and at B=1/32k, 9 queries 73 -> 54 µs; within 1.3 % of them at B=1 with 5 queries).
-_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (128, 3, 2),
+_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (128, 2, 2),
+           "sparse-fp8": (128, 2, 2),
            "verify": (128, 2, 3), "verify-64": (64, 2, 3)}
 _FEW_PROGRAMS = 16
 _NUM_WARPS = 4
@@ -84,6 +86,7 @@ def _decode_split_kernel(
     NUM_QUERIES: tl.constexpr, QUERY_BLOCK: tl.constexpr,
     PAGES_PER_ITER: tl.constexpr, MERGE_CHUNK: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False, ROW_BUDGETS: tl.constexpr = False,
+    E4M3_DOT: tl.constexpr = False,
 ):
     """One program per (split, query block x selection head, sequence) attends a contiguous chunk of the page
     list (the selection row, or every page when ``DENSE``) for the ``GROUP`` query heads that share
@@ -130,54 +133,63 @@ def _decode_split_kernel(
                           kv_head, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tb,
                           HEAD_DIM)
         gdc_wait()
-    query = first_query + g // GROUP  # [BLOCK_G]: a row's position among the last NUM_QUERIES
-    head = sel_head * GROUP + g % GROUP
-    gmask = (g < QUERY_BLOCK * GROUP) & (query < NUM_QUERIES)
-    dmask = d < HEAD_DIM
-    q_rows = query * num_q_heads + head  # the row of part_out / part_lse
-    q = tl.load(q_ptr + seq * stride_qb + query[:, None] * stride_qq + head[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
-    if F16_DOT:  # fp8 pages under a bf16 query: float16 dots (see _f16_dot)
-        q = q.to(tl.float16)
-    elif UPCAST:
-        q = q.to(tl.float32)
+    if E4M3_DOT:
+        acc, m_i, l_i, query, head, gmask = _attend_e4m3(
+            q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, sel_ptr, seq, sel_head, kv_head, seq_len, start, end, lead,
+            selection_cols, qk_scale, stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+            stride_vh, stride_tb, stride_sb, stride_sh, PAGE_SIZE, HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGES_PER_ITER,
+            DENSE, ROW_BUDGETS, UPCAST)
+        dmask = d < HEAD_DIM
+        q_rows = query * num_q_heads + head
+    else:
+        query = first_query + g // GROUP  # [BLOCK_G]: a row's position among the last NUM_QUERIES
+        head = sel_head * GROUP + g % GROUP
+        gmask = (g < QUERY_BLOCK * GROUP) & (query < NUM_QUERIES)
+        dmask = d < HEAD_DIM
+        q_rows = query * num_q_heads + head  # the row of part_out / part_lse
+        q = tl.load(q_ptr + seq * stride_qb + query[:, None] * stride_qq + head[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+        if F16_DOT:  # fp8 pages under a bf16 query: float16 dots (see _f16_dot)
+            q = q.to(tl.float16)
+        elif UPCAST:
+            q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for it in range(start, end, PAGES_PER_ITER):
-        item = it + t // PAGE_SIZE
-        offset = t % PAGE_SIZE
-        in_chunk = item < end
-        if DENSE:
-            logical = item
-        else:
-            column = item + tl.where(item >= lead, selection_cols - lead, 0) if ROW_BUDGETS else item
-            logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + column, mask=in_chunk, other=-1)
-        position = logical * PAGE_SIZE + offset
-        live = in_chunk & (logical >= 0) & (position < seq_len)
-        physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0).to(tl.int64)
-        kv_mask = live[:, None] & dmask[None, :]
-        k = tl.load(k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt
-                    + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v_rows = physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
-        if v_pages_ptr.dtype.element_ty == tl.float8e4nv and not UPCAST:
-            v = load_e4m3_as_f16(v_pages_ptr, v_rows, live, HEAD_DIM, BLOCK_D)
-        else:
-            v = tl.load(v_pages_ptr + v_rows + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST and not F16_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        else:  # (fp8 pages: dequantized in registers)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = block_scores(q, k, qk_scale, IEEE)  # [BLOCK_G, BLOCK_N]
-        if NUM_QUERIES == 1:
-            s = tl.where(live[None, :], s, float("-inf"))
-        else:  # row r sees the keys up to its own position, seq_len - NUM_QUERIES + query[r]
-            seen = position[None, :] <= (seq_len - NUM_QUERIES + query)[:, None]
-            s = tl.where(live[None, :] & seen, s, float("-inf"))
-        acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for it in range(start, end, PAGES_PER_ITER):
+            item = it + t // PAGE_SIZE
+            offset = t % PAGE_SIZE
+            in_chunk = item < end
+            if DENSE:
+                logical = item
+            else:
+                column = item + tl.where(item >= lead, selection_cols - lead, 0) if ROW_BUDGETS else item
+                logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + column, mask=in_chunk, other=-1)
+            position = logical * PAGE_SIZE + offset
+            live = in_chunk & (logical >= 0) & (position < seq_len)
+            physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0).to(tl.int64)
+            kv_mask = live[:, None] & dmask[None, :]
+            k = tl.load(k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt
+                        + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+            v_rows = physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
+            if v_pages_ptr.dtype.element_ty == tl.float8e4nv and not UPCAST:
+                v = load_e4m3_as_f16(v_pages_ptr, v_rows, live, HEAD_DIM, BLOCK_D)
+            else:
+                v = tl.load(v_pages_ptr + v_rows + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST and not F16_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            else:  # (fp8 pages: dequantized in registers)
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            s = block_scores(q, k, qk_scale, IEEE)  # [BLOCK_G, BLOCK_N]
+            if NUM_QUERIES == 1:
+                s = tl.where(live[None, :], s, float("-inf"))
+            else:  # row r sees the keys up to its own position, seq_len - NUM_QUERIES + query[r]
+                seen = position[None, :] <= (seq_len - NUM_QUERIES + query)[:, None]
+                s = tl.where(live[None, :] & seen, s, float("-inf"))
+            acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
 
     if USE_PDL:
         gdc_launch_dependents()
@@ -202,6 +214,75 @@ def _decode_split_kernel(
                                   num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
                                   stride_oq, stride_oh, HEAD_DIM, BLOCK_D, GROUP, BLOCK_GM, MERGE_CHUNK)
         reset_ticket(counter)
+
+
+@triton.jit
+def _attend_e4m3(q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, sel_ptr, seq, sel_head, kv_head, seq_len, start, end,
+                 lead, selection_cols, qk_scale, stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp,
+                 stride_vt, stride_vh, stride_tb, stride_sb, stride_sh, PAGE_SIZE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                 PAGES_PER_ITER: tl.constexpr, DENSE: tl.constexpr, ROW_BUDGETS: tl.constexpr, UPCAST: tl.constexpr):
+    """The split's pages of e4m3 keys and values for one query per sequence, its scores in e4m3 tensor-core dots.
+
+    The keys are the dot's first operand, ``[BLOCK_N, HEAD_DIM]`` straight from shared memory (no conversion),
+    the query the second: each query head ``h`` of the group as two e4m3 columns (:func:`split_query_e4m3`: column
+    ``h`` its high part, column ``BLOCK_G // 2 + h`` its low part), so the transposed scores ``[BLOCK_N, BLOCK_G]``
+    hold both parts of a head in one thread's registers; their weighted sum is each head's score, kept in the
+    columns ``2h`` and ``2h + 1``. Values are converted to float16 (pairs) for the weighted sum. Returns the
+    split's unnormalised output ``[BLOCK_G, BLOCK_D]``, row maximum and row sum ``[BLOCK_G]`` (row ``r``: head
+    ``r // 2`` of the group), with each row's position (0), query head and whether it is written (even rows of
+    the group's heads)."""
+    HALF: tl.constexpr = BLOCK_G // 2
+    BLOCK_N: tl.constexpr = PAGES_PER_ITER * PAGE_SIZE
+    c = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    t = tl.arange(0, BLOCK_N)
+    dmask = d < HEAD_DIM
+    member = c % HALF
+    q = tl.load(q_ptr + seq * stride_qb + (sel_head * GROUP + member)[:, None] * stride_qh + d[None, :],
+                mask=(member < GROUP)[:, None] & dmask[None, :], other=0.0)
+    q8, column_scale = split_query_e4m3(q, c < HALF, not UPCAST)
+    column_scale = column_scale * qk_scale
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)
+    for it in range(start, end, PAGES_PER_ITER):
+        item = it + t // PAGE_SIZE
+        offset = t % PAGE_SIZE
+        in_chunk = item < end
+        if DENSE:
+            logical = item
+        else:
+            column = item + tl.where(item >= lead, selection_cols - lead, 0) if ROW_BUDGETS else item
+            logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + column, mask=in_chunk, other=-1)
+        position = logical * PAGE_SIZE + offset
+        live = in_chunk & (logical >= 0) & (position < seq_len)
+        physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0).to(tl.int64)
+        k = tl.load(k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt
+                    + kv_head * stride_kh + d[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
+        v_rows = physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
+        if UPCAST:  # (the interpreter: float32 dots)
+            v = tl.load(v_pages_ptr + v_rows + d[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
+            parts = tl.dot(k.to(tl.float32), tl.trans(q8), input_precision="ieee")
+        else:
+            v = load_e4m3_as_f16(v_pages_ptr, v_rows, live, HEAD_DIM, BLOCK_D)
+            parts = tl.dot(k, tl.trans(q8))
+        parts = parts * column_scale[None, :]  # [BLOCK_N, BLOCK_G]
+        s = tl.sum(tl.reshape(parts, [BLOCK_N, 2, HALF]), axis=1)  # [BLOCK_N, HALF]: head h's score
+        s = tl.reshape(tl.join(s, s), [BLOCK_N, BLOCK_G])  # column c: head c // 2
+        s = tl.where(live[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[None, :])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if UPCAST:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(tl.float32)), p, input_precision="ieee")
+        else:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+        m_i = m_new
+    head = sel_head * GROUP + c // 2
+    return tl.trans(acc), m_i, l_i, c * 0, head, (c % 2 == 0) & (c // 2 < GROUP)
 
 
 @triton.jit
@@ -263,7 +344,7 @@ def grid_kind(dense: bool, programs: int, fp8: bool = False, verify_rows: Option
     ``"verify-64"``; ``"dense-few"`` for a dense grid of at most ``_FEW_PROGRAMS``, else ``"dense-fp8"`` on ``fp8``
     pages and ``"dense"``."""
     if not dense:
-        return "sparse"
+        return "sparse-fp8" if fp8 and verify_rows is None else "sparse"
     if verify_rows is not None and not fp8:
         return "verify" if verify_rows <= 32 else "verify-64"
     if programs <= _FEW_PROGRAMS:
@@ -416,7 +497,8 @@ def paged_decode_attention_into(
     kind = grid_kind(dense, programs, k_pages.dtype == torch.float8_e4m3fn, _verify_rows(num_queries, block, group))
     sel = page_table if dense else selected  # not read when dense
     outs = out[:, None] if out.dim() == 3 else out
-    rows = _tile_rows(block, group)
+    e4m3_dot = _e4m3_dot(q, k_pages, num_queries)
+    rows = max(16, 2 * next_pow2(group)) if e4m3_dot else _tile_rows(block, group)
     _decode_split_kernel[(num_splits, blocks * sel_heads, batch)](
         q, k_pages, v_pages, page_table, seq_lens, sel, seq_lens if budgets is None else budgets, part_out, part_lse,
         counters, out, sm_scale * _LOG2E, num_items, items_per_split, selection_cols, num_q_heads,
@@ -434,11 +516,21 @@ def paged_decode_attention_into(
         PAGES_PER_ITER=pages_per_iter(page_size, kind), MERGE_CHUNK=merge_chunk(num_splits * programs, group, q.device),
         DENSE=dense, UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32, USE_PDL=use_pdl(q.device),
-        F16_DOT=_f16_dot(q, k_pages), ROW_BUDGETS=budgets is not None,
+        F16_DOT=_f16_dot(q, k_pages), ROW_BUDGETS=budgets is not None, E4M3_DOT=e4m3_dot,
         num_warps=_WARPS_BY_ROWS.get(rows, 2 * _NUM_WARPS), num_stages=_CONFIG[kind][2],
         launch_pdl=use_pdl(q.device),
     )
     return out
+
+
+E4M3_DOTS = True
+
+
+def _e4m3_dot(q: torch.Tensor, k_pages: torch.Tensor, num_queries: int) -> bool:
+    """Whether the kernel scores fp8 pages under a 16-bit query in e4m3 tensor-core dots (:func:`_attend_e4m3`):
+    one query per sequence, a head_dim of at least 32 (an e4m3 dot's depth)."""
+    return (E4M3_DOTS and k_pages.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
+            and num_queries == 1 and next_pow2(k_pages.shape[-1]) >= 32)
 
 
 def _f16_dot(q: torch.Tensor, k_pages: torch.Tensor) -> bool:
