@@ -45,7 +45,7 @@ _LOG2E = 1.4426950408889634
 # (benchmarks/verify_attention.py --sweep on an H200 and an H100, verify-attention-h200-tiles.md and -h100-tiles.md:
 # faster than the dense grids' entries at 3, 5 and 9 queries of llama3.1-8b at B=16/32k on both GPUs, e.g. 5 queries
 # 624 -> 516 µs on the H200, and at B=1/32k, 9 queries 73 -> 54 µs; within 1.3 % of them at B=1 with 5 queries).
-_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (128, 2, 2),
+_CONFIG = {"dense": (64, 4, 3), "dense-few": (128, 2, 2), "sparse": (128, 3, 2), "dense-fp8": (64, 4, 2),
            "sparse-fp8": (128, 2, 2),
            "verify": (128, 2, 3), "verify-64": (64, 2, 3)}
 _FEW_PROGRAMS = 16
