@@ -59,7 +59,9 @@ class EngineConfig:
             step that needs one (quick to start; that step waits seconds), or ``"startup"``, all of them
             when the engine starts (what a server wants: no request waits for a capture), with
             ``speculative_config`` also the verify graphs of every round length and the dense and mixed steps at
-            every width. A dense request inside a Quest batch uses graphs of its own, captured lazily either way.
+            every width, and then the eager prefill attention over cached pages in every launch configuration
+            (:func:`questkv.layers.attention.prepare_prefill`). A dense request inside a Quest batch uses graphs
+            of its own, captured lazily either way.
         async_scheduling: schedule and launch step N+1 before reading step N's tokens, so that the host's work
             (scheduling, staging, detokenising, stop checks) overlaps the device's; the next step's input tokens
             stay on the device. ``None``: on with CUDA graphs, off otherwise (the CPU runs each step to its end

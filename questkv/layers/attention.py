@@ -199,3 +199,18 @@ def bind_cache(model: nn.Module, cache: PagedKVCache) -> None:
         scales = module.kv_scales.to(cache.dtype)
         module.kv_divisors = scales[:, :, None]
         module.head_scales = scales.repeat_interleave(module.num_q_heads // module.num_kv_heads, dim=1)[:, :, None]
+
+
+def prepare_prefill(model: nn.Module, cache: PagedKVCache) -> int:
+    """Compile the prefill attention over cached pages for each kind of pool the model's layers read (the model
+    dtype's, fp8's) before the first request (:func:`questkv.ops.prepare_paged_prefill_attention`): a prefill after
+    a prefix-cache hit or an earlier chunk would otherwise compile its launch inside a serving step. Returns the
+    launches run."""
+    prepared, launches = set(), 0
+    for module in model.modules():
+        if isinstance(module, Attention) and module.pages.k_pages.dtype not in prepared:
+            prepared.add(module.pages.k_pages.dtype)
+            launches += ops.prepare_paged_prefill_attention(cache.dtype, module.num_q_heads, module.pages.k_pages,
+                                                            module.pages.v_pages, cache.max_pages_per_seq,
+                                                            module.backend)
+    return launches

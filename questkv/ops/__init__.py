@@ -31,6 +31,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "prepare_int4_matmul",
+    "prepare_paged_prefill_attention",
     "quant_matmul",
     "recompute_key_bounds",
     "resolve_backend",
@@ -122,6 +123,15 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, query_starts, seq_l
     return resolve_backend(q, backend).paged_prefill_attention(
         q, k_pages, v_pages, page_table, query_starts, seq_lens, max_query_len, sm_scale
     )
+
+
+def prepare_paged_prefill_attention(q_dtype, num_q_heads, k_pages, v_pages, table_width, backend="auto") -> int:
+    """Make :func:`paged_prefill_attention` over these pools ready before its first call: the Triton kernel
+    compiles every launch configuration a prefill can take (:func:`questkv.ops.triton.compile_prefill_launches`),
+    the reference needs nothing. Returns the launches run."""
+    if resolve_backend(k_pages, backend) is reference:
+        return 0
+    return _triton_module().compile_prefill_launches(q_dtype, num_q_heads, k_pages, v_pages, table_width)
 
 
 def gather_selections(pages, selected_at, slots, due, seq_lens, page_size, budget_pages, backend="auto"):

@@ -136,14 +136,15 @@ _SCRIPT = textwrap.dedent(
     compile_attention("fp16", False, 4, 1)
     # an fp8 (e4m3) KV cache under 16-bit queries: scores in e4m3 tensor-core dots (wgmma, the keys straight from
     # shared memory), the values staged in shared memory as pairs and converted to float16, never read back a byte
-    # per instruction (the plain float8 load's ld.shared.b8, 64 per thread per tile)
+    # per instruction (the plain float8 load's ld.shared.b8, 64 per thread per tile; a sparse tile's 4 are its
+    # keys' mask, loaded with the selection, moving to the scores' layout)
     for dense, dtype in ((False, "bf16"), (True, "bf16"), (True, "fp16")):
         kind = decode_attention.grid_kind(dense, 64, True)
         compiled = compile_attention(dtype, dense, 4, 1, pdl=True, pool="fp8e4nv", kind=kind)
         ptx = compiled.asm["ptx"]
         assert re.search(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n16k32\\.f32\\.e4m3\\.e4m3", ptx)
         assert "cvt.rn.f16x2.e4m3x2" in ptx
-        assert re.search(r"ld\\.shared(\\.v[248])?\\.[bsu]8", ptx) is None
+        assert len(re.findall(r"ld\\.shared(\\.v[248])?\\.[bsu]8", ptx)) <= (0 if dense else 4)
         assert "0 bytes spill stores" in ptxas_info(compiled)
         # the programs per SM its split plan aims at fit in an SM's 228 KiB (1 KiB reserved per block)
         assert decode_attention._CONFIG[kind][1] * (compiled.metadata.shared + 1024) <= 228 * 1024

@@ -442,15 +442,16 @@ def test_merge_chunk_is_wide_only_for_few_programs_and_small_groups():
 
 def test_dense_grids_of_few_programs_take_longer_splits():
     """A dense grid of at most 16 (sequence, KV head) pairs (batch 1 of 8 KV heads) aims at 2 programs per SM with
-    128 keys per iteration; more pairs at 4 per SM with 64, or on fp8 pages at 3 per SM with 128; sparse grids at 3
-    per SM with 128 (132 SMs on a CPU)."""
+    128 keys per iteration; more pairs at 4 per SM with 64 (on model-dtype and on fp8 pages); sparse grids at 3
+    per SM with 128, on fp8 pages at 2 (132 SMs on a CPU)."""
     cpu = torch.device("cpu")
     assert [attention.grid_kind(True, n) for n in (8, 16, 17)] == ["dense-few", "dense-few", "dense"]
     assert [attention.grid_kind(True, n, fp8=True) for n in (16, 17)] == ["dense-few", "dense-fp8"]
-    assert attention.grid_kind(False, 8) == attention.grid_kind(False, 64, fp8=True) == "sparse"
+    assert attention.grid_kind(False, 8) == "sparse" and attention.grid_kind(False, 64, fp8=True) == "sparse-fp8"
     assert attention.plan_splits(2048, 8, 16, cpu, True) == (32, 64)  # 33 aimed at, whole 8-page iterations
     assert attention.plan_splits(2048, 64, 16, cpu, True) == (8, 256)  # 8 = 4 * 132 // 64, 4-page iterations
-    assert attention.plan_splits(2048, 64, 16, cpu, True, fp8=True) == (6, 344)  # 6 = 3 * 132 // 64, 8-page ones
+    assert attention.plan_splits(2048, 64, 16, cpu, True, fp8=True) == (8, 256)  # as on model-dtype pages
+    assert attention.plan_splits(2048, 128, 16, cpu, False, fp8=True) == (2, 1024)  # 2 = 2 * 132 // 128
     assert attention.plan_splits(129, 8, 16, cpu, False) == (17, 8)  # 49 aimed at, at least one 8-page iteration
 
 

@@ -94,3 +94,29 @@ def test_splits_only_when_the_tiles_leave_sms_idle():
     assert prefill_attention.plan_splits(16, 1 << 20, cpu) == 2 * 132 // 16 + 1
     assert prefill_attention.plan_splits(16, 4 * prefill_attention._MIN_SPLIT_KEYS, cpu) == 4
     assert prefill_attention.plan_splits(16, 100, cpu) == 1
+
+
+@pytest.mark.parametrize("group, num_kv_heads, table_width", [(6, 2, 2048), (4, 8, 2048), (1, 32, 64), (8, 1, 64)])
+def test_launch_shapes_reach_every_configuration_a_prefill_takes(group, num_kv_heads, table_width):
+    """A server compiles the launches of launch_shapes at start: every (tile size, split) that any prefill (new
+    tokens per sequence, sequences) can launch must be one of them, or it compiles inside a serving step."""
+    device, block_g, max_keys = torch.device("cpu"), prefill_attention.next_pow2(group), table_width * 16
+
+    def configuration(max_query_len: int, batch: int) -> tuple[int, bool]:
+        tokens = prefill_attention.tile_tokens(max_query_len, block_g)
+        programs = batch * -(-max_query_len // tokens) * num_kv_heads
+        return tokens, prefill_attention.plan_splits(programs, max_keys, device) > 1
+
+    shapes = prefill_attention.launch_shapes(group, num_kv_heads, max_keys, device)
+    reached = {configuration(length, batch) for length in range(1, 4097) for batch in (1, 2, 3, 7, 33, 200)}
+    assert reached <= {configuration(*shape) for shape in shapes}
+    assert len(shapes) == len(set(map(lambda shape: configuration(*shape), shapes)))  # one launch each
+
+
+def test_compiling_the_launches_reads_the_pools_and_writes_nothing_there():
+    gen = generator()
+    k_pages, v_pages = torch.randn(3, 16, 4, 32, generator=gen), torch.randn(3, 16, 4, 32, generator=gen)
+    kept = k_pages.clone(), v_pages.clone()
+    launches = tk.compile_prefill_launches(torch.float32, 8, k_pages, v_pages, 128)
+    assert launches == len(prefill_attention.launch_shapes(2, 4, 128 * 16, k_pages.device)) > 0
+    assert torch.equal(k_pages, kept[0]) and torch.equal(v_pages, kept[1])

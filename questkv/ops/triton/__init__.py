@@ -15,13 +15,14 @@ from questkv.ops.triton.decode_attention import (
 from questkv.ops.triton.elementwise import rms_norm, silu_and_mul
 from questkv.ops.triton.estimate import page_scores, page_scores_into
 from questkv.ops.triton.gemv import linear
-from questkv.ops.triton.prefill_attention import paged_prefill_attention
+from questkv.ops.triton.prefill_attention import compile_prefill_launches, paged_prefill_attention
 from questkv.ops.triton.reuse import gather_selections, store_selections
 from questkv.ops.triton.select import select_buffers, select_pages, select_pages_into
 
 __all__ = [
     "append_kv",
     "attention_buffers",
+    "compile_prefill_launches",
     "gather_selections",
     "linear",
     "page_scores",

@@ -92,7 +92,9 @@ def _attend_block(
 
 # The tile count and the page table's row stride change from step to step (query lengths, the batch's longest
 # table row): specialising on them (== 1, divisible by 16) would compile a new variant when they change, mid-serving.
-@triton.jit(do_not_specialize=["num_tiles", "stride_tb"])
+# (stride_ls, the split log-sum-exps' token stride, is num_tokens * num_q_heads: specialized, its divisibility by 16
+# would make a compile per step shape)
+@triton.jit(do_not_specialize=["num_tiles", "stride_tb", "stride_ls"])
 def _prefill_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, starts_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, num_tiles,
@@ -259,6 +261,40 @@ def paged_prefill_attention(
     if split:
         _merge_splits(out, part_out, part_lse)
     return out
+
+
+def launch_shapes(group: int, num_kv_heads: int, max_keys: int, device: torch.device) -> list[tuple[int, int]]:
+    """``(max_query_len, batch)`` of one prefill per launch configuration a prefill of a model with ``group`` query
+    heads per KV head can take over a page table of ``max_keys`` keys: each query tile size of :func:`tile_tokens`,
+    unsplit (batch enough to fill the SMs) and, where :func:`plan_splits` splits one sequence's tile, split."""
+    block_g = next_pow2(group)
+    first_length = {}  # tile tokens -> the shortest max_query_len that takes them
+    length = 1
+    while True:
+        first_length.setdefault(tile_tokens(length, block_g), length)
+        if length * block_g >= max(_BLOCK_M, block_g):
+            break
+        length *= 2
+    split = plan_splits(num_kv_heads, max_keys, device) > 1
+    fill = triton.cdiv(num_sms(device), num_kv_heads)
+    return [(length, batch) for length in first_length.values() for batch in ((fill, 1) if split else (fill,))]
+
+
+def compile_prefill_launches(q_dtype: torch.dtype, num_q_heads: int, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                     table_width: int) -> int:
+    """Run :func:`paged_prefill_attention` once per launch configuration (:func:`launch_shapes`) over these pools
+    and a page table ``table_width`` pages wide, every row on page 0 (only read), so that Triton compiles them
+    now: a configuration first met while serving compiles inside that step, a stall of a second or more for every
+    running request. Returns the launches."""
+    num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
+    shapes = launch_shapes(num_q_heads // num_kv_heads, num_kv_heads, table_width * k_pages.shape[1], k_pages.device)
+    for length, batch in shapes:
+        q = torch.randn(batch * length, num_q_heads, head_dim, device=k_pages.device).to(q_dtype)
+        starts = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device=q.device)
+        lens = torch.full((batch,), length, dtype=torch.int32, device=q.device)
+        table = torch.zeros((batch, table_width), dtype=torch.int32, device=q.device)
+        paged_prefill_attention(q, k_pages, v_pages, table, starts, lens, length)
+    return len(shapes)
 
 
 def _merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
