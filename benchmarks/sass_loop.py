@@ -2,10 +2,12 @@
 
 The kernel (``questkv.ops.triton.decode_attention._decode_split_kernel``) is compiled for sm_90 as its launcher
 would launch it for llama3.1-8b's shape (32 query heads over 8 KV heads, head_dim 128, page 16, one query, PDL on),
-for each page dtype and grid kind asked; the SASS (Triton's bundled ``cuobjdump``) is cut at its longest backward
-branch, the inner loop, whose instructions are counted by opcode. Where a kernel is bound by its instructions rather
-than by memory (fp8 pages: ``benchmarks/results/kernel-sweep-h200-fp8.md``), instructions per key is the figure to
-lower; a memory-bound one must keep it low enough to hide under its loads.
+for each page dtype and grid kind asked, fp8 pages with either score dot (float16, keys converted in registers; e4m3,
+the query split in two e4m3 parts, the launcher's choice); the SASS (Triton's bundled ``cuobjdump``) is cut at its longest backward
+branch, the inner loop, whose instructions are counted by opcode. Instructions per key is a figure to lower where a
+kernel is bound by its instructions; a memory-bound one must keep it low enough to hide under its loads (and the fp8
+kernel on an H100 was bound by neither: its registers held it to two programs per SM, its warps waiting on latency,
+``benchmarks/results/fp8-attention-ncu-h100.txt``).
 
     python benchmarks/sass_loop.py --out benchmarks/results/sass-decode-loop-cpu
 """
@@ -25,13 +27,13 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a file: the checkout importable (questkv, benchmarks.*)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CASES = {  # name: (query dtype, page dtype, dense)
+CASES = {  # name: (query dtype, page dtype, dense, fp8 pages scored in e4m3 dots)
     "bf16 dense": ("bf16", "bf16", True),
-    "fp8 dense": ("bf16", "fp8e4nv", True),
+    "fp8 dense, float16 dots": ("bf16", "fp8e4nv", True),
+    "fp8 dense, e4m3 scores": ("bf16", "fp8e4nv", True, True),
     "bf16 sparse": ("bf16", "bf16", False),
-    "fp8 sparse": ("bf16", "fp8e4nv", False),
-    "fp8 dense e4m3 dot": ("bf16", "fp8e4nv", True, True),
-    "fp8 sparse e4m3 dot": ("bf16", "fp8e4nv", False, True),
+    "fp8 sparse, float16 dots": ("bf16", "fp8e4nv", False),
+    "fp8 sparse, e4m3 scores": ("bf16", "fp8e4nv", False, True),
 }
 PROGRAMS = 16 * 8  # (sequence, KV head) pairs of the grid: batch 16 of llama3.1-8b's 8 KV heads
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
