@@ -523,6 +523,9 @@ def paged_decode_attention_into(
     return out
 
 
+# One query per sequence on fp8 pages under a 16-bit query: scores in e4m3 tensor-core dots (_attend_e4m3), faster
+# than float16 dots at every point of benchmarks/results/kernel-sweep-h100-fp8-e4m3.md against -f16.md. Module state
+# so that a benchmark can time both (kernel_sweep.py --fp8-scores).
 E4M3_DOTS = True
 
 
