@@ -158,17 +158,9 @@ def _decode_split_kernel(
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for it in range(start, end, PAGES_PER_ITER):
-            item = it + t // PAGE_SIZE
-            offset = t % PAGE_SIZE
-            in_chunk = item < end
-            if DENSE:
-                logical = item
-            else:
-                column = item + tl.where(item >= lead, selection_cols - lead, 0) if ROW_BUDGETS else item
-                logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + column, mask=in_chunk, other=-1)
-            position = logical * PAGE_SIZE + offset
-            live = in_chunk & (logical >= 0) & (position < seq_len)
-            physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0).to(tl.int64)
+            offset, position, live, physical = _tile_keys(
+                it + t // PAGE_SIZE, t % PAGE_SIZE, end, lead, selection_cols, sel_ptr, table_ptr, seq, sel_head,
+                seq_len, stride_sb, stride_sh, stride_tb, PAGE_SIZE, DENSE, ROW_BUDGETS)
             kv_mask = live[:, None] & dmask[None, :]
             k = tl.load(k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt
                         + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
@@ -217,6 +209,25 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _tile_keys(item, offset, end, lead, selection_cols, sel_ptr, table_ptr, seq, sel_head, seq_len, stride_sb,
+               stride_sh, stride_tb, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, ROW_BUDGETS: tl.constexpr):
+    """Where the keys of one tile lie: key ``j`` is token ``offset[j]`` of item ``item[j]`` of the split (a page
+    index when ``DENSE``, else a column of the selection row, ``lead`` columns of the row's budget first with
+    ``ROW_BUDGETS``), items at or past ``end`` not read. Returns ``(offset, position, live, physical)``: the token's
+    position in the sequence, whether it holds a key, and its page in the pool (int64, 0 where not live)."""
+    in_chunk = item < end
+    if DENSE:
+        logical = item
+    else:
+        column = item + tl.where(item >= lead, selection_cols - lead, 0) if ROW_BUDGETS else item
+        logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + column, mask=in_chunk, other=-1)
+    position = logical * PAGE_SIZE + offset
+    live = in_chunk & (logical >= 0) & (position < seq_len)
+    physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0).to(tl.int64)
+    return offset, position, live, physical
+
+
+@triton.jit
 def _attend_e4m3(q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, sel_ptr, seq, sel_head, kv_head, seq_len, start, end,
                  lead, selection_cols, qk_scale, stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp,
                  stride_vt, stride_vh, stride_tb, stride_sb, stride_sh, PAGE_SIZE: tl.constexpr,
@@ -247,17 +258,9 @@ def _attend_e4m3(q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, sel_ptr, seq, sel_h
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)
     for it in range(start, end, PAGES_PER_ITER):
-        item = it + t // PAGE_SIZE
-        offset = t % PAGE_SIZE
-        in_chunk = item < end
-        if DENSE:
-            logical = item
-        else:
-            column = item + tl.where(item >= lead, selection_cols - lead, 0) if ROW_BUDGETS else item
-            logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + column, mask=in_chunk, other=-1)
-        position = logical * PAGE_SIZE + offset
-        live = in_chunk & (logical >= 0) & (position < seq_len)
-        physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0).to(tl.int64)
+        offset, _, live, physical = _tile_keys(
+            it + t // PAGE_SIZE, t % PAGE_SIZE, end, lead, selection_cols, sel_ptr, table_ptr, seq, sel_head, seq_len,
+            stride_sb, stride_sh, stride_tb, PAGE_SIZE, DENSE, ROW_BUDGETS)
         k = tl.load(k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt
                     + kv_head * stride_kh + d[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
         v_rows = physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
