@@ -100,7 +100,8 @@ def _decode_split_kernel(
     columns, then the rest, and its splits share what it reads evenly (a plan made for the step's budget would leave
     a smaller one to its first splits). With ``USE_PDL`` it waits for the kernels before it only at its first
     read of what they may write (``DENSE``: after prefetching its first tile into L2), and lets the next
-    kernel launch once its split is attended."""
+    kernel launch once its split is attended. With ``E4M3_DOT`` (one query, fp8 pages) :func:`_attend_e4m3` attends
+    the split instead of the loop below."""
     split = tl.program_id(0)
     NUM_BLOCKS: tl.constexpr = (NUM_QUERIES + QUERY_BLOCK - 1) // QUERY_BLOCK
     num_sel_heads = tl.num_programs(1) // NUM_BLOCKS
@@ -540,10 +541,11 @@ def _e4m3_dot(q: torch.Tensor, k_pages: torch.Tensor, num_queries: int) -> bool:
 
 
 def _f16_dot(q: torch.Tensor, k_pages: torch.Tensor) -> bool:
-    """Whether the kernel takes fp8 pages under a bf16 query in float16 dots: e4m3 converts to float16 in one
-    instruction per pair of values (to bf16 in three), every e4m3 value is exact in float16 and the softmax weights
-    are finer there than in bf16, and a bf16 query is exact there from float16's smallest normal (6.1e-5) to its
-    largest value (65504): a query component outside that keeps float16's subnormal precision or overflows."""
+    """Whether the kernel's loop (several queries per sequence, or one with :data:`E4M3_DOTS` off) takes fp8 pages
+    under a bf16 query in float16 dots: e4m3 converts to float16 in one instruction per pair of values (to bf16 in
+    three), every e4m3 value is exact in float16 and the softmax weights are finer there than in bf16, and a bf16
+    query is exact there from float16's smallest normal (6.1e-5) to its largest value (65504): a query component
+    outside that keeps float16's subnormal precision or overflows."""
     return k_pages.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
 
 
