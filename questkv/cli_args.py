@@ -337,9 +337,9 @@ def add_engine_args(parser, device: str = "auto", dtype: str = "auto", max_model
                            help="fraction of the GPU's whole memory this engine may occupy: weights, activations "
                            "and KV cache, as vLLM; the KV cache never takes more than is free (default: 0.9)")
         group.add_argument("--graph-capture", default="startup", choices=["startup", "lazy"],
-                           help="startup: capture every decode CUDA graph (and compile its kernels) before serving, "
-                           "so that no request waits for one; lazy: at the first step that needs each "
-                           "(default: startup)")
+                           help="startup: capture every decode CUDA graph (and compile its kernels, and the prefill "
+                           "attention's) before serving, so that no request waits for one; lazy: at the first step "
+                           "that needs each (default: startup)")
         group.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                            help="auto: the checkpoint's weights; dummy: random weights at the model's shapes "
                            "(default: auto)")
