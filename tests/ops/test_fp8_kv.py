@@ -113,9 +113,12 @@ pytest.importorskip("triton")
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("selection, num_queries", [("kv_head", 1), (None, 1), (None, 5)])
-def test_triton_decode_attention_reads_fp8_pages_as_the_reference(dtype, heads, selection, num_queries):
-    """One query per sequence (Quest's pages or every page) and a lossless verify's five (dense, causal among them)."""
+@pytest.mark.parametrize("selection, num_queries, budgets", [("kv_head", 1, False), ("q_head", 1, False),
+                                                                ("kv_head", 1, True), (None, 1, False),
+                                                                (None, 5, False)])
+def test_triton_decode_attention_reads_fp8_pages_as_the_reference(dtype, heads, selection, num_queries, budgets):
+    """One query per sequence (Quest's pages per KV or per query head, rows' budgets below the step's, or every
+    page: scores in e4m3 dots) and a lossless verify's five (dense, causal among them: float16 dots)."""
     from questkv.ops import triton as tk
 
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -127,12 +130,16 @@ def test_triton_decode_attention_reads_fp8_pages_as_the_reference(dtype, heads, 
     _poison_unused(k_pages, v_pages, table, seq_lens, 16)  # (NaN stays NaN in e4m3)
     k_pages, v_pages = k_pages.to(FP8), v_pages.to(FP8)
     q = torch.randn(len(lens), *([num_queries] if num_queries > 1 else []), num_q, dim, generator=gen).to(dtype)
-    selected = None
+    selected = row_budgets = None
     if selection is not None:
-        scores = torch.randn(2, num_kv, max_pages, generator=gen)
+        scores = torch.randn(2, num_kv if selection == "kv_head" else num_q, max_pages, generator=gen)
         selected = reference.select_pages(scores, seq_lens, 16, 4, 0, 0)
-    want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), seq_lens, selected)
-    got = tk.paged_decode_attention(*on_kernel_device(q, k_pages, v_pages, table, seq_lens, selected)).cpu()
+    if budgets:  # the first row's budget reads 2 of its 4 columns
+        row_budgets = torch.tensor([32, 64], dtype=torch.int32)
+    want = reference.paged_decode_attention(q, k_pages, v_pages, _readable(table), seq_lens, selected, None,
+                                            row_budgets)
+    got = tk.paged_decode_attention(*on_kernel_device(q, k_pages, v_pages, table, seq_lens, selected), None,
+                                    *on_kernel_device(row_budgets)).cpu()
     assert got.dtype == dtype and _rel_err(got, want) < 1e-2
 
 
