@@ -90,10 +90,9 @@ def _attend_block(
     return online_softmax_step(s, v, acc, m_i, l_i, IEEE)
 
 
-# The tile count and the page table's row stride change from step to step (query lengths, the batch's longest
-# table row): specialising on them (== 1, divisible by 16) would compile a new variant when they change, mid-serving.
-# (stride_ls, the split log-sum-exps' token stride, is num_tokens * num_q_heads: specialized, its divisibility by 16
-# would make a compile per step shape)
+# The tile count, the page table's row stride and the split log-sum-exps' token stride (num_tokens * num_q_heads)
+# change from step to step (query lengths, the batch's longest table row, its new tokens): specialising on them
+# (== 1, divisible by 16) would compile a new variant when they change, mid-serving.
 @triton.jit(do_not_specialize=["num_tiles", "stride_tb", "stride_ls"])
 def _prefill_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, starts_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -281,7 +280,7 @@ def launch_shapes(group: int, num_kv_heads: int, max_keys: int, device: torch.de
 
 
 def compile_prefill_launches(q_dtype: torch.dtype, num_q_heads: int, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                     table_width: int) -> int:
+                             table_width: int) -> int:
     """Run :func:`paged_prefill_attention` once per launch configuration (:func:`launch_shapes`) over these pools
     and a page table ``table_width`` pages wide, every row on page 0 (only read), so that Triton compiles them
     now: a configuration first met while serving compiles inside that step, a stall of a second or more for every
