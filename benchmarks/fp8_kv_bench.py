@@ -5,7 +5,9 @@ Per point, in one run: a dense engine and a Quest engine, each with ``kv_cache_d
 in alternation (rounds of asynchronous decode steps, the order swapped every round; median ms per step and the
 median of the per-round ratios; where the two engines do not fit on the GPU together, one after the other, marked), and a correctness check first: on a small fp32 model with sharpened attention the
 fp8 engine's CUDA path (graphs, Triton kernels) gives the tokens of its eager torch-reference path, and with a budget
-covering the context fp8 Quest gives fp8 dense's tokens.
+covering the context fp8 Quest gives fp8 dense's tokens. ``--fp8-scores f16`` times the attention on fp8 pages as
+it was before its scores moved to e4m3 tensor-core dots (float16 dots, at that kernel's measured launch), for a
+comparison in the same session.
 
     python benchmarks/fp8_kv_bench.py --out-dir $OUT --tag h200
 """
@@ -33,6 +35,9 @@ from questkv.eval.provenance import provenance  # noqa: E402
 from questkv.models.shapes import dummy_config  # noqa: E402
 
 PAGE, DENSE_LAYERS = 16, 2
+# The float16-dot kernel's launch on fp8 pages, dense and sparse: 128 keys per iteration, 3 programs per SM, 2 stages
+# (its best at B=8/32k in benchmarks/results/kernel-sweep-h100-fp8.md).
+F16_DOT_LAUNCH = (128, 3, 2)
 POINTS = [  # (model, batch, context, budget); the issue's targets: dense B=16/32k and B=4/128k >= 1.6x, Quest B=16/32k
     ("llama3.1-8b", 16, 32 * 1024, 2048),  # >= 1.15x
     ("llama3.1-8b", 4, 128 * 1024, 4096),
@@ -236,6 +241,8 @@ def table(record: dict) -> str:
     head = record["provenance"]
     lines = ["# FP8 KV cache: decode step, bf16 KV vs fp8 KV", "",
              f"`{head['command']}` — commit {head['commit']}, {head['machine']}, {head['date']}", "",
+             "fp8 pages scored in " + {"e4m3": "e4m3 tensor-core dots",
+                                       "f16": "float16 dots (the kernel before e4m3 scores)"}[record["fp8_scores"]], "",
              f"Checks: {json.dumps(record['check'])}", "",
              f"KV tokens in {record['capacity']['memory_bytes'] / 2**30:.0f} GiB ({record['capacity']['model']}): "
              f"{record['capacity']['kv_tokens']} — {record['capacity']['ratio']:.3f}×", "",
@@ -261,7 +268,15 @@ def main() -> None:
                         help="only the KV tokens per memory (the planner's arithmetic: runs on a CPU)")
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing: the kernels of one decode step at the first point, per KV dtype")
+    parser.add_argument("--fp8-scores", default="e4m3", choices=("e4m3", "f16"),
+                        help="fp8 pages: scores in e4m3 tensor-core dots (the kernel's default) or float16 dots at "
+                        "their own launch (the kernel before e4m3 scores)")
     args = parser.parse_args()
+    if args.fp8_scores == "f16":
+        from questkv.ops.triton import decode_attention
+
+        decode_attention.E4M3_DOTS = False
+        decode_attention._CONFIG.update({"dense-fp8": F16_DOT_LAUNCH, "sparse-fp8": F16_DOT_LAUNCH})
     points = POINTS if args.points is None else [
         (m, int(b), int(c), int(k)) for m, b, c, k in (p.split(":") for p in args.points.split(","))]
     if args.profile:
@@ -284,7 +299,8 @@ def main() -> None:
         stem.with_name(stem.name + ".md").write_text(text)
         print(text)
         return
-    record = {"provenance": provenance("cuda"), "check": check(), "capacity": capacity(), "points": []}
+    record = {"provenance": provenance("cuda"), "fp8_scores": args.fp8_scores, "check": check(),
+              "capacity": capacity(), "points": []}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"fp8-kv-{args.tag}"
     for p in points:  # saved after every point: a run stopped by a time limit keeps what it measured
