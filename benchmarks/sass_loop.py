@@ -71,6 +71,19 @@ def compile_case(query: str, pages: str, dense: bool, e4m3_dot: bool = False, ke
     return compiled, kind, constexprs["PAGES_PER_ITER"] * 16
 
 
+def registers(ptx: str) -> int:
+    """Registers a thread of the kernel holds, from ``ptxas -v`` (Triton's bundled ptxas) on its sm_90 PTX: with
+    the shared memory, what bounds its programs per SM."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "kernel.ptx")
+        Path(source).write_text(ptx)
+        result = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name", "sm_90a", source, "-o",
+                                 os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True)
+    return int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+
+
 def inner_loop(cubin: bytes) -> collections.Counter:
     """Opcodes of the SASS between the longest backward branch's target and the branch."""
     from triton import knobs
@@ -105,18 +118,19 @@ def main() -> int:
         total = sum(ops.values())
         rows[name] = {"kind": kind, "keys_per_iteration": keys, "instructions": total,
                       "per_key": total / keys, "shared_memory_bytes": compiled.metadata.shared,
+                      "registers": registers(compiled.asm["ptx"]),
                       "top": ops.most_common(8)}
         print(f"{name}: {total} instructions per {keys} keys ({total / keys:.2f} a key)", flush=True)
     record = {"provenance": provenance("cpu"), "cases": rows}
     lines = ["# The decode attention's inner loop in sm_90 instructions (no GPU)", "",
              f"`{record['provenance']['command']}` — commit {record['provenance']['commit']}, "
              f"{record['provenance']['date']}; llama3.1-8b's shape, batch 16, one query, PDL on", "",
-             "| case | grid kind | keys / iteration | instructions | per key | shared memory | top opcodes |",
-             "|---|---|---|---|---|---|---|"]
+             "| case | grid kind | keys / iteration | instructions | per key | shared memory | registers | top opcodes |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         top = ", ".join(f"{op} {n}" for op, n in row["top"])
         lines.append(f"| {name} | {row['kind']} | {row['keys_per_iteration']} | {row['instructions']} | "
-                     f"{row['per_key']:.2f} | {row['shared_memory_bytes'] // 1024} KiB | {top} |")
+                     f"{row['per_key']:.2f} | {row['shared_memory_bytes'] // 1024} KiB | {row['registers']} | {top} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
