@@ -343,12 +343,12 @@ def _prefetch_tile_l2(k_pages_ptr, v_pages_ptr, table_ptr, seq, item, offset, en
 
 def grid_kind(dense: bool, programs: int, fp8: bool = False, verify_rows: Optional[int] = None) -> str:
     """The launch configuration (a key of ``_CONFIG``) of a grid over ``programs`` (sequence, selection head)
-    pairs: ``"sparse"``; for a dense grid of several queries per sequence on model-dtype pages (``verify_rows``: its
+    pairs: ``"sparse"`` (``"sparse-fp8"`` on ``fp8`` pages); for a dense grid of several queries per sequence on model-dtype pages (``verify_rows``: its
     tile's padded rows, positions x the query group; ``None`` for one query) ``"verify"`` up to 32 rows, else
     ``"verify-64"``; ``"dense-few"`` for a dense grid of at most ``_FEW_PROGRAMS``, else ``"dense-fp8"`` on ``fp8``
     pages and ``"dense"``."""
     if not dense:
-        return "sparse-fp8" if fp8 and verify_rows is None else "sparse"
+        return "sparse-fp8" if fp8 else "sparse"
     if verify_rows is not None and not fp8:
         return "verify" if verify_rows <= 32 else "verify-64"
     if programs <= _FEW_PROGRAMS:
