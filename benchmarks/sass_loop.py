@@ -1,4 +1,5 @@
-"""What one iteration of the decode attention's inner loop costs in sm_90 instructions, with no GPU.
+"""What one iteration of a kernel's inner loop costs in sm_90 instructions, with no GPU: the decode attention's, or
+the int4 tensor-core kernel's.
 
 The kernel (``questkv.ops.triton.decode_attention._decode_split_kernel``) is compiled for sm_90 as its launcher
 would launch it for llama3.1-8b's shape (32 query heads over 8 KV heads, head_dim 128, page 16, one query, PDL on),
@@ -10,6 +11,13 @@ kernel on an H100 was bound by neither: its registers held it to two programs pe
 ``benchmarks/results/fp8-attention-ncu-h100.txt``).
 
     python benchmarks/sass_loop.py --out benchmarks/results/sass-decode-loop-cpu
+
+``--int4-mma SOURCE ...`` counts instead the loop over groups of each instantiation of the CUDA C++ int4 kernel
+(``questkv/ops/cuda/int4_mma.cu``, or another version of it: ``git show REV:questkv/ops/cuda/int4_mma.cu``),
+compiled by nvcc for sm_90 with ``-O3`` as its extension is built: per 16-bit type, zero-point type and column
+tiles of 8 rows, the instructions of one group of 128 features for a warp's 64 outputs, its registers and spills::
+
+    python benchmarks/sass_loop.py --int4-mma questkv/ops/cuda/int4_mma.cu --out benchmarks/results/sass-int4-mma-cpu
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ CASES = {  # name: (query dtype, page dtype, dense, fp8 pages scored in e4m3 dot
 PROGRAMS = 16 * 8  # (sequence, KV head) pairs of the grid: batch 16 of llama3.1-8b's 8 KV heads
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 _BRANCH = re.compile(r"BRA\s.*?(0x[0-9a-f]+)")
+# int4_mma_kernel<T, Z, NT>'s mangled template arguments: x's type, the zero points' type, the column tiles
+_INT4_MMA = re.compile(r"int4_mma_kernelI(13__nv_bfloat16|6__half)(S1_|h)Li(\d+)E")
+_INT4_TYPES = {"13__nv_bfloat16": "bf16", "6__half": "fp16", "S1_": "x's type", "h": "uint8"}
 
 
 def compile_case(query: str, pages: str, dense: bool, e4m3_dot: bool = False, keys: int | None = None,
@@ -84,15 +95,24 @@ def registers(ptx: str) -> int:
     return int(re.search(r"Used (\d+) registers", result.stderr).group(1))
 
 
-def inner_loop(cubin: bytes) -> collections.Counter:
-    """Opcodes of the SASS between the longest backward branch's target and the branch."""
+def disassemble(cubin: bytes) -> str:
+    """The SASS of ``cubin`` (Triton's bundled ``cuobjdump``)."""
     from triton import knobs
 
     cuobjdump = os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def inner_loop(cubin: bytes) -> collections.Counter:
+    """Opcodes of the SASS between the longest backward branch's target and the branch."""
+    return loop_opcodes(disassemble(cubin))
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes of one function's SASS between its longest backward branch's target and the branch."""
     instructions = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines()
                     if (m := _INSTRUCTION.match(line))]
     loops = [(int(b.group(1), 16), address) for address, _, line in instructions
@@ -101,13 +121,73 @@ def inner_loop(cubin: bytes) -> collections.Counter:
     return collections.Counter(op for address, op, _ in instructions if start <= address <= end)
 
 
+def int4_mma_loops(source: Path) -> dict[str, dict]:
+    """Each instantiation of the int4 kernel in the CUDA C++ ``source``, compiled for sm_90 by nvcc: its registers,
+    spilled bytes (stores + loads), loop instructions, MMAs and top opcodes, by ``"<x type>, <zeros type> zeros, up
+    to <8 × column tiles> rows"``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "int4_mma.cubin")
+        build = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90", "-cubin",
+                                "-Xptxas", "-v", "-o", cubin, str(source)], capture_output=True, text=True, check=True)
+        sass = disassemble(Path(cubin).read_bytes())
+    usage, name = {}, None
+    for line in build.stderr.splitlines():  # ptxas -v: a function's properties, then its registers
+        if (entry := re.search(r"Function properties for (\w+)", line)):
+            name = entry.group(1)
+        elif name and (spill := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            usage[name] = {"spill_bytes": int(spill.group(1)) + int(spill.group(2))}
+        elif name and (used := re.search(r"Used (\d+) registers", line)):
+            usage[name]["registers"] = int(used.group(1))
+    kernels = {}
+    for function in re.split(r"\n\s*Function : ", sass)[1:]:
+        mangled = function.split("\n", 1)[0].strip()
+        args = _INT4_MMA.search(mangled)
+        if args is None:
+            continue
+        x, zeros, tiles = args.groups()
+        ops = loop_opcodes(function)
+        kernels[f"{_INT4_TYPES[x]}, {_INT4_TYPES[zeros]} zeros, up to {8 * int(tiles)} rows"] = {
+            **usage[mangled], "tiles": int(tiles), "instructions": sum(ops.values()),
+            "hmma": sum(n for op, n in ops.items() if op.startswith("HMMA")), "top": ops.most_common(8)}
+    return dict(sorted(kernels.items(), key=lambda item: (item[0].split(' up to ')[0], item[1]['tiles'])))
+
+
+def int4_mma_main(sources: list[str], out: str | None) -> int:
+    """``--int4-mma``: :func:`int4_mma_loops` of each source side by side."""
+    from questkv.eval.provenance import provenance
+
+    record = {"provenance": provenance("cpu"), "sources": {src: int4_mma_loops(Path(src)) for src in sources}}
+    lines = ["# The int4 tensor-core kernel's loop over groups in sm_90 instructions (no GPU)", "",
+             f"`{record['provenance']['command']}` — commit {record['provenance']['commit']}, "
+             f"{record['provenance']['date']}; nvcc -O3 for sm_90, one group of 128 features for a warp's 64 outputs "
+             "(8 rows a column tile)", "",
+             "| source | kernel | instructions | HMMA | registers | spilled bytes | top opcodes |",
+             "|---|---|---|---|---|---|---|"]
+    for src, kernels in record["sources"].items():
+        for name, row in kernels.items():
+            top = ", ".join(f"{op} {n}" for op, n in row["top"])
+            lines.append(f"| {src} | {name} | {row['instructions']} | {row['hmma']} | {row['registers']} | "
+                         f"{row['spill_bytes']} | {top} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out + ".json").write_text(json.dumps(record, indent=1))
+        Path(out + ".md").write_text(text)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--keys", type=int, default=None, help="keys per iteration instead of the grid kind's")
     parser.add_argument("--stages", type=int, default=None, help="pipeline stages instead of the grid kind's")
     parser.add_argument("--out", default=None, help="output prefix (.json and .md); print only without it")
+    parser.add_argument("--int4-mma", nargs="+", default=None, metavar="SOURCE",
+                        help="count the int4 tensor-core kernel's loop in these CUDA C++ sources instead (nvcc)")
     args = parser.parse_args()
+    if args.int4_mma:
+        return int4_mma_main(args.int4_mma, args.out)
     os.environ.pop("TRITON_INTERPRET", None)
     from questkv.eval.provenance import provenance
 
