@@ -121,6 +121,25 @@ def loop_opcodes(sass: str) -> collections.Counter:
     return collections.Counter(op for address, op, _ in instructions if start <= address <= end)
 
 
+def _top(row: dict) -> str:
+    return ", ".join(f"{op} {n}" for op, n in row["top"])
+
+
+def write_report(record: dict, title: str, setting: str, header: list[str], rows: list[list], out: str | None) -> None:
+    """Print the markdown table of ``rows`` under ``header`` (with ``record``'s command, commit and date) and, with
+    ``out``, write it to ``out.md`` and ``record`` to ``out.json``."""
+    provenance = record["provenance"]
+    lines = [f"# {title}", "", f"`{provenance['command']}` — commit {provenance['commit']}, {provenance['date']}; "
+             f"{setting}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out + ".json").write_text(json.dumps(record, indent=1))
+        Path(out + ".md").write_text(text)
+
+
 def int4_mma_loops(source: Path) -> dict[str, dict]:
     """Each instantiation of the int4 kernel in the CUDA C++ ``source``, compiled for sm_90 by nvcc: its registers,
     spilled bytes (stores + loads), loop instructions, MMAs and top opcodes, by ``"<x type>, <zeros type> zeros, up
@@ -157,23 +176,11 @@ def int4_mma_main(sources: list[str], out: str | None) -> int:
     from questkv.eval.provenance import provenance
 
     record = {"provenance": provenance("cpu"), "sources": {src: int4_mma_loops(Path(src)) for src in sources}}
-    lines = ["# The int4 tensor-core kernel's loop over groups in sm_90 instructions (no GPU)", "",
-             f"`{record['provenance']['command']}` — commit {record['provenance']['commit']}, "
-             f"{record['provenance']['date']}; nvcc -O3 for sm_90, one group of 128 features for a warp's 64 outputs "
-             "(8 rows a column tile)", "",
-             "| source | kernel | instructions | HMMA | registers | spilled bytes | top opcodes |",
-             "|---|---|---|---|---|---|---|"]
-    for src, kernels in record["sources"].items():
-        for name, row in kernels.items():
-            top = ", ".join(f"{op} {n}" for op, n in row["top"])
-            lines.append(f"| {src} | {name} | {row['instructions']} | {row['hmma']} | {row['registers']} | "
-                         f"{row['spill_bytes']} | {top} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out + ".json").write_text(json.dumps(record, indent=1))
-        Path(out + ".md").write_text(text)
+    rows = [[src, name, row["instructions"], row["hmma"], row["registers"], row["spill_bytes"], _top(row)]
+            for src, kernels in record["sources"].items() for name, row in kernels.items()]
+    write_report(record, "The int4 tensor-core kernel's loop over groups in sm_90 instructions (no GPU)",
+                 "nvcc -O3 for sm_90, one group of 128 features for a warp's 64 outputs (8 rows a column tile)",
+                 ["source", "kernel", "instructions", "HMMA", "registers", "spilled bytes", "top opcodes"], rows, out)
     return 0
 
 
@@ -202,21 +209,12 @@ def main() -> int:
                       "top": ops.most_common(8)}
         print(f"{name}: {total} instructions per {keys} keys ({total / keys:.2f} a key)", flush=True)
     record = {"provenance": provenance("cpu"), "cases": rows}
-    lines = ["# The decode attention's inner loop in sm_90 instructions (no GPU)", "",
-             f"`{record['provenance']['command']}` — commit {record['provenance']['commit']}, "
-             f"{record['provenance']['date']}; llama3.1-8b's shape, batch 16, one query, PDL on", "",
-             "| case | grid kind | keys / iteration | instructions | per key | shared memory | registers | top opcodes |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, row in rows.items():
-        top = ", ".join(f"{op} {n}" for op, n in row["top"])
-        lines.append(f"| {name} | {row['kind']} | {row['keys_per_iteration']} | {row['instructions']} | "
-                     f"{row['per_key']:.2f} | {row['shared_memory_bytes'] // 1024} KiB | {row['registers']} | {top} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out + ".json").write_text(json.dumps(record, indent=1))
-        Path(args.out + ".md").write_text(text)
+    table = [[name, row["kind"], row["keys_per_iteration"], row["instructions"], f"{row['per_key']:.2f}",
+              f"{row['shared_memory_bytes'] // 1024} KiB", row["registers"], _top(row)] for name, row in rows.items()]
+    write_report(record, "The decode attention's inner loop in sm_90 instructions (no GPU)",
+                 "llama3.1-8b's shape, batch 16, one query, PDL on",
+                 ["case", "grid kind", "keys / iteration", "instructions", "per key", "shared memory", "registers",
+                  "top opcodes"], table, args.out)
     return 0
 
 
