@@ -25,7 +25,6 @@ from questkv.engine.detokenizer import IncrementalDetokenizer
 from questkv.engine.loading import load_shard, quantize_shard, skipped_linears
 from questkv.engine.model_runner import ModelRunner
 from questkv.engine.tp_workers import TensorParallelError, WorkerPool
-from questkv.layers.attention import prepare_prefill
 from questkv.layers.quantized_linear import check_quantizable
 from questkv.engine.sampling_params import SamplingParams
 from questkv.engine.scheduler import Scheduler
@@ -93,8 +92,7 @@ class LLMEngine:
                 self._fail_start(error)
         logger.info("%s", self.runner.cache_spec.describe())
         if config.use_cuda_graphs and config.graph_capture == "startup":
-            self.runner.capture_decode_graphs(progress=True)
-            prepare_prefill(self.runner.model, self.runner.cache)
+            self.runner.prepare_startup(progress=True)
         self.cache = self.runner.cache
         self.max_model_len = max_model_len
         self._sparse_layers = (

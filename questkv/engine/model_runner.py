@@ -44,7 +44,7 @@ from questkv.engine.speculation import draft_reuse_steps
 from questkv.engine.sequence import Sequence
 from questkv.engine.step_data import PrefillInputs, SampledTokens, ScheduledBatch, StepMessage
 from questkv.engine.step_tokens import StepTokens
-from questkv.layers.attention import bind_cache
+from questkv.layers.attention import bind_cache, prepare_prefill
 from questkv.models.fusion import fuse_elementwise
 from questkv.models.llama import LlamaForCausalLM, ModelSpec
 from questkv.ops.pages import ReusedSelections
@@ -385,7 +385,7 @@ class ModelRunner:
             self.cache.mirror(*update)
         self.cache.recompute_bounds(*message.bounds)
         if message.capture:
-            self.capture_decode_graphs()
+            self.prepare_startup()
             return
         if message.verify is not None:
             self._run_verify(*message.verify)
@@ -447,11 +447,18 @@ class ModelRunner:
         return host
 
     @torch.inference_mode()
+    def prepare_startup(self, progress: bool = False) -> None:
+        """What ``graph_capture="startup"`` runs at start, on every rank (the others when rank 0's capture message
+        comes): every decode graph captured (:meth:`capture_decode_graphs`), then the eager prefill attention over
+        cached pages compiled in every launch configuration (:func:`~questkv.layers.attention.prepare_prefill`), so
+        that no serving step waits for a capture or a compile."""
+        self.capture_decode_graphs(progress)
+        prepare_prefill(self.model, self.cache)
+
     def capture_decode_graphs(self, progress: bool = False) -> int:
         """Capture the decode graph of every batch size and page-table width a step can use (compiling their
         kernels), with speculation also the verify graph of every round length, largest first; those already
-        captured are kept. What ``graph_capture="startup"`` runs at start. Only the scratch sequence's tokens are
-        written.
+        captured are kept (part of :meth:`prepare_startup`). Only the scratch sequence's tokens are written.
 
         Returns:
             The number of graphs captured by this call.

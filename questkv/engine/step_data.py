@@ -181,7 +181,8 @@ class StepMessage:
             prompt): one per sampling sequence, ``num_new_tokens`` per verify row.
         rows: the step's sampling rows; with verify rows, rank 0 then broadcasts each one's next input token and
             the drafts it kept, ``[2, rows]`` int64 (``StepTokens._next_inputs``).
-        capture: capture every decode graph (``graph_capture="startup"``), nothing else.
+        capture: prepare the startup (``graph_capture="startup"``: every decode graph, then the prefill launches;
+            :meth:`~questkv.engine.model_runner.ModelRunner.prepare_startup`), nothing else.
         verify: a step of aligned lossless verify rows (:meth:`ModelRunner._run_verify`'s arguments), or ``None``.
         bounds: ``(pages, counts)`` whose key bounds rank 0 recomputed since its last message (lossless rewinds,
             :meth:`~questkv.cache.paged.PagedKVCache.recompute_bounds`), done first.

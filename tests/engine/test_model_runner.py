@@ -131,6 +131,22 @@ def test_a_cpu_runner_never_captures_graphs_and_decodes_at_the_batchs_own_width(
     assert runner.graphs.width(3) == 3  # no padding of the page table without graphs
 
 
+def test_every_rank_prepares_its_startup_graphs_then_prefill_launches(model_dir, monkeypatch):
+    """``graph_capture="startup"``'s work is the runner's (:meth:`ModelRunner.prepare_startup`): rank 0 runs it at
+    start, and a rank other than 0 when rank 0's capture message comes, so that no rank compiles a prefill
+    attention launch inside a serving step."""
+    from questkv.engine import model_runner
+    from questkv.engine.step_data import StepMessage
+
+    runner = make_llm(model_dir, FULL).engine.runner
+    calls = []
+    monkeypatch.setattr(runner, "capture_decode_graphs", lambda progress=False: calls.append("graphs") or 0)
+    monkeypatch.setattr(model_runner, "prepare_prefill",
+                        lambda model, cache: calls.append(("prefill", model is runner.model, cache is runner.cache)))
+    runner.run_step(StepMessage((), capture=True))
+    assert calls == ["graphs", ("prefill", True, True)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Logits: Quest with a budget covering the context == dense
 # ---------------------------------------------------------------------------------------------------------------
