@@ -18,6 +18,15 @@ compiled by nvcc for sm_90 with ``-O3`` as its extension is built: per 16-bit ty
 tiles of 8 rows, the instructions of one group of 128 features for a warp's 64 outputs, its registers and spills::
 
     python benchmarks/sass_loop.py --int4-mma questkv/ops/cuda/int4_mma.cu --out benchmarks/results/sass-int4-mma-cpu
+
+``--int4-gemv`` counts the loop over groups of the Triton int4 GEMV (``questkv.ops.triton.int4_gemv``) for each
+launch :func:`~questkv.ops.triton.int4_gemv.plan_int4_gemv` makes at llama3.1-8b's shapes, at one and two rows of
+``x``. Both int4 reports give a loop's warp instructions per weight (one group of 128 features over the outputs of
+a warp): the GEMV at one row multiplies each weight by one ``x`` value, so where a GPU issues fewer warp
+instructions a second than this figure times the weights its bandwidth delivers, the kernel is bound by its
+instructions, not its loads::
+
+    python benchmarks/sass_loop.py --int4-gemv --out benchmarks/results/sass-int4-gemv-cpu
 """
 
 from __future__ import annotations
@@ -167,8 +176,68 @@ def int4_mma_loops(source: Path) -> dict[str, dict]:
         ops = loop_opcodes(function)
         kernels[f"{_INT4_TYPES[x]}, {_INT4_TYPES[zeros]} zeros, up to {8 * int(tiles)} rows"] = {
             **usage[mangled], "tiles": int(tiles), "instructions": sum(ops.values()),
+            "per_weight": sum(ops.values()) / (128 * 64),
             "hmma": sum(n for op, n in ops.items() if op.startswith("HMMA")), "top": ops.most_common(8)}
     return dict(sorted(kernels.items(), key=lambda item: (item[0].split(' up to ')[0], item[1]['tiles'])))
+
+
+GEMV_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+"""llama3.1-8b's projections (in features, out features), whose GEMV launches ``--int4-gemv`` compiles."""
+
+
+def int4_gemv_loops() -> dict[str, dict]:
+    """The Triton int4 GEMV's loop over groups, compiled for sm_90 for each distinct launch
+    :func:`~questkv.ops.triton.int4_gemv.plan_int4_gemv` makes at :data:`GEMV_SHAPES` (split over groups, bf16
+    ``x`` and scales, byte zero points, PDL on), at one and two rows: its instructions, registers, warp
+    instructions per weight and top opcodes, by ``"<rows> row(s), <warps> warps (<shapes>)"``; every pointer,
+    stride and ``N`` 16-divisible, as a launch specializes them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from questkv.ops.triton import int4_gemv
+
+    kernel = int4_gemv._int4_gemv_kernel
+    launches: dict[tuple, list[str]] = {}
+    for shape, (k, n) in GEMV_SHAPES.items():
+        cfg = int4_gemv.plan_int4_gemv(n, k)
+        launches.setdefault((cfg.block_n, cfg.num_warps, cfg.rows), []).append(shape)
+    pointers = {"x_ptr": "bf16", "w_ptr": "i32", "s_ptr": "bf16", "z_ptr": "u8", "bias_ptr": "bf16",
+                "part_ptr": "fp32", "counter_ptr": "i32", "out_ptr": "bf16"}
+    kernels = {}
+    for m in range(1, int4_gemv.GEMV_MAX_M + 1):
+        for (block_n, warps, rows), shapes in launches.items():
+            constexprs = {"GROUP": 128, "BLOCK_M": m, "BLOCK_N": block_n, "ROWS": rows, "SPLIT_K": True,
+                          "REDUCE_CHUNK": 16, "EVEN_N": True, "HAS_BIAS": False, "ASM": True, "USE_PDL": True}
+            signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers
+                         else "i32" for name in kernel.arg_names}
+            divisible = [name for name in kernel.arg_names  # N too: every shape's is a multiple of 16
+                         if name in pointers or name.startswith("stride_") or name == "N"]
+            attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                                      target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            ops = inner_loop(compiled.asm["cubin"])
+            weights = 128 * block_n // warps  # a group's features times a warp's outputs
+            kernels[f"{m} row{'s' if m > 1 else ''}, {warps} warps ({', '.join(shapes)})"] = {
+                "rows": m, "warps": warps, "block_n": block_n, "instructions": sum(ops.values()),
+                "weights": weights, "per_weight": sum(ops.values()) / weights,
+                "registers": registers(compiled.asm["ptx"]), "top": ops.most_common(8)}
+    return kernels
+
+
+def int4_gemv_main(out: str | None) -> int:
+    """``--int4-gemv``: :func:`int4_gemv_loops`."""
+    from questkv.eval.provenance import provenance
+
+    record = {"provenance": provenance("cpu"), "kernels": int4_gemv_loops()}
+    rows = [[name, row["instructions"], row["weights"], f"{row['per_weight']:.4f}", row["registers"], _top(row)]
+            for name, row in record["kernels"].items()]
+    write_report(record, "The int4 GEMV's loop over groups in sm_90 instructions (no GPU)",
+                 "Triton for sm_90, one group of 128 features for a warp's outputs (4 a thread), "
+                 "its launches at llama3.1-8b's shapes",
+                 ["launch", "instructions", "weights", "warp instructions per weight", "registers",
+                  "top opcodes"], rows, out)
+    return 0
 
 
 def int4_mma_main(sources: list[str], out: str | None) -> int:
@@ -176,11 +245,13 @@ def int4_mma_main(sources: list[str], out: str | None) -> int:
     from questkv.eval.provenance import provenance
 
     record = {"provenance": provenance("cpu"), "sources": {src: int4_mma_loops(Path(src)) for src in sources}}
-    rows = [[src, name, row["instructions"], row["hmma"], row["registers"], row["spill_bytes"], _top(row)]
+    rows = [[src, name, row["instructions"], f"{row['per_weight']:.4f}", row["hmma"], row["registers"],
+             row["spill_bytes"], _top(row)]
             for src, kernels in record["sources"].items() for name, row in kernels.items()]
     write_report(record, "The int4 tensor-core kernel's loop over groups in sm_90 instructions (no GPU)",
                  "nvcc -O3 for sm_90, one group of 128 features for a warp's 64 outputs (8 rows a column tile)",
-                 ["source", "kernel", "instructions", "HMMA", "registers", "spilled bytes", "top opcodes"], rows, out)
+                 ["source", "kernel", "instructions", "warp instructions per weight", "HMMA", "registers",
+                  "spilled bytes", "top opcodes"], rows, out)
     return 0
 
 
@@ -192,10 +263,14 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="output prefix (.json and .md); print only without it")
     parser.add_argument("--int4-mma", nargs="+", default=None, metavar="SOURCE",
                         help="count the int4 tensor-core kernel's loop in these CUDA C++ sources instead (nvcc)")
+    parser.add_argument("--int4-gemv", action="store_true",
+                        help="count the Triton int4 GEMV's loop at llama3.1-8b's launches instead")
     args = parser.parse_args()
     if args.int4_mma:
         return int4_mma_main(args.int4_mma, args.out)
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.int4_gemv:
+        return int4_gemv_main(args.out)
     from questkv.eval.provenance import provenance
 
     rows = {}
