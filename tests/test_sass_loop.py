@@ -1,13 +1,19 @@
 """benchmarks/sass_loop.py's count of the int4 tensor-core kernel's loop (needs nvcc, as the kernel's compile test)."""
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import sass_loop
 
-SOURCE = Path(__file__).resolve().parents[1] / "questkv" / "ops" / "cuda" / "int4_mma.cu"
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "questkv" / "ops" / "cuda" / "int4_mma.cu"
+SCRIPT = ROOT / "benchmarks" / "sass_loop.py"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -20,3 +26,21 @@ def test_each_int4_kernel_loop_is_one_group_of_mmas_without_spills():
         assert kernel["hmma"] == 32 * kernel["tiles"], name
         assert kernel["spill_bytes"] == 0 and 0 < kernel["registers"] <= 255, name
         assert kernel["instructions"] > kernel["hmma"], name
+
+
+
+def test_each_gemv_loop_is_one_group_with_a_multiply_add_per_weight_and_row(tmp_path):
+    """Triton's sm_90 compile (the bundled ptxas, no GPU; in a subprocess, as kernels built under the interpreter do
+    not compile): the loop found is the one over groups, a thread's 128 features × 4 outputs taking one FFMA per
+    weight and row of ``x``, for every launch the plan makes at llama3.1-8b's shapes."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = tmp_path / "gemv"
+    subprocess.run([sys.executable, str(SCRIPT), "--int4-gemv", "--out", str(out)], env=env, check=True,
+                   capture_output=True)
+    kernels = json.loads(out.with_suffix(".json").read_text())["kernels"]
+    assert {kernel["rows"] for kernel in kernels.values()} == {1, 2}
+    for name, kernel in kernels.items():
+        ffma = dict(kernel["top"])["FFMA"]
+        assert 512 * kernel["rows"] <= ffma < 512 * kernel["rows"] + 64, name
+        assert kernel["weights"] == 128 * 4 * 32 and kernel["instructions"] > ffma, name
+        assert 0 < kernel["registers"] <= 255, name
