@@ -97,8 +97,11 @@ class Sequence:
             round's verify whatever the engine picks meanwhile.
         verify_in_flight: the drafts its verify step in flight checks (``draft_token_ids`` until its update), 0
             when none is: the drafts of the next round, whose first may be launched meanwhile, are counted apart.
-        num_verify_steps, num_draft_tokens, num_accepted_tokens: a lossless request's verify steps so far, the draft
-            tokens they scored and those they kept (the bonus token each verify adds is not counted as accepted).
+        num_verify_steps: a lossless request's verify steps so far.
+        draft_tokens_by_position, accepted_tokens_by_position: per draft position ``i`` (0: a round's first draft),
+            the verify steps whose round drafted it and those that kept it (a draft is kept only after every one
+            before it, so neither grows along the positions; both as long as the longest round); their sums are :attr:`num_draft_tokens` and
+            :attr:`num_accepted_tokens` (the token each verify adds after the kept drafts is not counted).
     """
 
     request_id: str
@@ -131,8 +134,8 @@ class Sequence:
     round_drafts: int = 0
     verify_in_flight: int = 0
     num_verify_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    draft_tokens_by_position: list[int] = dataclasses.field(default_factory=list)
+    accepted_tokens_by_position: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -255,6 +258,16 @@ class Sequence:
             return self.sampling_params.seed
         return (engine_seed * 0x9E3779B1 + _request_hash(self.request_id)) % (1 << 62)
 
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens the request's verify steps scored."""
+        return sum(self.draft_tokens_by_position)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Draft tokens the request's verify steps kept."""
+        return sum(self.accepted_tokens_by_position)
+
     def metrics(self) -> RequestMetrics:
         """The request's metrics so far (decode speed only once finished)."""
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
@@ -265,11 +278,13 @@ class Sequence:
         mean_attended = self.tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = self.sparse_tokens_attended_sum / self.decode_steps if self.decode_steps else None
         sparse = None if self.quest.dense or not self.sparse_tokens_attended_sum else sparse
-        acceptance = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-        per_verify = ((self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
-                      if self.num_verify_steps else None)
+        drafted, accepted = self.num_draft_tokens, self.num_accepted_tokens
+        acceptance = accepted / drafted if drafted else None
+        per_verify = (accepted + self.num_verify_steps) / self.num_verify_steps if self.num_verify_steps else None
+        by_position = tuple(kept / scored for kept, scored in
+                            zip(self.accepted_tokens_by_position, self.draft_tokens_by_position)) or None
         return RequestMetrics(ttft, decode_tps, mean_attended, self.num_preemptions, sparse,
-                              self.num_cached_tokens or 0, self.selection_rate, acceptance, per_verify)
+                              self.num_cached_tokens or 0, self.selection_rate, acceptance, per_verify, by_position)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +312,9 @@ class RequestMetrics:
             (``None`` without a verify step).
         mean_tokens_per_verify: output tokens per verify step of a lossless request (kept drafts plus dense
             attention's own token: between 1 and ``speculative_tokens + 1``), ``None`` without one.
+        acceptance_by_position: per draft position of a lossless round (0: its first draft), the share of the
+            verify steps whose round drafted it that kept it (vLLM's acceptance per position: where it falls low,
+            fewer drafts per round would do), ``None`` without a verify step.
     """
 
     time_to_first_token: Optional[float]
@@ -308,6 +326,7 @@ class RequestMetrics:
     selection_rate: Optional[float] = None
     acceptance_rate: Optional[float] = None
     mean_tokens_per_verify: Optional[float] = None
+    acceptance_by_position: Optional[tuple[float, ...]] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -221,11 +221,20 @@ def keep_verified(seq: "Sequence", tokens: list[int], policy: Optional[Speculati
     while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
         accepted += 1
     seq.num_verify_steps += 1
-    seq.num_draft_tokens += len(drafts)
-    seq.num_accepted_tokens += accepted
+    _count_round(seq.draft_tokens_by_position, seq.accepted_tokens_by_position, len(drafts), accepted)
     if policy is not None:
         policy.record_round(rows, len(drafts), accepted)
     return tokens[:accepted + 1]
+
+
+def _count_round(drafted: list[int], kept: list[int], drafts: int, accepted: int) -> None:
+    """A verified round of ``drafts`` drafts whose first ``accepted`` were kept, counted by draft position in
+    ``drafted`` and ``kept`` (grown alike as needed, so that a position drafted and never kept counts 0 kept)."""
+    for counts in (drafted, kept):
+        counts.extend([0] * (drafts - len(counts)))
+    for i in range(drafts):
+        drafted[i] += 1
+        kept[i] += i < accepted
 
 
 def verified_next_inputs(tokens: torch.Tensor, offsets: torch.Tensor, drafts: torch.Tensor

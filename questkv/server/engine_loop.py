@@ -80,7 +80,9 @@ class _Live:
     last_token_time: float = 0.0
     attended_sum: float = 0.0
     decode_steps: int = 0
-    speculation: tuple[int, int, int] = (0, 0, 0)  # the sequence's verify counters already added to the metrics
+    verify_steps: int = 0  # the sequence's verify counters already added to the metrics
+    drafted: list[int] = dataclasses.field(default_factory=list)  # by draft position
+    accepted: list[int] = dataclasses.field(default_factory=list)
 
 
 class RequestStream:
@@ -337,11 +339,22 @@ class EngineLoop:
         if seq.decode_steps > live.decode_steps:
             attended.append((seq.tokens_attended_sum - live.attended_sum) / (seq.decode_steps - live.decode_steps))
             live.attended_sum, live.decode_steps = seq.tokens_attended_sum, seq.decode_steps
-        speculation = (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps)
-        counters = (self.metrics.spec_draft_tokens, self.metrics.spec_accepted_tokens, self.metrics.spec_verify_steps)
-        for counter, count, counted in zip(counters, speculation, live.speculation):
-            counter.inc(count - counted)
-        live.speculation = speculation
+        if seq.num_verify_steps == live.verify_steps:
+            return
+        self.metrics.spec_verify_steps.inc(seq.num_verify_steps - live.verify_steps)
+        live.verify_steps = seq.num_verify_steps
+        for counts, counted, total, by_position in (
+                (seq.draft_tokens_by_position, live.drafted, self.metrics.spec_draft_tokens,
+                 self.metrics.spec_draft_tokens_by_position),
+                (seq.accepted_tokens_by_position, live.accepted, self.metrics.spec_accepted_tokens,
+                 self.metrics.spec_accepted_tokens_by_position)):
+            new = len(counts) - len(counted)
+            counted.extend([0] * new)
+            for position, (count, before) in enumerate(zip(counts, counted)):
+                if count > before or position >= len(counts) - new:  # (a new position's labels appear at 0)
+                    total.inc(count - before)
+                    by_position.labels(position=str(position)).inc(count - before)
+                    counted[position] = count
 
     def _fail_step(self, error: Exception) -> None:
         """Fail the requests of the steps that raised or were in flight: those with tokens in flight (the engine

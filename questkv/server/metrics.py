@@ -24,6 +24,11 @@ last request freed. Metric names:
   ``vllm:spec_decode_num_draft_tokens`` and ``..._num_accepted_tokens``): the draft tokens verify steps scored, those
   they kept (dense attention's own token after them not counted), and the verify steps; accepted / draft is the
   acceptance rate, (accepted + verify steps) / verify steps the tokens per verify step.
+* ``questkv_spec_decode_num_draft_tokens_per_pos_total{position}``,
+  ``questkv_spec_decode_num_accepted_tokens_per_pos_total{position}``: the same two counts by draft position in a
+  round (0: its first draft; vLLM's ``vllm:spec_decode_num_accepted_tokens_per_pos``); accepted / draft at a
+  position is its acceptance rate, which says how many drafts per round are worth taking. A position's labels
+  appear with its first verify step.
 """
 
 from __future__ import annotations
@@ -91,6 +96,16 @@ class ServerMetrics:
         )
         self.spec_verify_steps = Counter(
             "questkv_spec_decode_num_verify_steps", "lossless Quest: verify steps of the requests", registry=registry,
+        )
+        self.spec_draft_tokens_by_position = Counter(
+            "questkv_spec_decode_num_draft_tokens_per_pos",
+            "lossless Quest: draft tokens scored by verify steps, by position in the round", ["position"],
+            registry=registry,
+        )
+        self.spec_accepted_tokens_by_position = Counter(
+            "questkv_spec_decode_num_accepted_tokens_per_pos",
+            "lossless Quest: draft tokens verify steps kept, by position in the round", ["position"],
+            registry=registry,
         )
 
         self.engine_steps = Counter("questkv_engine_steps", "engine steps launched, by kind (decode, prefill, mixed)",

@@ -380,15 +380,16 @@ def quest_echo(quest: RequestQuest, metrics: RequestMetrics) -> dict:
     tokens per lossless round (0: lossy Quest, or dense) the engine resolved for the request, the KV tokens one
     decode step attended, averaged over the request's decode steps (``0.0`` when it had none: one output token),
     the fraction of (decode step, sparse layer, head) that selected (``None`` when dense or without decode steps),
-    and once a verify step ran (lossless) the share of draft tokens kept (``acceptance_rate``) and the tokens each
-    verify step output (``mean_tokens_per_verify``)."""
+    and once a verify step ran (lossless) the share of draft tokens kept (``acceptance_rate``, and per draft position
+    of a round, ``acceptance_by_position``) and the tokens each verify step output (``mean_tokens_per_verify``)."""
     echo = {"token_budget": quest.token_budget, "dense": quest.dense,
             "selection_interval": None if quest.dense else quest.selection_interval,
             "speculative_tokens": quest.speculative_tokens,
             "mean_tokens_attended": float(metrics.mean_tokens_attended or 0.0),
             "selection_rate": metrics.selection_rate}
     if metrics.mean_tokens_per_verify is not None:
-        echo.update(acceptance_rate=metrics.acceptance_rate, mean_tokens_per_verify=metrics.mean_tokens_per_verify)
+        echo.update(acceptance_rate=metrics.acceptance_rate, mean_tokens_per_verify=metrics.mean_tokens_per_verify,
+                    acceptance_by_position=list(metrics.acceptance_by_position))
     return echo
 
 

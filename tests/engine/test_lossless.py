@@ -59,6 +59,7 @@ def test_greedy_output_is_the_dense_engines_for_ragged_batches(model_dir, dense,
     assert [out.token_ids for out in outputs] == run(dense, prompts, params)
     verified = [out.metrics for out in outputs if out.metrics.mean_tokens_per_verify is not None]
     assert verified and all(1 <= m.mean_tokens_per_verify <= k + 1 and 0 <= m.acceptance_rate <= 1 for m in verified)
+    assert all(1 <= len(m.acceptance_by_position) <= k for m in verified)
 
 
 def test_a_lossy_quest_engine_differs_from_dense_where_lossless_does_not(model_dir, dense):

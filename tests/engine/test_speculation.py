@@ -204,3 +204,28 @@ def test_the_devices_kept_drafts_and_next_inputs_are_keep_verifieds():
         drafts[row, :k] = torch.tensor(guesses, dtype=torch.int64)
     next_inputs, kept = verified_next_inputs(torch.tensor(tokens), torch.tensor(offsets), drafts)
     assert list(zip(next_inputs.tolist(), kept.tolist())) == expected
+
+
+def test_keep_verified_counts_each_round_by_draft_position():
+    """Rounds of random lengths and random agreement on one sequence: per position, the rounds that drafted it and
+    those that kept it (a kept draft follows kept ones), which sum to the totals and give the metrics' rates."""
+    rng = random.Random()
+    seq = Sequence("r", (1, 2))
+    drafted, kept_at = [0] * 8, [0] * 8
+    for _ in range(rng.randint(5, 20)):
+        k = rng.randint(1, 8)
+        sampled = [rng.randrange(4) for _ in range(k + 1)]
+        seq.draft_token_ids = [t if rng.random() < 0.8 else rng.randrange(4) for t in sampled[:k]]
+        kept = len(keep_verified(seq, sampled, None, 1)) - 1
+        for i in range(k):
+            drafted[i] += 1
+            kept_at[i] += i < kept
+    longest = max(i + 1 for i in range(8) if drafted[i])
+    assert seq.draft_tokens_by_position == drafted[:longest]
+    assert seq.accepted_tokens_by_position == kept_at[:longest]
+    assert sum(kept_at) == seq.num_accepted_tokens and sum(drafted) == seq.num_draft_tokens
+    for counts in (seq.draft_tokens_by_position, seq.accepted_tokens_by_position):
+        assert all(a >= b for a, b in zip(counts, counts[1:]))
+    metrics = seq.metrics()
+    assert metrics.acceptance_by_position == pytest.approx([kept_at[i] / drafted[i] for i in range(longest)])
+    assert metrics.acceptance_rate == pytest.approx(sum(kept_at) / sum(drafted))

@@ -34,6 +34,8 @@ _ENGINE = dict(load_format="dummy", device="cpu", dtype="float32", max_model_len
                max_num_seqs=4)
 _SPEC = ("questkv_spec_decode_num_draft_tokens_total", "questkv_spec_decode_num_accepted_tokens_total",
          "questkv_spec_decode_num_verify_steps_total")
+_PER_POSITION = ("questkv_spec_decode_num_draft_tokens_per_pos_total",
+                 "questkv_spec_decode_num_accepted_tokens_per_pos_total")
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +108,12 @@ def test_a_lossless_request_gives_the_dense_tokens_and_echoes_its_drafts(lossles
     echo = lossless_answer.json()["quest"]
     assert echo["speculative_tokens"] == 2 and echo["token_budget"] == BUDGET and echo["dense"] is False
     assert 0 <= echo["acceptance_rate"] <= 1 and 1 <= echo["mean_tokens_per_verify"] <= 2 + 1
+    assert 1 <= len(echo["acceptance_by_position"]) <= 2 and all(0 <= a <= 1 for a in echo["acceptance_by_position"])
     assert default.json()["quest"]["speculative_tokens"] == K  # the engine's
     for plain in (dense, lossy):  # no verify step: no acceptance to report
         echo = plain.json()["quest"]
         assert echo["speculative_tokens"] == 0 and "acceptance_rate" not in echo
-        assert "mean_tokens_per_verify" not in echo
+        assert "mean_tokens_per_verify" not in echo and "acceptance_by_position" not in echo
 
 
 @pytest.mark.parametrize("quest, param", [
@@ -144,6 +147,13 @@ def test_the_metrics_count_the_drafts_kept_and_the_verify_steps_as_the_echo_does
         assert accepted / draft == pytest.approx(echo["acceptance_rate"])
         assert (accepted + verify) / verify == pytest.approx(echo["mean_tokens_per_verify"])
         assert after[verify_rows] - before[verify_rows] >= verify + draft  # each verify row: its last token and drafts
+        by_position = []  # per draft position: the request's drafts scored and kept there
+        for position in range(len(echo["acceptance_by_position"])):
+            by_position.append(tuple(after.get(f'{name}{{position="{position}"}}', 0) - before.get(
+                f'{name}{{position="{position}"}}', 0) for name in _PER_POSITION))
+        assert [kept / scored for scored, kept in by_position] == pytest.approx(echo["acceptance_by_position"])
+        assert by_position[0][0] == verify  # every verify step scored a first draft
+        assert sum(scored for scored, _ in by_position) == draft and sum(kept for _, kept in by_position) == accepted
     assert metrics[-1][_SPEC[1]] > 0  # some drafts were kept
 
 
