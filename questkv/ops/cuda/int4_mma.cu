@@ -14,7 +14,8 @@
 // rows are the same features of x: the lane holds features 16 i + 4 t .. + 3 (eight 64-bit loads per token and
 // group) and pairs them with one byte permute per register. Per group the products of OFFSET + q are summed in
 // float32 (d), and the scale and zero point come off once: acc += s * (d - (z + OFFSET) * sum(x_group)), as
-// questkv.ops.triton.int4_words does.
+// questkv.ops.triton.int4_words does; at 9-16 rows the sums of x are one more MMA per B fragment, an all-ones A
+// (a fifth of the MMAs where converting and adding x took a quarter of the loop's instructions).
 //
 // A warp owns 64 outputs (4 MMA tiles: tile m's A rows g and g + 8 are outputs n0 + 4 g + m and n0 + 32 + 4 g + m,
 // the components of the lane's two loads) and whole groups; the warps of a block split the block's groups and sum
@@ -48,6 +49,7 @@ struct Float16Codes {
   static constexpr bool BF16 = std::is_same_v<T, __nv_bfloat16>;
   static constexpr uint32_t MAGIC = BF16 ? 0x43004300u : 0x64006400u;
   static constexpr float OFFSET = BF16 ? 128.0f : 1024.0f;
+  static constexpr uint32_t ONES = BF16 ? 0x3F803F80u : 0x3C003C00u;  // (1.0, 1.0)
   static __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
     if constexpr (BF16) {
       QUESTKV_MMA_M16N8K16("bf16", d, a, b0, b1);
@@ -176,10 +178,16 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
       if (grp_next < g_end) load_words(w_next, w_lane, grp_next, t, N);  // in flight meanwhile
     }
     float d[NT][TILES][4];
-    float x_sum[NT];
+    // The group's sums of x: at 9-16 rows an all-ones A times each B fragment (one MMA; its row g holds tokens
+    // nt * 8 + 2t and + 1, the lane's own accumulator columns), else in float32 adds: up to 8 rows the MMA's four
+    // accumulators took the kernel past 128 registers (one block of 256 threads per SM, not two: 25 % slower at
+    // 1-8 rows on an H100), above 16 they spill.
+    constexpr bool MMA_SUMS = NT == 2;
+    float x_sum[NT][MMA_SUMS ? 4 : 1];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      x_sum[nt] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < (MMA_SUMS ? 4 : 1); ++c) x_sum[nt][c] = 0.0f;
 #pragma unroll
       for (int m = 0; m < TILES; ++m)
 #pragma unroll
@@ -201,7 +209,7 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
           const int nibble = PASSES == 1 ? j : 2 * pass + (j & 1) * 4 + (j >> 1);
           xq[nt][j] = make_uint2(0u, 0u);
           if (token < M) xq[nt][j] = *reinterpret_cast<const uint2*>(row + 16 * nibble);
-          x_sum[nt] += sum4<T>(xq[nt][j]);
+          if constexpr (!MMA_SUMS) x_sum[nt][0] += sum4<T>(xq[nt][j]);
         }
       }
 #pragma unroll
@@ -217,6 +225,10 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
             b[nt][0] = PASSES == 1 ? pair_of(xq[nt][2 * h], xq[nt][2 * h + 4], s) : pair_of(xq[nt][0], xq[nt][1], s);
             b[nt][1] = PASSES == 1 ? pair_of(xq[nt][2 * h + 1], xq[nt][2 * h + 5], s)
                                    : pair_of(xq[nt][2], xq[nt][3], s);
+            if constexpr (MMA_SUMS) {
+              const uint32_t ones[4] = {Codes::ONES, Codes::ONES, Codes::ONES, Codes::ONES};
+              Codes::mma(x_sum[nt], ones, b[nt][0], b[nt][1]);
+            }
           }
 #pragma unroll
           for (int m = 0; m < TILES; ++m) {
@@ -243,11 +255,17 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
     load4(zeros + sz + 32, z_high);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      float xs = x_sum[nt];  // token nt * 8 + g over this lane's features; the 4 lanes of g hold the group
-      xs += __shfl_xor_sync(0xffffffffu, xs, 1);
-      xs += __shfl_xor_sync(0xffffffffu, xs, 2);
-      const float xs0 = __shfl_sync(0xffffffffu, xs, 8 * t);      // token nt * 8 + 2t
-      const float xs1 = __shfl_sync(0xffffffffu, xs, 8 * t + 4);  // token nt * 8 + 2t + 1
+      float xs0, xs1;  // tokens nt * 8 + 2t and + 1 over the group
+      if constexpr (MMA_SUMS) {
+        xs0 = x_sum[nt][0];
+        xs1 = x_sum[nt][1];
+      } else {  // token nt * 8 + g over this lane's features; the 4 lanes of g hold the group
+        float xs = x_sum[nt][0];
+        xs += __shfl_xor_sync(0xffffffffu, xs, 1);
+        xs += __shfl_xor_sync(0xffffffffu, xs, 2);
+        xs0 = __shfl_sync(0xffffffffu, xs, 8 * t);
+        xs1 = __shfl_sync(0xffffffffu, xs, 8 * t + 4);
+      }
 #pragma unroll
       for (int m = 0; m < TILES; ++m) {
         const float zl = z_low[m] + Codes::OFFSET;
