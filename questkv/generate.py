@@ -54,8 +54,9 @@ class GenerationStats:
         mean_tokens_attended: KV tokens one decode step attended, averaged over steps, layers and heads, at most
             :attr:`mean_context` (:func:`kv_read`); ``None`` without a decode step.
         finish_reason: ``"stop"`` or ``"length"``.
-        acceptance_rate, mean_tokens_per_verify: lossless Quest (``speculative_config``): the share of draft tokens
-            its verify steps kept and the tokens each verify step output; ``None`` without a verify step.
+        acceptance_rate, mean_tokens_per_verify, acceptance_by_position: lossless Quest (``speculative_config``):
+            the share of draft tokens its verify steps kept, the tokens each verify step output and the share kept
+            per draft position of a round; ``None`` without a verify step.
     """
 
     prompt_tokens: int
@@ -66,6 +67,7 @@ class GenerationStats:
     finish_reason: Optional[str]
     acceptance_rate: Optional[float] = None
     mean_tokens_per_verify: Optional[float] = None
+    acceptance_by_position: Optional[tuple[float, ...]] = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -90,7 +92,8 @@ class GenerationStats:
             line += (f" | attended: {self.mean_tokens_attended:.1f} tokens per step "
                      f"({self.kv_fraction:.1%} of the KV cache)")
         if self.acceptance_rate is not None:
-            line += (f" | lossless: {self.acceptance_rate:.1%} of the drafts kept, "
+            by_position = " / ".join(f"{rate:.0%}" for rate in self.acceptance_by_position)
+            line += (f" | lossless: {self.acceptance_rate:.1%} of the drafts kept ({by_position} by position), "
                      f"{self.mean_tokens_per_verify:.2f} tokens per verify step")
         return line
 
@@ -193,6 +196,7 @@ def generate_text(
         finish_reason=out.finish_reason,
         acceptance_rate=metrics.acceptance_rate,
         mean_tokens_per_verify=metrics.mean_tokens_per_verify,
+        acceptance_by_position=metrics.acceptance_by_position,
     )
 
 

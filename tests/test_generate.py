@@ -119,12 +119,14 @@ def test_generate_with_a_speculative_config_streams_the_dense_text_and_reports_t
                           speculative_config={"method": "quest", "num_speculative_tokens": 3})
     assert stats.new_tokens == len(ref.token_ids)
     assert 0 <= stats.acceptance_rate <= 1 and 1 <= stats.mean_tokens_per_verify <= 3 + 1
+    assert 1 <= len(stats.acceptance_by_position) <= 3 and all(0 <= rate <= 1 for rate in stats.acceptance_by_position)
     assert cli.main(["generate", "--model", str(model_dir), "--prompt", prompt, "--budget", "16", "--page-size", "4",
                      "--dense-layers", "1", "--dense-context-ratio", "1", "--max-new-tokens", "10", *ENGINE,
                      "--speculative-config", '{"method": "quest", "num_speculative_tokens": 3}']) == 0
     out, err = capsys.readouterr()
     assert out == ref.text + "\n"
-    assert re.search(r"\| lossless: [0-9.]+% of the drafts kept, [0-9.]+ tokens per verify step", err)
+    assert re.search(r"\| lossless: [0-9.]+% of the drafts kept \([0-9]+%( / [0-9]+%){0,2} by position\), "
+                     r"[0-9.]+ tokens per verify step", err)
 
 
 def test_a_speculative_config_needs_a_budget_and_is_refused_before_the_model_loads(capsys, monkeypatch):
