@@ -100,8 +100,9 @@ class Sequence:
         num_verify_steps: a lossless request's verify steps so far.
         draft_tokens_by_position, accepted_tokens_by_position: per draft position ``i`` (0: a round's first draft),
             the verify steps whose round drafted it and those that kept it (a draft is kept only after every one
-            before it, so neither grows along the positions; both as long as the longest round); their sums are :attr:`num_draft_tokens` and
-            :attr:`num_accepted_tokens` (the token each verify adds after the kept drafts is not counted).
+            before it, so neither grows along the positions; both as long as the longest round); their sums are
+            :attr:`num_draft_tokens` and :attr:`num_accepted_tokens` (the token each verify adds after the kept
+            drafts is not counted).
     """
 
     request_id: str
