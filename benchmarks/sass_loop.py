@@ -24,7 +24,7 @@ launch :func:`~questkv.ops.triton.int4_gemv.plan_int4_gemv` makes at llama3.1-8b
 ``x``. Both int4 reports give a loop's warp instructions per weight (one group of 128 features over the outputs of
 a warp): the GEMV at one row multiplies each weight by one ``x`` value, so where a GPU issues fewer warp
 instructions a second than this figure times the weights its bandwidth delivers, the kernel is bound by its
-instructions, not its loads::
+instructions, not its loads. ``--maxnreg N`` caps its registers a thread and reports what spills::
 
     python benchmarks/sass_loop.py --int4-gemv --out benchmarks/results/sass-int4-gemv-cpu
 """
@@ -94,6 +94,11 @@ def compile_case(query: str, pages: str, dense: bool, e4m3_dot: bool = False, ke
 def registers(ptx: str) -> int:
     """Registers a thread of the kernel holds, from ``ptxas -v`` (Triton's bundled ptxas) on its sm_90 PTX: with
     the shared memory, what bounds its programs per SM."""
+    return ptxas_usage(ptx)[0]
+
+
+def ptxas_usage(ptx: str) -> tuple[int, int]:
+    """A kernel's registers a thread and spilled bytes (stores + loads) from ``ptxas -v`` on its sm_90 PTX."""
     from triton import knobs
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,7 +106,9 @@ def registers(ptx: str) -> int:
         Path(source).write_text(ptx)
         result = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name", "sm_90a", source, "-o",
                                  os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True)
-    return int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
+    return (int(re.search(r"Used (\d+) registers", result.stderr).group(1)),
+            int(spills.group(1)) + int(spills.group(2)))
 
 
 def disassemble(cubin: bytes) -> str:
@@ -185,12 +192,13 @@ GEMV_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
 """llama3.1-8b's projections (in features, out features), whose GEMV launches ``--int4-gemv`` compiles."""
 
 
-def int4_gemv_loops() -> dict[str, dict]:
+def int4_gemv_loops(maxnreg: int | None = None) -> dict[str, dict]:
     """The Triton int4 GEMV's loop over groups, compiled for sm_90 for each distinct launch
     :func:`~questkv.ops.triton.int4_gemv.plan_int4_gemv` makes at :data:`GEMV_SHAPES` (split over groups, bf16
-    ``x`` and scales, byte zero points, PDL on), at one and two rows: its instructions, registers, warp
-    instructions per weight and top opcodes, by ``"<rows> row(s), <warps> warps (<shapes>)"``; every pointer,
-    stride and ``N`` 16-divisible, as a launch specializes them."""
+    ``x`` and scales, byte zero points, PDL on), at one and two rows: its instructions, registers, spilled bytes,
+    warp instructions per weight and top opcodes, by ``"<rows> row(s), <warps> warps (<shapes>)"``; every pointer,
+    stride and ``N`` 16-divisible, as a launch specializes them. ``maxnreg`` caps the registers a thread (Triton's
+    option; ``None``: as the launcher compiles it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -214,29 +222,32 @@ def int4_gemv_loops() -> dict[str, dict]:
             divisible = [name for name in kernel.arg_names  # N too: every shape's is a multiple of 16
                          if name in pointers or name.startswith("stride_") or name == "N"]
             attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+            options = {"num_warps": warps, **({} if maxnreg is None else {"maxnreg": maxnreg})}
             compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-                                      target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                                      target=GPUTarget("cuda", 90, 32), options=options)
             ops = inner_loop(compiled.asm["cubin"])
             weights = 128 * block_n // warps  # a group's features times a warp's outputs
+            used, spilled = ptxas_usage(compiled.asm["ptx"])
             kernels[f"{m} row{'s' if m > 1 else ''}, {warps} warps ({', '.join(shapes)})"] = {
                 "rows": m, "warps": warps, "block_n": block_n, "instructions": sum(ops.values()),
-                "weights": weights, "per_weight": sum(ops.values()) / weights,
-                "registers": registers(compiled.asm["ptx"]), "top": ops.most_common(8)}
+                "weights": weights, "per_weight": sum(ops.values()) / weights, "registers": used,
+                "spill_bytes": spilled, "top": ops.most_common(8)}
     return kernels
 
 
-def int4_gemv_main(out: str | None) -> int:
+def int4_gemv_main(out: str | None, maxnreg: int | None) -> int:
     """``--int4-gemv``: :func:`int4_gemv_loops`."""
     from questkv.eval.provenance import provenance
 
-    record = {"provenance": provenance("cpu"), "kernels": int4_gemv_loops()}
-    rows = [[name, row["instructions"], row["weights"], f"{row['per_weight']:.4f}", row["registers"], _top(row)]
-            for name, row in record["kernels"].items()]
+    record = {"provenance": provenance("cpu"), "maxnreg": maxnreg, "kernels": int4_gemv_loops(maxnreg)}
+    rows = [[name, row["instructions"], row["weights"], f"{row['per_weight']:.4f}", row["registers"],
+             row["spill_bytes"], _top(row)] for name, row in record["kernels"].items()]
+    cap = "" if maxnreg is None else f", at most {maxnreg} registers a thread"
     write_report(record, "The int4 GEMV's loop over groups in sm_90 instructions (no GPU)",
                  "Triton for sm_90, one group of 128 features for a warp's outputs (4 a thread), "
-                 "its launches at llama3.1-8b's shapes",
+                 f"its launches at llama3.1-8b's shapes{cap}",
                  ["launch", "instructions", "weights", "warp instructions per weight", "registers",
-                  "top opcodes"], rows, out)
+                  "spilled bytes", "top opcodes"], rows, out)
     return 0
 
 
@@ -265,12 +276,16 @@ def main() -> int:
                         help="count the int4 tensor-core kernel's loop in these CUDA C++ sources instead (nvcc)")
     parser.add_argument("--int4-gemv", action="store_true",
                         help="count the Triton int4 GEMV's loop at llama3.1-8b's launches instead")
+    parser.add_argument("--maxnreg", type=int, default=None,
+                        help="with --int4-gemv: cap the registers a thread (Triton's maxnreg) to see what spills")
     args = parser.parse_args()
     if args.int4_mma:
         return int4_mma_main(args.int4_mma, args.out)
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.maxnreg is not None and not (args.int4_gemv and 16 <= args.maxnreg <= 255):
+        parser.error(f"--maxnreg takes 16 to 255 registers, with --int4-gemv; got {args.maxnreg}")
     if args.int4_gemv:
-        return int4_gemv_main(args.out)
+        return int4_gemv_main(args.out, args.maxnreg)
     from questkv.eval.provenance import provenance
 
     rows = {}
