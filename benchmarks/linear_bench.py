@@ -374,7 +374,7 @@ def gemv_sweep_configs(n: int, k: int, device: torch.device) -> list:
     plan = plan_int4_gemv(n, k, GROUP, device)
     groups = k // GROUP
     configs = [plan]
-    configs += [Int4GemvConfig(128 * w, w, rows, plan.split) for w in (1, 2, 4, 8) for rows in (4, 8, 16)]
+    configs += [Int4GemvConfig(128 * w, w, rows, plan.split) for w in (1, 2, 4, 8) for rows in (8, 16)]
     configs += [dataclasses.replace(plan, split=s) for s in (max(1, plan.split // 2), min(groups, 2 * plan.split),
                                                              groups)]
     return list(dict.fromkeys(configs))
