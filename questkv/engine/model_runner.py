@@ -455,6 +455,7 @@ class ModelRunner:
         self.capture_decode_graphs(progress)
         prepare_prefill(self.model, self.cache)
 
+    @torch.inference_mode()
     def capture_decode_graphs(self, progress: bool = False) -> int:
         """Capture the decode graph of every batch size and page-table width a step can use (compiling their
         kernels), with speculation also the verify graph of every round length, largest first; those already
