@@ -60,15 +60,29 @@ _INT4_MMA = re.compile(r"int4_mma_kernelI(13__nv_bfloat16|6__half)(S1_|h)Li(\d+)
 _INT4_TYPES = {"13__nv_bfloat16": "bf16", "6__half": "fp16", "S1_": "x's type", "h": "uint8"}
 
 
+def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, options: dict, floats: tuple = (),
+                 divisible: tuple = ()):
+    """``kernel`` compiled by ``triton.compile`` for sm_90: ``pointers`` (argument -> element type) and every stride
+    and ``divisible`` integer 16-divisible, as a launch over the engine's buffers specializes them; ``floats`` the
+    float32 scalars, other arguments int32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers
+                 else "fp32" if name in floats else "i32" for name in kernel.arg_names}
+    aligned = [name for name in kernel.arg_names
+               if name in pointers or name.startswith("stride_") or name in divisible]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def compile_case(query: str, pages: str, dense: bool, e4m3_dot: bool = False, keys: int | None = None,
                  stages: int | None = None):
     """The kernel compiled for sm_90 in the grid kind of :data:`PROGRAMS` (``triton.compile``; every pointer and
     stride 16-divisible, as a launch over the engine's buffers specializes them), or with ``keys`` per iteration and
     ``stages`` of pipelining instead of the kind's: the compiled kernel, its grid kind and its keys per iteration."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from questkv.ops.triton import decode_attention as attention
 
     kernel = attention._decode_split_kernel
@@ -81,13 +95,8 @@ def compile_case(query: str, pages: str, dense: bool, e4m3_dot: bool = False, ke
                   "PAGES_PER_ITER": (keys or attention._CONFIG[kind][0]) // 16, "MERGE_CHUNK": attention._MERGE_CHUNK,
                   "DENSE": dense, "UPCAST": False, "IEEE": False, "USE_PDL": True,
                   "F16_DOT": pages == "fp8e4nv" and query == "bf16", "E4M3_DOT": e4m3_dot, "ROW_BUDGETS": False}
-    signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers
-                 else "fp32" if name == "qk_scale" else "i32" for name in kernel.arg_names}
-    divisible = [name for name in kernel.arg_names if name in pointers or name.startswith("stride_")]
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     options = {"num_warps": attention._WARPS_BY_ROWS[16], "num_stages": stages or attention._CONFIG[kind][2]}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = compile_sm90(kernel, pointers, constexprs, options, floats=("qk_scale",))
     return compiled, kind, constexprs["PAGES_PER_ITER"] * 16
 
 
@@ -199,10 +208,6 @@ def int4_gemv_loops(maxnreg: int | None = None) -> dict[str, dict]:
     warp instructions per weight and top opcodes, by ``"<rows> row(s), <warps> warps (<shapes>)"``; every pointer,
     stride and ``N`` 16-divisible, as a launch specializes them. ``maxnreg`` caps the registers a thread (Triton's
     option; ``None``: as the launcher compiles it)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from questkv.ops.triton import int4_gemv
 
     kernel = int4_gemv._int4_gemv_kernel
@@ -217,14 +222,8 @@ def int4_gemv_loops(maxnreg: int | None = None) -> dict[str, dict]:
         for (block_n, warps, rows), shapes in launches.items():
             constexprs = {"GROUP": 128, "BLOCK_M": m, "BLOCK_N": block_n, "ROWS": rows, "SPLIT_K": True,
                           "REDUCE_CHUNK": 16, "EVEN_N": True, "HAS_BIAS": False, "ASM": True, "USE_PDL": True}
-            signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers
-                         else "i32" for name in kernel.arg_names}
-            divisible = [name for name in kernel.arg_names  # N too: every shape's is a multiple of 16
-                         if name in pointers or name.startswith("stride_") or name == "N"]
-            attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
             options = {"num_warps": warps, **({} if maxnreg is None else {"maxnreg": maxnreg})}
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-                                      target=GPUTarget("cuda", 90, 32), options=options)
+            compiled = compile_sm90(kernel, pointers, constexprs, options, divisible=("N",))  # every shape's N
             ops = inner_loop(compiled.asm["cubin"])
             weights = 128 * block_n // warps  # a group's features times a warp's outputs
             used, spilled = ptxas_usage(compiled.asm["ptx"])
