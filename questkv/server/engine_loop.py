@@ -348,13 +348,11 @@ class EngineLoop:
                  self.metrics.spec_draft_tokens_by_position),
                 (seq.accepted_tokens_by_position, live.accepted, self.metrics.spec_accepted_tokens,
                  self.metrics.spec_accepted_tokens_by_position)):
-            new = len(counts) - len(counted)
-            counted.extend([0] * new)
+            counted.extend([0] * (len(counts) - len(counted)))
             for position, (count, before) in enumerate(zip(counts, counted)):
-                if count > before or position >= len(counts) - new:  # (a new position's labels appear at 0)
-                    total.inc(count - before)
-                    by_position.labels(position=str(position)).inc(count - before)
-                    counted[position] = count
+                by_position.labels(position=str(position)).inc(count - before)  # (a new position appears at 0)
+            total.inc(sum(counts) - sum(counted))
+            counted[:] = counts
 
     def _fail_step(self, error: Exception) -> None:
         """Fail the requests of the steps that raised or were in flight: those with tokens in flight (the engine
