@@ -69,6 +69,7 @@ if __name__ == "__main__":  # run as a file: the checkout importable (questkv, b
 
 from benchmarks.graph_timing import graph_replay_us  # noqa: E402
 from questkv.ops import quant_reference as ref  # noqa: E402
+from questkv.ops.cuda import int4_gemv as cuda_gemv  # noqa: E402
 from questkv.ops.cuda import int4_mma as mma  # noqa: E402
 from questkv.ops.cuda.int4_mma import MMA_MAX_M  # noqa: E402
 
@@ -87,7 +88,7 @@ ROTATE_BYTES = 384 * 2**20  # weight bytes one graph replay reads at least (abou
 MAX_COPIES = 32
 MIN_CALLS_PER_REPLAY = 8
 TARGETS = {"int4_m1_ms": 1.57, "int8_speedup_m1": 1.6}  # the issue's targets (llama3.1-8b, all linears of a token)
-SWEEP_KERNELS = ("triton", "bf16-gemv", "int4-gemv", "int4-words", "int4-mma")
+SWEEP_KERNELS = ("triton", "bf16-gemv", "int4-gemv", "int4-words", "int4-mma", "int4-gemv-cuda")
 CHECK_TOL = 2e-2  # relative (norm) error vs the float32 reference on the dequantized weight; bf16 output ~4e-3
 
 
@@ -280,9 +281,12 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
 
             out["int4-words"] = [lambda w=w, q=q: int4_words_matmul(x, w, q[1], q[2], GROUP)
                                  for w, q in zip(shape.gemv, shape.q["int4"])]
-        if cuda and m <= MMA_MAX_M and mma.available(shape.device):  # the CUDA C++ kernel over the same words
+        if cuda and m <= MMA_MAX_M and mma.available(shape.device):  # the CUDA C++ kernels over the same words
             out["int4-mma"] = [lambda w=w, q=q: mma.int4_mma(x, w, q[1], q[2], GROUP)
                                for w, q in zip(shape.gemv, shape.q["int4"])]
+            if m == 1 and cuda_gemv.fits(x, shape.gemv[0], *shape.q["int4"][0][1:3], GROUP):
+                out["int4-gemv-cuda"] = [lambda w=w, q=q: cuda_gemv.int4_gemv_cuda(x, w, q[1], q[2], GROUP)
+                                         for w, q in zip(shape.gemv, shape.q["int4"])]
         if cuda:
             from questkv import ops
 
@@ -408,6 +412,18 @@ def mma_sweep_configs(m: int, n: int, k: int, device: torch.device) -> list:
     return list(dict.fromkeys(configs))
 
 
+def cuda_gemv_sweep_configs(n: int, k: int, device: torch.device) -> list:
+    """Alternative launches of the CUDA ``int4_gemv_cuda`` (the plan first): warps per block, blocks per 32 outputs
+    and stages, every warp at least one group and the shared memory within bounds."""
+    plan = cuda_gemv.plan_int4_gemv_cuda(n, k, device)
+    groups = k // GROUP
+    configs = [plan] + [cuda_gemv.CudaGemvConfig(w, s, st) for w in (4, 8, 16) for s in (1, 2, 4, 8)
+                        for st in cuda_gemv.GEMV_STAGES
+                        if (s == 1 or groups // s >= w)
+                        and cuda_gemv.smem_bytes(-(-groups // s), w) <= cuda_gemv.GEMV_MAX_SMEM]
+    return list(dict.fromkeys(configs))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the run
 
@@ -481,7 +497,9 @@ def run(args) -> dict:
                         ("int4-gemv", m <= GEMV_MAX_M, lambda: gemv_sweep_configs(n, k, device), int4_gemv),
                         ("int4-words", m > 1, lambda: words_sweep_configs(m, n, k, device), int4_words_matmul),
                         ("int4-mma", m <= MMA_MAX_M and mma.available(device),
-                         lambda: mma_sweep_configs(m, n, k, device), mma.int4_mma))
+                         lambda: mma_sweep_configs(m, n, k, device), mma.int4_mma),
+                        ("int4-gemv-cuda", m == 1 and mma.available(device) and n % cuda_gemv.GEMV_OUTPUTS == 0,
+                         lambda: cuda_gemv_sweep_configs(n, k, device), cuda_gemv.int4_gemv_cuda))
                     for kname, rows_ok, configs, launch in over_words:
                         if rows_ok and shape.gemv and kname in kernels:
                             sweep_launches(

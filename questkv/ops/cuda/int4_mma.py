@@ -56,7 +56,7 @@ MMA_WARPS_PER_SM = ((8, 12), (MMA_MAX_M, 8))
 more rows: each warp then holds more accumulators and its split's partials cost more). 17 to 32 rows keep 8: of 2 to
 12 per SM it gave the fastest token in the H100 sweep at 24 and 32 rows (``benchmarks/results/linear-mma32.md``)."""
 
-_SOURCES = ("int4_mma.cu", "int4_mma_binding.cpp")
+_SOURCES = ("int4_mma.cu", "int4_gemv.cu", "int4_mma_binding.cpp")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,132 @@
+"""``int4`` times one row of ``x`` on CUDA cores: a CUDA C++ GEMV (``int4_gemv.cu``) over the K-major words every
+``int4`` kernel reads (:func:`~questkv.ops.quant_reference.pack_int4_k_major`), built in one extension with the
+tensor-core kernel (:mod:`questkv.ops.cuda.int4_mma`: the same build, cache and :func:`available`).
+
+Why CUDA C++ beside the Triton GEMV (:mod:`questkv.ops.triton.int4_gemv`, the same maths): the Triton kernel's
+loads of ``x`` are global loads inside its loop and its scales are not prefetched, and a program owns so many
+outputs that small layers split K over 32 programs whose partials a last program sums; Nsight Compute found it
+at 25 % occupancy with its warps waiting on loads and the SMs busy 65 % of its time
+(``benchmarks/results/linear-ncu-int4-m1-h100.txt``). Here a block owns 32 outputs, stages ``x`` once in shared
+memory, and each warp keeps the words, scales and zero points of up to two groups ahead in registers; the ``.cu``
+file's header has the mapping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from questkv.ops.cuda.int4_mma import _extension
+from questkv.ops.quant_reference import check_int4_words
+
+__all__ = ["GEMV_OUTPUTS", "GEMV_STAGES", "CudaGemvConfig", "fits", "int4_gemv_cuda", "plan_int4_gemv_cuda"]
+
+GEMV_GROUP = 128
+"""The group size the kernel reads."""
+
+GEMV_OUTPUTS = 32
+"""Outputs per block: ``N`` must be a multiple."""
+
+GEMV_STAGES = (2, 3)
+"""Groups a warp holds in registers: the one it multiplies and one or two ahead."""
+
+GEMV_MAX_WARPS = 16
+"""Warps per block at most (the kernel's launch bounds: 512 threads)."""
+
+GEMV_MAX_SMEM = 160 * 1024
+"""Shared memory a block may take: ``x`` staged as float32 (512 bytes per group) plus sums; 300 groups (K = 38,400) at
+most per block."""
+
+GEMV_BLOCKS_PER_SM = 1.5
+""":func:`plan_int4_gemv_cuda` splits K until the blocks are at least this many per SM."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaGemvConfig:
+    """One :func:`int4_gemv_cuda` launch: ``warps`` per block (each takes whole groups of the block's 32 outputs in
+    turn), ``split`` blocks per 32 outputs (each a range of whole groups), ``stages`` groups in registers per warp."""
+
+    warps: int
+    split: int
+    stages: int = 3
+
+
+def smem_bytes(per_split: int, warps: int) -> int:
+    """The dynamic shared memory of a block of ``warps`` over ``per_split`` groups (the ``.cu`` launcher's sum)."""
+    return (per_split * (GEMV_GROUP + 8) + warps * GEMV_OUTPUTS) * 4
+
+
+def fits(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> bool:
+    """Whether :func:`int4_gemv_cuda` takes this product: one contiguous, 16-byte aligned row of bf16 or fp16 ``x``,
+    scales in its dtype and zero points in it or uint8, group 128, outputs a multiple of :data:`GEMV_OUTPUTS`."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and scales.dtype == x.dtype and zeros.dtype in (x.dtype, torch.uint8)
+            and group_size == GEMV_GROUP and words.shape[-1] % GEMV_OUTPUTS == 0 and x.shape[1] % GEMV_GROUP == 0
+            and x.data_ptr() % 16 == 0 and x.stride(-1) == 1)
+
+
+def plan_int4_gemv_cuda(n: int, k: int, device: Optional[torch.device] = None) -> CudaGemvConfig:
+    """The launch :func:`int4_gemv_cuda` uses for ``n`` outputs and ``k`` input features on ``device`` (``None`` or a
+    CPU: an H200's 132 SMs): 8 warps, 3 stages, K split over the fewest power-of-two blocks per 32 outputs that give
+    :data:`GEMV_BLOCKS_PER_SM` blocks per SM and fit :data:`GEMV_MAX_SMEM`, every warp at least one group."""
+    from questkv.ops.triton._common import num_sms
+
+    sms = num_sms(device or torch.device("cpu"))
+    warps = 8
+    tiles = n // GEMV_OUTPUTS
+    groups = k // GEMV_GROUP
+    split = 1
+    while 2 * split * warps <= groups and (tiles * split < GEMV_BLOCKS_PER_SM * sms
+                                           or smem_bytes(-(-groups // split), warps) > GEMV_MAX_SMEM):
+        split *= 2
+    return CudaGemvConfig(warps, split)
+
+
+def int4_gemv_cuda(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group_size: int = GEMV_GROUP, bias: Optional[torch.Tensor] = None,
+                   config: Optional[CudaGemvConfig] = None) -> torch.Tensor:
+    """``y = x @ w.T + bias`` for one row ``x`` ``[1, K]`` bf16 / fp16 and an ``int4`` weight held as K-major words
+    ``[K // 8, N]`` int32 with ``scales`` ``[K // 128, N]`` in ``x``'s dtype and ``zeros`` in ``x``'s dtype or
+    uint8 (:mod:`questkv.ops.quant_reference`'s format), on a CUDA device where
+    :func:`~questkv.ops.cuda.int4_mma.available`; ``config`` overrides :func:`plan_int4_gemv_cuda`.
+
+    Returns:
+        ``[1, N]`` in ``x.dtype``.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"int4_gemv_cuda: x must be [1, K], got shape {tuple(x.shape)}")
+    k = x.shape[1]
+    n = check_int4_words(k, words, scales, zeros, group_size, "int4_gemv_cuda")
+    if not fits(x, words, scales, zeros, group_size):
+        raise ValueError(f"int4_gemv_cuda takes one contiguous bf16/fp16 row, scales in its dtype, zero points in it "
+                         f"or uint8, group size {GEMV_GROUP} and outputs in multiples of {GEMV_OUTPUTS}; got x "
+                         f"{tuple(x.shape)} {x.dtype}, scales {scales.dtype}, zeros {zeros.dtype}, group size "
+                         f"{group_size}, words {tuple(words.shape)}")
+    if bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (n,)):
+        raise ValueError(f"int4_gemv_cuda: bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    cfg = config or plan_int4_gemv_cuda(n, k, x.device)
+    groups = k // GEMV_GROUP
+    if not 1 <= cfg.warps <= GEMV_MAX_WARPS or cfg.split < 1 or cfg.stages not in GEMV_STAGES:
+        raise ValueError(f"int4_gemv_cuda: a config takes 1 to {GEMV_MAX_WARPS} warps, a split of at least 1 and "
+                         f"stages in {GEMV_STAGES}, got {cfg}")
+    per_split = -(-groups // cfg.split)
+    if smem_bytes(per_split, cfg.warps) > GEMV_MAX_SMEM:
+        raise ValueError(f"int4_gemv_cuda: {per_split} groups per block need {smem_bytes(per_split, cfg.warps)} "
+                         f"bytes of shared memory, more than {GEMV_MAX_SMEM}: split K further (got {cfg})")
+    if not x.is_cuda:
+        raise ValueError(f"int4_gemv_cuda runs on CUDA tensors, got x on {x.device} (the torch reference: "
+                         "questkv.ops.quant_reference.int4_matmul)")
+    extension = _extension()
+    if extension is None:
+        raise RuntimeError("int4_gemv_cuda: the CUDA extension is not available on this machine (see the warning)")
+    from questkv.ops.triton._common import split_reduction, use_pdl
+
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    per_split, _, part, counters = split_reduction(groups, cfg.split, out, n // GEMV_OUTPUTS, placeholder=None)
+    extension.int4_gemv(x.contiguous(), words.contiguous(), scales.contiguous(), zeros.contiguous(),
+                        None if bias is None else bias.contiguous(), part, counters, out, per_split, cfg.warps,
+                        cfg.stages, use_pdl(x.device))
+    return out
