@@ -3,9 +3,10 @@
 Each projection of ``--model`` (qkv, o, gate_up, down) holds one copy of random int4 codes as K-major words with
 bfloat16 scales and byte zero points, as a ``QuantizedLinear`` holds them (the codes' values do not change a
 kernel's work), and is multiplied by ``--m`` random bfloat16 rows through ``questkv.ops.int4_matmul``: the kernel
-its dispatch table (``INT4_KERNELS``) picks for that many rows. A first pass over the shapes compiles and warms
-every launch; the second is the one to profile (skip the first pass's launches); then each output is compared
-with the float32 reference on the dequantized weight and the relative error printed.
+its dispatch table (``INT4_KERNELS``) picks for that many rows (``--kernel gemv-cuda``: the CUDA C++ GEMV instead).
+A first pass over the shapes compiles and warms every launch; the second is the one to profile (skip the first
+pass's launches); then each output is compared with the float32 reference on the dequantized weight and the
+relative error printed.
 
 Usage (GPU; llama3.1-8b's four projections at one row, the second pass profiled, cold caches as ncu leaves them)::
 
@@ -37,9 +38,13 @@ def main(argv=None) -> dict[str, float]:
                         help="whose projection shapes")
     parser.add_argument("--m", type=int, default=1, help="rows of x (tokens in the step; default 1)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton through the interpreter)")
+    parser.add_argument("--kernel", default="dispatch", choices=("dispatch", "gemv-cuda"),
+                        help="what multiplies: the dispatch table's pick (default) or the CUDA C++ GEMV (one row)")
     args = parser.parse_args(argv)
     if args.m < 1:
         parser.error(f"--m must be at least 1, got {args.m}")
+    if args.kernel == "gemv-cuda" and (args.m != 1 or args.smoke):
+        parser.error(f"--kernel gemv-cuda takes one row on a GPU, got --m {args.m}{' --smoke' if args.smoke else ''}")
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     import torch
@@ -61,9 +66,13 @@ def main(argv=None) -> dict[str, float]:
         x = torch.randn((args.m, k), generator=gen, device=device).to(torch.bfloat16)
         layers.append((name, x, ref.pack_int4_k_major(qweight, GROUP), scales, zeros.to(torch.uint8), qweight))
     backend = "triton" if args.smoke else "auto"  # (auto on a CPU: the reference)
+    if args.kernel == "gemv-cuda":
+        from questkv.ops.cuda.int4_gemv import int4_gemv_cuda as multiply
+    else:
+        def multiply(x, words, scales, zeros, group):
+            return ops.int4_matmul(x, words, scales, zeros, group, backend=backend)
     for _ in range(2):  # the warm-up pass, then the one to profile
-        outs = [ops.int4_matmul(x, words, scales, zeros, GROUP, backend=backend)
-                for _, x, words, scales, zeros, _ in layers]
+        outs = [multiply(x, words, scales, zeros, GROUP) for _, x, words, scales, zeros, _ in layers]
     if device.type == "cuda":
         torch.cuda.synchronize()
     errors = {}
