@@ -54,8 +54,15 @@ def test_plan_fills_the_sms_without_idle_warps_or_too_much_shared_memory():
         assert cfg.stages in gemv.GEMV_STAGES and 1 <= cfg.warps <= gemv.GEMV_MAX_WARPS
         assert gemv.smem_bytes(per_split, cfg.warps) <= gemv.GEMV_MAX_SMEM
         assert cfg.split == 1 or per_split >= cfg.warps
-    assert gemv.plan_int4_gemv_cuda(4096, 4096).split == 2  # 128 tiles of 32 outputs: 256 blocks for 132 SMs
-    assert gemv.plan_int4_gemv_cuda(128256, 4096).split == 1
+    assert gemv.plan_int4_gemv_cuda(4096, 4096) == gemv.CudaGemvConfig(16, 1, 2)  # 128 tiles of 32 outputs
+    assert gemv.plan_int4_gemv_cuda(6144, 4096).warps == 8 and gemv.plan_int4_gemv_cuda(28672, 4096).warps == 4
+    assert gemv.plan_int4_gemv_cuda(96, 40_960).split == 2  # 320 groups' x would not fit one block
+
+
+def test_the_dispatch_takes_up_to_two_tiles_per_sm():
+    cpu = torch.device("cpu")  # an H200's 132 SMs
+    assert gemv.takes(4096, cpu) and gemv.takes(6144, cpu) and gemv.takes(32 * 264, cpu)
+    assert not gemv.takes(32 * 265, cpu) and not gemv.takes(28672, cpu) and not gemv.takes(128256, cpu)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -108,7 +115,7 @@ def test_matches_the_reference(dtype, zeros_u8):
         x = torch.randn((1, k), device=device).to(dtype)
         want = ref.int4_matmul(x.float(), words, scales.float(), zeros.float(), 128)
         configs = [gemv.CudaGemvConfig(w, s, st) for w, s, st in itertools.product((1, 4, 16), (1, 5), (2, 3))]
-        for cfg in configs + [None]:  # 12 groups over 5 blocks: 3, 3, 3, 3 and none; 16 warps: most idle
+        for cfg in configs + [None]:  # 5 blocks asked for 12 groups: 4 of 3; 16 warps: most idle
             for b in (None, bias):
                 got = gemv.int4_gemv_cuda(x, words, scales, zeros, 128, b, config=cfg).float()
                 expect = want if b is None else want + b.float()

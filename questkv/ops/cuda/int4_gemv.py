@@ -21,7 +21,7 @@ import torch
 from questkv.ops.cuda.int4_mma import _extension
 from questkv.ops.quant_reference import check_int4_words
 
-__all__ = ["GEMV_OUTPUTS", "GEMV_STAGES", "CudaGemvConfig", "fits", "int4_gemv_cuda", "plan_int4_gemv_cuda"]
+__all__ = ["GEMV_OUTPUTS", "GEMV_STAGES", "CudaGemvConfig", "fits", "int4_gemv_cuda", "plan_int4_gemv_cuda", "takes"]
 
 GEMV_GROUP = 128
 """The group size the kernel reads."""
@@ -39,8 +39,12 @@ GEMV_MAX_SMEM = 160 * 1024
 """Shared memory a block may take: ``x`` staged as float32 (512 bytes per group) plus sums; 300 groups (K = 38,400) at
 most per block."""
 
-GEMV_BLOCKS_PER_SM = 1.5
-""":func:`plan_int4_gemv_cuda` splits K until the blocks are at least this many per SM."""
+GEMV_MAX_TILES_PER_SM = 2
+""":func:`questkv.ops.int4_matmul` sends one row here where the 32-output tiles are at most this many per SM; above,
+the Triton GEMV (a block stages all of ``x`` for its 32 outputs: too little work per block there). On an H200
+(``benchmarks/results/linear-h200-gemv-cuda.md``'s sweep, µs, this kernel's best launch against the Triton GEMV):
+llama3.1-8b's qkv 8.1 / 8.4 (192 tiles), o 5.8 / 7.0 (128), down 13.2 / 15.3 (128); gate_up 22.9 / 22.5 (896),
+LM head 86.7 / 81.9 (4008)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,19 +73,30 @@ def fits(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
 
 def plan_int4_gemv_cuda(n: int, k: int, device: Optional[torch.device] = None) -> CudaGemvConfig:
     """The launch :func:`int4_gemv_cuda` uses for ``n`` outputs and ``k`` input features on ``device`` (``None`` or a
-    CPU: an H200's 132 SMs): 8 warps, 3 stages, K split over the fewest power-of-two blocks per 32 outputs that give
-    :data:`GEMV_BLOCKS_PER_SM` blocks per SM and fit :data:`GEMV_MAX_SMEM`, every warp at least one group."""
+    CPU: an H200's 132 SMs), from the H200 sweep of llama3.1-8b's shapes (:data:`GEMV_MAX_TILES_PER_SM`'s file): no
+    split of K over blocks (a split cost 5-30 % at every shape: each block stages its ``x`` and the partials take a
+    round trip), 2 stages, and 16 warps splitting a block's groups where the 32-output tiles are at most one per SM
+    (o, down: 5.8 and 13.2 µs against 6.0 and 16.5 with 8), 8 up to two per SM (qkv: 8.1 against 9.6 with 16), 4
+    above (gate_up: 22.9 against 25.5); K is split in two only where one block's ``x`` would not fit
+    :data:`GEMV_MAX_SMEM`."""
     from questkv.ops.triton._common import num_sms
 
     sms = num_sms(device or torch.device("cpu"))
-    warps = 8
     tiles = n // GEMV_OUTPUTS
+    warps = 16 if tiles <= sms else 8 if tiles <= 2 * sms else 4
     groups = k // GEMV_GROUP
     split = 1
-    while 2 * split * warps <= groups and (tiles * split < GEMV_BLOCKS_PER_SM * sms
-                                           or smem_bytes(-(-groups // split), warps) > GEMV_MAX_SMEM):
+    while smem_bytes(-(-groups // split), warps) > GEMV_MAX_SMEM:
         split *= 2
-    return CudaGemvConfig(warps, split)
+    return CudaGemvConfig(warps, split, stages=2)
+
+
+def takes(n: int, device: torch.device) -> bool:
+    """Whether :func:`questkv.ops.int4_matmul` sends one row of a product with ``n`` outputs here on ``device``
+    (:data:`GEMV_MAX_TILES_PER_SM`)."""
+    from questkv.ops.triton._common import num_sms
+
+    return n // GEMV_OUTPUTS <= GEMV_MAX_TILES_PER_SM * num_sms(device)
 
 
 def int4_gemv_cuda(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

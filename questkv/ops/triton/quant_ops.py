@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from questkv.ops.cuda import int4_gemv as cuda_gemv
 from questkv.ops.cuda import int4_mma as mma
 from questkv.ops.quant_reference import check_int4_words, check_quant_args
 from questkv.ops.triton import quant_matmul as loops
@@ -35,10 +36,12 @@ __all__ = ["INT4_KERNELS", "TRITON_MAX_M", "int4_matmul", "prepare_int4_matmul",
 TRITON_MAX_M = 64
 """Up to this many rows the kernels read the packed weight; above, the float weight is written for one GEMM."""
 
-INT4_KERNELS: tuple[tuple[int, str], ...] = ((1, "gemv"), (mma.MMA_MAX_M, "mma"), (GEMV_MAX_M, "gemv"),
-                                             (TRITON_MAX_M, "words"))
+INT4_KERNELS: tuple[tuple[int, str], ...] = ((1, "gemv-cuda"), (1, "gemv"), (mma.MMA_MAX_M, "mma"),
+                                             (GEMV_MAX_M, "gemv"), (TRITON_MAX_M, "words"))
 """``int4`` by rows of ``x``: ``(most rows, kernel)`` in order of preference; the first that takes ``M`` rows and
-runs here multiplies them (``gemv``: :func:`~questkv.ops.triton.int4_gemv.int4_gemv`; ``mma``:
+runs here multiplies them (``gemv-cuda``: :func:`~questkv.ops.cuda.int4_gemv.int4_gemv_cuda` where it is built,
+:func:`~questkv.ops.cuda.int4_gemv.fits` and :func:`~questkv.ops.cuda.int4_gemv.takes` the shape, else the next;
+``gemv``: :func:`~questkv.ops.triton.int4_gemv.int4_gemv`; ``mma``:
 :func:`~questkv.ops.cuda.int4_mma.int4_mma` where it is built and :func:`~questkv.ops.cuda.int4_mma.fits`, else
 the next: the GEMV for 2 rows, ``words``: :func:`~questkv.ops.triton.int4_words.int4_words_matmul` for more);
 above the last, the float weight written from the words for one GEMM."""
@@ -77,6 +80,11 @@ def int4_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
             continue
         if kernel == "gemv":
             return int4_gemv(x, words, scales, zeros, group_size, bias)
+        if kernel == "gemv-cuda":
+            if (cuda_gemv.fits(x, words, scales, zeros, group_size) and cuda_gemv.takes(words.shape[1], x.device)
+                    and mma.available(x.device)):
+                return cuda_gemv.int4_gemv_cuda(x, words, scales, zeros, group_size, bias)
+            continue
         if kernel == "words":
             return int4_words_matmul(x, words, scales, zeros, group_size, bias)
         if mma.fits(x, words, scales, zeros, group_size) and mma.available(x.device):
