@@ -65,6 +65,36 @@ def test_the_dispatch_takes_up_to_two_tiles_per_sm():
     assert not gemv.takes(32 * 265, cpu) and not gemv.takes(28672, cpu) and not gemv.takes(128256, cpu)
 
 
+def test_int4_matmul_sends_one_row_here_where_the_tiles_are_few_and_it_fits(monkeypatch):
+    """The dispatch's routing, with every kernel replaced by a recorder (no GPU): one bf16 row of a product with at
+    most two 32-output tiles per SM goes to the CUDA GEMV, a wider one or a float32 row to the Triton GEMV, two rows
+    to the tensor-core kernel; without the extension, one row goes to the Triton GEMV."""
+    from questkv.ops.cuda import int4_mma as mma
+    from questkv.ops.triton import quant_ops
+
+    calls = []
+    for module, name in ((gemv, "int4_gemv_cuda"), (quant_ops, "int4_gemv"), (mma, "int4_mma")):
+        monkeypatch.setattr(module, name, lambda *args, name=name, **kw: calls.append(name))
+    built = {"yes": True}
+    monkeypatch.setattr(mma, "available", lambda device: built["yes"])
+    monkeypatch.setattr(quant_ops.mma, "fits", lambda *args: True)
+
+    def route(n: int, m: int = 1, dtype=torch.bfloat16) -> str:
+        words = torch.zeros((128 // 8, n), dtype=torch.int32)
+        scales = torch.rand((1, n)).to(dtype)
+        zeros = torch.randint(0, 16, (1, n), dtype=torch.uint8)
+        calls.clear()
+        quant_ops.int4_matmul(torch.randn(m, 128).to(dtype), words, scales, zeros, 128)
+        return calls[0]
+
+    assert route(4096) == route(6144) == "int4_gemv_cuda"  # 128 and 192 tiles for 132 SMs
+    assert route(28672) == route(128256) == "int4_gemv"
+    assert route(4096, dtype=torch.float32) == "int4_gemv"
+    assert route(4096, m=2) == "int4_mma"
+    built["yes"] = False
+    assert route(4096) == "int4_gemv"
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_kernel_compiles_for_sm90_without_spilling(tmp_path):
     source = Path(gemv.__file__).with_name("int4_gemv.cu")

@@ -1,14 +1,14 @@
 """``int4`` times one row of ``x`` on CUDA cores: a CUDA C++ GEMV (``int4_gemv.cu``) over the K-major words every
 ``int4`` kernel reads (:func:`~questkv.ops.quant_reference.pack_int4_k_major`), built in one extension with the
-tensor-core kernel (:mod:`questkv.ops.cuda.int4_mma`: the same build, cache and :func:`available`).
+tensor-core kernel (:mod:`questkv.ops.cuda.int4_mma`: the same build, cache and :func:`~questkv.ops.cuda.int4_mma.available`).
 
-Why CUDA C++ beside the Triton GEMV (:mod:`questkv.ops.triton.int4_gemv`, the same maths): the Triton kernel's
-loads of ``x`` are global loads inside its loop and its scales are not prefetched, and a program owns so many
-outputs that small layers split K over 32 programs whose partials a last program sums; Nsight Compute found it
-at 25 % occupancy with its warps waiting on loads and the SMs busy 65 % of its time
-(``benchmarks/results/linear-ncu-int4-m1-h100.txt``). Here a block owns 32 outputs, stages ``x`` once in shared
-memory, and each warp keeps the words, scales and zero points of up to two groups ahead in registers; the ``.cu``
-file's header has the mapping.
+Where it runs (:func:`takes`): one row of a layer whose 32-output tiles are at most two per SM. There a block's
+warps split the groups of its 32 outputs and sum in shared memory, where the Triton GEMV, whose programs own 256-512
+outputs, splits K over up to 32 programs whose partials a last program sums: on an H200 llama3.1-8b's qkv / o / down
+took 8.1 / 5.8 / 13.2 µs against 8.4 / 7.0 / 15.3; on wider layers (gate_up, the LM head) each block stages all of
+``x`` for too little work and the Triton GEMV stays faster (22.5 / 81.9 against 22.9 / 86.7;
+``benchmarks/results/linear-h200-gemv-cuda.md``). Both hold about 128 registers a thread (25 % occupancy) and wait on
+their loads. The ``.cu`` file's header has the mapping.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-// The Python bindings of int4_mma.cu's and int4_gemv.cu's launchers (questkv.ops.cuda.int4_mma and .int4_gemv check shapes, dtypes and alignment and
-// allocates the output and the split partials, which only a launch of more than one block per tile reads; this launches on the current stream, so CUDA graphs capture it).
+// The Python bindings of int4_mma.cu's and int4_gemv.cu's launchers (questkv.ops.cuda.int4_mma and .int4_gemv
+// check shapes, dtypes and alignment and allocate the output and the split partials, which only a launch of more than
+// one block per tile reads); these launch on the current stream, so CUDA graphs capture them.
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>

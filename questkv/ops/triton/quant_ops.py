@@ -4,7 +4,10 @@ dispatches to them for CUDA tensors): which kernel multiplies how many rows.
 * ``int4``, one copy of the codes, :func:`~questkv.ops.quant_reference.pack_int4_k_major`'s words, by rows ``M``
   (:data:`INT4_KERNELS`; all linears of one llama3.1-8b token on an H200, LM head bf16, ms,
   ``benchmarks/results/linear-h200-mma.md``): the GEMV (:func:`~questkv.ops.triton.int4_gemv.int4_gemv`) for one
-  row (1.94; torch's tinygemm 2.43); the CUDA C++ tensor-core kernel (:mod:`questkv.ops.cuda.int4_mma`) for 2 to 32
+  row (1.94; torch's tinygemm 2.43), and there, where the 32-output tiles are at most two per SM, the CUDA C++ GEMV
+  (:mod:`questkv.ops.cuda.int4_gemv`; µs per call, ``linear-h200-gemv-cuda.md``: llama3.1-8b's qkv / o / down 8.1 /
+  5.8 / 13.2 against the Triton GEMV's 8.4 / 7.0 / 15.3, gate_up 22.9 against 22.5); the CUDA C++ tensor-core
+  kernel (:mod:`questkv.ops.cuda.int4_mma`) for 2 to 32
   (2.19 / 2.24 / 2.36 / 3.13 at M = 2 / 4 / 8 / 16, against 3.88 / 3.93 / 4.00 / 4.21 for the Triton words kernel
   and 2.54 / 3.30 / 5.27 / 8.58 for tinygemm; at 17 / 24 / 32 rows on an H100, ``linear-h100-mma32.md``, 4.09 /
   4.37 / 4.75 against the words kernel's 5.43 / 5.57 / 5.83 and bf16's 5.40-5.47); the Triton tensor-core kernel over
