@@ -1,6 +1,7 @@
 """``int4`` times one row of ``x`` on CUDA cores: a CUDA C++ GEMV (``int4_gemv.cu``) over the K-major words every
 ``int4`` kernel reads (:func:`~questkv.ops.quant_reference.pack_int4_k_major`), built in one extension with the
-tensor-core kernel (:mod:`questkv.ops.cuda.int4_mma`: the same build, cache and :func:`~questkv.ops.cuda.int4_mma.available`).
+tensor-core kernel (:mod:`questkv.ops.cuda.int4_mma`: the same build, cache and
+:func:`~questkv.ops.cuda.int4_mma.available`).
 
 Where it runs (:func:`takes`): one row of a layer whose 32-output tiles are at most two per SM. There a block's
 warps split the groups of its 32 outputs and sum in shared memory, where the Triton GEMV, whose programs own 256-512
