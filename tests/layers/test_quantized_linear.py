@@ -100,8 +100,10 @@ def test_grouped_int8_through_the_triton_kernel_matches_the_torch_backend():
 def test_the_words_serve_every_row_count_through_the_gemv_tensor_cores_or_the_float_weight(monkeypatch):
     """An int4 layer's one copy of its codes, the K-major words, on the ``triton`` backend (the kernels in the
     interpreter): ``int4_gemv`` up to 2 rows, ``int4_words_matmul`` up to 64, the float weight from the words
-    above; where the CUDA tensor-core kernel is built (faked here) and fits (bf16), 2 to ``MMA_MAX_M`` rows take it."""
+    above; where the CUDA kernels are built (faked here) and fit (bf16), one row takes the CUDA GEMV and 2 to
+    ``MMA_MAX_M`` rows the tensor-core kernel."""
     quant_ops = pytest.importorskip("questkv.ops.triton.quant_ops")
+    from questkv.ops.cuda import int4_gemv as cuda_gemv
     from questkv.ops.cuda import int4_mma
 
     gen = torch.Generator().manual_seed(8)
@@ -122,11 +124,14 @@ def test_the_words_serve_every_row_count_through_the_gemv_tensor_cores_or_the_fl
     calls.clear()
     monkeypatch.setattr(int4_mma, "available", lambda device: True)
     monkeypatch.setattr(int4_mma, "int4_mma", lambda x, *a: calls.append("int4_mma") or want[:len(x)])
+    monkeypatch.setattr(cuda_gemv, "int4_gemv_cuda", lambda x, *a: calls.append("int4_gemv_cuda") or want[:1])
     xb, scales = x.to(torch.bfloat16), layer.scales.to(torch.bfloat16)
     for rows in (1, 2, 3, int4_mma.MMA_MAX_M, int4_mma.MMA_MAX_M + 1):
         quant_ops.int4_matmul(xb[:rows], layer.words, scales, layer.zeros, 128, None)
     quant_ops.int4_matmul(x[:5], layer.words, layer.scales, layer.zeros, 128, None)  # float32: not its rows
-    assert calls == ["int4_gemv", "int4_mma", "int4_mma", "int4_mma", "int4_words_matmul", "int4_words_matmul"]
+    quant_ops.int4_matmul(x[:1], layer.words, layer.scales, layer.zeros, 128, None)
+    assert calls == ["int4_gemv_cuda", "int4_mma", "int4_mma", "int4_mma", "int4_words_matmul", "int4_words_matmul",
+                     "int4_gemv"]
 
 
 def test_an_int4_layer_on_the_kernels_prepares_them_when_its_backend_is_set(monkeypatch):
