@@ -171,8 +171,10 @@ def int4_mma_loops(source: Path) -> dict[str, dict]:
     to <8 × column tiles> rows"``."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "int4_mma.cubin")
+        headers = Path(__file__).resolve().parents[1] / "questkv" / "ops" / "cuda"  # int4_common.cuh for any version
         build = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90", "-cubin",
-                                "-Xptxas", "-v", "-o", cubin, str(source)], capture_output=True, text=True, check=True)
+                                "-Xptxas", "-v", "-I", str(headers), "-o", cubin, str(source)],
+                               capture_output=True, text=True, check=True)
         sass = disassemble(Path(cubin).read_bytes())
     usage, name = {}, None
     for line in build.stderr.splitlines():  # ptxas -v: a function's properties, then its registers

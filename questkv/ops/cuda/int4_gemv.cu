@@ -19,11 +19,9 @@
 // K (grid.y) end as int4_mma.cu's do: the last block of an output tile to arrive sums the float32 partials in split
 // order (the ticket of questkv.ops.triton._common): deterministic.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
+
+#include "int4_common.cuh"
 
 namespace {
 
@@ -36,24 +34,6 @@ constexpr int BLOCK_N = 4 * ROW_LANES;         // outputs per block
 constexpr uint32_t MAGIC = 0x43004300u;        // (q | 0x4300) is bf16 128 + q
 constexpr float OFFSET = 128.0f;
 constexpr float HIGH_OFFSET = 17152.0f / 65536.0f;  // the low field's 0x4300 seen in the high float's mantissa
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
-
-// (w >> 4e) & 0x000F000F | MAGIC in one lop3.
-__device__ __forceinline__ uint32_t nibble_pair(uint32_t word, int e) {
-  const uint32_t v = word >> (4 * e);
-  uint32_t out;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(out) : "r"(v), "n"(0x000F000F), "n"(MAGIC));
-  return out;
-}
 
 // What a lane holds of one group: its four word rows' words of 4 outputs, their scales and zero points (raw: 4
 // 16-bit values, or 4 bytes in z.x).
@@ -111,7 +91,7 @@ __device__ __forceinline__ void group_product(float* acc, const GroupWords& g, c
     for (int o = 0; o < 4; ++o)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const uint32_t t = nibble_pair(words[o], e);
+        const uint32_t t = nibble_pair<MAGIC>(words[o], e);
         d_high[o] = fmaf(__uint_as_float(t), xh[e], d_high[o]);
         d_low[o] = fmaf(__uint_as_float(t << 16), xl[e], d_low[o]);
       }
@@ -119,18 +99,6 @@ __device__ __forceinline__ void group_product(float* acc, const GroupWords& g, c
 #pragma unroll
   for (int o = 0; o < 4; ++o)
     acc[o] += scale_of<T>(g.s, o) * ((d_high[o] + d_low[o]) - zero_of<Z>(g.z, o) * x_sum - x_offset);
-}
-
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 
 // Grid (N / 32, split); block 32 * warps threads; dynamic shared memory (per_split * (128 + 8) + warps * 32) floats.
@@ -141,7 +109,6 @@ __global__ void __launch_bounds__(512) int4_gemv_kernel(
     const Z* __restrict__ zeros, const T* __restrict__ bias, float* __restrict__ part, int* __restrict__ counters,
     T* __restrict__ out, int N, int K, int groups_per_split) {
   extern __shared__ float smem[];
-  __shared__ int last_block;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int warps = blockDim.x / 32;
@@ -234,13 +201,7 @@ __global__ void __launch_bounds__(512) int4_gemv_kernel(
       part[static_cast<size_t>(blockIdx.y) * N + n] = total;
     }
   }
-  if (split == 1) return;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last_block = atomicAdd(counters + blockIdx.x, 1) == split - 1;
-  __syncthreads();
-  if (!last_block) return;
-  __threadfence();
+  if (split == 1 || !last_to_arrive(counters + blockIdx.x, split)) return;
   if (threadIdx.x < BLOCK_N) {
     const int n = n0 + threadIdx.x;
     float total = 0.0f;

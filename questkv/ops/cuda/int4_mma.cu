@@ -22,12 +22,10 @@
 // in shared memory in a fixed order; blocks split K further (grid.y) and the last block of an output tile to arrive
 // sums the float32 partials in split order (the ticket of questkv.ops.triton._common): deterministic.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
 #include <type_traits>
+
+#include "int4_common.cuh"
 
 namespace {
 
@@ -58,25 +56,6 @@ struct Float16Codes {
     }
   }
 };
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
-
-// Nibbles e and e + 4 of a word as two 16-bit floats OFFSET + q: (w >> 4e) & 0x000F000F | MAGIC in one lop3.
-template <uint32_t MAGIC>
-__device__ __forceinline__ uint32_t nibble_pair(uint32_t word, int e) {
-  uint32_t v = word >> (4 * e);
-  uint32_t out;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(out) : "r"(v), "n"(0x000F000F), "n"(MAGIC));
-  return out;
-}
 
 // The sum of 4 16-bit floats (one 64-bit load of x) in float32.
 template <typename T>
@@ -118,20 +97,6 @@ __device__ __forceinline__ void load4(const Z* p, float* out) {
   }
 }
 
-// Programmatic dependent launch (sm_90; no-ops for an ordinary launch): wait until the kernel before this grid has
-// finished and its writes are visible / let the kernel after this grid start launching.
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // Grid (N / 64, split); block 32 * warps threads; dynamic shared memory warps * 64 * 8 * NT floats.
 // x [M, K] (M <= 8 * NT), out [M, N], part float32 [split, M, N], counters one zeroed int32 per output tile.
 template <typename T, typename Z, int NT>
@@ -141,7 +106,6 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
     T* __restrict__ out, int M, int N, int K, int groups_per_split) {
   using Codes = Float16Codes<T>;
   extern __shared__ float sums[];  // [warps][NT * 8 tokens][64 outputs]
-  __shared__ int last_block;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int warps = blockDim.x / 32;
@@ -317,13 +281,7 @@ __global__ void __launch_bounds__(256) int4_mma_kernel(
       part[(static_cast<size_t>(blockIdx.y) * M + token) * N + n] = total;
     }
   }
-  if (split == 1) return;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last_block = atomicAdd(counters + blockIdx.x, 1) == split - 1;
-  __syncthreads();
-  if (!last_block) return;
-  __threadfence();
+  if (split == 1 || !last_to_arrive(counters + blockIdx.x, split)) return;
   for (int i = threadIdx.x; i < outputs; i += blockDim.x) {
     const int token = i / WARP_N;
     const int n = n0 + i % WARP_N;

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import warnings
@@ -57,6 +58,7 @@ more rows: each warp then holds more accumulators and its split's partials cost 
 12 per SM it gave the fastest token in the H100 sweep at 24 and 32 rows (``benchmarks/results/linear-mma32.md``)."""
 
 _SOURCES = ("int4_mma.cu", "int4_gemv.cu", "int4_mma_binding.cpp")
+_HEADERS = ("int4_common.cuh",)  # hashed into the build flags: torch rebuilds on a changed source or flag only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +79,10 @@ def _extension() -> Optional[ModuleType]:
         from torch.utils.cpp_extension import load
 
         here = Path(__file__).parent
+        headers = hashlib.sha256(b"".join((here / h).read_bytes() for h in _HEADERS)).hexdigest()[:16]
         return load(name="questkv_int4_mma", sources=[str(here / s) for s in _SOURCES],
-                    extra_cuda_cflags=["-O3"], extra_cflags=["-O3"], verbose=False)
+                    extra_cuda_cflags=["-O3", f"-DQUESTKV_INT4_HEADERS={headers}"], extra_cflags=["-O3"],
+                    verbose=False)
     except Exception as error:  # noqa: BLE001 - any build or load failure leaves the Triton kernels in place
         warnings.warn(f"questkv: the int4 tensor-core kernel (questkv/ops/cuda/int4_mma.cu) could not be built "
                       f"({type(error).__name__}: {error}); int4 layers use the Triton kernels for every row count",
