@@ -276,3 +276,14 @@ def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     """``|out - want| / |want|`` (Frobenius norms, in float64); fails on a NaN in ``out``."""
     assert not torch.isnan(out).any()
     return ((out.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def int4_words_weight(n: int, k: int, dtype: torch.dtype, zeros_u8: bool, device) -> tuple:
+    """A random int4 weight ``[n, k]`` (group 128) as the CUDA int4 kernels read it: ``(words, scales in dtype, zero
+    points in uint8 or dtype, qweight)``."""
+    from questkv.ops import quant_reference as ref
+
+    w = torch.randn((n, k), device=device) * 0.05
+    qweight, scales, zeros = ref.quantize_weight(w, "int4", 128, dtype=dtype)
+    words = ref.pack_int4_k_major(qweight, 128)
+    return words, scales, zeros.to(torch.uint8) if zeros_u8 else zeros.to(dtype), qweight

@@ -3,28 +3,21 @@
 On a GPU it is built and compared with :func:`questkv.ops.quant_reference.int4_matmul` for both zero-point dtypes,
 bf16 and fp16, with and without a bias, every stage count, one and several blocks per output tile (a last split
 shorter than the others included); on a CPU (CI) only what needs no GPU runs: which products it takes, how a launch
-is planned, its sm_90 compile and the refusals of bad input.
+is planned, the dispatch's routing and the refusals of bad input (its sm_90 compile: ``test_cuda_int4_mma.py``).
 """
 
 import itertools
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from questkv.ops import quant_reference as ref
 from questkv.ops.cuda import int4_gemv as gemv
+from tests.helpers import int4_words_weight
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _weight(n: int, k: int, dtype: torch.dtype, zeros_u8: bool, device) -> tuple:
-    w = torch.randn((n, k), device=device) * 0.05
-    qweight, scales, zeros = ref.quantize_weight(w, "int4", 128, dtype=dtype)
-    words = ref.pack_int4_k_major(qweight, 128)
-    return words, scales, zeros.to(torch.uint8) if zeros_u8 else zeros.to(dtype)
 
 
 def test_fits_takes_one_row_of_group_128_with_outputs_in_32s():
@@ -95,17 +88,6 @@ def test_int4_matmul_sends_one_row_here_where_the_tiles_are_few_and_it_fits(monk
     assert route(4096) == "int4_gemv"
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_kernel_compiles_for_sm90_without_spilling(tmp_path):
-    source = Path(gemv.__file__).with_name("int4_gemv.cu")
-    done = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90", "-Xptxas", "-v",
-                           "-c", str(source), "-o", str(tmp_path / "int4_gemv.o")], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "warning" not in done.stderr.lower(), done.stderr
-    spills = [line for line in done.stderr.splitlines() if "spill" in line]
-    assert len(spills) == 8 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
-
-
 def test_bad_input_is_refused_before_any_build_or_launch():
     words = torch.zeros((512 // 8, 96), dtype=torch.int32)
     scales = torch.rand((4, 96)).to(torch.bfloat16)
@@ -113,7 +95,7 @@ def test_bad_input_is_refused_before_any_build_or_launch():
     x = torch.randn(1, 512).to(torch.bfloat16)
     cases = [
         (dict(x=torch.randn(2, 512).to(torch.bfloat16)), r"takes one contiguous"),
-        (dict(x=torch.randn(512).to(torch.bfloat16)), r"x must be \[1, K\]"),
+        (dict(x=torch.randn(512).to(torch.bfloat16)), r"x must be \[M, K\]"),
         (dict(bias=torch.randn(96)), r"bias must be \[96\] in x's dtype"),
         (dict(config=gemv.CudaGemvConfig(17, 1)), r"1 to 16 warps"),
         (dict(config=gemv.CudaGemvConfig(8, 0)), r"split of at least 1"),
@@ -140,7 +122,7 @@ def test_matches_the_reference(dtype, zeros_u8):
     assert available(device)
     torch.manual_seed(int(torch.randint(0, 2**31, ()).item()))
     for n, k in ((96, 1536), (4096, 3072)):
-        words, scales, zeros = _weight(n, k, dtype, zeros_u8, device)
+        words, scales, zeros, _ = int4_words_weight(n, k, dtype, zeros_u8, device)
         bias = torch.randn(n, device=device).to(dtype)
         x = torch.randn((1, k), device=device).to(dtype)
         want = ref.int4_matmul(x.float(), words, scales.float(), zeros.float(), 128)
@@ -154,7 +136,7 @@ def test_matches_the_reference(dtype, zeros_u8):
 
 
 def _product(n: int, k: int, warps: int, split: int):
-    words, scales, zeros = _weight(n, k, torch.bfloat16, True, torch.device("cuda"))
+    words, scales, zeros, _ = int4_words_weight(n, k, torch.bfloat16, True, torch.device("cuda"))
     x = torch.randn((1, k), device="cuda").to(torch.bfloat16)
     return x, lambda: gemv.int4_gemv_cuda(x, words, scales, zeros, config=gemv.CudaGemvConfig(warps, split))
 
@@ -173,7 +155,7 @@ def test_split_launches_are_deterministic_and_leave_the_tickets_zero():
 @cuda
 def test_more_than_48_kib_of_shared_memory():
     assert gemv.smem_bytes(112, 8) > 48 * 1024  # 112 groups (K = 14336) in one block: 61 KiB
-    words, scales, zeros = _weight(64, 14336, torch.bfloat16, False, torch.device("cuda"))
+    words, scales, zeros, _ = int4_words_weight(64, 14336, torch.bfloat16, False, torch.device("cuda"))
     x = torch.randn((1, 14336), device="cuda").to(torch.bfloat16)
     want = ref.int4_matmul(x.float(), words, scales.float(), zeros.float(), 128)
     got = gemv.int4_gemv_cuda(x, words, scales, zeros, config=gemv.CudaGemvConfig(8, 1)).float()

@@ -17,15 +17,11 @@ import torch
 
 from questkv.ops import quant_reference as ref
 from questkv.ops.cuda import int4_mma as mma
+from tests.helpers import int4_words_weight
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _weight(n: int, k: int, dtype: torch.dtype, zeros_u8: bool, device) -> tuple:
-    w = torch.randn((n, k), device=device) * 0.05
-    qweight, scales, zeros = ref.quantize_weight(w, "int4", 128, dtype=dtype)
-    words = ref.pack_int4_k_major(qweight, 128)
-    return words, scales, zeros.to(torch.uint8) if zeros_u8 else zeros.to(dtype), qweight
 
 
 def test_fits_takes_up_to_sixteen_rows_of_group_128_with_outputs_in_64s():
@@ -59,14 +55,17 @@ def test_plan_splits_groups_over_blocks_without_leaving_a_warp_idle():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_kernel_compiles_for_sm90_without_spilling(tmp_path):
-    source = Path(mma.__file__).with_name("int4_mma.cu")
+@pytest.mark.parametrize("source, kernels", [("int4_mma.cu", 12), ("int4_gemv.cu", 8)])
+def test_the_extensions_kernels_compile_for_sm90_without_spilling(tmp_path, source, kernels):
+    """Both CUDA C++ int4 kernels (the GEMV's own tests: ``test_cuda_int4_gemv.py``), every instantiation."""
+    path = Path(mma.__file__).with_name(source)
     done = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90", "-Xptxas", "-v",
-                           "-c", str(source), "-o", str(tmp_path / "int4_mma.o")], capture_output=True, text=True)
+                           "-c", str(path), "-o", str(tmp_path / "kernel.o")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "warning" not in done.stderr.lower(), done.stderr
     spills = [line for line in done.stderr.splitlines() if "spill" in line]
-    assert len(spills) == 12 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
+    assert len(spills) == kernels, spills
+    assert all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
 
 
 def test_bad_input_is_refused_before_any_build_or_launch():
@@ -119,7 +118,7 @@ def test_matches_the_reference_at_every_row_count(dtype, zeros_u8):
     assert mma.available(device)
     torch.manual_seed(int(torch.randint(0, 2**31, ()).item()))
     n, k = 384, 1536
-    words, scales, zeros, qweight = _weight(n, k, dtype, zeros_u8, device)
+    words, scales, zeros, qweight = int4_words_weight(n, k, dtype, zeros_u8, device)
     bias = torch.randn(n, device=device).to(dtype)
     for m in range(1, mma.MMA_MAX_M + 1):
         x = torch.randn((m, k), device=device).to(dtype)
@@ -134,7 +133,7 @@ def test_matches_the_reference_at_every_row_count(dtype, zeros_u8):
 
 def _bf16_product(n: int, k: int, m: int, warps: int, split: int):
     """A bf16 int4 weight ``[n, k]`` with uint8 zero points, ``m`` random rows of ``x`` and one launch's call."""
-    words, scales, zeros, _ = _weight(n, k, torch.bfloat16, True, torch.device("cuda"))
+    words, scales, zeros, _ = int4_words_weight(n, k, torch.bfloat16, True, torch.device("cuda"))
     x = torch.randn((m, k), device="cuda").to(torch.bfloat16)
     return x, lambda: mma.int4_mma(x, words, scales, zeros, config=mma.Int4MmaConfig(warps, split))
 

@@ -1,5 +1,6 @@
 // What the int4 kernels over the K-major words share (int4_mma.cu, int4_gemv.cu): 16-bit float conversions, the
-// nibble pair of a word in one lop3, programmatic dependent launch, and the ticket of a split reduction.
+// nibble pair of a word in one lop3, programmatic dependent launch, the ticket of a split reduction, and the
+// host's launch with programmatic dependent launch and switch over their types.
 
 #pragma once
 
@@ -55,6 +56,32 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int split) {
   if (!last_block) return false;
   __threadfence();
   return true;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic dependent launch where pdl (the kernel may start
+// while the one before it runs; it waits in grid_dependency_wait).
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, bool pdl,
+                          cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// launch(T{}, Z{}) for x's 16-bit type T (dtype 0: bf16, 1: fp16) and the zero points' type Z (uint8 or T): the host
+// side's one switch over the types both kernels are instantiated for.
+template <typename Launch>
+cudaError_t for_int4_types(int dtype, bool zeros_u8, Launch&& launch) {
+  if (dtype == 0) return zeros_u8 ? launch(__nv_bfloat16{}, uint8_t{}) : launch(__nv_bfloat16{}, __nv_bfloat16{});
+  return zeros_u8 ? launch(__half{}, uint8_t{}) : launch(__half{}, __half{});
 }
 
 }  // namespace

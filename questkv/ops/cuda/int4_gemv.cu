@@ -229,20 +229,11 @@ cudaError_t launch_typed(const void* x, const void* words, const void* scales, c
     if (device < 64) opted_in[device] = true;
   }
   if (smem > 160 * 1024) return cudaErrorInvalidValue;  // the caller splits K before that
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(N / BLOCK_N, (groups + per_split - 1) / per_split);
-  config.blockDim = dim3(warps * 32);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, int4_gemv_kernel<T, Z, STAGES>, static_cast<const T*>(x),
-                            static_cast<const uint32_t*>(words), static_cast<const T*>(scales),
-                            static_cast<const Z*>(zeros), static_cast<const T*>(bias), part, counters,
-                            static_cast<T*>(out), N, K, per_split);
+  return launch_kernel(int4_gemv_kernel<T, Z, STAGES>, dim3(N / BLOCK_N, (groups + per_split - 1) / per_split),
+                       dim3(warps * 32), smem, pdl, stream, static_cast<const T*>(x),
+                       static_cast<const uint32_t*>(words), static_cast<const T*>(scales),
+                       static_cast<const Z*>(zeros), static_cast<const T*>(bias), part, counters,
+                       static_cast<T*>(out), N, K, per_split);
 }
 
 template <typename T, typename Z>
@@ -267,16 +258,8 @@ cudaError_t launch_stages(const void* x, const void* words, const void* scales, 
 cudaError_t questkv_int4_gemv(const void* x, const void* words, const void* scales, const void* zeros,
                               const void* bias, float* part, int* counters, void* out, int N, int K, int per_split,
                               int warps, int stages, int dtype, bool zeros_u8, bool pdl, cudaStream_t stream) {
-  if (dtype == 0) {
-    if (zeros_u8)
-      return launch_stages<__nv_bfloat16, uint8_t>(x, words, scales, zeros, bias, part, counters, out, N, K,
+  return for_int4_types(dtype, zeros_u8, [&](auto t, auto z) {
+    return launch_stages<decltype(t), decltype(z)>(x, words, scales, zeros, bias, part, counters, out, N, K,
                                                    per_split, warps, stages, pdl, stream);
-    return launch_stages<__nv_bfloat16, __nv_bfloat16>(x, words, scales, zeros, bias, part, counters, out, N, K,
-                                                       per_split, warps, stages, pdl, stream);
-  }
-  if (zeros_u8)
-    return launch_stages<__half, uint8_t>(x, words, scales, zeros, bias, part, counters, out, N, K, per_split, warps,
-                                          stages, pdl, stream);
-  return launch_stages<__half, __half>(x, words, scales, zeros, bias, part, counters, out, N, K, per_split, warps,
-                                       stages, pdl, stream);
+  });
 }

@@ -19,8 +19,7 @@ from typing import Optional
 
 import torch
 
-from questkv.ops.cuda.int4_mma import _extension
-from questkv.ops.quant_reference import check_int4_words
+from questkv.ops.cuda.int4_mma import check_product, extension_for
 
 __all__ = ["GEMV_OUTPUTS", "GEMV_STAGES", "CudaGemvConfig", "fits", "int4_gemv_cuda", "plan_int4_gemv_cuda", "takes"]
 
@@ -111,18 +110,10 @@ def int4_gemv_cuda(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     Returns:
         ``[1, N]`` in ``x.dtype``.
     """
-    if x.dim() != 2:
-        raise ValueError(f"int4_gemv_cuda: x must be [1, K], got shape {tuple(x.shape)}")
+    n = check_product("int4_gemv_cuda", x, words, scales, zeros, group_size, bias, fits,
+                      f"one contiguous bf16/fp16 row, scales in its dtype, zero points in it or uint8, group size "
+                      f"{GEMV_GROUP} and outputs in multiples of {GEMV_OUTPUTS}")
     k = x.shape[1]
-    n = check_int4_words(k, words, scales, zeros, group_size, "int4_gemv_cuda")
-    if not fits(x, words, scales, zeros, group_size):
-        raise ValueError(f"int4_gemv_cuda takes one contiguous bf16/fp16 row, scales in its dtype, zero points in it "
-                         f"or uint8, group size {GEMV_GROUP} and outputs in multiples of {GEMV_OUTPUTS}; got x "
-                         f"{tuple(x.shape)} {x.dtype}, scales {scales.dtype}, zeros {zeros.dtype}, group size "
-                         f"{group_size}, words {tuple(words.shape)}")
-    if bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (n,)):
-        raise ValueError(f"int4_gemv_cuda: bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
     cfg = config or plan_int4_gemv_cuda(n, k, x.device)
     groups = k // GEMV_GROUP
     if not 1 <= cfg.warps <= GEMV_MAX_WARPS or cfg.split < 1 or cfg.stages not in GEMV_STAGES:
@@ -132,12 +123,7 @@ def int4_gemv_cuda(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     if smem_bytes(per_split, cfg.warps) > GEMV_MAX_SMEM:
         raise ValueError(f"int4_gemv_cuda: {per_split} groups per block need {smem_bytes(per_split, cfg.warps)} "
                          f"bytes of shared memory, more than {GEMV_MAX_SMEM}: split K further (got {cfg})")
-    if not x.is_cuda:
-        raise ValueError(f"int4_gemv_cuda runs on CUDA tensors, got x on {x.device} (the torch reference: "
-                         "questkv.ops.quant_reference.int4_matmul)")
-    extension = _extension()
-    if extension is None:
-        raise RuntimeError("int4_gemv_cuda: the CUDA extension is not available on this machine (see the warning)")
+    extension = extension_for("int4_gemv_cuda", x)
     from questkv.ops.triton._common import split_reduction, use_pdl
 
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)

@@ -298,21 +298,13 @@ cudaError_t launch_typed(const void* x, const void* words, const void* scales, c
                          float* part, int* counters, void* out, int M, int N, int K, int per_split, int warps,
                          bool pdl, cudaStream_t stream) {
   const int groups = K / GROUP;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(N / WARP_N, (groups + per_split - 1) / per_split);
-  config.blockDim = dim3(warps * 32);
-  config.dynamicSmemBytes = static_cast<size_t>(warps) * NT * 8 * WARP_N * sizeof(float);
-  if (config.dynamicSmemBytes > 48 * 1024) return cudaErrorInvalidValue;  // the caller keeps 32 rows to 4 warps
-  config.stream = stream;
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, int4_mma_kernel<T, Z, NT>, static_cast<const T*>(x),
-                            static_cast<const uint32_t*>(words), static_cast<const T*>(scales),
-                            static_cast<const Z*>(zeros), static_cast<const T*>(bias), part, counters,
-                            static_cast<T*>(out), M, N, K, per_split);
+  const size_t smem = static_cast<size_t>(warps) * NT * 8 * WARP_N * sizeof(float);
+  if (smem > 48 * 1024) return cudaErrorInvalidValue;  // the caller keeps 32 rows to 4 warps
+  return launch_kernel(int4_mma_kernel<T, Z, NT>, dim3(N / WARP_N, (groups + per_split - 1) / per_split),
+                       dim3(warps * 32), smem, pdl, stream, static_cast<const T*>(x),
+                       static_cast<const uint32_t*>(words), static_cast<const T*>(scales),
+                       static_cast<const Z*>(zeros), static_cast<const T*>(bias), part, counters,
+                       static_cast<T*>(out), M, N, K, per_split);
 }
 
 template <typename T, typename Z>
@@ -337,16 +329,8 @@ cudaError_t launch_rows(const void* x, const void* words, const void* scales, co
 cudaError_t questkv_int4_mma(const void* x, const void* words, const void* scales, const void* zeros,
                              const void* bias, float* part, int* counters, void* out, int M, int N, int K,
                              int per_split, int warps, int dtype, bool zeros_u8, bool pdl, cudaStream_t stream) {
-  if (dtype == 0) {
-    if (zeros_u8)
-      return launch_rows<__nv_bfloat16, uint8_t>(x, words, scales, zeros, bias, part, counters, out, M, N, K,
+  return for_int4_types(dtype, zeros_u8, [&](auto t, auto z) {
+    return launch_rows<decltype(t), decltype(z)>(x, words, scales, zeros, bias, part, counters, out, M, N, K,
                                                  per_split, warps, pdl, stream);
-    return launch_rows<__nv_bfloat16, __nv_bfloat16>(x, words, scales, zeros, bias, part, counters, out, M, N, K,
-                                                     per_split, warps, pdl, stream);
-  }
-  if (zeros_u8)
-    return launch_rows<__half, uint8_t>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps,
-                                        pdl, stream);
-  return launch_rows<__half, __half>(x, words, scales, zeros, bias, part, counters, out, M, N, K, per_split, warps,
-                                     pdl, stream);
+  });
 }

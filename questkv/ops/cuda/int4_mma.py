@@ -31,14 +31,14 @@ import math
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from questkv.ops.quant_reference import check_int4_words
 
-__all__ = ["MMA_MAX_M", "MMA_OUTPUTS", "Int4MmaConfig", "available", "fits", "int4_mma", "max_warps",
-           "plan_int4_mma"]
+__all__ = ["MMA_MAX_M", "MMA_OUTPUTS", "Int4MmaConfig", "available", "check_product", "extension_for", "fits",
+           "int4_mma", "max_warps", "plan_int4_mma"]
 
 MMA_MAX_M = 32
 """Rows of ``x`` one launch takes (four MMA column tiles of 8)."""
@@ -142,6 +142,38 @@ def plan_int4_mma(m: int, n: int, k: int, device: Optional[torch.device] = None)
     return Int4MmaConfig(warps, max(1, min(split, groups // warps)))
 
 
+def check_product(op: str, x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int, bias: Optional[torch.Tensor], fits_product: Callable[..., bool], takes: str) -> int:
+    """The checks a CUDA int4 launcher ``op`` makes before anything else: ``x`` ``[M, K]``, the words' format
+    (:func:`~questkv.ops.quant_reference.check_int4_words`), ``fits_product(x, words, scales, zeros, group_size)``
+    (``takes`` says what it takes) and a bias ``[N]`` in ``x``'s dtype; ``ValueError`` naming the first that fails.
+
+    Returns:
+        ``N``, the outputs.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [M, K], got shape {tuple(x.shape)}")
+    n = check_int4_words(x.shape[1], words, scales, zeros, group_size, op)
+    if not fits_product(x, words, scales, zeros, group_size):
+        raise ValueError(f"{op} takes {takes}; got x {tuple(x.shape)} {x.dtype}, scales {scales.dtype}, zeros "
+                         f"{zeros.dtype}, group size {group_size}, words {tuple(words.shape)}")
+    if bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (n,)):
+        raise ValueError(f"{op}: bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    return n
+
+
+def extension_for(op: str, x: torch.Tensor) -> ModuleType:
+    """The built extension for ``op`` on ``x``'s device: ``ValueError`` for a tensor off CUDA, ``RuntimeError`` where
+    the extension could not be built (the warning says why)."""
+    if not x.is_cuda:
+        raise ValueError(f"{op} runs on CUDA tensors, got x on {x.device} (the torch reference: "
+                         "questkv.ops.quant_reference.int4_matmul)")
+    extension = _extension()
+    if extension is None:
+        raise RuntimeError(f"{op}: the CUDA extension is not available on this machine (see the warning)")
+    return extension
+
+
 def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
              group_size: int = MMA_GROUP, bias: Optional[torch.Tensor] = None,
              config: Optional[Int4MmaConfig] = None) -> torch.Tensor:
@@ -155,28 +187,15 @@ def int4_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
-    if x.dim() != 2:
-        raise ValueError(f"int4_mma: x must be [M, K], got shape {tuple(x.shape)}")
+    n = check_product("int4_mma", x, words, scales, zeros, group_size, bias, fits,
+                      f"1 to {MMA_MAX_M} contiguous bf16/fp16 rows, scales in their dtype, zero points in it or uint8, "
+                      f"group size {MMA_GROUP} and outputs in multiples of {MMA_OUTPUTS}")
     m, k = x.shape
-    n = check_int4_words(k, words, scales, zeros, group_size, "int4_mma")
-    if not fits(x, words, scales, zeros, group_size):
-        raise ValueError(f"int4_mma takes 1 to {MMA_MAX_M} contiguous bf16/fp16 rows, scales in their dtype, zero "
-                         f"points in it or uint8, group size {MMA_GROUP} and outputs in multiples of {MMA_OUTPUTS}; "
-                         f"got x {tuple(x.shape)} {x.dtype}, scales {scales.dtype}, zeros {zeros.dtype}, group size "
-                         f"{group_size}, words {tuple(words.shape)}")
-    if bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (n,)):
-        raise ValueError(f"int4_mma: bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
     cfg = config or plan_int4_mma(m, n, k, x.device)
     if not 1 <= cfg.warps <= max_warps(m) or cfg.split < 1:
         raise ValueError(f"int4_mma: a config for {m} rows takes 1 to {max_warps(m)} warps and a split of at least 1, "
                          f"got {cfg}")
-    if not x.is_cuda:
-        raise ValueError(f"int4_mma runs on CUDA tensors, got x on {x.device} (the torch reference: "
-                         "questkv.ops.quant_reference.int4_matmul)")
-    extension = _extension()
-    if extension is None:
-        raise RuntimeError("int4_mma: the CUDA extension is not available on this machine (see the warning)")
+    extension = extension_for("int4_mma", x)
     from questkv.ops.triton._common import split_reduction, use_pdl
 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
