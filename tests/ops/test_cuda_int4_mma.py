@@ -101,7 +101,7 @@ def test_a_failed_build_warns_once_and_leaves_the_kernel_unavailable(monkeypatch
             assert mma._extension() is None
         assert mma._extension() is None  # cached: no second build, no second warning
         assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
-        assert "building or loading the int4 tensor-core kernel" in caplog.records[0].message
+        assert "building or loading the int4 CUDA kernels" in caplog.records[0].message
     finally:
         mma._extension.cache_clear()
 

@@ -73,8 +73,8 @@ class Int4MmaConfig:
 @functools.lru_cache(maxsize=None)
 def _extension() -> Optional[ModuleType]:
     """The built extension, or ``None`` (with one warning) where it cannot be built or loaded."""
-    logging.getLogger("questkv.ops").info("questkv: building or loading the int4 tensor-core kernel (nvcc, about a "
-                                          "minute the first time on a machine; cached in TORCH_EXTENSIONS_DIR)")
+    logging.getLogger("questkv.ops").info("questkv: building or loading the int4 CUDA kernels (nvcc, about a minute "
+                                          "the first time on a machine; cached in TORCH_EXTENSIONS_DIR)")
     try:
         from torch.utils.cpp_extension import load
 
@@ -84,8 +84,8 @@ def _extension() -> Optional[ModuleType]:
                     extra_cuda_cflags=["-O3", f"-DQUESTKV_INT4_HEADERS={headers}"], extra_cflags=["-O3"],
                     verbose=False)
     except Exception as error:  # noqa: BLE001 - any build or load failure leaves the Triton kernels in place
-        warnings.warn(f"questkv: the int4 tensor-core kernel (questkv/ops/cuda/int4_mma.cu) could not be built "
-                      f"({type(error).__name__}: {error}); int4 layers use the Triton kernels for every row count",
+        warnings.warn(f"questkv: the int4 CUDA kernels (questkv/ops/cuda/int4_mma.cu, int4_gemv.cu) could not be "
+                      f"built ({type(error).__name__}: {error}); int4 layers use the Triton kernels for every row count",
                       RuntimeWarning, stacklevel=3)
         return None
 
