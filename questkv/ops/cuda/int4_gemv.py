@@ -36,8 +36,9 @@ GEMV_MAX_WARPS = 16
 """Warps per block at most (the kernel's launch bounds: 512 threads)."""
 
 GEMV_MAX_SMEM = 160 * 1024
-"""Shared memory a block may take: ``x`` staged as float32 (512 bytes per group) plus sums; 300 groups (K = 38,400) at
-most per block."""
+"""Shared memory a block may take (the ``.cu`` launcher's opt-in): ``x`` staged as float32 with its sums, 544 bytes
+per group, plus 128 bytes per warp (:func:`smem_bytes`): 299 groups (K = 38,272) in one block of 8 warps; above,
+:func:`plan_int4_gemv_cuda` splits K."""
 
 GEMV_MAX_TILES_PER_SM = 2
 """:func:`questkv.ops.int4_matmul` sends one row here where the 32-output tiles are at most this many per SM; above,
