@@ -299,6 +299,14 @@ def select_pages(
     return chosen.to(torch.int32)
 
 
+def attention_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the reference attention ops score and accumulate in: float32, or ``q``'s when it is wider
+    (float64), so that on a float64 model both prefill paths (:func:`paged_prefill_attention` and the SDPA of
+    ``Attention._causal_prefill``) and the decode step round alike, and a key of an fp8 pool lands on the same
+    e4m3 value whichever path computed it."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -327,8 +335,8 @@ def paged_decode_attention(
             columns). ``None``: every column. The kernel then spreads each row's columns over all its splits.
 
     Returns:
-        ``q``'s shape and dtype. Softmax and accumulation run in float32. Slots past ``seq_lens`` and pages not
-        selected are never read into the result (NaN there does not propagate).
+        ``q``'s shape and dtype. Softmax and accumulation run in :func:`attention_dtype`. Slots past ``seq_lens``
+        and pages not selected are never read into the result (NaN there does not propagate).
     """
     selection_cols = check_row_budgets(selected, budgets, selection_cols, q.shape[0])
     if budgets is not None:  # the columns a row's budget leaves out: no page
@@ -351,9 +359,9 @@ def _decode_logits(
     sm_scale: Optional[float],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_decode_attention`'s scaled scores ``[batch, num_sel_heads, num_queries, group, k * page_size]``
-    float32 (``-inf`` where a query does not see the key: unselected, past the sequence or past the query) and the
-    values ``[batch, num_sel_heads, k * page_size, head_dim]`` float32 they weigh (``k``: selected pages, or the
-    page table's width)."""
+    (``-inf`` where a query does not see the key: unselected, past the sequence or past the query) and the values
+    ``[batch, num_sel_heads, k * page_size, head_dim]`` they weigh (``k``: selected pages, or the page table's
+    width), both in :func:`attention_dtype`."""
     queries = q[:, None] if q.dim() == 3 else q
     batch, num_queries, num_q_heads, head_dim = queries.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
@@ -372,11 +380,12 @@ def _decode_logits(
     v = v_pages[physical[..., None], offsets, kv_head[None, :, None, None]]
     position = selected[..., None] * page_size + offsets  # [B, Hs, K, ps]
     valid = (selected[..., None] >= 0) & (position < seq_lens.long()[:, None, None, None])
-    k = torch.where(valid[..., None], k.float(), 0.0).flatten(2, 3)  # [B, Hs, K*ps, D]
-    v = torch.where(valid[..., None], v.float(), 0.0).flatten(2, 3)
+    dtype = attention_dtype(q)
+    k = torch.where(valid[..., None], k.to(dtype), 0.0).flatten(2, 3)  # [B, Hs, K*ps, D]
+    v = torch.where(valid[..., None], v.to(dtype), 0.0).flatten(2, 3)
     query_position = seq_lens.long()[:, None] - num_queries + torch.arange(num_queries, device=q.device)  # [B, Q]
     seen = valid.flatten(2)[:, :, None] & (position.flatten(2)[:, :, None] <= query_position[:, None, :, None])
-    qg = queries.float().view(batch, num_queries, sel_heads, group, head_dim)
+    qg = queries.to(dtype).view(batch, num_queries, sel_heads, group, head_dim)
     logits = torch.einsum("bqhgd,bhtd->bhqgt", qg, k) * sm_scale
     return logits.masked_fill(~seen[:, :, :, None, :], float("-inf")), v  # seen: [B, Hs, Q, K*ps]
 
@@ -408,7 +417,7 @@ def paged_prefill_attention(
         sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
 
     Returns:
-        ``[num_tokens, num_q_heads, head_dim]`` in ``q``'s dtype; softmax and accumulation in float32.
+        ``[num_tokens, num_q_heads, head_dim]`` in ``q``'s dtype; softmax and accumulation in :func:`attention_dtype`.
         Slots past ``seq_lens`` are never read into the result.
     """
     check_prefill_attention(q, k_pages, v_pages, page_table, query_starts, seq_lens)
@@ -425,14 +434,14 @@ def paged_prefill_attention(
         raise ValueError(f"every sequence must hold its new tokens: new {news}, seq_lens {lens}")
     if max_query_len is not None and max(news, default=0) > max_query_len:
         raise ValueError(f"max_query_len={max_query_len} is below the longest query, {max(news)} tokens")
-    out = torch.empty_like(q)
+    out, dtype = torch.empty_like(q), attention_dtype(q)
     for row, (begin, n, seq_len) in enumerate(zip(starts, news, lens)):
         if n == 0:
             continue
         pages = page_table[row, :-(-seq_len // page_size)].long()  # [ceil(L / page_size)]
-        k = k_pages[pages].flatten(0, 1)[:seq_len].float().transpose(0, 1)[None]  # [1, Hkv, L, D]
-        v = v_pages[pages].flatten(0, 1)[:seq_len].float().transpose(0, 1)[None]
-        qs = q[begin:begin + n].float().transpose(0, 1)[None]  # [1, Hq, n, D]
+        k = k_pages[pages].flatten(0, 1)[:seq_len].to(dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = v_pages[pages].flatten(0, 1)[:seq_len].to(dtype).transpose(0, 1)[None]
+        qs = q[begin:begin + n].to(dtype).transpose(0, 1)[None]  # [1, Hq, n, D]
         # SDPA with native GQA, as the prefill without cached tokens calls it on a CPU (Attention._causal_prefill):
         # both prefill paths share their arithmetic, and no copy of the context is expanded per query head.
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal_lower_right(n, seq_len), scale=sm_scale,

@@ -111,6 +111,22 @@ def test_budget_covering_context_equals_dense_sdpa(num_q_heads, num_kv_heads, se
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", HEADS)
+def test_float64_queries_are_attended_in_float64(num_q_heads, num_kv_heads):
+    """The decode step scores and sums a float64 model's queries in float64 (``reference.attention_dtype``), as its
+    prefill does: within float64 rounding of SDPA, not float32's."""
+    cache = random_cache([29, 5, 16], num_kv_heads=num_kv_heads, head_dim=16, dtype=torch.float64)
+    layer, page_table, seq_lens = cache.step_inputs()
+    q = torch.randn(3, num_q_heads, 16, dtype=torch.float64)
+    out = reference.paged_decode_attention(q, layer.k_pages, layer.v_pages, page_table, seq_lens)
+    assert out.dtype == torch.float64
+    expected = [torch.nn.functional.scaled_dot_product_attention(
+        q[b][:, None], k.repeat_interleave(num_q_heads // num_kv_heads, dim=1).transpose(0, 1).double(),
+        v.repeat_interleave(num_q_heads // num_kv_heads, dim=1).transpose(0, 1).double())[:, 0]
+        for b, (k, v) in enumerate(zip(cache.keys, cache.values))]
+    torch.testing.assert_close(out, torch.stack(expected), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEADS)
 @pytest.mark.parametrize("selection", ["kv_head", "q_head"])
 def test_sparse_attention_equals_dense_with_unselected_tokens_masked(num_q_heads, num_kv_heads, selection):
     page_size = 4
