@@ -257,7 +257,7 @@ class LLMEngine:
         if batch.num_decodes:
             self._account_attention(batch, live)
         before = [seq.num_output_tokens for seq in seqs]
-        finished = set(map(id, self.scheduler.update(batch, tokens, sampled.forced_logprobs())))
+        finished = set(map(id, self.scheduler.update(batch, tokens, sampled.logprobs_by_row(batch))))
         outputs = []
         for row, (seq, slot, was_live, had) in enumerate(zip(seqs, slots, live, before)):
             if not was_live or row in batch.drafts and not seq.is_finished:  # a draft adds no output
@@ -346,7 +346,7 @@ class LLMEngine:
         tokens = seq.output_token_ids
         for count in range(len(tokens) - added + 1, len(tokens)):
             if stop in seq.detokenizer.tokenizer.decode(tokens[:count], skip_special_tokens=True)[start:]:
-                del tokens[count:]
+                del tokens[count:], seq.output_logprobs[count:]
                 break
         self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
         return text[:position]

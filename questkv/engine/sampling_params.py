@@ -12,11 +12,12 @@ from typing import Iterable, Optional, Union
 from questkv.config import check_request_fields
 from questkv.validation import check_bool, check_float, check_int, check_optional_int, check_text
 
-__all__ = ["GREEDY_BELOW", "SamplingParams", "check_length"]
+__all__ = ["GREEDY_BELOW", "MAX_LOGPROBS", "SamplingParams", "check_length"]
 
 _MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
 GREEDY_BELOW = 1e-5  # a temperature below it is stored as 0 (greedy), as vLLM does: dividing logits by a tiny
 # (float32-subnormal) temperature makes them infinite, and the sample would not be the argmax
+MAX_LOGPROBS = 20  # the most alternatives per token that SamplingParams.logprobs asks for (OpenAI's and vLLM's limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,10 @@ class SamplingParams:
             apply only after the forced tokens. The engine checks the ids against the vocabulary.
         detokenize: keep the output text (``RequestOutput.text``) up to date; ``False`` leaves it empty and saves
             the per-step detokenisation, for callers that read ``token_ids`` only (excludes ``stop``).
+        logprobs: return, per output token, its log-probability, its rank and the ``logprobs`` most likely tokens
+            with theirs (``RequestOutput.logprobs``; 0: the output token's alone; at most :data:`MAX_LOGPROBS`),
+            from the model's logits before temperature, top-k and top-p (vLLM's default). A lossless request's come
+            from its verify steps: dense attention's, as a dense engine's. ``None``: none.
     """
 
     temperature: float = 1.0
@@ -78,6 +83,7 @@ class SamplingParams:
     speculative_tokens: Optional[int] = None
     forced_token_ids: Union[tuple[int, ...], Iterable[int], None] = ()
     detokenize: bool = True
+    logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalised values are written once, here
@@ -95,6 +101,7 @@ class SamplingParams:
         check_request_fields("SamplingParams", self.token_budget, self.selection_interval, self.dense,
                              self.speculative_tokens)
         check_bool("SamplingParams.detokenize", self.detokenize)
+        check_optional_int("SamplingParams.logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
         if self.stop and not self.detokenize:
             raise ValueError(f"SamplingParams.stop={list(self.stop)!r} is matched in the output text; it needs "
                              "detokenize=True")

@@ -33,7 +33,7 @@ from questkv.config import QuestConfig
 from questkv.decode.route import decodes_densely
 from questkv.engine.sampling_params import check_length
 from questkv.engine.step_data import ScheduledBatch
-from questkv.engine.sequence import Sequence, SequenceStatus
+from questkv.engine.sequence import Logprob, Sequence, SequenceStatus
 from questkv.engine.rounds import Rounds
 from questkv.engine.speculation import SpeculationPolicy, keep_verified
 from questkv.validation import check_int
@@ -279,7 +279,8 @@ class Scheduler:
                    and self.rounds.may_start(seq, self.cache.seq_len(seq.cache_id) + 1) for seq in self.running)
 
     def update(
-        self, batch: ScheduledBatch, token_ids: Iterable, forced_logprobs: Optional[Iterable[float]] = None
+        self, batch: ScheduledBatch, token_ids: Iterable,
+        logprobs: Optional[list[list[Optional[dict[int, Logprob]]]]] = None,
     ) -> list[Sequence]:
         """Append the token each sequence of ``batch`` sampled, apply the token stops (end-of-sequence unless
         ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``) and free the pages of the finished
@@ -288,7 +289,7 @@ class Scheduler:
         its token (it was sampled from its whole context) and may finish while waiting.
 
         At a forced output (``SamplingParams.forced_token_ids``) the forced token is appended instead: the
-        sampled token goes to ``seq.forced_choices`` and the row of ``forced_logprobs`` to
+        sampled token goes to ``seq.forced_choices`` and the forced token's log-probability to
         ``seq.forced_logprobs``; only ``max_tokens`` and ``max_model_len`` stop there.
 
         A draft row's token goes to ``seq.draft_token_ids``, with no stop. A verify row keeps the longest prefix of
@@ -299,20 +300,22 @@ class Scheduler:
         Args:
             token_ids: per sequence of ``batch.seqs[:batch.num_sampled]`` (a partial prefill samples nothing),
                 the token it sampled; on a verify row the list of its ``num_new_tokens`` tokens.
-            forced_logprobs: per sampling sequence of ``batch``, the log-probability of its forced token (any value
-                in rows without one); needed when a live sequence is at a forced output.
+            logprobs: per sampling sequence of ``batch`` and per token it sampled, the output token's log-probability
+                and the most likely tokens' (:meth:`SampledTokens.logprobs_by_row
+                <questkv.engine.step_data.SampledTokens.logprobs_by_row>`), kept in ``seq.output_logprobs`` when its
+                request asks for them; needed when a live sequence is at a forced output.
 
         Returns:
             The sequences that finished in this update, in batch order.
         """
         sampled = batch.seqs[:batch.num_sampled]
         rows = batch.token_rows(token_ids)
-        logprobs = None if forced_logprobs is None else list(forced_logprobs)
-        if logprobs is not None and len(logprobs) != len(sampled):
-            raise ValueError(f"update got {len(logprobs)} forced log-probabilities for a batch of {len(sampled)}")
+        if logprobs is not None and [len(row) for row in logprobs] != [len(row) for row in rows]:
+            raise ValueError(f"update got log-probabilities for {[len(row) for row in logprobs]} tokens per row, "
+                             f"for a batch that sampled {[len(row) for row in rows]}")
         live = [(i, seq, tokens) for i, (seq, tokens) in enumerate(zip(sampled, rows)) if not seq.is_finished]
         if logprobs is None and any(seq.is_forced(seq.num_output_tokens) for _, seq, _ in live):
-            raise ValueError("update: a sequence is at a forced output but no forced_logprobs were given")
+            raise ValueError("update: a sequence is at a forced output but no logprobs were given")
         for _, seq, _ in live:
             cached = None if seq.cache_id is None else self.cache.seq_len(seq.cache_id)
             expected = seq.num_tokens + len(seq.draft_token_ids) + seq.num_in_flight - 1
@@ -344,8 +347,8 @@ class Scheduler:
                 if seq.status is SequenceStatus.RUNNING:  # (a round preempted since is recomputed without its drafts)
                     seq.draft_token_ids.append(tokens[0])
                 continue
-            for token in tokens:
-                stop = self._append(seq, token, logprobs[i] if logprobs is not None else None, now)
+            for j, token in enumerate(tokens):
+                stop = self._append(seq, token, logprobs[i][j] if logprobs is not None else None, now)
                 if stop is not None:
                     self.finish(seq, *stop)
                     finished.append(seq)
@@ -363,15 +366,18 @@ class Scheduler:
         for seq, _ in rounds:
             seq.draft_token_ids = []
 
-    def _append(self, seq: Sequence, token: int, logprob: Optional[float], now: float
+    def _append(self, seq: Sequence, token: int, logprobs: Optional[dict[int, Logprob]], now: float
                 ) -> Optional[tuple[SequenceStatus, Optional[int]]]:
-        """Append one sampled token of ``seq`` (its forced token at a forced output), offer its filled pages to the
-        prefix cache, and return the stop it hits, if any."""
+        """Append one sampled token of ``seq`` (its forced token at a forced output) and its ``logprobs`` (the
+        output token's entry first), offer its filled pages to the prefix cache, and return the stop it hits, if
+        any."""
         forced = seq.is_forced(seq.num_output_tokens)
         if forced:
             seq.forced_choices.append(token)
-            seq.forced_logprobs.append(float(logprob))
             token = seq.sampling_params.forced_token_ids[seq.num_output_tokens]
+            seq.forced_logprobs.append(logprobs[token].logprob)
+        if seq.sampling_params.logprobs is not None:
+            seq.output_logprobs.append(logprobs)
         seq.output_token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now

@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 from questkv.config import RequestQuest
 from questkv.engine.sampling_params import SamplingParams
 
-__all__ = ["RequestMetrics", "RequestOutput", "Sequence", "SequenceStatus"]
+__all__ = ["Logprob", "RequestMetrics", "RequestOutput", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
@@ -73,6 +73,8 @@ class Sequence:
         forced_choices, forced_logprobs: per forced output (``sampling_params.forced_token_ids``) so far, the
             token the sampler chose there and the log-probability of the forced token; the scheduler appends
             them with the outputs (kept across preemptions, as the outputs are).
+        output_logprobs: per output token, with ``sampling_params.logprobs`` set, the log-probabilities of that token
+            and of the most likely ones (:attr:`RequestOutput.logprobs`); empty without.
         forced_text_len: the length of the output text once every forced token is in it (the engine searches
             stop strings only past it); ``None`` until then, 0 without forced tokens.
         num_prefilled_tokens: the tokens its latest prefill put in the KV cache (computed or shared), so far while
@@ -125,6 +127,7 @@ class Sequence:
     selection_rate: Optional[float] = None
     forced_choices: list[int] = dataclasses.field(default_factory=list)
     forced_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_logprobs: list[dict[int, "Logprob"]] = dataclasses.field(default_factory=list)
     forced_text_len: Optional[int] = None
     num_prefilled_tokens: int = 0
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
@@ -331,6 +334,16 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability at one output position (vLLM's ``Logprob``): ``logprob`` the natural log of its
+    probability under the model's logits (``log_softmax`` in float32, before temperature, top-k and top-p), ``rank``
+    1 plus the number of tokens the model found strictly more likely."""
+
+    logprob: float
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """One request's result (or, while ``finished`` is ``False``, its progress so far).
 
@@ -347,6 +360,9 @@ class RequestOutput:
             sampler chose there (greedy: the argmax); empty without forced tokens.
         forced_logprobs: per forced output so far, the natural log-probability of the forced token
             (``log_softmax`` of the float32 logits the sampler saw); empty without forced tokens.
+        logprobs: with ``SamplingParams.logprobs = N``, per output token a dict from token id to :class:`Logprob`:
+            the output token's and those of the ``N`` most likely tokens (``N`` or ``N + 1`` entries, the output
+            token first), as vLLM's ``CompletionOutput.logprobs``; ``None`` without.
     """
 
     request_id: str
@@ -361,6 +377,7 @@ class RequestOutput:
     quest: RequestQuest = RequestQuest()
     forced_choices: tuple[int, ...] = ()
     forced_logprobs: tuple[float, ...] = ()
+    logprobs: Optional[tuple[dict[int, Logprob], ...]] = None
 
     @classmethod
     def from_sequence(cls, seq: Sequence, text: str) -> RequestOutput:
@@ -378,6 +395,7 @@ class RequestOutput:
             quest=seq.quest,
             forced_choices=tuple(seq.forced_choices),
             forced_logprobs=tuple(seq.forced_logprobs),
+            logprobs=None if seq.sampling_params.logprobs is None else tuple(seq.output_logprobs),
         )
 
 

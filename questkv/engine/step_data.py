@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from questkv.engine.cuda_graphs import GraphKey
-from questkv.engine.sequence import Sequence
+from questkv.engine.sequence import Logprob, Sequence
 
-__all__ = ["PrefillInputs", "SampledTokens", "ScheduledBatch", "StepMessage"]
+__all__ = ["PrefillInputs", "SampledTokens", "ScheduledBatch", "StepLogprobs", "StepMessage"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     def forced_targets(self) -> Optional[list[int]]:
-        """Per sampled token, the forced token of its output (``SamplingParams.forced_token_ids``; 0 where none, and
+        """Per sampled token, the forced token of its output (``SamplingParams.forced_token_ids``; -1 where none, and
         never on a verify row: forced tokens exclude drafts); ``None`` when no row samples a forced output."""
         if not any(seq.sampling_params.forced_token_ids for seq in self.seqs[:self.num_sampled]):
             return None  # (the common case, asked every step: no per-token list)
@@ -101,7 +101,7 @@ class ScheduledBatch:
         for row, (seq, seq_len) in enumerate(zip(self.seqs[:self.num_sampled], self.seq_lens)):
             index = seq_len - seq.num_prompt_tokens  # the output this step samples for the row
             forced = seq.is_forced(index)
-            targets += [seq.sampling_params.forced_token_ids[index] if forced else 0] * self.num_sampled_tokens(row)
+            targets += [seq.sampling_params.forced_token_ids[index] if forced else -1] * self.num_sampled_tokens(row)
             any_forced |= forced
         return targets if any_forced else None
 
@@ -199,20 +199,40 @@ class StepMessage:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepLogprobs:
+    """The log-probabilities of a step's output tokens, on the host (pinned on CUDA), one row per sampled token
+    (row after row of the batch, a verify row's ``num_new_tokens``), computed for a step with a row that asks for
+    them (``SamplingParams.logprobs``) or is at a forced output.
+
+    Attributes:
+        outputs: ``[n]`` int64, each row's output token: the forced token at a forced output, else the sampled one.
+        chosen: ``[n]`` float32, its log-probability (``log_softmax`` of the float32 logits).
+        rank: ``[n]`` int64, 1 plus the tokens strictly more likely.
+        top_ids, top_logprobs: ``[n, N]`` int64 and float32, the ``N`` most likely tokens and theirs, most likely
+            first (``N``: the most any row asks for, possibly 0).
+    """
+
+    outputs: torch.Tensor
+    chosen: torch.Tensor
+    rank: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
 class SampledTokens:
     """The tokens one launched step samples: a host copy in flight and the event that completes it.
 
     Attributes:
-        host: ``[batch]`` int64 on the host (pinned on CUDA), valid once ``done`` has completed.
+        host: ``[n]`` int64 on the host (pinned on CUDA), one per sampled token, valid once ``done`` has completed.
         done: the CUDA event recorded after the copies, ``None`` on CPU (the copies are already done).
-        logprobs: ``[batch]`` float32 on the host (pinned on CUDA), each row's log-probability of its forced
-            token (``SamplingParams.forced_token_ids``; rows without one hold junk), valid once ``done`` has
-            completed; ``None`` when no row of the step is at a forced output.
+        logprobs: their :class:`StepLogprobs`, valid once ``done`` has completed; ``None`` when no row of the step
+            asks for log-probabilities or is at a forced output.
     """
 
     host: torch.Tensor
     done: Optional[torch.cuda.Event]
-    logprobs: Optional[torch.Tensor] = None
+    logprobs: Optional[StepLogprobs] = None
 
     def token_ids(self) -> list[int]:
         """Wait for the step and return its tokens, in batch order."""
@@ -220,10 +240,30 @@ class SampledTokens:
             self.done.synchronize()
         return self.host.tolist()
 
-    def forced_logprobs(self) -> Optional[list[float]]:
-        """Wait for the step and return :attr:`logprobs` as a list (``None`` without forced rows)."""
+    def logprobs_by_row(self, batch: ScheduledBatch) -> Optional[list[list[Optional[dict[int, Logprob]]]]]:
+        """Wait for the step and return, per sampling row of ``batch`` and per token it sampled, the output token's
+        :class:`Logprob` and those of the row's ``SamplingParams.logprobs`` most likely tokens, as a dict from token
+        id (the output token first); ``None`` for a token whose row asks for none and is not at a forced output
+        (whose log-probability ``forced_logprobs`` keeps). ``None`` without :attr:`logprobs`."""
         if self.logprobs is None:
             return None
         if self.done is not None:
             self.done.synchronize()
-        return self.logprobs.tolist()
+        step = self.logprobs
+        outputs, chosen, rank = step.outputs.tolist(), step.chosen.tolist(), step.rank.tolist()
+        top_ids, top_logprobs = step.top_ids.tolist(), step.top_logprobs.tolist()
+        forced = batch.forced_targets() or [-1] * len(outputs)
+        rows, at = [], 0
+        for row, seq in enumerate(batch.seqs[:batch.num_sampled]):
+            wanted, tokens = seq.sampling_params.logprobs, []
+            for t in range(at, at + batch.num_sampled_tokens(row)):
+                if wanted is None and forced[t] < 0:
+                    tokens.append(None)
+                    continue
+                entry = {outputs[t]: Logprob(chosen[t], rank[t])}
+                for j in range(wanted or 0):
+                    entry.setdefault(top_ids[t][j], Logprob(top_logprobs[t][j], j + 1))
+                tokens.append(entry)
+            rows.append(tokens)
+            at += batch.num_sampled_tokens(row)
+        return rows

@@ -19,7 +19,7 @@ import torch
 from questkv.distributed.group import TensorParallel
 from questkv.engine.sequence import Sequence
 from questkv.engine.speculation import verified_next_inputs
-from questkv.engine.step_data import SampledTokens, ScheduledBatch
+from questkv.engine.step_data import SampledTokens, ScheduledBatch, StepLogprobs
 from questkv.layers.sampler import Sampler
 
 
@@ -53,12 +53,8 @@ class StepTokens:
         self.greedy = torch.zeros(rows * max_queries, dtype=torch.int64, device=device)
         self._rows: dict[str, int] = {}
         pin = self._pin = device.type == "cuda"
-        # Two pinned buffers of each, used in turn: a step's copy may still be queued when the next one is staged.
+        # Two pinned buffers, used in turn: a step's copy may still be queued when the next one is staged.
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        # Teacher forcing: each row's forced token in, its log-probability out (steps with a forced row only).
-        self._host_forced = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._host_logprobs = [torch.zeros(rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
-        self._forced = torch.zeros(rows, dtype=torch.int64, device=device)
         self._flip = 0
 
     def row_of(self, seq: Sequence) -> int:
@@ -107,7 +103,7 @@ class StepTokens:
             self._host_tokens[flip] = torch.zeros(tokens.shape[0], dtype=torch.int64, pin_memory=self._pin)
         host = self._host_tokens[flip][:tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
-        logprobs = self._forced_logprobs(logits, batch, flip)
+        logprobs = self._logprobs(logits, tokens, batch)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -188,23 +184,31 @@ class StepTokens:
         self.sampled[:count].copy_(next_inputs[0])
         self.kept_drafts[:count].copy_(next_inputs[1])
 
-    def _forced_logprobs(self, logits: torch.Tensor, batch: ScheduledBatch, flip: int) -> Optional[torch.Tensor]:
-        """Launch the copy of each sampling row's log-probability of its forced token (``[num_sampled]`` float32 on
-        the host, valid once the step's event completes), from the step's ``logits`` (``[num_sampled, vocab]``
-        float32, after the graph); ``None``, and nothing launched, when no row of ``batch`` samples a forced output."""
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, batch: ScheduledBatch) -> Optional[StepLogprobs]:
+        """Launch the copy to the host of the step's :class:`~questkv.engine.step_data.StepLogprobs` (from its
+        ``logits``, ``[n, vocab]`` float32, and sampled ``tokens``, ``[n]`` int64, one row per sampled token); ``None``,
+        and nothing launched, when no sampling row asks for log-probabilities or is at a forced output. Fresh host
+        buffers each time: only such steps pay for them."""
+        asked = [seq.sampling_params.logprobs for seq in batch.seqs[:batch.num_sampled]]
         targets = batch.forced_targets()
-        if targets is None:
+        if targets is None and all(n is None for n in asked):
             return None
-        count = len(targets)
-        staged = self._host_forced[flip][:count]
-        staged.copy_(torch.tensor(targets, dtype=torch.int64))
-        forced = self._forced[:count]
-        forced.copy_(staged, non_blocking=True)
-        log_probs = torch.log_softmax(logits.float(), dim=-1)  # [batch, vocab] float32
-        host = self._host_logprobs[flip][:count]
-        host.copy_(log_probs.gather(1, forced[:, None])[:, 0], non_blocking=True)
-        return host
+        outputs = tokens
+        if targets is not None:
+            forced = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+            outputs = torch.where(forced >= 0, forced, tokens)
+        log_probs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+        chosen = log_probs.gather(1, outputs[:, None])  # [n, 1]
+        rank = (log_probs > chosen).sum(dim=-1) + 1
+        top = max((n for n in asked if n is not None), default=0)
+        top_logprobs, top_ids = log_probs.topk(top, dim=-1)  # [n, top], most likely first
+        return StepLogprobs(*map(self._to_host, (outputs, chosen[:, 0], rank, top_ids, top_logprobs)))
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``tensor`` launched without waiting (into pinned memory on CUDA)."""
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+        return host.copy_(tensor, non_blocking=True)
 
     def tensors(self) -> list[torch.Tensor]:
         """Its device tensors (:meth:`ModelRunner.release` empties them)."""
-        return [self.sampled, self.kept_drafts, self.greedy, self._forced]
+        return [self.sampled, self.kept_drafts, self.greedy]
