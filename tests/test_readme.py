@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = [
-    (page.relative_to(ROOT).as_posix(), index, code)
+    (page.relative_to(ROOT).as_posix(), index, textwrap.dedent(code))  # (a block inside a list item is indented)
     for page in PAGES
     for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
 ]

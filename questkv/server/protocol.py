@@ -9,8 +9,13 @@ fields, :func:`parse_request` refuses a body nested deeper than :data:`MAX_JSON_
 (key or value) that is not valid Unicode (a lone surrogate such as ``"\\ud800"``), with the wording of
 :func:`questkv.validation.check_text`, which the engine uses for its prompts and stop strings too.
 
+Log-probabilities (OpenAI's): a completion's ``logprobs: N`` (an integer in ``[0, 20]``: each token's and the ``N``
+most likely tokens', as ``{tokens, token_logprobs, top_logprobs, text_offset}``), a chat's ``logprobs: true`` with
+``top_logprobs: N`` (``{content: [{token, logprob, bytes, top_logprobs}]}``), in responses and stream chunks alike;
+the engine's :attr:`~questkv.engine.sequence.RequestOutput.logprobs` (a lossless request's are dense attention's).
+
 OpenAI fields accepted but not implemented, each only at a value that changes nothing (else 400 naming it):
-``logprobs`` (``null``/``false``/``0``), ``top_logprobs`` (``null``/``0``), ``echo`` (``false``), ``best_of``
+``echo`` (``false``), ``best_of``
 (``null``/``1``), ``suffix`` (``null``/``""``), ``logit_bias`` (``null``/``{}``), ``presence_penalty`` and
 ``frequency_penalty`` (``null``/``0``), ``tools`` (``null``/``[]``), ``tool_choice`` (``null``/``"none"``/
 ``"auto"``), ``response_format`` (``null`` or ``{"type": "text"}``). Accepted and ignored, being harmless:
@@ -30,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 from pydantic import field_validator, model_validator
 
 from questkv.config import RequestQuest
-from questkv.engine.sequence import RequestMetrics
+from questkv.engine.sampling_params import MAX_LOGPROBS
+from questkv.engine.sequence import Logprob, RequestMetrics
 from questkv.validation import check_text
 
 __all__ = [
@@ -101,9 +107,9 @@ class _Common(_Strict):
     quest: Optional[QuestOptions] = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model's EOS (benchmarks)
     return_token_ids: StrictBool = False  # vLLM's extension: choices carry the generated token ids
+    logprobs: Union[StrictBool, StrictInt, None] = None  # a completion's: an int; a chat's: a bool
+    top_logprobs: Optional[StrictInt] = None  # a chat's
     # OpenAI fields accepted only at their no-op values (see the module docstring)
-    logprobs: Union[StrictBool, StrictInt, None] = None
-    top_logprobs: Optional[StrictInt] = None
     logit_bias: Optional[dict[str, Any]] = None
     presence_penalty: Optional[Number] = None
     frequency_penalty: Optional[Number] = None
@@ -133,10 +139,6 @@ class _Common(_Strict):
             _refuse("stop", f"stop takes at most 4 strings, got {len(stops)}")
         if self.stream_options is not None and not self.stream:
             _refuse("stream_options", "stream_options is only allowed with stream=true")
-        if self.logprobs not in (None, False, 0):
-            _refuse("logprobs", f"logprobs is not supported (only null, false or 0), got {self.logprobs!r}")
-        if self.top_logprobs not in (None, 0):
-            _refuse("top_logprobs", f"top_logprobs is not supported (only null or 0), got {self.top_logprobs!r}")
         if self.logit_bias:
             _refuse("logit_bias", "logit_bias is not supported (only null or {})")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -173,7 +175,17 @@ class CompletionRequest(_Common):
             _refuse("best_of", f"best_of={self.best_of} is not supported (only 1)")
         if self.suffix:
             _refuse("suffix", "suffix is not supported (only null or \"\")")
+        if self.logprobs is True or isinstance(self.logprobs, int) and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _refuse("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens "
+                                f"returned per token) or null, got {self.logprobs!r}")
+        if self.top_logprobs is not None:
+            _refuse("top_logprobs", "top_logprobs is a chat completion's field: a completion takes logprobs=N")
         return self
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        """``SamplingParams.logprobs``: the most likely tokens returned per output token; ``None``: none."""
+        return None if self.logprobs is False else self.logprobs
 
 
 class ChatMessage(_Strict):
@@ -224,7 +236,20 @@ class ChatCompletionRequest(_Common):
             _refuse("tool_choice", f"tool_choice is not supported (only null, \"none\" or \"auto\"), got {self.tool_choice!r}")
         if self.response_format not in (None, {"type": "text"}):
             _refuse("response_format", "response_format is not supported (only null or {\"type\": \"text\"})")
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            _refuse("logprobs", f"logprobs must be a bool in a chat completion (top_logprobs=N asks for the N most "
+                                f"likely tokens), got {self.logprobs!r}")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                _refuse("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+            if self.top_logprobs and not self.logprobs:
+                _refuse("top_logprobs", "top_logprobs needs logprobs=true")
         return self
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        """``SamplingParams.logprobs``: the most likely tokens returned per output token; ``None``: none."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them (``developer`` is rendered as ``system``)."""
@@ -399,16 +424,47 @@ def _with_token_ids(choice: dict, token_ids: Optional[list[int]]) -> dict:
     return choice
 
 
+def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], token_text) -> dict:
+    """A completion choice's ``logprobs`` for output tokens ``token_ids`` and their engine ``entries``
+    (:attr:`~questkv.engine.sequence.RequestOutput.logprobs`): ``tokens`` (``token_text(id)``: each token's text),
+    ``token_logprobs``, ``top_logprobs`` (per token, the output token and the most likely ones, by text) and
+    ``text_offset`` (where each token's text starts in the completion's)."""
+    texts = [token_text(token) for token in token_ids]
+    offsets = [0]
+    for text in texts[:-1]:
+        offsets.append(offsets[-1] + len(text))
+    return {"tokens": texts, "token_logprobs": [entry[token].logprob for entry, token in zip(entries, token_ids)],
+            "top_logprobs": [{token_text(t): lp.logprob for t, lp in entry.items()} for entry in entries],
+            "text_offset": offsets[:len(texts)]}
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], token_text, top: int) -> dict:
+    """A chat choice's ``logprobs``: ``content``, per output token its ``token`` text, ``logprob``, UTF-8 ``bytes``
+    and the ``top`` most likely tokens (``top_logprobs``, most likely first), as OpenAI's."""
+    def item(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for entry, token in zip(entries, token_ids):
+        best = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= top)[:top]
+        content.append({**item(token, entry[token].logprob),
+                        "top_logprobs": [item(t, entry[t].logprob) for _, t in best]})
+    return {"content": content}
+
+
 def completion_response(request_id: str, model: str, text: str, finish_reason: Optional[str], usage_: dict,
-                        quest: dict, created: int, token_ids: Optional[list[int]] = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                        quest: dict, created: int, token_ids: Optional[list[int]] = None,
+                        logprobs: Optional[dict] = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": [_with_token_ids(choice, token_ids)], "usage": usage_, "quest": quest}
 
 
 def chat_response(request_id: str, model: str, text: str, finish_reason: Optional[str], usage_: dict,
-                  quest: dict, created: int, token_ids: Optional[list[int]] = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  quest: dict, created: int, token_ids: Optional[list[int]] = None,
+                  logprobs: Optional[dict] = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
               "finish_reason": finish_reason}
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [_with_token_ids(choice, token_ids)], "usage": usage_, "quest": quest}
@@ -417,10 +473,10 @@ def chat_response(request_id: str, model: str, text: str, finish_reason: Optiona
 def completion_chunk(request_id: str, model: str, created: int, text: Optional[str] = None,
                      finish_reason: Optional[str] = None, usage_: Optional[dict] = None,
                      include_usage: bool = False, quest: Optional[dict] = None,
-                     token_ids: Optional[list[int]] = None) -> dict:
+                     token_ids: Optional[list[int]] = None, logprobs: Optional[dict] = None) -> dict:
     """A ``text_completion`` stream chunk; ``text=None`` makes the usage chunk (``choices: []``)."""
     choices = [] if text is None else [_with_token_ids(
-        {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}, token_ids)]
+        {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}, token_ids)]
     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if include_usage:
         chunk["usage"] = usage_
@@ -432,10 +488,10 @@ def completion_chunk(request_id: str, model: str, created: int, text: Optional[s
 def chat_chunk(request_id: str, model: str, created: int, delta: Optional[dict] = None,
                finish_reason: Optional[str] = None, usage_: Optional[dict] = None,
                include_usage: bool = False, quest: Optional[dict] = None,
-               token_ids: Optional[list[int]] = None) -> dict:
+               token_ids: Optional[list[int]] = None, logprobs: Optional[dict] = None) -> dict:
     """A ``chat.completion.chunk``; ``delta=None`` makes the usage chunk (``choices: []``)."""
     choices = [] if delta is None else [_with_token_ids(
-        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}, token_ids)]
+        {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}, token_ids)]
     chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": choices}
     if include_usage:

@@ -255,6 +255,13 @@ class OpenAIServing:
             raise RequestError(f"the model {model!r} does not exist: this server serves {self.served_model_name!r}",
                                param="model", status=404, code="model_not_found")
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text in a ``logprobs`` object: the tokenizer's decoding of it alone, or ``token_id:N`` (vLLM's
+        spelling) for a model without a tokenizer."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("a text prompt needs a tokenizer, and this model (dummy weights) has none: send token ids",
@@ -314,6 +321,7 @@ class OpenAIServing:
             seed=body.seed, max_tokens=max_tokens, stop=body.stop_list,
             token_budget=quest.token_budget, dense=quest.dense, ignore_eos=body.ignore_eos,
             selection_interval=quest.selection_interval, speculative_tokens=quest.speculative_tokens,
+            logprobs=body.num_logprobs,
         )
 
     # ---- running a request -------------------------------------------------------------------------------------
@@ -377,6 +385,7 @@ class _Run:
         self.created = protocol.now()
         self.hold = max((len(s) for s in params.stop), default=1) - 1
         self.returns_token_ids = body.return_token_ids or serving.tokenizer is None
+        self.sent_logprobs = 0  # the output tokens whose log-probabilities a stream chunk carried
 
     def _remaining(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
@@ -426,20 +435,36 @@ class _Run:
         self.outcome.finish(output.finish_reason)
         token_ids = list(output.token_ids) if self.returns_token_ids else None
         return JSONResponse(build(self.request_id, self.model, output.text, output.finish_reason, usage, quest,
-                                  self.created, token_ids))
+                                  self.created, token_ids, self._logprobs(output, 0)))
+
+    def _logprobs(self, output: RequestOutput, start: int) -> Optional[dict]:
+        """The choice's ``logprobs`` for ``output``'s tokens from ``start`` on (``None`` when the request asked for
+        none)."""
+        if output.logprobs is None:
+            return None
+        entries, token_ids, text = output.logprobs[start:], list(output.token_ids[start:]), self.serving.token_text
+        if self.chat:
+            return protocol.chat_logprobs(entries, token_ids, text, self.params.logprobs)
+        return protocol.completion_logprobs(entries, token_ids, text)
 
     def _chunk(self, text: Optional[str] = None, finish_reason: Optional[str] = None, usage: Optional[dict] = None,
-               quest: Optional[dict] = None, role: bool = False, token_ids: Optional[list[int]] = None) -> str:
+               quest: Optional[dict] = None, role: bool = False, token_ids: Optional[list[int]] = None,
+               output: Optional[RequestOutput] = None) -> str:
+        """One SSE line; ``output``: the request's output so far, whose tokens' log-probabilities not yet sent go
+        with this chunk (when it asked for them)."""
         include = self.body.include_usage
+        logprobs = None
+        if output is not None and output.logprobs is not None:
+            logprobs, self.sent_logprobs = self._logprobs(output, self.sent_logprobs), len(output.token_ids)
         if self.chat:
             delta = None
             if text is not None:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
             chunk = protocol.chat_chunk(self.request_id, self.model, self.created, delta, finish_reason, usage,
-                                        include, quest, token_ids)
+                                        include, quest, token_ids, logprobs)
         else:
             chunk = protocol.completion_chunk(self.request_id, self.model, self.created, text, finish_reason, usage,
-                                              include, quest, token_ids)
+                                              include, quest, token_ids, logprobs)
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
     async def events(self) -> AsyncIterator[str]:
@@ -473,16 +498,17 @@ class _Run:
                 if not event.finished:
                     if delta or new_ids:
                         sent += delta
-                        yield self._chunk(delta, token_ids=new_ids)
+                        yield self._chunk(delta, token_ids=new_ids, output=event)
                     continue
                 usage, quest = self._final(event)
                 if self.chat:
-                    if delta or new_ids:
-                        yield self._chunk(delta, token_ids=new_ids)
+                    if delta or new_ids or len(event.token_ids) > self.sent_logprobs and event.logprobs is not None:
+                        yield self._chunk(delta, token_ids=new_ids, output=event)
                     yield self._chunk("", finish_reason=event.finish_reason, quest=quest,
                                       token_ids=[] if self.returns_token_ids else None)
                 else:
-                    yield self._chunk(delta, finish_reason=event.finish_reason, quest=quest, token_ids=new_ids)
+                    yield self._chunk(delta, finish_reason=event.finish_reason, quest=quest, token_ids=new_ids,
+                                      output=event)
                 if self.body.include_usage:
                     yield self._chunk(None, usage=usage, quest=quest)
                 self.outcome.finish(event.finish_reason)

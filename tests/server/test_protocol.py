@@ -63,7 +63,10 @@ def test_a_completion_request_takes_a_string_or_token_ids_and_the_quest_extensio
     ({"prompt": "x", "quest": {"selection_interval": 2.0}}, "quest.selection_interval"),
     ({"prompt": "x", "quest": {"dense": "yes"}}, "quest.dense"),
     ({"prompt": "x", "max_token": 5}, "max_token"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
     ({}, "prompt"),
 ])
 def test_a_bad_completion_field_is_refused_naming_it(body, param):
@@ -76,6 +79,9 @@ def test_a_bad_completion_field_is_refused_naming_it(body, param):
     ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
 ])
 def test_a_bad_chat_field_is_refused_naming_it(body, param):
     assert _refusal(ChatCompletionRequest, body).param == param

@@ -236,6 +236,54 @@ def test_a_streamed_chat_completion_sends_the_role_first_and_usage_last(server, 
     check_quest_echo(echo[-1], quest, ref)
 
 
+def test_completion_logprobs_are_the_engines_with_token_texts_and_offsets(server, reference_llm):
+    prompt = text_prompt(random.randint(20, 60))
+    max_tokens = random.randint(4, 12)
+    ref = reference(reference_llm, prompt, max_tokens=max_tokens, logprobs=3)
+    out = client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            logprobs=3)
+    logprobs = out.choices[0].logprobs
+    texts = [reference_llm.tokenizer.decode([t]) for t in ref.token_ids]
+    assert logprobs.tokens == texts
+    assert logprobs.token_logprobs == pytest.approx([e[t].logprob for e, t in zip(ref.logprobs, ref.token_ids)],
+                                                    abs=1e-5)
+    assert logprobs.text_offset == [sum(map(len, texts[:i])) for i in range(len(texts))]
+    for top, entry in zip(logprobs.top_logprobs, ref.logprobs):  # the output token and the 3 most likely
+        assert top == pytest.approx({reference_llm.tokenizer.decode([t]): lp.logprob for t, lp in entry.items()},
+                                    abs=1e-5)
+
+
+def test_chat_logprobs_and_their_stream_are_the_engines(server, reference_llm):
+    messages = [{"role": "user", "content": text_prompt(random.randint(15, 40))}]
+    prompt = chat_prompt(reference_llm, messages)
+    max_tokens = random.randint(4, 12)
+    ref = reference(reference_llm, prompt, max_tokens=max_tokens, logprobs=2)
+    out = client(server).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=max_tokens,
+                                                 temperature=0, logprobs=True, top_logprobs=2)
+    stream = client(server).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=max_tokens,
+                                                    temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    streamed = [item for c in stream if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    for content in (out.choices[0].logprobs.content, streamed):
+        assert [item.token for item in content] == [reference_llm.tokenizer.decode([t]) for t in ref.token_ids]
+        for item, entry, token in zip(content, ref.logprobs, ref.token_ids):
+            assert item.logprob == pytest.approx(entry[token].logprob, abs=1e-5)
+            assert item.bytes == list(item.token.encode("utf-8"))
+            best = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= 2)
+            assert [top.token for top in item.top_logprobs] == [reference_llm.tokenizer.decode([t]) for _, t in best]
+
+
+def test_a_streamed_completion_carries_every_tokens_logprobs_once(server, reference_llm):
+    prompt = token_prompt(random.randint(17, 50))
+    ref = reference(reference_llm, prompt, max_tokens=10, logprobs=0)
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True, "logprobs": 0}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S) as response:
+        events = sse_events(list(response.iter_lines()))
+    parts = [c["choices"][0]["logprobs"] for c in events[:-1] if c["choices"][0]["logprobs"] is not None]
+    assert [lp for part in parts for lp in part["token_logprobs"]] == pytest.approx(
+        [e[t].logprob for e, t in zip(ref.logprobs, ref.token_ids)], abs=1e-5)
+    assert all(len(top) == 1 for part in parts for top in part["top_logprobs"])  # logprobs=0: the token's own
+
+
 def test_a_seeded_sampled_completion_equals_llm_generate_with_the_same_seed(server, reference_llm):
     prompt = token_prompt(random.randint(17, 50))
     seed = random.randrange(1 << 30)
