@@ -566,11 +566,14 @@ def check_tiny_fp32() -> dict:
     """Engine CUDA path (Triton, graphs) == eager torch-reference path, greedy tokens on a small fp32 Llama: three
     prompts per setting, and one prompt dense and Quest (``-batch-1``: decode steps of one row, the batch-1
     graphs and launch plans), and requests of budget 256 on engines built for 512 (``-requests-256``: the attention
-    spreads each row's smaller selection over the larger plan's splits; with reuse, its extra columns after it)."""
+    spreads each row's smaller selection over the larger plan's splits; with reuse, its extra columns after it).
+    Each request asks for log-probabilities (``SamplingParams.logprobs=2``): ``logprobs_max_abs_diff``, the largest
+    difference between the two paths' log-probabilities of the same token at a position where their tokens agree,
+    and ``logprobs_same_tokens``, whether each such position lists the same tokens."""
     cfg = _tiny_llama()
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (700, 1500, 333)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     results = {}
     for name, quest in (("dense", None), ("quest-256", QuestConfig(token_budget=256)),
                         ("quest-256-reuse-4", QuestConfig(token_budget=256, selection_interval=4)),
@@ -579,15 +582,16 @@ def check_tiny_fp32() -> dict:
                         ("quest-512-requests-256", QuestConfig(token_budget=512)),
                         ("quest-512-requests-256-reuse-4", QuestConfig(token_budget=512, selection_interval=4)),
                         ("dense-batch-1", None), ("quest-256-batch-1", QuestConfig(token_budget=256))):
-        tokens, rates = {}, {}
-        request = (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, token_budget=256)
-                   if "requests-256" in name else params)
+        tokens, rates, logprobs = {}, {}, {}
+        request = dataclasses.replace(params, token_budget=256) if "requests-256" in name else params
         for path, llm in _engine_paths(quest, lambda q, **kwargs: _sharpened_engine(cfg, q, **kwargs)):
             outs = llm.generate(prompts[:1] if name.endswith("batch-1") else prompts, request, use_tqdm=False)
             tokens[path] = [list(o.token_ids) for o in outs]
             rates[path] = [o.metrics.selection_rate for o in outs]
+            logprobs[path] = [o.logprobs for o in outs]
             del llm
         results[name] = _agreement(tokens["cuda-graphs"], tokens["eager-reference"])
+        results[name].update(_logprobs_agreement(tokens, logprobs))
         if quest is not None and quest.selection_interval > 1:  # the share of (step, layer, head) that selected
             results[name]["selection_rates"] = rates
         if name == "dense":
@@ -596,6 +600,21 @@ def check_tiny_fp32() -> dict:
             results[name]["equals_dense"] = tokens["cuda-graphs"] == results["dense_tokens"]
     results.pop("dense_tokens")
     return results
+
+
+def _logprobs_agreement(tokens: dict, logprobs: dict) -> dict:
+    """The two paths' log-probabilities (``RequestOutput.logprobs`` per path) at the positions of each request up to
+    the first where their tokens differ: the largest absolute difference for the same token and whether every such
+    position lists the same tokens."""
+    diff, same = 0.0, True
+    for got_tokens, want_tokens, got, want in zip(tokens["cuda-graphs"], tokens["eager-reference"],
+                                                  logprobs["cuda-graphs"], logprobs["eager-reference"]):
+        for a, b, entry, ref in zip(got_tokens, want_tokens, got, want):
+            if a != b:
+                break
+            same &= set(entry) == set(ref)
+            diff = max([diff] + [abs(entry[t].logprob - ref[t].logprob) for t in set(entry) & set(ref)])
+    return {"logprobs_max_abs_diff": diff, "logprobs_same_tokens": same}
 
 
 def _paths_agree(quest, build, prompts: list[list[int]], params: SamplingParams) -> dict:

@@ -333,6 +333,9 @@ def render_markdown(record: dict) -> str:
             if "selection_rates" in r:
                 extra += "; selection rates " + ", ".join(
                     f"{path} {' / '.join(f'{x:.3f}' for x in xs)}" for path, xs in r["selection_rates"].items())
+            if "logprobs_max_abs_diff" in r:
+                extra += (f"; logprobs: same tokens {r['logprobs_same_tokens']}, largest difference "
+                          f"{r['logprobs_max_abs_diff']:.2e}")
             return extra
 
         lines += _token_checks("fp32 small Llama: CUDA-graph/Triton path vs eager torch-reference path, greedy tokens:",
