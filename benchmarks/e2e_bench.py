@@ -416,7 +416,7 @@ def time_host(engine, steps: int) -> dict:
                  "process": (engine, "_process")}
     for name, (owner, attr) in instances.items():  # an instance attribute shadows the method until deleted
         setattr(owner, attr, timed(name, getattr(owner, attr)))
-    waits = {attr: getattr(SampledTokens, attr) for attr in ("token_ids", "forced_logprobs")}
+    waits = {attr: getattr(SampledTokens, attr) for attr in ("token_ids", "logprobs_by_row")}
     for attr, method in waits.items():
         setattr(SampledTokens, attr, timed("wait", method))
     kinds: dict[str, dict[str, float]] = {}

@@ -71,7 +71,7 @@ def test_profile_steps_writes_its_timeline_as_a_gzipped_chrome_trace(tmp_path):
 def test_time_host_splits_the_steps_wall_time_and_leaves_the_engine_as_it_was():
     from questkv.engine.step_data import SampledTokens
 
-    methods = {attr: getattr(SampledTokens, attr) for attr in ("token_ids", "forced_logprobs")}
+    methods = {attr: getattr(SampledTokens, attr) for attr in ("token_ids", "logprobs_by_row")}
     record, engine = _measured_round(time_host)
     assert record["steps"] == 8
     assert 0 < record["schedule"] and 0 < record["sample"] < record["launch"] and record["replay"] == 0  # (no graphs)
