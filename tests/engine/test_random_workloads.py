@@ -4,12 +4,13 @@ Each case draws an engine (Quest budget, sink and recent pages, dense layers, se
 none, fixed or adaptive; synchronous or asynchronous steps; chunked prefill and its token budget; prefix caching;
 a pool small enough to preempt or not; model-dtype or fp8 K/V) and a batch of requests (shared prefixes, greedy or
 seeded sampling with top-k, stop tokens, log-probabilities, per-request budgets, dense requests (teacher-forced
-too) and lossless ones, a second turn that continues each conversation), then checks:
+too) and lossless ones, a second turn that continues each conversation; in half the cases the requests arrive at
+random steps and about one in five is aborted), then checks:
 
 - a request whose every step attends densely (``dense``, or lossless) gives the tokens and log-probabilities of the
   dense engine with the same K/V dtype, run alone;
-- a lossy Quest request gives its own tokens and log-probabilities run alone on the same engine (unless it was preempted: its recompute
-  attends its generated tokens densely, docs/engine.md);
+- a lossy Quest request gives its own tokens and log-probabilities run alone on the same engine (unless it was
+  preempted: its recompute attends its generated tokens densely, docs/engine.md);
 - every page is back once the engine is idle.
 
 ``QUESTKV_RANDOM_WORKLOADS`` sets the number of cases (default 8); a failure names its case's seed, and
@@ -104,6 +105,25 @@ def random_requests(rng: random.Random, quest: QuestConfig, k, max_len: int):
     return prompts, requests
 
 
+def staggered(rng: random.Random, engine, prompts, params) -> list:
+    """Each request's final output when they arrive at random steps of ``engine`` and about one in five is aborted at
+    a random step (its output ``None``)."""
+    arrivals = sorted(rng.randint(0, 12) for _ in prompts)
+    aborts = {i: rng.randint(arrivals[i], arrivals[i] + 12) for i in range(len(prompts)) if rng.random() < 0.2}
+    ids, finals, step = {}, {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished_requests():
+        for i in range(len(prompts)):
+            if i not in ids and arrivals[i] <= step:
+                ids[i] = engine.add_request(prompts[i], params[i])
+            if aborts.get(i) == step and i in ids:
+                engine.abort_request(ids[i])
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        step += 1
+    return [None if i in aborts else finals[ids[i]] for i in range(len(prompts))]
+
+
 def same_logprobs(got, want) -> bool:
     """Whether two outputs' ``logprobs`` hold the same tokens at each position, with the same ranks and
     log-probabilities within float32 rounding."""
@@ -124,14 +144,19 @@ def test_random_engines_give_the_tokens_of_the_engines_they_must_equal(model_dir
     max_len = described.get("max_model_len", MAX_LEN)
     prompts, requests = random_requests(rng, quest, k, max_len)
     params = [SamplingParams(**sampling, **fields) for sampling, fields in requests]
-    turns = [(prompts, llm.generate(prompts, params, use_tqdm=False))]
+    if rng.random() < 0.5:
+        turns = [(prompts, llm.generate(prompts, params, use_tqdm=False))]
+    else:  # arrivals at random steps (joining running rounds), and aborts
+        turns = [(prompts, staggered(rng, llm.engine, prompts, params))]
     if rng.random() < 0.5:  # a second turn: each conversation so far and a few new words (prefix hits on answers)
-        nexts = [(p + list(out.token_ids) + torch.randint(2, VOCAB, (rng.randint(1, 8),)).tolist())[:max_len - 32]
-                 for p, out in zip(*turns[0])]
+        nexts = [(p + list(out.token_ids if out else ()) + torch.randint(2, VOCAB, (rng.randint(1, 8),)).tolist())
+                 [:max_len - 32] for p, out in zip(*turns[0])]
         turns.append((nexts, llm.generate(nexts, params, use_tqdm=False)))
     wrong = []
     for turn, (turn_prompts, outputs) in enumerate(turns):
         for i, (p, (sampling, fields), out) in enumerate(zip(turn_prompts, requests, outputs)):
+            if out is None:  # aborted
+                continue
             lossless = k is not None and fields.get("speculative_tokens", k) > 0 and not fields.get("dense")
             if fields.get("dense") or lossless:
                 forced = {"forced_token_ids": fields["forced_token_ids"]} if "forced_token_ids" in fields else {}
