@@ -424,13 +424,15 @@ def _with_token_ids(choice: dict, token_ids: Optional[list[int]]) -> dict:
     return choice
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], token_text) -> dict:
+def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], token_text,
+                        first_offset: int = 0) -> dict:
     """A completion choice's ``logprobs`` for output tokens ``token_ids`` and their engine ``entries``
     (:attr:`~questkv.engine.sequence.RequestOutput.logprobs`): ``tokens`` (``token_text(id)``: each token's text),
     ``token_logprobs``, ``top_logprobs`` (per token, the output token and the most likely ones, by text) and
-    ``text_offset`` (where each token's text starts in the completion's)."""
+    ``text_offset`` (where each token's text starts in the completion's: the first at ``first_offset``, the length of
+    the tokens' texts before it in a stream)."""
     texts = [token_text(token) for token in token_ids]
-    offsets = [0]
+    offsets = [first_offset]
     for text in texts[:-1]:
         offsets.append(offsets[-1] + len(text))
     return {"tokens": texts, "token_logprobs": [entry[token].logprob for entry, token in zip(entries, token_ids)],

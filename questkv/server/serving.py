@@ -386,6 +386,7 @@ class _Run:
         self.hold = max((len(s) for s in params.stop), default=1) - 1
         self.returns_token_ids = body.return_token_ids or serving.tokenizer is None
         self.sent_logprobs = 0  # the output tokens whose log-probabilities a stream chunk carried
+        self.sent_text_offset = 0  # and the length of their texts (a completion's text_offset goes on from it)
 
     def _remaining(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
@@ -445,7 +446,9 @@ class _Run:
         entries, token_ids, text = output.logprobs[start:], list(output.token_ids[start:]), self.serving.token_text
         if self.chat:
             return protocol.chat_logprobs(entries, token_ids, text, self.params.logprobs)
-        return protocol.completion_logprobs(entries, token_ids, text)
+        logprobs = protocol.completion_logprobs(entries, token_ids, text, self.sent_text_offset if start else 0)
+        self.sent_text_offset = (self.sent_text_offset if start else 0) + sum(map(len, logprobs["tokens"]))
+        return logprobs
 
     def _chunk(self, text: Optional[str] = None, finish_reason: Optional[str] = None, usage: Optional[dict] = None,
                quest: Optional[dict] = None, role: bool = False, token_ids: Optional[list[int]] = None,

@@ -282,6 +282,8 @@ def test_a_streamed_completion_carries_every_tokens_logprobs_once(server, refere
     assert [lp for part in parts for lp in part["token_logprobs"]] == pytest.approx(
         [e[t].logprob for e, t in zip(ref.logprobs, ref.token_ids)], abs=1e-5)
     assert all(len(top) == 1 for part in parts for top in part["top_logprobs"])  # logprobs=0: the token's own
+    texts = [text for part in parts for text in part["tokens"]]
+    assert [o for part in parts for o in part["text_offset"]] == [sum(map(len, texts[:i])) for i in range(len(texts))]
 
 
 def test_a_seeded_sampled_completion_equals_llm_generate_with_the_same_seed(server, reference_llm):
