@@ -446,8 +446,8 @@ class _Run:
         entries, token_ids, text = output.logprobs[start:], list(output.token_ids[start:]), self.serving.token_text
         if self.chat:
             return protocol.chat_logprobs(entries, token_ids, text, self.params.logprobs)
-        logprobs = protocol.completion_logprobs(entries, token_ids, text, self.sent_text_offset if start else 0)
-        self.sent_text_offset = (self.sent_text_offset if start else 0) + sum(map(len, logprobs["tokens"]))
+        logprobs = protocol.completion_logprobs(entries, token_ids, text, self.sent_text_offset)
+        self.sent_text_offset += sum(map(len, logprobs["tokens"]))
         return logprobs
 
     def _chunk(self, text: Optional[str] = None, finish_reason: Optional[str] = None, usage: Optional[dict] = None,
