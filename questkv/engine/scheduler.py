@@ -280,7 +280,7 @@ class Scheduler:
 
     def update(
         self, batch: ScheduledBatch, token_ids: Iterable,
-        logprobs: Optional[list[list[Optional[dict[int, Logprob]]]]] = None,
+        logprobs: Optional[list[list[dict[int, Logprob]]]] = None,
     ) -> list[Sequence]:
         """Append the token each sequence of ``batch`` sampled, apply the token stops (end-of-sequence unless
         ``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_model_len``) and free the pages of the finished

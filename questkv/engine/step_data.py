@@ -240,11 +240,11 @@ class SampledTokens:
             self.done.synchronize()
         return self.host.tolist()
 
-    def logprobs_by_row(self, batch: ScheduledBatch) -> Optional[list[list[Optional[dict[int, Logprob]]]]]:
+    def logprobs_by_row(self, batch: ScheduledBatch) -> Optional[list[list[dict[int, Logprob]]]]:
         """Wait for the step and return, per sampling row of ``batch`` and per token it sampled, the output token's
         :class:`Logprob` and those of the row's ``SamplingParams.logprobs`` most likely tokens, as a dict from token
-        id (the output token first); ``None`` for a token whose row asks for none and is not at a forced output
-        (whose log-probability ``forced_logprobs`` keeps). ``None`` without :attr:`logprobs`."""
+        id (the output token first; the output token's alone for a row that asks for none: a forced output's
+        log-probability is read from it). ``None`` without :attr:`logprobs`."""
         if self.logprobs is None:
             return None
         if self.done is not None:
@@ -252,16 +252,12 @@ class SampledTokens:
         step = self.logprobs
         outputs, chosen, rank = step.outputs.tolist(), step.chosen.tolist(), step.rank.tolist()
         top_ids, top_logprobs = step.top_ids.tolist(), step.top_logprobs.tolist()
-        forced = batch.forced_targets() or [-1] * len(outputs)
         rows, at = [], 0
         for row, seq in enumerate(batch.seqs[:batch.num_sampled]):
-            wanted, tokens = seq.sampling_params.logprobs, []
+            tokens = []
             for t in range(at, at + batch.num_sampled_tokens(row)):
-                if wanted is None and forced[t] < 0:
-                    tokens.append(None)
-                    continue
                 entry = {outputs[t]: Logprob(chosen[t], rank[t])}
-                for j in range(wanted or 0):
+                for j in range(seq.sampling_params.logprobs or 0):
                     entry.setdefault(top_ids[t][j], Logprob(top_logprobs[t][j], j + 1))
                 tokens.append(entry)
             rows.append(tokens)
