@@ -158,25 +158,14 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        offset = t % PAGE_SIZE
-        if not DENSE:
-            position, live, physical, logical = _first_tiles(
-                start, t // PAGE_SIZE, offset, end, lead, selection_cols, sel_ptr, seq, sel_head, seq_len, table_ptr,
-                stride_sb, stride_sh, stride_tb, PAGE_SIZE, PAGES_PER_ITER, ROW_BUDGETS)
         for it in range(start, end, PAGES_PER_ITER):
-            if DENSE:  # the page table alone, which Triton's pipeline requests ahead by itself
-                position, live, physical = _tile_keys(it + t // PAGE_SIZE, offset, seq_len, table_ptr, seq,
-                                                      stride_tb, PAGE_SIZE, end)
-            else:  # the next tile's rows and the one after's pages, requested before this tile is attended
-                next_position, next_live, next_physical = _tile_keys(logical, offset, seq_len, table_ptr, seq,
-                                                                     stride_tb, PAGE_SIZE)
-                logical = _selected_pages(it + 2 * PAGES_PER_ITER + t // PAGE_SIZE, end, lead, selection_cols,
-                                          sel_ptr, seq, sel_head, stride_sb, stride_sh, ROW_BUDGETS)
+            offset, position, live, physical = _tile_keys(
+                it + t // PAGE_SIZE, t % PAGE_SIZE, end, lead, selection_cols, sel_ptr, table_ptr, seq, sel_head,
+                seq_len, stride_sb, stride_sh, stride_tb, PAGE_SIZE, DENSE, ROW_BUDGETS)
             kv_mask = live[:, None] & dmask[None, :]
-            pool_page = physical.to(tl.int64)
-            k = tl.load(k_pages_ptr + pool_page[:, None] * stride_kp + offset[:, None] * stride_kt
+            k = tl.load(k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt
                         + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-            v_rows = pool_page[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
+            v_rows = physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
             if v_pages_ptr.dtype.element_ty == tl.float8e4nv and not UPCAST:
                 v = load_e4m3_as_f16(v_pages_ptr, v_rows, live, HEAD_DIM, BLOCK_D)
             else:
@@ -194,8 +183,6 @@ def _decode_split_kernel(
                 seen = position[None, :] <= (seq_len - NUM_QUERIES + query)[:, None]
                 s = tl.where(live[None, :] & seen, s, float("-inf"))
             acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
-            if not DENSE:
-                position, live, physical = next_position, next_live, next_physical
 
     if USE_PDL:
         gdc_launch_dependents()
@@ -223,47 +210,22 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _selected_pages(item, end, lead, selection_cols, sel_ptr, seq, sel_head, stride_sb, stride_sh,
-                    ROW_BUDGETS: tl.constexpr):
-    """The logical page of each key of a sparse tile whose key ``j`` lies in column ``item[j]`` of the split's
-    selection row (``lead`` columns of the row's budget first with ``ROW_BUDGETS``); -1 at or past ``end``.
-
-    A selected page's keys are two dependent trips to memory away (the selection row, then the page table:
-    :func:`_tile_keys`). Loaded for the tile itself, both trips stood between its dots and the next tile's K/V copies
-    in Triton's sm_90 pipeline (its SASS used each index within 20 instructions of its load), so every iteration
-    waited on three trips in a row; the sparse loops therefore load a tile's pages two iterations ahead and its
-    page-table rows one ahead (:func:`_first_tiles` for the first two tiles)."""
+def _tile_keys(item, offset, end, lead, selection_cols, sel_ptr, table_ptr, seq, sel_head, seq_len, stride_sb,
+               stride_sh, stride_tb, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, ROW_BUDGETS: tl.constexpr):
+    """Where the keys of one tile lie: key ``j`` is token ``offset[j]`` of item ``item[j]`` of the split (a page
+    index when ``DENSE``, else a column of the selection row, ``lead`` columns of the row's budget first with
+    ``ROW_BUDGETS``), items at or past ``end`` not read. Returns ``(offset, position, live, physical)``: the token's
+    position in the sequence, whether it holds a key, and its page in the pool (int64, 0 where not live)."""
     in_chunk = item < end
-    column = item + tl.where(item >= lead, selection_cols - lead, 0) if ROW_BUDGETS else item
-    return tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + column, mask=in_chunk, other=-1)
-
-
-@triton.jit
-def _tile_keys(logical, offset, seq_len, table_ptr, seq, stride_tb, PAGE_SIZE: tl.constexpr, end=None):
-    """For key ``j`` of a tile, token ``offset[j]`` of logical page ``logical[j]`` (-1: none; with ``end``, a dense
-    tile's, pages from ``end`` on none): its position in the sequence, whether it holds a key, and its page in the
-    pool (int32, 0 where not live)."""
-    position = logical * PAGE_SIZE + offset
-    if end is None:
-        live = (logical >= 0) & (position < seq_len)
+    if DENSE:
+        logical = item
     else:
-        live = (logical < end) & (logical >= 0) & (position < seq_len)
-    physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0)
-    return position, live, physical
-
-
-@triton.jit
-def _first_tiles(start, page, offset, end, lead, selection_cols, sel_ptr, seq, sel_head, seq_len, table_ptr,
-                 stride_sb, stride_sh, stride_tb, PAGE_SIZE: tl.constexpr, PAGES_PER_ITER: tl.constexpr,
-                 ROW_BUDGETS: tl.constexpr):
-    """A sparse loop's start over tiles from ``start`` (key ``j`` in column ``page[j]`` of a tile, token
-    ``offset[j]``): the first tile's :func:`_tile_keys` and the second tile's logical pages."""
-    logical = _selected_pages(start + page, end, lead, selection_cols, sel_ptr, seq, sel_head, stride_sb, stride_sh,
-                              ROW_BUDGETS)
-    position, live, physical = _tile_keys(logical, offset, seq_len, table_ptr, seq, stride_tb, PAGE_SIZE)
-    logical = _selected_pages(start + PAGES_PER_ITER + page, end, lead, selection_cols, sel_ptr, seq, sel_head,
-                              stride_sb, stride_sh, ROW_BUDGETS)
-    return position, live, physical, logical
+        column = item + tl.where(item >= lead, selection_cols - lead, 0) if ROW_BUDGETS else item
+        logical = tl.load(sel_ptr + seq * stride_sb + sel_head * stride_sh + column, mask=in_chunk, other=-1)
+    position = logical * PAGE_SIZE + offset
+    live = in_chunk & (logical >= 0) & (position < seq_len)
+    physical = tl.load(table_ptr + seq * stride_tb + logical, mask=live, other=0).to(tl.int64)
+    return offset, position, live, physical
 
 
 @triton.jit
@@ -296,23 +258,13 @@ def _attend_e4m3(q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, sel_ptr, seq, sel_h
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)
-    offset = t % PAGE_SIZE
-    if not DENSE:
-        _, live, physical, logical = _first_tiles(
-            start, t // PAGE_SIZE, offset, end, lead, selection_cols, sel_ptr, seq, sel_head, seq_len, table_ptr,
-            stride_sb, stride_sh, stride_tb, PAGE_SIZE, PAGES_PER_ITER, ROW_BUDGETS)
     for it in range(start, end, PAGES_PER_ITER):
-        if DENSE:  # (as in _decode_split_kernel's loop)
-            _, live, physical = _tile_keys(it + t // PAGE_SIZE, offset, seq_len, table_ptr, seq, stride_tb, PAGE_SIZE,
-                                           end)
-        else:
-            _, next_live, next_physical = _tile_keys(logical, offset, seq_len, table_ptr, seq, stride_tb, PAGE_SIZE)
-            logical = _selected_pages(it + 2 * PAGES_PER_ITER + t // PAGE_SIZE, end, lead, selection_cols, sel_ptr,
-                                      seq, sel_head, stride_sb, stride_sh, ROW_BUDGETS)
-        pool_page = physical.to(tl.int64)
-        k = tl.load(k_pages_ptr + pool_page[:, None] * stride_kp + offset[:, None] * stride_kt
+        offset, _, live, physical = _tile_keys(
+            it + t // PAGE_SIZE, t % PAGE_SIZE, end, lead, selection_cols, sel_ptr, table_ptr, seq, sel_head, seq_len,
+            stride_sb, stride_sh, stride_tb, PAGE_SIZE, DENSE, ROW_BUDGETS)
+        k = tl.load(k_pages_ptr + physical[:, None] * stride_kp + offset[:, None] * stride_kt
                     + kv_head * stride_kh + d[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
-        v_rows = pool_page[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
+        v_rows = physical[:, None] * stride_vp + offset[:, None] * stride_vt + kv_head * stride_vh
         if UPCAST:  # (the interpreter: float32 dots)
             v = tl.load(v_pages_ptr + v_rows + d[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
             parts = tl.dot(k.to(tl.float32), tl.trans(q8), input_precision="ieee")
@@ -333,8 +285,6 @@ def _attend_e4m3(q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, sel_ptr, seq, sel_h
         else:
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
         m_i = m_new
-        if not DENSE:
-            live, physical = next_live, next_physical
     head = sel_head * GROUP + c // 2
     return tl.trans(acc), m_i, l_i, c * 0, head, (c % 2 == 0) & (c // 2 < GROUP)
 
