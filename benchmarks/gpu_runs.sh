@@ -20,6 +20,8 @@
 # COMMIT: the literal hash of the tree sent (`git rev-parse HEAD` here, not on the GPU machine, whose .git may be
 # stale): it goes into every result's provenance. Only `real` and `stage` need their chunk (the others run without
 # one: nothing staged). FP8_ARGS / SHAPES_ARGS / E2E_ARGS: extra arguments (e.g. --points that fit an 80 GB card);
+# On a card of 80 GB (an H100) the parts that time the issue's B=16/32k and B=4/128k points (fp8, shapes, e2e)
+# take instead the points that fit it: B=8/32k and B=2/128k, e2e B=4/32k.
 # DEADLINE (epoch seconds): every benchmark ends 20 s before it, so that several parts fit one call, e.g.
 #   DEADLINE=$(($(date +%s) + 580)) bash -c 'bash benchmarks/gpu_runs.sh int4 C; bash benchmarks/gpu_runs.sh e2e C'
 # Each call copies every result so far (JSON + markdown, under /root/questkv-eval/results-lf) to $OUT as one
@@ -37,6 +39,17 @@ case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
 *H100*) gpu=h100 ;;
 *) gpu=gpu ;;
 esac
+if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
+    fp8_points="llama3.1-8b:16:32768:2048,llama3.1-8b:4:131072:4096,llama3.1-8b:1:32768:2048"
+    shape_points="llama2-7b-int4-b1-32k llama3.1-8b-b16-32k llama3.1-8b-b4-128k"
+    bf16_points=5,1,2
+    int4_points=4,1,6
+else  # the points that fit 80 GB
+    fp8_points="llama3.1-8b:8:32768:2048,llama3.1-8b:2:131072:4096,llama3.1-8b:1:32768:2048"
+    shape_points="llama2-7b-int4-b1-32k llama3.1-8b-b8-32k llama3.1-8b-b2-128k"
+    bf16_points=5,8,1
+    int4_points=4,8,6
+fi
 stage() { # N: copy chunk N there if this call carries it (check, fp8 and shapes run without the model)
     if [ -d ".gpu/$alias/$(printf %02d "$1")" ]; then
         python3 benchmarks/gpu_eval.py stage "$alias" "$1" || exit 1
@@ -68,15 +81,15 @@ check)
     ;;
 fp8)
     stage "$3"
-    bench 500 benchmarks/fp8_kv_bench.py --tag $gpu ${FP8_ARGS:-} --out-dir "$results"
+    bench 500 benchmarks/fp8_kv_bench.py --tag $gpu --points "$fp8_points" ${FP8_ARGS:-} --out-dir "$results"
     ;;
 shapes)
     stage "$3"
     # Acceptances: the 1.5B's lossless drafts at 2k on the CPU (1/16 and 1/8, Quest's pages: draft-selection-*-8windows)
     # and its teacher-forced agreement at 16k, 1/16 (eval-agreement-qwen2.5-coder-1.5b-16k: book 93.8 %, code 92.0 %).
-    bench 400 benchmarks/lossless_bench.py shapes --tag $gpu --acceptance 0.722 0.821 0.929 ${SHAPES_ARGS:-} \
-        --out-dir "$results"
-    bench 150 benchmarks/verify_attention.py --tag $gpu-sweep --sweep --out-dir "$results"
+    bench 400 benchmarks/lossless_bench.py shapes --tag $gpu --acceptance 0.722 0.821 0.929 --points $shape_points \
+        ${SHAPES_ARGS:-} --out-dir "$results"
+    bench 300 benchmarks/verify_attention.py --tag $gpu-sweep --sweep --out-dir "$results"
     ;;
 int4)
     nvidia-smi -L
@@ -88,10 +101,10 @@ int4)
     ;;
 e2e)
     nvidia-smi -L
-    bench 300 benchmarks/e2e_bench.py --tag $gpu-bf16 --skip-hf --checks fp32,mixed --points 5,1,2 \
+    bench 300 benchmarks/e2e_bench.py --tag $gpu-bf16 --skip-hf --checks fp32,mixed --points $bf16_points \
         --selection-intervals 8 ${E2E_ARGS:-} --out-dir "$results"
     bench 300 benchmarks/e2e_bench.py --tag $gpu-int4-lm-head --skip-hf --checks int4 --quantization int4 \
-        --quantize-lm-head --points 4,1,6 --selection-intervals 8 ${E2E_ARGS:-} --out-dir "$results"
+        --quantize-lm-head --points $int4_points --selection-intervals 8 ${E2E_ARGS:-} --out-dir "$results"
     ;;
 stage)
     stage "$3"
