@@ -113,7 +113,7 @@ def run_point(model: str, batch: int, context: int, args, floor_tbps: float) -> 
             def enqueue_fresh(queries=queries, q=q):  # a step built under the configuration being timed
                 fresh = QuestDecodeStep(config, batch, hq, hkv, d, data["npages"], DTYPE, DEVICE, num_queries=queries)
                 return lambda i: fresh.dense(q, layers[i], table, lens)
-            sweep = sweep_configs(enqueue_fresh, n_layers, reps, warmup, getattr(args, "sweep_warps", (4,)))
+            sweep = sweep_configs(enqueue_fresh, n_layers, reps, warmup)
         row = {"queries": queries, "decode_kernel_us": decode_us, "prefill_kernel_us": prefill_us,
                "decode_kernel_ratio": decode_us / point["one_query_us"],
                "prefill_kernel_ratio": prefill_us / point["one_query_us"],
@@ -133,25 +133,20 @@ SWEEP_CONFIGS = [(64, 4, 3), (128, 4, 2), (128, 3, 2), (64, 3, 3), (128, 2, 3), 
 multi-query grids (``_CONFIG["verify"]`` and ``["verify-64"]`` alike: tiles of up to 32 rows and of 64)."""
 
 
-def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int, warps: tuple = (4,)) -> dict[str, float]:
+def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int) -> dict[str, float]:
     """µs per layer of ``make_enqueue()`` (an enqueue built, with its buffers and so its split plan, under the
-    configuration) under each of :data:`SWEEP_CONFIGS` for the multi-query grids, at each of ``warps`` warps per
-    program of their 32- and 64-row tiles (named in the labels when more than one); the module's own settings are
+    configuration) under each of :data:`SWEEP_CONFIGS` for the multi-query grids; the module's own settings are
     restored after. (Tiles padded to 64 rows, Hopper's warpgroup MMA, were slower or no faster at every point on an
     H100: verify-attention-h100-tiles.md, commit 618ca59.)"""
-    saved = dict(attention._CONFIG), dict(attention._WARPS_BY_ROWS)
+    saved = dict(attention._CONFIG)
     times = {}
     try:
-        for num_warps in warps:
-            attention._WARPS_BY_ROWS.update({32: num_warps, 64: num_warps})
-            for keys, per_sm, stages in SWEEP_CONFIGS:
-                attention._CONFIG.update({"verify": (keys, per_sm, stages), "verify-64": (keys, per_sm, stages)})
-                label = f"{keys} keys, {per_sm}/SM, {stages} stages" + (f", {num_warps} warps" if len(warps) > 1 else "")
-                times[label] = time_graph(make_enqueue(), n_layers, reps, warmup)
+        for keys, per_sm, stages in SWEEP_CONFIGS:
+            attention._CONFIG.update({"verify": (keys, per_sm, stages), "verify-64": (keys, per_sm, stages)})
+            times[f"{keys} keys, {per_sm}/SM, {stages} stages"] = time_graph(make_enqueue(), n_layers, reps, warmup)
     finally:
-        for setting, values in zip((attention._CONFIG, attention._WARPS_BY_ROWS), saved):
-            setting.clear()
-            setting.update(values)
+        attention._CONFIG.clear()
+        attention._CONFIG.update(saved)
     return times
 
 
@@ -190,9 +185,6 @@ def main() -> int:
     parser.add_argument("--points", default=None, help="model:batch:context,... (default: the issue's points)")
     parser.add_argument("--sweep", action="store_true",
                         help="also time the multi-query kernel under each launch configuration")
-    parser.add_argument("--sweep-warps", type=int, nargs="+", default=[4], metavar="N",
-                        help="--sweep: warps per program of the multi-query tiles (32 and 64 rows) to try, e.g. 4 8 "
-                             "(a batch-1 grid has 2 programs per SM: more warps there may hide more latency)")
     parser.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--max-gb", type=float, default=60.0, help="GPU memory for the pools of one point")
