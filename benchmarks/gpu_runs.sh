@@ -19,9 +19,9 @@
 #
 # COMMIT: the literal hash of the tree sent (`git rev-parse HEAD` here, not on the GPU machine, whose .git may be
 # stale): it goes into every result's provenance. Only `real` and `stage` need their chunk (the others run without
-# one: nothing staged). FP8_ARGS / SHAPES_ARGS / E2E_ARGS: extra arguments (e.g. other --points: the last one given counts);
-# On a card of 80 GB (an H100) the parts that time the B=16/32k and B=4/128k points (fp8, shapes, e2e)
-# take instead the points that fit it: B=8/32k and B=2/128k, e2e B=4/32k.
+# one: nothing staged). FP8_ARGS / SHAPES_ARGS / E2E_ARGS: extra arguments (e.g. other --points: the last given
+# counts). On a card of 80 GB (an H100) the parts that time the B=16/32k and B=4/128k points (fp8, shapes,
+# e2e) take instead the points that fit it: B=8/32k and B=2/128k, e2e B=4/32k.
 # DEADLINE (epoch seconds): every benchmark ends 20 s before it, so that several parts fit one call, e.g.
 #   DEADLINE=$(($(date +%s) + 580)) bash -c 'bash benchmarks/gpu_runs.sh int4 C; bash benchmarks/gpu_runs.sh e2e C'
 # Each call copies every result so far (JSON + markdown, under /root/questkv-eval/results-lf) to $OUT as one
