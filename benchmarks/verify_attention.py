@@ -113,14 +113,14 @@ def run_point(model: str, batch: int, context: int, args, floor_tbps: float) -> 
             def enqueue_fresh(queries=queries, q=q):  # a step built under the configuration being timed
                 fresh = QuestDecodeStep(config, batch, hq, hkv, d, data["npages"], DTYPE, DEVICE, num_queries=queries)
                 return lambda i: fresh.dense(q, layers[i], table, lens)
-            sweep = sweep_configs(enqueue_fresh, n_layers, reps, warmup)
+            sweep, sweep_err = sweep_configs(enqueue_fresh, n_layers, reps, warmup, got)
         row = {"queries": queries, "decode_kernel_us": decode_us, "prefill_kernel_us": prefill_us,
                "decode_kernel_ratio": decode_us / point["one_query_us"],
                "prefill_kernel_ratio": prefill_us / point["one_query_us"],
                "kernels_rel_err": rel_err(got, prefill),
                "graph_equals_eager": graph_equals_eager(lambda: step.dense(q, layers[0], table, lens))}
         if args.sweep:
-            row["sweep_us"] = sweep
+            row["sweep_us"], row["sweep_rel_err"] = sweep, sweep_err
         point["queries"].append(row)
         print(f"{model} B={batch} L={context} {queries} queries: decode kernel {decode_us:.1f} µs "
               f"({row['decode_kernel_ratio']:.2f}x one query {point['one_query_us']:.1f}), prefill kernel "
@@ -128,26 +128,34 @@ def run_point(model: str, batch: int, context: int, args, floor_tbps: float) -> 
     return point
 
 
-SWEEP_CONFIGS = [(64, 4, 3), (128, 4, 2), (128, 3, 2), (64, 3, 3), (128, 2, 3), (64, 2, 3)]
+SWEEP_CONFIGS = [(64, 4, 3), (128, 4, 2), (128, 3, 2), (64, 3, 3), (128, 2, 3), (64, 2, 3), (64, 4, 2), (64, 3, 2),
+                 (32, 4, 3), (32, 4, 2), (32, 3, 3)]
 """(keys per iteration, programs per SM the split plan aims at, pipeline stages) that ``--sweep`` tries for the
-multi-query grids (``_CONFIG["verify"]`` and ``["verify-64"]`` alike: tiles of up to 32 rows and of 64)."""
+multi-query grids (``_CONFIG["verify"]`` and ``["verify-64"]`` alike: tiles of up to 32 rows and of 64). Registers a
+thread in an sm_90 compile (llama3.1-8b's group of 4): the 64-row tile 190 at 64 keys in 3 stages, 174 in 2, 128 at
+32 keys (4 programs of 4 warps fit an SM); the 32-row tile 204 at 128 keys, 110 at 64 keys in 2 stages."""
 
 
-def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int) -> dict[str, float]:
+def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int, want: torch.Tensor
+                  ) -> tuple[dict[str, float], dict[str, float]]:
     """µs per layer of ``make_enqueue()`` (an enqueue built, with its buffers and so its split plan, under the
-    configuration) under each of :data:`SWEEP_CONFIGS` for the multi-query grids; the module's own settings are
-    restored after. (Tiles padded to 64 rows, Hopper's warpgroup MMA, were slower or no faster at every point on an
-    H100: verify-attention-h100-tiles.md, commit 618ca59.)"""
+    configuration) under each of :data:`SWEEP_CONFIGS` for the multi-query grids, and each configuration's relative
+    error on layer 0 against ``want`` (the module's own launch); the module's own settings are restored after.
+    (Tiles padded to 64 rows, Hopper's warpgroup MMA, were slower or no faster at every point on an H100:
+    verify-attention-h100-tiles.md, commit 618ca59.)"""
     saved = dict(attention._CONFIG)
-    times = {}
+    times, errors = {}, {}
     try:
         for keys, per_sm, stages in SWEEP_CONFIGS:
             attention._CONFIG.update({"verify": (keys, per_sm, stages), "verify-64": (keys, per_sm, stages)})
-            times[f"{keys} keys, {per_sm}/SM, {stages} stages"] = time_graph(make_enqueue(), n_layers, reps, warmup)
+            name = f"{keys} keys, {per_sm}/SM, {stages} stages"
+            enqueue = make_enqueue()
+            errors[name] = rel_err(enqueue(0), want)
+            times[name] = time_graph(enqueue, n_layers, reps, warmup)
     finally:
         attention._CONFIG.clear()
         attention._CONFIG.update(saved)
-    return times
+    return times, errors
 
 
 def table_lines(points: list[dict]) -> list[str]:
@@ -164,7 +172,8 @@ def table_lines(points: list[dict]) -> list[str]:
 
 
 def sweep_lines(points: list[dict]) -> list[str]:
-    """The ``--sweep`` table: per point and query count, µs under each configuration, the fastest in bold."""
+    """The ``--sweep`` table: per point and query count, µs under each configuration, the fastest in bold, and
+    "(wrong)" beside a configuration whose output is off the module's launch by more than 1e-2."""
     rows = [(p, r) for p in points for r in p["queries"] if "sweep_us" in r]
     if not rows:
         return []
@@ -173,7 +182,8 @@ def sweep_lines(points: list[dict]) -> list[str]:
              "| point | queries | " + " | ".join(configs) + " |", "|---|---|" + "---|" * len(configs)]
     for p, r in rows:
         best = min(r["sweep_us"].values())
-        cells = [f"**{us:.1f}**" if us == best else f"{us:.1f}" for us in r["sweep_us"].values()]
+        cells = [(f"**{us:.1f}**" if us == best else f"{us:.1f}")
+                 + ("" if r["sweep_rel_err"][name] < 1e-2 else " (wrong)") for name, us in r["sweep_us"].items()]
         lines.append(f"| {p['model']} B={p['batch']}/{p['context'] // 1024}k | {r['queries']} | " + " | ".join(cells)
                      + " |")
     return lines + [""]

@@ -51,5 +51,6 @@ def test_a_point_runs_every_query_count_and_the_sweep_restores_the_kernels_setti
     assert [r["queries"] for r in point["queries"]] == [2, 5]
     assert all(r["kernels_rel_err"] < 1e-2 and r["graph_equals_eager"] for r in point["queries"])
     assert all(len(r["sweep_us"]) == len(verify_attention.SWEEP_CONFIGS) for r in point["queries"])
+    assert all(err < 1e-2 for r in point["queries"] for err in r["sweep_rel_err"].values())
     table = "\n".join(verify_attention.table_lines([point]) + verify_attention.sweep_lines([point]))
     assert "| tiny-gqa B=2/0k | 5 |" in table and "128 keys, 3/SM, 2 stages" in table and "**" in table
