@@ -128,12 +128,15 @@ def run_point(model: str, batch: int, context: int, args, floor_tbps: float) -> 
     return point
 
 
-SWEEP_CONFIGS = [(64, 4, 3), (128, 4, 2), (128, 3, 2), (64, 3, 3), (128, 2, 3), (64, 2, 3), (64, 4, 2), (64, 3, 2),
-                 (32, 4, 3), (32, 4, 2), (32, 3, 3)]
-"""(keys per iteration, programs per SM the split plan aims at, pipeline stages) that ``--sweep`` tries for the
-multi-query grids (``_CONFIG["verify"]`` and ``["verify-64"]`` alike: tiles of up to 32 rows and of 64). Registers a
-thread in an sm_90 compile (llama3.1-8b's group of 4): the 64-row tile 190 at 64 keys in 3 stages, 174 in 2, 128 at
-32 keys (4 programs of 4 warps fit an SM); the 32-row tile 204 at 128 keys, 110 at 64 keys in 2 stages."""
+SWEEP_CONFIGS = [(64, 4, 3, 64), (128, 4, 2, 64), (128, 3, 2, 64), (64, 3, 3, 64), (128, 2, 3, 64), (64, 2, 3, 64),
+                 (64, 4, 2, 64), (64, 3, 2, 64), (32, 4, 3, 64), (32, 4, 2, 64), (32, 3, 3, 64),
+                 (128, 2, 3, 32), (64, 4, 2, 32), (32, 4, 3, 32)]
+"""(keys per iteration, programs per SM the split plan aims at, pipeline stages, most rows of a program's query tile)
+that ``--sweep`` tries for the multi-query grids (``_CONFIG["verify"]`` and ``["verify-64"]`` alike: tiles of up to
+32 rows and of 64; at most 32 rows a tile, 9 queries of a group of 4 take two tiles of 5 positions, each reading the
+keys). Registers a thread in an sm_90 compile (llama3.1-8b's group of 4): the 64-row tile 190 at 64 keys in 3 stages,
+174 in 2, 128 at 32 keys (4 programs of 4 warps fit an SM); the 32-row tile 204 at 128 keys, 110 at 64 keys in 2
+stages, 128 at 32 keys."""
 
 
 def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int, want: torch.Tensor
@@ -143,18 +146,20 @@ def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int, want: tor
     error on layer 0 against ``want`` (the module's own launch); the module's own settings are restored after.
     (Tiles padded to 64 rows, Hopper's warpgroup MMA, were slower or no faster at every point on an H100:
     verify-attention-h100-tiles.md, commit 618ca59.)"""
-    saved = dict(attention._CONFIG)
+    saved, saved_rows = dict(attention._CONFIG), attention._MAX_QUERY_ROWS
     times, errors = {}, {}
     try:
-        for keys, per_sm, stages in SWEEP_CONFIGS:
+        for keys, per_sm, stages, rows in SWEEP_CONFIGS:
             attention._CONFIG.update({"verify": (keys, per_sm, stages), "verify-64": (keys, per_sm, stages)})
-            name = f"{keys} keys, {per_sm}/SM, {stages} stages"
+            attention._MAX_QUERY_ROWS = rows
+            name = f"{keys} keys, {per_sm}/SM, {stages} stages" + ("" if rows == 64 else f", tiles of {rows} rows")
             enqueue = make_enqueue()
             errors[name] = rel_err(enqueue(0), want)
             times[name] = time_graph(enqueue, n_layers, reps, warmup)
     finally:
         attention._CONFIG.clear()
         attention._CONFIG.update(saved)
+        attention._MAX_QUERY_ROWS = saved_rows
     return times, errors
 
 

@@ -47,7 +47,7 @@ def test_a_point_runs_every_query_count_and_the_sweep_restores_the_kernels_setti
     before = dict(verify_attention.attention._CONFIG)
     args = type("Args", (), {"reps": 1, "warmup": 0, "max_gb": 1.0, "queries": [2, 5], "sweep": True})()
     point = verify_attention.run_point("tiny-gqa", 2, 64, args, floor_tbps=1.0)
-    assert verify_attention.attention._CONFIG == before
+    assert verify_attention.attention._CONFIG == before and verify_attention.attention._MAX_QUERY_ROWS == 64
     assert [r["queries"] for r in point["queries"]] == [2, 5]
     assert all(r["kernels_rel_err"] < 1e-2 and r["graph_equals_eager"] for r in point["queries"])
     assert all(len(r["sweep_us"]) == len(verify_attention.SWEEP_CONFIGS) for r in point["queries"])
