@@ -223,13 +223,20 @@ def main() -> int:
         print(f"check {c['check']}: rel_err {c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}", flush=True)
     info["copy_tbps"] = copy_bandwidth()
     points = []
+    write_results(Path(args.out_dir), args.tag, info, checks, points)
     if all(c["ok"] for c in checks):
         for model, batch, context in points_arg:
             points.append(run_point(model, batch, context, args, info["copy_tbps"]))
             torch.cuda.empty_cache()
-    out_dir = Path(args.out_dir)
+            write_results(Path(args.out_dir), args.tag, info, checks, points)  # a run cut short keeps its points
+    print((Path(args.out_dir) / f"verify-attention-{args.tag}.md").read_text())
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+def write_results(out_dir: Path, tag: str, info: dict, checks: list[dict], points: list[dict]) -> None:
+    """``verify-attention-<tag>.json`` and ``.md`` under ``out_dir``: provenance, checks and the points so far."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"verify-attention-{args.tag}.json").write_text(json.dumps(
+    (out_dir / f"verify-attention-{tag}.json").write_text(json.dumps(
         {"info": info, "checks": checks, "points": points}, indent=1))
     md = [f"# Verify attention (k + 1 queries per sequence) on {info['gpu']}", "",
           f"- command: `{info['command']}`", f"- commit: {info['commit']}", f"- date: {info['date']}",
@@ -237,9 +244,7 @@ def main() -> int:
           f"copy bandwidth {info['copy_tbps']:.2f} TB/s (the floor: one layer's K/V at it)",
           f"- checks against the torch reference: {sum(c['ok'] for c in checks)} of {len(checks)} ok", "",
           *table_lines(points), "", *sweep_lines(points)]
-    (out_dir / f"verify-attention-{args.tag}.md").write_text("\n".join(md))
-    print("\n".join(md))
-    return 0 if all(c["ok"] for c in checks) else 1
+    (out_dir / f"verify-attention-{tag}.md").write_text("\n".join(md))
 
 
 if __name__ == "__main__":

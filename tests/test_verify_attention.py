@@ -2,6 +2,8 @@
 call): its checks pass, a point runs every query count and the sweep, the sweep restores the kernel's settings, and
 the tables name what they measured."""
 
+import json
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ def test_the_small_checks_compare_both_kernels_with_the_reference():
     assert all(c["ok"] for c in checks), checks
 
 
-def test_a_point_runs_every_query_count_and_the_sweep_restores_the_kernels_settings(monkeypatch):
+def test_a_point_runs_every_query_count_and_the_sweep_restores_the_kernels_settings(monkeypatch, tmp_path):
     calls = []
 
     def one_call(enqueue, n_layers, reps, warmup):
@@ -54,3 +56,9 @@ def test_a_point_runs_every_query_count_and_the_sweep_restores_the_kernels_setti
     assert all(err < 1e-2 for r in point["queries"] for err in r["sweep_rel_err"].values())
     table = "\n".join(verify_attention.table_lines([point]) + verify_attention.sweep_lines([point]))
     assert "| tiny-gqa B=2/0k | 5 |" in table and "128 keys, 3/SM, 2 stages" in table and "**" in table
+    assert "tiles of 32 rows" in table and "(wrong)" not in table
+    info = {"gpu": "cpu", "command": "x", "commit": "c", "date": "d", "torch": "t", "triton": "tr", "dtype": "bf16",
+            "copy_tbps": 1.0}
+    verify_attention.write_results(tmp_path, "t", info, [], [point])
+    assert table in (tmp_path / "verify-attention-t.md").read_text()
+    assert json.loads((tmp_path / "verify-attention-t.json").read_text())["points"][0]["batch"] == 2
