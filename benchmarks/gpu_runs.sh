@@ -9,6 +9,8 @@
 #                                                          need an H200's memory      carry [".gpu/qwen2.5-coder-1.5b/02"]
 #   bash benchmarks/gpu_runs.sh shapes COMMIT 3           lossless step times at the paper's shapes (42)
 #                                                          carry [".gpu/qwen2.5-coder-1.5b/03"]
+#   bash benchmarks/gpu_runs.sh verify COMMIT             the verify kernel at the issue's points, 2-9 queries, with
+#                                                          every launch of the sweep (42)
 #   bash benchmarks/gpu_runs.sh stage - N                 carry [".gpu/qwen2.5-coder-1.5b/NN"], N = 4 .. last-1
 #   bash benchmarks/gpu_runs.sh real COMMIT LAST SECONDS  lossless on the real model for SECONDS (42)
 #                                                          carry [".gpu/qwen2.5-coder-1.5b/LAST", ".gpu/deps"]
@@ -89,7 +91,11 @@ shapes)
     # and its teacher-forced agreement at 16k, 1/16 (eval-agreement-qwen2.5-coder-1.5b-16k: book 93.8 %, code 92.0 %).
     bench 400 benchmarks/lossless_bench.py shapes --tag $gpu --acceptance 0.722 0.821 0.929 --points $shape_points \
         ${SHAPES_ARGS:-} --out-dir "$results"
-    bench 300 benchmarks/verify_attention.py --tag $gpu-sweep --sweep --out-dir "$results"
+    ;;
+verify)
+    nvidia-smi -L
+    # 14 launches a query count; the results are written after each point, the issue's miss (B=1/32k, 9 queries) first
+    bench 540 benchmarks/verify_attention.py --tag $gpu-sweep --sweep --queries 2,3,5,9 --reps 30 --out-dir "$results"
     ;;
 int4)
     nvidia-smi -L

@@ -19,6 +19,12 @@ tiles of 8 rows, the instructions of one group of 128 features for a warp's 64 o
 
     python benchmarks/sass_loop.py --int4-mma questkv/ops/cuda/int4_mma.cu --out benchmarks/results/sass-int4-mma-cpu
 
+``--verify`` compiles the verify step's multi-query tile (9 queries of a group of 4: 36 rows, padded to 64) under
+each launch ``benchmarks/verify_attention.py --sweep`` tries, with the registers, shared memory and programs per SM
+each allows::
+
+    python benchmarks/sass_loop.py --verify --out benchmarks/results/sass-verify-cpu
+
 ``--int4-gemv`` counts the loop over groups of the Triton int4 GEMV (``questkv.ops.triton.int4_gemv``) for each
 launch :func:`~questkv.ops.triton.int4_gemv.plan_int4_gemv` makes at llama3.1-8b's shapes, at one and two rows of
 ``x``. Both int4 reports give a loop's warp instructions per weight (one group of 128 features over the outputs of
@@ -236,6 +242,86 @@ def int4_gemv_loops(maxnreg: int | None = None) -> dict[str, dict]:
     return kernels
 
 
+VERIFY_QUERIES = (2, 5, 9)
+"""Queries per sequence (k + 1) whose verify tiles ``--verify`` compiles."""
+SM_REGISTERS = 64 * 1024
+SM_SHARED_BYTES = 228 * 1024  # an H100's or H200's shared memory an SM, 1 KiB of it reserved per program
+
+
+def programs_per_sm(registers: int, shared_bytes: int, warps: int) -> tuple[int, int]:
+    """Programs of ``warps`` warps that one sm_90 SM holds by their registers a thread (allocated in steps of 8)
+    and by their shared memory, each bound alone."""
+    by_registers = SM_REGISTERS // (-(-registers // 8) * 8 * 32 * warps)
+    return by_registers, SM_SHARED_BYTES // (shared_bytes + 1024)
+
+
+def verify_loops() -> dict[str, dict]:
+    """The verify step's multi-query tile compiled for sm_90 (``_decode_split_kernel``, dense, bf16 pages, PDL on,
+    llama3.1-8b's group of 4 query heads) under each launch of ``benchmarks/verify_attention.py``'s
+    ``SWEEP_CONFIGS`` (its keys a iteration, stages and most rows a tile; the programs per SM it aims at change no
+    code) at :data:`VERIFY_QUERIES`: the tile's rows, registers, spilled bytes, shared memory, the programs an SM
+    holds by each (:func:`programs_per_sm`) and the loop's instructions a key, by ``"<queries> queries, <keys>
+    keys, <stages> stages, tiles of at most <rows> rows"``."""
+    from benchmarks.verify_attention import SWEEP_CONFIGS
+    from questkv.ops.triton import decode_attention as attention
+
+    group = 4
+    kernel = attention._decode_split_kernel
+    pointers = {"q_ptr": "bf16", "k_pages_ptr": "bf16", "v_pages_ptr": "bf16", "table_ptr": "i32", "lens_ptr": "i32",
+                "sel_ptr": "i32", "budgets_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
+                "counter_ptr": "i32", "out_ptr": "bf16"}
+    launches = sorted({(keys, stages, most) for keys, _, stages, most in SWEEP_CONFIGS}, reverse=True)
+    kernels = {}
+    for queries in VERIFY_QUERIES:
+        for keys, stages, most in launches:
+            saved = attention._MAX_QUERY_ROWS
+            attention._MAX_QUERY_ROWS = most
+            try:
+                block = attention.query_block(queries, group)
+                rows = attention._tile_rows(block, group)
+            finally:
+                attention._MAX_QUERY_ROWS = saved
+            warps = attention._WARPS_BY_ROWS.get(rows, 2 * attention._NUM_WARPS)
+            constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": rows,
+                          "BLOCK_GM": group, "SEL_PER_KV": 1, "NUM_QUERIES": queries, "QUERY_BLOCK": block,
+                          "PAGES_PER_ITER": keys // 16, "MERGE_CHUNK": attention._MERGE_CHUNK, "DENSE": True,
+                          "UPCAST": False, "IEEE": False, "USE_PDL": True, "F16_DOT": False, "E4M3_DOT": False,
+                          "ROW_BUDGETS": False}
+            compiled = compile_sm90(kernel, pointers, constexprs, {"num_warps": warps, "num_stages": stages},
+                                    floats=("qk_scale",))
+            ops = inner_loop(compiled.asm["cubin"])
+            used, spilled = ptxas_usage(compiled.asm["ptx"])
+            by_registers, by_shared = programs_per_sm(used, compiled.metadata.shared, warps)
+            kernels[f"{queries} queries, {keys} keys, {stages} stages, tiles of at most {most} rows"] = {
+                "queries": queries, "keys_per_iteration": keys, "stages": stages, "max_rows": most,
+                "tiles": -(-queries // block), "rows": rows, "warps": warps, "registers": used, "spill_bytes": spilled,
+                "shared_memory_bytes": compiled.metadata.shared, "programs_by_registers": by_registers,
+                "programs_by_shared_memory": by_shared, "instructions": sum(ops.values()),
+                "per_key": sum(ops.values()) / keys, "top": ops.most_common(8)}
+            print(f"{queries} queries, {keys} keys, {stages} stages, {most} rows: {used} registers", flush=True)
+    return kernels
+
+
+def verify_main(out: str | None) -> int:
+    """``--verify``: :func:`verify_loops`."""
+    from questkv.eval.provenance import provenance
+
+    record = {"provenance": provenance("cpu"), "kernels": verify_loops()}
+    rows = [[row["queries"], row["keys_per_iteration"], row["stages"], row["max_rows"],
+             f"{row['tiles']} x {row['rows']}", row["registers"], row["spill_bytes"],
+             f"{row['shared_memory_bytes'] // 1024} KiB",
+             f"{min(row['programs_by_registers'], row['programs_by_shared_memory'])} "
+             f"({row['programs_by_registers']} / {row['programs_by_shared_memory']})",
+             f"{row['per_key']:.1f}", _top(row)] for row in record["kernels"].values()]
+    write_report(record, "The verify step's multi-query tile in sm_90 instructions and registers (no GPU)",
+                 "Triton for sm_90, llama3.1-8b's group of 4 query heads, dense, bf16 pages, PDL on; every launch of "
+                 "`verify_attention.py --sweep`",
+                 ["queries", "keys / iteration", "stages", "most rows a tile", "tiles x rows", "registers",
+                  "spilled bytes", "shared memory", "programs an SM holds (by registers / by shared memory)",
+                  "loop instructions a key", "top opcodes"], rows, out)
+    return 0
+
+
 def int4_gemv_main(out: str | None, maxnreg: int | None) -> int:
     """``--int4-gemv``: :func:`int4_gemv_loops`."""
     from questkv.eval.provenance import provenance
@@ -277,6 +363,9 @@ def main() -> int:
                         help="count the int4 tensor-core kernel's loop in these CUDA C++ sources instead (nvcc)")
     parser.add_argument("--int4-gemv", action="store_true",
                         help="count the Triton int4 GEMV's loop at llama3.1-8b's launches instead")
+    parser.add_argument("--verify", action="store_true",
+                        help="report the verify step's multi-query tile under each launch of verify_attention.py's "
+                             "sweep instead")
     parser.add_argument("--maxnreg", type=int, default=None,
                         help="with --int4-gemv: cap the registers a thread (Triton's maxnreg) to see what spills")
     args = parser.parse_args()
@@ -287,6 +376,8 @@ def main() -> int:
         parser.error(f"--maxnreg takes 16 to 255 registers, with --int4-gemv; got {args.maxnreg}")
     if args.int4_gemv:
         return int4_gemv_main(args.out, args.maxnreg)
+    if args.verify:
+        return verify_main(args.out)
     from questkv.eval.provenance import provenance
 
     rows = {}

@@ -46,3 +46,13 @@ def test_each_gemv_loop_is_one_group_with_a_multiply_add_per_weight_and_row(tmp_
         assert 512 * kernel["rows"] <= ffma < 512 * kernel["rows"] + 64, name
         assert kernel["weights"] == 128 * 4 * 32 and kernel["instructions"] > ffma, name
         assert 0 < kernel["registers"] <= 255 and kernel["spill_bytes"] == 0, name
+
+
+def test_programs_per_sm_counts_registers_in_steps_of_8_and_shared_memory_with_its_reserve():
+    """sm_90: 64 K registers and 228 KiB an SM. 128 registers a thread: 4 programs of 4 warps; 190 rounds to 192,
+    2 (2.67 whole); 168 gives 3. Shared memory: 1 KiB reserved per program."""
+    assert sass_loop.programs_per_sm(128, 0, 4) == (4, 228)
+    assert sass_loop.programs_per_sm(190, 81 * 1024, 4) == (2, 2)
+    assert sass_loop.programs_per_sm(168, 49 * 1024, 4)[0] == 3
+    assert sass_loop.programs_per_sm(161, 56 * 1024, 4) == (3, 4)
+    assert sass_loop.programs_per_sm(128, 0, 8)[0] == 2
