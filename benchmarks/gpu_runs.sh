@@ -15,7 +15,11 @@
 #   bash benchmarks/gpu_runs.sh real COMMIT LAST SECONDS  lossless on the real model for SECONDS (42)
 #                                                          carry [".gpu/qwen2.5-coder-1.5b/LAST", ".gpu/deps"]
 #   bash benchmarks/gpu_runs.sh int4 COMMIT               the CUDA int4 kernels' tests, then every linear of a token
-#                                                          at 1-256 rows as dispatched, int4 and int8 beside bf16 (44)
+#                                                          at 1-256 rows as dispatched, int4 and int8 beside bf16 (44),
+#                                                          and gemlite's int4 where .gpu/site holds it: carry
+#                                                          [".gpu/site"] after, here,
+#       .venv/bin/pip download gemlite==0.6.0.post2 --no-deps -d /tmp/gemlite && mkdir -p .gpu/site &&
+#       tar -xzf /tmp/gemlite/gemlite-0.6.0.post2.tar.gz -C .gpu/site --strip-components=1 gemlite-0.6.0.post2/gemlite
 #   bash benchmarks/gpu_runs.sh e2e COMMIT                the engine end to end, bf16 then int4 with the LM head in
 #                                                          int4, C = 1 and 8, with the CUDA-vs-eager checks (44, 45)
 #
@@ -36,6 +40,9 @@ results=/root/questkv-eval/results-lf
 mkdir -p "$results"
 export PYTHONPATH="/root/questkv-eval/site:$PWD" QUESTKV_CACHE_DIR=/root/questkv-eval/cache PYTHONUNBUFFERED=1
 export QUESTKV_COMMIT=$commit TQDM_MININTERVAL=20
+if [ -d .gpu/site ]; then  # pure-Python packages the image lacks (gemlite, for the int4 part's baseline)
+    export PYTHONPATH="$PWD/.gpu/site:$PYTHONPATH"
+fi
 case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
 *H200*) gpu=h200 ;;
 *H100*) gpu=h100 ;;
@@ -102,7 +109,7 @@ int4)
     echo "== GPU tests of the CUDA int4 kernels"
     python3 -m pytest --noconftest -q -p no:cacheprovider tests/ops/test_cuda_int4_gemv.py \
         tests/ops/test_cuda_int4_mma.py 2>&1 | tail -5 | tee -a "$OUT/log-$part.txt"
-    bench 400 benchmarks/linear_bench.py --models llama3.1-8b llama2-7b --ms 1 2 4 8 16 32 64 128 256 \
+    bench 540 benchmarks/linear_bench.py --models llama3.1-8b llama2-7b --ms 1 2 4 8 16 32 64 128 256 \
         --methods int4 int8 --no-sweep --out "$results/linear-$gpu-dispatch"
     ;;
 e2e)

@@ -14,7 +14,9 @@ replays; each replay cycles over enough copies of the weight that no call finds 
   ``mma`` (``int4_mma``, :mod:`questkv.ops.cuda.int4_mma`: CUDA C++ on tensor cores, ``M <= 16``), ``words-dequant``
   (``dequantize_k_major`` + one GEMM, ``M >= --dequant-min-m``) and ``dispatch`` (``questkv.ops.int4_matmul``, the
   kernel ``INT4_KERNELS`` picks: what a layer runs); and ``tinygemm`` (``torch.ops.aten._weight_int4pack_mm`` on
-  its own copy of the codes, ``benchmarks/torch_int4_baseline.py``: the baseline);
+  its own copy of the codes, ``benchmarks/torch_int4_baseline.py``: the baseline), and, where gemlite imports,
+  ``gemlite`` (``GemLiteLinearTriton`` on its own packing of the codes, ``benchmarks/gemlite_baseline.py``: a
+  maintained library's Triton kernels, at every ``M``);
 * ``int8`` (per row) through ``triton`` (:mod:`questkv.ops.triton.quant_matmul`, the launcher's plan, at every
   ``M``) and ``dequant`` (dequantize + ``F.linear``, ``M >= --dequant-min-m``);
 * ``int8g16`` / ``int8g32``: ``int8_grouped`` in GGUF ``Q6_K``'s groups of 16 and ``Q8_0``'s of 32 (codes and
@@ -202,6 +204,7 @@ class Shape:
         self.gemv = [ref.pack_int4_k_major(q[0], GROUP) for q in self.q["int4"]] if "int4" in self.q else []
         self.tinygemm = None
         self.tinygemm_order: Optional[str] = None
+        self.gemlite: list = []
 
     def _rotate(self, name: str, *tensors):
         if self.device.type != "cuda":
@@ -235,6 +238,24 @@ class Shape:
                                                   for _ in range(self.copies["int4"] - 1)]
                 break
         return errors
+
+
+    def prepare_gemlite(self, x: torch.Tensor) -> str:
+        """Pack each int4 copy for gemlite (where it imports) and check it on ``x``: the relative error, or why
+        there is none."""
+        from benchmarks import gemlite_baseline
+
+        if not gemlite_baseline.available():
+            return "gemlite does not import here"
+        try:
+            configs = gemlite_baseline.tuned_configs()
+            layers = [gemlite_baseline.gemlite_layer(*q, GROUP) for q in self.q["int4"]]
+            err = _rel_err(layers[0](x), reference(x, "int4", self.q["int4"][0]))
+        except Exception as error:  # noqa: BLE001 - a library that refuses this shape is a result too
+            return f"{type(error).__name__}: {error}"
+        if err < CHECK_TOL:
+            self.gemlite = layers
+        return f"{err:.1e} ({configs})"
 
 
 def quant_call(x: torch.Tensor, q: tuple, method: str, group: int, kind: str, triton_ok: bool) -> torch.Tensor:
@@ -301,6 +322,8 @@ def backends(shape: Shape, m: int, args, interp: bool) -> tuple[dict[str, list[C
         from benchmarks.torch_int4_baseline import tinygemm_matmul
 
         out["int4-tinygemm"] = [lambda p=p: tinygemm_matmul(x, p[0], p[1], GROUP) for p in shape.tinygemm]
+    if shape.gemlite:
+        out["int4-gemlite"] = [lambda layer=layer: layer(x) for layer in shape.gemlite]
     return out, x
 
 
@@ -438,13 +461,14 @@ def run(args) -> dict:
     info = {"copy_tbps": copy_bandwidth(device)}
     print(f"device-to-device copy: {info['copy_tbps']:.3f} TB/s", flush=True)
     gen = torch.Generator(device=device).manual_seed(0)
-    results = {"checks": [], "times": [], "sweep": [], "tinygemm": {}}
+    results = {"checks": [], "times": [], "sweep": [], "tinygemm": {}, "gemlite": {}}
     for model, (layers, shapes) in models.items():
         for name, (k, n) in shapes.items():
             shape = Shape(k, n, device, torch.bfloat16, gen, args.methods)
             if device.type == "cuda" and "int4" in args.methods:
                 x1 = torch.randn((4, k), generator=gen, device=device).to(torch.bfloat16)
                 results["tinygemm"][f"{model}/{name}"] = shape.prepare_tinygemm(x1)
+                results["gemlite"][f"{model}/{name}"] = shape.prepare_gemlite(x1)
             for m in ms:
                 calls, x = backends(shape, m, args, interp)
                 for backend, fns in calls.items():
@@ -581,7 +605,9 @@ def write(args, info: dict, results: dict, partial: bool = False) -> None:
     bad = [c for c in results["checks"] if not c["ok"]]
     lines += [f"- correctness vs the float32 reference on the dequantized weight: {len(results['checks']) - len(bad)} "
               f"of {len(results['checks'])} within {CHECK_TOL} relative" + (f"; FAILED: {bad}" if bad else ""),
-              f"- tinygemm packer check (relative error per nibble order): `{json.dumps(results['tinygemm'])}`", ""]
+              f"- tinygemm packer check (relative error per nibble order): `{json.dumps(results['tinygemm'])}`",
+              f"- gemlite check (relative error, or why it did not run): `{json.dumps(results.get('gemlite', {}))}`",
+              ""]
     if sums:
         lines += ["## All linears of one token (ms; layers x 4 shapes + LM head)", "",
                   "| model | M | backend | LM head bf16 | LM head quantized | bytes floor (LM head quantized) |",

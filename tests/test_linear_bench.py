@@ -60,3 +60,20 @@ def test_smoke_run_with_no_quantized_format_times_bf16_beside_its_one_row_gemv(t
     assert swept and swept[0]["planned"] and all(s["rel_err"] < linear_bench.CHECK_TOL for s in swept)
     sums = {(r["m"], r["backend"]) for r in payload["token_sums"]}
     assert {(1, "bf16"), (1, "bf16-gemv"), (1, "bf16-gemv-swept")} <= sums
+
+
+def test_the_gemlite_baseline_stands_aside_where_gemlite_cannot_import():
+    """gemlite imports only on a GPU: here the shape records why it did not run and times no gemlite backend; a
+    weight whose scales are neither bf16 nor fp16 is refused before gemlite is imported."""
+    from benchmarks import gemlite_baseline
+
+    gen = torch.Generator().manual_seed(3)
+    shape = linear_bench.Shape(256, 96, torch.device("cpu"), torch.bfloat16, gen, ["int4"])
+    x = torch.randn((2, 256), generator=gen).to(torch.bfloat16)
+    assert not gemlite_baseline.available()
+    assert shape.prepare_gemlite(x) == "gemlite does not import here" and shape.gemlite == []
+    args = type("Args", (), {"dequant_min_m": 16})()
+    assert not any("gemlite" in name for name in linear_bench.backends(shape, 2, args, interp=False)[0])
+    qweight, scales, zeros = shape.q["int4"][0]
+    with pytest.raises(ValueError, match="torch.float32"):
+        gemlite_baseline.gemlite_layer(qweight, scales.float(), zeros)
