@@ -134,9 +134,7 @@ SWEEP_CONFIGS = [(64, 4, 3, 64), (128, 4, 2, 64), (128, 3, 2, 64), (64, 3, 3, 64
 """(keys per iteration, programs per SM the split plan aims at, pipeline stages, most rows of a program's query tile)
 that ``--sweep`` tries for the multi-query grids (``_CONFIG["verify"]`` and ``["verify-64"]`` alike: tiles of up to
 32 rows and of 64; at most 32 rows a tile, 9 queries of a group of 4 take two tiles of 5 positions, each reading the
-keys). Registers a thread in an sm_90 compile (llama3.1-8b's group of 4): the 64-row tile 190 at 64 keys in 3 stages,
-174 in 2, 128 at 32 keys (4 programs of 4 warps fit an SM); the 32-row tile 204 at 128 keys, 110 at 64 keys in 2
-stages, 128 at 32 keys."""
+keys). What each compiles to for sm_90 (registers, programs an SM holds): ``benchmarks/sass_loop.py --verify``."""
 
 
 def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int, want: torch.Tensor
