@@ -20,6 +20,8 @@
 #                                                          [".gpu/site"] after, here,
 #       .venv/bin/pip download gemlite==0.6.0.post2 --no-deps -d /tmp/gemlite && mkdir -p .gpu/site &&
 #       tar -xzf /tmp/gemlite/gemlite-0.6.0.post2.tar.gz -C .gpu/site --strip-components=1 gemlite-0.6.0.post2/gemlite
+#   bash benchmarks/gpu_runs.sh words COMMIT              the Triton int4 kernel's launches at 64-256 rows (llama3.1-8b),
+#                                                          128-row tiles among them: where int4 is slower than bf16 (44)
 #   bash benchmarks/gpu_runs.sh e2e COMMIT                the engine end to end, bf16 then int4 with the LM head in
 #                                                          int4, C = 1 and 8, with the CUDA-vs-eager checks (44, 45)
 #
@@ -111,6 +113,11 @@ int4)
         tests/ops/test_cuda_int4_mma.py 2>&1 | tail -5 | tee -a "$OUT/log-$part.txt"
     bench 540 benchmarks/linear_bench.py --models llama3.1-8b llama2-7b --ms 1 2 4 8 16 32 64 128 256 \
         --methods int4 int8 --no-sweep --out "$results/linear-$gpu-dispatch"
+    ;;
+words)
+    nvidia-smi -L
+    bench 540 benchmarks/linear_bench.py --models llama3.1-8b --ms 64 128 256 --methods int4 --sweep-ms 64 128 256 \
+        --sweep-kernels int4-words --out "$results/linear-$gpu-words-rows"
     ;;
 e2e)
     nvidia-smi -L

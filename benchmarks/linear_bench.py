@@ -423,6 +423,10 @@ def words_sweep_configs(m: int, n: int, k: int, device: torch.device) -> list:
                                                              min(groups, 4 * plan.split))]
     if plan.block_m > 16:
         configs += [dataclasses.replace(plan, block_m=plan.block_m // 2)]
+    if m >= 128:  # 128 rows a tile: the words read and dequantized once for them (sm_90 compiles hold it, no spill)
+        configs += [dataclasses.replace(plan, block_m=128, block_n=128, num_warps=8, swap_ab=True, split=s)
+                    for s in (plan.split, min(groups, 2 * plan.split))]
+        configs += [dataclasses.replace(plan, block_m=128, block_n=64, num_warps=4, swap_ab=True)]
     return list(dict.fromkeys(configs))
 
 

@@ -77,3 +77,15 @@ def test_the_gemlite_baseline_stands_aside_where_gemlite_cannot_import():
     qweight, scales, zeros = shape.q["int4"][0]
     with pytest.raises(ValueError, match="torch.float32"):
         gemlite_baseline.gemlite_layer(qweight, scales.float(), zeros)
+
+
+def test_the_words_sweep_tries_tiles_of_128_rows_from_128_rows():
+    """From 128 rows the sweep adds launches whose tile holds 128 rows (the words read and dequantized once for
+    them), which the plan (at most 64 rows a tile) never takes; below 128 it adds none."""
+    from questkv.ops.triton.int4_words import plan_int4_words_matmul
+
+    cpu = torch.device("cpu")
+    assert plan_int4_words_matmul(256, 28672, 4096, 128, cpu).block_m == 64
+    assert not any(c.block_m == 128 for c in linear_bench.words_sweep_configs(64, 28672, 4096, cpu))
+    tall = [c for c in linear_bench.words_sweep_configs(256, 28672, 4096, cpu) if c.block_m == 128]
+    assert {(c.block_n, c.num_warps) for c in tall} == {(128, 8), (64, 4)} and all(c.swap_ab for c in tall)
