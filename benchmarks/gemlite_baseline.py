@@ -1,5 +1,6 @@
 """gemlite's int4 kernels as a baseline of ``linear_bench.py``: issue 44 names gemlite among the maintained kernels
-still to try against bf16 at 1-256 rows.
+still to try against bf16 at 1-256 rows (written against gemlite 0.6.0.post2, which needs triton >= 3.6, the GPU
+image's).
 
 ``gemlite.GemLiteLinearTriton`` (Triton: a GEMV at up to 4 rows, a split-K GEMM below 64, a GEMM from 64, launch
 configurations tuned per GPU and shipped with the package, e.g. ``configs/h100.json``; autotuned on a GPU it has none
@@ -23,10 +24,6 @@ from questkv.ops.quant_reference import unpack_int4
 
 __all__ = ["available", "gemlite_layer", "tuned_configs"]
 
-VERSION = "0.6.0.post2"
-"""The gemlite release this baseline was written against (it needs triton >= 3.6, the GPU image's)."""
-
-
 def available() -> bool:
     """Whether gemlite imports here (a CUDA device and the package)."""
     if not torch.cuda.is_available():
@@ -41,18 +38,20 @@ def available() -> bool:
 def tuned_configs() -> str:
     """The launch configurations gemlite uses on this GPU: the file it loaded for the device's name when imported,
     else, on another sm_90 device (an H200: gemlite ships none), its H100 file, loaded here (the same SMs; its
-    Triton autotuning of each shape and row count instead would take minutes). Returns the file's name or
-    ``"autotuned"``."""
+    Triton autotuning of each shape and row count instead would take minutes). Returns ``"gemlite <version>,
+    <file>"`` (the file's name, or ``autotuned``)."""
     import gemlite
     from gemlite.core import get_default_cache_config
 
     bundled = get_default_cache_config()
-    if bundled is not None:
-        return Path(bundled).name
-    if torch.cuda.get_device_capability() != (9, 0):
-        return "autotuned"
     h100 = Path(gemlite.__file__).parent / "configs" / "h100.json"
-    return h100.name if gemlite.load_config(str(h100)) else "autotuned"
+    if bundled is not None:
+        used = Path(bundled).name
+    elif torch.cuda.get_device_capability() == (9, 0) and gemlite.load_config(str(h100)):
+        used = h100.name
+    else:
+        used = "autotuned"
+    return f"gemlite {gemlite.__version__}, {used}"
 
 
 def gemlite_layer(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

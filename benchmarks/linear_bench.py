@@ -239,7 +239,6 @@ class Shape:
                 break
         return errors
 
-
     def prepare_gemlite(self, x: torch.Tensor) -> str:
         """Pack each int4 copy for gemlite (where it imports) and check it on ``x``: the relative error, or why
         there is none."""

@@ -258,7 +258,7 @@ def programs_per_sm(registers: int, shared_bytes: int, warps: int) -> tuple[int,
 def verify_loops() -> dict[str, dict]:
     """The verify step's multi-query tile compiled for sm_90 (``_decode_split_kernel``, dense, bf16 pages, PDL on,
     llama3.1-8b's group of 4 query heads) under each launch of ``benchmarks/verify_attention.py``'s
-    ``SWEEP_CONFIGS`` (its keys a iteration, stages and most rows a tile; the programs per SM it aims at change no
+    ``SWEEP_CONFIGS`` (its keys an iteration, stages and most rows a tile; the programs per SM it aims at change no
     code) at :data:`VERIFY_QUERIES`: the tile's rows, registers, spilled bytes, shared memory, the programs an SM
     holds by each (:func:`programs_per_sm`) and the loop's instructions a key, by ``"<queries> queries, <keys>
     keys, <stages> stages, tiles of at most <rows> rows"``."""
