@@ -85,23 +85,26 @@ def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict, options: di
 
 
 def compile_case(query: str, pages: str, dense: bool, e4m3_dot: bool = False, keys: int | None = None,
-                 stages: int | None = None):
+                 stages: int | None = None, queries: int = 1, block: int = 1, rows: int = 16):
     """The kernel compiled for sm_90 in the grid kind of :data:`PROGRAMS` (``triton.compile``; every pointer and
     stride 16-divisible, as a launch over the engine's buffers specializes them), or with ``keys`` per iteration and
-    ``stages`` of pipelining instead of the kind's: the compiled kernel, its grid kind and its keys per iteration."""
+    ``stages`` of pipelining instead of the kind's; ``queries`` per sequence, ``block`` of them a program over a
+    tile of ``rows`` (llama3.1-8b's group of 4 query heads): the compiled kernel, its grid kind and its keys per
+    iteration."""
     from questkv.ops.triton import decode_attention as attention
 
     kernel = attention._decode_split_kernel
-    kind = attention.grid_kind(dense, PROGRAMS, pages == "fp8e4nv")
+    kind = attention.grid_kind(dense, PROGRAMS, pages == "fp8e4nv", rows if queries > 1 else None)
     pointers = {"q_ptr": query, "k_pages_ptr": pages, "v_pages_ptr": pages, "table_ptr": "i32", "lens_ptr": "i32",
                 "sel_ptr": "i32", "budgets_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32", "counter_ptr": "i32",
                 "out_ptr": query}
-    constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": 4, "BLOCK_G": 16, "BLOCK_GM": 4,
-                  "SEL_PER_KV": 1, "NUM_QUERIES": 1, "QUERY_BLOCK": 1,
+    constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": 4, "BLOCK_G": rows, "BLOCK_GM": 4,
+                  "SEL_PER_KV": 1, "NUM_QUERIES": queries, "QUERY_BLOCK": block,
                   "PAGES_PER_ITER": (keys or attention._CONFIG[kind][0]) // 16, "MERGE_CHUNK": attention._MERGE_CHUNK,
                   "DENSE": dense, "UPCAST": False, "IEEE": False, "USE_PDL": True,
                   "F16_DOT": pages == "fp8e4nv" and query == "bf16", "E4M3_DOT": e4m3_dot, "ROW_BUDGETS": False}
-    options = {"num_warps": attention._WARPS_BY_ROWS[16], "num_stages": stages or attention._CONFIG[kind][2]}
+    options = {"num_warps": attention._WARPS_BY_ROWS.get(rows, 2 * attention._NUM_WARPS),
+               "num_stages": stages or attention._CONFIG[kind][2]}
     compiled = compile_sm90(kernel, pointers, constexprs, options, floats=("qk_scale",))
     return compiled, kind, constexprs["PAGES_PER_ITER"] * 16
 
@@ -262,33 +265,20 @@ def verify_loops() -> dict[str, dict]:
     code) at :data:`VERIFY_QUERIES`: the tile's rows, registers, spilled bytes, shared memory, the programs an SM
     holds by each (:func:`programs_per_sm`) and the loop's instructions a key, by ``"<queries> queries, <keys>
     keys, <stages> stages, tiles of at most <rows> rows"``."""
-    from benchmarks.verify_attention import SWEEP_CONFIGS
+    from benchmarks.verify_attention import SWEEP_CONFIGS, multi_query_launch
     from questkv.ops.triton import decode_attention as attention
 
     group = 4
-    kernel = attention._decode_split_kernel
-    pointers = {"q_ptr": "bf16", "k_pages_ptr": "bf16", "v_pages_ptr": "bf16", "table_ptr": "i32", "lens_ptr": "i32",
-                "sel_ptr": "i32", "budgets_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
-                "counter_ptr": "i32", "out_ptr": "bf16"}
     launches = sorted({(keys, stages, most) for keys, _, stages, most in SWEEP_CONFIGS}, reverse=True)
     kernels = {}
     for queries in VERIFY_QUERIES:
         for keys, stages, most in launches:
-            saved = attention._MAX_QUERY_ROWS
-            attention._MAX_QUERY_ROWS = most
-            try:
+            with multi_query_launch(keys, 2, stages, most):
                 block = attention.query_block(queries, group)
                 rows = attention._tile_rows(block, group)
-            finally:
-                attention._MAX_QUERY_ROWS = saved
-            warps = attention._WARPS_BY_ROWS.get(rows, 2 * attention._NUM_WARPS)
-            constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "GROUP": group, "BLOCK_G": rows,
-                          "BLOCK_GM": group, "SEL_PER_KV": 1, "NUM_QUERIES": queries, "QUERY_BLOCK": block,
-                          "PAGES_PER_ITER": keys // 16, "MERGE_CHUNK": attention._MERGE_CHUNK, "DENSE": True,
-                          "UPCAST": False, "IEEE": False, "USE_PDL": True, "F16_DOT": False, "E4M3_DOT": False,
-                          "ROW_BUDGETS": False}
-            compiled = compile_sm90(kernel, pointers, constexprs, {"num_warps": warps, "num_stages": stages},
-                                    floats=("qk_scale",))
+            compiled, _, _ = compile_case("bf16", "bf16", True, keys=keys, stages=stages, queries=queries, block=block,
+                                          rows=rows)
+            warps = compiled.metadata.num_warps
             ops = inner_loop(compiled.asm["cubin"])
             used, spilled = ptxas_usage(compiled.asm["ptx"])
             by_registers, by_shared = programs_per_sm(used, compiled.metadata.shared, warps)

@@ -19,6 +19,7 @@ Writes ``verify-attention-<tag>.json`` and ``.md`` (command, commit, GPU, date) 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -144,21 +145,30 @@ def sweep_configs(make_enqueue, n_layers: int, reps: int, warmup: int, want: tor
     error on layer 0 against ``want`` (the module's own launch); the module's own settings are restored after.
     (Tiles padded to 64 rows, Hopper's warpgroup MMA, were slower or no faster at every point on an H100:
     verify-attention-h100-tiles.md, commit 618ca59.)"""
-    saved, saved_rows = dict(attention._CONFIG), attention._MAX_QUERY_ROWS
     times, errors = {}, {}
-    try:
-        for keys, per_sm, stages, rows in SWEEP_CONFIGS:
-            attention._CONFIG.update({"verify": (keys, per_sm, stages), "verify-64": (keys, per_sm, stages)})
-            attention._MAX_QUERY_ROWS = rows
-            name = f"{keys} keys, {per_sm}/SM, {stages} stages" + ("" if rows == 64 else f", tiles of {rows} rows")
+    for keys, per_sm, stages, rows in SWEEP_CONFIGS:
+        name = f"{keys} keys, {per_sm}/SM, {stages} stages" + ("" if rows == 64 else f", tiles of {rows} rows")
+        with multi_query_launch(keys, per_sm, stages, rows):
             enqueue = make_enqueue()
             errors[name] = rel_err(enqueue(0), want)
             times[name] = time_graph(enqueue, n_layers, reps, warmup)
+    return times, errors
+
+
+@contextlib.contextmanager
+def multi_query_launch(keys: int, per_sm: int, stages: int, rows: int):
+    """The multi-query grids' launch (``_CONFIG["verify"]`` and ``["verify-64"]``: keys per iteration, programs per
+    SM the split plan aims at, pipeline stages) and the most rows of a query tile (``_MAX_QUERY_ROWS``) set in
+    ``questkv.ops.triton.decode_attention`` while the block runs, the module's own restored after."""
+    saved, saved_rows = dict(attention._CONFIG), attention._MAX_QUERY_ROWS
+    attention._CONFIG.update({"verify": (keys, per_sm, stages), "verify-64": (keys, per_sm, stages)})
+    attention._MAX_QUERY_ROWS = rows
+    try:
+        yield
     finally:
         attention._CONFIG.clear()
         attention._CONFIG.update(saved)
         attention._MAX_QUERY_ROWS = saved_rows
-    return times, errors
 
 
 def table_lines(points: list[dict]) -> list[str]:

@@ -47,10 +47,10 @@ def test_a_point_runs_every_query_count_and_the_sweep_restores_the_kernels_setti
     monkeypatch.setattr(verify_attention, "time_graph", one_call)
     monkeypatch.setattr(verify_attention, "graph_equals_eager", lambda fn: fn() is not None)
     before = dict(verify_attention.attention._CONFIG)
-    args = type("Args", (), {"reps": 1, "warmup": 0, "max_gb": 1.0, "queries": [2, 5], "sweep": True})()
+    args = type("Args", (), {"reps": 1, "warmup": 0, "max_gb": 1.0, "queries": [2, 5, 9], "sweep": True})()
     point = verify_attention.run_point("tiny-gqa", 2, 64, args, floor_tbps=1.0)
     assert verify_attention.attention._CONFIG == before and verify_attention.attention._MAX_QUERY_ROWS == 64
-    assert [r["queries"] for r in point["queries"]] == [2, 5]
+    assert [r["queries"] for r in point["queries"]] == [2, 5, 9]  # 9: two tiles under the 32-row launches
     assert all(r["kernels_rel_err"] < 1e-2 and r["graph_equals_eager"] for r in point["queries"])
     assert all(len(r["sweep_us"]) == len(verify_attention.SWEEP_CONFIGS) for r in point["queries"])
     assert all(err < 1e-2 for r in point["queries"] for err in r["sweep_rel_err"].values())

@@ -283,7 +283,8 @@ def _held_zeros(zeros, dtype):
     (3, torch.float16, 128, 70, 384, True, qwords.Int4WordsConfig(16, 32, 2, slabs=False)),  # one dot per group
     (17, torch.float16, 32, 70, 320, False, qwords.Int4WordsConfig(16, 32, 3, slabs=False, swap_ab=False)),
     (9, torch.float32, 128, 64, 256, True, qwords.Int4WordsConfig(16, 32, 1, swap_ab=False)),  # no tickets
-    (40, torch.bfloat16, 64, 96, 256, True, qwords.Int4WordsConfig(32, 64, 4, slabs=False))])  # two row tiles
+    (40, torch.bfloat16, 64, 96, 256, True, qwords.Int4WordsConfig(32, 64, 4, slabs=False)),  # two row tiles
+    (130, torch.bfloat16, 128, 128, 256, False, qwords.Int4WordsConfig(128, 128, 2, num_warps=8))])  # 128-row tiles
 def test_int4_words_matmul_matches_the_reference(m, dtype, group_size, n, k, bias, config):
     _check_k_major_kernel(qwords.int4_words_matmul, _TOL, m, dtype, group_size, n, k, bias, config)
 
